@@ -1,0 +1,123 @@
+"""Block file format, checksums, verification and atomic publish.
+
+A block file is a 4096-byte header followed by the payload (the block's KV
+bytes), padded to a multiple of 4096 bytes so it can be read with O_DIRECT:
+
+    magic "KVGBLOCK" | format u16 | reserved u16 | fingerprint 16 | key 16 |
+    payload bytes u64 | payload xxh3-128 16 | header xxh3-64 8 | zero padding
+
+Every read checks all of it; any mismatch is reported as a reason string,
+and the caller treats the block as a miss.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from itertools import count
+from pathlib import Path
+from typing import Sequence
+
+import xxhash
+
+from .keys import FORMAT_VERSION
+
+MAGIC = b"KVGBLOCK"
+ALIGN = 4096
+HEADER_BYTES = ALIGN
+_FIELDS = struct.Struct("<8sHH16s16sQ16s")
+_HEADER_CHECK = struct.Struct("<Q")
+TEMP_SUFFIX = ".tmp"
+
+# Reasons a stored block is refused; used as metric labels.
+MISSING = "missing"
+SHORT_READ = "short_read"
+BAD_HEADER = "bad_header"
+WRONG_FINGERPRINT = "fingerprint"
+WRONG_KEY = "key"
+WRONG_SIZE = "size"
+BAD_CHECKSUM = "checksum"
+IO_ERROR = "io_error"
+
+
+def checksum(data) -> bytes:
+    """128-bit checksum of a buffer (xxh3-128; releases the GIL on large buffers)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def file_nbytes(payload_nbytes: int) -> int:
+    """Size on disk of a block file whose payload is `payload_nbytes`."""
+    return HEADER_BYTES + padded(payload_nbytes)
+
+
+def encode_header(fingerprint: bytes, key: bytes, payload_nbytes: int, payload_checksum: bytes) -> bytes:
+    fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, 0, fingerprint, key, payload_nbytes, payload_checksum)
+    header = fields + _HEADER_CHECK.pack(xxhash.xxh3_64_intdigest(fields))
+    return header + bytes(HEADER_BYTES - len(header))
+
+
+def verify_header(header, fingerprint: bytes, key: bytes, payload_nbytes: int) -> tuple[str | None, bytes]:
+    """Check a header against what the reader expects; returns (reason or None, payload checksum)."""
+    header = bytes(header[: _FIELDS.size + _HEADER_CHECK.size])
+    if len(header) < _FIELDS.size + _HEADER_CHECK.size:
+        return SHORT_READ, b""
+    fields = header[: _FIELDS.size]
+    (stored_check,) = _HEADER_CHECK.unpack(header[_FIELDS.size :])
+    magic, version, _, stored_fp, stored_key, stored_nbytes, payload_sum = _FIELDS.unpack(fields)
+    if magic != MAGIC or version != FORMAT_VERSION or stored_check != xxhash.xxh3_64_intdigest(fields):
+        return BAD_HEADER, b""
+    if stored_fp != fingerprint:
+        return WRONG_FINGERPRINT, b""
+    if stored_key != key:
+        return WRONG_KEY, b""
+    if stored_nbytes != payload_nbytes:
+        return WRONG_SIZE, b""
+    return None, payload_sum
+
+
+_temp_counter = count()
+
+
+def temp_path_for(final: Path) -> Path:
+    """A unique sibling temp name (same directory, so rename is atomic)."""
+    return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}{TEMP_SUFFIX}")
+
+
+def write_all(fd: int, buffers: Sequence) -> int:
+    """writev until every byte of every buffer is written."""
+    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    written = 0
+    while views:
+        n = os.writev(fd, views)
+        written += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return written
+
+
+def atomic_publish(final: Path, buffers: Sequence, fsync: bool) -> None:
+    """Write buffers to a temp file and rename it over `final`; on any error nothing is visible."""
+    temp = temp_path_for(final)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            write_all(fd, buffers)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise

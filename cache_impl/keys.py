@@ -1,0 +1,113 @@
+"""Block keys and the fingerprint that scopes them.
+
+A token sequence is cut into blocks of `block_size` tokens; only full blocks
+get keys. The key of block i is
+
+    key_i = xxh3_128( fingerprint_digest || key_{i-1} || token_ids_i as little-endian uint32 )
+
+with key_{-1} = 16 zero bytes. Keys are 16 raw bytes (`Key`), shown as 32
+lowercase hex digits. Because a key chains its parent, equal keys mean equal
+whole prefixes, and because it includes the fingerprint digest, a change of
+weights, tokenizer, KV layout, format version or tenant salt makes every
+older block unreachable. The test suite publishes conformance vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+FORMAT_VERSION = 1
+KEY_BYTES = 16
+ROOT_PARENT = bytes(KEY_BYTES)
+
+Key = bytes
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one block of KV: [layers, 2 (k, v), kv_heads, block_size, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout.{name}: expected an integer >= 1, found {value!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"layout.dtype: expected one of {sorted(_DTYPES)}, found {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        return int(np.prod(self.block_shape)) * self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """Everything that makes stored KV valid for a model; part of every key and block file."""
+
+    weights_digest: str
+    tokenizer_id: str
+    layout: KVLayout
+    format_version: int = FORMAT_VERSION
+    tenant_salt: str = ""
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        canonical = json.dumps(
+            {
+                "weights_digest": self.weights_digest,
+                "tokenizer_id": self.tokenizer_id,
+                "layout": asdict(self.layout),
+                "format_version": self.format_version,
+                "tenant_salt": self.tenant_salt,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        object.__setattr__(self, "digest", hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES).digest())
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+def block_keys(tokens: Sequence[int] | np.ndarray, fingerprint_digest: bytes, block_size: int) -> list[Key]:
+    """Keys of every full block of `tokens`, in order (a partial last block has none)."""
+    ids = np.asarray(tokens, dtype="<u4") if not isinstance(tokens, np.ndarray) else tokens.astype("<u4", copy=False)
+    full = (len(ids) // block_size) * block_size
+    raw = ids[:full].tobytes()
+    step = block_size * 4
+    keys: list[Key] = []
+    parent = ROOT_PARENT
+    digest = xxhash.xxh3_128_digest
+    for start in range(0, len(raw), step):
+        parent = digest(fingerprint_digest + parent + raw[start : start + step])
+        keys.append(parent)
+    return keys

@@ -1,0 +1,467 @@
+"""TieredKVCache: lookup, load (promote), store, evict (demote), pins.
+
+Tiers are numbered top-down: device (0), host (1), disk (2). Each keeps an
+LRU account; the `BlockIndex` says where every block lives. One lock guards
+the metadata; bytes move outside it, protected by pins:
+
+- a pinned block is never chosen for eviction, so its bytes stay put;
+- blocks are immutable and content-addressed: storing a key that is already
+  cached only refreshes its recency, it never overwrites;
+- a block being copied into a tier is visible only once the copy completed
+  and (for disk) the file was published whole.
+
+Eviction demotes: a block leaving a tier goes to the next tier down unless it
+is already there. Disk writes run on background threads; until a file is
+published the block is not visible on disk, and its capacity is reserved.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .config import CacheConfig, ConfigError
+from .index import BlockIndex
+from .keys import Fingerprint, Key, block_keys
+from .lru import LRUAccount
+from .metrics import TierMetrics
+from .tiers.device import DeviceTier
+from .tiers.disk import DiskTier
+from .tiers.host import HostTier
+
+DEVICE, HOST, DISK = 0, 1, 2
+TIER_NAMES = ("device", "host", "disk")
+
+
+def resolve_device(setting: str) -> torch.device:
+    """"auto" means CUDA when present, the CPU otherwise."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("cache.device: expected a device that exists, found 'cuda' (no CUDA device here)")
+    return torch.device(setting)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The result of a lookup: the prompt's block keys and where each cached leading block lives."""
+
+    keys: list[Key]
+    tiers: list[str]
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tiers) * self.block_size
+
+
+@dataclass
+class LoadedPrefix:
+    """Device-resident blocks of a prompt's cached prefix, pinned until `release()`.
+
+    `blocks[i]` is the KV of block i, shape [layers, 2, kv_heads, block_size, head_dim];
+    copy out what you need before releasing (the slot may be reused afterwards).
+    """
+
+    cache: "TieredKVCache"
+    keys: list[Key]
+    blocks: list[torch.Tensor]
+    sources: list[str]
+    block_size: int
+    _released: bool = field(default=False, repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self.block_size
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.cache._unpin(self.keys)
+
+    def __enter__(self) -> "LoadedPrefix":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@dataclass
+class _PlannedLoad:
+    key: Key
+    source: int
+    slot: Optional[torch.Tensor]  # None when the block is already on the device
+
+
+class TieredKVCache:
+    """A tiered, verified, content-addressed KV block cache (device -> host -> disk)."""
+
+    def __init__(self, config: CacheConfig, fingerprint: Fingerprint, device: torch.device | None = None) -> None:
+        if config.block_size != fingerprint.layout.block_size:
+            raise ConfigError(
+                f"cache.block_size: expected the KV layout's block size {fingerprint.layout.block_size}, "
+                f"found {config.block_size}"
+            )
+        self.config = config
+        self.fingerprint = fingerprint
+        self.layout = fingerprint.layout
+        self.device = device or resolve_device(config.device)
+        self._lock = threading.RLock()
+        self._drained = threading.Condition(self._lock)
+        self._index = BlockIndex()
+        self._pins: dict[Key, int] = {}
+        self._inflight: dict[Key, threading.Event] = {}
+        self._pending_disk: dict[Key, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._tiers: list = [DeviceTier(self.layout, config.device_capacity_blocks, self.device), None, None]
+        self._lru = [LRUAccount(config.device_capacity_blocks * self.layout.block_nbytes), None, None]
+        if config.host_capacity_bytes >= self.layout.block_nbytes:
+            self._tiers[HOST] = HostTier(self.layout, pin_memory=self.device.type == "cuda")
+            self._lru[HOST] = LRUAccount(config.host_capacity_bytes)
+        self._writer: ThreadPoolExecutor | None = None
+        if config.disk is not None:
+            self._tiers[DISK] = DiskTier(config.disk, fingerprint)
+            self._lru[DISK] = LRUAccount(config.disk.capacity_bytes)
+            self._writer = ThreadPoolExecutor(2, thread_name_prefix="kv-disk-write")
+        self.metrics = {name: TierMetrics() for name, tier in zip(TIER_NAMES, self._tiers) if tier is not None}
+        self.reindex_removed = 0
+        if self._tiers[DISK] is not None:
+            self._reindex_disk()
+
+    # -- queries -------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def tiers(self) -> list[str]:
+        """Names of the enabled tiers, top-down."""
+        return [TIER_NAMES[t] for t, tier in enumerate(self._tiers) if tier is not None]
+
+    def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[Key]:
+        return block_keys(tokens, self.fingerprint.digest, self.block_size)
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
+        """Longest cached prefix of `tokens` and the best tier of each of its blocks (no side effects)."""
+        keys = self.keys_for(tokens)
+        with self._lock:
+            masks = self._index.longest_prefix(keys)
+        return PrefixMatch(keys, [TIER_NAMES[_lowest_bit(m)] for m in masks], self.block_size)
+
+    def where(self, key: Key) -> list[str]:
+        """Every tier that holds a readable copy of the block."""
+        with self._lock:
+            mask = self._index.tiers_of(key)
+        return [name for t, name in enumerate(TIER_NAMES) if mask & (1 << t)]
+
+    # -- load ----------------------------------------------------------------
+
+    def load(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> LoadedPrefix:
+        """Bring the longest cached prefix onto the device and pin it.
+
+        Blocks come from the highest tier that holds them. A block that fails
+        verification is removed and counted, and the prefix ends before it.
+        """
+        keys = self.keys_for(tokens)
+        if max_blocks is not None:
+            keys = keys[:max_blocks]
+        plan, cached = self._plan_load(keys)
+        failures = self._copy_in(plan)
+        # The prefix ends on a miss when a block was not cached anywhere or failed verification
+        # (not when the device pool had no unpinned slot left).
+        ended_on_miss = bool(failures) or (len(plan) == cached < len(keys))
+        return self._finish_load(plan, failures, ended_on_miss)
+
+    def _plan_load(self, keys: list[Key]) -> tuple[list[_PlannedLoad], int]:
+        """Pin the cached prefix and reserve device slots for blocks not yet there; also the cached length."""
+        while True:
+            with self._lock:
+                masks = self._index.longest_prefix(keys)
+                busy = next((self._inflight[k] for k in keys[: len(masks)] if k in self._inflight), None)
+                if busy is None:
+                    return self._reserve_plan(keys, masks), len(masks)
+            busy.wait()  # another thread is loading one of our blocks; plan again once it is there
+
+    def _reserve_plan(self, keys: list[Key], masks: list[int]) -> list[_PlannedLoad]:
+        plan = []
+        device: DeviceTier = self._tiers[DEVICE]
+        for key, mask in zip(keys, masks):
+            source = _lowest_bit(mask)
+            self._pin(key)
+            if source == DEVICE:
+                plan.append(_PlannedLoad(key, DEVICE, None))
+                continue
+            if not self._make_room(DEVICE, device.stored_nbytes):
+                self._unpin([key])
+                break
+            slot = device.reserve(key)
+            self._lru[DEVICE].add(key, device.stored_nbytes)
+            self._inflight[key] = threading.Event()
+            plan.append(_PlannedLoad(key, source, slot))
+        return plan
+
+    def _copy_in(self, plan: list[_PlannedLoad]) -> dict[Key, tuple[int, str]]:
+        """Copy planned blocks into their device slots, one batch per source tier; failures by key."""
+        failures: dict[Key, tuple[int, str]] = {}
+        for source in (HOST, DISK):
+            batch = [p for p in plan if p.source == source]
+            if not batch:
+                continue
+            start = time.perf_counter()
+            reasons = self._tiers[source].read_into([p.key for p in batch], [p.slot for p in batch])
+            ok = sum(r is None for r in reasons)
+            self.metrics[TIER_NAMES[source]].observe_load(time.perf_counter() - start, ok * self.layout.block_nbytes)
+            failures.update({p.key: (source, r) for p, r in zip(batch, reasons) if r is not None})
+        return failures
+
+    def _finish_load(self, plan: list[_PlannedLoad], failures: dict[Key, tuple[int, str]], ended_on_miss: bool) -> LoadedPrefix:
+        """Commit the blocks before the first failure; release the rest and refuse the failed ones."""
+        device: DeviceTier = self._tiers[DEVICE]
+        good = next((i for i, p in enumerate(plan) if p.key in failures), len(plan))
+        with self._lock:
+            for i, p in enumerate(plan):
+                if p.key in failures:
+                    self._refuse(p.key, *failures[p.key])
+                if p.slot is not None:
+                    if i < good:
+                        self._index.add(p.key, DEVICE)
+                        self._lru[p.source].touch(p.key)
+                    else:
+                        device.delete(p.key)
+                        self._lru[DEVICE].remove(p.key)
+                    self._inflight.pop(p.key).set()
+                if i < good:
+                    self._lru[DEVICE].touch(p.key)
+                else:
+                    self._unpin([p.key])
+            kept = plan[:good]
+            self._count_lookup(kept, ended_on_miss)
+            return LoadedPrefix(
+                self, [p.key for p in kept], [device.view(p.key) for p in kept],
+                [TIER_NAMES[p.source] for p in kept], self.block_size,
+            )
+
+    def _refuse(self, key: Key, tier: int, reason: str) -> None:
+        """A stored block failed verification: remove it everywhere on that tier and count it."""
+        if reason == "io_error":
+            self.metrics[TIER_NAMES[tier]].add("read_errors")
+        self.metrics[TIER_NAMES[tier]].corrupt(reason)
+        self._drop(tier, key)
+
+    # -- store ---------------------------------------------------------------
+
+    def store(
+        self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[torch.Tensor], first_block: int = 0
+    ) -> int:
+        """Cache the KV of full blocks of `tokens`: `blocks[j]` is block `first_block + j`.
+
+        Blocks already cached are only touched. Returns how many blocks were newly stored.
+        Extra blocks beyond the prompt's full blocks are ignored.
+        """
+        keys = self.keys_for(tokens)[first_block:]
+        self._wait_for_write_room()
+        stored = 0
+        for key, block in zip(keys, blocks):
+            with self._lock:
+                stored += self._store_one(key, block)
+        return stored
+
+    def _store_one(self, key: Key, block: torch.Tensor) -> int:
+        if self._index.tiers_of(key) or key in self._pending_disk or key in self._inflight:
+            for t in range(3):
+                if self._lru[t] is not None:
+                    self._lru[t].touch(key)
+            return 0
+        stored = self._put(DEVICE, key, block)
+        if self.config.write_policy == "write-through" or not stored:
+            if self._tiers[HOST] is not None:
+                stored |= self._put(HOST, key, block)
+            if self._tiers[DISK] is not None:
+                source = self._tiers[HOST].get(key) if self._index.has(key, HOST) else block.detach().to("cpu", copy=True)
+                stored |= self._put(DISK, key, source)
+        return int(stored)
+
+    def _put(self, tier: int, key: Key, block: torch.Tensor) -> bool:
+        """Place a block on one tier (making room first); False when it cannot fit now."""
+        if tier == DISK:
+            return self._enqueue_disk_write(key, block)
+        nbytes = self._tiers[tier].stored_nbytes
+        if not self._make_room(tier, nbytes):
+            return False
+        self._tiers[tier].write(key, block)
+        self._lru[tier].add(key, nbytes)
+        self._index.add(key, tier)
+        self.metrics[TIER_NAMES[tier]].add("bytes_written", self.layout.block_nbytes)
+        self.metrics[TIER_NAMES[tier]].add("blocks_written")
+        return True
+
+    def _enqueue_disk_write(self, key: Key, cpu_block: torch.Tensor) -> bool:
+        disk: DiskTier = self._tiers[DISK]
+        if key in self._pending_disk or self._index.has(key, DISK):
+            return True
+        if not self._make_room(DISK, disk.stored_nbytes):
+            return False
+        self._lru[DISK].add(key, disk.stored_nbytes)  # reserves capacity; pending keys are protected
+        self._pending_disk[key] = cpu_block
+        self._pending_bytes += self.layout.block_nbytes
+        self._writer.submit(self._write_to_disk, key, cpu_block)
+        return True
+
+    def _write_to_disk(self, key: Key, cpu_block: torch.Tensor) -> None:
+        error = None
+        try:
+            self._tiers[DISK].write(key, cpu_block)
+        except Exception as exc:  # ENOSPC, EIO, ...: the block is simply not on disk
+            error = exc
+        with self._lock:
+            self._pending_disk.pop(key, None)
+            self._pending_bytes -= self.layout.block_nbytes
+            metrics = self.metrics["disk"]
+            if error is None and key in self._lru[DISK]:
+                self._index.add(key, DISK)
+                metrics.add("bytes_written", self.layout.block_nbytes)
+                metrics.add("blocks_written")
+            else:
+                self._lru[DISK].remove(key)
+                metrics.add("write_errors")
+            self._drained.notify_all()
+
+    def _wait_for_write_room(self) -> None:
+        with self._drained:
+            self._drained.wait_for(lambda: self._pending_bytes <= self.config.max_pending_write_bytes)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued disk write is published (or failed); False on timeout."""
+        with self._drained:
+            return self._drained.wait_for(lambda: not self._pending_disk, timeout)
+
+    # -- eviction and demotion -----------------------------------------------
+
+    def _is_protected(self, key: Key) -> bool:
+        return key in self._pins or key in self._pending_disk
+
+    def _make_room(self, tier: int, nbytes: int) -> bool:
+        victims = self._lru[tier].victims(nbytes, self._is_protected)
+        if victims is None:
+            return False
+        for key in victims:
+            self._evict(tier, key)
+        return True
+
+    def _evict(self, tier: int, key: Key) -> None:
+        self.metrics[TIER_NAMES[tier]].add("evictions")
+        lower = next((t for t in range(tier + 1, 3) if self._tiers[t] is not None), None)
+        if lower is not None and not self._index.has(key, lower) and key not in self._pending_disk:
+            block = self._demotion_source(tier, key, lower)
+            if self._put(lower, key, block):
+                self.metrics[TIER_NAMES[tier]].add("demotions")
+        self._drop(tier, key)
+
+    def _demotion_source(self, tier: int, key: Key, lower: int) -> torch.Tensor:
+        if tier == HOST:
+            return self._tiers[HOST].get(key)  # immutable; the disk writer keeps a reference
+        view = self._tiers[DEVICE].view(key)
+        return view if lower == HOST else view.to("cpu", copy=True)
+
+    def _drop(self, tier: int, key: Key) -> None:
+        self._tiers[tier].delete(key)
+        self._lru[tier].remove(key)
+        self._index.discard(key, tier)
+
+    # -- pins ----------------------------------------------------------------
+
+    def _pin(self, key: Key) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def _unpin(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            for key in keys:
+                left = self._pins.get(key, 0) - 1
+                if left > 0:
+                    self._pins[key] = left
+                else:
+                    self._pins.pop(key, None)
+
+    # -- metrics, start-up, shutdown -----------------------------------------
+
+    def _count_lookup(self, plan: list[_PlannedLoad], ended_on_miss: bool) -> None:
+        enabled = [t for t, tier in enumerate(self._tiers) if tier is not None]
+        for p in plan:
+            for t in enabled:
+                if t < p.source:
+                    self.metrics[TIER_NAMES[t]].add("misses")
+                elif t == p.source:
+                    self.metrics[TIER_NAMES[t]].add("hits")
+        if ended_on_miss:
+            for t in enabled:
+                self.metrics[TIER_NAMES[t]].add("misses")
+
+    def snapshot(self) -> dict:
+        """Per-tier counters and occupancy, plus index size and queued writes."""
+        with self._lock:
+            tiers = {}
+            for t, name in enumerate(TIER_NAMES):
+                if self._tiers[t] is None:
+                    continue
+                tiers[name] = {
+                    **self.metrics[name].snapshot(),
+                    "blocks": len(self._lru[t]),
+                    "used_bytes": self._lru[t].used_bytes,
+                    "capacity_bytes": self._lru[t].capacity_bytes,
+                }
+            return {
+                "tiers": tiers,
+                "indexed_blocks": len(self._index),
+                "pinned_blocks": len(self._pins),
+                "pending_disk_writes": len(self._pending_disk),
+                "reindex_removed": self.reindex_removed,
+            }
+
+    def _reindex_disk(self) -> None:
+        disk: DiskTier = self._tiers[DISK]
+        found = []
+        for key, reason, mtime in disk.scan():
+            if reason:
+                self.metrics["disk"].corrupt(reason)
+                self.reindex_removed += 1
+            else:
+                found.append((mtime, key))
+        for _, key in sorted(found):  # oldest first, so recency survives a restart
+            if not self._make_room(DISK, disk.stored_nbytes):
+                disk.delete(key)
+                continue
+            self._lru[DISK].add(key, disk.stored_nbytes)
+            self._index.add(key, DISK)
+
+    def close(self) -> None:
+        """Publish queued writes and stop background threads."""
+        self.flush()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        if self._tiers[DISK] is not None:
+            self._tiers[DISK].close()
+
+    def __enter__(self) -> "TieredKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _lowest_bit(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1

@@ -1,0 +1,220 @@
+"""Disk tier: one verified file per block in a directory (local NVMe or a shared mount).
+
+Files live under `<path>/<fingerprint hex>/<first two key hex digits>/<key hex>.kvb`,
+so caches of different models can share one directory without seeing each
+other. Writes publish atomically (temp file + rename); reads are whole-file,
+parallel over `read_workers` threads, optionally cold (page cache dropped
+first) or O_DIRECT, and every read is verified (see `cache_impl.integrity`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .. import integrity
+from ..config import DiskTierConfig
+from ..keys import KEY_BYTES, Fingerprint, Key
+
+SUFFIX = ".kvb"
+
+
+def _cpu_bytes(block: torch.Tensor) -> np.ndarray:
+    """The block's bytes as a flat uint8 array on the CPU (no copy when already there)."""
+    cpu = block.detach().to("cpu").contiguous()
+    return cpu.view(-1).view(torch.uint8).numpy()
+
+
+class DiskTier:
+    name = "disk"
+    persistent = True
+
+    def __init__(self, config: DiskTierConfig, fingerprint: Fingerprint) -> None:
+        self.config = config
+        self.fingerprint = fingerprint.digest
+        self.payload_nbytes = fingerprint.layout.block_nbytes
+        self.stored_nbytes = integrity.file_nbytes(self.payload_nbytes)
+        self.root = Path(config.path) / fingerprint.hex
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-disk-read")
+        self._local = threading.local()
+        self._padding = bytes(integrity.padded(self.payload_nbytes) - self.payload_nbytes)
+
+    def path_for(self, key: Key) -> Path:
+        name = key.hex()
+        return self.root / name[:2] / f"{name}{SUFFIX}"
+
+    # -- write ---------------------------------------------------------------
+
+    def write(self, key: Key, block: torch.Tensor) -> None:
+        """Publish the block atomically; raises OSError (ENOSPC, EIO, ...) leaving nothing visible."""
+        payload = _cpu_bytes(block)
+        if payload.nbytes != self.payload_nbytes:
+            raise ValueError(f"disk tier: block has {payload.nbytes} bytes, layout says {self.payload_nbytes}")
+        header = integrity.encode_header(self.fingerprint, key, payload.nbytes, integrity.checksum(payload))
+        final = self.path_for(key)
+        final.parent.mkdir(exist_ok=True)
+        integrity.atomic_publish(final, [header, payload, self._padding], fsync=self.config.fsync)
+
+    # -- read ----------------------------------------------------------------
+
+    def read_into(self, keys: Sequence[Key], outs: Sequence[torch.Tensor]) -> list[Optional[str]]:
+        """Read and verify blocks in parallel; per key None (ok) or the reason it was refused."""
+        if len(keys) == 1:
+            return [self._read_one(keys[0], outs[0])]
+        return list(self._pool.map(self._read_one, keys, outs))
+
+    def verify(self, key: Key) -> Optional[str]:
+        """Read a stored block fully and check it; None when it is whole and ours."""
+        scratch = self._scratch(self.stored_nbytes)
+        return self._read_verified(self.path_for(key), key, scratch)[0]
+
+    def _scratch(self, nbytes: int) -> mmap.mmap:
+        """A page-aligned per-thread buffer (O_DIRECT needs alignment)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = mmap.mmap(-1, nbytes)
+            self._local.buf = buf
+        return buf
+
+    def _read_one(self, key: Key, out: torch.Tensor) -> Optional[str]:
+        direct_to_out = (
+            self.config.io_mode == "buffered" and out.device.type == "cpu" and out.is_contiguous()
+        )
+        if direct_to_out:
+            payload = out.view(-1).view(torch.uint8).numpy()
+            reason, _ = self._read_verified(self.path_for(key), key, None, payload)
+            return reason
+        scratch = self._scratch(self.stored_nbytes)
+        reason, payload = self._read_verified(self.path_for(key), key, scratch)
+        if reason is None:
+            out.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        return reason
+
+    def _read_verified(self, path: Path, key: Key, scratch, into: np.ndarray | None = None):
+        """Read header and payload (into `into`, or the aligned scratch); verify; return (reason, payload view)."""
+        direct = self.config.io_mode == "direct"
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            return integrity.MISSING, None
+        except OSError:
+            return integrity.IO_ERROR, None
+        try:
+            if self.config.cold_reads and not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if into is not None:
+                header = bytearray(integrity.HEADER_BYTES)
+                buffers, wanted = [header, into], integrity.HEADER_BYTES + into.nbytes
+            else:
+                header = memoryview(scratch)[: integrity.HEADER_BYTES]
+                buffers, wanted = [memoryview(scratch)[: self.stored_nbytes]], self.stored_nbytes
+            got = _read_full(fd, buffers)
+        except OSError:
+            return integrity.IO_ERROR, None
+        finally:
+            os.close(fd)
+        if got < integrity.HEADER_BYTES + self.payload_nbytes or (into is not None and got < wanted):
+            return integrity.SHORT_READ, None
+        reason, expected_sum = integrity.verify_header(header, self.fingerprint, key, self.payload_nbytes)
+        if reason:
+            return reason, None
+        payload = into if into is not None else memoryview(scratch)[
+            integrity.HEADER_BYTES : integrity.HEADER_BYTES + self.payload_nbytes
+        ]
+        if integrity.checksum(payload) != expected_sum:
+            return integrity.BAD_CHECKSUM, None
+        return None, payload
+
+    # -- housekeeping ----------------------------------------------------------
+
+    def delete(self, key: Key) -> None:
+        try:
+            os.unlink(self.path_for(key))
+        except FileNotFoundError:
+            pass
+
+    def scan(self) -> Iterator[tuple[Key, str | None, float]]:
+        """Re-index: remove temp files; yield (key, refusal reason or None, mtime) per block file.
+
+        Blocks are checked fully when `verify_on_start`, else by header only.
+        A refused block is deleted before it is yielded.
+        """
+        files = []
+        for sub in sorted(self.root.iterdir()) if self.root.exists() else []:
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(integrity.TEMP_SUFFIX):
+                    _unlink_quietly(entry.path)
+                elif entry.name.endswith(SUFFIX):
+                    files.append(entry)
+        for entry, reason in zip(files, self._pool.map(self._check_file, files)):
+            key = bytes.fromhex(entry.name[: -len(SUFFIX)]) if reason != integrity.BAD_HEADER else b""
+            if reason:
+                _unlink_quietly(entry.path)
+            yield key, reason, entry.stat().st_mtime if not reason else 0.0
+
+    def _check_file(self, entry: os.DirEntry) -> Optional[str]:
+        stem = entry.name[: -len(SUFFIX)]
+        try:
+            key = bytes.fromhex(stem)
+        except ValueError:
+            return integrity.BAD_HEADER
+        if len(key) != KEY_BYTES:
+            return integrity.BAD_HEADER
+        if self.config.verify_on_start:
+            return self.verify(key)
+        try:
+            with open(entry.path, "rb") as f:
+                header = f.read(integrity.HEADER_BYTES)
+            if os.path.getsize(entry.path) < self.stored_nbytes:
+                return integrity.SHORT_READ
+        except OSError:
+            return integrity.IO_ERROR
+        return integrity.verify_header(header, self.fingerprint, key, self.payload_nbytes)[0]
+
+    def drop_page_cache(self) -> None:
+        """Ask the kernel to drop every block file's cached pages (for cold-read benchmarks)."""
+        for sub in self.root.iterdir():
+            for entry in os.scandir(sub):
+                fd = os.open(entry.path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _read_full(fd: int, buffers: list) -> int:
+    """preadv from offset 0 until the buffers are full or the file ends; bytes read."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
