@@ -117,10 +117,10 @@ class CacheConfig(_Strict):
     """Capacities, block size, write policy and the disk tier of one `TieredKVCache`."""
 
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=65536, description="tokens per block")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present, else the CPU")
     device_capacity_blocks: int = Field(default=64, ge=1, description="slots in the device pool")
     host_capacity_bytes: int = Field(default=2 * 2**30, description="DRAM tier size in bytes; 0 disables it")
-    disk: Optional[DiskTierConfig] = None
+    disk: Optional[DiskTierConfig] = Field(default=None, description="the disk tier; none when absent")
     write_policy: Literal["write-through", "write-back"] = Field(
         default="write-through",
         description="write-through stores a new block in every tier; write-back only on the device, "

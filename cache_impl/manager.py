@@ -200,14 +200,16 @@ class TieredKVCache:
     def _reserve_plan(self, keys: list[Key], masks: list[int]) -> list[_PlannedLoad]:
         plan = []
         device: DeviceTier = self._tiers[DEVICE]
-        for key, mask in zip(keys, masks):
-            source = _lowest_bit(mask)
+        matched = keys[: len(masks)]
+        for key in matched:  # pin all first, so making room never evicts a block of this prefix
             self._pin(key)
+        for i, (key, mask) in enumerate(zip(matched, masks)):
+            source = _lowest_bit(mask)
             if source == DEVICE:
                 plan.append(_PlannedLoad(key, DEVICE, None))
                 continue
             if not self._make_room(DEVICE, device.stored_nbytes):
-                self._unpin([key])
+                self._unpin(matched[i:])
                 break
             slot = device.reserve(key)
             self._lru[DEVICE].add(key, device.stored_nbytes)

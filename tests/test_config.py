@@ -1,0 +1,45 @@
+"""A wrong cache setting is refused with the field path, what was expected and what was found."""
+
+import pytest
+
+from cache_impl import CacheConfig, ConfigError, TieredKVCache
+from cache_impl.config import parse_size
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"block_size": 0}, "cache.block_size: expected a value >= 1, found 0"),
+        ({"block_size": "big"}, "cache.block_size: expected an integer, found 'big'"),
+        ({"write_policy": "sometimes"}, "cache.write_policy: expected one of 'write-through' or 'write-back', found 'sometimes'"),
+        ({"blok_size": 16}, "cache.blok_size: unknown field"),
+        ({"host_capacity_bytes": "lots"}, "cache.host_capacity_bytes: expected a byte size"),
+        ({"disk": {"capacity_bytes": "1GiB"}}, "cache.disk.path: expected a value (required), found nothing"),
+        ({"disk": {"path": "/tmp/x", "read_workers": 0}}, "cache.disk.read_workers: expected a value >= 1, found 0"),
+        ({"disk": {"path": "/tmp/x", "io_mode": "mmap"}}, "cache.disk.io_mode: expected one of 'buffered' or 'direct', found 'mmap'"),
+        ({"disk": {"path": "/tmp/x", "cold_read": True}}, "cache.disk.cold_read: unknown field"),
+    ],
+)
+def test_bad_setting_names_field_expectation_and_finding(settings, message):
+    with pytest.raises(ConfigError) as error:
+        CacheConfig.from_dict(settings)
+    assert message in str(error.value)
+
+
+def test_sizes_accept_bytes_and_units():
+    assert parse_size(4096) == 4096
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("2 GB") == 2 * 10**9
+    config = CacheConfig.from_dict({"host_capacity_bytes": "1GiB", "disk": {"path": "/tmp/x", "capacity_bytes": "3GiB"}})
+    assert config.host_capacity_bytes == 2**30 and config.disk.capacity_bytes == 3 * 2**30
+
+
+def test_block_size_must_match_the_kv_layout(fingerprint):
+    with pytest.raises(ConfigError, match="cache.block_size: expected the KV layout's block size 4, found 256"):
+        TieredKVCache(CacheConfig.from_dict({"block_size": 256, "device": "cpu"}), fingerprint)
+
+
+def test_defaults_are_valid_and_documented():
+    config = CacheConfig.from_dict(None)
+    assert config.block_size == 256 and config.write_policy == "write-through" and config.disk is None
+    assert all(field.description for field in CacheConfig.model_fields.values())

@@ -1,0 +1,142 @@
+"""A damaged, missing or foreign block is a miss (removed and counted), never wrong data."""
+
+import errno
+import os
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cache_impl import integrity
+from tests.conftest import BLOCK, blocks_for
+
+
+def _disk_only(make_cache, **settings):
+    """A cache whose blocks end up on disk alone (no device reuse, no host tier)."""
+    return make_cache(host_capacity_bytes=0, **settings)
+
+
+def _stored_on_disk(cache, layout, n_blocks=3):
+    tokens = list(range(n_blocks * BLOCK))
+    blocks = blocks_for(layout, tokens)
+    cache.store(tokens, blocks)
+    cache.flush()
+    with cache._lock:
+        for key in cache.keys_for(tokens):
+            cache._drop(0, key)
+    paths = [cache._tiers[2].path_for(k) for k in cache.keys_for(tokens)]
+    assert all(p.exists() for p in paths)
+    return tokens, blocks, paths
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(path, _):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _delete(path, _):
+    os.unlink(path)
+
+
+DAMAGE = {
+    "payload-byte-flipped": (lambda p: _flip_byte(p, integrity.HEADER_BYTES + 17), integrity.BAD_CHECKSUM),
+    "header-byte-flipped": (lambda p: _flip_byte(p, 40), integrity.BAD_HEADER),
+    "truncated": (lambda p: _truncate(p, None), integrity.SHORT_READ),
+    "deleted": (lambda p: _delete(p, None), integrity.MISSING),
+}
+
+
+@pytest.mark.parametrize("io_mode", ["buffered", "direct"])
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_damaged_block_is_a_counted_miss_and_the_prefix_ends_before_it(make_cache, layout, damage, io_mode):
+    cache = _disk_only(make_cache, disk_io_mode=io_mode)
+    tokens, blocks, paths = _stored_on_disk(cache, layout)
+    harm, reason = DAMAGE[damage]
+    harm(paths[1])
+    with cache.load(tokens) as prefix:
+        assert prefix.sources == ["disk"]            # block 0 was really read from disk
+        assert torch.equal(prefix.blocks[0], blocks[0])
+    disk = cache.snapshot()["tiers"]["disk"]
+    assert disk["corrupt_blocks"] == 1 and disk["corrupt_by_reason"] == {reason: 1}
+    assert not paths[1].exists()
+    assert cache.lookup(tokens).num_blocks == 1      # removed from the index too
+    assert cache.where(cache.keys_for(tokens)[2]) == ["disk"]  # later blocks stay, just unreachable now
+
+
+def test_another_blocks_file_under_this_key_is_refused(make_cache, layout):
+    """Valid checksum, wrong key: the bytes belong to another prefix."""
+    cache = _disk_only(make_cache)
+    tokens, blocks, paths = _stored_on_disk(cache, layout)
+    shutil.copyfile(paths[2], paths[0])
+    with cache.load(tokens) as prefix:
+        assert prefix.num_blocks == 0
+    assert cache.snapshot()["tiers"]["disk"]["corrupt_by_reason"] == {integrity.WRONG_KEY: 1}
+
+
+def test_a_block_written_under_another_fingerprint_is_refused(make_cache, layout, fingerprint, tmp_path):
+    cache = _disk_only(make_cache)
+    tokens, blocks, paths = _stored_on_disk(cache, layout)
+    other = _disk_only(make_cache, fp=replace(fingerprint, weights_digest="seed-1"))
+    foreign = other._tiers[2]
+    foreign.write(cache.keys_for(tokens)[0], blocks[0])   # same key, other model's header
+    shutil.copyfile(foreign.path_for(cache.keys_for(tokens)[0]), paths[0])
+    with cache.load(tokens) as prefix:
+        assert prefix.num_blocks == 0
+    assert cache.snapshot()["tiers"]["disk"]["corrupt_by_reason"] == {integrity.WRONG_FINGERPRINT: 1}
+
+
+def test_fingerprint_change_makes_every_older_block_unreachable(make_cache, layout, fingerprint):
+    cache = make_cache()
+    tokens, blocks, _ = _stored_on_disk(cache, layout)
+    cache.close()
+    for change in ({"weights_digest": "seed-1"}, {"tenant_salt": "tenant-b"}, {"format_version": 2}):
+        fresh = make_cache(fp=replace(fingerprint, **change))
+        assert fresh.lookup(tokens).num_blocks == 0
+        with fresh.load(tokens) as prefix:
+            assert prefix.num_blocks == 0
+    same = make_cache()
+    assert same.lookup(tokens).tiers == ["disk"] * 3   # the old model still finds its own blocks
+
+
+def test_restart_reindexes_verified_blocks_and_removes_temp_files_and_bad_blocks(make_cache, layout):
+    cache = _disk_only(make_cache)
+    tokens, blocks, paths = _stored_on_disk(cache, layout, n_blocks=4)
+    cache.close()
+    temp = integrity.temp_path_for(paths[0])
+    temp.write_bytes(b"half a block")                # a store that was killed mid-write
+    _flip_byte(paths[3], integrity.HEADER_BYTES + 5)  # silent corruption while stopped
+    restarted = _disk_only(make_cache)
+    assert not temp.exists() and not paths[3].exists()
+    assert restarted.reindex_removed == 1
+    assert restarted.lookup(tokens).tiers == ["disk"] * 3
+    with restarted.load(tokens) as prefix:
+        assert prefix.sources == ["disk"] * 3
+        assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))
+
+
+def test_a_failed_disk_store_is_never_visible(make_cache, layout, monkeypatch):
+    """Unit test of the publish path: a write that fails half-way (ENOSPC) leaves no file behind."""
+    cache = _disk_only(make_cache)
+    real_write_all = integrity.write_all
+
+    def half_then_enospc(fd, buffers):
+        os.write(fd, bytes(buffers[0])[:1000])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(integrity, "write_all", half_then_enospc)
+    tokens = list(range(2 * BLOCK))
+    cache.store(tokens, blocks_for(layout, tokens))
+    cache.flush()
+    monkeypatch.setattr(integrity, "write_all", real_write_all)
+    assert cache.snapshot()["tiers"]["disk"]["write_errors"] == 2
+    assert not list(cache._tiers[2].root.rglob("*.kvb")) and not list(cache._tiers[2].root.rglob("*.tmp"))
+    assert all("disk" not in cache.where(k) for k in cache.keys_for(tokens))
+    assert cache.snapshot()["tiers"]["disk"]["used_bytes"] == 0
