@@ -163,6 +163,26 @@ class TieredKVCache:
             masks = self._index.longest_prefix(keys)
         return PrefixMatch(keys, [TIER_NAMES[_lowest_bit(m)] for m in masks], self.block_size)
 
+    def tier(self, name: str):
+        """The tier object by name ("device", "host", "disk"); KeyError when it is not enabled."""
+        tier = self._tiers[TIER_NAMES.index(name)] if name in TIER_NAMES else None
+        if tier is None:
+            raise KeyError(f"tier {name!r} is not enabled (enabled: {self.tiers})")
+        return tier
+
+    def evict(self, tier: str) -> int:
+        """Evict every unpinned block of one tier, demoting it as usual; returns how many left.
+
+        Useful to start a measurement from a known placement (e.g. a cold disk read).
+        """
+        t = TIER_NAMES.index(tier)
+        with self._lock:
+            protected = self._protected(t)
+            victims = [key for key in self._lru[t] if not protected(key)]
+            for key in victims:
+                self._evict(t, key)
+        return len(victims)
+
     def where(self, key: Key) -> list[str]:
         """Every tier that holds a readable copy of the block."""
         with self._lock:
@@ -200,7 +220,7 @@ class TieredKVCache:
     def _reserve_plan(self, keys: list[Key], masks: list[int]) -> list[_PlannedLoad]:
         plan = []
         device: DeviceTier = self._tiers[DEVICE]
-        matched = keys[: len(masks)]
+        matched = keys[: self._loadable_blocks(keys, masks)]
         for key in matched:  # pin all first, so making room never evicts a block of this prefix
             self._pin(key)
         for i, (key, mask) in enumerate(zip(matched, masks)):
@@ -216,6 +236,20 @@ class TieredKVCache:
             self._inflight[key] = threading.Event()
             plan.append(_PlannedLoad(key, source, slot))
         return plan
+
+    def _loadable_blocks(self, keys: list[Key], masks: list[int]) -> int:
+        """How many leading cached blocks fit on the device at once, given the slots others have pinned."""
+        device: DeviceTier = self._tiers[DEVICE]
+        spare = device.free_slots + sum(1 for key in self._lru[DEVICE] if not self._is_pinned(key))
+        needed = 0
+        for i, (key, mask) in enumerate(zip(keys, masks)):
+            if not mask & (1 << DEVICE):
+                needed += 1
+            elif not self._is_pinned(key):
+                spare -= 1  # already there and about to be pinned: not a slot to evict any more
+            if needed > spare:
+                return i
+        return len(masks)
 
     def _copy_in(self, plan: list[_PlannedLoad]) -> dict[Key, tuple[int, str]]:
         """Copy planned blocks into their device slots, one batch per source tier; failures by key."""
@@ -354,11 +388,18 @@ class TieredKVCache:
 
     # -- eviction and demotion -----------------------------------------------
 
-    def _is_protected(self, key: Key) -> bool:
+    def _is_pinned(self, key: Key) -> bool:
+        return key in self._pins
+
+    def _is_pinned_or_pending(self, key: Key) -> bool:
+        """On disk a queued write also reserves its place until it is published or fails."""
         return key in self._pins or key in self._pending_disk
 
+    def _protected(self, tier: int):
+        return self._is_pinned_or_pending if tier == DISK else self._is_pinned
+
     def _make_room(self, tier: int, nbytes: int) -> bool:
-        victims = self._lru[tier].victims(nbytes, self._is_protected)
+        victims = self._lru[tier].victims(nbytes, self._protected(tier))
         if victims is None:
             return False
         for key in victims:
@@ -375,8 +416,9 @@ class TieredKVCache:
         self._drop(tier, key)
 
     def _demotion_source(self, tier: int, key: Key, lower: int) -> torch.Tensor:
+        """The bytes to copy down: host tensors are immutable; a device slot is copied out for disk."""
         if tier == HOST:
-            return self._tiers[HOST].get(key)  # immutable; the disk writer keeps a reference
+            return self._tiers[HOST].get(key)  # the disk writer keeps a reference
         view = self._tiers[DEVICE].view(key)
         return view if lower == HOST else view.to("cpu", copy=True)
 
@@ -450,8 +492,26 @@ class TieredKVCache:
             self._lru[DISK].add(key, disk.stored_nbytes)
             self._index.add(key, DISK)
 
+    def persist(self) -> int:
+        """Queue a disk write for every cached block not on disk yet (write-back keeps some only above).
+
+        Returns how many writes were queued; `flush()` waits for them.
+        """
+        if self._tiers[DISK] is None:
+            return 0
+        queued = 0
+        with self._lock:
+            for tier in (HOST, DEVICE):
+                if self._tiers[tier] is None:
+                    continue
+                for key in self._lru[tier]:
+                    if self._index.has(key, tier) and not self._index.has(key, DISK) and key not in self._pending_disk:
+                        queued += self._put(DISK, key, self._demotion_source(tier, key, DISK))
+        return queued
+
     def close(self) -> None:
-        """Publish queued writes and stop background threads."""
+        """Persist what only the upper tiers hold, publish queued writes and stop background threads."""
+        self.persist()
         self.flush()
         if self._writer is not None:
             self._writer.shutdown(wait=True)

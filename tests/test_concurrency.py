@@ -84,8 +84,8 @@ class CacheAgainstAModel(RuleBasedStateMachine):
         super().__init__()
         self.cache = None
 
-    @initialize()
-    def start(self):
+    @initialize(policy=st.sampled_from(["write-back", "write-through"]))
+    def start(self, policy):
         import tempfile
 
         from cache_impl import Fingerprint, KVLayout
@@ -93,7 +93,7 @@ class CacheAgainstAModel(RuleBasedStateMachine):
         self.layout = KVLayout(2, 2, 8, "float32", BLOCK)
         self.fp = Fingerprint("seed-0", "test-tokenizer", self.layout)
         self.dir = tempfile.mkdtemp(prefix="kvgate-state-")
-        self.policy = random.choice(["write-back", "write-through"])
+        self.policy = policy
         self.stored: set[bytes] = set()
         self._open()
 

@@ -73,7 +73,7 @@ def test_capacities_are_never_exceeded(make_cache, layout):
     snap = cache.snapshot()["tiers"]
     assert snap["device"]["blocks"] == 3 and snap["host"]["blocks"] == 5 and snap["disk"]["blocks"] == 7
     assert snap["disk"]["evictions"] > 0
-    files = list((cache._tiers[2].root).rglob("*.kvb"))
+    files = list(cache.tier("disk").root.rglob("*.kvb"))
     assert len(files) == 7
 
 

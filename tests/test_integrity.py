@@ -22,10 +22,8 @@ def _stored_on_disk(cache, layout, n_blocks=3):
     blocks = blocks_for(layout, tokens)
     cache.store(tokens, blocks)
     cache.flush()
-    with cache._lock:
-        for key in cache.keys_for(tokens):
-            cache._drop(0, key)
-    paths = [cache._tiers[2].path_for(k) for k in cache.keys_for(tokens)]
+    cache.evict("device")
+    paths = [cache.tier("disk").path_for(k) for k in cache.keys_for(tokens)]
     assert all(p.exists() for p in paths)
     return tokens, blocks, paths
 
@@ -85,7 +83,7 @@ def test_a_block_written_under_another_fingerprint_is_refused(make_cache, layout
     cache = _disk_only(make_cache)
     tokens, blocks, paths = _stored_on_disk(cache, layout)
     other = _disk_only(make_cache, fp=replace(fingerprint, weights_digest="seed-1"))
-    foreign = other._tiers[2]
+    foreign = other.tier("disk")
     foreign.write(cache.keys_for(tokens)[0], blocks[0])   # same key, other model's header
     shutil.copyfile(foreign.path_for(cache.keys_for(tokens)[0]), paths[0])
     with cache.load(tokens) as prefix:
@@ -137,6 +135,6 @@ def test_a_failed_disk_store_is_never_visible(make_cache, layout, monkeypatch):
     cache.flush()
     monkeypatch.setattr(integrity, "write_all", real_write_all)
     assert cache.snapshot()["tiers"]["disk"]["write_errors"] == 2
-    assert not list(cache._tiers[2].root.rglob("*.kvb")) and not list(cache._tiers[2].root.rglob("*.tmp"))
+    assert not list(cache.tier("disk").root.rglob("*.kvb")) and not list(cache.tier("disk").root.rglob("*.tmp"))
     assert all("disk" not in cache.where(k) for k in cache.keys_for(tokens))
     assert cache.snapshot()["tiers"]["disk"]["used_bytes"] == 0

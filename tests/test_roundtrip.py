@@ -7,20 +7,11 @@ from cache_impl import Fingerprint, KVLayout
 from tests.conftest import BLOCK, block_for, blocks_for
 
 
-def _only_on(cache, tokens, tier):
-    """Move every block of `tokens` so that `tier` is the highest tier holding it."""
-    if tier == "device":
-        return
-    for key in cache.keys_for(tokens):
-        if tier == "disk":
-            cache.flush()
-            with cache._lock:
-                for t in (0, 1):
-                    if cache._index.has(key, t):
-                        cache._drop(t, key)
-        else:
-            with cache._lock:
-                cache._drop(0, key)
+def _only_on(cache, tier):
+    """Evict the tiers above `tier`, so that it is the highest one holding the blocks (write-through)."""
+    cache.flush()
+    for above in ("device", "host")[: ("device", "host", "disk").index(tier)]:
+        cache.evict(above)
 
 
 @pytest.mark.parametrize(
@@ -41,7 +32,7 @@ def test_round_trip_is_bitwise_equal_through_every_tier(make_cache, tier, disk_s
     tokens = list(range(3 * BLOCK))
     blocks = blocks_for(layout, tokens)
     assert cache.store(tokens, blocks) == 3
-    _only_on(cache, tokens, tier)
+    _only_on(cache, tier)
     assert cache.lookup(tokens).tiers == [tier] * 3
     with cache.load(tokens) as prefix:
         assert prefix.sources == [tier] * 3
