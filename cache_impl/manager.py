@@ -130,8 +130,9 @@ class TieredKVCache:
         self._tiers: list = [DeviceTier(self.layout, config.device_capacity_blocks, self.device), None, None]
         self._lru = [LRUAccount(config.device_capacity_blocks * self.layout.block_nbytes), None, None]
         if config.host_capacity_bytes >= self.layout.block_nbytes:
-            self._tiers[HOST] = HostTier(self.layout, pin_memory=self.device.type == "cuda")
-            self._lru[HOST] = LRUAccount(config.host_capacity_bytes)
+            host = HostTier(self.layout, config.host_capacity_bytes, pin_memory=self.device.type == "cuda")
+            self._tiers[HOST] = host
+            self._lru[HOST] = LRUAccount(host.pool.shape[0] * self.layout.block_nbytes)
         self._writer: ThreadPoolExecutor | None = None
         if config.disk is not None:
             self._tiers[DISK] = DiskTier(config.disk, fingerprint)
@@ -328,8 +329,7 @@ class TieredKVCache:
             if self._tiers[HOST] is not None:
                 stored |= self._put(HOST, key, block)
             if self._tiers[DISK] is not None:
-                source = self._tiers[HOST].get(key) if self._index.has(key, HOST) else block.detach().to("cpu", copy=True)
-                stored |= self._put(DISK, key, source)
+                stored |= self._put(DISK, key, block)
         return int(stored)
 
     def _put(self, tier: int, key: Key, block: torch.Tensor) -> bool:
@@ -346,12 +346,14 @@ class TieredKVCache:
         self.metrics[TIER_NAMES[tier]].add("blocks_written")
         return True
 
-    def _enqueue_disk_write(self, key: Key, cpu_block: torch.Tensor) -> bool:
+    def _enqueue_disk_write(self, key: Key, block: torch.Tensor) -> bool:
+        """Queue a disk write of a private CPU copy (the source slot may be reused before it runs)."""
         disk: DiskTier = self._tiers[DISK]
         if key in self._pending_disk or self._index.has(key, DISK):
             return True
         if not self._make_room(DISK, disk.stored_nbytes):
             return False
+        cpu_block = block.detach().to("cpu", copy=True)
         self._lru[DISK].add(key, disk.stored_nbytes)  # reserves capacity; pending keys are protected
         self._pending_disk[key] = cpu_block
         self._pending_bytes += self.layout.block_nbytes
@@ -410,17 +412,14 @@ class TieredKVCache:
         self.metrics[TIER_NAMES[tier]].add("evictions")
         lower = next((t for t in range(tier + 1, 3) if self._tiers[t] is not None), None)
         if lower is not None and not self._index.has(key, lower) and key not in self._pending_disk:
-            block = self._demotion_source(tier, key, lower)
+            block = self._demotion_source(tier, key)
             if self._put(lower, key, block):
                 self.metrics[TIER_NAMES[tier]].add("demotions")
         self._drop(tier, key)
 
-    def _demotion_source(self, tier: int, key: Key, lower: int) -> torch.Tensor:
-        """The bytes to copy down: host tensors are immutable; a device slot is copied out for disk."""
-        if tier == HOST:
-            return self._tiers[HOST].get(key)  # the disk writer keeps a reference
-        view = self._tiers[DEVICE].view(key)
-        return view if lower == HOST else view.to("cpu", copy=True)
+    def _demotion_source(self, tier: int, key: Key) -> torch.Tensor:
+        """The block's bytes in its slot; `_put` copies them before the slot can be reused."""
+        return self._tiers[tier].view(key)
 
     def _drop(self, tier: int, key: Key) -> None:
         self._tiers[tier].delete(key)
@@ -506,7 +505,7 @@ class TieredKVCache:
                     continue
                 for key in self._lru[tier]:
                     if self._index.has(key, tier) and not self._index.has(key, DISK) and key not in self._pending_disk:
-                        queued += self._put(DISK, key, self._demotion_source(tier, key, DISK))
+                        queued += self._put(DISK, key, self._demotion_source(tier, key))
         return queued
 
     def close(self) -> None:

@@ -1,0 +1,1 @@
+"""Report rendering (HTML, JUnit, JSON) for gate runs; `reports/runs/` holds run output and is git-ignored."""
