@@ -409,12 +409,16 @@ class TieredKVCache:
         return True
 
     def _evict(self, tier: int, key: Key) -> None:
+        """Remove a block from a tier, first demoting it to the nearest lower tier that has or takes it."""
         self.metrics[TIER_NAMES[tier]].add("evictions")
-        lower = next((t for t in range(tier + 1, 3) if self._tiers[t] is not None), None)
-        if lower is not None and not self._index.has(key, lower) and key not in self._pending_disk:
-            block = self._demotion_source(tier, key)
-            if self._put(lower, key, block):
+        for lower in range(tier + 1, 3):
+            if self._tiers[lower] is None:
+                continue
+            if self._index.has(key, lower) or key in self._pending_disk:
+                break
+            if self._put(lower, key, self._demotion_source(tier, key)):
                 self.metrics[TIER_NAMES[tier]].add("demotions")
+                break
         self._drop(tier, key)
 
     def _demotion_source(self, tier: int, key: Key) -> torch.Tensor:

@@ -145,6 +145,7 @@ class CacheAgainstAModel(RuleBasedStateMachine):
 
 
 CacheAgainstAModel.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 test_cache_against_a_model = CacheAgainstAModel.TestCase

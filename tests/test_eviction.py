@@ -92,3 +92,17 @@ def test_pinned_blocks_are_not_evicted_and_a_full_pool_shortens_the_prefix(make_
         assert cache.where(cache.keys_for(tokens)[0])[0] == "device"
     # a prefix cut short by pinned slots is not a miss
     assert cache.snapshot()["tiers"]["host"]["misses"] == 0
+
+
+def test_eviction_skips_a_full_lower_tier_and_demotes_further_down(make_cache, layout):
+    """With the host full of pinned blocks, a device eviction goes to disk instead of being dropped."""
+    cache = make_cache(write_policy="write-back", device_capacity_blocks=3, host_capacity_bytes=3 * layout.block_nbytes)
+    long_prompt = list(range(4 * BLOCK))
+    cache.store(long_prompt, blocks_for(layout, long_prompt))   # blocks 0..3: 1,2,3 on device, 0 on host
+    evicted = [_store(cache, layout, n) for n in (100, 101)]      # push blocks 1 and 2 to the host
+    with cache.load(long_prompt[: 3 * BLOCK]) as prefix:          # pins 0,1,2 (all of the host)
+        assert prefix.sources == ["host"] * 3
+    cache.flush()
+    for key in evicted + [cache.keys_for(long_prompt)[3]]:
+        assert cache.where(key), "an evicted block was dropped instead of demoted"
+    assert cache.where(evicted[0]) == ["disk"]
