@@ -88,19 +88,39 @@ def temp_path_for(final: Path) -> Path:
     return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}{TEMP_SUFFIX}")
 
 
+def _views(buffers: Sequence) -> list[memoryview]:
+    return [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first n bytes from a list of buffers (after a partial readv/writev)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
+
+
 def write_all(fd: int, buffers: Sequence) -> int:
     """writev until every byte of every buffer is written."""
-    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
-    written = 0
+    views, written = _views(buffers), 0
     while views:
         n = os.writev(fd, views)
         written += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return written
+
+
+def read_all(fd: int, buffers: Sequence) -> int:
+    """preadv from offset 0 until the buffers are full or the file ends; bytes read."""
+    views, total = _views(buffers), 0
+    while views:
+        n = os.preadv(fd, views, total)
+        if n == 0:
+            break
+        total += n
+        _advance(views, n)
+    return total
 
 
 def atomic_publish(final: Path, buffers: Sequence, fsync: bool) -> None:

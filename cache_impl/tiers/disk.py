@@ -116,7 +116,7 @@ class DiskTier:
             else:
                 header = memoryview(scratch)[: integrity.HEADER_BYTES]
                 buffers, wanted = [memoryview(scratch)[: self.stored_nbytes]], self.stored_nbytes
-            got = _read_full(fd, buffers)
+            got = integrity.read_all(fd, buffers)
         except OSError:
             return integrity.IO_ERROR, None
         finally:
@@ -141,7 +141,7 @@ class DiskTier:
         except FileNotFoundError:
             pass
 
-    def scan(self) -> Iterator[tuple[Key, str | None, float]]:
+    def scan(self) -> Iterator[tuple[Key | None, str | None, float]]:
         """Re-index: remove temp files; yield (key, refusal reason or None, mtime) per block file.
 
         Blocks are checked fully when `verify_on_start`, else by header only.
@@ -157,10 +157,11 @@ class DiskTier:
                 elif entry.name.endswith(SUFFIX):
                     files.append(entry)
         for entry, reason in zip(files, self._pool.map(self._check_file, files)):
-            key = bytes.fromhex(entry.name[: -len(SUFFIX)]) if reason != integrity.BAD_HEADER else b""
             if reason:
                 _unlink_quietly(entry.path)
-            yield key, reason, entry.stat().st_mtime if not reason else 0.0
+                yield None, reason, 0.0
+            else:
+                yield bytes.fromhex(entry.name[: -len(SUFFIX)]), None, entry.stat().st_mtime
 
     def _check_file(self, entry: os.DirEntry) -> Optional[str]:
         stem = entry.name[: -len(SUFFIX)]
@@ -183,34 +184,19 @@ class DiskTier:
 
     def drop_page_cache(self) -> None:
         """Ask the kernel to drop every block file's cached pages (for cold-read benchmarks)."""
-        for sub in self.root.iterdir():
-            for entry in os.scandir(sub):
-                fd = os.open(entry.path, os.O_RDONLY)
-                try:
-                    os.fdatasync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # evicted meanwhile
+            try:
+                os.fdatasync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def _read_full(fd: int, buffers: list) -> int:
-    """preadv from offset 0 until the buffers are full or the file ends; bytes read."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    total = 0
-    while views:
-        n = os.preadv(fd, views, total)
-        if n == 0:
-            break
-        total += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
 
 
 def _unlink_quietly(path: str) -> None:
