@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from . import integrity
 from .config import CacheConfig, ConfigError
 from .index import BlockIndex
 from .keys import Fingerprint, Key, block_keys
@@ -294,10 +295,11 @@ class TieredKVCache:
             )
 
     def _refuse(self, key: Key, tier: int, reason: str) -> None:
-        """A stored block failed verification: remove it everywhere on that tier and count it."""
-        if reason == "io_error":
+        """A stored block could not be read or failed verification: remove it from that tier and count it."""
+        if reason == integrity.IO_ERROR:
             self.metrics[TIER_NAMES[tier]].add("read_errors")
-        self.metrics[TIER_NAMES[tier]].corrupt(reason)
+        else:
+            self.metrics[TIER_NAMES[tier]].corrupt(reason)
         self._drop(tier, key)
 
     # -- store ---------------------------------------------------------------

@@ -138,3 +138,15 @@ def test_a_failed_disk_store_is_never_visible(make_cache, layout, monkeypatch):
     assert not list(cache.tier("disk").root.rglob("*.kvb")) and not list(cache.tier("disk").root.rglob("*.tmp"))
     assert all("disk" not in cache.where(k) for k in cache.keys_for(tokens))
     assert cache.snapshot()["tiers"]["disk"]["used_bytes"] == 0
+
+
+def test_a_block_that_cannot_be_read_is_a_miss_counted_as_a_read_error(make_cache, layout):
+    cache = _disk_only(make_cache)
+    tokens, blocks, paths = _stored_on_disk(cache, layout)
+    os.unlink(paths[1])
+    paths[1].mkdir()                 # reading it now fails with EISDIR
+    with cache.load(tokens) as prefix:
+        assert prefix.num_blocks == 1
+    disk = cache.snapshot()["tiers"]["disk"]
+    assert disk["read_errors"] == 1 and disk["corrupt_blocks"] == 0
+    assert cache.lookup(tokens).num_blocks == 1
