@@ -136,10 +136,8 @@ class DiskTier:
     # -- housekeeping ----------------------------------------------------------
 
     def delete(self, key: Key) -> None:
-        try:
-            os.unlink(self.path_for(key))
-        except FileNotFoundError:
-            pass
+        """Remove the block's file; never raises (the index forgets the block either way)."""
+        _unlink_quietly(self.path_for(key))
 
     def scan(self) -> Iterator[tuple[Key | None, str | None, float]]:
         """Re-index: remove temp files; yield (key, refusal reason or None, mtime) per block file.
@@ -199,8 +197,8 @@ class DiskTier:
         self._pool.shutdown(wait=True)
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
+    except OSError:
+        pass  # already gone, or not a file we can remove: it is not indexed either way
