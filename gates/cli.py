@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                        help="directory on the storage to measure (default: %(default)s)")
     bench.add_argument("--prefix-mib", type=_positive_int, default=256, help="size of the cached prefix (default: 256)")
-    bench.add_argument("--rounds", type=_positive_int, default=3, help="alternating rounds per comparison (default: 3)")
+    bench.add_argument("--rounds", type=_positive_int, default=5, help="back-to-back rounds per comparison (default: 5)")
     bench.add_argument("--read-workers", type=_positive_int, default=4, help="disk tier read threads (default: 4)")
     bench.add_argument("--indexed-blocks", type=_positive_int, default=1_000_000,
                        help="blocks in the index for the lookup figure (default: 1000000)")
