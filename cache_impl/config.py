@@ -91,11 +91,13 @@ def format_validation_error(error: ValidationError, root: str) -> str:
     return "\n".join(lines)
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Settings models: unknown keys are errors, values are frozen once validated."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-class DiskTierConfig(_Strict):
+class DiskTierConfig(StrictModel):
     """The disk tier: a directory on local NVMe or a shared mount (NVMe-oF)."""
 
     path: Path
@@ -113,7 +115,7 @@ class DiskTierConfig(_Strict):
     _parse_capacity = field_validator("capacity_bytes", mode="before")(lambda cls, v: parse_size(v))
 
 
-class CacheConfig(_Strict):
+class CacheConfig(StrictModel):
     """Capacities, block size, write policy and the disk tier of one `TieredKVCache`."""
 
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=65536, description="tokens per block")

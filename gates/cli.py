@@ -39,7 +39,72 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--indexed-blocks", type=_positive_int, default=1_000_000,
                        help="blocks in the index for the lookup figure (default: 1000000)")
     bench.set_defaults(handler=_cache_bench)
+    _add_serve(commands)
     return parser
+
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve the embedded engine over an OpenAI-compatible HTTP API",
+        description="Run the embedded torch engine on the tiered KV cache behind /v1/completions and "
+                    "/v1/chat/completions. SIGTERM drains running requests and flushes the cache.",
+    )
+    serve.add_argument("--mode", choices=["tiered", "device-only", "recompute"], help="cache mode (default: tiered)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--cache-dir", type=Path, help="the disk tier's directory")
+    serve.add_argument("--preset", help="model size preset: tiny, small (default), base")
+    serve.add_argument("--config", type=Path, help="YAML file; its `engine:` section configures the engine")
+    serve.add_argument("--api-key-env", default="KVGATE_API_KEY",
+                       help="environment variable holding the API key clients must send (default: %(default)s; "
+                            "unset: no key)")
+    serve.set_defaults(handler=_serve)
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The engine section of --config, overridden by command-line flags."""
+    settings: dict = {}
+    if args.config is not None:
+        settings = load_yaml_section(args.config, "engine")
+    if args.mode:
+        settings["mode"] = args.mode
+    if args.preset:
+        settings["preset"] = args.preset
+    if args.cache_dir is not None:
+        cache = dict(settings.get("cache") or {})
+        cache["disk"] = {**(cache.get("disk") or {}), "path": str(args.cache_dir)}
+        settings["cache"] = cache
+    return settings
+
+
+def load_yaml_section(path: Path, section: str) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"{path}: expected a readable YAML file, found an error: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get(section, {}), dict):
+        raise ConfigError(f"{path}: {section}: expected a mapping, found {type(data.get(section)).__name__}")
+    return dict(data.get(section) or {})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from cache_impl.engine import Engine, EngineConfig
+    from cache_impl.server import create_app
+
+    config = EngineConfig.from_dict(engine_settings(args))
+    engine = Engine(config)
+    app = create_app(engine, api_key=os.environ.get(args.api_key_env) or None)
+    print(f"kvgate serve: {engine.model_name}, mode {config.mode}, "
+          f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    return 0
 
 
 def _cache_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,316 @@
+"""The embedded inference engine: continuous batching over the small model, KV reuse through the cache.
+
+One scheduler thread owns the model. Each step it admits waiting requests
+(loading their longest cached prefix), runs one prefill chunk of one request,
+then one decode step for every request that is generating, so long prefills
+never stall running decodes. Requests join and leave between steps.
+
+Prefill runs in chunks of exactly one cache block, aligned to block
+boundaries from position 0. A prompt whose first k blocks come from the cache
+therefore computes the same chunks, with the same inputs, as a recompute
+does from scratch, and greedy output is bit-for-bit the same in every mode.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import torch
+from pydantic import Field, ValidationError, model_validator
+
+from .config import CacheConfig, ConfigError, StrictModel, format_validation_error
+from .keys import Fingerprint, KVLayout
+from .manager import TieredKVCache, resolve_device
+from .model import DEFAULT_PRESET, PRESETS, Transformer, build_model, weights_digest
+from .tokenizer import GENERATABLE, ByteTokenizer
+
+CacheMode = Literal["recompute", "device-only", "tiered"]
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvgate" / "kv"
+
+
+class EngineConfig(StrictModel):
+    """The engine: model preset and seed, cache mode, batching limits and the cache itself."""
+
+    mode: CacheMode = Field(default="tiered", description="recompute, device-only (device tier only) or tiered")
+    preset: Literal[tuple(PRESETS)] = Field(default=DEFAULT_PRESET, description="model size preset")
+    seed: int = Field(default=0, ge=0, description="weights seed (part of the cache fingerprint)")
+    max_running: int = Field(default=8, ge=1, description="requests decoding at once")
+    max_waiting: int = Field(default=64, ge=0, description="queued requests before new ones get 429")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="the tiered KV cache")
+
+    @model_validator(mode="after")
+    def _tiered_needs_disk(self) -> "EngineConfig":
+        if self.mode == "tiered" and self.cache.disk is None:
+            disk = {"path": str(DEFAULT_CACHE_DIR)}
+            object.__setattr__(self, "cache", self.cache.replace(disk=disk))
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Any, root: str = "engine") -> "EngineConfig":
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as error:
+            raise ConfigError(format_validation_error(error, root)) from None
+
+    def cache_for_mode(self) -> Optional[CacheConfig]:
+        """The cache each mode uses: none, the device tier alone, or every configured tier."""
+        if self.mode == "recompute":
+            return None
+        if self.mode == "device-only":
+            return self.cache.replace(host_capacity_bytes=0, disk=None)
+        return self.cache
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`: the caller should retry later (HTTP 429)."""
+
+
+@dataclass
+class TokenEvent:
+    """A generated token: its id and the text it completes (may be "" mid-character)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass
+class FinishEvent:
+    finish_reason: Literal["stop", "length", "cancelled", "error"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str = ""  # any text held back by the UTF-8 decoder
+    error: str = ""
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: list[int]
+    max_tokens: int
+    on_event: Callable[[TokenEvent | FinishEvent], None]
+    temperature: float = 0.0
+    seed: Optional[int] = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    tokens: list[int]
+    kv: torch.Tensor                    # [layers, 2, kv_heads, prompt + max_tokens, head_dim]
+    computed: int = 0                   # positions whose KV is in `kv`
+    cached_tokens: int = 0              # of those, loaded from the cache
+    stored_blocks: int = 0              # full blocks already offered to the cache
+    generated: int = 0
+    decoder: Any = None
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len
+
+
+class Engine:
+    """Continuous-batching engine. `submit()` from any thread; events arrive on the request's callback."""
+
+    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+        self.config = config
+        self.device = device or resolve_device(config.cache.device)
+        self.tokenizer = ByteTokenizer()
+        self.model: Transformer = build_model(config.preset, config.seed, self.device)
+        args = self.model.args
+        self.model_name = f"kvgate-{config.preset}"
+        self.max_context = args.max_seq_len
+        self.block_size = config.cache.block_size
+        self.layout = KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, "float32", self.block_size)
+        self.fingerprint = Fingerprint(weights_digest(self.model), self.tokenizer.id, self.layout)
+        cache_config = config.cache_for_mode()
+        self.cache = TieredKVCache(cache_config, self.fingerprint, self.device) if cache_config else None
+        self._allowed = torch.full((args.vocab_size,), float("-inf"), device=self.device)
+        self._allowed[GENERATABLE] = 0.0
+        self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kvgate-engine", daemon=True)
+        self.counters = collections.Counter()
+
+    # -- public ---------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; raises ValueError for a prompt that cannot fit, QueueFullError when full."""
+        total = len(request.prompt_tokens) + request.max_tokens
+        if not request.prompt_tokens:
+            raise ValueError("the prompt is empty")
+        if total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(request.prompt_tokens)} tokens) plus max_tokens ({request.max_tokens}) "
+                f"exceeds the model's context of {self.max_context} tokens"
+            )
+        with self._wake:
+            if self._stopping:
+                raise QueueFullError("the engine is shutting down")
+            if len(self._waiting) >= self.config.max_waiting and len(self._running) >= self.config.max_running:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish what is running, refuse new work, persist and flush the cache."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self.cache is not None:
+            self.cache.close()
+
+    def snapshot(self) -> dict:
+        return {
+            "waiting": len(self._waiting),
+            "running": len(self._running),
+            "counters": dict(self.counters),
+            "cache": self.cache.snapshot() if self.cache is not None else None,
+        }
+
+    # -- scheduler --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not self._running and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._running:
+                    for request in self._waiting:
+                        self._finish_unstarted(request, "cancelled")
+                    self._waiting.clear()
+                    return
+                admitted = self._admit_locked()
+            try:
+                for request in admitted:
+                    self._start(request)
+                self._drop_cancelled()
+                self._prefill_one_chunk()
+                self._decode_step()
+            except Exception as exc:  # never leave clients hanging: fail what is running, keep serving
+                self.counters["engine_errors"] += 1
+                for seq in self._running:
+                    self._finish(seq, "error", error=repr(exc))
+                self._running = []
+
+    def _admit_locked(self) -> list[GenerationRequest]:
+        admitted = []
+        while self._waiting and len(self._running) + len(admitted) < self.config.max_running:
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _start(self, request: GenerationRequest) -> None:
+        if request.cancelled.is_set():
+            self._finish_unstarted(request, "cancelled")
+            return
+        args = self.model.args
+        total = len(request.prompt_tokens) + request.max_tokens
+        kv = torch.empty((args.n_layers, 2, args.n_kv_heads, total, args.head_dim), device=self.device)
+        seq = _Sequence(request, list(request.prompt_tokens), kv, decoder=self.tokenizer.stream_decoder())
+        if request.temperature > 0:
+            seed = request.seed if request.seed is not None else torch.seed()
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._load_cached_prefix(seq)
+        self._running.append(seq)
+
+    def _load_cached_prefix(self, seq: _Sequence) -> None:
+        """Copy the longest cached prefix into the sequence's KV (at least one prompt token stays to compute)."""
+        if self.cache is None:
+            return
+        bs = self.block_size
+        with self.cache.load(seq.request.prompt_tokens, max_blocks=(seq.prompt_len - 1) // bs) as prefix:
+            for i, block in enumerate(prefix.blocks):
+                seq.kv[:, :, :, i * bs : (i + 1) * bs].copy_(block)
+            seq.computed = seq.cached_tokens = prefix.num_tokens
+            seq.stored_blocks = prefix.num_blocks
+        self.counters["prompt_tokens_reused"] += seq.cached_tokens
+
+    def _prefill_one_chunk(self) -> None:
+        seq = next((s for s in self._running if s.prefilling), None)
+        if seq is None:
+            return
+        start = seq.computed
+        end = min((start // self.block_size + 1) * self.block_size, seq.prompt_len)
+        chunk = torch.tensor(seq.tokens[start:end], device=self.device)
+        logits = self.model.prefill(chunk, seq.kv, start)
+        seq.computed = end
+        self.counters["prompt_tokens_computed"] += end - start
+        self._store_full_blocks(seq)
+        if not seq.prefilling:
+            self._emit_next(seq, logits[None])
+
+    def _decode_step(self) -> None:
+        batch = [s for s in self._running if not s.prefilling and s.computed < len(s.tokens)]
+        if not batch:
+            return
+        tokens = torch.tensor([s.tokens[-1] for s in batch], device=self.device)
+        logits = self.model.decode(tokens, [s.kv for s in batch], [len(s.tokens) - 1 for s in batch])
+        for i, seq in enumerate(batch):
+            seq.computed += 1
+            self._store_full_blocks(seq)
+            self._emit_next(seq, logits[i : i + 1])
+
+    def _emit_next(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        """Sample the next token from logits [1, vocab], emit it, and finish the sequence when done."""
+        token = self._sample(logits, seq)
+        if token == self.tokenizer.eos_id:  # not counted: usage counts the tokens that were streamed
+            self._finish(seq, "stop")
+            return
+        seq.generated += 1
+        self.counters["generation_tokens"] += 1
+        seq.tokens.append(token)
+        seq.request.on_event(TokenEvent(token, seq.decoder.feed(token)))
+        if seq.generated >= seq.request.max_tokens:
+            self._finish(seq, "length")
+
+    def _sample(self, logits: torch.Tensor, seq: _Sequence) -> int:
+        logits = logits[0] + self._allowed
+        if seq.request.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / seq.request.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _store_full_blocks(self, seq: _Sequence) -> None:
+        if self.cache is None:
+            return
+        full = seq.computed // self.block_size
+        if full <= seq.stored_blocks:
+            return
+        bs = self.block_size
+        blocks = [seq.kv[:, :, :, i * bs : (i + 1) * bs] for i in range(seq.stored_blocks, full)]
+        self.cache.store(seq.tokens[: full * bs], blocks, first_block=seq.stored_blocks)
+        seq.stored_blocks = full
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.request.cancelled.is_set()]:
+            self._finish(seq, "cancelled")
+
+    def _finish(self, seq: _Sequence, reason: str, error: str = "") -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        self.counters[f"requests_{reason}"] += 1
+        seq.request.on_event(FinishEvent(
+            reason, seq.prompt_len, seq.generated, seq.cached_tokens, text=seq.decoder.flush(), error=error,
+        ))
+
+    def _finish_unstarted(self, request: GenerationRequest, reason: str) -> None:
+        self.counters[f"requests_{reason}"] += 1
+        request.on_event(FinishEvent(reason, len(request.prompt_tokens), 0, 0))

@@ -1,0 +1,81 @@
+"""Prometheus view of the engine and its cache, read from their snapshots at scrape time."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from .engine import Engine
+
+_TIER_COUNTERS = {
+    "hits": "blocks served by the tier",
+    "misses": "blocks looked for and not found in the tier",
+    "bytes_read": "bytes loaded from the tier",
+    "bytes_written": "bytes stored in the tier",
+    "evictions": "blocks evicted from the tier",
+    "demotions": "evicted blocks moved to a lower tier",
+    "read_errors": "block reads that failed with an I/O error",
+    "write_errors": "block stores that failed (nothing was published)",
+}
+
+
+class EngineCollector:
+    """A custom collector: one consistent snapshot per scrape, no global metric objects."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.engine.snapshot()
+        counters = snap["counters"]
+        yield _gauge("kvgate_requests_waiting", "requests queued, not yet admitted", snap["waiting"])
+        yield _gauge("kvgate_requests_running", "requests admitted (prefilling or decoding)", snap["running"])
+        yield _counter("kvgate_prompt_tokens_computed", "prompt tokens run through the model",
+                       counters.get("prompt_tokens_computed", 0))
+        yield _counter("kvgate_prompt_tokens_reused", "prompt tokens whose KV came from the cache",
+                       counters.get("prompt_tokens_reused", 0))
+        yield _counter("kvgate_generation_tokens", "tokens generated", counters.get("generation_tokens", 0))
+        finished = CounterMetricFamily("kvgate_requests_finished", "requests finished, by reason", labels=["reason"])
+        for key, value in sorted(counters.items()):
+            if key.startswith("requests_"):
+                finished.add_metric([key.removeprefix("requests_")], value)
+        yield finished
+        if snap["cache"] is not None:
+            yield from _cache_metrics(snap["cache"])
+
+
+def _cache_metrics(cache: dict) -> Iterator[Metric]:
+    tiers = cache["tiers"]
+    for name, help_text in _TIER_COUNTERS.items():
+        family = CounterMetricFamily(f"kvgate_cache_{name}", help_text, labels=["tier"])
+        for tier, figures in tiers.items():
+            family.add_metric([tier], figures[name])
+        yield family
+    corrupt = CounterMetricFamily("kvgate_cache_corrupt_blocks", "stored blocks refused by verification",
+                                  labels=["tier", "reason"])
+    for tier, figures in tiers.items():
+        for reason, count in sorted(figures["corrupt_by_reason"].items()):
+            corrupt.add_metric([tier, reason], count)
+    yield corrupt
+    for name, help_text in (("used_bytes", "bytes held by the tier"), ("capacity_bytes", "the tier's capacity"),
+                            ("blocks", "blocks held by the tier")):
+        family = GaugeMetricFamily(f"kvgate_cache_{name}", help_text, labels=["tier"])
+        for tier, figures in tiers.items():
+            family.add_metric([tier], figures[name])
+        yield family
+    latency = HistogramMetricFamily("kvgate_cache_load_latency_seconds", "time to load a batch of blocks",
+                                    labels=["tier"])
+    for tier, figures in tiers.items():
+        hist = figures["load_latency_seconds"]
+        latency.add_metric([tier], list(hist["buckets"].items()), hist["sum"])
+    yield latency
+    yield _gauge("kvgate_cache_pending_disk_writes", "disk writes queued", cache["pending_disk_writes"])
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
+
+
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_text, value=value)
