@@ -99,6 +99,16 @@ class GenerationRequest:
 
 
 @dataclass
+class Generation:
+    """What `Engine.generate` returns."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish: Optional[FinishEvent] = None
+    ttft_s: Optional[float] = None
+
+
+@dataclass
 class _Sequence:
     request: GenerationRequest
     tokens: list[int]
@@ -167,6 +177,29 @@ class Engine:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append(request)
             self._wake.notify()
+
+    def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
+                 seed: Optional[int] = None, timeout: float = 600.0) -> "Generation":
+        """Run one request to the end from a caller's thread; also records time to first token."""
+        done = threading.Event()
+        result = Generation()
+        start = time.perf_counter()
+
+        def on_event(event: TokenEvent | FinishEvent) -> None:
+            if result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - start
+            if isinstance(event, TokenEvent):
+                result.token_ids.append(event.token_id)
+                result.text += event.text
+            else:
+                result.text += event.text
+                result.finish = event
+                done.set()
+
+        self.submit(GenerationRequest(list(prompt_tokens), max_tokens, on_event, temperature, seed))
+        if not done.wait(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        return result
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finish what is running, refuse new work, persist and flush the cache."""

@@ -1,0 +1,185 @@
+"""The embedded engine: greedy output with a cache hit from every tier equals recompute, and batching works."""
+
+import threading
+
+import pytest
+
+from cache_impl.engine import Engine, EngineConfig, GenerationRequest, QueueFullError
+from cache_impl.tokenizer import ByteTokenizer
+
+BLOCK = 256
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    """Printable, deterministic prompt tokens (byte tokenizer: one token per character)."""
+    text = "".join(chr(32 + (seed * 31 + i * 17 + (i // 7) * 3) % 95) for i in range(length - 1))
+    return ByteTokenizer().encode(text)
+
+
+@pytest.fixture
+def engines(tmp_path):
+    made = []
+
+    def make(mode: str, **settings) -> Engine:
+        cache = {"block_size": BLOCK, "device": "cpu", "device_capacity_blocks": 16,
+                 "host_capacity_bytes": "64MiB", "disk": {"path": str(tmp_path / "kv")}}
+        cache.update(settings.pop("cache", {}))
+        engine = Engine(EngineConfig.from_dict({"mode": mode, "preset": "tiny", "cache": cache, **settings}))
+        made.append(engine.start())
+        return engine
+
+    yield make
+    for engine in made:
+        engine.stop()
+
+
+@pytest.fixture
+def reference(engines):
+    """Greedy output of recompute mode, per prompt."""
+    engine = engines("recompute")
+    return lambda tokens, n=24: engine.generate(tokens, n).text
+
+
+def _hits(engine: Engine, tier: str) -> int:
+    return engine.cache.snapshot()["tiers"][tier]["hits"]
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_greedy_output_with_a_cache_hit_from_each_tier_equals_recompute(engines, reference, tier):
+    engine = engines("tiered")
+    prompt = _prompt(1, 3 * BLOCK + 40)
+    first = engine.generate(prompt, 24)
+    assert first.finish.cached_tokens == 0
+    engine.cache.flush()
+    if tier in ("host", "disk"):
+        engine.cache.evict("device")
+    if tier == "disk":
+        engine.cache.evict("host")
+        engine.cache.tier("disk").drop_page_cache()
+    before = _hits(engine, tier)
+    again = engine.generate(prompt, 24)
+    assert again.finish.cached_tokens == 3 * BLOCK            # the hit really happened ...
+    assert _hits(engine, tier) - before == 3                  # ... from the tier under test
+    assert again.text == first.text == reference(prompt)
+
+
+def test_device_only_mode_reuses_within_the_device_tier_only(engines, reference):
+    engine = engines("device-only")
+    assert engine.cache.tiers == ["device"]
+    prompt = _prompt(2, 2 * BLOCK + 10)
+    engine.generate(prompt, 16)
+    again = engine.generate(prompt, 16)
+    assert again.finish.cached_tokens == 2 * BLOCK
+    assert again.text == reference(prompt, 16)
+
+
+def test_recompute_mode_reuses_nothing(engines):
+    engine = engines("recompute")
+    prompt = _prompt(3, 2 * BLOCK + 10)
+    engine.generate(prompt, 4)
+    assert engine.cache is None
+    assert engine.generate(prompt, 4).finish.cached_tokens == 0
+    assert engine.snapshot()["counters"]["prompt_tokens_computed"] == 2 * len(prompt)
+
+
+def test_a_shared_prefix_is_reused_up_to_the_last_whole_block_before_divergence(engines, reference):
+    engine = engines("tiered")
+    base = _prompt(4, 3 * BLOCK)
+    engine.generate(base + [65, 66, 67], 8)
+    diverged = base[: 2 * BLOCK + 100] + [70] * 200
+    result = engine.generate(diverged, 8)
+    assert result.finish.cached_tokens == 2 * BLOCK
+    assert result.text == reference(diverged, 8)
+
+
+def test_blocks_filled_by_decoding_are_stored_and_reused(engines):
+    engine = engines("tiered")
+    prompt = _prompt(5, BLOCK - 10)
+    first = engine.generate(prompt, 40)      # prompt + output crosses the first block boundary
+    follow_up = prompt + first.token_ids + [10]
+    assert engine.generate(follow_up, 4).finish.cached_tokens == BLOCK
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_recompute_answer(engines, reference):
+    engine = engines("tiered", max_running=4)
+    prompts = [_prompt(10 + i, 100 + 150 * i) for i in range(6)]
+    results, threads = {}, []
+    for i, prompt in enumerate(prompts):
+        thread = threading.Thread(target=lambda i=i, p=prompt: results.__setitem__(i, engine.generate(p, 20)))
+        threads.append(thread)
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(results) == len(prompts)
+    for i, prompt in enumerate(prompts):
+        assert results[i].finish.finish_reason == "length" and results[i].finish.completion_tokens == 20
+        assert results[i].text == reference(prompt, 20)
+
+
+def test_a_full_queue_refuses_new_requests(engines):
+    engine = engines("recompute", max_running=1, max_waiting=1)
+    started, release = threading.Event(), threading.Event()
+    done = threading.Event()
+
+    def slow(event):
+        started.set()
+        release.wait(30)
+        if getattr(event, "finish_reason", None):
+            done.set()
+
+    engine.submit(GenerationRequest(_prompt(20, 50), 3, slow))
+    assert started.wait(30)                               # the engine thread is busy in the callback
+    engine.submit(GenerationRequest(_prompt(21, 50), 3, lambda e: None))
+    with pytest.raises(QueueFullError):
+        engine.submit(GenerationRequest(_prompt(22, 50), 3, lambda e: None))
+    release.set()
+    assert done.wait(30)
+
+
+def test_a_cancelled_request_finishes_as_cancelled_and_frees_its_slot(engines):
+    engine = engines("recompute", max_running=1)
+    events, finished = [], threading.Event()
+    request = GenerationRequest(_prompt(30, 50), 3000 - 60, lambda e: (events.append(e), getattr(e, "finish_reason", None) and finished.set()))
+    engine.submit(request)
+    request.cancelled.set()
+    assert finished.wait(30)
+    assert events[-1].finish_reason == "cancelled"
+    assert engine.generate(_prompt(31, 50), 3).finish.finish_reason == "length"   # the slot is free again
+    assert engine.snapshot()["running"] == 0
+
+
+def test_prompts_that_do_not_fit_are_refused(engines):
+    engine = engines("recompute")
+    with pytest.raises(ValueError, match="exceeds the model's context of 4096 tokens"):
+        engine.submit(GenerationRequest(_prompt(40, 4000), 200, lambda e: None))
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit(GenerationRequest([], 5, lambda e: None))
+
+
+def test_sampling_with_a_seed_is_reproducible(engines):
+    engine = engines("recompute")
+    prompt = _prompt(50, 64)
+    a = engine.generate(prompt, 20, temperature=1.0, seed=7)
+    b = engine.generate(prompt, 20, temperature=1.0, seed=7)
+    c = engine.generate(prompt, 20, temperature=1.0, seed=8)
+    assert a.text == b.text and a.text != c.text
+
+
+def test_the_default_preset_also_answers_a_cold_disk_hit_exactly_like_recompute(tmp_path):
+    cache = {"device": "cpu", "disk": {"path": str(tmp_path / "kv")}}
+    tiered = Engine(EngineConfig.from_dict({"mode": "tiered", "cache": cache})).start()
+    recompute = Engine(EngineConfig.from_dict({"mode": "recompute"})).start()
+    try:
+        assert tiered.model_name == "kvgate-small"
+        prompt = _prompt(60, 4 * BLOCK + 3)
+        tiered.generate(prompt, 12)
+        tiered.cache.flush()
+        tiered.cache.evict("device")
+        tiered.cache.evict("host")
+        tiered.cache.tier("disk").drop_page_cache()
+        hit = tiered.generate(prompt, 12)
+        assert hit.finish.cached_tokens == 4 * BLOCK
+        assert hit.text == recompute.generate(prompt, 12).text
+    finally:
+        tiered.stop()
+        recompute.stop()
