@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="blocks in the index for the lookup figure (default: 1000000)")
     bench.set_defaults(handler=_cache_bench)
     _add_serve(commands)
+    _add_engine_bench(commands)
     return parser
 
 
@@ -104,6 +105,38 @@ def _serve(args: argparse.Namespace) -> int:
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "
           f"http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    return 0
+
+
+def _contexts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, found {text!r}") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected token counts >= 2, found {text!r}")
+    return tuple(sorted(values))
+
+
+def _add_engine_bench(commands) -> None:
+    bench = commands.add_parser(
+        "engine-bench", help="single-request TTFT of the embedded engine: recompute vs host and cold disk hits",
+        description="TTFT at each context length with nothing cached, a host-tier hit and a cold disk hit.",
+    )
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bench.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk tier location")
+    bench.add_argument("--contexts", type=_contexts, default=(1024, 4096, 8192),
+                       help="comma-separated context lengths in tokens (default: 1024,4096,8192)")
+    bench.add_argument("--rounds", type=_positive_int, default=3, help="rounds per context (default: 3)")
+    bench.add_argument("--preset", default="small", help="model preset (default: small)")
+    bench.set_defaults(handler=_engine_bench)
+
+
+def _engine_bench(args: argparse.Namespace) -> int:
+    from .engine_bench import EngineBenchSettings, format_engine_report, run_engine_bench
+
+    figures = run_engine_bench(EngineBenchSettings(args.dir, args.contexts, args.rounds, args.preset))
+    print(json.dumps(figures, indent=2) if args.json else format_engine_report(figures))
     return 0
 
 
