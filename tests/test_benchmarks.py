@@ -1,0 +1,58 @@
+"""The benchmark commands run the real parts and print figures consistent with their raw data."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gates.cli import main
+
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
+
+
+def _run_json(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "gates.cli", *args, "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@needs_fio
+def test_cache_bench_json_reports_the_three_ratios_from_its_raw_figures(tmp_path):
+    figures = _run_json("cache-bench", "--dir", str(tmp_path), "--prefix-mib", "16", "--rounds", "1",
+                        "--read-workers", "2", "--indexed-blocks", "20000")
+    disk, host, lookup = figures["disk"], figures["host"], figures["lookup"]
+    assert disk["prefix_bytes"] == 16 * 2**20
+    for mode in ("direct", "buffered_cold"):
+        assert disk[mode]["tier_gbps"] > 0 and disk[mode]["fio_gbps"] > 0
+        assert disk[mode]["ratio"] == pytest.approx(disk[mode]["tier_gbps"] / disk[mode]["fio_gbps"])  # one round
+    assert figures["disk_vs_fio"] == disk["direct"]["ratio"]
+    assert figures["host_vs_memcpy"] == pytest.approx(host["tier_gbps"] / host["memcpy_gbps"])
+    assert figures["lookup_ms"] == lookup["lookup_ms_median"] > 0
+    assert lookup["indexed_blocks"] == 20000 + 128 * 1024 // 256
+    assert lookup["index_bytes_per_block"] > 16          # at least the key itself
+    assert list(tmp_path.iterdir()) == []                 # the bench cleans up after itself
+
+
+def test_cache_bench_rejects_bad_arguments_with_exit_code_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["cache-bench", "--rounds", "0"])
+    assert exit_info.value.code == 2
+    assert "expected a positive integer, found 0" in capsys.readouterr().err
+
+
+def test_engine_bench_reports_ttft_of_recompute_host_and_cold_disk_hits(tmp_path):
+    figures = _run_json("engine-bench", "--dir", str(tmp_path), "--preset", "tiny", "--contexts", "600,1100",
+                        "--rounds", "1")
+    assert figures["model"] == "kvgate-tiny"
+    short, long = figures["contexts"]
+    assert (short["context_tokens"], short["cached_tokens"]) == (600, 512)
+    assert (long["context_tokens"], long["cached_tokens"]) == (1100, 1024)
+    for c in (short, long):
+        for name in ("recompute", "host", "disk_cold"):
+            assert c[f"{name}_ttft_ms"] > 0
+        assert c["host_speedup"] == pytest.approx(c["recompute_ttft_ms"] / c["host_ttft_ms"])
+    assert figures["disk_speedup_at_longest"] == long["disk_speedup"]
+    assert list(tmp_path.iterdir()) == []
