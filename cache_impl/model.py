@@ -150,7 +150,6 @@ class Transformer(nn.Module):
 
         tokens: [B]; kvs[b]: that sequence's KV; positions[b]: where its token goes.
         """
-        B = tokens.shape[0]
         x = self.embed(tokens)[:, None]                       # [B, 1, dim]
         pos = torch.tensor(positions, device=x.device)
         cos = self.rope_cos[pos][:, None, None]               # [B, 1, 1, D/2]

@@ -26,12 +26,13 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _GenerationFields(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    # strict: JSON true is not an integer, "1" is not a number
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -51,13 +52,13 @@ class CompletionRequest(_GenerationFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart]]
 
@@ -78,7 +79,12 @@ def parse_request(model: type[BaseModel], body: object) -> BaseModel:
         return model.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "list[", "str", "int")))
+        param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p))
         found = "nothing" if first["type"] == "missing" else repr(first.get("input"))[:80]
         raise ApiError(400, f"{param}: {first['msg']} (found {found})", param=param or None,
                        code="missing_field" if first["type"] == "missing" else "invalid_value") from None
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a Union that failed ("str", "list[int]"); those are not field names."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)

@@ -103,6 +103,8 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         job = GenerationRequest(tokens, max_tokens, stream.push_threadsafe, body.temperature, body.seed)
         try:
             engine.submit(job)
+        except ValueError as error:  # an empty prompt, or one that cannot fit
+            raise ApiError(400, f"prompt: {error}", param="messages" if chat else "prompt") from None
         except QueueFullError as error:
             raise ApiError(429, f"the server is busy ({error}); retry later", "rate_limit_error",
                            code="rate_limit_exceeded") from None

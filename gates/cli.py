@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -104,6 +105,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"kvgate serve: {engine.model_name}, mode {config.mode}, "
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "
           f"http://{args.host}:{args.port}/v1", flush=True)
+    # uvicorn drains on SIGTERM, then re-raises the signal to the previous handler: make that a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     return 0
 
