@@ -1,0 +1,37 @@
+"""What a workload hands the load engine: sessions of requests, independent of any target.
+
+A session is a user's conversation: its requests run in order, one at a time.
+Workloads are fully determined by their spec and seed; the history of a
+multi-round session carries synthetic answers of the configured length, so
+baseline and candidate targets receive exactly the same prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    request_id: str                 # unique within the workload
+    session_id: str                 # requests of one session run in order
+    turn: int                       # 0-based position within the session
+    messages: tuple[dict, ...]      # chat messages [{"role": ..., "content": ...}, ...]
+    max_tokens: int
+    prompt_tokens: int              # intended prompt size in tokens (as sized by the workload's text sizer)
+    arrival_s: Optional[float] = None  # scheduled offset from the start (trace replay); None: as soon as possible
+
+    def prompt_text(self) -> str:
+        """The messages as one plain prompt, for the completions API."""
+        return "\n\n".join(m["content"] for m in self.messages)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    sessions: tuple[tuple[WorkloadRequest, ...], ...]
+
+    @property
+    def requests(self) -> list[WorkloadRequest]:
+        return [r for session in self.sessions for r in session]
