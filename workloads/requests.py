@@ -35,3 +35,25 @@ class Workload:
     @property
     def requests(self) -> list[WorkloadRequest]:
         return [r for session in self.sessions for r in session]
+
+
+def save_workload(workload: Workload, path) -> None:
+    """Write a workload as JSON (the load engine's processes read it back)."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    Path(path).write_text(json.dumps({"name": workload.name,
+                                      "sessions": [[asdict(r) for r in s] for s in workload.sessions]}))
+
+
+def load_workload(path) -> Workload:
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    sessions = tuple(
+        tuple(WorkloadRequest(**{**r, "messages": tuple(r["messages"])}) for r in session)
+        for session in data["sessions"]
+    )
+    return Workload(data["name"], sessions)

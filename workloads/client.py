@@ -1,0 +1,271 @@
+"""The streaming client: the one definition of TTFT, ITL, TPOT and E2E (vLLM's benchmark semantics).
+
+- TTFT: monotonic time from sending the request to the first SSE chunk that
+  carries generated text (a role-only or empty chunk does not count).
+- ITL: each gap between consecutive content chunks.
+- TPOT: (E2E - TTFT) / (output tokens - 1).
+- E2E: from sending to the last chunk.
+- Token counts come from the server's `usage` (requested with
+  `stream_options.include_usage`); when it is missing the client's own count
+  of content chunks is used and `tokens_from_usage` is False.
+
+`measure_stream` turns timed SSE lines into figures and is a pure function, so
+the definitions are tested on hand-made streams. `StreamingClient.send` does
+the HTTP (the standard library's http.client, which also runs under locust's gevent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Literal, Optional
+
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
+from urllib.parse import urlsplit
+
+from .requests import WorkloadRequest
+
+
+@dataclass
+class RequestRecord:
+    """Everything measured about one request; appended to the run's raw data when it completes."""
+
+    request_id: str
+    session_id: str
+    turn: int
+    target: str
+    scheduled_at: float              # wall clock (s) when the request was due
+    sent_at: float                   # wall clock (s) when it was sent
+    client_wait_s: float             # sent_at - scheduled_at: time the request waited in the client
+    ok: bool = False
+    error_type: Optional[str] = None  # http_4xx / http_5xx / connect / timeout / read / incomplete_stream / stream_error
+    error_message: Optional[str] = None
+    http_status: Optional[int] = None
+    ttft_s: Optional[float] = None
+    e2e_s: Optional[float] = None
+    tpot_s: Optional[float] = None
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: Optional[int] = None
+    completion_tokens: Optional[int] = None
+    cached_tokens: Optional[int] = None
+    content_chunks: int = 0
+    tokens_from_usage: bool = False
+    finish_reason: Optional[str] = None
+    worker: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+@dataclass
+class StreamMetrics:
+    ttft_s: Optional[float]
+    e2e_s: Optional[float]
+    itl_s: list[float]
+    tpot_s: Optional[float]
+    content_chunks: int
+    prompt_tokens: Optional[int]
+    completion_tokens: Optional[int]
+    cached_tokens: Optional[int]
+    tokens_from_usage: bool
+    finish_reason: Optional[str]
+    done: bool
+    error: Optional[str]
+
+
+def _chunk_text(payload: dict) -> str:
+    """Generated text in a completions or chat chunk ("" for role-only, empty or usage-only chunks)."""
+    text = ""
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta")
+        piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        text += piece or ""
+    return text
+
+
+def _chunk_finish(payload: dict) -> Optional[str]:
+    for choice in payload.get("choices") or []:
+        if choice.get("finish_reason"):
+            return choice["finish_reason"]
+    return None
+
+
+def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMetrics:
+    """Figures from SSE lines, each with the monotonic time it arrived; `sent` is when the request left."""
+    content_times: list[float] = []
+    last_time = sent
+    usage, finish, done, error = None, None, False, None
+    for arrived, line in lines:
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue
+        last_time = arrived
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            error = f"unparseable SSE data: {data[:80]!r}"
+            continue
+        if "error" in payload and not payload.get("choices"):
+            error = str(payload["error"].get("message", payload["error"]))[:300]
+            continue
+        if _chunk_text(payload):
+            content_times.append(arrived)
+        finish = _chunk_finish(payload) or finish
+        if payload.get("usage"):
+            usage = payload["usage"]
+    ttft = content_times[0] - sent if content_times else None
+    e2e = (content_times[-1] if content_times else last_time) - sent
+    itl = [b - a for a, b in zip(content_times, content_times[1:])]
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    completion = usage.get("completion_tokens") if usage else len(content_times)
+    tpot = (e2e - ttft) / (completion - 1) if ttft is not None and completion and completion > 1 else None
+    return StreamMetrics(
+        ttft_s=ttft, e2e_s=e2e, itl_s=itl, tpot_s=tpot, content_chunks=len(content_times),
+        prompt_tokens=usage.get("prompt_tokens") if usage else None, completion_tokens=completion,
+        cached_tokens=details.get("cached_tokens"), tokens_from_usage=usage is not None,
+        finish_reason=finish, done=done, error=error,
+    )
+
+
+class StreamingClient:
+    """Sends workload requests to one OpenAI-compatible target over one keep-alive connection.
+
+    Built on the standard library's http.client: lean enough to time streams to
+    a fraction of a millisecond, and it runs unchanged under locust's gevent.
+    """
+
+    def __init__(self, base_url: str, model: str, api: Literal["chat", "completions"] = "chat",
+                 api_key: Optional[str] = None, target: str = "target", timeout_s: float = 600.0,
+                 temperature: float = 0.0) -> None:
+        url = urlsplit(base_url.rstrip("/"))
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"target url: expected http(s)://host:port/v1, found {base_url!r}")
+        self._connection_class = HTTPSConnection if url.scheme == "https" else HTTPConnection
+        self._host, self._port, self._prefix = url.hostname, url.port, url.path
+        self.model, self.api, self.target, self.temperature = model, api, target, temperature
+        self.timeout_s = timeout_s
+        self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._connection: Optional[HTTPConnection] = None
+        self.worker = f"{os.uname().nodename}:{os.getpid()}"
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def body(self, request: WorkloadRequest) -> dict:
+        body = {"model": self.model, "max_tokens": request.max_tokens, "temperature": self.temperature,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.api == "chat":
+            body["messages"] = list(request.messages)
+        else:
+            body["prompt"] = request.prompt_text()
+        return body
+
+    def send(self, request: WorkloadRequest, scheduled_at: Optional[float] = None) -> RequestRecord:
+        """Send one request, stream the answer, and return its record (errors are recorded, not raised)."""
+        path = self._prefix + ("/chat/completions" if self.api == "chat" else "/completions")
+        body = json.dumps(self.body(request)).encode()
+        sent_at = time.time()
+        scheduled_at = sent_at if scheduled_at is None else scheduled_at
+        record = RequestRecord(request.request_id, request.session_id, request.turn, self.target,
+                               scheduled_at, sent_at, max(0.0, sent_at - scheduled_at), worker=self.worker)
+        if self._connection is None:
+            self._connection = self._connection_class(self._host, self._port, timeout=self.timeout_s)
+        sent = time.perf_counter()
+        try:
+            self._connection.request("POST", path, body=body, headers=self._headers)
+            response = self._connection.getresponse()
+            record.http_status = response.status
+            if response.status >= 400:
+                return _failed(record, f"http_{response.status}", _error_message(response.read()))
+            metrics = measure_stream(_timed_lines(response), sent)
+            if metrics.done:
+                response.read()  # the end of the chunked body, so the connection can be reused
+        except ConnectionRefusedError as error:
+            self.close()
+            return _failed(record, "connect", str(error))
+        except (TimeoutError, socket.timeout) as error:
+            self.close()
+            return _failed(record, "timeout", str(error) or "timed out")
+        except (OSError, HTTPException) as error:
+            self.close()
+            return _failed(record, "read", f"{type(error).__name__}: {error}")
+        _apply(record, metrics)
+        if not metrics.done:
+            self.close()  # the connection is in an unknown state
+        return record
+
+
+def _timed_lines(response) -> Iterable[tuple[float, str]]:
+    """Lines of an SSE response as they arrive, each with its monotonic arrival time."""
+    while True:
+        line = response.readline()
+        if not line:
+            return
+        yield time.perf_counter(), line.decode("utf-8", errors="replace")
+
+
+def _apply(record: RequestRecord, m: StreamMetrics) -> None:
+    record.ttft_s, record.e2e_s, record.tpot_s, record.itl_s = m.ttft_s, m.e2e_s, m.tpot_s, m.itl_s
+    record.prompt_tokens, record.completion_tokens, record.cached_tokens = m.prompt_tokens, m.completion_tokens, m.cached_tokens
+    record.content_chunks, record.tokens_from_usage, record.finish_reason = m.content_chunks, m.tokens_from_usage, m.finish_reason
+    if m.error:
+        _failed(record, "stream_error", m.error)
+    elif not m.done:
+        _failed(record, "incomplete_stream", "the stream ended without data: [DONE]")
+    else:
+        record.ok = True
+
+
+def _failed(record: RequestRecord, error_type: str, message: str) -> RequestRecord:
+    record.ok, record.error_type, record.error_message = False, error_type, message[:300]
+    return record
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:300].decode("utf-8", errors="replace")
+
+
+class RecordWriter:
+    """Appends records as JSON lines, one file per process, flushed as each request completes."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"records-{name}.jsonl"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def write(self, record: RequestRecord) -> None:
+        line = (record.to_json() + "\n").encode()
+        with self._lock:
+            os.write(self._fd, line)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_records(directory: Path) -> list[dict]:
+    """Every record of every process in a directory; a torn last line (a crash mid-write) is skipped."""
+    records = []
+    for path in sorted(Path(directory).glob("records-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records

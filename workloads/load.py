@@ -1,0 +1,91 @@
+"""Run the locustfile headless in subprocesses: one process, or a master with N workers on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+from .requests import Workload, save_workload
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+@dataclass(frozen=True)
+class Target:
+    """An OpenAI-compatible endpoint to load."""
+
+    name: str
+    url: str                               # base URL ending in /v1
+    model: str
+    api: Literal["chat", "completions"] = "chat"
+    api_key_env: Optional[str] = None      # name of the environment variable holding the key
+    temperature: float = 0.0
+
+
+@dataclass
+class LoadRun:
+    records_dir: Path
+    started_at: float
+    ended_at: float
+    returncode: int
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_load(workload: Workload, target: Target, users: int, duration_s: float, out_dir: Path,
+             workers: int = 0, max_requests: Optional[int] = None, sample_interval_s: float = 1.0) -> LoadRun:
+    """Drive `users` concurrent sessions for `duration_s` (or until `max_requests`); records land in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records_dir = out_dir / "records"
+    if records_dir.exists() and any(records_dir.iterdir()):
+        raise FileExistsError(f"{records_dir}: already holds records of another run; use a fresh directory")
+    save_workload(workload, out_dir / "workload.json")
+    per_worker = None if max_requests is None else -(-max_requests // max(1, workers))
+    settings = {"workload_path": str(out_dir / "workload.json"), "records_dir": str(records_dir),
+                "target": asdict(target), "workers": max(1, workers), "max_requests_per_worker": per_worker,
+                "sample_interval_s": sample_interval_s}
+    (out_dir / "load.json").write_text(json.dumps(settings, indent=1))
+    env = {**os.environ, "KVGATE_LOAD_CONFIG": str(out_dir / "load.json")}
+    base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--loglevel", "WARNING"]
+    main = base + ["--headless", "-u", str(users), "-r", str(users), "-t", f"{max(1, round(duration_s))}s",
+                   "--stop-timeout", "5", "--only-summary", "--exit-code-on-error", "0", "--host", target.url]
+    log_path = out_dir / "locust.log"
+    started = time.time()
+    with open(log_path, "w") as log:
+        if workers <= 0:
+            proc = subprocess.run(main, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=duration_s + 120)
+            returncode = proc.returncode
+        else:
+            returncode = _run_distributed(main, base, workers, env, log, duration_s)
+    return LoadRun(records_dir, started, time.time(), returncode, log_path.read_text())
+
+
+def _run_distributed(main: list[str], base: list[str], workers: int, env: dict, log, duration_s: float) -> int:
+    port = free_port()
+    master = subprocess.Popen(main + ["--master", "--expect-workers", str(workers), "--master-bind-host",
+                                      "127.0.0.1", "--master-bind-port", str(port)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    worker_procs = [subprocess.Popen(base + ["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
+                                     env=env, stdout=log, stderr=subprocess.STDOUT) for _ in range(workers)]
+    try:
+        returncode = master.wait(timeout=duration_s + 120)
+        for proc in worker_procs:
+            proc.wait(timeout=30)
+        return returncode
+    finally:
+        for proc in [master, *worker_procs]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,94 @@
+"""Locust users that drive a kvgate workload through the streaming client.
+
+Run by `workloads.load` in its own process (gevent patches the interpreter),
+standalone or as master + workers. Its settings come from the JSON file named
+by KVGATE_LOAD_CONFIG. Figures come from our per-request records (appended as
+each request completes), never from locust's rounded statistics; locust
+provides users, spawning, run time and distribution.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import gevent
+import psutil
+from locust import User, constant, events, task
+from locust.exception import StopUser
+from locust.runners import WorkerRunner
+
+from workloads.client import RecordWriter, StreamingClient
+from workloads.requests import load_workload
+
+SETTINGS = json.loads(Path(os.environ["KVGATE_LOAD_CONFIG"]).read_text())
+WORKLOAD = load_workload(SETTINGS["workload_path"])
+RECORDS = Path(SETTINGS["records_dir"])
+_state = {"start": time.time(), "sent": 0, "worker": "local", "next": None}
+
+
+def _worker_slot(environment) -> tuple[int, int]:
+    runner = environment.runner
+    if isinstance(runner, WorkerRunner):
+        return runner.worker_index, max(1, int(SETTINGS.get("workers", 1)))
+    return 0, 1
+
+
+@events.test_start.add_listener
+def _on_test_start(environment, **_):
+    index, count = _worker_slot(environment)
+    _state.update(start=time.time(), sent=0, worker=f"w{index}-{os.getpid()}")
+    # worker i takes sessions i, i + count, i + 2*count, ... cycling when a run outlasts the workload
+    _state["next"] = itertools.cycle(range(index, len(WORKLOAD.sessions), count) or [0])
+    _state["writer"] = RecordWriter(RECORDS, _state["worker"])
+    gevent.spawn(_sample_client_load, environment)
+
+
+def _sample_client_load(environment) -> None:
+    """Once a second: this process's CPU and how late the event loop wakes up (client saturation)."""
+    process = psutil.Process()
+    process.cpu_percent(None)
+    path = RECORDS / f"client-{_state['worker']}.jsonl"
+    with open(path, "a", buffering=1) as out:
+        while True:
+            before = time.perf_counter()
+            gevent.sleep(SETTINGS.get("sample_interval_s", 1.0))
+            lag = time.perf_counter() - before - SETTINGS.get("sample_interval_s", 1.0)
+            out.write(json.dumps({"t": time.time(), "cpu_percent": process.cpu_percent(None),
+                                  "loop_lag_s": max(0.0, lag)}) + "\n")
+
+
+class WorkloadUser(User):
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        target = SETTINGS["target"]
+        api_key = os.environ.get(target.get("api_key_env") or "", "") or None
+        self.client = StreamingClient(target["url"], target["model"], target.get("api", "chat"), api_key,
+                                      target.get("name", "target"), temperature=target.get("temperature", 0.0))
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    @task
+    def run_session(self) -> None:
+        session = WORKLOAD.sessions[next(_state["next"])]
+        for request in session:
+            limit = SETTINGS.get("max_requests_per_worker")
+            if limit is not None and _state["sent"] >= limit:
+                raise StopUser()
+            scheduled = time.time()
+            if request.arrival_s is not None:
+                scheduled = _state["start"] + request.arrival_s
+                gevent.sleep(max(0.0, scheduled - time.time()))
+            _state["sent"] += 1
+            record = self.client.send(request, scheduled_at=scheduled)
+            _state["writer"].write(record)
+            self.environment.events.request.fire(
+                request_type="STREAM", name=self.client.target, response_time=(record.e2e_s or 0) * 1000,
+                response_length=record.completion_tokens or 0,
+                exception=None if record.ok else RuntimeError(record.error_type), context={},
+            )

@@ -1,0 +1,121 @@
+"""Concurrency sweeps: steps of (target, concurrency) run with locust, summarised from raw records.
+
+Window rule: a request belongs to a step's measured window when it was sent
+after the warm-up (`warmup_s` from the step's start). Percentiles come from
+the raw per-request figures of those requests; throughput is their output
+tokens (and count) divided by the time from the window's start to the last
+completion. A step is invalid, with its reasons listed, when it ran shorter
+than `min_duration_s`, completed fewer than `min_requests`, its client was
+saturated (CPU or event-loop lag), or client and server token counts disagree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from .client import read_records
+from .load import Target, run_load
+from .requests import Workload
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class SweepSettings:
+    levels: tuple[int, ...] = (2, 4, 8)
+    duration_s: float = 30.0
+    warmup_s: float = 5.0
+    min_duration_s: float = 10.0
+    min_requests: int = 10
+    workers: int = 0
+    max_client_cpu_percent: float = 90.0
+    max_loop_lag_s: float = 0.05
+    out_dir: Path = field(default_factory=lambda: Path("reports/runs/sweep"))
+
+
+def percentiles(values: list[float]) -> dict[int, Optional[float]]:
+    if not values:
+        return {p: None for p in PERCENTILES}
+    found = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
+    return dict(zip(PERCENTILES, (float(v) for v in found)))
+
+
+def read_client_samples(directory: Path) -> list[dict]:
+    samples = []
+    for path in sorted(Path(directory).glob("client-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                samples.append(json.loads(line))
+            except ValueError:
+                continue
+    return samples
+
+
+def summarize_step(records: list[dict], samples: list[dict], step_start: float, step_end: float,
+                   settings: SweepSettings) -> dict:
+    """Figures and validity of one step from its raw records and client samples."""
+    window_start = step_start + settings.warmup_s
+    measured = [r for r in records if r["sent_at"] >= window_start]
+    ok = [r for r in measured if r["ok"]]
+    last_done = max((r["sent_at"] + r["e2e_s"] for r in ok), default=window_start)
+    span = max(last_done - window_start, 1e-9)
+    out_tokens = sum(r["completion_tokens"] or 0 for r in ok)
+    summary = {"requests": len(measured), "completed": len(ok), "window_s": span,
+               "requests_per_s": len(ok) / span, "output_tokens_per_s": out_tokens / span,
+               "error_rate": 1 - len(ok) / len(measured) if measured else None}
+    for metric in ("ttft_s", "tpot_s", "e2e_s"):
+        for p, value in percentiles([r[metric] for r in ok if r[metric] is not None]).items():
+            summary[f"{metric[:-2]}_p{p}_s"] = value
+    for p, value in percentiles([gap for r in ok for gap in r["itl_s"]]).items():
+        summary[f"itl_p{p}_s"] = value
+    reported = [r for r in ok if r["cached_tokens"] is not None and r["prompt_tokens"]]
+    summary["hit_ratio"] = (sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported)
+                            if reported else None)
+    reasons = _invalid_reasons(ok, samples, window_start, step_end, settings)
+    summary.update(valid=not reasons, invalid_reasons="; ".join(reasons))
+    return summary
+
+
+def _invalid_reasons(ok: list[dict], samples: list[dict], start: float, end: float,
+                     settings: SweepSettings) -> list[str]:
+    reasons = []
+    if end - start < settings.min_duration_s:
+        reasons.append(f"measured {end - start:.1f} s < minimum {settings.min_duration_s:.0f} s")
+    if len(ok) < settings.min_requests:
+        reasons.append(f"{len(ok)} completed requests < minimum {settings.min_requests}")
+    in_window = [s for s in samples if s["t"] >= start]
+    cpu = [s["cpu_percent"] for s in in_window]
+    lag = [s["loop_lag_s"] for s in in_window]
+    if cpu and np.percentile(cpu, 90) > settings.max_client_cpu_percent:
+        reasons.append(f"client saturated: CPU p90 {np.percentile(cpu, 90):.0f}% > {settings.max_client_cpu_percent:.0f}%")
+    if lag and max(lag) > settings.max_loop_lag_s:
+        reasons.append(f"client saturated: event-loop lag {max(lag) * 1e3:.0f} ms > {settings.max_loop_lag_s * 1e3:.0f} ms")
+    # A server may put several tokens in one chunk or send a token with no text: tolerate a few.
+    mismatched = [r for r in ok if r["tokens_from_usage"] and r["content_chunks"] != r["completion_tokens"]]
+    if ok and len(mismatched) > 0.05 * len(ok):
+        reasons.append(f"client and server token counts disagree in {len(mismatched)} of {len(ok)} requests")
+    unflagged = [r for r in ok if not r["tokens_from_usage"]]
+    if unflagged:
+        reasons.append(f"{len(unflagged)} requests without server usage (client counts used)")
+    return reasons
+
+
+def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings) -> pd.DataFrame:
+    """Every level × target as one locust step; one row per step (raw records stay in out_dir)."""
+    rows = []
+    for level in settings.levels:
+        for target in targets:
+            step_dir = settings.out_dir / target.name / f"c{level}"
+            run = run_load(workload, target, level, settings.duration_s, step_dir, workers=settings.workers)
+            records = read_records(run.records_dir)
+            samples = read_client_samples(run.records_dir)
+            rows.append({"target": target.name, "concurrency": level, "step_dir": str(step_dir),
+                         "locust_exit_code": run.returncode,
+                         **summarize_step(records, samples, run.started_at, run.ended_at, settings)})
+    return pd.DataFrame(rows)
