@@ -19,7 +19,7 @@ import gevent
 import psutil
 from locust import User, constant, events, task
 from locust.exception import StopUser
-from locust.runners import WorkerRunner
+from locust.runners import MasterRunner, WorkerRunner
 
 from workloads.client import RecordWriter, StreamingClient
 from workloads.requests import load_workload
@@ -27,7 +27,7 @@ from workloads.requests import load_workload
 SETTINGS = json.loads(Path(os.environ["KVGATE_LOAD_CONFIG"]).read_text())
 WORKLOAD = load_workload(SETTINGS["workload_path"])
 RECORDS = Path(SETTINGS["records_dir"])
-_state = {"start": time.time(), "sent": 0, "worker": "local", "next": None}
+_state = {"start": time.time(), "sent": 0, "done": 0, "worker": "local", "next": None}
 
 
 def _worker_slot(environment) -> tuple[int, int]:
@@ -39,8 +39,10 @@ def _worker_slot(environment) -> tuple[int, int]:
 
 @events.test_start.add_listener
 def _on_test_start(environment, **_):
+    if isinstance(environment.runner, MasterRunner):
+        return  # the master only coordinates; its workers send and record
     index, count = _worker_slot(environment)
-    _state.update(start=time.time(), sent=0, worker=f"w{index}-{os.getpid()}")
+    _state.update(start=time.time(), sent=0, done=0, worker=f"w{index}-{os.getpid()}")
     # worker i takes sessions i, i + count, i + 2*count, ... cycling when a run outlasts the workload
     _state["next"] = itertools.cycle(range(index, len(WORKLOAD.sessions), count) or [0])
     _state["writer"] = RecordWriter(RECORDS, _state["worker"])
@@ -87,6 +89,9 @@ class WorkloadUser(User):
             _state["sent"] += 1
             record = self.client.send(request, scheduled_at=scheduled)
             _state["writer"].write(record)
+            _state["done"] += 1
+            if limit is not None and _state["done"] >= limit:
+                gevent.spawn(self.environment.runner.quit)  # the budget is spent: end the run now
             self.environment.events.request.fire(
                 request_type="STREAM", name=self.client.target, response_time=(record.e2e_s or 0) * 1000,
                 response_length=record.completion_tokens or 0,

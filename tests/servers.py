@@ -1,0 +1,98 @@
+"""A real `kvgate serve` subprocess for tests: free loopback port, own cache directory, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 60
+SHUTDOWN_TIMEOUT_S = 30
+
+# `kvgate serve` exits 0 after SIGTERM (a graceful drain); anything else is a failure.
+TEARDOWN_EXIT_CODES = (0,)
+
+
+# -- the server subprocess ---------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_client(port: int, timeout: float = 30) -> httpx.Client:
+    # trust_env=False: no proxy from the environment, the traffic stays on loopback.
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=timeout, trust_env=False)
+
+
+class ServerProcess:
+    """One `kvgate serve` subprocess; its output goes to a log file read on failure."""
+
+    def __init__(self, workdir: Path, api_key: Optional[str] = None, preset: str = "tiny",
+                 mode: str = "tiered") -> None:
+        self.port = free_port()
+        self.cache_dir = workdir / "cache"
+        self.log_path = workdir / "server.log"
+        env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"}
+        if api_key is not None:
+            env["KVGATE_API_KEY"] = api_key
+        command = [sys.executable, "-m", "gates.cli", "serve", "--preset", preset, "--mode", mode,
+                   "--host", "127.0.0.1", "--port", str(self.port), "--cache-dir", str(self.cache_dir)]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        with http_client(self.port, timeout=2) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    pytest.fail(f"kvgate serve exited with {self.process.returncode} at startup:\n{self.log()}")
+                try:
+                    if client.get("/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+        pytest.fail(f"kvgate serve was not healthy within {timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> Optional[int]:
+        """SIGTERM and wait; the exit code, or None when it had to be killed."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+            return None
+
+
+def started_server(workdir: Path, api_key: Optional[str] = None, **options):
+    """Fixture body: a healthy server, stopped at teardown; it must exit by itself, cleanly."""
+    server = ServerProcess(workdir, api_key, **options)
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()  # never leave a half-started server behind
+        raise
+    yield server
+    code = server.stop()
+    assert code in TEARDOWN_EXIT_CODES, f"kvgate serve exit code {code} after SIGTERM:\n{server.log()}"

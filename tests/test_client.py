@@ -1,0 +1,73 @@
+"""The one definition of TTFT, ITL, TPOT and E2E, checked on hand-made SSE streams; records survive a crash."""
+
+import json
+
+import pytest
+
+from workloads.client import RecordWriter, RequestRecord, measure_stream, read_records
+
+
+def _data(payload) -> str:
+    return "data: " + (payload if isinstance(payload, str) else json.dumps(payload))
+
+
+def _chat(text=None, role=False, finish=None):
+    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103,
+                                  "prompt_tokens_details": {"cached_tokens": 64}}}
+
+
+def test_ttft_skips_role_only_and_empty_chunks_and_itl_tpot_e2e_follow_the_definitions():
+    lines = [
+        (10.05, _data(_chat(role=True))),     # role-only: not a token
+        (10.06, _data(_chat(""))),            # empty content: not a token
+        (10.20, _data(_chat("Hel"))),         # first text: TTFT = 0.20
+        (10.30, _data(_chat("lo"))),
+        (10.50, _data(_chat("!"))),
+        (10.51, _data(_chat(finish="length"))),
+        (10.52, _data(USAGE)),
+        (10.53, "data: [DONE]"),
+    ]
+    m = measure_stream(lines, sent=10.0)
+    assert m.ttft_s == pytest.approx(0.20)
+    assert m.itl_s == pytest.approx([0.10, 0.20])
+    assert m.e2e_s == pytest.approx(0.50)                    # to the last content chunk
+    assert m.tpot_s == pytest.approx((0.50 - 0.20) / (3 - 1))
+    assert (m.prompt_tokens, m.completion_tokens, m.cached_tokens) == (100, 3, 64)
+    assert m.tokens_from_usage and m.done and m.finish_reason == "length" and m.content_chunks == 3
+
+
+def test_completions_chunks_count_by_text_and_missing_usage_falls_back_to_a_flagged_client_count():
+    lines = [(1.1, _data({"choices": [{"text": "a"}]})), (1.2, _data({"choices": [{"text": ""}]})),
+             (1.4, _data({"choices": [{"text": "b", "finish_reason": "stop"}]})), (1.5, "data: [DONE]")]
+    m = measure_stream(lines, sent=1.0)
+    assert m.ttft_s == pytest.approx(0.1) and m.completion_tokens == 2 and not m.tokens_from_usage
+    assert m.prompt_tokens is None and m.cached_tokens is None
+    assert m.tpot_s == pytest.approx(0.3)
+
+
+def test_a_single_token_answer_has_no_tpot_and_no_itl():
+    m = measure_stream([(0.3, _data(_chat("x"))), (0.4, "data: [DONE]")], sent=0.0)
+    assert m.ttft_s == pytest.approx(0.3) and m.tpot_s is None and m.itl_s == []
+
+
+def test_stream_errors_and_streams_without_done_are_reported():
+    m = measure_stream([(0.1, _data(_chat("x"))), (0.2, _data({"error": {"message": "engine failed"}}))], sent=0.0)
+    assert m.error == "engine failed" and not m.done
+    cut = measure_stream([(0.1, _data(_chat("x")))], sent=0.0)
+    assert cut.error is None and not cut.done
+    assert measure_stream([(0.1, ": keep-alive comment"), (0.2, "")], sent=0.0).ttft_s is None
+
+
+def test_records_are_appended_as_they_complete_and_a_torn_last_line_is_skipped(tmp_path):
+    writer = RecordWriter(tmp_path, "w0")
+    for i in range(3):
+        writer.write(RequestRecord(f"r{i}", "s", i, "t", 1.0, 1.0, 0.0, ok=True, ttft_s=0.1 * i))
+        assert len(read_records(tmp_path)) == i + 1        # on disk at once, nothing buffered
+    writer.close()
+    with open(writer.path, "a") as f:
+        f.write('{"request_id": "r3", "sess')              # a crash mid-write
+    assert [r["request_id"] for r in read_records(tmp_path)] == ["r0", "r1", "r2"]

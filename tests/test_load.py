@@ -1,0 +1,120 @@
+"""Locust drives workloads through the streaming client against the real embedded server."""
+
+from collections import defaultdict
+
+import pytest
+
+from tests.servers import started_server
+from workloads.client import read_records
+from workloads.load import Target, run_load
+from workloads.requests import Workload, WorkloadRequest
+from workloads.sweep import SweepSettings, read_client_samples, run_sweep, summarize_step
+
+SYSTEM = "You answer questions about the document. " * 12
+
+
+def _workload(sessions: int = 6, turns: int = 3) -> Workload:
+    """Sessions whose turns extend the previous turn's messages (a growing shared prefix)."""
+    built = []
+    for s in range(sessions):
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Document {s}: " + "facts and figures " * 20}]
+        turns_of_session = []
+        for t in range(turns):
+            messages = messages + [{"role": "user", "content": f"Question {t} about document {s}?"}]
+            turns_of_session.append(WorkloadRequest(f"s{s}-t{t}", f"s{s}", t, tuple(messages), 8,
+                                                    sum(len(m["content"]) for m in messages)))
+            messages = messages + [{"role": "assistant", "content": "An answer. " * 3}]
+        built.append(tuple(turns_of_session))
+    return Workload("test-sessions", tuple(built))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from started_server(tmp_path_factory.mktemp("kvgate-load"))
+
+
+@pytest.fixture
+def target(server):
+    return Target("embedded", f"{server.base_url}/v1", "kvgate-tiny")
+
+
+def _by_session(records):
+    sessions = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["sent_at"]):
+        sessions[(r["worker"], r["session_id"])].append(r["turn"])
+    return sessions
+
+
+def test_a_headless_locust_run_records_every_request_in_session_order(target, tmp_path):
+    run = run_load(_workload(), target, users=3, duration_s=6, out_dir=tmp_path)
+    records = read_records(run.records_dir)
+    assert run.returncode == 0, run.log
+    assert len(records) >= 10 and all(r["ok"] for r in records), records[:3]
+    for turns in _by_session(records).values():      # a user runs a session's turns in order
+        assert turns[: len(turns) // 3 * 3] == [0, 1, 2] * (len(turns) // 3)
+    assert all(r["ttft_s"] > 0 and r["completion_tokens"] == 8 and r["tokens_from_usage"] for r in records)
+    later_turns = [r for r in records if r["turn"] > 0]
+    assert later_turns and all(r["cached_tokens"] >= 256 for r in later_turns)   # the prefix really was reused
+    samples = read_client_samples(run.records_dir)
+    assert samples and all(0 <= s["cpu_percent"] for s in samples)
+
+
+def test_a_request_budget_stops_the_run_early(target, tmp_path):
+    run = run_load(_workload(), target, users=2, duration_s=60, out_dir=tmp_path, max_requests=5)
+    assert len(read_records(run.records_dir)) == 5
+    assert run.ended_at - run.started_at < 45
+
+
+def test_distributed_locust_with_two_workers_collects_the_records_of_both(target, tmp_path):
+    run = run_load(_workload(sessions=8), target, users=4, duration_s=8, out_dir=tmp_path, workers=2)
+    records = read_records(run.records_dir)
+    assert run.returncode == 0, run.log
+    processes = {r["worker"] for r in records}
+    assert len(processes) == 2 and len(records) >= 8 and all(r["ok"] for r in records)
+    first_pass = defaultdict(set)
+    for r in records:
+        first_pass[r["worker"]].add(r["session_id"])
+    a, b = first_pass.values()
+    assert not a & b                                   # each worker takes its own sessions
+    assert len(list(run.records_dir.glob("records-*.jsonl"))) == 2
+
+
+def test_a_sweep_returns_one_valid_row_per_level_and_target(target, tmp_path):
+    settings = SweepSettings(levels=(1, 3), duration_s=6, warmup_s=1, min_duration_s=3, min_requests=3,
+                             out_dir=tmp_path)
+    frame = run_sweep([target], _workload(), settings)
+    assert list(frame["concurrency"]) == [1, 3] and list(frame["target"]) == ["embedded", "embedded"]
+    assert frame["valid"].all(), frame["invalid_reasons"].tolist()
+    assert (frame["ttft_p50_s"] > 0).all() and (frame["output_tokens_per_s"] > 0).all()
+    assert (frame["hit_ratio"] > 0).all() and (frame["error_rate"] == 0).all()
+
+
+def _record(sent_at, ttft, e2e, tokens=4, chunks=4, ok=True, cached=0, **extra):
+    return {"sent_at": sent_at, "ok": ok, "ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / (tokens - 1),
+            "itl_s": [(e2e - ttft) / (tokens - 1)] * (tokens - 1), "completion_tokens": tokens,
+            "content_chunks": chunks, "prompt_tokens": 100, "cached_tokens": cached, "tokens_from_usage": True,
+            **extra}
+
+
+def test_step_summary_excludes_warm_up_by_time_and_takes_percentiles_of_raw_records():
+    records = [_record(100.5, 9.0, 9.5)] + [_record(102 + i, 0.1 * (i + 1), 1.0 + i * 0.01, cached=50)
+                                             for i in range(10)]
+    summary = summarize_step(records, [], 100.0, 130.0,
+                             SweepSettings(warmup_s=1.0, min_duration_s=5, min_requests=5))
+    assert summary["requests"] == 10                       # the warm-up request is excluded
+    assert summary["ttft_p50_s"] == pytest.approx(0.55)    # median of 0.1 .. 1.0
+    assert summary["hit_ratio"] == pytest.approx(0.5)
+    assert summary["output_tokens_per_s"] == pytest.approx(40 / (102 + 9 + 1.09 - 101.0))  # to the last completion
+    assert summary["valid"], summary["invalid_reasons"]
+
+
+def test_a_step_is_invalid_with_too_few_requests_a_saturated_client_or_disagreeing_token_counts():
+    settings = SweepSettings(warmup_s=0, min_duration_s=5, min_requests=5)
+    few = summarize_step([_record(1, 0.1, 0.5)], [], 0.0, 30.0, settings)
+    assert not few["valid"] and "1 completed requests < minimum 5" in few["invalid_reasons"]
+    records = [_record(1 + i, 0.1, 0.5) for i in range(10)]
+    busy = summarize_step(records, [{"t": 2, "cpu_percent": 99.0, "loop_lag_s": 0.2}], 0.0, 30.0, settings)
+    assert "client saturated: CPU" in busy["invalid_reasons"] and "event-loop lag" in busy["invalid_reasons"]
+    skewed = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2) for i in range(10)]
+    assert "token counts disagree" in summarize_step(skewed, [], 0.0, 30.0, settings)["invalid_reasons"]
