@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_cache_bench)
     _add_serve(commands)
     _add_engine_bench(commands)
+    _add_client_bench(commands)
     return parser
 
 
@@ -140,6 +141,32 @@ def _engine_bench(args: argparse.Namespace) -> int:
 
     figures = run_engine_bench(EngineBenchSettings(args.dir, args.contexts, args.rounds, args.preset))
     print(json.dumps(figures, indent=2) if args.json else format_engine_report(figures))
+    return 0
+
+
+def _add_client_bench(commands) -> None:
+    bench = commands.add_parser(
+        "client-bench", help="fidelity and scale of the load engine's measurements",
+        description="Our TTFT vs an independent minimal timer on the embedded server, and the TTFT the load "
+                    "engine adds at many concurrent streams against a trivial reference server.",
+    )
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bench.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where raw records go")
+    bench.add_argument("--streams", type=_positive_int, default=200, help="concurrent streams (default: 200)")
+    bench.add_argument("--duration", type=_positive_int, default=20, help="scale run seconds (default: 20)")
+    bench.add_argument("--workers", type=int, default=1, help="locust worker processes, 0: one process (default: 1)")
+    bench.add_argument("--fidelity-requests", type=_positive_int, default=40, help="requests per client (default: 40)")
+    bench.set_defaults(handler=_client_bench)
+
+
+def _client_bench(args: argparse.Namespace) -> int:
+    from .client_bench import ClientBenchSettings, format_client_report, run_client_bench
+
+    figures = run_client_bench(ClientBenchSettings(
+        directory=args.dir, fidelity_requests=args.fidelity_requests, streams=args.streams,
+        scale_duration_s=args.duration, workers=args.workers,
+    ))
+    print(json.dumps(figures, indent=2) if args.json else format_client_report(figures))
     return 0
 
 

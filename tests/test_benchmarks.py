@@ -56,3 +56,16 @@ def test_engine_bench_reports_ttft_of_recompute_host_and_cold_disk_hits(tmp_path
         assert c["host_speedup"] == pytest.approx(c["recompute_ttft_ms"] / c["host_ttft_ms"])
     assert figures["disk_speedup_at_longest"] == long["disk_speedup"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_client_bench_compares_our_ttft_with_a_minimal_timer_and_holds_many_streams(tmp_path):
+    figures = _run_json("client-bench", "--dir", str(tmp_path), "--streams", "20", "--duration", "5",
+                        "--fidelity-requests", "6")
+    fidelity, scale = figures["fidelity"], figures["scale"]
+    assert fidelity["requests"] == 6 and fidelity["ours_ttft_p50_ms"] > 0 and fidelity["minimal_ttft_p50_ms"] > 0
+    assert fidelity["difference_percent"] == pytest.approx(
+        (fidelity["ours_ttft_p50_ms"] / fidelity["minimal_ttft_p50_ms"] - 1) * 100)
+    assert scale["peak_concurrent_streams"] == 20 and scale["errors"] == 0 and scale["requests"] > 20
+    # the reference server answers after 100 ms: nobody can measure less
+    assert scale["ttft_p50_ms"] >= 100 and scale["single_stream_ttft_p50_ms"] >= 100
+    assert scale["added_ttft_p50_ms"] == pytest.approx(scale["ttft_p50_ms"] - scale["single_stream_ttft_p50_ms"])

@@ -136,6 +136,20 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
     )
 
 
+class _NoDelayHTTPConnection(HTTPConnection):
+    """Nagle's algorithm off, as aiohttp and other benchmark clients do: small writes go out at once."""
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _NoDelayHTTPSConnection(HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class StreamingClient:
     """Sends workload requests to one OpenAI-compatible target over one keep-alive connection.
 
@@ -149,7 +163,7 @@ class StreamingClient:
         url = urlsplit(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"target url: expected http(s)://host:port/v1, found {base_url!r}")
-        self._connection_class = HTTPSConnection if url.scheme == "https" else HTTPConnection
+        self._connection_class = _NoDelayHTTPSConnection if url.scheme == "https" else _NoDelayHTTPConnection
         self._host, self._port, self._prefix = url.hostname, url.port, url.path
         self.model, self.api, self.target, self.temperature = model, api, target, temperature
         self.timeout_s = timeout_s
