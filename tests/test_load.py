@@ -118,3 +118,23 @@ def test_a_step_is_invalid_with_too_few_requests_a_saturated_client_or_disagreei
     assert "client saturated: CPU" in busy["invalid_reasons"] and "event-loop lag" in busy["invalid_reasons"]
     skewed = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2) for i in range(10)]
     assert "token counts disagree" in summarize_step(skewed, [], 0.0, 30.0, settings)["invalid_reasons"]
+
+
+def test_paced_sessions_arrive_as_a_poisson_process_at_the_requested_rate():
+    from workloads.sweep import paced
+
+    workload = paced(_workload(sessions=3), rate_per_s=5.0, duration_s=40, seed=1)
+    starts = [s[0].arrival_s for s in workload.sessions]
+    assert len(starts) == int(5 * 40 * 1.2) + 1 and starts == sorted(starts)
+    assert len(starts) / starts[-1] == pytest.approx(5.0, rel=0.15)
+    assert all(r.arrival_s is None for s in workload.sessions for r in s[1:])   # later turns follow at once
+    assert len({r.request_id for r in workload.requests}) == len(workload.requests)
+
+
+def test_a_rate_step_runs_open_loop_and_reports_its_rate(target, tmp_path):
+    settings = SweepSettings(levels=(), rates=(4.0,), rate_users=4, duration_s=6, warmup_s=1, min_duration_s=3,
+                             min_requests=3, out_dir=tmp_path)
+    frame = run_sweep([target], _workload(sessions=4, turns=1), settings)
+    row = frame.iloc[0]
+    assert row["rate_per_s"] == 4.0 and row["users"] == 4 and row["valid"], row["invalid_reasons"]
+    assert row["requests_per_s"] == pytest.approx(4.0, rel=0.5)

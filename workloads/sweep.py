@@ -12,7 +12,7 @@ saturated (CPU or event-loop lag), or client and server token counts disagree.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +29,8 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class SweepSettings:
     levels: tuple[int, ...] = (2, 4, 8)
+    rates: tuple[float, ...] = ()          # requests (sessions) per second, open loop
+    rate_users: int = 32                   # users available to a rate step
     duration_s: float = 30.0
     warmup_s: float = 5.0
     min_duration_s: float = 10.0
@@ -106,16 +108,50 @@ def _invalid_reasons(ok: list[dict], samples: list[dict], start: float, end: flo
     return reasons
 
 
+def paced(workload: Workload, rate_per_s: float, duration_s: float, seed: int = 0) -> Workload:
+    """Sessions starting as a Poisson process at `rate_per_s` (open loop), enough of them for `duration_s`.
+
+    Sessions are reused in order (with new ids) when the workload has fewer than the run needs;
+    later turns of a session follow its first one back to back.
+    """
+    rng = np.random.default_rng(seed)
+    needed = max(1, int(rate_per_s * duration_s * 1.2) + 1)
+    sessions, clock = [], 0.0
+    for i in range(needed):
+        clock += float(rng.exponential(1.0 / rate_per_s))
+        source = workload.sessions[i % len(workload.sessions)]
+        sessions.append(tuple(
+            replace(r, request_id=f"{r.request_id}#{i}", session_id=f"{r.session_id}#{i}",
+                    arrival_s=clock if r is source[0] else None)
+            for r in source
+        ))
+    return Workload(f"{workload.name}@{rate_per_s:g}rps", tuple(sessions))
+
+
 def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings) -> pd.DataFrame:
-    """Every level × target as one locust step; one row per step (raw records stay in out_dir)."""
+    """Every concurrency level (closed loop) and request rate (open loop) × target as one locust step.
+
+    One row per step; the raw records stay in out_dir. A rate step runs `rate_users` users,
+    enough that requests wait in the client only when the target falls behind (then the step
+    shows client wait, and is flagged when the client itself saturates).
+    """
+    steps = [("concurrency", level, workload, level) for level in settings.levels]
+    steps += [("rate", rate, paced(workload, rate, settings.duration_s), settings.rate_users)
+              for rate in settings.rates]
     rows = []
-    for level in settings.levels:
+    for kind, value, step_workload, users in steps:
         for target in targets:
-            step_dir = settings.out_dir / target.name / f"c{level}"
-            run = run_load(workload, target, level, settings.duration_s, step_dir, workers=settings.workers)
+            step_dir = settings.out_dir / target.name / (f"c{value}" if kind == "concurrency" else f"r{value:g}")
+            run = run_load(step_workload, target, users, settings.duration_s, step_dir, workers=settings.workers)
             records = read_records(run.records_dir)
             samples = read_client_samples(run.records_dir)
-            rows.append({"target": target.name, "concurrency": level, "step_dir": str(step_dir),
-                         "locust_exit_code": run.returncode,
+            rows.append({"target": target.name, "concurrency": users if kind == "concurrency" else None,
+                         "rate_per_s": value if kind == "rate" else None, "users": users,
+                         "step_dir": str(step_dir), "locust_exit_code": run.returncode,
+                         "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]),
                          **summarize_step(records, samples, run.started_at, run.ended_at, settings)})
     return pd.DataFrame(rows)
+
+
+def _p99(values: list[float]) -> Optional[float]:
+    return float(np.percentile(values, 99)) if values else None
