@@ -273,13 +273,18 @@ class RecordWriter:
         os.close(self._fd)
 
 
-def read_records(directory: Path) -> list[dict]:
-    """Every record of every process in a directory; a torn last line (a crash mid-write) is skipped."""
-    records = []
-    for path in sorted(Path(directory).glob("records-*.jsonl")):
+def read_jsonl(directory: Path, pattern: str) -> list[dict]:
+    """Every JSON line of the matching files; a torn last line (a crash mid-write) is skipped."""
+    rows = []
+    for path in sorted(Path(directory).glob(pattern)):
         for line in path.read_text().splitlines():
             try:
-                records.append(json.loads(line))
+                rows.append(json.loads(line))
             except ValueError:
                 continue
-    return records
+    return rows
+
+
+def read_records(directory: Path) -> list[dict]:
+    """Every request record of every load process in a directory."""
+    return read_jsonl(directory, "records-*.jsonl")

@@ -11,7 +11,6 @@ saturated (CPU or event-loop lag), or client and server token counts disagree.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -19,7 +18,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from .client import read_records
+from .client import read_jsonl, read_records
 from .load import Target, run_load
 from .requests import Workload
 
@@ -49,14 +48,8 @@ def percentiles(values: list[float]) -> dict[int, Optional[float]]:
 
 
 def read_client_samples(directory: Path) -> list[dict]:
-    samples = []
-    for path in sorted(Path(directory).glob("client-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                samples.append(json.loads(line))
-            except ValueError:
-                continue
-    return samples
+    """The load processes' once-a-second CPU and event-loop lag samples."""
+    return read_jsonl(directory, "client-*.jsonl")
 
 
 def summarize_step(records: list[dict], samples: list[dict], step_start: float, step_end: float,
