@@ -1,6 +1,8 @@
-"""Root pytest configuration.
+"""Root pytest configuration: loads the gate plugin (options, run context, record and verdict fixtures).
 
-Putting this file at the repository root makes the root importable for the
-project's tests (`cache_impl`, `gates`, `workloads`). The gate pytest plugin
-(`gates.plugin`) is registered here once the gate suites exist.
+The gate suites under gates/ are run by `kvgate run`; the project's own tests
+are under tests/. At the root, this file also makes `cache_impl`, `gates` and
+`workloads` importable for both.
 """
+
+pytest_plugins = ["gates.plugin"]

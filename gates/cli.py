@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_run(commands)
     bench = commands.add_parser(
         "cache-bench", help="cache tier figures against fio and memcpy on this machine",
         description="Measure the disk tier against fio, the host tier against memcpy, and prefix lookup.",
@@ -46,6 +47,75 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _gate_name(text: str) -> str:
+    if text.lower() not in ("g1", "g2", "g3", "g4"):
+        raise argparse.ArgumentTypeError(f"expected a gate name g1, g2, g3 or g4, found {text!r}")
+    return text.lower()
+
+
+def _add_run(commands) -> None:
+    run = commands.add_parser(
+        "run", help="run the acceptance gates in order (stop-loss) and write the report",
+        description="Run gates G1-G4 in order; a failed gate stops the later ones unless --continue-on-fail. "
+                    "Exit 0: all passed; 1: a gate failed or was inconclusive; 2: usage or configuration error.",
+    )
+    run.add_argument("gates", nargs="*", type=_gate_name, help="gates to run (default: every available gate)")
+    run.add_argument("--config", type=Path, help="gates.yaml (default: the profile's defaults, embedded target)")
+    run.add_argument("--profile", choices=["quick", "full"], help="defaults under the config (default: quick)")
+    run.add_argument("--out", type=Path, help="the run directory (default: reports/runs/<run-id>)")
+    run.add_argument("--continue-on-fail", action="store_true", help="run the later gates after a failure")
+    run.set_defaults(handler=_run)
+
+    init = commands.add_parser("init", help="write a commented gates.yaml template")
+    init.add_argument("file", nargs="?", type=Path, default=Path("gates.yaml"), help="where (default: gates.yaml)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    init.set_defaults(handler=_init)
+
+    report = commands.add_parser("report", help="render a run directory's report again (also mid-run)")
+    report.add_argument("run_dir", type=Path, help="the run directory")
+    report.set_defaults(handler=_report)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .run import GateRunner, available_gates, new_run_dir
+
+    config = load_config(args.config, args.profile)
+    known = available_gates()
+    gates = args.gates or known
+    missing = [g for g in gates if g not in known]
+    if missing:
+        print(f"kvgate run: gates: expected some of {known} (the suites this version has), found {missing}",
+              file=sys.stderr)
+        return 2
+    ordered = [g for g in ("g1", "g2", "g3", "g4") if g in gates]
+    run_id, run_dir = new_run_dir(args.out)
+    return GateRunner(config, run_dir, run_id, ordered, args.continue_on_fail).run()
+
+
+def _init(args: argparse.Namespace) -> int:
+    from .template import TEMPLATE
+
+    if args.file.exists() and not args.force:
+        print(f"kvgate init: {args.file} exists (use --force to overwrite)", file=sys.stderr)
+        return 2
+    args.file.write_text(TEMPLATE)
+    print(f"wrote {args.file}: edit it, then `kvgate run --config {args.file}`")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from reports.render import render_run
+
+    if not (args.run_dir / "run.json").exists():
+        print(f"kvgate report: run_dir: expected a run directory with run.json, found {args.run_dir}", file=sys.stderr)
+        return 2
+    results = render_run(args.run_dir)
+    print(f"{results['overall']['status'].upper()}: {results['overall']['summary']}")
+    print(f"report: {(args.run_dir / 'index.html').resolve()}")
+    return 0
+
+
 def _add_serve(commands) -> None:
     serve = commands.add_parser(
         "serve", help="serve the embedded engine over an OpenAI-compatible HTTP API",
@@ -61,6 +131,8 @@ def _add_serve(commands) -> None:
     serve.add_argument("--api-key-env", default="KVGATE_API_KEY",
                        help="environment variable holding the API key clients must send (default: %(default)s; "
                             "unset: no key)")
+    serve.add_argument("--admin", action="store_true",
+                       help="add /admin/cache/{evict,flush,drop-page-cache} (the gates use them to place prefixes)")
     serve.set_defaults(handler=_serve)
 
 
@@ -102,7 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig.from_dict(engine_settings(args))
     engine = Engine(config)
-    app = create_app(engine, api_key=os.environ.get(args.api_key_env) or None)
+    app = create_app(engine, api_key=os.environ.get(args.api_key_env) or None, admin=args.admin)
     print(f"kvgate serve: {engine.model_name}, mode {config.mode}, "
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "
           f"http://{args.host}:{args.port}/v1", flush=True)

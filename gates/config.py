@@ -1,0 +1,228 @@
+"""`gates.yaml`: targets, storage, expected inventory, fio matrix, workloads, thresholds and durations.
+
+Validated once at the edge: an unknown key or a bad value raises ConfigError
+naming the field path, what was expected and what was found (the CLI exits 2).
+A profile (`quick` or `full`) supplies defaults under the file's own values.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from cache_impl.config import ConfigError, StrictModel, format_validation_error
+
+Op = Literal[">=", "<=", ">", "<", "=="]
+
+
+class RuleSpec(StrictModel):
+    """A threshold {metric, op, value} or a band {metric, min, max}."""
+
+    metric: str
+    op: Optional[Op] = None
+    value: Optional[float] = None
+    min: Optional[float] = None
+    max: Optional[float] = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "RuleSpec":
+        threshold = self.op is not None and self.value is not None
+        band = self.min is not None and self.max is not None
+        if threshold == band:
+            raise ValueError(f"expected either op and value, or min and max, found {self.model_dump(exclude_none=True)}")
+        if band and self.min > self.max:
+            raise ValueError(f"expected min <= max, found min={self.min} max={self.max}")
+        return self
+
+    def as_dict(self) -> dict:
+        return self.model_dump(exclude_none=True)
+
+
+class Endpoint(StrictModel):
+    url: str = Field(pattern=r"^https?://", description="base URL ending in /v1")
+    model: str
+    api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
+    api: Literal["chat", "completions"] = "chat"
+
+
+class EmbeddedTargets(StrictModel):
+    preset: Literal["tiny", "small", "base"] = "small"
+    seed: int = 0
+    max_running: int = Field(default=8, ge=1)
+    device_capacity_blocks: int = Field(default=64, ge=1, description="device tier of both cached modes")
+    host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")
+    disk_capacity: str = Field(default="8GiB", description="disk tier of the tiered mode (under storage.path)")
+
+
+class TargetsConfig(StrictModel):
+    kind: Literal["embedded", "external"] = "embedded"
+    embedded: EmbeddedTargets = Field(default_factory=EmbeddedTargets)
+    baseline: Optional[Endpoint] = None
+    candidate: Optional[Endpoint] = None
+    recompute: Optional[Endpoint] = Field(default=None, description="optional: the no-reuse reference")
+
+    @model_validator(mode="after")
+    def _external_needs_endpoints(self) -> "TargetsConfig":
+        if self.kind == "external" and (self.baseline is None or self.candidate is None):
+            raise ValueError("expected baseline and candidate endpoints for kind: external, found "
+                             f"baseline={self.baseline is not None} candidate={self.candidate is not None}")
+        return self
+
+
+class StorageConfig(StrictModel):
+    path: Path = Field(default=Path("kvgate-storage"), description="the storage under test (fio, disk tier)")
+
+
+class InventoryConfig(StrictModel):
+    min_cpu_cores: Optional[int] = Field(default=None, ge=1)
+    min_memory_gib: Optional[float] = Field(default=None, gt=0)
+    min_free_gib: Optional[float] = Field(default=None, gt=0, description="free space at storage.path")
+    min_gpus: Optional[int] = Field(default=None, ge=0)
+    min_nics: Optional[int] = Field(default=None, ge=0)
+    rdma_required: bool = False
+
+
+class FioConfig(StrictModel):
+    size: str = "256M"
+    runtime_s: float = Field(default=5.0, gt=0)
+    iodepth: int = Field(default=16, ge=1)
+    numjobs: int = Field(default=1, ge=1)
+    direct: bool = True
+    ioengine: str = "libaio"
+    verify: bool = True
+    verify_size: str = "64M"
+
+
+class G1Config(StrictModel):
+    thresholds: list[RuleSpec]
+
+
+class G2Config(StrictModel):
+    contexts: list[int] = Field(min_length=1, description="context lengths in tokens")
+    rounds: int = Field(default=2, ge=1)
+    thresholds: list[RuleSpec]
+
+
+class G3Config(StrictModel):
+    workload: dict = Field(description="a workload spec (see workloads/specs)")
+    levels: list[int] = Field(min_length=1)
+    duration_s: float = Field(gt=0)
+    warmup_s: float = Field(ge=0)
+    min_requests: int = Field(default=10, ge=1)
+    thresholds: list[RuleSpec]
+
+
+class G4Config(StrictModel):
+    workload: dict
+    duration_s: float = Field(gt=0)
+    window_s: float = Field(gt=0)
+    concurrency: int = Field(ge=1)
+    memory_growth_limit_mib: float = Field(default=512, gt=0, description="extrapolated to the full duration")
+    thresholds: list[RuleSpec]
+
+
+class GatesConfig(StrictModel):
+    profile: Literal["quick", "full"] = "quick"
+    targets: TargetsConfig = Field(default_factory=TargetsConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    inventory: InventoryConfig = Field(default_factory=InventoryConfig)
+    fio: FioConfig = Field(default_factory=FioConfig)
+    g1: G1Config
+    g2: G2Config
+    g3: G3Config
+    g4: G4Config
+
+    def digest(self) -> str:
+        return "sha256:" + hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+_MULTI_ROUND = {"kind": "multi_round_qa", "users": 16, "rounds": 4, "system_prompt_tokens": 256,
+                "document_tokens": 1536, "question_tokens": 32, "answer_tokens": 64, "output_tokens": 16}
+
+PROFILES: dict[str, dict] = {
+    "quick": {
+        "fio": {"size": "256M", "runtime_s": 4, "verify_size": "32M"},
+        "g1": {"thresholds": [
+            {"metric": "seq_read_gbps", "op": ">=", "value": 0.1},
+            {"metric": "seq_write_gbps", "op": ">=", "value": 0.05},
+            {"metric": "rand_read_iops", "op": ">=", "value": 1000},
+            {"metric": "rand_write_iops", "op": ">=", "value": 500},
+            {"metric": "rand_read_p99_ms", "op": "<=", "value": 50},
+        ]},
+        "g2": {"contexts": [1024, 4096, 8192], "rounds": 2, "thresholds": [
+            {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
+            {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
+        ]},
+        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 40, "warmup_s": 8, "thresholds": [
+            {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
+            {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
+        ]},
+        "g4": {"workload": _MULTI_ROUND, "duration_s": 120, "window_s": 20, "concurrency": 4, "thresholds": [
+            {"metric": "error_rate", "op": "<=", "value": 0.001},
+            {"metric": "probe_identical_fraction", "op": ">=", "value": 1.0},
+        ]},
+    },
+    "full": {
+        "fio": {"size": "16G", "runtime_s": 60, "numjobs": 4, "iodepth": 32, "verify_size": "4G"},
+        "g1": {"thresholds": [
+            {"metric": "seq_read_gbps", "op": ">=", "value": 5.0},
+            {"metric": "seq_write_gbps", "op": ">=", "value": 2.0},
+            {"metric": "rand_read_iops", "op": ">=", "value": 500000},
+            {"metric": "rand_write_iops", "op": ">=", "value": 200000},
+            {"metric": "rand_read_p99_ms", "op": "<=", "value": 2},
+        ]},
+        "g2": {"contexts": [8192, 32768, 131072], "rounds": 5, "thresholds": [
+            {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
+            {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
+        ]},
+        "g3": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "levels": [4, 8, 16, 32, 64],
+               "duration_s": 600, "warmup_s": 60, "min_requests": 100, "thresholds": [
+                   {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
+                   {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
+               ]},
+        "g4": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "duration_s": 72 * 3600,
+               "window_s": 300, "concurrency": 32, "thresholds": [
+                   {"metric": "error_rate", "op": "<=", "value": 0.001},
+                   {"metric": "probe_identical_fraction", "op": ">=", "value": 1.0},
+               ]},
+    },
+}
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "workload":
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_config(path: Optional[Path] = None, profile: Optional[str] = None) -> GatesConfig:
+    """The validated configuration: profile defaults under the file's values (file optional)."""
+    data: Any = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as error:
+            raise ConfigError(f"{path}: expected a readable file, found {error.strerror}") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: expected valid YAML, found {error}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
+    data = {key: value for key, value in data.items() if value is not None}  # an empty section: its defaults
+    chosen = profile or data.get("profile") or "quick"
+    if chosen not in PROFILES:
+        raise ConfigError(f"profile: expected one of {sorted(PROFILES)}, found {chosen!r}")
+    merged = _merge(PROFILES[chosen], {**data, "profile": chosen})
+    try:
+        return GatesConfig.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, "gates")) from None

@@ -1,0 +1,1 @@
+"""G1 arrival acceptance: inventory and fio storage baselines against the spec sheet."""

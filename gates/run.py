@@ -1,0 +1,181 @@
+"""`kvgate run`: the gates in order, with stop-loss, each a pytest suite in its own process.
+
+The runner writes the resolved config and the environment fingerprint into
+the run directory, starts the embedded servers (or uses the external URLs),
+runs each gate's suite with the gate plugin, prints one line per verdict as it
+lands, decides the gate's status from its verdicts, stops the later gates
+after a failure (unless --continue-on-fail), and renders the report.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import secrets
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from rich.console import Console
+
+from workloads.fio import FioError, fio_version
+from workloads.inventory import collect_inventory
+
+from .config import GatesConfig
+from .runstore import GATE_TITLES, RunStore, read_jsonl
+from .targets import EmbeddedServers, endpoints_to_json, external_endpoints
+
+SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
+GATES_DIR = Path(__file__).parent
+NEEDS_TARGETS = {"g2", "g3", "g4"}
+STATUS_STYLE = {"passed": "bold green", "failed": "bold red", "inconclusive": "bold yellow", "error": "bold red",
+                "not run": "dim"}
+
+
+def available_gates() -> list[str]:
+    """Gates whose suite exists in this installation, in order."""
+    return [g for g, suite in SUITES.items() if (GATES_DIR / suite).is_dir()]
+
+
+def new_run_dir(out: Optional[Path]) -> tuple[str, Path]:
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    return run_id, Path(out) if out else Path("reports") / "runs" / run_id
+
+
+def environment_fingerprint(config: GatesConfig) -> dict:
+    versions = {"python": platform.python_version()}
+    for package in ("kvgate", "torch", "locust", "fastapi", "pydantic"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    try:
+        versions["fio"] = fio_version()
+    except FioError:
+        versions["fio"] = "not installed"
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=GATES_DIR)
+    inventory = collect_inventory()
+    return {
+        "versions": versions, "config_digest": config.digest(),
+        "git_sha": git.stdout.strip() if git.returncode == 0 else "unknown",
+        "host": inventory.get("host"), "cpu": inventory.get("cpu"), "memory": inventory.get("memory"),
+        "gpus": inventory.get("gpus"),
+    }
+
+
+def gate_status(verdicts: list[dict], pytest_exit_code: int) -> tuple[str, str]:
+    """A gate's outcome from its verdicts; a crash or a missing verdict is an error, never a pass."""
+    failed = [v for v in verdicts if v["status"] == "FAIL"]
+    unsure = [v for v in verdicts if v["status"] == "INCONCLUSIVE"]
+    if failed:
+        return "failed", failed[0]["reason"]
+    if unsure:
+        return "inconclusive", unsure[0]["reason"]
+    if pytest_exit_code not in (0, 1, 5) or (pytest_exit_code == 1 and not failed and not unsure):
+        return "error", f"a check crashed outside its verdict (pytest exit {pytest_exit_code}): see pytest.log"
+    if not verdicts:
+        return "error", "no check was judged"
+    return "passed", f"{len(verdicts)} checks passed"
+
+
+class GateRunner:
+    def __init__(self, config: GatesConfig, run_dir: Path, run_id: str, gates: list[str],
+                 continue_on_fail: bool, console: Optional[Console] = None) -> None:
+        self.config, self.run_dir, self.run_id, self.gates = config, run_dir, run_id, gates
+        self.continue_on_fail = continue_on_fail
+        self.store = RunStore(run_dir)
+        self.console = console or Console()
+
+    def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
+        info = {"run_id": self.run_id, "started_at": time.time(), "profile": self.config.profile,
+                "gates": self.gates, "environment": environment_fingerprint(self.config)}
+        self.store.write_run_info(info)
+        self.console.print(f"[bold]kvgate run[/bold] {self.run_id}  profile {self.config.profile}  "
+                           f"gates {' '.join(self.gates)}  → {self.run_dir}")
+        servers = self._targets(info)
+        with servers or nullcontext():
+            statuses = self._run_gates()
+        info["ended_at"] = time.time()
+        self.store.write_run_info(info)
+        self._render()
+        return 0 if all(s == "passed" for s in statuses) else 1
+
+    def _targets(self, info: dict) -> Optional[EmbeddedServers]:
+        if not NEEDS_TARGETS & set(self.gates):
+            return None
+        if self.config.targets.kind == "external":
+            info["targets"] = endpoints_to_json(external_endpoints(self.config))
+            self.store.write_run_info(info)
+            return None
+        servers = EmbeddedServers(self.config, self.run_dir)
+        with self.console.status("starting the embedded servers (recompute, device-only, tiered) …"):
+            try:
+                endpoints = servers.start()
+            except BaseException:
+                servers.stop()
+                raise
+        info["targets"] = endpoints_to_json(endpoints)
+        self.store.write_run_info(info)
+        for role, endpoint in endpoints.items():
+            self.console.print(f"  {role:<9} {endpoint.mode:<11} {endpoint.url}")
+        return servers
+
+    def _run_gates(self) -> list[str]:
+        statuses, stopped_at = [], None
+        for gate in self.gates:
+            if stopped_at is not None:
+                reason = f"not run: stopped at {stopped_at.upper()}"
+                self.store.set_status(gate, "not run", reason)
+                self.console.print(f"[dim]{GATE_TITLES[gate]}: {reason}[/dim]")
+                statuses.append("not run")
+                continue
+            status = self._run_gate(gate)
+            statuses.append(status)
+            if status != "passed" and not self.continue_on_fail:
+                stopped_at = gate
+        return statuses
+
+    def _run_gate(self, gate: str) -> str:
+        gate_dir = self.store.gate_dir(gate)
+        gate_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pytest", str(GATES_DIR / SUITES[gate]), "-p", "no:cacheprovider",
+                   "--rootdir", str(GATES_DIR.parent), "--kvgate-run-dir", str(self.run_dir.resolve()),
+                   "--kvgate-gate", gate, "--junitxml", str((gate_dir / "junit.xml").resolve()), "-q", "-rN"]
+        started = time.time()
+        shown = 0
+        with open(gate_dir / "pytest.log", "w") as log, \
+                self.console.status(f"{GATE_TITLES[gate]} running …"):
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent)
+            while process.poll() is None:
+                shown = self._print_new_verdicts(gate, shown)
+                time.sleep(0.5)
+        self._print_new_verdicts(gate, shown)
+        status, reason = gate_status(read_jsonl(gate_dir / "verdicts.jsonl"), process.returncode)
+        self.store.set_status(gate, status, reason, started_at=started, ended_at=time.time(),
+                              pytest_exit_code=process.returncode)
+        style = STATUS_STYLE.get(status, "bold")
+        self.console.print(f"[{style}]{GATE_TITLES[gate]}: {status.upper()}[/{style}]  "
+                           f"({time.time() - started:.0f} s) {reason if status != 'passed' else ''}")
+        return status
+
+    def _print_new_verdicts(self, gate: str, shown: int) -> int:
+        verdicts = read_jsonl(self.store.gate_dir(gate) / "verdicts.jsonl")
+        for v in verdicts[shown:]:
+            color = {"PASS": "green", "FAIL": "red", "INCONCLUSIVE": "yellow"}.get(v["status"], "white")
+            self.console.print(f"  [{color}]{v['status']:<12}[/{color}] {v['reason']}", highlight=False)
+        return len(verdicts)
+
+    def _render(self) -> None:
+        from reports.render import render_run
+
+        results = render_run(self.run_dir)
+        overall = results["overall"]
+        style = STATUS_STYLE.get(overall["status"], "bold")
+        self.console.print(f"[{style}]overall: {overall['status'].upper()}[/{style}]  {overall['summary']}")
+        self.console.print(f"report: {(self.run_dir / 'index.html').resolve()}")

@@ -1,0 +1,139 @@
+"""Statistics the verdicts rest on: percentiles, bootstrap intervals, Mann-Kendall trend.
+
+Every figure is computed from raw samples (per-request records, per-window
+figures), never from averaged percentiles. Bootstrap intervals are percentile
+intervals, vectorised with numpy and deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+Statistic = Callable[..., np.ndarray]
+
+
+def _sample(values: Sequence[float], name: str = "values") -> np.ndarray:
+    """A 1-D float array of finite values; ValueError when empty or not finite."""
+    array = np.asarray(values, dtype=float).ravel()
+    if array.size == 0:
+        raise ValueError(f"{name}: expected at least one value, found none")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name}: expected finite values, found NaN or infinity")
+    return array
+
+
+def _apply(statistic: Statistic, samples: np.ndarray) -> np.ndarray:
+    """`statistic` over each row of a 2-D array (with `axis=1` when the callable takes it)."""
+    try:
+        result = np.asarray(statistic(samples, axis=1), dtype=float)
+        if result.shape == (samples.shape[0],):
+            return result
+    except TypeError:
+        pass
+    return np.apply_along_axis(statistic, 1, samples).astype(float)
+
+
+def _resample(rng: np.random.Generator, sample: np.ndarray, statistic: Statistic, resamples: int) -> np.ndarray:
+    """The statistic of `resamples` bootstrap resamples of `sample` (indices drawn as one array)."""
+    indices = rng.integers(0, sample.size, size=(resamples, sample.size))
+    return _apply(statistic, sample[indices])
+
+
+def _bounds(replicates: np.ndarray, confidence: float) -> tuple[float, float]:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence: expected a fraction in (0, 1), found {confidence}")
+    finite = replicates[np.isfinite(replicates)]
+    if finite.size == 0:
+        return (math.nan, math.nan)
+    alpha = (1.0 - confidence) / 2.0
+    lo, hi = np.percentile(finite, [100.0 * alpha, 100.0 * (1.0 - alpha)])
+    return (float(lo), float(hi))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of raw values, numpy's linear interpolation; ValueError when empty."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q: expected a percentile in [0, 100], found {q}")
+    return float(np.percentile(_sample(values), q))
+
+
+def bootstrap_ci(values: Sequence[float], statistic: Statistic = np.median, confidence: float = 0.95,
+                 resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of `statistic(values)`; (value, value) for a single value."""
+    sample = _sample(values)
+    if sample.size < 2:
+        value = float(_apply(statistic, sample[None, :])[0])
+        return (value, value)
+    rng = np.random.default_rng(seed)
+    return _bounds(_resample(rng, sample, statistic, resamples), confidence)
+
+
+def _two_sample(numerator: Sequence[float], denominator: Sequence[float], combine: Callable,
+                statistic: Statistic, confidence: float, resamples: int, seed: int,
+                ) -> tuple[float, tuple[float, float]]:
+    """`combine(stat(num), stat(den))` and its bootstrap interval, the two samples resampled independently."""
+    num = _sample(numerator, "numerator")
+    den = _sample(denominator, "denominator")
+    den_stat = float(_apply(statistic, den[None, :])[0])
+    if den_stat == 0.0:
+        raise ValueError("denominator: its statistic is 0, the ratio is undefined")
+    point = float(combine(float(_apply(statistic, num[None, :])[0]), den_stat))
+    if num.size < 2 and den.size < 2:
+        return point, (point, point)
+    rng = np.random.default_rng(seed)
+    num_reps = _resample(rng, num, statistic, resamples)
+    den_reps = _resample(rng, den, statistic, resamples)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        replicates = combine(num_reps, den_reps)
+    return point, _bounds(np.asarray(replicates, dtype=float), confidence)
+
+
+def reduction_ci(baseline: Sequence[float], candidate: Sequence[float], statistic: Statistic = np.median,
+                 confidence: float = 0.95, resamples: int = 2000, seed: int = 0,
+                 ) -> tuple[float, tuple[float, float]]:
+    """Relative reduction `1 - stat(candidate)/stat(baseline)` (0.31 = 31% lower, e.g. TTFT p50) and its interval."""
+    return _two_sample(candidate, baseline, lambda c, b: 1.0 - c / b, statistic, confidence, resamples, seed)
+
+
+def gain_ci(baseline: Sequence[float], candidate: Sequence[float], statistic: Statistic = np.median,
+            confidence: float = 0.95, resamples: int = 2000, seed: int = 0,
+            ) -> tuple[float, tuple[float, float]]:
+    """Relative gain `stat(candidate)/stat(baseline) - 1` (0.35 = +35%, e.g. throughput per window) and its interval."""
+    return _two_sample(candidate, baseline, lambda c, b: c / b - 1.0, statistic, confidence, resamples, seed)
+
+
+def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], statistic: Statistic = np.median,
+             confidence: float = 0.95, resamples: int = 2000, seed: int = 0,
+             ) -> tuple[float, tuple[float, float]]:
+    """Ratio `stat(numerator)/stat(denominator)` (e.g. disk-hit TTFT / recompute TTFT) and its interval."""
+    return _two_sample(numerator, denominator, lambda n, d: n / d, statistic, confidence, resamples, seed)
+
+
+def mann_kendall(values: Sequence[float], alpha: float = 0.05) -> dict:
+    """Mann-Kendall trend test on an ordered series (e.g. windowed p99 TTFT, server memory).
+
+    Returns {"s", "z", "p_value", "trend", "sen_slope"}: S = sum over i<j of sign(x_j - x_i);
+    z from the normal approximation with the tie-corrected variance and continuity correction;
+    a two-sided p-value; "increasing" / "decreasing" when p < alpha, else "no trend"; and the
+    Theil-Sen slope (median of pairwise slopes, per index step).
+    """
+    x = _sample(values)
+    n = x.size
+    if n < 2:
+        return {"s": 0, "z": 0.0, "p_value": 1.0, "trend": "no trend", "sen_slope": 0.0}
+    i, j = np.triu_indices(n, k=1)
+    diffs = x[j] - x[i]
+    s = int(np.sign(diffs).sum())
+    _, ties = np.unique(x, return_counts=True)
+    variance = (n * (n - 1) * (2 * n + 5) - float(np.sum(ties * (ties - 1) * (2 * ties + 5)))) / 18.0
+    if variance <= 0.0 or s == 0:
+        z = 0.0
+    else:
+        z = (s - 1 if s > 0 else s + 1) / math.sqrt(variance)
+    p_value = math.erfc(abs(z) / math.sqrt(2.0))
+    trend = "no trend" if p_value >= alpha else ("increasing" if z > 0 else "decreasing")
+    sen_slope = float(np.median(diffs / (j - i)))
+    return {"s": s, "z": float(z), "p_value": float(p_value), "trend": trend, "sen_slope": sen_slope}

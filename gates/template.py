@@ -1,0 +1,98 @@
+"""The commented gates.yaml that `kvgate init` writes (a test checks it loads and matches the quick profile)."""
+
+TEMPLATE = """\
+# kvgate gates.yaml: what to test, against what, and what counts as passing.
+# Every key is optional: a missing key takes the profile's default. A typo is an
+# error (exit 2), never a silent default. Run: kvgate run --config gates.yaml
+
+# quick: the embedded default, all gates in minutes on a small machine.
+# full: a real joint test (G4 soaks for 72 hours).
+profile: quick
+
+targets:
+  # embedded: kvgate starts its own servers (recompute, device-only baseline, tiered candidate).
+  # external: give the endpoints below; API keys are read from the named environment variables.
+  kind: embedded
+  embedded:
+    preset: small                 # tiny | small | base (model size)
+    seed: 0                       # weights seed
+    max_running: 8                # requests decoding at once per server
+    device_capacity_blocks: 64    # device tier, both cached modes (256-token blocks)
+    host_capacity: 1GiB           # host DRAM tier of the tiered candidate
+    disk_capacity: 8GiB           # disk tier of the tiered candidate, under storage.path
+  # baseline:  {url: "http://10.0.0.5:8000/v1", model: my-model, api_key_env: BASELINE_KEY}
+  # candidate: {url: "http://10.0.0.6:8000/v1", model: my-model, api_key_env: CANDIDATE_KEY}
+  # recompute: {url: "http://10.0.0.7:8000/v1", model: my-model}   # optional no-reuse reference
+
+storage:
+  path: kvgate-storage            # the storage under test: fio runs here, the disk tier lives here
+
+inventory:                        # G1: what the order says; leave a key out to skip its check
+  # min_cpu_cores: 64
+  # min_memory_gib: 512
+  # min_free_gib: 1000            # free space at storage.path
+  # min_gpus: 8
+  # min_nics: 2
+  # rdma_required: true
+
+fio:                              # G1 fio matrix: seq read/write 1 MiB, random read/write 4 KiB, mixed 70/30
+  size: 256M
+  runtime_s: 4
+  iodepth: 16
+  numjobs: 1
+  direct: true
+  ioengine: libaio
+  verify: true                    # crc32c write + verify pass
+  verify_size: 32M
+
+g1:
+  thresholds:                     # {metric, op, value} or a band {metric, min, max}
+    - {metric: seq_read_gbps, op: ">=", value: 0.1}
+    - {metric: seq_write_gbps, op: ">=", value: 0.05}
+    - {metric: rand_read_iops, op: ">=", value: 1000}
+    - {metric: rand_write_iops, op: ">=", value: 500}
+    - {metric: rand_read_p99_ms, op: "<=", value: 50}
+
+g2:
+  contexts: [1024, 4096, 8192]    # tokens; one request at a time
+  rounds: 2
+  thresholds:
+    - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs G1 fio seq read
+    - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context
+
+g3:
+  workload:                       # see workloads/specs/ for every kind
+    kind: multi_round_qa
+    users: 16
+    rounds: 4
+    system_prompt_tokens: 256
+    document_tokens: 1536
+    question_tokens: 32
+    answer_tokens: 64
+    output_tokens: 16
+  levels: [2, 4, 8]               # concurrency sweep
+  duration_s: 40
+  warmup_s: 8
+  min_requests: 10
+  thresholds:
+    - {metric: ttft_p50_reduction, op: ">=", value: 0.25}
+    - {metric: throughput_gain, min: 0.29, max: 0.40}   # below: FAIL; above: PASS with a note
+
+g4:
+  workload:
+    kind: multi_round_qa
+    users: 16
+    rounds: 4
+    system_prompt_tokens: 256
+    document_tokens: 1536
+    question_tokens: 32
+    answer_tokens: 64
+    output_tokens: 16
+  duration_s: 120
+  window_s: 20
+  concurrency: 4
+  memory_growth_limit_mib: 512    # server memory growth extrapolated to duration_s
+  thresholds:
+    - {metric: error_rate, op: "<=", value: 0.001}
+    - {metric: probe_identical_fraction, op: ">=", value: 1.0}
+"""
