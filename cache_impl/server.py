@@ -28,8 +28,12 @@ from .tokenizer import ChatMessage
 DEFAULT_MAX_TOKENS = 16
 
 
-def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
-    """The ASGI app; it starts the engine on startup and drains and flushes it on shutdown."""
+def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = False) -> FastAPI:
+    """The ASGI app; it starts the engine on startup and drains and flushes it on shutdown.
+
+    `admin` adds POST /admin/cache/{evict,drop-page-cache,flush}, which the gates use to place
+    a prefix in a known tier before measuring (e.g. a cold disk hit).
+    """
 
     async def lifespan(app: FastAPI):
         engine.start()
@@ -47,7 +51,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
+        if api_key and request.url.path.startswith(("/v1/", "/admin/")):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 error = ApiError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
                 return JSONResponse(error.body(), status_code=401)
@@ -67,6 +71,9 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    if admin:
+        _add_admin_routes(app, engine)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -122,6 +129,37 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         return shape.full(text, finish)
 
     return app
+
+
+def _add_admin_routes(app: FastAPI, engine: Engine) -> None:
+    def cache():
+        if engine.cache is None:
+            raise ApiError(409, f"mode {engine.config.mode} has no cache", code="no_cache")
+        return engine.cache
+
+    @app.post("/admin/cache/evict")
+    async def evict(request: Request) -> dict:
+        body = await _json(request)
+        tiers = body.get("tiers") if isinstance(body, dict) else None
+        if not isinstance(tiers, list) or not all(t in ("device", "host") for t in tiers):
+            raise ApiError(400, "tiers: expected a list of 'device' and/or 'host'", param="tiers")
+        evicted = {}
+        for tier in tiers:
+            if tier in cache().tiers:
+                evicted[tier] = await asyncio.to_thread(cache().evict, tier)
+        return {"evicted": evicted}
+
+    @app.post("/admin/cache/flush")
+    async def flush() -> dict:
+        return {"flushed": await asyncio.to_thread(cache().flush, 60.0)}
+
+    @app.post("/admin/cache/drop-page-cache")
+    async def drop_page_cache() -> dict:
+        if "disk" not in cache().tiers:
+            raise ApiError(409, "no disk tier", code="no_disk_tier")
+        await asyncio.to_thread(cache().flush, 60.0)
+        await asyncio.to_thread(cache().tier("disk").drop_page_cache)
+        return {"dropped": True}
 
 
 async def _json(request: Request) -> object:
