@@ -71,3 +71,42 @@ def test_records_are_appended_as_they_complete_and_a_torn_last_line_is_skipped(t
     with open(writer.path, "a") as f:
         f.write('{"request_id": "r3", "sess')              # a crash mid-write
     assert [r["request_id"] for r in read_records(tmp_path)] == ["r0", "r1", "r2"]
+
+
+def test_a_keep_alive_connection_the_server_closed_is_replaced_once(tmp_path):
+    """A real server with a 1 s keep-alive timeout closes the idle connection; the next send reconnects."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from workloads.client import StreamingClient
+    from workloads.requests import WorkloadRequest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = tmp_path / "app.py"
+    app.write_text(
+        "from fastapi import FastAPI\nfrom fastapi.responses import StreamingResponse\napp = FastAPI()\n"
+        "@app.post('/v1/completions')\nasync def c():\n"
+        "    async def gen():\n"
+        "        yield 'data: {\"choices\": [{\"text\": \"x\"}]}\\n\\n'\n"
+        "        yield 'data: [DONE]\\n\\n'\n"
+        "    return StreamingResponse(gen(), media_type='text/event-stream')\n")
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "app:app", "--port", str(port),
+                               "--timeout-keep-alive", "1", "--log-level", "warning"], cwd=tmp_path)
+    try:
+        client = StreamingClient(f"http://127.0.0.1:{port}/v1", "m", api="completions")
+        request = WorkloadRequest("r", "s", 0, ({"role": "user", "content": "hi"},), 1, 2)
+        deadline = time.monotonic() + 30
+        while not client.send(request).ok:
+            assert time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.2)
+        time.sleep(2.5)                      # the server drops the idle connection
+        record = client.send(request)
+        assert record.ok, record.error_message
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -187,6 +187,22 @@ class StreamingClient:
             body["prompt"] = request.prompt_text()
         return body
 
+    def _post(self, path: str, body: bytes):
+        """Send the request; (monotonic send time, response). A stale keep-alive connection is replaced once."""
+        reused = self._connection is not None
+        for attempt in (1, 2):
+            if self._connection is None:
+                self._connection = self._connection_class(self._host, self._port, timeout=self.timeout_s)
+            sent = time.perf_counter()
+            try:
+                self._connection.request("POST", path, body=body, headers=self._headers)
+                return sent, self._connection.getresponse()
+            except (BrokenPipeError, ConnectionResetError):  # RemoteDisconnected is a ConnectionResetError
+                if not (reused and attempt == 1):
+                    raise
+                self.close()
+        raise AssertionError("unreachable")
+
     def send(self, request: WorkloadRequest, scheduled_at: Optional[float] = None) -> RequestRecord:
         """Send one request, stream the answer, and return its record (errors are recorded, not raised)."""
         path = self._prefix + ("/chat/completions" if self.api == "chat" else "/completions")
@@ -195,12 +211,8 @@ class StreamingClient:
         scheduled_at = sent_at if scheduled_at is None else scheduled_at
         record = RequestRecord(request.request_id, request.session_id, request.turn, self.target,
                                scheduled_at, sent_at, max(0.0, sent_at - scheduled_at), worker=self.worker)
-        if self._connection is None:
-            self._connection = self._connection_class(self._host, self._port, timeout=self.timeout_s)
-        sent = time.perf_counter()
         try:
-            self._connection.request("POST", path, body=body, headers=self._headers)
-            response = self._connection.getresponse()
+            sent, response = self._post(path, body)
             record.http_status = response.status
             if response.status >= 400:
                 return _failed(record, f"http_{response.status}", _error_message(response.read()))
