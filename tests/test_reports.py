@@ -1,0 +1,383 @@
+"""The report renderer: results.json outcome logic, merged junit.xml, a self-contained index.html."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from gates.runstore import RunStore
+from reports import svg
+from reports.render import main, render_run
+
+HOSTILE = "seq read <b>&amp; friends"  # a check name that must never become markup
+
+PYTEST_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="0" failures="1" skipped="1" tests="4" time="12.5"
+ timestamp="2025-05-01T10:00:00" hostname="node-a">
+<testcase classname="gates.g1_arrival.test_fio" name="test_seq_read_bandwidth" time="5.0"/>
+<testcase classname="gates.g1_arrival.test_fio" name="test_rand_read_iops" time="4.0"/>
+<testcase classname="gates.g1_arrival.test_inventory" name="test_nic_present" time="0.1">
+ <failure message="no 200G NIC found">AssertionError</failure></testcase>
+<testcase classname="gates.g1_arrival.test_fio" name="test_fio_verify" time="0.0">
+ <skipped message="verify disabled in quick profile"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def verdict(gate: str, check: str, status: str, reason: str, value, unit: str, rule, **extra) -> dict:
+    return {"gate": gate, "check": check, "metric": rule.get("metric", check), "status": status, "reason": reason,
+            "value": value, "unit": unit, "rule": rule, **extra}
+
+
+def write_g1(store: RunStore) -> None:
+    store.record("g1", "seq read", "seq_read_gbps", 6.8, "GB/s", job="seqread", bs="1MiB")
+    store.record("g1", "seq write", "seq_write_gbps", 3.1, "GB/s", job="seqwrite", bs="1MiB")
+    store.record("g1", "4k random read", "rand_read_iops", 820_000, "IOPS", job="randread", bs="4KiB")
+    store.record("g1", "capacity", "capacity_tb", 30.7, "TB")
+    store.add_verdict(verdict("g1", HOSTILE, "PASS", "G1 seq read: 6.8 GB/s ≥ 6.0 GB/s → PASS", 6.8, "GB/s",
+                              {"metric": "seq_read_gbps", "op": ">=", "value": 6.0}, interval=[6.7, 6.9]))
+    store.add_verdict(verdict("g1", "seq write", "PASS", "G1 seq write: 3.1 GB/s ≥ 3.0 GB/s → PASS", 3.1, "GB/s",
+                              {"metric": "seq_write_gbps", "op": ">=", "value": 3.0}))
+    store.add_verdict(verdict("g1", "4k random read", "PASS", "G1 4 KiB random read: 820k IOPS ≥ 700k → PASS",
+                              820_000, "IOPS", {"metric": "rand_read_iops", "op": ">=", "value": 700_000}))
+    store.add_verdict(verdict("g1", "capacity", "PASS", "G1 capacity: 30.7 TB ≥ 30 TB → PASS", 30.7, "TB",
+                              {"metric": "capacity_tb", "op": ">=", "value": 30}))
+
+
+def write_g2(store: RunStore, ttft: bool = True) -> None:
+    base = {"recompute": 0.075, "device-only": 0.07, "tiered": 0.012}
+    for mode, per_token in base.items():
+        for tokens in (4096, 16384, 65536):
+            if ttft:
+                store.record("g2", "ttft by context", "ttft_ms", round(40 + per_token * tokens, 1), "ms",
+                             mode=mode, context_tokens=tokens)
+    store.record("g2", "disk cold read", "disk_read_gbps", 5.9, "GB/s", context_tokens=65536)
+    store.add_verdict(verdict("g2", "disk cold-read bandwidth", "PASS",
+                              "G2 disk cold-read: 5.9 GB/s ≥ 80% of fio 6.8 GB/s (5.44) → PASS", 5.9, "GB/s",
+                              {"metric": "disk_read_gbps", "op": ">=", "value": 5.44}))
+    store.add_verdict(verdict("g2", "disk-hit TTFT ratio", "PASS",
+                              "G2 disk-hit TTFT at 64k: 0.16 × recompute ≤ 0.25 → PASS", 0.16, "ratio",
+                              {"metric": "ttft_ratio", "op": "<=", "value": 0.25}))
+
+
+def write_g3(store: RunStore) -> None:
+    for c in (1, 4, 16, 64):
+        store.record("g3", "sweep", "ttft_p50_ms", 180 + 9 * c, "ms", target="device-only", concurrency=c)
+        store.record("g3", "sweep", "ttft_p50_ms", 110 + 5 * c, "ms", target="tiered", concurrency=c)
+        store.record("g3", "sweep", "output_tokens_per_s", 90.0 * c ** 0.8, "tokens/s", target="device-only",
+                     concurrency=c)
+        store.record("g3", "sweep", "output_tokens_per_s", 90.0 * c ** 0.8 * 1.34, "tokens/s", target="tiered",
+                     concurrency=c)
+        store.add_verdict(verdict("g3", f"TTFT p50 reduction at c={c}", "PASS",
+                                  f"G3 TTFT p50 reduction at c={c}: 38.0% [35.1, 40.2] ≥ 25% → PASS", 38.0, "%",
+                                  {"metric": "ttft_p50_reduction_pct", "op": ">=", "value": 25}, interval=[35.1, 40.2]))
+        store.add_verdict(verdict("g3", f"throughput gain at c={c}", "PASS",
+                                  f"G3 throughput gain at c={c}: 34.0% in [29, 40] → PASS", 34.0, "%",
+                                  {"metric": "throughput_gain_pct", "min": 29, "max": 40}))
+
+
+def write_g4(store: RunStore) -> None:
+    for i in range(24):
+        store.record("g4", "soak", "window_ttft_p99_ms", 420 + (60 if 8 <= i <= 9 else 0) + i % 3, "ms",
+                     window_start_s=i * 900)
+    store.record("g4", "fault injection", "fault", 1, "", at_s=7300, kind="disk detach & <reattach>")
+    store.add_verdict(verdict("g4", "error rate", "PASS", "G4 error rate: 0.02% ≤ 0.1% → PASS", 0.02, "%",
+                              {"metric": "error_rate_pct", "op": "<=", "value": 0.1}))
+    store.add_verdict(verdict("g4", "p99 TTFT trend", "PASS", "G4 p99 TTFT trend: +0.3 ms/h, not significant → PASS",
+                              0.3, "ms/h", {"metric": "ttft_p99_slope", "op": "<=", "value": 0}))
+
+
+def build_run(root: Path, gates=("g1", "g2", "g3", "g4"), g2_ttft: bool = True) -> RunStore:
+    """A run in which every requested gate passed; tests then change what they need."""
+    store = RunStore(root)
+    store.write_run_info({
+        "run_id": "20250501-100000-ab12", "profile": "quick", "gates": list(gates), "started_at": 1746093600.0,
+        "environment": {"versions": {"python": "3.11.7", "torch": "2.13.0", "kvgate": "0.1.0"},
+                        "inventory": {"hosts": 1, "gpus": ["H200"], "nvme": [{"model": "PM1743", "tb": 30.7}]},
+                        "config_digest": "sha256:9f2c…", "git_sha": "a9b8f0b",
+                        "target_url": "http://10.0.0.5:8000/v1"},
+    })
+    writers = {"g1": write_g1, "g2": lambda s: write_g2(s, g2_ttft), "g3": write_g3, "g4": write_g4}
+    for gate in gates:
+        writers[gate](store)
+        store.set_status(gate, "passed", f"{gate.upper()}: all checks passed", started_at=1746093600.0,
+                         ended_at=1746097200.0, pytest_exit_code=0)
+    (store.gate_dir("g1") / "junit.xml").write_text(PYTEST_JUNIT)
+    return store
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    build_run(tmp_path / "run")
+    return tmp_path / "run"
+
+
+def gate_row(results: dict, gate: str) -> dict:
+    return next(g for g in results["gates"] if g["gate"] == gate)
+
+
+class StrictHTML(HTMLParser):
+    """Fails on end tags that do not close the innermost open element."""
+
+    VOID = frozenset({"meta", "link", "br", "hr", "img", "input", "col", "area", "base", "source", "wbr"})
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+
+# ---------------------------------------------------------------- results.json
+
+def test_all_requested_gates_passed_gives_overall_passed(run_dir):
+    results = render_run(run_dir)
+    assert results["overall"]["status"] == "passed"
+    assert [g["status"] for g in results["gates"]] == ["passed"] * 4
+    assert json.loads((run_dir / "results.json").read_text())["overall"]["status"] == "passed"
+
+
+def test_results_json_lists_gates_in_order_with_titles_verdicts_measurements_and_environment(run_dir):
+    results = json.loads(json.dumps(render_run(run_dir)))
+    assert results == json.loads((run_dir / "results.json").read_text())
+    assert [g["gate"] for g in results["gates"]] == ["g1", "g2", "g3", "g4"]
+    assert gate_row(results, "g1")["title"] == "G1 arrival acceptance"
+    assert len(gate_row(results, "g3")["verdicts"]) == 8
+    assert len(gate_row(results, "g2")["measurements"]) == 10
+    assert results["environment"]["git_sha"] == "a9b8f0b"
+    assert results["run"]["run_id"] == "20250501-100000-ab12"
+    assert isinstance(results["overall"]["summary"], str) and "\n" not in results["overall"]["summary"]
+
+
+def test_one_failed_gate_fails_the_run_and_stopped_gates_show_not_run_with_the_stop_reason(run_dir):
+    store = RunStore(run_dir)
+    store.add_verdict(verdict("g3", "TTFT p50 reduction at c=64", "FAIL",
+                              "G3 TTFT p50 reduction at c=64: 12.0% < 25% → FAIL", 12.0, "%",
+                              {"metric": "ttft_p50_reduction_pct", "op": ">=", "value": 25}))
+    store.set_status("g3", "failed", "1 of 9 checks failed")
+    (store.gate_dir("g4") / "verdicts.jsonl").unlink()
+    (store.gate_dir("g4") / "measurements.jsonl").unlink()
+    store.set_status("g4", "not run", "not run: stopped at G3")
+    results = render_run(run_dir)
+    assert results["overall"]["status"] == "failed"
+    assert results["overall"]["summary"].startswith("G3 failed: 1 of 9 checks failed")
+    g4 = gate_row(results, "g4")
+    assert (g4["status"], g4["reason"]) == ("not run", "not run: stopped at G3")
+
+
+def test_a_gate_in_error_fails_the_run(run_dir):
+    RunStore(run_dir).set_status("g2", "error", "target did not start")
+    assert render_run(run_dir)["overall"]["status"] == "failed"
+
+
+def test_inconclusive_gate_without_a_failure_makes_the_run_inconclusive(run_dir):
+    store = RunStore(run_dir)
+    store.add_verdict(verdict("g4", "memory trend", "INCONCLUSIVE", "G4 memory trend: interval straddles 0",
+                              1.2, "MB/h", {"metric": "rss_slope", "op": "<=", "value": 0}, interval=[-0.4, 2.8]))
+    store.set_status("g4", "inconclusive", "memory trend inconclusive")
+    assert render_run(run_dir)["overall"]["status"] == "inconclusive"
+
+
+def test_failure_outranks_inconclusive(run_dir):
+    store = RunStore(run_dir)
+    store.set_status("g2", "inconclusive", "too few requests")
+    store.set_status("g3", "failed", "throughput gain below band")
+    assert render_run(run_dir)["overall"]["status"] == "failed"
+
+
+def test_gate_with_verdicts_but_no_status_is_running_and_the_run_incomplete(run_dir):
+    (RunStore(run_dir).gate_dir("g4") / "status.json").unlink()
+    results = render_run(run_dir)
+    assert gate_row(results, "g4")["status"] == "running"
+    assert results["overall"]["status"] == "incomplete"
+    assert "G4 running" in results["overall"]["summary"]
+
+
+def test_a_running_gate_with_a_failed_verdict_names_it_in_the_summary(run_dir):
+    store = RunStore(run_dir)
+    (store.gate_dir("g4") / "status.json").unlink()
+    store.add_verdict(verdict("g4", "consistency probes", "FAIL", "G4 consistency: 2 of 500 probes differ → FAIL",
+                              99.6, "%", {"metric": "probe_identical_pct", "op": ">=", "value": 100}))
+    results = render_run(run_dir)
+    assert results["overall"]["status"] == "incomplete"
+    assert "3 verdicts (1 FAIL)" in results["overall"]["summary"]
+
+
+def test_requested_gate_never_started_makes_the_run_incomplete(tmp_path):
+    build_run(tmp_path, gates=("g1", "g2"))
+    info = RunStore(tmp_path).run_info()
+    RunStore(tmp_path).write_run_info({**info, "gates": ["g1", "g2", "g3"]})
+    results = render_run(tmp_path)
+    assert gate_row(results, "g3")["status"] == "not run"
+    assert results["overall"]["status"] == "incomplete"
+
+
+def test_gates_not_requested_do_not_keep_the_run_from_passing(tmp_path):
+    build_run(tmp_path, gates=("g1", "g2"))
+    results = render_run(tmp_path)
+    assert results["overall"]["status"] == "passed"
+    assert (gate_row(results, "g4")["status"], gate_row(results, "g4")["reason"]) == ("not run", "not requested")
+
+
+def test_rerendering_gives_the_same_results_json(run_dir):
+    render_run(run_dir)
+    first = (run_dir / "results.json").read_text()
+    render_run(run_dir)
+    assert (run_dir / "results.json").read_text() == first
+
+
+# ---------------------------------------------------------------- junit.xml
+
+def test_junit_has_one_testsuite_per_gate_with_failure_and_skipped_counts(run_dir):
+    store = RunStore(run_dir)
+    store.add_verdict(verdict("g3", "throughput gain at c=128", "FAIL",
+                              "G3 throughput gain at c=128: 21% < 29% → FAIL",
+                              21.0, "%", {"metric": "throughput_gain_pct", "min": 29, "max": 40}))
+    store.add_verdict(verdict("g3", "TTFT p50 reduction at c=128", "INCONCLUSIVE", "interval [22, 28] straddles 25%",
+                              25.5, "%", {"metric": "ttft_p50_reduction_pct", "op": ">=", "value": 25}))
+    store.set_status("g3", "failed", "throughput gain below band")
+    for name in ("verdicts.jsonl", "measurements.jsonl"):
+        (store.gate_dir("g4") / name).unlink()
+    store.set_status("g4", "not run", "not run: stopped at G3")
+    render_run(run_dir)
+    root = ET.parse(run_dir / "junit.xml").getroot()
+    suites = root.findall("testsuite")
+    assert root.tag == "testsuites"
+    assert [s.get("name").split()[0] for s in suites] == ["g1", "g2", "g3", "g4"]
+    counts = {s.get("name").split()[0]: (int(s.get("tests")), int(s.get("failures")), int(s.get("skipped")))
+              for s in suites}
+    assert counts == {"g1": (4, 1, 1), "g2": (2, 0, 0), "g3": (10, 2, 0), "g4": (1, 0, 1)}
+    g3_messages = [f.get("message") for f in suites[2].iter("failure")]
+    assert "INCONCLUSIVE: interval [22, 28] straddles 25%" in g3_messages
+    assert suites[3].find("testcase/skipped").get("message") == "not run: stopped at G3"
+    assert int(root.get("failures")) == 3 and int(root.get("tests")) == 17
+
+
+def test_junit_keeps_the_pytest_testcases_of_a_gate_that_has_its_own_report(run_dir):
+    render_run(run_dir)
+    g1 = ET.parse(run_dir / "junit.xml").getroot().find("testsuite")
+    assert g1.get("name") == "g1 arrival acceptance" and g1.get("hostname") == "node-a"
+    assert g1.find("testcase").get("name") == "test_seq_read_bandwidth"
+
+
+def test_junit_of_a_running_gate_marks_the_unfinished_gate_skipped(run_dir):
+    (RunStore(run_dir).gate_dir("g4") / "status.json").unlink()
+    render_run(run_dir)
+    g4 = ET.parse(run_dir / "junit.xml").getroot().findall("testsuite")[3]
+    assert (int(g4.get("tests")), int(g4.get("skipped"))) == (3, 1)
+
+
+# ---------------------------------------------------------------- index.html
+
+def test_index_html_is_well_formed_and_self_contained(run_dir):
+    render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    parser = StrictHTML()
+    parser.feed(page)
+    parser.close()
+    assert parser.errors == [] and parser.stack == []
+    for forbidden in ("http://", "https://", "<script src", "@import", "url(", "<link"):
+        assert forbidden not in page
+    assert "10.0.0.5:8000/v1" in page  # the target URL is shown, just not as a literal link
+
+
+def test_index_html_shows_the_overall_verdict_before_the_first_gate_section(run_dir):
+    store = RunStore(run_dir)
+    store.set_status("g2", "failed", "disk cold-read too slow")
+    render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    first_gate = page.index('<section class="gate')
+    assert page.index('class="overall failed"') < page.index(">FAILED<") < first_gate
+    assert page.index("20250501-100000-ab12") < first_gate
+    assert page.index('id="g1"') < page.index('id="g2"') < page.index('id="g3"') < page.index('id="g4"') \
+        < page.index('id="environment"')
+
+
+def test_index_html_shows_every_verdict_reason_and_the_environment(run_dir):
+    results = render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    for gate in results["gates"]:
+        for v in gate["verdicts"]:
+            assert v["reason"].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") in page
+    for text in ("a9b8f0b", "sha256:9f2c…", "2.13.0", "PM1743"):
+        assert text in page
+
+
+def test_index_html_has_a_plot_for_each_gate_with_plot_data(run_dir):
+    render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    for title in ("G1 measured against spec (GB/s)", "G1 measured against spec (IOPS)", "G2 TTFT by context length",
+                  "G3 TTFT p50 by concurrency", "G3 output throughput by concurrency",
+                  "G3 throughput_gain_pct against its band", "G4 windowed TTFT p99"):
+        assert f"<title>{title}</title>" in page
+    assert page.count("<svg") == 8  # G1: GB/s, IOPS, TB; G2: 1; G3: 3; G4: 1
+    assert 'stroke-dasharray="4 3"' in page  # the G4 fault marker
+
+
+def test_index_html_skips_a_plot_whose_data_is_absent(tmp_path):
+    build_run(tmp_path, g2_ttft=False)
+    render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    assert "G2 TTFT by context length" not in page
+    g2 = page[page.index('id="g2"'):page.index('id="g3"')]
+    assert "<svg" not in g2 and "disk-hit TTFT ratio" in g2
+
+
+def test_user_controlled_strings_are_escaped_in_html_and_svg(run_dir):
+    render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    assert HOSTILE not in page and "<reattach>" not in page
+    assert "seq read &lt;b&gt;&amp;amp; friends" in page
+    assert "disk detach &amp; &lt;reattach&gt;" in page  # the G4 fault marker label
+    ET.fromstring(ET.tostring(ET.parse(run_dir / "junit.xml").getroot()))  # the hostile name survives in XML too
+
+
+def test_main_rerenders_a_run_directory_and_reports_a_missing_one(run_dir, capsys):
+    assert main([str(run_dir)]) == 0
+    assert "report:" in capsys.readouterr().out and (run_dir / "index.html").exists()
+    assert main([str(run_dir / "missing")]) == 2
+
+
+# ---------------------------------------------------------------- svg
+
+def test_bar_chart_draws_one_bar_and_one_spec_line_per_verdict_and_escapes_labels():
+    chart = svg.bar_chart([("a<b", 5.0), ("c&d", 2.0)], [(0, 4.0), ("c&d", 3.0)], "spec <check>", "GB/s",
+                          statuses=["PASS", "FAIL"])
+    root = ET.fromstring(chart)
+    assert root.tag == "svg" and "http" not in chart
+    assert len(root.findall("rect[@rx]")) == 2
+    assert len([line for line in root.iter("line") if line.get("stroke-width") == "3"]) == 3  # 2 spec + legend
+    assert root.find("title").text == "spec <check>" and "a&lt;b" in chart and "c&amp;d" in chart
+
+
+def test_line_chart_has_a_line_per_series_the_band_markers_and_a_legend():
+    chart = svg.line_chart({"tiered": [(1, 10), (4, 30), (16, 50)], "base<line>": [(1, 12), (16, 70)]},
+                           "t", "concurrency", "tokens/s", band=(20, 40), markers=[(8, "fault & more")], log_x=True)
+    root = ET.fromstring(chart)
+    assert len(root.findall("polyline")) == 2
+    assert any(r.get("fill-opacity") == "0.14" for r in root.iter("rect"))
+    texts = [t.text for t in root.iter("text")]
+    assert {"tiered", "base<line>", "band", "fault", "fault & more"} <= set(texts)
+
+
+def test_charts_without_data_say_so_instead_of_failing():
+    assert "no data" in svg.line_chart({"x": []}, "empty", "x", "y")
+    assert "no data" in svg.bar_chart([], [], "empty", "GB/s")
+
+
+def test_nice_ticks_cover_the_range_with_round_steps():
+    assert svg.nice_ticks(0, 97) == [0, 20, 40, 60, 80, 100]
+    assert svg.nice_ticks(0, 0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
