@@ -147,6 +147,7 @@ _MULTI_ROUND = {"kind": "multi_round_qa", "users": 16, "rounds": 4, "system_prom
 
 PROFILES: dict[str, dict] = {
     "quick": {
+        "inventory": {"min_cpu_cores": 1, "min_memory_gib": 1, "min_free_gib": 2},
         "fio": {"size": "256M", "runtime_s": 4, "verify_size": "32M"},
         "g1": {"thresholds": [
             {"metric": "seq_read_gbps", "op": ">=", "value": 0.1},

@@ -28,9 +28,9 @@ storage:
   path: kvgate-storage            # the storage under test: fio runs here, the disk tier lives here
 
 inventory:                        # G1: what the order says; leave a key out to skip its check
-  # min_cpu_cores: 64
-  # min_memory_gib: 512
-  # min_free_gib: 1000            # free space at storage.path
+  min_cpu_cores: 1
+  min_memory_gib: 1
+  min_free_gib: 2                 # free space at storage.path
   # min_gpus: 8
   # min_nics: 2
   # rdma_required: true

@@ -357,6 +357,20 @@ def fmt_value(value: Any) -> str:
     return str(value)
 
 
+def fmt_with_unit(value: Any, unit: Any) -> str:
+    """A judged figure with its unit; "%" figures are fractions (0.312 -> "31.2%"), as in verdict reasons."""
+    if unit == "%" and _number(value) is not None:
+        return f"{_number(value) * 100:.1f}%"
+    text = fmt_value(value)
+    return f"{text} {unit}" if unit and text else text
+
+
+def fmt_interval_with_unit(interval: Any, unit: Any) -> str:
+    if unit == "%" and isinstance(interval, (list, tuple)) and len(interval) == 2:
+        return f"[{fmt_with_unit(interval[0], unit)}, {fmt_with_unit(interval[1], unit)}]"
+    return fmt_interval(interval)
+
+
 def fmt_time(value: Any) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
@@ -396,7 +410,8 @@ def fmt_field(value: Any, key: str) -> str:
 def render_html(results: dict, run_dir: Path, rendered_at: float) -> str:
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=True, undefined=StrictUndefined,
                       trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(value=fmt_value, time=fmt_time, context=fmt_context, interval=fmt_interval,
+    env.filters.update(value=fmt_value, with_unit=fmt_with_unit, interval_with_unit=fmt_interval_with_unit,
+                       time=fmt_time, context=fmt_context, interval=fmt_interval,
                        status_class=status_class, pretty_json=pretty_json, field=fmt_field)
     gates = [{**gate, "plots": [Markup(p) for p in PLOTTERS[gate["gate"]](gate)]} for gate in results["gates"]]
     run = results["run"]
