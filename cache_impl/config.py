@@ -91,6 +91,18 @@ def format_validation_error(error: ValidationError, root: str) -> str:
     return "\n".join(lines)
 
 
+def load_yaml_file(path: Any, root: str) -> Any:
+    """Parsed YAML of a file; unreadable or malformed files raise ConfigError under `root`."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise ConfigError(f"{root}: expected a readable YAML file, found {error.strerror or error} ({path})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{root}: expected valid YAML, found {error}") from None
+
+
 class StrictModel(BaseModel):
     """Settings models: unknown keys are errors, values are frozen once validated."""
 

@@ -153,12 +153,9 @@ def engine_settings(args: argparse.Namespace) -> dict:
 
 
 def load_yaml_section(path: Path, section: str) -> dict:
-    import yaml
+    from cache_impl.config import load_yaml_file
 
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"{path}: expected a readable YAML file, found an error: {error}") from None
+    data = load_yaml_file(path, str(path)) or {}
     if not isinstance(data, dict) or not isinstance(data.get(section, {}), dict):
         raise ConfigError(f"{path}: {section}: expected a mapping, found {type(data.get(section)).__name__}")
     return dict(data.get(section) or {})

@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from cache_impl.config import ConfigError, StrictModel, format_validation_error
+from cache_impl.config import ConfigError, StrictModel, format_validation_error, load_yaml_file
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -210,12 +209,7 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None) -> G
     """The validated configuration: profile defaults under the file's values (file optional)."""
     data: Any = {}
     if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as error:
-            raise ConfigError(f"{path}: expected a readable file, found {error.strerror}") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: expected valid YAML, found {error}") from None
+        data = load_yaml_file(path, str(path)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
     data = {key: value for key, value in data.items() if value is not None}  # an empty section: its defaults

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from workloads.client import read_jsonl_file
+
 GATES = ("g1", "g2", "g3", "g4")
 GATE_TITLES = {"g1": "G1 arrival acceptance", "g2": "G2 single-node baseline", "g3": "G3 main gate",
                "g4": "G4 stability"}
@@ -45,17 +47,7 @@ def append_jsonl(path: Path, row: dict) -> None:
             os.close(fd)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """All complete lines of a JSONL file ([] when absent; a torn last line is skipped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+read_jsonl = read_jsonl_file  # the run store's JSONL files follow the load engine's append-only rules
 
 
 def write_json(path: Path, data: Any) -> None:

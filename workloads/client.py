@@ -285,16 +285,22 @@ class RecordWriter:
         os.close(self._fd)
 
 
-def read_jsonl(directory: Path, pattern: str) -> list[dict]:
-    """Every JSON line of the matching files; a torn last line (a crash mid-write) is skipped."""
+def read_jsonl_file(path: Path) -> list[dict]:
+    """Every complete JSON line of a file ([] when absent); a torn last line (a crash mid-write) is skipped."""
+    if not Path(path).exists():
+        return []
     rows = []
-    for path in sorted(Path(directory).glob(pattern)):
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
     return rows
+
+
+def read_jsonl(directory: Path, pattern: str) -> list[dict]:
+    """Every JSON line of the files matching `pattern` in `directory`."""
+    return [row for path in sorted(Path(directory).glob(pattern)) for row in read_jsonl_file(path)]
 
 
 def read_records(directory: Path) -> list[dict]:

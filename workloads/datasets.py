@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cache_impl.config import ConfigError, format_validation_error
+from cache_impl.config import ConfigError, format_validation_error, load_yaml_file
 from cache_impl.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
 
 from .requests import Workload, WorkloadRequest
@@ -298,12 +297,7 @@ def load_spec(source: Union[str, Path, Mapping[str, Any], WorkloadSpec], root: s
     base = None
     if isinstance(source, (str, Path)):
         base = Path(source).parent
-        try:
-            source = yaml.safe_load(Path(source).read_text())
-        except OSError as error:
-            raise ConfigError(f"{root}: expected a readable YAML file, found {error}") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{root}: expected YAML, found {error}") from None
+        source = load_yaml_file(source, root)
     if not isinstance(source, Mapping):
         raise ConfigError(f"{root}: expected a mapping, found {source!r}")
     kind = source.get("kind")
