@@ -61,7 +61,7 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
     last_done = max((r["sent_at"] + r["e2e_s"] for r in ok), default=window_start)
     span = max(last_done - window_start, 1e-9)
     out_tokens = sum(r["completion_tokens"] or 0 for r in ok)
-    summary = {"requests": len(measured), "completed": len(ok), "window_s": span,
+    summary = {"window_start": window_start, "requests": len(measured), "completed": len(ok), "window_s": span,
                "requests_per_s": len(ok) / span, "output_tokens_per_s": out_tokens / span,
                "error_rate": 1 - len(ok) / len(measured) if measured else None}
     for metric in ("ttft_s", "tpot_s", "e2e_s"):

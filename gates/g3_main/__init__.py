@@ -1,0 +1,1 @@
+"""G3 main gate: concurrency sweeps of TTFT and throughput, tiered candidate vs baseline."""

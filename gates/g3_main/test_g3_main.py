@@ -1,0 +1,123 @@
+"""G3 main gate: under a concurrency sweep the tiered candidate beats the baseline by the promised margin.
+
+Baseline and candidate (and the recompute reference when there is one) run the
+same workload, same seed, step by step; per level the TTFT p50 reduction and
+the throughput gain are judged with 95% bootstrap intervals (requests for
+TTFT, 2-second windows for throughput). A step that was invalid (client
+saturated, too few requests, too short) makes its verdicts INCONCLUSIVE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gates.stats import gain_ci, reduction_ci
+from workloads.client import read_records
+from workloads.datasets import build_workload, sizer_for
+from workloads.sweep import SweepSettings, run_sweep
+
+THROUGHPUT_WINDOW_S = 2.0
+
+
+def _seed(run_id: str) -> int:
+    """A workload seed of this run, so no earlier run's cache contents help either side."""
+    return int.from_bytes(hashlib.blake2b(run_id.encode(), digest_size=4).digest(), "little")
+
+
+@pytest.fixture(scope="module")
+def sweep(gate_context, endpoints):
+    if "baseline" not in endpoints or "candidate" not in endpoints:
+        pytest.skip("G3 needs a baseline and a candidate endpoint")
+    config = gate_context.config.g3
+    embedded = endpoints["candidate"].admin
+    workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if embedded else None),
+                              seed=_seed(gate_context.store.run_info().get("run_id", "run")))
+    roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints]
+    settings = SweepSettings(levels=tuple(config.levels), duration_s=config.duration_s, warmup_s=config.warmup_s,
+                             min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
+                             min_requests=config.min_requests, out_dir=gate_context.store.raw_dir("g3") / "sweep")
+    frame = run_sweep([endpoints[r].target(r) for r in roles], workload, settings)
+    steps = {}
+    for row in frame.to_dict("records"):
+        records = read_records(Path(row["step_dir"]) / "records")
+        measured = [r for r in records if r["sent_at"] >= row["window_start"] and r["ok"]]  # the summary's window
+        steps[(row["target"], row["concurrency"])] = {"summary": row, "records": measured}
+    return steps
+
+
+def _throughput_windows(records: list[dict]) -> list[float]:
+    """Output tokens per second in consecutive windows of the measured period (by completion time)."""
+    if not records:
+        return []
+    done = np.array([r["sent_at"] + r["e2e_s"] for r in records])
+    tokens = np.array([r["completion_tokens"] or 0 for r in records])
+    start = min(r["sent_at"] for r in records)
+    edges = np.arange(start, done.max() + THROUGHPUT_WINDOW_S, THROUGHPUT_WINDOW_S)
+    sums, _ = np.histogram(done, bins=edges, weights=tokens)
+    return list(sums[: max(1, len(sums) - 1)] / THROUGHPUT_WINDOW_S)  # the last window is partial
+
+
+def _step(sweep, role, level):
+    step = sweep.get((role, level))
+    if step is None:
+        pytest.fail(f"no {role} step at c={level}", pytrace=False)
+    return step
+
+
+def test_sweep_figures_per_target_and_level(sweep, record):
+    for (role, level), step in sorted(sweep.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        s = step["summary"]
+        for metric in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s"):
+            if s.get(metric) is not None:
+                record(metric[:-2] + "_ms", s[metric] * 1e3, "ms", target=role, concurrency=level)
+        record("output_tokens_per_s", s["output_tokens_per_s"], "tokens/s", target=role, concurrency=level)
+        record("requests_per_s", s["requests_per_s"], "req/s", target=role, concurrency=level)
+        record("error_rate", s["error_rate"], target=role, concurrency=level)
+        record("hit_ratio", s["hit_ratio"], target=role, concurrency=level)
+        record("step_valid", s["valid"], target=role, concurrency=level, reasons=s["invalid_reasons"])
+    assert sweep, "the sweep produced no steps"
+
+
+def test_ttft_p50_reduction_at_each_level(sweep, record, verdict, level):
+    base, cand = _step(sweep, "baseline", level), _step(sweep, "candidate", level)
+    valid = bool(base["summary"]["valid"] and cand["summary"]["valid"])
+    reasons = "; ".join(r for r in (base["summary"]["invalid_reasons"], cand["summary"]["invalid_reasons"]) if r)
+    b = [r["ttft_s"] for r in base["records"]]
+    c = [r["ttft_s"] for r in cand["records"]]
+    if not b or not c:
+        verdict(f"G3 TTFT p50 reduction at c={level}", "ttft_p50_reduction", None, unit="%", valid=False,
+                invalid_reason="no completed requests in a step")
+    value, interval = reduction_ci(b, c)
+    record("ttft_p50_reduction", value, concurrency=level, interval=list(interval))
+    verdict(f"G3 TTFT p50 reduction at c={level}", "ttft_p50_reduction", value, unit="%", interval=interval,
+            valid=valid, invalid_reason=reasons)
+
+
+def test_throughput_gain_at_each_level(sweep, record, verdict, level):
+    base, cand = _step(sweep, "baseline", level), _step(sweep, "candidate", level)
+    valid = bool(base["summary"]["valid"] and cand["summary"]["valid"])
+    reasons = "; ".join(r for r in (base["summary"]["invalid_reasons"], cand["summary"]["invalid_reasons"]) if r)
+    b, c = _throughput_windows(base["records"]), _throughput_windows(cand["records"])
+    if not b or not c:
+        verdict(f"G3 throughput gain at c={level}", "throughput_gain", None, unit="%", valid=False,
+                invalid_reason="no completed requests in a step")
+    value, interval = gain_ci(b, c, statistic=np.mean)
+    record("throughput_gain", value, concurrency=level, interval=list(interval))
+    verdict(f"G3 throughput gain at c={level}", "throughput_gain", value, unit="%", interval=interval,
+            valid=valid, invalid_reason=reasons)
+
+
+def test_speedup_against_recompute_is_reported(sweep, record):
+    levels = sorted({level for _, level in sweep})
+    if not any(role == "recompute" for role, _ in sweep):
+        pytest.skip("no recompute reference endpoint")
+    for level in levels:
+        rec, cand = sweep.get(("recompute", level)), sweep.get(("candidate", level))
+        if rec and cand and cand["summary"]["ttft_p50_s"]:
+            record("ttft_speedup_vs_recompute", rec["summary"]["ttft_p50_s"] / cand["summary"]["ttft_p50_s"],
+                   concurrency=level)
+    assert levels
