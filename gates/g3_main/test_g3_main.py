@@ -12,16 +12,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from gates.stats import gain_ci, reduction_ci
+from gates.g3_main.analysis import level_figures
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.sweep import SweepSettings, run_sweep
-
-THROUGHPUT_WINDOW_S = 2.0
-
 
 def _seed(run_id: str) -> int:
     """A workload seed of this run, so no earlier run's cache contents help either side."""
@@ -49,18 +45,6 @@ def sweep(gate_context, endpoints):
     return steps
 
 
-def _throughput_windows(records: list[dict]) -> list[float]:
-    """Output tokens per second in consecutive windows of the measured period (by completion time)."""
-    if not records:
-        return []
-    done = np.array([r["sent_at"] + r["e2e_s"] for r in records])
-    tokens = np.array([r["completion_tokens"] or 0 for r in records])
-    start = min(r["sent_at"] for r in records)
-    edges = np.arange(start, done.max() + THROUGHPUT_WINDOW_S, THROUGHPUT_WINDOW_S)
-    sums, _ = np.histogram(done, bins=edges, weights=tokens)
-    return list(sums[: max(1, len(sums) - 1)] / THROUGHPUT_WINDOW_S)  # the last window is partial
-
-
 def _step(sweep, role, level):
     step = sweep.get((role, level))
     if step is None:
@@ -83,32 +67,17 @@ def test_sweep_figures_per_target_and_level(sweep, record):
 
 
 def test_ttft_p50_reduction_at_each_level(sweep, record, verdict, level):
-    base, cand = _step(sweep, "baseline", level), _step(sweep, "candidate", level)
-    valid = bool(base["summary"]["valid"] and cand["summary"]["valid"])
-    reasons = "; ".join(r for r in (base["summary"]["invalid_reasons"], cand["summary"]["invalid_reasons"]) if r)
-    b = [r["ttft_s"] for r in base["records"]]
-    c = [r["ttft_s"] for r in cand["records"]]
-    if not b or not c:
-        verdict(f"G3 TTFT p50 reduction at c={level}", "ttft_p50_reduction", None, unit="%", valid=False,
-                invalid_reason="no completed requests in a step")
-    value, interval = reduction_ci(b, c)
-    record("ttft_p50_reduction", value, concurrency=level, interval=list(interval))
-    verdict(f"G3 TTFT p50 reduction at c={level}", "ttft_p50_reduction", value, unit="%", interval=interval,
-            valid=valid, invalid_reason=reasons)
+    figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
+    record("ttft_p50_reduction", figures.ttft_reduction, concurrency=level, interval=figures.ttft_interval)
+    verdict(f"G3 TTFT p50 reduction at c={level}", "ttft_p50_reduction", figures.ttft_reduction, unit="%",
+            interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
 
 
 def test_throughput_gain_at_each_level(sweep, record, verdict, level):
-    base, cand = _step(sweep, "baseline", level), _step(sweep, "candidate", level)
-    valid = bool(base["summary"]["valid"] and cand["summary"]["valid"])
-    reasons = "; ".join(r for r in (base["summary"]["invalid_reasons"], cand["summary"]["invalid_reasons"]) if r)
-    b, c = _throughput_windows(base["records"]), _throughput_windows(cand["records"])
-    if not b or not c:
-        verdict(f"G3 throughput gain at c={level}", "throughput_gain", None, unit="%", valid=False,
-                invalid_reason="no completed requests in a step")
-    value, interval = gain_ci(b, c, statistic=np.mean)
-    record("throughput_gain", value, concurrency=level, interval=list(interval))
-    verdict(f"G3 throughput gain at c={level}", "throughput_gain", value, unit="%", interval=interval,
-            valid=valid, invalid_reason=reasons)
+    figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
+    record("throughput_gain", figures.throughput_gain, concurrency=level, interval=figures.throughput_interval)
+    verdict(f"G3 throughput gain at c={level}", "throughput_gain", figures.throughput_gain, unit="%",
+            interval=figures.throughput_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
 
 
 def test_speedup_against_recompute_is_reported(sweep, record):
