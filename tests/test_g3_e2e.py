@@ -1,0 +1,41 @@
+"""A short real G3 sweep against the embedded pair (and recompute), judged and reported."""
+
+import json
+
+import pytest
+import yaml
+
+from gates.cli import main
+from gates.runstore import RunStore
+
+SHORT_G3 = {
+    "targets": {"embedded": {"preset": "tiny", "max_running": 4, "device_capacity_blocks": 8,
+                             "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
+    "g3": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
+                        "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
+           "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def g3_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("kvgate-g3")
+    (work / "gates.yaml").write_text(yaml.safe_dump({**SHORT_G3, "storage": {"path": str(work / "storage")}}))
+    code = main(["run", "g3", "--config", str(work / "gates.yaml"), "--out", str(work / "run")])
+    return code, work / "run"
+
+
+def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_three_targets(g3_run):
+    code, run_dir = g3_run
+    store = RunStore(run_dir)
+    verdicts = {v["metric"]: v for v in store.verdicts("g3")}
+    assert set(verdicts) == {"ttft_p50_reduction", "throughput_gain"}
+    assert all(v["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "c=3" in v["reason"] for v in verdicts.values())
+    assert all(v.get("interval") or v["status"] == "INCONCLUSIVE" for v in verdicts.values())
+    targets = {m["context"]["target"] for m in store.measurements("g3") if m["metric"] == "ttft_p50_ms"}
+    assert targets == {"baseline", "candidate", "recompute"}
+    hits = {m["context"]["target"]: m["value"] for m in store.measurements("g3") if m["metric"] == "hit_ratio"}
+    assert hits["recompute"] == 0 and hits["candidate"] > 0          # the candidate really reused KV
+    results = json.loads((run_dir / "results.json").read_text())
+    assert code == (0 if results["overall"]["status"] == "passed" else 1)
+    assert (run_dir / "index.html").read_text().count("<svg") >= 2
