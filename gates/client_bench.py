@@ -25,6 +25,7 @@ import numpy as np
 
 from workloads.client import StreamingClient, read_records
 from workloads.load import Target, free_port, run_load
+from workloads.processes import die_with_parent
 from workloads.requests import Workload, WorkloadRequest
 
 
@@ -69,7 +70,8 @@ async def minimal_ttft(host: str, port: int, path: str, body: dict) -> float:
 
 @contextmanager
 def _process(command: list[str], port: int, health_path: str, timeout_s: float = 60):
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

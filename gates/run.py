@@ -24,6 +24,7 @@ from rich.console import Console
 
 from workloads.fio import FioError, fio_version
 from workloads.inventory import collect_inventory
+from workloads.processes import die_with_parent
 
 from .config import GatesConfig
 from .runstore import GATE_TITLES, RunStore, read_jsonl
@@ -151,7 +152,8 @@ class GateRunner:
         shown = 0
         with open(gate_dir / "pytest.log", "w") as log, \
                 self.console.status(f"{GATE_TITLES[gate]} running …"):
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent,
+                                       preexec_fn=die_with_parent)
             while process.poll() is None:
                 shown = self._print_new_verdicts(gate, shown)
                 time.sleep(0.5)

@@ -15,6 +15,7 @@ from typing import Optional
 import yaml
 
 from workloads.load import Target, free_port
+from workloads.processes import die_with_parent
 
 from .config import GatesConfig
 
@@ -71,7 +72,8 @@ class EmbeddedServers:
             self.processes[role] = subprocess.Popen(
                 [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", mode,
                  "--host", "127.0.0.1", "--port", str(port), "--cache-dir", str(cache_dir), "--admin"],
-                stdout=log, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"})
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                env={k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"})
             self.endpoints[role] = Endpoint(role, f"http://127.0.0.1:{port}/v1", f"kvgate-{embedded.preset}",
                                             admin=True, mode=mode)
         for role, endpoint in self.endpoints.items():

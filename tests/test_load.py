@@ -138,3 +138,37 @@ def test_a_rate_step_runs_open_loop_and_reports_its_rate(target, tmp_path):
     row = frame.iloc[0]
     assert row["rate_per_s"] == 4.0 and row["users"] == 4 and row["valid"], row["invalid_reasons"]
     assert row["requests_per_s"] == pytest.approx(4.0, rel=0.5)
+
+
+def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from workloads.processes import die_with_parent\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")])
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break                                   # the child is gone
+        with open(f"/proc/{child}/stat") as stat:
+            if stat.read().split()[2] == "Z":       # ended, waiting to be reaped by init
+                break
+        assert time.monotonic() < deadline, "the child outlived its killed parent"
+        time.sleep(0.05)

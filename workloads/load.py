@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from .requests import Workload, save_workload
+from .processes import die_with_parent
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -65,7 +66,8 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
     started = time.time()
     with open(log_path, "w") as log:
         if workers <= 0:
-            proc = subprocess.run(main, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=duration_s + 120)
+            proc = subprocess.run(main, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=duration_s + 120,
+                                  preexec_fn=die_with_parent)
             returncode = proc.returncode
         else:
             returncode = _run_distributed(main, base, workers, env, log, duration_s)
@@ -76,9 +78,10 @@ def _run_distributed(main: list[str], base: list[str], workers: int, env: dict, 
     port = free_port()
     master = subprocess.Popen(main + ["--master", "--expect-workers", str(workers), "--master-bind-host",
                                       "127.0.0.1", "--master-bind-port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
+                              env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     worker_procs = [subprocess.Popen(base + ["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
-                                     env=env, stdout=log, stderr=subprocess.STDOUT) for _ in range(workers)]
+                                     env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                    for _ in range(workers)]
     try:
         returncode = master.wait(timeout=duration_s + 120)
         for proc in worker_procs:
