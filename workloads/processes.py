@@ -12,6 +12,9 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 
 
 def die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGTERM this child when its parent dies (Linux; a no-op elsewhere)."""
+    """preexec_fn: ask the kernel to SIGTERM this child when its parent dies (Linux; a no-op elsewhere).
+
+    Linux ties this to the thread that started the child: start children from a long-lived thread.
+    """
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
