@@ -64,6 +64,8 @@ def _add_run(commands) -> None:
     run.add_argument("--profile", choices=["quick", "full"], help="defaults under the config (default: quick)")
     run.add_argument("--out", type=Path, help="the run directory (default: reports/runs/<run-id>)")
     run.add_argument("--continue-on-fail", action="store_true", help="run the later gates after a failure")
+    run.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                     help="continue a run whose harness was killed (its config and completed soak windows are kept)")
     run.set_defaults(handler=_run)
 
     init = commands.add_parser("init", help="write a commented gates.yaml template")
@@ -80,15 +82,27 @@ def _run(args: argparse.Namespace) -> int:
     from .config import load_config
     from .run import GateRunner, available_gates, new_run_dir
 
-    config = load_config(args.config, args.profile)
+    if args.resume is not None:
+        if args.config or args.out:
+            print("kvgate run: --resume: expected no --config or --out (the run directory has both), found them",
+                  file=sys.stderr)
+            return 2
+        if not (args.resume / "run.json").exists() or not (args.resume / "config.yaml").exists():
+            print(f"kvgate run: --resume: expected a run directory with run.json and config.yaml, found {args.resume}",
+                  file=sys.stderr)
+            return 2
+    config = load_config(args.resume / "config.yaml" if args.resume else args.config, args.profile)
     known = available_gates()
-    gates = args.gates or known
+    gates = args.gates or (["g4"] if args.resume else known)
     missing = [g for g in gates if g not in known]
     if missing:
         print(f"kvgate run: gates: expected some of {known} (the suites this version has), found {missing}",
               file=sys.stderr)
         return 2
     ordered = [g for g in ("g1", "g2", "g3", "g4") if g in gates]
+    if args.resume is not None:
+        run_id = json.loads((args.resume / "run.json").read_text()).get("run_id", args.resume.name)
+        return GateRunner(config, args.resume, run_id, ordered, args.continue_on_fail, resume=True).run()
     run_id, run_dir = new_run_dir(args.out)
     return GateRunner(config, run_dir, run_id, ordered, args.continue_on_fail).run()
 

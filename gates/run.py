@@ -85,17 +85,23 @@ def gate_status(verdicts: list[dict], pytest_exit_code: int) -> tuple[str, str]:
 
 class GateRunner:
     def __init__(self, config: GatesConfig, run_dir: Path, run_id: str, gates: list[str],
-                 continue_on_fail: bool, console: Optional[Console] = None) -> None:
+                 continue_on_fail: bool, console: Optional[Console] = None, resume: bool = False) -> None:
         self.config, self.run_dir, self.run_id, self.gates = config, run_dir, run_id, gates
-        self.continue_on_fail = continue_on_fail
+        self.continue_on_fail, self.resume = continue_on_fail, resume
         self.store = RunStore(run_dir)
         self.console = console or Console()
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
-        info = {"run_id": self.run_id, "started_at": time.time(), "profile": self.config.profile,
-                "gates": self.gates, "environment": environment_fingerprint(self.config)}
+        if self.resume:  # the same run, its config and raw data kept; the resumed gates start again
+            info = self.store.run_info()
+            info.setdefault("resumed_at", []).append(time.time())
+            info["gates"] = sorted(set(info.get("gates", [])) | set(self.gates))
+        else:
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
+            info = {"run_id": self.run_id, "started_at": time.time(), "profile": self.config.profile,
+                    "gates": self.gates, "environment": environment_fingerprint(self.config)}
         self.store.write_run_info(info)
         self.console.print(f"[bold]kvgate run[/bold] {self.run_id}  profile {self.config.profile}  "
                            f"gates {' '.join(self.gates)}  → {self.run_dir}")
@@ -150,7 +156,7 @@ class GateRunner:
                    "--kvgate-gate", gate, "--junitxml", str((gate_dir / "junit.xml").resolve()), "-q", "-rN"]
         started = time.time()
         shown = 0
-        with open(gate_dir / "pytest.log", "w") as log, \
+        with open(gate_dir / "pytest.log", "a") as log, \
                 self.console.status(f"{GATE_TITLES[gate]} running …"):
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent,
                                        preexec_fn=die_with_parent)

@@ -57,6 +57,7 @@ class RequestRecord:
     tokens_from_usage: bool = False
     finish_reason: Optional[str] = None
     worker: str = ""
+    text: Optional[str] = None        # the generated text, only when asked for (consistency probes)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -76,6 +77,7 @@ class StreamMetrics:
     finish_reason: Optional[str]
     done: bool
     error: Optional[str]
+    text: str = ""
 
 
 def _chunk_text(payload: dict) -> str:
@@ -98,6 +100,7 @@ def _chunk_finish(payload: dict) -> Optional[str]:
 def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMetrics:
     """Figures from SSE lines, each with the monotonic time it arrived; `sent` is when the request left."""
     content_times: list[float] = []
+    pieces: list[str] = []
     last_time = sent
     usage, finish, done, error = None, None, False, None
     for arrived, line in lines:
@@ -117,8 +120,10 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
         if "error" in payload and not payload.get("choices"):
             error = str(payload["error"].get("message", payload["error"]))[:300]
             continue
-        if _chunk_text(payload):
+        piece = _chunk_text(payload)
+        if piece:
             content_times.append(arrived)
+            pieces.append(piece)
         finish = _chunk_finish(payload) or finish
         if payload.get("usage"):
             usage = payload["usage"]
@@ -132,7 +137,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
         ttft_s=ttft, e2e_s=e2e, itl_s=itl, tpot_s=tpot, content_chunks=len(content_times),
         prompt_tokens=usage.get("prompt_tokens") if usage else None, completion_tokens=completion,
         cached_tokens=details.get("cached_tokens"), tokens_from_usage=usage is not None,
-        finish_reason=finish, done=done, error=error,
+        finish_reason=finish, done=done, error=error, text="".join(pieces),
     )
 
 
@@ -203,8 +208,12 @@ class StreamingClient:
                 self.close()
         raise AssertionError("unreachable")
 
-    def send(self, request: WorkloadRequest, scheduled_at: Optional[float] = None) -> RequestRecord:
-        """Send one request, stream the answer, and return its record (errors are recorded, not raised)."""
+    def send(self, request: WorkloadRequest, scheduled_at: Optional[float] = None,
+             keep_text: bool = False) -> RequestRecord:
+        """Send one request, stream the answer, and return its record (errors are recorded, not raised).
+
+        `keep_text` keeps the generated text in the record (for consistency probes; off for load).
+        """
         path = self._prefix + ("/chat/completions" if self.api == "chat" else "/completions")
         body = json.dumps(self.body(request)).encode()
         sent_at = time.time()
@@ -229,6 +238,8 @@ class StreamingClient:
             self.close()
             return _failed(record, "read", f"{type(error).__name__}: {error}")
         _apply(record, metrics)
+        if keep_text:
+            record.text = metrics.text
         if not metrics.done:
             self.close()  # the connection is in an unknown state
         return record

@@ -1,0 +1,1 @@
+"""G4 stability: a soak with drift, leak and consistency checks."""

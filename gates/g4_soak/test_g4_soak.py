@@ -1,0 +1,85 @@
+"""G4 stability: a constant-load soak without errors, drift, leaks or wrong answers.
+
+The soak runs against the candidate, measured in windows; fixed probes at
+temperature 0 are re-asked every window and must answer exactly as at the
+start (the check that catches corrupt KV served from a tier). Windows are
+appended as they complete, so a soak killed with the harness resumes with
+`kvgate run g4 --resume RUN_DIR` and loses no completed window.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gates.g4_soak.soak import Soak, SoakSettings, drift
+from workloads.datasets import build_workload, sizer_for
+
+
+@pytest.fixture(scope="module")
+def windows(gate_context, endpoints):
+    candidate = endpoints.get("candidate")
+    if candidate is None:
+        pytest.skip("G4 needs a candidate endpoint")
+    config = gate_context.config.g4
+    workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if candidate.admin else None), seed=4)
+    store = gate_context.store
+
+    def on_window(row: dict) -> None:
+        for metric in ("ttft_p99_ms", "ttft_p50_ms", "output_tokens_per_s", "rss_mib", "rss_minus_cache_mib"):
+            if row.get(metric) is not None:
+                store.record("g4", "soak", f"window_{metric}", row[metric], window_start_s=row["start_s"],
+                             window=row["index"])
+
+    soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
+                SoakSettings(config.duration_s, config.window_s, config.concurrency))
+    return soak.run(on_window=on_window)
+
+
+def _flag(result: dict, direction: str) -> int:
+    return int(result.get("trend") == direction)
+
+
+def test_error_rate_stays_under_the_limit(windows, record, verdict):
+    requests = sum(w["requests"] for w in windows)
+    errors = sum(w["errors"] for w in windows)
+    rate = errors / requests if requests else None
+    record("error_rate", rate, requests=requests, errors=errors)
+    verdict(f"G4 error rate over {len(windows)} windows ({errors} of {requests})", "error_rate", rate, unit="%",
+            valid=requests > 0, invalid_reason="no request completed in the soak")
+
+
+def test_consistency_probes_answer_identically_throughout(windows, record, verdict):
+    asked = sum(w["probes"] for w in windows)
+    same = sum(w["probes_identical"] for w in windows)
+    fraction = same / asked if asked else None
+    record("probe_identical_fraction", fraction, asked=asked, identical=same)
+    verdict(f"G4 consistency probes identical ({same} of {asked})", "probe_identical_fraction", fraction, unit="%",
+            valid=asked > 0, invalid_reason="no probe was asked")
+
+
+@pytest.mark.parametrize("metric, bad, label", [
+    ("ttft_p99_ms", "increasing", "upward drift in windowed TTFT p99"),
+    ("output_tokens_per_s", "decreasing", "downward drift in windowed throughput"),
+    ("rss_minus_cache_mib", "increasing", "upward drift in server memory outside the cache pools"),
+], ids=["ttft_p99", "throughput", "memory"])
+def test_no_significant_drift(windows, record, verdict, metric, bad, label):
+    result = drift(windows, metric)
+    flagged = _flag(result, bad)
+    record(f"{metric}_drift", flagged, **result)
+    detail = (f"Mann-Kendall p={result['p_value']:.3f}, Sen slope {result['sen_slope']:.3g}/window"
+              if result.get("p_value") is not None else result["trend"])
+    verdict(f"G4 {label} ({detail})", f"{metric}_drift", flagged,
+            rule={"metric": f"{metric}_drift", "op": "==", "value": 0},
+            valid=result.get("p_value") is not None, invalid_reason="fewer than 3 windows")
+
+
+def test_memory_growth_extrapolated_to_the_full_duration_stays_under_the_limit(gate_context, windows, record,
+                                                                              verdict):
+    config = gate_context.config.g4
+    result = drift(windows, "rss_minus_cache_mib")
+    if result.get("sen_slope") is None:
+        verdict("G4 memory growth", "memory_growth_mib", None, valid=False, invalid_reason="fewer than 3 windows")
+    growth = max(0.0, result["sen_slope"]) * config.duration_s / config.window_s
+    record("memory_growth_mib", growth, "MiB", sen_slope_mib_per_window=result["sen_slope"])
+    verdict(f"G4 memory growth extrapolated to {config.duration_s / 3600:.3g} h", "memory_growth_mib", growth,
+            rule={"metric": "memory_growth_mib", "op": "<=", "value": config.memory_growth_limit_mib}, unit="MiB")
