@@ -159,11 +159,11 @@ PROFILES: dict[str, dict] = {
             {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
         ]},
-        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 32, "warmup_s": 6, "thresholds": [
+        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 40, "warmup_s": 8, "thresholds": [
             {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
             {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
         ]},
-        "g4": {"workload": _MULTI_ROUND, "duration_s": 90, "window_s": 15, "concurrency": 4, "thresholds": [
+        "g4": {"workload": _MULTI_ROUND, "duration_s": 60, "window_s": 10, "concurrency": 4, "thresholds": [
             {"metric": "error_rate", "op": "<=", "value": 0.001},
             {"metric": "probe_identical_fraction", "op": ">=", "value": 1.0},
         ]},

@@ -71,8 +71,8 @@ g3:
     answer_tokens: 64
     output_tokens: 16
   levels: [2, 4, 8]               # concurrency sweep
-  duration_s: 32
-  warmup_s: 6
+  duration_s: 40
+  warmup_s: 8
   min_requests: 10
   thresholds:
     - {metric: ttft_p50_reduction, op: ">=", value: 0.25}
@@ -88,8 +88,8 @@ g4:
     question_tokens: 32
     answer_tokens: 64
     output_tokens: 16
-  duration_s: 90
-  window_s: 15
+  duration_s: 60
+  window_s: 10
   concurrency: 4
   memory_growth_limit_mib: 512    # server memory growth extrapolated to duration_s
   thresholds:

@@ -9,6 +9,7 @@ appended as they complete, so a soak killed with the harness resumes with
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gates.g4_soak.soak import Soak, SoakSettings, drift
@@ -25,14 +26,26 @@ def windows(gate_context, endpoints):
     store = gate_context.store
 
     def on_window(row: dict) -> None:
-        for metric in ("ttft_p99_ms", "ttft_p50_ms", "output_tokens_per_s", "rss_mib", "rss_minus_cache_mib"):
+        for metric in ("ttft_p99_ms", "ttft_p50_ms", "output_tokens_per_s", "rss_mib", "rss_minus_cache_mib",
+                       "probes_identical"):
             if row.get(metric) is not None:
-                store.record("g4", "soak", f"window_{metric}", row[metric], window_start_s=row["start_s"],
-                             window=row["index"])
+                store.record("g4", "soak", f"window_{metric}", row[metric], target="candidate",
+                             window_start_s=row["start_s"], window=row["index"])
 
     soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
                 SoakSettings(config.duration_s, config.window_s, config.concurrency))
     return soak.run(on_window=on_window)
+
+
+def _record_trend_line(record, windows: list[dict], metric: str, result: dict) -> None:
+    """The Theil-Sen line through the windowed figure, drawn beside it in the report."""
+    points = [(w["index"], w["start_s"], w[metric]) for w in windows if w.get(metric) is not None]
+    if result.get("sen_slope") is None or not points:
+        return
+    intercept = float(np.median([y - result["sen_slope"] * i for i, _, y in points]))
+    for i, start, _ in points:
+        record(f"window_{metric}", intercept + result["sen_slope"] * i, target="trend (Theil-Sen)",
+               window_start_s=start, window=i)
 
 
 def _flag(result: dict, direction: str) -> int:
@@ -66,6 +79,7 @@ def test_no_significant_drift(windows, record, verdict, metric, bad, label):
     result = drift(windows, metric)
     flagged = _flag(result, bad)
     record(f"{metric}_drift", flagged, **result)
+    _record_trend_line(record, windows, metric, result)
     detail = (f"Mann-Kendall p={result['p_value']:.3f}, Sen slope {result['sen_slope']:.3g}/window"
               if result.get("p_value") is not None else result["trend"])
     verdict(f"G4 {label} ({detail})", f"{metric}_drift", flagged,
