@@ -43,9 +43,6 @@ class LRUAccount:
         self.used_bytes -= nbytes
         return nbytes
 
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.capacity_bytes
-
     def victims(self, nbytes: int, is_protected: Callable[[Key], bool]) -> list[Key] | None:
         """Least recently used unprotected keys whose removal frees room for `nbytes`.
 

@@ -23,18 +23,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _bench_parser(commands, name: str, help_text: str, description: str, dir_help: str) -> argparse.ArgumentParser:
+    """A benchmark subcommand with the options every benchmark has: --json and --dir."""
+    bench = commands.add_parser(name, help=help_text, description=description)
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bench.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help=dir_help)
+    return bench
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_run(commands)
-    bench = commands.add_parser(
-        "cache-bench", help="cache tier figures against fio and memcpy on this machine",
-        description="Measure the disk tier against fio, the host tier against memcpy, and prefix lookup.",
-    )
-    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    bench.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
-                       help="directory on the storage to measure (default: %(default)s)")
+    bench = _bench_parser(commands, "cache-bench", "cache tier figures against fio and memcpy on this machine",
+                          "Measure the disk tier against fio, the host tier against memcpy, and prefix lookup.",
+                          "directory on the storage to measure (default: %(default)s)")
     bench.add_argument("--prefix-mib", type=_positive_int, default=256, help="size of the cached prefix (default: 256)")
     bench.add_argument("--rounds", type=_positive_int, default=5, help="back-to-back rounds per comparison (default: 5)")
     bench.add_argument("--read-workers", type=_positive_int, default=4, help="disk tier read threads (default: 4)")
@@ -206,12 +210,10 @@ def _contexts(text: str) -> tuple[int, ...]:
 
 
 def _add_engine_bench(commands) -> None:
-    bench = commands.add_parser(
-        "engine-bench", help="single-request TTFT of the embedded engine: recompute vs host and cold disk hits",
-        description="TTFT at each context length with nothing cached, a host-tier hit and a cold disk hit.",
-    )
-    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    bench.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk tier location")
+    bench = _bench_parser(commands, "engine-bench",
+                          "single-request TTFT of the embedded engine: recompute vs host and cold disk hits",
+                          "TTFT at each context length with nothing cached, a host-tier hit and a cold disk hit.",
+                          "disk tier location")
     bench.add_argument("--contexts", type=_contexts, default=(1024, 4096, 8192),
                        help="comma-separated context lengths in tokens (default: 1024,4096,8192)")
     bench.add_argument("--rounds", type=_positive_int, default=3, help="rounds per context (default: 3)")
@@ -228,13 +230,10 @@ def _engine_bench(args: argparse.Namespace) -> int:
 
 
 def _add_client_bench(commands) -> None:
-    bench = commands.add_parser(
-        "client-bench", help="fidelity and scale of the load engine's measurements",
-        description="Our TTFT vs an independent minimal timer on the embedded server, and the TTFT the load "
-                    "engine adds at many concurrent streams against a trivial reference server.",
-    )
-    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    bench.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where raw records go")
+    bench = _bench_parser(commands, "client-bench", "fidelity and scale of the load engine's measurements",
+                          "Our TTFT vs an independent minimal timer on the embedded server, and the TTFT the load "
+                          "engine adds at many concurrent streams against a trivial reference server.",
+                          "where raw records go")
     bench.add_argument("--streams", type=_positive_int, default=200, help="concurrent streams (default: 200)")
     bench.add_argument("--duration", type=_positive_int, default=20, help="scale run seconds (default: 20)")
     bench.add_argument("--workers", type=int, default=1, help="locust worker processes, 0: one process (default: 1)")

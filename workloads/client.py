@@ -141,7 +141,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
     )
 
 
-class _NoDelayHTTPConnection(HTTPConnection):
+class _NoDelay:
     """Nagle's algorithm off, as aiohttp and other benchmark clients do: small writes go out at once."""
 
     def connect(self) -> None:
@@ -149,10 +149,12 @@ class _NoDelayHTTPConnection(HTTPConnection):
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class _NoDelayHTTPSConnection(HTTPSConnection):
-    def connect(self) -> None:
-        super().connect()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+class _NoDelayHTTPConnection(_NoDelay, HTTPConnection):
+    pass
+
+
+class _NoDelayHTTPSConnection(_NoDelay, HTTPSConnection):
+    pass
 
 
 class StreamingClient:

@@ -31,9 +31,6 @@ class SlotPool:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def holds(self, key: Key) -> bool:
-        return key in self._slot_of
-
     def reserve(self, key: Key) -> Optional[torch.Tensor]:
         """The slot tensor to copy the key's block into, or None when no slot is free."""
         if not self._free:
