@@ -17,7 +17,7 @@ import struct
 import threading
 from itertools import count
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import xxhash
 
@@ -80,6 +80,37 @@ def verify_header(header, fingerprint: bytes, key: bytes, payload_nbytes: int) -
     return None, payload_sum
 
 
+def stored_payload_nbytes(header) -> int | None:
+    """The payload size a header claims (None when the header is too short to say)."""
+    if len(header) < _FIELDS.size:
+        return None
+    return _FIELDS.unpack(bytes(header[: _FIELDS.size]))[5]
+
+
+def verify_file(path: Path, fingerprint: bytes, key: bytes) -> tuple[str | None, int]:
+    """Check a whole block file without knowing the layout (the header gives the payload size).
+
+    Returns (reason or None, bytes read).
+    """
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return MISSING, 0
+    except OSError:
+        return IO_ERROR, 0
+    nbytes = stored_payload_nbytes(data[:HEADER_BYTES])
+    if nbytes is None or len(data) < HEADER_BYTES:
+        return SHORT_READ, len(data)
+    reason, expected_sum = verify_header(data[:HEADER_BYTES], fingerprint, key, nbytes)
+    if reason:
+        return reason, len(data)
+    if len(data) < file_nbytes(nbytes):
+        return SHORT_READ, len(data)
+    if checksum(memoryview(data)[HEADER_BYTES : HEADER_BYTES + nbytes]) != expected_sum:
+        return BAD_CHECKSUM, len(data)
+    return None, len(data)
+
+
 _temp_counter = count()
 
 
@@ -123,8 +154,12 @@ def read_all(fd: int, buffers: Sequence) -> int:
     return total
 
 
-def atomic_publish(final: Path, buffers: Sequence, fsync: bool) -> None:
-    """Write buffers to a temp file and rename it over `final`; on any error nothing is visible."""
+def atomic_publish(final: Path, buffers: Sequence, fsync: bool,
+                   before_publish: Optional[Callable[[], None]] = None) -> None:
+    """Write buffers to a temp file and rename it over `final`; on any error nothing is visible.
+
+    `before_publish` runs between the written data and the rename (where fault points act).
+    """
     temp = temp_path_for(final)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -134,6 +169,8 @@ def atomic_publish(final: Path, buffers: Sequence, fsync: bool) -> None:
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if before_publish is not None:
+            before_publish()
         os.rename(temp, final)
     except BaseException:
         try:

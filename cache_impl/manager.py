@@ -479,6 +479,7 @@ class TieredKVCache:
                 "pinned_blocks": len(self._pins),
                 "pending_disk_writes": len(self._pending_disk),
                 "reindex_removed": self.reindex_removed,
+                "faults": self._tiers[DISK].faults.snapshot() if self._tiers[DISK] is not None else None,
             }
 
     def _reindex_disk(self) -> None:

@@ -71,6 +71,14 @@ def _cache_metrics(cache: dict) -> Iterator[Metric]:
         latency.add_metric([tier], list(hist["buckets"].items()), hist["sum"])
     yield latency
     yield _gauge("kvgate_cache_pending_disk_writes", "disk writes queued", cache["pending_disk_writes"])
+    yield _counter("kvgate_cache_reindex_removed", "stored blocks refused and removed when re-indexing at start",
+                   cache["reindex_removed"])
+    if cache.get("faults") is not None:
+        injected = CounterMetricFamily("kvgate_faults_injected", "times an armed I/O fault acted (admin)",
+                                       labels=["kind"])
+        for kind, count in sorted(cache["faults"]["fired"].items()):
+            injected.add_metric([kind], count)
+        yield injected
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

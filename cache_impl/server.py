@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from typing import AsyncIterator, Optional
@@ -31,8 +32,9 @@ DEFAULT_MAX_TOKENS = 16
 def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = False) -> FastAPI:
     """The ASGI app; it starts the engine on startup and drains and flushes it on shutdown.
 
-    `admin` adds POST /admin/cache/{evict,drop-page-cache,flush}, which the gates use to place
-    a prefix in a known tier before measuring (e.g. a cold disk hit).
+    `admin` adds POST /admin/cache/{evict,drop-page-cache,flush,locate}, which the gates use to
+    place a prefix in a known tier before measuring (e.g. a cold disk hit) and to find its stored
+    blocks, and /admin/faults (GET, POST to arm, DELETE to clear) for disk I/O fault injection.
     """
 
     async def lifespan(app: FastAPI):
@@ -59,7 +61,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode}
+        return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode, "pid": os.getpid()}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -94,8 +96,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_request(ChatCompletionRequest, await _json(request))
-        messages = [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in body.messages]
-        return await _generate(request, body, engine.tokenizer.apply_chat_template(messages), chat=True)
+        return await _generate(request, body, _chat_tokens(engine, body.messages), chat=True)
 
     async def _generate(request: Request, body, tokens: list[int], chat: bool):
         if body.model != engine.model_name:
@@ -160,6 +161,64 @@ def _add_admin_routes(app: FastAPI, engine: Engine) -> None:
         await asyncio.to_thread(cache().flush, 60.0)
         await asyncio.to_thread(cache().tier("disk").drop_page_cache)
         return {"dropped": True}
+
+
+    @app.post("/admin/cache/locate")
+    async def locate(request: Request) -> dict:
+        body = await _json(request)
+        if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            tokens = engine.tokenizer.encode(body["prompt"])
+        elif isinstance(body, dict) and isinstance(body.get("messages"), list):
+            chat = parse_request(ChatCompletionRequest, {"model": engine.model_name, "messages": body["messages"]})
+            tokens = _chat_tokens(engine, chat.messages)
+        else:
+            raise ApiError(400, "expected a JSON object with 'prompt' (a string) or 'messages' (a list)",
+                           param="prompt")
+        store = cache()
+        disk = store.tier("disk") if "disk" in store.tiers else None
+        blocks = [{"index": i, "key": key.hex(), "tiers": store.where(key),
+                   "path": str(disk.path_for(key)) if disk is not None else None}
+                  for i, key in enumerate(store.keys_for(tokens))]
+        return {"prompt_tokens": len(tokens), "block_size": store.block_size, "blocks": blocks}
+
+    def faults():
+        if engine.cache is None or "disk" not in engine.cache.tiers:
+            raise ApiError(409, "no disk tier to inject faults into", code="no_disk_tier")
+        return engine.cache.tier("disk").faults
+
+    @app.get("/admin/faults")
+    async def show_faults() -> dict:
+        return faults().snapshot()
+
+    @app.post("/admin/faults")
+    async def arm_fault(request: Request) -> dict:
+        body = await _json(request)
+        if not isinstance(body, dict) or set(body) - {"kind", "duration_s", "delay_ms"}:
+            raise ApiError(400, "expected a JSON object with kind, and optionally duration_s and delay_ms, found "
+                                f"{sorted(body) if isinstance(body, dict) else type(body).__name__}", param="kind")
+        numbers = {k: body.get(k) for k in ("duration_s", "delay_ms")}
+        for name, value in numbers.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ApiError(400, f"{name}: expected a number, found {value!r}", param=name)
+        if body.get("kind") == "slow_disk" and not (numbers["delay_ms"] or 0) > 0:
+            raise ApiError(400, f"delay_ms: expected a delay > 0 for slow_disk, found {numbers['delay_ms']!r}",
+                           param="delay_ms")
+        try:
+            faults().arm(str(body.get("kind")), numbers["duration_s"], (numbers["delay_ms"] or 0) / 1e3)
+        except ValueError as error:
+            raise ApiError(400, str(error), param=str(error).split(":")[0]) from None
+        return faults().snapshot()
+
+    @app.delete("/admin/faults")
+    async def clear_faults() -> dict:
+        faults().clear()
+        return faults().snapshot()
+
+
+def _chat_tokens(engine: Engine, messages) -> list[int]:
+    """The prompt tokens of validated chat messages (a developer message counts as the system's)."""
+    turns = [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in messages]
+    return engine.tokenizer.apply_chat_template(turns)
 
 
 async def _json(request: Request) -> object:

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="blocks in the index for the lookup figure (default: 1000000)")
     bench.set_defaults(handler=_cache_bench)
     _add_serve(commands)
+    _add_scrub(commands)
     _add_engine_bench(commands)
     _add_client_bench(commands)
     return parser
@@ -197,6 +198,65 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     return 0
+
+
+def _add_scrub(commands) -> None:
+    scrub = commands.add_parser(
+        "scrub", help="verify every stored KV block of the disk tier and remove the bad ones",
+        description="Verify every block file in the disk tier directories (header, key, size, checksum) and "
+                    "remove the bad ones. Exit 0: all blocks good; 1: bad blocks found (removed unless "
+                    "--dry-run); 2: usage or configuration error.",
+    )
+    scrub.add_argument("--config", type=Path,
+                       help="an engine YAML (its engine.cache.disk.path) or a gates.yaml (the embedded targets' "
+                            "directories under storage.path)")
+    scrub.add_argument("--cache-dir", type=Path, action="append", help="a disk tier directory (repeatable)")
+    scrub.add_argument("--dry-run", action="store_true", help="report bad blocks, remove nothing")
+    scrub.add_argument("--json", action="store_true", help="print one JSON object per directory")
+    scrub.set_defaults(handler=_scrub)
+
+
+def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
+    """The disk tier directories to scrub: --cache-dir, else from --config, else the serve default."""
+    from cache_impl.config import load_yaml_file
+    from cache_impl.engine import EngineConfig
+
+    from .config import load_config
+
+    if args.cache_dir:
+        return list(args.cache_dir)
+    if args.config is None:
+        return [EngineConfig.from_dict({}).cache.disk.path]
+    data = load_yaml_file(args.config, str(args.config)) or {}
+    if isinstance(data, dict) and "engine" in data:
+        engine = EngineConfig.from_dict(load_yaml_section(args.config, "engine"))
+        if engine.cache.disk is None:
+            raise ConfigError(f"{args.config}: engine.cache.disk: expected a disk tier to scrub, found none")
+        return [engine.cache.disk.path]
+    storage = Path(load_config(args.config).storage.path)
+    return sorted(p for p in storage.glob("kv-*") if p.is_dir()) or [storage / "kv-tiered"]
+
+
+def _scrub(args: argparse.Namespace) -> int:
+    from cache_impl.scrub import scrub
+
+    found_bad = False
+    for directory in _scrub_dirs(args):
+        if not directory.is_dir():
+            print(f"kvgate scrub: {directory}: no such directory", file=sys.stderr)
+            return 2
+        summary = scrub(directory, remove=not args.dry_run)
+        found_bad |= summary.bad > 0
+        if args.json:
+            print(json.dumps(summary.as_dict()))
+            continue
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary.bad_by_reason.items())) or "none"
+        print(f"{directory}: checked {summary.checked} blocks ({summary.bytes_checked / 2**20:.1f} MiB) "
+              f"of {summary.fingerprints} model fingerprint(s); bad {summary.bad} ({reasons}); "
+              f"removed {summary.removed}; temp files left alone {summary.temp_files}")
+        for path in summary.bad_files[:20]:
+            print(f"  bad: {path}")
+    return 1 if found_bad else 0
 
 
 def _contexts(text: str) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationError, model_validator
 
 from cache_impl.config import ConfigError, StrictModel, format_validation_error, load_yaml_file
+from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -114,7 +115,24 @@ class G3Config(StrictModel):
     duration_s: float = Field(gt=0)
     warmup_s: float = Field(ge=0)
     min_requests: int = Field(default=10, ge=1)
+    prime: bool = Field(default=True, description="send each target every session's first turn before the sweep")
     thresholds: list[RuleSpec]
+
+
+SCHEDULED_FAULTS = BLOCK_FAULTS + IO_FAULTS
+
+
+class FaultSpec(StrictModel):
+    """A fault injected into the candidate during the soak (embedded targets only).
+
+    Stored-block faults damage a disk block of the first consistency probe's prompt and evict
+    the upper tiers, so the next probe must load it; I/O faults are armed for `duration_s`.
+    """
+
+    kind: Literal[SCHEDULED_FAULTS]
+    at_s: float = Field(ge=0, description="seconds after the soak's start")
+    duration_s: float = Field(default=10, gt=0, description="I/O faults: how long the fault stays armed")
+    delay_ms: float = Field(default=50, gt=0, description="slow_disk: added delay per block read or write")
 
 
 class G4Config(StrictModel):
@@ -123,7 +141,16 @@ class G4Config(StrictModel):
     window_s: float = Field(gt=0)
     concurrency: int = Field(ge=1)
     memory_growth_limit_mib: float = Field(default=512, gt=0, description="extrapolated to the full duration")
+    faults: list[FaultSpec] = Field(default_factory=list, description="the fault schedule (embedded candidate)")
     thresholds: list[RuleSpec]
+
+    @model_validator(mode="after")
+    def _faults_within_the_soak(self) -> "G4Config":
+        late = [f"faults.{i}.at_s" for i, f in enumerate(self.faults) if f.at_s >= self.duration_s]
+        if late:
+            raise ValueError(f"expected every fault's at_s < duration_s ({self.duration_s:g}), found "
+                             f"{', '.join(late)} at or after the end")
+        return self
 
 
 class GatesConfig(StrictModel):
@@ -159,13 +186,16 @@ PROFILES: dict[str, dict] = {
             {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
         ]},
-        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 40, "warmup_s": 8, "thresholds": [
+        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 30, "warmup_s": 6, "thresholds": [
             {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
             {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
         ]},
-        "g4": {"workload": _MULTI_ROUND, "duration_s": 60, "window_s": 10, "concurrency": 4, "thresholds": [
+        "g4": {"workload": _MULTI_ROUND, "duration_s": 60, "window_s": 10, "concurrency": 4, "faults": [
+            {"kind": "flip_byte", "at_s": 12}, {"kind": "read_error", "at_s": 30, "duration_s": 5},
+        ], "thresholds": [
             {"metric": "error_rate", "op": "<=", "value": 0.001},
             {"metric": "probe_identical_fraction", "op": ">=", "value": 1.0},
+            {"metric": "faults_handled_fraction", "op": "==", "value": 1.0},
         ]},
     },
     "full": {
@@ -187,9 +217,15 @@ PROFILES: dict[str, dict] = {
                    {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
                ]},
         "g4": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "duration_s": 72 * 3600,
-               "window_s": 300, "concurrency": 32, "thresholds": [
+               "window_s": 300, "concurrency": 32, "faults": [
+                   {"kind": "flip_byte", "at_s": 3600}, {"kind": "swap", "at_s": 4 * 3600},
+                   {"kind": "read_error", "at_s": 8 * 3600, "duration_s": 60},
+                   {"kind": "disk_full", "at_s": 12 * 3600, "duration_s": 60},
+                   {"kind": "slow_disk", "at_s": 16 * 3600, "duration_s": 600, "delay_ms": 20},
+               ], "thresholds": [
                    {"metric": "error_rate", "op": "<=", "value": 0.001},
                    {"metric": "probe_identical_fraction", "op": ">=", "value": 1.0},
+                   {"metric": "faults_handled_fraction", "op": "==", "value": 1.0},
                ]},
     },
 }

@@ -71,9 +71,10 @@ g3:
     answer_tokens: 64
     output_tokens: 16
   levels: [2, 4, 8]               # concurrency sweep
-  duration_s: 40
-  warmup_s: 8
+  duration_s: 30
+  warmup_s: 6
   min_requests: 10
+  prime: true                     # send each target every session's first turn once before the sweep
   thresholds:
     - {metric: ttft_p50_reduction, op: ">=", value: 0.25}
     - {metric: throughput_gain, min: 0.29, max: 0.40}   # below: FAIL; above: PASS with a note
@@ -92,7 +93,13 @@ g4:
   window_s: 10
   concurrency: 4
   memory_growth_limit_mib: 512    # server memory growth extrapolated to duration_s
+  faults:                         # injected into the embedded candidate during the soak ([] for none)
+    # stored-block faults (flip_byte, truncate, delete, swap) damage a disk block of the first probe's
+    # prompt; I/O faults (read_error, write_error, disk_full, slow_disk + delay_ms) stay armed duration_s
+    - {kind: flip_byte, at_s: 12}
+    - {kind: read_error, at_s: 30, duration_s: 5}
   thresholds:
     - {metric: error_rate, op: "<=", value: 0.001}
     - {metric: probe_identical_fraction, op: ">=", value: 1.0}
+    - {metric: faults_handled_fraction, op: "==", value: 1.0}   # detected, answers unchanged, recovered
 """

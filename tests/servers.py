@@ -13,6 +13,7 @@ from typing import Optional
 
 import httpx
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 60
@@ -40,15 +41,24 @@ class ServerProcess:
     """One `kvgate serve` subprocess; its output goes to a log file read on failure."""
 
     def __init__(self, workdir: Path, api_key: Optional[str] = None, preset: str = "tiny",
-                 mode: str = "tiered") -> None:
+                 mode: str = "tiered", engine: Optional[dict] = None, cache_dir: Optional[Path] = None,
+                 admin: bool = False) -> None:
+        """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache."""
+        workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.cache_dir = workdir / "cache"
-        self.log_path = workdir / "server.log"
+        self.cache_dir = cache_dir or workdir / "cache"
+        self.log_path = workdir / f"server-{self.port}.log"
         env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"}
         if api_key is not None:
             env["KVGATE_API_KEY"] = api_key
         command = [sys.executable, "-m", "gates.cli", "serve", "--preset", preset, "--mode", mode,
                    "--host", "127.0.0.1", "--port", str(self.port), "--cache-dir", str(self.cache_dir)]
+        if engine is not None:
+            config = workdir / f"engine-{self.port}.yaml"
+            config.write_text(yaml.safe_dump({"engine": engine}))
+            command += ["--config", str(config)]
+        if admin:
+            command.append("--admin")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

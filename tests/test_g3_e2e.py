@@ -36,6 +36,9 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     assert targets == {"baseline", "candidate", "recompute"}
     hits = {m["context"]["target"]: m["value"] for m in store.measurements("g3") if m["metric"] == "hit_ratio"}
     assert hits["recompute"] == 0 and hits["candidate"] > 0          # the candidate really reused KV
+    primed = {m["context"]["target"]: m for m in store.measurements("g3") if m["metric"] == "prime_requests"}
+    assert {t: (m["value"], m["context"]["errors"]) for t, m in primed.items()} == {
+        t: (6, 0) for t in ("baseline", "candidate", "recompute")}     # every target saw the same first turns
     results = json.loads((run_dir / "results.json").read_text())
     assert code == (0 if results["overall"]["status"] == "passed" else 1)
     assert (run_dir / "index.html").read_text().count("<svg") >= 2

@@ -21,7 +21,7 @@ SOAK = {
                              "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
     "g4": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
-           "duration_s": 30, "window_s": 5, "concurrency": 3},
+           "duration_s": 30, "window_s": 5, "concurrency": 3, "faults": []},
 }
 
 
@@ -101,3 +101,30 @@ def test_kvgate_report_renders_a_partial_soak_while_it_runs(tmp_path):
     finally:
         harness.send_signal(signal.SIGTERM)
         harness.wait(60)
+
+
+FAULTS = [{"kind": "flip_byte", "at_s": 2}, {"kind": "read_error", "at_s": 10, "duration_s": 3},
+          {"kind": "disk_full", "at_s": 18, "duration_s": 3}]
+
+
+def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_system_did(tmp_path):
+    config = tmp_path / "gates.yaml"
+    soak = {**SOAK, "g4": {**SOAK["g4"], "faults": FAULTS}}
+    config.write_text(yaml.safe_dump({**soak, "storage": {"path": str(tmp_path / "storage")}}))
+    run_dir = tmp_path / "run"
+    assert main(["run", "g4", "--config", str(config), "--out", str(run_dir)]) in (0, 1)
+    rows = [json.loads(line) for line in (run_dir / "gates" / "g4" / "raw" / "faults.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["at_s"]) for r in rows] == [(f["kind"], f["at_s"]) for f in FAULTS]
+    for row in rows:
+        assert row["error"] is None
+        assert row["detected"][row["detected_by"]] > 0, row          # the fault met blocks in use and was counted
+        assert row["probe_during"]["identical"], row                  # no wrong answer while it lasted
+        assert row["recovered_after_s"] is not None, row
+    assert rows[0]["detail"]["key"] and rows[0]["probe_during"]["cached_tokens"] < rows[0]["probe_during"]["prompt_tokens"]
+    store = RunStore(run_dir)
+    verdicts = {v["metric"]: v for v in store.verdicts("g4")}
+    assert verdicts["faults_handled_fraction"]["status"] == "PASS", verdicts["faults_handled_fraction"]["reason"]
+    assert verdicts["probe_identical_fraction"]["status"] == "PASS"
+    assert verdicts["error_rate"]["status"] == "PASS"
+    html = (run_dir / "index.html").read_text()
+    assert "served whole from cache again after" in html and "flip_byte" in html and ">faults<" in html

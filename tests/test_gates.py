@@ -33,6 +33,10 @@ def _config_file(tmp_path: Path, data) -> Path:
                   "candidate": {"url": "http://h/v1", "model": "m"}}}, "gates.targets.baseline.url"),
     ({"fio": {"iodepth": 0}}, "gates.fio.iodepth: expected a value >= 1, found 0"),
     ({"profile": "medium"}, "profile: expected one of ['full', 'quick'], found 'medium'"),
+    ({"g4": {"faults": [{"kind": "meteor", "at_s": 3}]}}, "gates.g4.faults.0.kind: expected one of"),
+    ({"g4": {"duration_s": 20}}, "gates.g4: expected every fault's at_s < duration_s (20), found faults.1.at_s"),
+    ({"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 0}]}},
+     "gates.g4.faults.0.delay_ms: expected a value > 0.0, found 0"),
     ("- just\n- a list\n", "expected a mapping at the top level, found list"),
     ("g1: [unclosed\n", "expected valid YAML"),
 ])

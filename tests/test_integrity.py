@@ -10,6 +10,7 @@ import torch
 
 from cache_impl import integrity
 from tests.conftest import BLOCK, blocks_for
+from workloads.faults import delete, flip_byte, truncate
 
 
 def _disk_only(make_cache, **settings):
@@ -28,27 +29,11 @@ def _stored_on_disk(cache, layout, n_blocks=3):
     return tokens, blocks, paths
 
 
-def _flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
-def _truncate(path, _):
-    os.truncate(path, os.path.getsize(path) // 2)
-
-
-def _delete(path, _):
-    os.unlink(path)
-
-
 DAMAGE = {
-    "payload-byte-flipped": (lambda p: _flip_byte(p, integrity.HEADER_BYTES + 17), integrity.BAD_CHECKSUM),
-    "header-byte-flipped": (lambda p: _flip_byte(p, 40), integrity.BAD_HEADER),
-    "truncated": (lambda p: _truncate(p, None), integrity.SHORT_READ),
-    "deleted": (lambda p: _delete(p, None), integrity.MISSING),
+    "payload-byte-flipped": (lambda p: flip_byte(p, integrity.HEADER_BYTES + 17), integrity.BAD_CHECKSUM),
+    "header-byte-flipped": (lambda p: flip_byte(p, 40), integrity.BAD_HEADER),
+    "truncated": (truncate, integrity.SHORT_READ),
+    "deleted": (delete, integrity.MISSING),
 }
 
 
@@ -110,7 +95,7 @@ def test_restart_reindexes_verified_blocks_and_removes_temp_files_and_bad_blocks
     cache.close()
     temp = integrity.temp_path_for(paths[0])
     temp.write_bytes(b"half a block")                # a store that was killed mid-write
-    _flip_byte(paths[3], integrity.HEADER_BYTES + 5)  # silent corruption while stopped
+    flip_byte(paths[3], integrity.HEADER_BYTES + 5)  # silent corruption while stopped
     restarted = _disk_only(make_cache)
     assert not temp.exists() and not paths[3].exists()
     assert restarted.reindex_removed == 1

@@ -1,24 +1,25 @@
 """Locust drives workloads through the streaming client against the real embedded server."""
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
 from tests.servers import started_server
-from workloads.client import read_records
+from workloads.client import StreamingClient, read_records
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, read_client_samples, run_sweep, summarize_step
+from workloads.sweep import SweepSettings, prime_targets, read_client_samples, run_sweep, summarize_step
 
 SYSTEM = "You answer questions about the document. " * 12
 
 
-def _workload(sessions: int = 6, turns: int = 3) -> Workload:
+def _workload(sessions: int = 6, turns: int = 3, tag: str = "Document") -> Workload:
     """Sessions whose turns extend the previous turn's messages (a growing shared prefix)."""
     built = []
     for s in range(sessions):
         messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"Document {s}: " + "facts and figures " * 20}]
+                    {"role": "user", "content": f"{tag} {s}: " + "facts and figures " * 20}]
         turns_of_session = []
         for t in range(turns):
             messages = messages + [{"role": "user", "content": f"Question {t} about document {s}?"}]
@@ -66,6 +67,23 @@ def test_a_request_budget_stops_the_run_early(target, tmp_path):
     assert run.ended_at - run.started_at < 45
 
 
+def test_an_interleaved_workload_takes_every_sessions_turn_round_robin_one_at_a_time(target, tmp_path):
+    workload = replace(_workload(sessions=4, tag="Interleaved"), interleaved=True)
+    run = run_load(workload, target, users=1, duration_s=30, out_dir=tmp_path / "one", max_requests=12)
+    order = [(r["session_id"], r["turn"]) for r in sorted(read_records(run.records_dir), key=lambda r: r["sent_at"])]
+    assert order == [(f"s{s}", t) for t in range(3) for s in range(4)]   # turn-major: every user, then again
+    run = run_load(workload, target, users=3, duration_s=6, out_dir=tmp_path / "three")
+    records = read_records(run.records_dir)
+    assert run.returncode == 0 and len(records) >= 12 and all(r["ok"] for r in records)
+    by_session = defaultdict(list)
+    for r in records:
+        by_session[r["session_id"]].append((r["sent_at"], r["sent_at"] + r["e2e_s"], r["turn"]))
+    for turns in by_session.values():
+        turns.sort()
+        assert [t for *_, t in turns] == [i % 3 for i in range(len(turns))]   # in order, cycling
+        assert all(prev_end <= start for (_, prev_end, _), (start, _, _) in zip(turns, turns[1:]))  # never overlapping
+
+
 def test_distributed_locust_with_two_workers_collects_the_records_of_both(target, tmp_path):
     run = run_load(_workload(sessions=8), target, users=4, duration_s=8, out_dir=tmp_path, workers=2)
     records = read_records(run.records_dir)
@@ -88,6 +106,20 @@ def test_a_sweep_returns_one_valid_row_per_level_and_target(target, tmp_path):
     assert frame["valid"].all(), frame["invalid_reasons"].tolist()
     assert (frame["ttft_p50_s"] > 0).all() and (frame["output_tokens_per_s"] > 0).all()
     assert (frame["hit_ratio"] > 0).all() and (frame["error_rate"] == 0).all()
+
+
+def test_priming_sends_each_first_turn_once_and_the_prefix_then_returns_as_a_hit(target, tmp_path):
+    workload = _workload(sessions=5, tag="Primed record")
+    fresh = StreamingClient(target.url, target.model, target="probe")
+    unseen = fresh.send(workload.sessions[4][0]).cached_tokens      # at most the shared system prompt hits
+    assert unseen < workload.sessions[4][0].prompt_tokens // 256 * 256
+    rows = prime_targets([target], workload, users=2, out_dir=tmp_path)
+    assert rows[0]["requests"] == rows[0]["expected"] == 5 and rows[0]["errors"] == 0
+    sent = read_records(tmp_path / "embedded" / "prime" / "records")
+    assert sorted((r["session_id"], r["turn"]) for r in sent) == [(f"s{s}", 0) for s in range(5)]
+    again = fresh.send(workload.sessions[0][0])
+    fresh.close()
+    assert again.ok and again.cached_tokens > unseen                    # primed: the document hits too
 
 
 def _record(sent_at, ttft, e2e, tokens=4, chunks=4, ok=True, cached=0, **extra):

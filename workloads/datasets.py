@@ -181,6 +181,12 @@ class MultiRoundQASpec(_Spec):
     output_tokens: Optional[int] = Field(
         default=None, ge=1, description="max_tokens per request (default: answer_tokens)"
     )
+    order: Literal["interleaved", "sequential"] = Field(
+        default="interleaved",
+        description="interleaved: load users take the users' turns round-robin, so between two rounds of a "
+        "conversation every other user has a turn and the whole history must stay cached (LMCache's multi-round "
+        "QA); sequential: a load user runs one conversation's rounds back to back",
+    )
 
 
 class LongDocQASpec(_Spec):
@@ -326,7 +332,9 @@ def build_workload(
         "multi_round_qa": _multi_round_qa, "long_doc_qa": _long_doc_qa, "shared_prefix": _shared_prefix,
         "random": _random, "trace": _trace,
     }
-    return Workload(name=spec.name or spec.kind, sessions=builders[spec.kind](spec, sizer, seed))
+    interleaved = getattr(spec, "kind", None) == "multi_round_qa" and spec.order == "interleaved"
+    return Workload(name=spec.name or spec.kind, sessions=builders[spec.kind](spec, sizer, seed),
+                    interleaved=interleaved)
 
 
 def _message(role: str, content: str) -> dict:

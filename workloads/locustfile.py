@@ -9,6 +9,7 @@ provides users, spawning, run time and distribution.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -44,7 +45,11 @@ def _on_test_start(environment, **_):
     index, count = _worker_slot(environment)
     _state.update(start=time.time(), sent=0, done=0, worker=f"w{index}-{os.getpid()}")
     # worker i takes sessions i, i + count, i + 2*count, ... cycling when a run outlasts the workload
-    _state["next"] = itertools.cycle(range(index, len(WORKLOAD.sessions), count) or [0])
+    mine = list(range(index, len(WORKLOAD.sessions), count)) or [0]
+    _state["next"] = itertools.cycle(mine)
+    # interleaved: sessions wait in a round-robin queue; a user takes the first one's next turn and
+    # puts the session back at the end once the turn is answered
+    _state.update(ready=collections.deque(mine), turn=dict.fromkeys(mine, 0))
     _state["writer"] = RecordWriter(RECORDS, _state["worker"])
     gevent.spawn(_sample_client_load, environment)
 
@@ -77,23 +82,41 @@ class WorkloadUser(User):
 
     @task
     def run_session(self) -> None:
-        session = WORKLOAD.sessions[next(_state["next"])]
-        for request in session:
-            limit = SETTINGS.get("max_requests_per_worker")
-            if limit is not None and _state["sent"] >= limit:
-                raise StopUser()
-            scheduled = time.time()
-            if request.arrival_s is not None:
-                scheduled = _state["start"] + request.arrival_s
-                gevent.sleep(max(0.0, scheduled - time.time()))
-            _state["sent"] += 1
-            record = self.client.send(request, scheduled_at=scheduled)
-            _state["writer"].write(record)
-            _state["done"] += 1
-            if limit is not None and _state["done"] >= limit:
-                gevent.spawn(self.environment.runner.quit)  # the budget is spent: end the run now
-            self.environment.events.request.fire(
-                request_type="STREAM", name=self.client.target, response_time=(record.e2e_s or 0) * 1000,
-                response_length=record.completion_tokens or 0,
-                exception=None if record.ok else RuntimeError(record.error_type), context={},
-            )
+        if WORKLOAD.interleaved:
+            self._run_next_turn()
+            return
+        for request in WORKLOAD.sessions[next(_state["next"])]:
+            self._send(request)
+
+    def _run_next_turn(self) -> None:
+        ready = _state["ready"]
+        if not ready:  # more users than sessions: every session has a turn in flight
+            gevent.sleep(0.01)
+            return
+        index = ready.popleft()
+        session = WORKLOAD.sessions[index]
+        try:
+            self._send(session[_state["turn"][index]])
+        finally:
+            _state["turn"][index] = (_state["turn"][index] + 1) % len(session)
+            ready.append(index)
+
+    def _send(self, request) -> None:
+        limit = SETTINGS.get("max_requests_per_worker")
+        if limit is not None and _state["sent"] >= limit:
+            raise StopUser()
+        scheduled = time.time()
+        if request.arrival_s is not None:
+            scheduled = _state["start"] + request.arrival_s
+            gevent.sleep(max(0.0, scheduled - time.time()))
+        _state["sent"] += 1
+        record = self.client.send(request, scheduled_at=scheduled)
+        _state["writer"].write(record)
+        _state["done"] += 1
+        if limit is not None and _state["done"] >= limit:
+            gevent.spawn(self.environment.runner.quit)  # the budget is spent: end the run now
+        self.environment.events.request.fire(
+            request_type="STREAM", name=self.client.target, response_time=(record.e2e_s or 0) * 1000,
+            response_length=record.completion_tokens or 0,
+            exception=None if record.ok else RuntimeError(record.error_type), context={},
+        )

@@ -31,6 +31,9 @@ class WorkloadRequest:
 class Workload:
     name: str
     sessions: tuple[tuple[WorkloadRequest, ...], ...]
+    # False: a load user runs a session's turns back to back. True: load users take turns of all
+    # sessions round-robin (a session's next turn after every other session's), one at a time per session.
+    interleaved: bool = False
 
     @property
     def requests(self) -> list[WorkloadRequest]:
@@ -43,7 +46,7 @@ def save_workload(workload: Workload, path) -> None:
     from dataclasses import asdict
     from pathlib import Path
 
-    Path(path).write_text(json.dumps({"name": workload.name,
+    Path(path).write_text(json.dumps({"name": workload.name, "interleaved": workload.interleaved,
                                       "sessions": [[asdict(r) for r in s] for s in workload.sessions]}))
 
 
@@ -56,4 +59,4 @@ def load_workload(path) -> Workload:
         tuple(WorkloadRequest(**{**r, "messages": tuple(r["messages"])}) for r in session)
         for session in data["sessions"]
     )
-    return Workload(data["name"], sessions)
+    return Workload(data["name"], sessions, data.get("interleaved", False))

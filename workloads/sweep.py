@@ -7,6 +7,11 @@ tokens (and count) divided by the time from the window's start to the last
 completion. A step is invalid, with its reasons listed, when it ran shorter
 than `min_duration_s`, completed fewer than `min_requests`, its client was
 saturated (CPU or event-loop lag), or client and server token counts disagree.
+
+Priming: before the first step a target can be sent the first turn of every
+session once (`prime_targets`), the same requests for every target. A prefix
+then returns to each target as it would in service, and a short step at low
+concurrency measures reuse rather than the first visits of its sessions.
 """
 
 from __future__ import annotations
@@ -119,6 +124,26 @@ def paced(workload: Workload, rate_per_s: float, duration_s: float, seed: int = 
             for r in source
         ))
     return Workload(f"{workload.name}@{rate_per_s:g}rps", tuple(sessions))
+
+
+def first_turns(workload: Workload) -> Workload:
+    """One request per session: its first turn (the prefix its later turns return to)."""
+    return Workload(f"{workload.name}:first-turns", tuple((session[0],) for session in workload.sessions if session))
+
+
+def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
+                  timeout_s: float = 600.0) -> list[dict]:
+    """Send every target the first turn of each session once; a row per target (requests, errors, seconds)."""
+    primer = first_turns(workload)
+    rows = []
+    for target in targets:
+        run = run_load(primer, target, users, timeout_s, out_dir / target.name / "prime",
+                       max_requests=len(primer.sessions))
+        records = read_records(run.records_dir)
+        rows.append({"target": target.name, "requests": len(records), "errors": sum(not r["ok"] for r in records),
+                     "seconds": run.ended_at - run.started_at, "expected": len(primer.sessions),
+                     "locust_exit_code": run.returncode})
+    return rows
 
 
 def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings) -> pd.DataFrame:

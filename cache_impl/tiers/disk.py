@@ -21,6 +21,7 @@ import torch
 
 from .. import integrity
 from ..config import DiskTierConfig
+from ..faultpoints import FaultPoints
 from ..keys import KEY_BYTES, Fingerprint, Key
 
 SUFFIX = ".kvb"
@@ -46,6 +47,7 @@ class DiskTier:
         self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-disk-read")
         self._local = threading.local()
         self._padding = bytes(integrity.padded(self.payload_nbytes) - self.payload_nbytes)
+        self.faults = FaultPoints()  # nothing armed unless a test or the admin route arms it
 
     def path_for(self, key: Key) -> Path:
         name = key.hex()
@@ -61,7 +63,8 @@ class DiskTier:
         header = integrity.encode_header(self.fingerprint, key, payload.nbytes, integrity.checksum(payload))
         final = self.path_for(key)
         final.parent.mkdir(exist_ok=True)
-        integrity.atomic_publish(final, [header, payload, self._padding], fsync=self.config.fsync)
+        integrity.atomic_publish(final, [header, payload, self._padding], fsync=self.config.fsync,
+                                 before_publish=self.faults.before_publish)
 
     # -- read ----------------------------------------------------------------
 
@@ -108,6 +111,7 @@ class DiskTier:
         except OSError:
             return integrity.IO_ERROR, None
         try:
+            self.faults.before_read()
             if self.config.cold_reads and not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             if into is not None:

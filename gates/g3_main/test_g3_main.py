@@ -5,6 +5,10 @@ same workload, same seed, step by step; per level the TTFT p50 reduction and
 the throughput gain are judged with 95% bootstrap intervals (requests for
 TTFT, 2-second windows for throughput). A step that was invalid (client
 saturated, too few requests, too short) makes its verdicts INCONCLUSIVE.
+
+With `prime` on (the default) every target is first sent the first turn of
+each session once, so prefixes return as they do in service: the baseline
+keeps what its device memory holds, the candidate what all its tiers hold.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 from gates.g3_main.analysis import level_figures
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
-from workloads.sweep import SweepSettings, run_sweep
+from workloads.sweep import SweepSettings, prime_targets, run_sweep
 
 def _seed(run_id: str) -> int:
     """A workload seed of this run, so no earlier run's cache contents help either side."""
@@ -36,13 +40,30 @@ def sweep(gate_context, endpoints):
     settings = SweepSettings(levels=tuple(config.levels), duration_s=config.duration_s, warmup_s=config.warmup_s,
                              min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
                              min_requests=config.min_requests, out_dir=gate_context.store.raw_dir("g3") / "sweep")
-    frame = run_sweep([endpoints[r].target(r) for r in roles], workload, settings)
-    steps = {}
+    targets = [endpoints[r].target(r) for r in roles]
+    primed = prime_targets(targets, workload, min(config.levels), settings.out_dir) if config.prime else []
+    frame = run_sweep(targets, workload, settings)
+    steps = {"primed": primed}
     for row in frame.to_dict("records"):
         records = read_records(Path(row["step_dir"]) / "records")
         measured = [r for r in records if r["sent_at"] >= row["window_start"] and r["ok"]]  # the summary's window
         steps[(row["target"], row["concurrency"])] = {"summary": row, "records": measured}
     return steps
+
+
+def _levels(sweep) -> dict:
+    return {key: step for key, step in sweep.items() if key != "primed"}
+
+
+def test_targets_were_primed_alike(sweep, gate_context, record):
+    if not gate_context.config.g3.prime:
+        pytest.skip("g3.prime is off: steps start from whatever each target holds")
+    for row in sweep["primed"]:
+        record("prime_requests", row["requests"], target=row["target"], errors=row["errors"],
+               seconds=round(row["seconds"], 1))
+    incomplete = [f"{r['target']}: {r['requests'] - r['errors']} of {r['expected']} ok" for r in sweep["primed"]
+                  if r["requests"] - r["errors"] != r["expected"]]
+    assert not incomplete, "priming did not complete on every target: " + "; ".join(incomplete)
 
 
 def _step(sweep, role, level):
@@ -53,7 +74,7 @@ def _step(sweep, role, level):
 
 
 def test_sweep_figures_per_target_and_level(sweep, record):
-    for (role, level), step in sorted(sweep.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (role, level), step in sorted(_levels(sweep).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         s = step["summary"]
         for metric in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s"):
             if s.get(metric) is not None:
@@ -63,7 +84,7 @@ def test_sweep_figures_per_target_and_level(sweep, record):
         record("error_rate", s["error_rate"], target=role, concurrency=level)
         record("hit_ratio", s["hit_ratio"], target=role, concurrency=level)
         record("step_valid", s["valid"], target=role, concurrency=level, reasons=s["invalid_reasons"])
-    assert sweep, "the sweep produced no steps"
+    assert _levels(sweep), "the sweep produced no steps"
 
 
 def test_ttft_p50_reduction_at_each_level(sweep, record, verdict, level):
@@ -81,8 +102,8 @@ def test_throughput_gain_at_each_level(sweep, record, verdict, level):
 
 
 def test_speedup_against_recompute_is_reported(sweep, record):
-    levels = sorted({level for _, level in sweep})
-    if not any(role == "recompute" for role, _ in sweep):
+    levels = sorted({level for _, level in _levels(sweep)})
+    if not any(role == "recompute" for role, _ in _levels(sweep)):
         pytest.skip("no recompute reference endpoint")
     for level in levels:
         rec, cand = sweep.get(("recompute", level)), sweep.get(("candidate", level))

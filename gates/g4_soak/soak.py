@@ -3,8 +3,9 @@
 Everything lands in the gate's raw directory as it happens:
 - `probes.json`: the fixed probe prompts and the answers recorded at the start (temperature 0);
 - `windows.jsonl`: one row per completed window (appended; a resumed soak continues the numbering);
-- `load-<segment>/`: the load engine's raw records of each (re)started stretch.
-A resumed soak reads both back, keeps every completed window, and runs only the remaining time.
+- `load-<segment>/`: the load engine's raw records of each (re)started stretch;
+- `faults.jsonl`: one row per scheduled fault, with what the system did (see `fault_schedule`).
+A resumed soak reads them back, keeps every completed window and fault, and runs only the remaining time.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from gates.config import FaultSpec
+from gates.g4_soak.fault_schedule import FaultSchedule
 from gates.runstore import append_jsonl, read_jsonl, write_json
 from gates.stats import mann_kendall
 from workloads.client import StreamingClient, read_records
+from workloads.faults import AdminClient
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
 
@@ -91,10 +95,14 @@ class Soak:
     """Runs (or resumes) a soak against one endpoint, appending a row per window."""
 
     def __init__(self, raw_dir: Path, target: Target, server_root: str, workload: Workload,
-                 settings: SoakSettings) -> None:
+                 settings: SoakSettings, faults: Sequence[FaultSpec] = ()) -> None:
         self.raw_dir, self.target, self.server_root = raw_dir, target, server_root
-        self.workload, self.settings = workload, settings
+        self.workload, self.settings, self.faults = workload, settings, list(faults)
         self.windows_path = raw_dir / "windows.jsonl"
+        self.faults_path = raw_dir / "faults.jsonl"
+
+    def fault_rows(self) -> list[dict]:
+        return read_jsonl(self.faults_path)
 
     def windows(self) -> list[dict]:
         return read_jsonl(self.windows_path)
@@ -134,6 +142,9 @@ class Soak:
         offset = (done[-1]["start_s"] + self.settings.window_s) if done else 0.0
         begin = time.time() + 3.0  # locust's start-up; windows begin once users are sending
         probes = [r for r in probe_requests(self.workload) if r.request_id in expected]
+        schedule = FaultSchedule(self.faults, AdminClient(self.server_root), self.target, probes[0],
+                                 expected[probes[0].request_id], self.faults_path)
+        schedule.start(begin, offset, begin + duration)
         for k in range(windows):
             window_start = begin + k * self.settings.window_s
             time.sleep(max(0.0, window_start + self.settings.window_s - time.time()))
@@ -145,6 +156,7 @@ class Soak:
             append_jsonl(self.windows_path, row)
             if on_window is not None:
                 on_window(row)
+        schedule.stop(timeout_s=60)
         load.join(timeout=duration + 150)
 
 

@@ -5,6 +5,10 @@ temperature 0 are re-asked every window and must answer exactly as at the
 start (the check that catches corrupt KV served from a tier). Windows are
 appended as they complete, so a soak killed with the harness resumes with
 `kvgate run g4 --resume RUN_DIR` and loses no completed window.
+
+The configured fault schedule (g4.faults) is injected into the embedded
+candidate during the soak; each fault must be detected, must not change any
+probe's answer, and the probe must be served from the cache again afterwards.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import numpy as np
 import pytest
 
 from gates.g4_soak.soak import Soak, SoakSettings, drift
+from gates.runstore import read_jsonl
 from workloads.datasets import build_workload, sizer_for
 
 
@@ -22,6 +27,9 @@ def windows(gate_context, endpoints):
     if candidate is None:
         pytest.skip("G4 needs a candidate endpoint")
     config = gate_context.config.g4
+    if config.faults and not candidate.admin:
+        pytest.fail("g4.faults: expected the embedded candidate (faults are injected through its admin routes), "
+                    "found an external endpoint", pytrace=False)
     workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if candidate.admin else None), seed=4)
     store = gate_context.store
 
@@ -33,8 +41,14 @@ def windows(gate_context, endpoints):
                              window_start_s=row["start_s"], window=row["index"])
 
     soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
-                SoakSettings(config.duration_s, config.window_s, config.concurrency))
+                SoakSettings(config.duration_s, config.window_s, config.concurrency), config.faults)
     return soak.run(on_window=on_window)
+
+
+@pytest.fixture(scope="module")
+def faults(gate_context, windows) -> list[dict]:
+    """The scheduled faults' rows, once the soak is over."""
+    return read_jsonl(gate_context.store.raw_dir("g4") / "faults.jsonl")
 
 
 def _record_trend_line(record, windows: list[dict], metric: str, result: dict) -> None:
@@ -97,3 +111,37 @@ def test_memory_growth_extrapolated_to_the_full_duration_stays_under_the_limit(g
     record("memory_growth_mib", growth, "MiB", sen_slope_mib_per_window=result["sen_slope"])
     verdict(f"G4 memory growth extrapolated to {config.duration_s / 3600:.3g} h", "memory_growth_mib", growth,
             rule={"metric": "memory_growth_mib", "op": "<=", "value": config.memory_growth_limit_mib}, unit="MiB")
+
+
+def _fault_outcome(row: dict) -> tuple[bool, str]:
+    """Whether the system handled the fault, and what it did, in words."""
+    if row.get("error"):
+        return False, f"the injection failed: {row['error']}"
+    counter, moved = row["detected_by"], row["detected"].get(row["detected_by"], 0)
+    during = row["probe_during"]
+    recovered = row.get("recovered_after_s")
+    words = [f"detected ({moved:g} {counter.replace('_', ' ')})" if moved else f"NOT detected (no {counter})",
+             f"probe {'identical' if during['identical'] else 'CHANGED'} with "
+             f"{during['cached_tokens'] or 0} of {during['prompt_tokens'] or 0} prompt tokens from cache",
+             f"served whole from cache again after {recovered:.1f} s" if recovered is not None
+             else "NOT served from cache again before the soak ended"]
+    return bool(moved) and during["identical"] and recovered is not None, "; ".join(words)
+
+
+def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, faults, record, verdict):
+    scheduled = gate_context.config.g4.faults
+    if not scheduled:
+        pytest.skip("no fault schedule (g4.faults) in this run")
+    rows = {(row["kind"], row["at_s"]): row for row in faults}
+    missing = [f"{f.kind} at {f.at_s:g} s" for f in scheduled if (f.kind, f.at_s) not in rows]
+    handled = 0
+    for row in rows.values():
+        ok, words = _fault_outcome(row)
+        handled += ok
+        record("fault", int(ok), kind=row["kind"], at_s=row["at_s"], outcome=words,
+               recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"))
+    fraction = handled / len(scheduled)
+    summary = "; ".join(f"{kind} at {at:g} s: {_fault_outcome(row)[1]}" for (kind, at), row in sorted(rows.items()))
+    verdict(f"G4 faults handled ({handled} of {len(scheduled)}"
+            + (f"; never ran: {', '.join(missing)}" if missing else "") + f"): {summary}",
+            "faults_handled_fraction", fraction, unit="%")

@@ -1,0 +1,98 @@
+"""Faults injected at the disk tier's I/O calls, for fault-injection tests and soaks.
+
+A `FaultPoints` object sits in every disk tier and does nothing until a fault
+is armed (by the server's admin route or a test). Armed faults act where real
+ones would:
+- `disk_full`: a block write fails with ENOSPC after its data is written and
+  before it is published, so nothing becomes visible (as when the device fills);
+- `write_error` / `read_error`: the write or the read fails with EIO;
+- `slow_disk`: every block write and read takes `delay_s` longer (the write's
+  delay falls between writing the data and publishing it).
+A fault lasts `duration_s` (None: until cleared); every time one acts is counted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+KINDS = ("disk_full", "write_error", "read_error", "slow_disk")
+
+
+@dataclass(frozen=True)
+class ArmedFault:
+    kind: str
+    until: Optional[float]    # time.monotonic() deadline, None: until cleared
+    delay_s: float = 0.0
+
+    def active(self, now: float) -> bool:
+        return self.until is None or now < self.until
+
+
+class FaultPoints:
+    """Thread-safe set of armed I/O faults and the count of times each acted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[str, ArmedFault] = {}
+        self.fired: dict[str, int] = dict.fromkeys(KINDS, 0)
+
+    def arm(self, kind: str, duration_s: Optional[float] = None, delay_s: float = 0.0) -> ArmedFault:
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(KINDS)}, found {kind!r}")
+        if kind == "slow_disk" and delay_s <= 0:
+            raise ValueError(f"delay_s: expected a delay > 0 for slow_disk, found {delay_s!r}")
+        if duration_s is not None and duration_s <= 0:
+            raise ValueError(f"duration_s: expected a duration > 0 (or none: until cleared), found {duration_s!r}")
+        fault = ArmedFault(kind, None if duration_s is None else time.monotonic() + duration_s, delay_s)
+        with self._lock:
+            self._armed[kind] = fault
+        return fault
+
+    def clear(self, kind: Optional[str] = None) -> None:
+        with self._lock:
+            if kind is None:
+                self._armed.clear()
+            else:
+                self._armed.pop(kind, None)
+
+    def armed(self) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            return sorted(kind for kind, fault in self._armed.items() if fault.active(now))
+
+    def _take(self, kind: str) -> Optional[ArmedFault]:
+        if not self._armed:  # the common case: nothing armed, no lock
+            return None
+        with self._lock:
+            fault = self._armed.get(kind)
+            if fault is None or not fault.active(time.monotonic()):
+                return None
+            self.fired[kind] += 1
+            return fault
+
+    def before_publish(self) -> None:
+        """Called after a block's data is written and before it becomes visible."""
+        self._act(("disk_full", errno.ENOSPC), ("write_error", errno.EIO))
+
+    def before_read(self) -> None:
+        """Called when a block file is open and about to be read."""
+        self._act(("read_error", errno.EIO))
+
+    def _act(self, *failures: tuple[str, int]) -> None:
+        """Sleep when the disk is slow; raise the first armed failure among `failures`."""
+        slow = self._take("slow_disk")
+        if slow is not None:
+            time.sleep(slow.delay_s)
+        for kind, code in failures:
+            if self._take(kind) is not None:
+                raise OSError(code, f"{os.strerror(code)} (injected {kind})")
+
+    def snapshot(self) -> dict:
+        armed = self.armed()
+        with self._lock:
+            return {"armed": armed, "fired": dict(self.fired)}

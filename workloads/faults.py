@@ -1,0 +1,215 @@
+"""Fault injectors for the embedded target, and the admin client they act through.
+
+- Stored blocks (files of the disk tier): flip a payload byte, truncate, delete,
+  or replace with another block's bytes (a valid file with the wrong key).
+- Disk I/O (armed in the server's disk tier through /admin/faults): disk full
+  (ENOSPC), I/O errors on read or write, a slow disk.
+- `kill -9` of a server and its restart with the same command line, so it
+  re-indexes the same directories.
+
+Which blocks a prompt uses comes from the server (/admin/cache/locate), so a
+test or a soak damages exactly the blocks a request is about to load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_impl import integrity
+from cache_impl.faultpoints import KINDS as IO_FAULTS
+
+from .processes import die_with_parent
+
+BLOCK_FAULTS = ("flip_byte", "truncate", "delete", "swap")
+PROCESS_FAULTS = ("kill_restart",)
+ALL_FAULTS = BLOCK_FAULTS + IO_FAULTS + PROCESS_FAULTS
+# What the cache reports when it meets each damaged block (kvgate_cache_corrupt_blocks{reason}).
+EXPECTED_REASON = {"flip_byte": integrity.BAD_CHECKSUM, "truncate": integrity.SHORT_READ,
+                   "delete": integrity.MISSING, "swap": integrity.WRONG_KEY}
+
+
+# -- stored blocks -------------------------------------------------------------------
+
+
+def flip_byte(path: Path, offset: Optional[int] = None) -> int:
+    """Invert one byte of the payload (default: its middle), in place; returns the file offset."""
+    with open(path, "r+b") as f:
+        if offset is None:
+            payload = integrity.stored_payload_nbytes(f.read(integrity.HEADER_BYTES)) or 0
+            offset = integrity.HEADER_BYTES + payload // 2
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return offset
+
+
+def truncate(path: Path, keep: Optional[int] = None) -> int:
+    """Cut the file (default: to half its size), as a torn write would; returns the new size."""
+    keep = os.path.getsize(path) // 2 if keep is None else keep
+    os.truncate(path, keep)
+    return keep
+
+
+def delete(path: Path) -> None:
+    os.unlink(path)
+
+
+def swap(path: Path, donor: Path) -> None:
+    """Replace the block with another block's whole file: checksums hold, the key inside is wrong."""
+    temp = path.with_name(path.name + ".swap")
+    shutil.copyfile(donor, temp)
+    os.replace(temp, path)
+
+
+def damage_block(kind: str, path: Path, donor: Optional[Path] = None) -> dict:
+    """Apply one stored-block fault; a description of what was done."""
+    if kind == "flip_byte":
+        return {"kind": kind, "path": str(path), "offset": flip_byte(path)}
+    if kind == "truncate":
+        return {"kind": kind, "path": str(path), "size": truncate(path)}
+    if kind == "delete":
+        delete(path)
+        return {"kind": kind, "path": str(path)}
+    if kind == "swap":
+        if donor is None:
+            raise ValueError("swap: needs a donor block file")
+        swap(path, donor)
+        return {"kind": kind, "path": str(path), "donor": str(donor)}
+    raise ValueError(f"kind: expected one of {', '.join(BLOCK_FAULTS)}, found {kind!r}")
+
+
+# -- the server's admin routes ---------------------------------------------------------
+
+
+class AdminError(RuntimeError):
+    """An admin route answered with an error."""
+
+
+@dataclass
+class AdminClient:
+    """The embedded server's admin routes and the figures of its /metrics."""
+
+    server_root: str                 # http://127.0.0.1:PORT (no /v1)
+    api_key: Optional[str] = None
+    timeout_s: float = 120.0
+
+    def _call(self, method: str, path: str, body: Optional[dict] = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.server_root + path, data=data, method=method)
+        request.add_header("Content-Type", "application/json")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as error:
+            raise AdminError(f"{method} {path}: HTTP {error.code}: {error.read().decode(errors='replace')}") from None
+        return payload.decode() if path == "/metrics" else json.loads(payload)
+
+    def locate(self, prompt: Optional[str] = None, messages: Optional[list] = None) -> list[dict]:
+        """The prompt's full blocks in order: key, tiers holding it, and its disk file."""
+        body = {"prompt": prompt} if prompt is not None else {"messages": list(messages or [])}
+        return self._call("POST", "/admin/cache/locate", body)["blocks"]
+
+    def evict(self, tiers=("device", "host")) -> dict:
+        return self._call("POST", "/admin/cache/evict", {"tiers": list(tiers)})
+
+    def flush(self) -> dict:
+        return self._call("POST", "/admin/cache/flush", {})
+
+    def arm(self, kind: str, duration_s: Optional[float] = None, delay_ms: Optional[float] = None) -> dict:
+        body = {"kind": kind, "duration_s": duration_s, "delay_ms": delay_ms}
+        return self._call("POST", "/admin/faults", {k: v for k, v in body.items() if v is not None})
+
+    def clear(self) -> dict:
+        return self._call("DELETE", "/admin/faults")
+
+    def health(self) -> dict:
+        return self._call("GET", "/health")
+
+    def metrics(self) -> dict[tuple, float]:
+        """Every sample of /metrics as {(name, (label, value), ...): value}."""
+        samples = {}
+        for family in text_string_to_metric_families(self._call("GET", "/metrics")):
+            for sample in family.samples:
+                samples[(sample.name, *sorted(sample.labels.items()))] = sample.value
+        return samples
+
+
+def counter(samples: dict[tuple, float], name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, *pairs), v in samples.items() if n == name and wanted <= set(pairs))
+
+
+def detection_counts(samples: dict[tuple, float]) -> dict[str, float]:
+    """What the cache counted of damaged or unreadable blocks, and of injected I/O faults."""
+    return {
+        "corrupt_blocks": counter(samples, "kvgate_cache_corrupt_blocks_total"),
+        "read_errors": counter(samples, "kvgate_cache_read_errors_total"),
+        "write_errors": counter(samples, "kvgate_cache_write_errors_total"),
+        "faults_injected": counter(samples, "kvgate_faults_injected_total"),
+        "disk_hits": counter(samples, "kvgate_cache_hits_total", tier="disk"),
+    }
+
+
+def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = None,
+                         messages: Optional[list] = None, block: int = -1) -> dict:
+    """Damage one stored disk block of a prompt (default: its last full block), then evict the upper
+    tiers so the next request for the prompt must load it from disk."""
+    admin.flush()
+    blocks = [b for b in admin.locate(prompt, messages) if "disk" in b["tiers"]]
+    if not blocks:
+        raise AdminError("the prompt has no block on the disk tier to damage")
+    victim = blocks[block]
+    donors = [b for b in blocks if b is not victim]
+    donor = Path(donors[0]["path"]) if kind == "swap" and donors else None
+    if kind == "swap" and donor is None:
+        raise AdminError("swap: the prompt has no second disk block to take bytes from")
+    done = damage_block(kind, Path(victim["path"]), donor)
+    admin.evict(("device", "host"))
+    return {**done, "block_index": victim["index"], "key": victim["key"]}
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def kill_and_restart(pid: int, log_path: Path, wait_s: float = 30.0) -> subprocess.Popen:
+    """SIGKILL a server and start it again with the same command line, working directory and
+    environment (it re-indexes its directories at start); the new process logs to `log_path`."""
+    proc = Path(f"/proc/{pid}")
+    command = [part.decode() for part in (proc / "cmdline").read_bytes().split(b"\0") if part]
+    cwd = os.readlink(proc / "cwd")
+    env = dict(item.decode().split("=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
