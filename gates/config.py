@@ -58,6 +58,9 @@ class EmbeddedTargets(StrictModel):
     device_capacity_blocks: int = Field(default=64, ge=1, description="device tier of both cached modes")
     host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")
     disk_capacity: str = Field(default="8GiB", description="disk tier of the tiered mode (under storage.path)")
+    disk_io_mode: Literal["buffered", "direct"] = Field(
+        default="direct", description="direct: O_DIRECT reads, no second copy in the page cache under the host tier")
+    disk_read_workers: int = Field(default=16, ge=1, le=256, description="parallel block reads (queue depth)")
 
 
 class TargetsConfig(StrictModel):

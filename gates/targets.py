@@ -62,7 +62,9 @@ class EmbeddedServers:
         engine = {"preset": embedded.preset, "seed": embedded.seed, "max_running": embedded.max_running,
                   "cache": {"device_capacity_blocks": embedded.device_capacity_blocks,
                             "host_capacity_bytes": embedded.host_capacity,
-                            "disk": {"path": "unused", "capacity_bytes": embedded.disk_capacity}}}
+                            "disk": {"path": "unused", "capacity_bytes": embedded.disk_capacity,
+                                     "io_mode": embedded.disk_io_mode,
+                                     "read_workers": embedded.disk_read_workers}}}
         settings = self.run_dir / "engine.yaml"
         settings.write_text(yaml.safe_dump({"engine": engine}))
         for role, mode in EMBEDDED_ROLES.items():

@@ -20,6 +20,8 @@ targets:
     device_capacity_blocks: 64    # device tier, both cached modes (256-token blocks)
     host_capacity: 1GiB           # host DRAM tier of the tiered candidate
     disk_capacity: 8GiB           # disk tier of the tiered candidate, under storage.path
+    disk_io_mode: direct          # O_DIRECT reads (buffered: through the page cache)
+    disk_read_workers: 16         # parallel block reads, the tier's queue depth
   # baseline:  {url: "http://10.0.0.5:8000/v1", model: my-model, api_key_env: BASELINE_KEY}
   # candidate: {url: "http://10.0.0.6:8000/v1", model: my-model, api_key_env: CANDIDATE_KEY}
   # recompute: {url: "http://10.0.0.7:8000/v1", model: my-model}   # optional no-reuse reference
