@@ -282,10 +282,12 @@ def _g3_plots(gate: dict) -> list[str]:
     judged = [v for v in bands if v not in same_unit and _number(v.get("value")) is not None]
     if judged:
         unit = str(judged[0].get("unit") or "")
-        points = [(_concurrency(v, i), v["value"]) for i, v in enumerate(judged, 1)]
+        scale = 100.0 if unit == "%" else 1.0  # verdicts hold fractions; a percent axis shows percents
+        points = [(_concurrency(v, i), v["value"] * scale) for i, v in enumerate(judged, 1)]
+        band = [None if edge is None else edge * scale for edge in band_of(judged[0]["rule"])]
         metric = str(judged[0].get("metric") or judged[0].get("check") or "judged figure")
         plots.append(svg.line_chart({metric: points}, f"G3 {metric} against its band", "concurrency",
-                                    f"{metric} ({unit})" if unit else metric, band=band_of(judged[0]["rule"]),
+                                    f"{metric} ({unit})" if unit else metric, band=tuple(band),
                                     log_x=_geometric({"": points}), band_label="accepted band"))
     return plots
 
