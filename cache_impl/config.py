@@ -127,6 +127,44 @@ class DiskTierConfig(StrictModel):
     _parse_capacity = field_validator("capacity_bytes", mode="before")(lambda cls, v: parse_size(v))
 
 
+class RemoteTierConfig(StrictModel):
+    """The shared pool below the disk tier: Mooncake Store or Redis, reached over TCP."""
+
+    backend: Literal["redis", "mooncake"] = Field(description="the distributed store")
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="redis: the server's URL")
+    master: str = Field(default="127.0.0.1:50051", description="mooncake: the master's host:port")
+    metadata_server: str = Field(default="http://127.0.0.1:8080/metadata",
+                                 description="mooncake: the metadata server's URL")
+    local_hostname: str = Field(default="127.0.0.1", description="mooncake: this node's address for transfers")
+    segment_bytes: int = Field(default=0, ge=0, description="mooncake: memory this node lends to the pool")
+    local_buffer_bytes: int = Field(default=64 * 2**20, ge=0, description="mooncake: this node's transfer buffer")
+    timeout_s: float = Field(default=2.0, gt=0, description="a call that takes longer makes the tier unavailable")
+    retry_s: float = Field(default=2.0, gt=0, description="how long an unavailable tier answers misses")
+    read_workers: int = Field(default=8, ge=1, le=256, description="parallel block gets")
+
+    _parse_sizes = field_validator("segment_bytes", "local_buffer_bytes", mode="before")(
+        lambda cls, v: parse_size(v)
+    )
+
+    @classmethod
+    def from_url(cls, text: str) -> "RemoteTierConfig":
+        """`redis://host:port/db`, or `mooncake://master-host:port?metadata=http://...&segment=256MiB`."""
+        from urllib.parse import parse_qs, urlsplit
+
+        url = urlsplit(text)
+        if url.scheme in ("redis", "rediss"):
+            return cls(backend="redis", url=text)
+        if url.scheme == "mooncake" and url.netloc:
+            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+            known = {"metadata": "metadata_server", "segment": "segment_bytes", "hostname": "local_hostname"}
+            unknown = sorted(set(query) - set(known))
+            if unknown:
+                raise ConfigError(f"remote: unknown option {unknown[0]!r} in {text!r} (known: {', '.join(known)})")
+            return cls(backend="mooncake", master=url.netloc, **{known[k]: v for k, v in query.items()})
+        raise ConfigError(f"remote: expected redis://host:port/db or mooncake://host:port?metadata=URL, "
+                          f"found {text!r}")
+
+
 class CacheConfig(StrictModel):
     """Capacities, block size, write policy and the disk tier of one `TieredKVCache`."""
 
@@ -135,6 +173,7 @@ class CacheConfig(StrictModel):
     device_capacity_blocks: int = Field(default=64, ge=1, description="slots in the device pool")
     host_capacity_bytes: int = Field(default=2 * 2**30, description="DRAM tier size in bytes; 0 disables it")
     disk: Optional[DiskTierConfig] = Field(default=None, description="the disk tier; none when absent")
+    remote: Optional[RemoteTierConfig] = Field(default=None, description="the shared pool; none when absent")
     write_policy: Literal["write-through", "write-back"] = Field(
         default="write-through",
         description="write-through stores a new block in every tier; write-back only on the device, "

@@ -62,7 +62,7 @@ class EngineConfig(StrictModel):
         if self.mode == "recompute":
             return None
         if self.mode == "device-only":
-            return self.cache.replace(host_capacity_bytes=0, disk=None)
+            return self.cache.replace(host_capacity_bytes=0, disk=None, remote=None)
         return self.cache
 
 

@@ -1,7 +1,10 @@
 """TieredKVCache: lookup, load (promote), store, evict (demote), pins.
 
-Tiers are numbered top-down: device (0), host (1), disk (2). Each keeps an
-LRU account; the `BlockIndex` says where every block lives. One lock guards
+Tiers are numbered top-down: device (0), host (1), disk (2), remote (3).
+The local tiers keep an LRU account each, and the `BlockIndex` says where
+their blocks live. The remote tier is a pool shared with other nodes: the
+index cannot know what they put, so a load asks the pool about the blocks
+after the local prefix, and the store's own eviction manages its capacity. One lock guards
 the metadata; bytes move outside it, protected by pins:
 
 - a pinned block is never chosen for eviction, so its bytes stay put;
@@ -35,9 +38,10 @@ from .metrics import TierMetrics
 from .tiers.device import DeviceTier
 from .tiers.disk import DiskTier
 from .tiers.host import HostTier
+from .tiers.remote import RemoteTier
 
-DEVICE, HOST, DISK = 0, 1, 2
-TIER_NAMES = ("device", "host", "disk")
+DEVICE, HOST, DISK, REMOTE = 0, 1, 2, 3
+TIER_NAMES = ("device", "host", "disk", "remote")
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -128,8 +132,8 @@ class TieredKVCache:
         self._inflight: dict[Key, threading.Event] = {}
         self._pending_disk: dict[Key, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._tiers: list = [DeviceTier(self.layout, config.device_capacity_blocks, self.device), None, None]
-        self._lru = [LRUAccount(config.device_capacity_blocks * self.layout.block_nbytes), None, None]
+        self._tiers: list = [DeviceTier(self.layout, config.device_capacity_blocks, self.device), None, None, None]
+        self._lru = [LRUAccount(config.device_capacity_blocks * self.layout.block_nbytes), None, None, None]
         if config.host_capacity_bytes >= self.layout.block_nbytes:
             host = HostTier(self.layout, config.host_capacity_bytes, pin_memory=self.device.type == "cuda")
             self._tiers[HOST] = host
@@ -139,6 +143,11 @@ class TieredKVCache:
             self._tiers[DISK] = DiskTier(config.disk, fingerprint)
             self._lru[DISK] = LRUAccount(config.disk.capacity_bytes)
             self._writer = ThreadPoolExecutor(2, thread_name_prefix="kv-disk-write")
+        self._remote_writer: ThreadPoolExecutor | None = None
+        self._pending_remote = 0
+        if config.remote is not None:
+            self._tiers[REMOTE] = RemoteTier(config.remote, fingerprint)
+            self._remote_writer = ThreadPoolExecutor(2, thread_name_prefix="kv-remote-write")
         self.metrics = {name: TierMetrics() for name, tier in zip(TIER_NAMES, self._tiers) if tier is not None}
         self.reindex_removed = 0
         if self._tiers[DISK] is not None:
@@ -212,12 +221,29 @@ class TieredKVCache:
     def _plan_load(self, keys: list[Key]) -> tuple[list[_PlannedLoad], int]:
         """Pin the cached prefix and reserve device slots for blocks not yet there; also the cached length."""
         while True:
+            in_pool = self._remote_extension(keys)
             with self._lock:
                 masks = self._index.longest_prefix(keys)
+                for key in keys[len(masks):]:  # the pool continues the local prefix
+                    if key not in in_pool:
+                        break
+                    masks.append(1 << REMOTE)
                 busy = next((self._inflight[k] for k in keys[: len(masks)] if k in self._inflight), None)
                 if busy is None:
                     return self._reserve_plan(keys, masks), len(masks)
             busy.wait()  # another thread is loading one of our blocks; plan again once it is there
+
+    def _remote_extension(self, keys: list[Key]) -> set[Key]:
+        """The leading keys after the local prefix that the shared pool holds (asked outside the lock)."""
+        remote: RemoteTier | None = self._tiers[REMOTE]
+        if remote is None:
+            return set()
+        with self._lock:
+            local = len(self._index.longest_prefix(keys))
+        rest = keys[local:]
+        found = remote.contains(rest)
+        held = next((i for i, there in enumerate(found) if not there), len(found))
+        return set(rest[:held])
 
     def _reserve_plan(self, keys: list[Key], masks: list[int]) -> list[_PlannedLoad]:
         plan = []
@@ -256,7 +282,7 @@ class TieredKVCache:
     def _copy_in(self, plan: list[_PlannedLoad]) -> dict[Key, tuple[int, str]]:
         """Copy planned blocks into their device slots, one batch per source tier; failures by key."""
         failures: dict[Key, tuple[int, str]] = {}
-        for source in (HOST, DISK):
+        for source in (HOST, DISK, REMOTE):
             batch = [p for p in plan if p.source == source]
             if not batch:
                 continue
@@ -278,7 +304,8 @@ class TieredKVCache:
                 if p.slot is not None:
                     if i < good:
                         self._index.add(p.key, DEVICE)
-                        self._lru[p.source].touch(p.key)
+                        if self._lru[p.source] is not None:
+                            self._lru[p.source].touch(p.key)
                     else:
                         device.delete(p.key)
                         self._lru[DEVICE].remove(p.key)
@@ -332,12 +359,16 @@ class TieredKVCache:
                 stored |= self._put(HOST, key, block)
             if self._tiers[DISK] is not None:
                 stored |= self._put(DISK, key, block)
+        if self._tiers[REMOTE] is not None:  # published at once, whatever the policy: other nodes may need it
+            stored |= self._put(REMOTE, key, block)
         return int(stored)
 
     def _put(self, tier: int, key: Key, block: torch.Tensor) -> bool:
         """Place a block on one tier (making room first); False when it cannot fit now."""
         if tier == DISK:
             return self._enqueue_disk_write(key, block)
+        if tier == REMOTE:
+            return self._enqueue_remote_write(key, block)
         nbytes = self._tiers[tier].stored_nbytes
         if not self._make_room(tier, nbytes):
             return False
@@ -381,14 +412,38 @@ class TieredKVCache:
                 metrics.add("write_errors")
             self._drained.notify_all()
 
+    def _enqueue_remote_write(self, key: Key, block: torch.Tensor) -> bool:
+        """Queue a put of a private CPU copy into the shared pool (skipped while the pool is unavailable)."""
+        remote: RemoteTier = self._tiers[REMOTE]
+        if not remote.available:
+            self.metrics["remote"].add("write_errors")
+            return False
+        cpu_block = block.detach().to("cpu", copy=True)
+        self._pending_remote += 1
+        self._remote_writer.submit(self._write_to_remote, key, cpu_block)
+        return True
+
+    def _write_to_remote(self, key: Key, cpu_block: torch.Tensor) -> None:
+        metrics = self.metrics["remote"]
+        try:
+            self._tiers[REMOTE].write(key, cpu_block)
+            metrics.add("bytes_written", self.layout.block_nbytes)
+            metrics.add("blocks_written")
+        except Exception:  # unavailable, timed out, full: the block is simply not in the pool
+            metrics.add("write_errors")
+        finally:
+            with self._lock:
+                self._pending_remote -= 1
+                self._drained.notify_all()
+
     def _wait_for_write_room(self) -> None:
         with self._drained:
             self._drained.wait_for(lambda: self._pending_bytes <= self.config.max_pending_write_bytes)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued disk write is published (or failed); False on timeout."""
+        """Wait until every queued disk write and pool put is published (or failed); False on timeout."""
         with self._drained:
-            return self._drained.wait_for(lambda: not self._pending_disk, timeout)
+            return self._drained.wait_for(lambda: not self._pending_disk and not self._pending_remote, timeout)
 
     # -- eviction and demotion -----------------------------------------------
 
@@ -413,7 +468,7 @@ class TieredKVCache:
     def _evict(self, tier: int, key: Key) -> None:
         """Remove a block from a tier, first demoting it to the nearest lower tier that has or takes it."""
         self.metrics[TIER_NAMES[tier]].add("evictions")
-        for lower in range(tier + 1, 3):
+        for lower in range(tier + 1, REMOTE):  # the pool already got the block when it was stored
             if self._tiers[lower] is None:
                 continue
             if self._index.has(key, lower) or key in self._pending_disk:
@@ -429,7 +484,8 @@ class TieredKVCache:
 
     def _drop(self, tier: int, key: Key) -> None:
         self._tiers[tier].delete(key)
-        self._lru[tier].remove(key)
+        if self._lru[tier] is not None:
+            self._lru[tier].remove(key)
         self._index.discard(key, tier)
 
     # -- pins ----------------------------------------------------------------
@@ -467,11 +523,12 @@ class TieredKVCache:
             for t, name in enumerate(TIER_NAMES):
                 if self._tiers[t] is None:
                     continue
+                lru = self._lru[t]  # the shared pool's occupancy is the store's to report
                 tiers[name] = {
                     **self.metrics[name].snapshot(),
-                    "blocks": len(self._lru[t]),
-                    "used_bytes": self._lru[t].used_bytes,
-                    "capacity_bytes": self._lru[t].capacity_bytes,
+                    "blocks": len(lru) if lru is not None else 0,
+                    "used_bytes": lru.used_bytes if lru is not None else 0,
+                    "capacity_bytes": lru.capacity_bytes if lru is not None else 0,
                 }
             return {
                 "tiers": tiers,
@@ -480,6 +537,7 @@ class TieredKVCache:
                 "pending_disk_writes": len(self._pending_disk),
                 "reindex_removed": self.reindex_removed,
                 "faults": self._tiers[DISK].faults.snapshot() if self._tiers[DISK] is not None else None,
+                "remote": self._tiers[REMOTE].snapshot() if self._tiers[REMOTE] is not None else None,
             }
 
     def _reindex_disk(self) -> None:
@@ -521,8 +579,11 @@ class TieredKVCache:
         self.flush()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
-        if self._tiers[DISK] is not None:
-            self._tiers[DISK].close()
+        if self._remote_writer is not None:
+            self._remote_writer.shutdown(wait=True)
+        for tier in (DISK, REMOTE):
+            if self._tiers[tier] is not None:
+                self._tiers[tier].close()
 
     def __enter__(self) -> "TieredKVCache":
         return self

@@ -73,6 +73,11 @@ def _cache_metrics(cache: dict) -> Iterator[Metric]:
     yield _gauge("kvgate_cache_pending_disk_writes", "disk writes queued", cache["pending_disk_writes"])
     yield _counter("kvgate_cache_reindex_removed", "stored blocks refused and removed when re-indexing at start",
                    cache["reindex_removed"])
+    if cache.get("remote") is not None:
+        yield _gauge("kvgate_cache_remote_available", "1 while the shared pool answers, 0 while it is unavailable",
+                     int(cache["remote"]["available"]))
+        yield _counter("kvgate_cache_remote_unavailable_calls", "calls to the shared pool that got no answer",
+                       cache["remote"]["unavailable_calls"])
     if cache.get("faults") is not None:
         injected = CounterMetricFamily("kvgate_faults_injected", "times an armed I/O fault acted (admin)",
                                        labels=["kind"])

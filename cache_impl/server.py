@@ -61,7 +61,9 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode, "pid": os.getpid()}
+        fingerprint = engine.cache.fingerprint.hex if engine.cache is not None else None
+        return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode, "pid": os.getpid(),
+                "fingerprint": fingerprint}
 
     @app.get("/v1/models")
     async def models() -> dict:

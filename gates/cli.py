@@ -145,6 +145,9 @@ def _add_serve(commands) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     serve.add_argument("--cache-dir", type=Path, help="the disk tier's directory")
+    serve.add_argument("--remote", metavar="URL",
+                       help="the shared pool below the disk tier: redis://HOST:PORT/DB or "
+                            "mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE]")
     serve.add_argument("--preset", help="model size preset: tiny, small (default), base")
     serve.add_argument("--config", type=Path, help="YAML file; its `engine:` section configures the engine")
     serve.add_argument("--api-key-env", default="KVGATE_API_KEY",
@@ -168,6 +171,11 @@ def engine_settings(args: argparse.Namespace) -> dict:
         cache = dict(settings.get("cache") or {})
         cache["disk"] = {**(cache.get("disk") or {}), "path": str(args.cache_dir)}
         settings["cache"] = cache
+    if args.remote is not None:
+        from cache_impl.config import RemoteTierConfig
+
+        remote = RemoteTierConfig.from_url(args.remote).model_dump(exclude_defaults=True)
+        settings["cache"] = {**(settings.get("cache") or {}), "remote": remote}
     return settings
 
 
@@ -191,8 +199,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_dict(engine_settings(args))
     engine = Engine(config)
     app = create_app(engine, api_key=os.environ.get(args.api_key_env) or None, admin=args.admin)
+    remote = config.cache.remote
     print(f"kvgate serve: {engine.model_name}, mode {config.mode}, "
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "
+          f"shared pool {remote.backend if remote is not None and config.mode == 'tiered' else 'off'}, "
           f"http://{args.host}:{args.port}/v1", flush=True)
     # uvicorn drains on SIGTERM, then re-raises the signal to the previous handler: make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

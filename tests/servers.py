@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
+import string
 import subprocess
 import sys
 import time
@@ -42,7 +44,7 @@ class ServerProcess:
 
     def __init__(self, workdir: Path, api_key: Optional[str] = None, preset: str = "tiny",
                  mode: str = "tiered", engine: Optional[dict] = None, cache_dir: Optional[Path] = None,
-                 admin: bool = False) -> None:
+                 admin: bool = False, extra_args: tuple[str, ...] = ()) -> None:
         """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -59,6 +61,7 @@ class ServerProcess:
             command += ["--config", str(config)]
         if admin:
             command.append("--admin")
+        command += list(extra_args)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -106,3 +109,38 @@ def started_server(workdir: Path, api_key: Optional[str] = None, **options):
     yield server
     code = server.stop()
     assert code in TEARDOWN_EXIT_CODES, f"kvgate serve exit code {code} after SIGTERM:\n{server.log()}"
+
+
+# -- asking a server, and the recompute oracle ----------------------------------------
+
+TINY_MODEL = "kvgate-tiny"
+
+
+def distinct_prompt(tag: str, length: int = 1400) -> str:
+    """A distinct printable prompt (one token per character): 5 full 256-token blocks at 1400 characters."""
+    rng = random.Random(tag)
+    return tag + ": " + "".join(rng.choice(string.ascii_letters + " ") for _ in range(length - len(tag) - 2))
+
+
+def ask(server, prompt: str, max_tokens: int = 12) -> dict:
+    """A greedy completion; its text and how many prompt tokens came from the cache (asserts HTTP 200)."""
+    with http_client(server.port, timeout=60) as http:
+        response = http.post("/v1/completions", json={"model": TINY_MODEL, "prompt": prompt,
+                                                      "max_tokens": max_tokens, "temperature": 0})
+    assert response.status_code == 200, f"HTTP {response.status_code}: {response.text}"
+    body = response.json()
+    return {"text": body["choices"][0]["text"], "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+class Oracle:
+    """Answers of a recompute-mode server, asked once per prompt."""
+
+    def __init__(self, server) -> None:
+        self.server, self.answers = server, {}
+
+    def __call__(self, prompt: str) -> str:
+        if prompt not in self.answers:
+            answer = ask(self.server, prompt)
+            assert answer["cached"] == 0
+            self.answers[prompt] = answer["text"]
+        return self.answers[prompt]

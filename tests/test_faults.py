@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import string
 import threading
 import time
 from collections import Counter
@@ -20,41 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import ServerProcess, http_client, started_server
+from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
 from workloads.faults import (BLOCK_FAULTS, EXPECTED_REASON, AdminClient, counter, damage_prompt_blocks,
                               detection_counts, kill_and_restart)
 
-MODEL = "kvgate-tiny"
 BLOCK = 256
-
-
-def _prompt(tag: str, length: int = 1400) -> str:
-    """A distinct printable prompt (one token per character): 5 full blocks at 1400 characters."""
-    rng = random.Random(tag)
-    return tag + ": " + "".join(rng.choice(string.ascii_letters + " ") for _ in range(length - len(tag) - 2))
-
-
-def ask(server, prompt: str, max_tokens: int = 12) -> dict:
-    with http_client(server.port, timeout=60) as http:
-        response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                                      "temperature": 0})
-    assert response.status_code == 200, f"HTTP {response.status_code}: {response.text}"
-    body = response.json()
-    return {"text": body["choices"][0]["text"], "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
-
-
-class Oracle:
-    """Answers of a recompute-mode server, asked once per prompt."""
-
-    def __init__(self, server) -> None:
-        self.server, self.answers = server, {}
-
-    def __call__(self, prompt: str) -> str:
-        if prompt not in self.answers:
-            answer = ask(self.server, prompt)
-            assert answer["cached"] == 0
-            self.answers[prompt] = answer["text"]
-        return self.answers[prompt]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +46,7 @@ def _temp_files(root: Path) -> list[Path]:
 
 @pytest.mark.parametrize("kind", BLOCK_FAULTS)
 def test_a_damaged_stored_block_is_refused_counted_and_its_kv_recomputed(tiered, oracle, kind):
-    prompt = _prompt(f"stored block {kind}")
+    prompt = distinct_prompt(f"stored block {kind}")
     admin = AdminClient(tiered.base_url)
     first = ask(tiered, prompt)
     before = admin.metrics()
@@ -108,7 +77,7 @@ def _on_disk_only(server, prompt: str) -> AdminClient:
 
 
 def test_read_errors_fall_back_to_recompute_and_are_counted(tiered, oracle):
-    prompt = _prompt("read error")
+    prompt = distinct_prompt("read error")
     admin = _on_disk_only(tiered, prompt)
     before = detection_counts(admin.metrics())
     admin.arm("read_error")
@@ -124,7 +93,7 @@ def test_read_errors_fall_back_to_recompute_and_are_counted(tiered, oracle):
 
 @pytest.mark.parametrize("kind", ["disk_full", "write_error"])
 def test_a_failed_disk_write_publishes_nothing_and_the_tier_recovers(tiered, oracle, kind):
-    prompt = _prompt(f"failed write {kind}")
+    prompt = distinct_prompt(f"failed write {kind}")
     admin = AdminClient(tiered.base_url)
     before = detection_counts(admin.metrics())
     admin.arm(kind)
@@ -148,7 +117,7 @@ def test_a_failed_disk_write_publishes_nothing_and_the_tier_recovers(tiered, ora
 
 
 def test_a_slow_disk_delays_loads_but_serves_the_same_tokens(tiered, oracle):
-    prompt = _prompt("slow disk")
+    prompt = distinct_prompt("slow disk")
     admin = _on_disk_only(tiered, prompt)
     before = detection_counts(admin.metrics())
     admin.arm("slow_disk", duration_s=30, delay_ms=150)
@@ -182,7 +151,7 @@ def test_kill_9_in_the_middle_of_stores_then_a_warm_restart_serves_only_whole_ve
     server = ServerProcess(workdir, admin=True)
     server.wait_healthy()
     admin = AdminClient(server.base_url)
-    prompts = [_prompt(f"killed mid-store {i}") for i in range(3)]
+    prompts = [distinct_prompt(f"killed mid-store {i}") for i in range(3)]
     restarted = None
     try:
         admin.arm("slow_disk", delay_ms=1500)    # each block write waits before it is published
@@ -216,8 +185,8 @@ def test_kill_9_in_the_middle_of_stores_then_a_warm_restart_serves_only_whole_ve
 def test_eviction_racing_loads_under_concurrency_never_serves_wrong_kv(tmp_path, oracle):
     engine = {"preset": "tiny", "max_running": 4,
               "cache": {"device_capacity_blocks": 6, "host_capacity_bytes": "1MiB"}}
-    shared = _prompt("shared system prompt", 600)
-    prompts = [shared + _prompt(f" user {i}", 900) for i in range(8)]
+    shared = distinct_prompt("shared system prompt", 600)
+    prompts = [shared + distinct_prompt(f" user {i}", 900) for i in range(8)]
     expected = {p: oracle(p) for p in prompts}
     failures, cached = [], Counter()
     for server in started_server(tmp_path, engine=engine, admin=True):
@@ -247,7 +216,7 @@ def test_eviction_racing_loads_under_concurrency_never_serves_wrong_kv(tmp_path,
 
 def test_two_servers_writing_the_same_blocks_into_one_directory_leave_only_whole_blocks(tmp_path, oracle):
     shared_dir = tmp_path / "shared-disk"
-    prompts = [_prompt(f"two writers {i}") for i in range(4)]
+    prompts = [distinct_prompt(f"two writers {i}") for i in range(4)]
     nodes = [ServerProcess(tmp_path / name, cache_dir=shared_dir, admin=True) for name in ("a", "b")]
     answers = []
     try:
@@ -277,7 +246,7 @@ def test_two_servers_writing_the_same_blocks_into_one_directory_leave_only_whole
 
 @pytest.mark.parametrize("change", [{"seed": 1}, {"cache": {"block_size": 128}}], ids=["weights-seed", "block-size"])
 def test_blocks_of_another_fingerprint_are_never_served(tmp_path, change):
-    prompt = _prompt("fingerprint change")
+    prompt = distinct_prompt("fingerprint change")
     shared_dir = tmp_path / "disk"
     for old in started_server(tmp_path / "old", cache_dir=shared_dir, admin=True):
         ask(old, prompt)

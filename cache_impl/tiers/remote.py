@@ -1,0 +1,244 @@
+"""Remote tier: a KV pool shared by several nodes, on an existing distributed store.
+
+Backends: Mooncake Store (the KV-cache store of SGLang, vLLM and LMCache) and
+Redis. A value is immutable and content-addressed, named
+`kvgate/<fingerprint hex>/<key hex>`, and carries the block file's 4 KiB header
+(fingerprint, key, size, checksum) before the payload, so every read is
+verified as on disk. A put is visible only whole (both stores publish a value
+atomically), is never an overwrite (a name that exists is left as it is), and
+an evicted or expired value is simply a miss.
+
+A store that does not answer makes the tier *unavailable* for `retry_s`: every
+call is then a miss (counted), never an error to the caller; after `retry_s`
+the next call tries the store again, so the tier comes back by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from .. import integrity
+from ..config import RemoteTierConfig
+from ..keys import Fingerprint, Key
+
+
+class StoreUnavailable(Exception):
+    """The store did not answer (down, unreachable, timed out)."""
+
+
+class RemoteStore(Protocol):
+    def put(self, name: str, value: bytes) -> None: ...
+    def get(self, name: str) -> Optional[bytes]: ...           # None: no such value
+    def exists(self, names: Sequence[str]) -> list[bool]: ...
+    def remove(self, name: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class RedisStore:
+    """Redis: SET NX (never an overwrite), GET, pipelined EXISTS."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        import redis
+
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                            retry_on_timeout=False)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except self._errors as error:
+            raise StoreUnavailable(f"redis: {error}") from None
+
+    def put(self, name: str, value: bytes) -> None:
+        self._call(self._client.set, name, value, None, None, True)  # nx=True
+
+    def get(self, name: str) -> Optional[bytes]:
+        return self._call(self._client.get, name)
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            return [bool(n) for n in pipe.execute()]
+        return self._call(run)
+
+    def remove(self, name: str) -> None:
+        self._call(self._client.delete, name)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class MooncakeStore:
+    """Mooncake Store over TCP: this node mounts `segment_bytes` of its memory into the pool (0: none)."""
+
+    def __init__(self, config: RemoteTierConfig) -> None:
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+        from mooncake.store import MooncakeDistributedStore
+
+        self._store = MooncakeDistributedStore()
+        code = self._store.setup(config.local_hostname, config.metadata_server, config.segment_bytes,
+                                 config.local_buffer_bytes, "tcp", "", config.master)
+        if code != 0:
+            raise StoreUnavailable(f"mooncake: setup returned {code} (master {config.master}, "
+                                   f"metadata {config.metadata_server})")
+
+    def put(self, name: str, value: bytes) -> None:
+        code = self._store.put(name, value)
+        if code != 0 and not self._store.is_exist(name) == 1:
+            raise StoreUnavailable(f"mooncake: put returned {code}")
+
+    def get(self, name: str) -> Optional[bytes]:
+        value = self._store.get(name)
+        if value:
+            return value
+        found = self._store.is_exist(name)
+        if found < 0:
+            raise StoreUnavailable(f"mooncake: is_exist returned {found}")
+        return None
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        found = self._store.batch_is_exist(list(names))
+        if any(code < 0 for code in found):
+            raise StoreUnavailable(f"mooncake: batch_is_exist returned {found}")
+        return [code == 1 for code in found]
+
+    def remove(self, name: str) -> None:
+        # force: a read lease (our own refused get) must not keep a bad value in the pool
+        code = self._store.remove(name, True)
+        if code != 0 and self._store.is_exist(name) == 1:
+            raise StoreUnavailable(f"mooncake: remove returned {code}")
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def open_store(config: RemoteTierConfig) -> RemoteStore:
+    if config.backend == "redis":
+        return RedisStore(config.url, config.timeout_s)
+    return MooncakeStore(config)
+
+
+class RemoteTier:
+    name = "remote"
+    persistent = True
+
+    def __init__(self, config: RemoteTierConfig, fingerprint: Fingerprint,
+                 store: Optional[RemoteStore] = None) -> None:
+        self.config = config
+        self.fingerprint = fingerprint.digest
+        self.payload_nbytes = fingerprint.layout.block_nbytes
+        self.stored_nbytes = integrity.HEADER_BYTES + self.payload_nbytes
+        self._prefix = f"kvgate/{fingerprint.hex}/"
+        self._store = store
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.unavailable_calls = 0
+        self.last_error: Optional[str] = None
+        self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-remote")
+
+    def name_for(self, key: Key) -> str:
+        return self._prefix + key.hex()
+
+    # -- availability ----------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _connected(self) -> RemoteStore:
+        """The store; StoreUnavailable while the tier is marked down, or when connecting fails."""
+        if not self.available:
+            raise StoreUnavailable(self.last_error or "unavailable")
+        with self._lock:
+            if self._store is None:
+                self._store = open_store(self.config)
+            return self._store
+
+    def _call(self, op, *args):
+        try:
+            return op(self._connected(), *args)
+        except StoreUnavailable as error:
+            with self._lock:
+                self.unavailable_calls += 1
+                if self.available:  # the first failure: mark the tier down for retry_s
+                    self._down_until = time.monotonic() + self.config.retry_s
+                    self.last_error = str(error)
+            raise
+
+    # -- the tier interface ----------------------------------------------------
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        """Which keys the pool holds (all False while it is unavailable)."""
+        if not keys:
+            return []
+        try:
+            return self._call(lambda store: store.exists([self.name_for(k) for k in keys]))
+        except StoreUnavailable:
+            return [False] * len(keys)
+
+    def write(self, key: Key, block: torch.Tensor) -> None:
+        """Put the block (header + payload); raises StoreUnavailable or ValueError, publishing nothing."""
+        payload = block.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+        if payload.nbytes != self.payload_nbytes:
+            raise ValueError(f"remote tier: block has {payload.nbytes} bytes, layout says {self.payload_nbytes}")
+        header = integrity.encode_header(self.fingerprint, key, payload.nbytes, integrity.checksum(payload))
+        value = header + payload.tobytes()
+        self._call(lambda store: store.put(self.name_for(key), value))
+
+    def read_into(self, keys: Sequence[Key], outs: Sequence[torch.Tensor]) -> list[Optional[str]]:
+        """Fetch and verify blocks in parallel; per key None (ok) or the reason it was refused."""
+        return list(self._pool.map(self._read_one, keys, outs))
+
+    def _read_one(self, key: Key, out: torch.Tensor) -> Optional[str]:
+        try:
+            value = self._call(lambda store: store.get(self.name_for(key)))
+        except StoreUnavailable:
+            return integrity.IO_ERROR
+        if value is None:
+            return integrity.MISSING
+        if len(value) < self.stored_nbytes:
+            return integrity.SHORT_READ
+        reason, expected_sum = integrity.verify_header(value[: integrity.HEADER_BYTES], self.fingerprint, key,
+                                                      self.payload_nbytes)
+        if reason:
+            return reason
+        payload = memoryview(value)[integrity.HEADER_BYTES: self.stored_nbytes]
+        if integrity.checksum(payload) != expected_sum:
+            return integrity.BAD_CHECKSUM
+        with warnings.catch_warnings():  # a read-only source is fine: it is only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8))
+        out.view(-1).view(torch.uint8).copy_(source)
+        return None
+
+    def delete(self, key: Key) -> None:
+        """Remove a value that failed verification, so a whole one can be put again (never raises)."""
+        try:
+            self._call(lambda store: store.remove(self.name_for(key)))
+        except StoreUnavailable:
+            pass
+
+    def snapshot(self) -> dict:
+        return {"available": self.available, "unavailable_calls": self.unavailable_calls,
+                "last_error": self.last_error, "backend": self.config.backend}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            if self._store is not None:
+                try:
+                    self._store.close()
+                except Exception:
+                    pass
+                self._store = None

@@ -1,0 +1,137 @@
+"""The shared pool: two `kvgate serve` nodes on one Mooncake Store or Redis, started here on loopback.
+
+A prefix computed on node A is a hit on node B (no shared disk), with greedy
+output identical to recompute; a pool that goes away makes the tier
+unavailable (misses, counted, no error) and it comes back by itself; a value
+that fails verification is refused, removed from the pool and recomputed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from cache_impl import integrity
+from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, started_server
+from workloads.faults import AdminClient, counter
+from workloads.stores import MooncakePool, RedisServer
+
+BLOCK = 256
+NEEDS = {"redis": ["redis-server"], "mooncake": ["mooncake_master", "mooncake_http_metadata_server",
+                                                  "mooncake_client"]}
+
+
+def _pool(backend: str, workdir):
+    missing = [p for p in NEEDS[backend] if shutil.which(p) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (.ci/run installs them; see the README)")
+    return RedisServer(workdir) if backend == "redis" else MooncakePool(workdir, segment="256MB")
+
+
+@pytest.fixture(scope="module", params=["redis", "mooncake"])
+def pool(request, tmp_path_factory):
+    with _pool(request.param, tmp_path_factory.mktemp(f"pool-{request.param}")) as started:
+        yield request.param, started
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    for server in started_server(tmp_path_factory.mktemp("oracle"), mode="recompute"):
+        yield Oracle(server)
+
+
+def _node(workdir, url: str) -> ServerProcess:
+    """A tiered node with its own disk directory, on the pool at `url` (given as `kvgate serve --remote URL`)."""
+    return ServerProcess(workdir, admin=True, extra_args=("--remote", url))
+
+
+@pytest.fixture(scope="module")
+def nodes(pool, tmp_path_factory):
+    backend, started = pool
+    pair = [_node(tmp_path_factory.mktemp(f"{backend}-node-{name}"), started.url) for name in ("a", "b")]
+    try:
+        for node in pair:
+            node.wait_healthy()
+        yield pair
+    finally:
+        for node in pair:
+            node.stop()
+
+
+def test_a_prefix_computed_on_node_a_is_a_hit_on_node_b(nodes, oracle, pool):
+    a, b = nodes
+    prompt = distinct_prompt(f"cross-node {pool[0]}")
+    first = ask(a, prompt)
+    AdminClient(a.base_url).flush()                       # node A's puts are in the pool
+    before = AdminClient(b.base_url).metrics()
+    second = ask(b, prompt)
+    after = AdminClient(b.base_url).metrics()
+    assert first["cached"] == 0 and first["text"] == oracle(prompt)
+    assert second["cached"] == 5 * BLOCK and second["text"] == first["text"]
+    assert (counter(after, "kvgate_cache_hits_total", tier="remote")
+            - counter(before, "kvgate_cache_hits_total", tier="remote")) == 5   # served by the pool, not B's disk
+    assert counter(after, "kvgate_cache_corrupt_blocks_total") == 0
+
+
+def test_a_value_that_fails_verification_is_refused_removed_and_recomputed(nodes, oracle, pool):
+    a, b = nodes
+    prompt, other = distinct_prompt(f"pool corruption {pool[0]}"), distinct_prompt(f"pool donor {pool[0]}")
+    ask(a, prompt)
+    ask(a, other)
+    AdminClient(a.base_url).flush()
+    keys = [blk["key"] for blk in AdminClient(b.base_url).locate(prompt)]
+    donor = [blk["key"] for blk in AdminClient(b.base_url).locate(other)]
+    from cache_impl.config import RemoteTierConfig
+    from cache_impl.tiers.remote import open_store
+
+    store = open_store(RemoteTierConfig.from_url(pool[1].url))
+    fingerprint_dir = _fingerprint_prefix(b)
+    value = store.get(fingerprint_dir + donor[2])
+    store.remove(fingerprint_dir + keys[2])
+    store.put(fingerprint_dir + keys[2], value)            # another block's whole value under this name
+    before = AdminClient(b.base_url).metrics()
+    answer = ask(b, prompt)
+    after = AdminClient(b.base_url).metrics()
+    assert answer["text"] == oracle(prompt) and answer["cached"] == 2 * BLOCK
+    assert (counter(after, "kvgate_cache_corrupt_blocks_total", tier="remote", reason=integrity.WRONG_KEY)
+            - counter(before, "kvgate_cache_corrupt_blocks_total", tier="remote", reason=integrity.WRONG_KEY)) == 1
+    replaced = store.get(fingerprint_dir + keys[2])           # removed, and the recomputed block put whole
+    store.close()
+    assert replaced is not None and replaced != value
+    assert replaced[:integrity.HEADER_BYTES].find(bytes.fromhex(keys[2])) > 0
+
+
+def _fingerprint_prefix(node) -> str:
+    health = AdminClient(node.base_url).health()
+    return f"kvgate/{health['fingerprint']}/"
+
+
+def test_the_pool_going_away_is_a_counted_miss_and_it_comes_back_by_itself(tmp_path, oracle):
+    redis = _pool("redis", tmp_path / "redis").start()
+    remote = {"backend": "redis", "url": redis.url, "retry_s": 1.0, "timeout_s": 1.0}
+    node = ServerProcess(tmp_path / "node", admin=True, engine={"preset": "tiny", "cache": {"remote": remote}})
+    try:
+        node.wait_healthy()
+        admin = AdminClient(node.base_url)
+        redis.stop()
+        prompt = distinct_prompt("pool away")
+        away = ask(node, prompt)                           # no error: the pool's blocks are just misses
+        samples = admin.metrics()
+        assert away["text"] == oracle(prompt)
+        assert counter(samples, "kvgate_cache_remote_available") == 0
+        assert counter(samples, "kvgate_cache_remote_unavailable_calls_total") > 0
+        assert counter(samples, "kvgate_cache_write_errors_total", tier="remote") > 0
+        redis = RedisServer(tmp_path / "redis", port=redis.port).start()   # back, empty, on the same port
+        time.sleep(1.5)                                    # past retry_s: the next call tries the pool again
+        back = distinct_prompt("pool back")
+        ask(node, back)
+        admin.flush()
+        assert counter(admin.metrics(), "kvgate_cache_remote_available") == 1
+        for reader in started_server(tmp_path / "reader", admin=True, extra_args=("--remote", redis.url)):
+            again = ask(reader, back)                      # what the node put after the pool came back
+            assert again["text"] == oracle(back) and again["cached"] == 5 * BLOCK
+    finally:
+        node.stop()
+        redis.stop()
