@@ -61,6 +61,9 @@ class EmbeddedTargets(StrictModel):
     disk_io_mode: Literal["buffered", "direct"] = Field(
         default="direct", description="direct: O_DIRECT reads, no second copy in the page cache under the host tier")
     disk_read_workers: int = Field(default=16, ge=1, le=256, description="parallel block reads (queue depth)")
+    candidate_nodes: int = Field(default=1, ge=1, le=8, description="tiered candidate nodes (several: G3 routes)")
+    pool: Literal["none", "redis", "mooncake"] = Field(
+        default="none", description="the shared pool the candidate nodes use, started by the harness on loopback")
 
 
 class TargetsConfig(StrictModel):
@@ -69,6 +72,10 @@ class TargetsConfig(StrictModel):
     baseline: Optional[Endpoint] = None
     candidate: Optional[Endpoint] = None
     recompute: Optional[Endpoint] = Field(default=None, description="optional: the no-reuse reference")
+    candidate_nodes: list[str] = Field(default_factory=list,
+                                       description="external: more base URLs serving the candidate's model")
+    routing: Literal["round-robin", "prefix-affinity"] = Field(
+        default="round-robin", description="how requests pick a candidate node")
 
     @model_validator(mode="after")
     def _external_needs_endpoints(self) -> "TargetsConfig":

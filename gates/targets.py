@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -33,9 +33,17 @@ class Endpoint:
     api_key_env: Optional[str] = None
     admin: bool = False          # embedded: /admin/cache/* is available
     mode: Optional[str] = None   # embedded: the cache mode
+    nodes: tuple[str, ...] = ()  # several nodes serving this role (base URLs, the first is `url`)
+    routing: str = "round-robin"
 
     def target(self, name: Optional[str] = None) -> Target:
-        return Target(name or self.role, self.url, self.model, self.api, self.api_key_env)
+        return Target(name or self.role, self.url, self.model, self.api, self.api_key_env,
+                      nodes=tuple(self.nodes), routing=self.routing)
+
+    @property
+    def node_roots(self) -> list[str]:
+        """Each node's server root (no /v1)."""
+        return [url.removesuffix("/v1") for url in (self.nodes or (self.url,))]
 
     @property
     def server_root(self) -> str:
@@ -45,17 +53,27 @@ class Endpoint:
 def external_endpoints(config: GatesConfig) -> dict[str, Endpoint]:
     targets = config.targets
     found = {"baseline": targets.baseline, "candidate": targets.candidate, "recompute": targets.recompute}
-    return {role: Endpoint(role, e.url.rstrip("/"), e.model, e.api, e.api_key_env)
-            for role, e in found.items() if e is not None}
+    endpoints = {role: Endpoint(role, e.url.rstrip("/"), e.model, e.api, e.api_key_env)
+                 for role, e in found.items() if e is not None}
+    if targets.candidate_nodes and "candidate" in endpoints:
+        first = endpoints["candidate"]
+        nodes = (first.url, *(url.rstrip("/") for url in targets.candidate_nodes))
+        endpoints["candidate"] = replace(first, nodes=nodes, routing=targets.routing)
+    return endpoints
 
 
 class EmbeddedServers:
-    """Starts one `kvgate serve --admin` per mode on free loopback ports; stops them (SIGTERM) at exit."""
+    """Starts one `kvgate serve --admin` per mode on free loopback ports; stops them (SIGTERM) at exit.
+
+    With `candidate_nodes` > 1 the tiered candidate runs as that many nodes, each with its own disk
+    directory, sharing the pool the harness starts first (`pool`: redis or mooncake, on loopback).
+    """
 
     def __init__(self, config: GatesConfig, run_dir: Path) -> None:
         self.config, self.run_dir = config, run_dir
         self.processes: dict[str, subprocess.Popen] = {}
         self.endpoints: dict[str, Endpoint] = {}
+        self.pool = None
 
     def start(self, timeout_s: float = 120) -> dict[str, Endpoint]:
         embedded = self.config.targets.embedded
@@ -67,34 +85,52 @@ class EmbeddedServers:
                                      "read_workers": embedded.disk_read_workers}}}
         settings = self.run_dir / "engine.yaml"
         settings.write_text(yaml.safe_dump({"engine": engine}))
+        pool_url = self._start_pool(embedded.pool)
         for role, mode in EMBEDDED_ROLES.items():
-            port = free_port()
-            cache_dir = Path(self.config.storage.path).resolve() / f"kv-{mode}"
-            log = open(self.run_dir / f"server-{mode}.log", "wb")
-            self.processes[role] = subprocess.Popen(
-                [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", mode,
-                 "--host", "127.0.0.1", "--port", str(port), "--cache-dir", str(cache_dir), "--admin"],
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                env={k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"})
-            self.endpoints[role] = Endpoint(role, f"http://127.0.0.1:{port}/v1", f"kvgate-{embedded.preset}",
-                                            admin=True, mode=mode)
-        for role, endpoint in self.endpoints.items():
-            self._wait_healthy(role, endpoint, timeout_s)
+            count = embedded.candidate_nodes if role == "candidate" else 1
+            urls = []
+            for node in range(count):
+                name = f"{mode}-{node}" if count > 1 else mode
+                port = free_port()
+                command = [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", mode,
+                           "--host", "127.0.0.1", "--port", str(port), "--admin",
+                           "--cache-dir", str(Path(self.config.storage.path).resolve() / f"kv-{name}")]
+                if role == "candidate" and pool_url:
+                    command += ["--remote", pool_url]
+                self.processes[f"{role}-{node}"] = subprocess.Popen(
+                    command, stdout=open(self.run_dir / f"server-{name}.log", "wb"), stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent, env={k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"})
+                urls.append(f"http://127.0.0.1:{port}/v1")
+            self.endpoints[role] = Endpoint(role, urls[0], f"kvgate-{embedded.preset}", admin=True, mode=mode,
+                                            nodes=tuple(urls) if count > 1 else (),
+                                            routing=self.config.targets.routing)
+        for name, process in self.processes.items():
+            role, node = name.rsplit("-", 1)
+            self._wait_healthy(process, self.endpoints[role].node_roots[int(node)], timeout_s)
         return self.endpoints
 
-    def _wait_healthy(self, role: str, endpoint: Endpoint, timeout_s: float) -> None:
+    def _start_pool(self, kind: str) -> Optional[str]:
+        if kind == "none":
+            return None
+        from workloads.stores import MooncakePool, RedisServer
+
+        pool_dir = self.run_dir / "pool"
+        self.pool = (RedisServer(pool_dir) if kind == "redis" else MooncakePool(pool_dir)).start()
+        return self.pool.url
+
+    def _wait_healthy(self, process: subprocess.Popen, root: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.processes[role].poll() is not None:
-                raise RuntimeError(f"the embedded {endpoint.mode} server exited at start; "
-                                   f"see {self.run_dir / f'server-{endpoint.mode}.log'}")
+            if process.poll() is not None:
+                raise RuntimeError(f"the embedded server {' '.join(process.args[5:8])} exited at start; "
+                                   f"see the server-*.log files in {self.run_dir}")
             try:
-                with urllib.request.urlopen(endpoint.server_root + "/health", timeout=2) as response:
+                with urllib.request.urlopen(root + "/health", timeout=2) as response:
                     if response.status == 200:
                         return
             except OSError:
                 time.sleep(0.2)
-        raise RuntimeError(f"the embedded {endpoint.mode} server was not healthy within {timeout_s:.0f} s")
+        raise RuntimeError(f"the embedded server at {root} was not healthy within {timeout_s:.0f} s")
 
     def stop(self) -> None:
         for process in self.processes.values():
@@ -106,6 +142,8 @@ class EmbeddedServers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if self.pool is not None:
+            self.pool.stop()
 
     def __enter__(self) -> "EmbeddedServers":
         return self
@@ -119,4 +157,4 @@ def endpoints_to_json(endpoints: dict[str, Endpoint]) -> dict:
 
 
 def endpoints_from_json(data: dict) -> dict[str, Endpoint]:
-    return {role: Endpoint(**e) for role, e in data.items()}
+    return {role: Endpoint(**{**e, "nodes": tuple(e.get("nodes") or ())}) for role, e in data.items()}

@@ -1,6 +1,7 @@
 """A short real G3 sweep against the embedded pair (and recompute), judged and reported."""
 
 import json
+import shutil
 
 import pytest
 import yaml
@@ -42,3 +43,21 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     results = json.loads((run_dir / "results.json").read_text())
     assert code == (0 if results["overall"]["status"] == "passed" else 1)
     assert (run_dir / "index.html").read_text().count("<svg") >= 2
+
+
+def test_g3_routes_over_two_candidate_nodes_on_a_shared_pool_and_reports_cross_node_reuse(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (.ci/run installs it; see the README)")
+    two_nodes = {**SHORT_G3, "targets": {"routing": "round-robin", "embedded": {
+        **SHORT_G3["targets"]["embedded"], "candidate_nodes": 2, "pool": "redis"}}}
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({**two_nodes, "storage": {"path": str(tmp_path / "storage")}}))
+    assert main(["run", "g3", "--config", str(tmp_path / "gates.yaml"), "--out", str(tmp_path / "run")]) in (0, 1)
+    store = RunStore(tmp_path / "run")
+    measured = store.measurements("g3")
+    served = {m["context"]["target"]: m["value"] for m in measured if m["metric"] == "node_requests"}
+    assert set(served) == {"candidate node 0", "candidate node 1"} and all(v > 0 for v in served.values())
+    cross = next(m for m in measured if m["metric"] == "cross_node_hit_ratio")
+    assert cross["context"]["remote_hit_blocks"] > 0 and 0 < cross["value"] < 1   # reuse crossed nodes
+    assert cross["context"]["routing"] == "round-robin"
+    assert not list((tmp_path / "run" / "pool").glob("*.pid"))
+    assert "cross_node_hit_ratio" in (tmp_path / "run" / "index.html").read_text()

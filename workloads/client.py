@@ -57,6 +57,7 @@ class RequestRecord:
     tokens_from_usage: bool = False
     finish_reason: Optional[str] = None
     worker: str = ""
+    node: Optional[str] = None        # the node (base URL) that served it, when a target has several
     text: Optional[str] = None        # the generated text, only when asked for (consistency probes)
 
     def to_json(self) -> str:

@@ -28,6 +28,12 @@ class Target:
     api: Literal["chat", "completions"] = "chat"
     api_key_env: Optional[str] = None      # name of the environment variable holding the key
     temperature: float = 0.0
+    nodes: tuple[str, ...] = ()            # several nodes serving the target (base URLs); empty: `url` alone
+    routing: str = "round-robin"           # how requests pick a node (workloads.routing)
+
+    @property
+    def node_urls(self) -> tuple[str, ...]:
+        return self.nodes or (self.url,)
 
 
 @dataclass

@@ -24,11 +24,13 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from workloads.client import RecordWriter, StreamingClient
 from workloads.requests import load_workload
+from workloads.routing import Router
 
 SETTINGS = json.loads(Path(os.environ["KVGATE_LOAD_CONFIG"]).read_text())
 WORKLOAD = load_workload(SETTINGS["workload_path"])
 RECORDS = Path(SETTINGS["records_dir"])
 _state = {"start": time.time(), "sent": 0, "done": 0, "worker": "local", "next": None}
+ROUTERS: dict[str, Router] = {}  # one router per process, shared by its users (round-robin across all of them)
 
 
 def _worker_slot(environment) -> tuple[int, int]:
@@ -74,11 +76,16 @@ class WorkloadUser(User):
     def on_start(self) -> None:
         target = SETTINGS["target"]
         api_key = os.environ.get(target.get("api_key_env") or "", "") or None
-        self.client = StreamingClient(target["url"], target["model"], target.get("api", "chat"), api_key,
-                                      target.get("name", "target"), temperature=target.get("temperature", 0.0))
+        urls = target.get("nodes") or [target["url"]]
+        self.clients = [StreamingClient(url, target["model"], target.get("api", "chat"), api_key,
+                                        target.get("name", "target"), temperature=target.get("temperature", 0.0))
+                        for url in urls]
+        self.node_urls = urls if len(urls) > 1 else [None]
+        self.router = ROUTERS.setdefault("router", Router(len(urls), target.get("routing", "round-robin")))
 
     def on_stop(self) -> None:
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
     @task
     def run_session(self) -> None:
@@ -110,13 +117,15 @@ class WorkloadUser(User):
             scheduled = _state["start"] + request.arrival_s
             gevent.sleep(max(0.0, scheduled - time.time()))
         _state["sent"] += 1
-        record = self.client.send(request, scheduled_at=scheduled)
+        node = self.router.pick(request)
+        record = self.clients[node].send(request, scheduled_at=scheduled)
+        record.node = self.node_urls[node]
         _state["writer"].write(record)
         _state["done"] += 1
         if limit is not None and _state["done"] >= limit:
             gevent.spawn(self.environment.runner.quit)  # the budget is spent: end the run now
         self.environment.events.request.fire(
-            request_type="STREAM", name=self.client.target, response_time=(record.e2e_s or 0) * 1000,
+            request_type="STREAM", name=self.clients[node].target, response_time=(record.e2e_s or 0) * 1000,
             response_length=record.completion_tokens or 0,
             exception=None if record.ok else RuntimeError(record.error_type), context={},
         )

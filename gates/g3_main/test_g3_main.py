@@ -16,11 +16,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gates.g3_main.analysis import level_figures
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
+from workloads.faults import AdminClient
 from workloads.sweep import SweepSettings, prime_targets, run_sweep
 
 def _seed(run_id: str) -> int:
@@ -99,6 +101,39 @@ def test_throughput_gain_at_each_level(sweep, record, verdict, level):
     record("throughput_gain", figures.throughput_gain, concurrency=level, interval=figures.throughput_interval)
     verdict(f"G3 throughput gain at c={level}", "throughput_gain", figures.throughput_gain, unit="%",
             interval=figures.throughput_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
+
+
+def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, endpoints, record):
+    """With several candidate nodes: each node's share of the load, and how much reuse crossed nodes."""
+    candidate = endpoints["candidate"]
+    roots = candidate.node_roots
+    if len(roots) < 2:
+        pytest.skip("the candidate is one node")
+    names = {url: f"node {i}" for i, url in enumerate(candidate.nodes)}
+    for (role, level), step in sorted(_levels(sweep).items(), key=lambda kv: kv[0][1]):
+        if role != "candidate":
+            continue
+        for url, name in names.items():
+            served = [r for r in step["records"] if r.get("node") == url]
+            record("node_requests", len(served), target=f"candidate {name}", concurrency=level)
+            if served:
+                record("node_ttft_p50_ms", float(np.median([r["ttft_s"] for r in served])) * 1e3, "ms",
+                       target=f"candidate {name}", concurrency=level)
+    hits = {name: _tier_hits(root) for name, root in zip(names.values(), roots)}
+    total = sum(sum(h.values()) for h in hits.values())
+    remote = sum(h.get("remote", 0) for h in hits.values())
+    for name, by_tier in hits.items():
+        record("node_hit_blocks", sum(by_tier.values()), target=f"candidate {name}", **by_tier)
+    record("cross_node_hit_ratio", remote / total if total else None, routing=candidate.routing,
+           remote_hit_blocks=remote, hit_blocks=total)
+    assert total > 0, "no candidate node served a cache hit"
+
+
+def _tier_hits(server_root: str) -> dict[str, float]:
+    """Blocks served per tier by one node, from its /metrics."""
+    samples = AdminClient(server_root).metrics()
+    return {labels[0][1]: value for (name, *labels), value in samples.items()
+            if name == "kvgate_cache_hits_total" and labels}
 
 
 def test_speedup_against_recompute_is_reported(sweep, record):
