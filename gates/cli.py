@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scrub(commands)
     _add_engine_bench(commands)
     _add_client_bench(commands)
+    _add_pool_bench(commands)
     return parser
 
 
@@ -296,6 +297,39 @@ def _engine_bench(args: argparse.Namespace) -> int:
 
     figures = run_engine_bench(EngineBenchSettings(args.dir, args.contexts, args.rounds, args.preset))
     print(json.dumps(figures, indent=2) if args.json else format_engine_report(figures))
+    return 0
+
+
+def _add_pool_bench(commands) -> None:
+    bench = _bench_parser(commands, "pool-bench", "the shared pool on Redis and Mooncake Store: bandwidth, cross-node TTFT",
+                          "Remote-tier load of a cold prefix against a plain client get of the same bytes, and a "
+                          "node B hit on a prefix node A computed against recompute, per backend.",
+                          "where the nodes' disk tiers go")
+    bench.add_argument("--backends", type=_backends, default=("redis", "mooncake"),
+                       help="comma-separated: redis, mooncake (default: both)")
+    bench.add_argument("--redis", metavar="URL", help="a running Redis (default: one is started on loopback)")
+    bench.add_argument("--mooncake", metavar="URL", help="a running Mooncake pool (default: one is started)")
+    bench.add_argument("--prefix-mib", type=_positive_int, default=64, help="cold prefix size (default: 64)")
+    bench.add_argument("--context", type=_positive_int, default=8192, help="cross-node prompt tokens (default: 8192)")
+    bench.add_argument("--rounds", type=_positive_int, default=5, help="rounds (default: 5)")
+    bench.add_argument("--preset", default="small", help="model preset (default: small)")
+    bench.set_defaults(handler=_pool_bench)
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names or any(name not in ("redis", "mooncake") for name in names):
+        raise argparse.ArgumentTypeError(f"expected redis and/or mooncake, comma-separated, found {text!r}")
+    return names
+
+
+def _pool_bench(args: argparse.Namespace) -> int:
+    from .pool_bench import PoolBenchSettings, format_pool_report, run_pool_bench
+
+    urls = {name: url for name, url in (("redis", args.redis), ("mooncake", args.mooncake)) if url}
+    figures = run_pool_bench(PoolBenchSettings(args.dir, args.backends, args.prefix_mib, args.rounds, args.context,
+                                               args.preset, urls))
+    print(json.dumps(figures, indent=2) if args.json else format_pool_report(figures))
     return 0
 
 

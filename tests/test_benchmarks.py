@@ -69,3 +69,17 @@ def test_client_bench_compares_our_ttft_with_a_minimal_timer_and_holds_many_stre
     # the reference server answers after 100 ms: nobody can measure less
     assert scale["ttft_p50_ms"] >= 100 and scale["single_stream_ttft_p50_ms"] >= 100
     assert scale["added_ttft_p50_ms"] == pytest.approx(scale["ttft_p50_ms"] - scale["single_stream_ttft_p50_ms"])
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("mooncake_master") is None,
+                    reason="redis-server or Mooncake Store is not installed (.ci/run installs them)")
+def test_pool_bench_measures_both_backends_and_a_cross_node_hit(tmp_path):
+    figures = _run_json("pool-bench", "--dir", str(tmp_path), "--prefix-mib", "4", "--rounds", "1",
+                        "--context", "1024", "--preset", "tiny")
+    assert set(figures["backends"]) == {"redis", "mooncake"}
+    for result in figures["backends"].values():
+        bandwidth, cross = result["bandwidth"], result["cross_node"]
+        assert bandwidth["prefix_bytes"] == 4 * 2**20 and bandwidth["tier_gbps"] > 0 < bandwidth["plain_get_gbps"]
+        assert bandwidth["tier_vs_plain"] == pytest.approx(bandwidth["plain_rounds_s"][0] / bandwidth["tier_rounds_s"][0])
+        assert cross["cached_tokens"] == 768            # node B reused what node A computed, from the pool
+        assert cross["node_b_speedup"] == pytest.approx(cross["recompute_ttft_ms"] / cross["node_b_ttft_ms"])
