@@ -103,6 +103,22 @@ def test_a_value_that_fails_verification_is_refused_removed_and_recomputed(nodes
     assert replaced[:integrity.HEADER_BYTES].find(bytes.fromhex(keys[2])) > 0
 
 
+def test_a_value_the_pool_evicted_is_a_miss_and_the_prefix_ends_before_it(nodes, oracle, pool):
+    a, b = nodes
+    prompt = distinct_prompt(f"pool eviction {pool[0]}")
+    ask(a, prompt)
+    AdminClient(a.base_url).flush()
+    keys = [blk["key"] for blk in AdminClient(b.base_url).locate(prompt)]
+    from cache_impl.config import RemoteTierConfig
+    from cache_impl.tiers.remote import open_store
+
+    store = open_store(RemoteTierConfig.from_url(pool[1].url))
+    store.remove(_fingerprint_prefix(b) + keys[3])            # as the store's own eviction would
+    store.close()
+    answer = ask(b, prompt)
+    assert answer["text"] == oracle(prompt) and answer["cached"] == 3 * BLOCK
+
+
 def _fingerprint_prefix(node) -> str:
     health = AdminClient(node.base_url).health()
     return f"kvgate/{health['fingerprint']}/"
