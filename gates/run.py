@@ -130,7 +130,8 @@ class GateRunner:
         info["targets"] = endpoints_to_json(endpoints)
         self.store.write_run_info(info)
         for role, endpoint in endpoints.items():
-            self.console.print(f"  {role:<9} {endpoint.mode:<11} {endpoint.url}")
+            nodes = f"  + {len(endpoint.nodes) - 1} more node(s), {endpoint.routing}" if len(endpoint.nodes) > 1 else ""
+            self.console.print(f"  {role:<9} {endpoint.mode:<11} {endpoint.url}{nodes}")
         return servers
 
     def _run_gates(self) -> list[str]:

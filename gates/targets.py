@@ -66,7 +66,8 @@ class EmbeddedServers:
     """Starts one `kvgate serve --admin` per mode on free loopback ports; stops them (SIGTERM) at exit.
 
     With `candidate_nodes` > 1 the tiered candidate runs as that many nodes, each with its own disk
-    directory, sharing the pool the harness starts first (`pool`: redis or mooncake, on loopback).
+    directory, sharing the pool the harness starts first (`pool`: redis or mooncake, on loopback);
+    the device-only baseline runs as as many nodes (no pool), routed the same way.
     """
 
     def __init__(self, config: GatesConfig, run_dir: Path) -> None:
@@ -87,7 +88,8 @@ class EmbeddedServers:
         settings.write_text(yaml.safe_dump({"engine": engine}))
         pool_url = self._start_pool(embedded.pool)
         for role, mode in EMBEDDED_ROLES.items():
-            count = embedded.candidate_nodes if role == "candidate" else 1
+            # as many baseline nodes as candidate nodes, so throughput compares equal fleets
+            count = embedded.candidate_nodes if role in ("candidate", "baseline") else 1
             urls = []
             for node in range(count):
                 name = f"{mode}-{node}" if count > 1 else mode
