@@ -123,6 +123,8 @@ class DiskTierConfig(StrictModel):
     )
     fsync: bool = Field(default=False, description="fsync each block before publishing it (power-loss durability)")
     verify_on_start: bool = Field(default=True, description="checksum every block when re-indexing on start")
+    shared: bool = Field(default=False, description="other nodes write into this directory too (an NVMe-oF "
+                         "array): on a local miss, look for their block files")
 
     _parse_capacity = field_validator("capacity_bytes", mode="before")(lambda cls, v: parse_size(v))
 

@@ -221,6 +221,7 @@ class TieredKVCache:
     def _plan_load(self, keys: list[Key]) -> tuple[list[_PlannedLoad], int]:
         """Pin the cached prefix and reserve device slots for blocks not yet there; also the cached length."""
         while True:
+            self._discover_shared_disk(keys)
             in_pool = self._remote_extension(keys)
             with self._lock:
                 masks = self._index.longest_prefix(keys)
@@ -232,6 +233,30 @@ class TieredKVCache:
                 if busy is None:
                     return self._reserve_plan(keys, masks), len(masks)
             busy.wait()  # another thread is loading one of our blocks; plan again once it is there
+
+    def _discover_shared_disk(self, keys: list[Key]) -> None:
+        """On a shared disk directory, index the block files other nodes wrote after the local prefix.
+
+        Only their existence is checked here; the read verifies them like any other block.
+        """
+        disk: DiskTier | None = self._tiers[DISK]
+        if disk is None or not disk.config.shared:
+            return
+        with self._lock:
+            local = len(self._index.longest_prefix(keys))
+        found = []
+        for key in keys[local:]:
+            if not disk.path_for(key).exists():
+                break
+            found.append(key)
+        with self._lock:
+            for key in found:
+                if self._index.has(key, DISK) or key in self._pending_disk:
+                    continue
+                if not self._make_room(DISK, disk.stored_nbytes):
+                    break
+                self._lru[DISK].add(key, disk.stored_nbytes)
+                self._index.add(key, DISK)
 
     def _remote_extension(self, keys: list[Key]) -> set[Key]:
         """The leading keys after the local prefix that the shared pool holds (asked outside the lock)."""

@@ -151,3 +151,26 @@ def test_the_pool_going_away_is_a_counted_miss_and_it_comes_back_by_itself(tmp_p
     finally:
         node.stop()
         redis.stop()
+
+
+def test_on_a_shared_disk_directory_node_b_loads_what_node_a_wrote(tmp_path, oracle):
+    """Two nodes on one directory, as on an NVMe-oF array: B finds A's block files on a miss."""
+    shared = tmp_path / "array"
+    engine = {"preset": "tiny", "cache": {"disk": {"path": str(shared), "shared": True}}}
+    a, b = (ServerProcess(tmp_path / name, admin=True, cache_dir=shared, engine=engine) for name in ("a", "b"))
+    try:
+        a.wait_healthy()
+        b.wait_healthy()
+        prompt = distinct_prompt("shared array")
+        first = ask(a, prompt)
+        AdminClient(a.base_url).flush()
+        before = AdminClient(b.base_url).metrics()
+        second = ask(b, prompt)
+        after = AdminClient(b.base_url).metrics()
+    finally:
+        a.stop()
+        b.stop()
+    assert first["cached"] == 0 and second["cached"] == 5 * BLOCK
+    assert second["text"] == first["text"] == oracle(prompt)
+    assert (counter(after, "kvgate_cache_hits_total", tier="disk")
+            - counter(before, "kvgate_cache_hits_total", tier="disk")) == 5
