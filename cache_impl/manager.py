@@ -147,6 +147,7 @@ class TieredKVCache:
         self._pending_remote = 0
         if config.remote is not None:
             self._tiers[REMOTE] = RemoteTier(config.remote, fingerprint)
+            self._tiers[REMOTE].wait_connected(config.remote.timeout_s)  # a pool that is up serves at once
             self._remote_writer = ThreadPoolExecutor(2, thread_name_prefix="kv-remote-write")
         self.metrics = {name: TierMetrics() for name, tier in zip(TIER_NAMES, self._tiers) if tier is not None}
         self.reindex_removed = 0

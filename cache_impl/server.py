@@ -62,8 +62,9 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
     @app.get("/health")
     async def health() -> dict:
         fingerprint = engine.cache.fingerprint.hex if engine.cache is not None else None
+        remote = (engine.cache.snapshot().get("remote") if engine.cache is not None else None)
         return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode, "pid": os.getpid(),
-                "fingerprint": fingerprint}
+                "fingerprint": fingerprint, "remote": remote}
 
     @app.get("/v1/models")
     async def models() -> dict:

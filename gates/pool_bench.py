@@ -54,6 +54,8 @@ def bench_bandwidth(config: RemoteTierConfig, settings: PoolBenchSettings) -> di
     layout = _layout()
     fingerprint = Fingerprint(weights_digest=f"pool-bench-{time.time_ns()}", tokenizer_id="bench", layout=layout)
     tier = RemoteTier(config, fingerprint)
+    if not tier.wait_connected(30):
+        raise RuntimeError(f"pool-bench: could not connect to the {config.backend} pool: {tier.last_error}")
     store = open_store(config)
     n_blocks = max(1, settings.prefix_mib * 2**20 // layout.block_nbytes)
     keys = [i.to_bytes(16, "little") for i in range(n_blocks)]

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from cache_impl import integrity
+from cache_impl.config import RemoteTierConfig
 from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, started_server
 from workloads.faults import AdminClient, counter
 from workloads.stores import MooncakePool, RedisServer
@@ -124,33 +125,37 @@ def _fingerprint_prefix(node) -> str:
     return f"kvgate/{health['fingerprint']}/"
 
 
-def test_the_pool_going_away_is_a_counted_miss_and_it_comes_back_by_itself(tmp_path, oracle):
-    redis = _pool("redis", tmp_path / "redis").start()
-    remote = {"backend": "redis", "url": redis.url, "retry_s": 1.0, "timeout_s": 1.0}
+@pytest.mark.parametrize("backend", ["redis", "mooncake"])
+def test_the_pool_going_away_is_a_counted_miss_and_it_comes_back_by_itself(tmp_path, oracle, backend):
+    pool = _pool(backend, tmp_path / "pool").start()
+    remote = {**RemoteTierConfig.from_url(pool.url).model_dump(exclude_defaults=True), "retry_s": 1.0,
+              "timeout_s": 1.0}
     node = ServerProcess(tmp_path / "node", admin=True, engine={"preset": "tiny", "cache": {"remote": remote}})
     try:
         node.wait_healthy()
         admin = AdminClient(node.base_url)
-        redis.stop()
-        prompt = distinct_prompt("pool away")
+        pool.stop()
+        prompt = distinct_prompt(f"pool away {backend}")
         away = ask(node, prompt)                           # no error: the pool's blocks are just misses
         samples = admin.metrics()
         assert away["text"] == oracle(prompt)
         assert counter(samples, "kvgate_cache_remote_available") == 0
         assert counter(samples, "kvgate_cache_remote_unavailable_calls_total") > 0
         assert counter(samples, "kvgate_cache_write_errors_total", tier="remote") > 0
-        redis = RedisServer(tmp_path / "redis", port=redis.port).start()   # back, empty, on the same port
-        time.sleep(1.5)                                    # past retry_s: the next call tries the pool again
-        back = distinct_prompt("pool back")
+        pool.start()                                       # back, empty, on the same ports
+        deadline = time.monotonic() + 60                   # the node reconnects by itself, with no request
+        while counter(admin.metrics(), "kvgate_cache_remote_available") != 1:
+            assert time.monotonic() < deadline, f"no reconnection within 60 s: {admin.health()['remote']}"
+            time.sleep(0.5)
+        back = distinct_prompt(f"pool back {backend}")
         ask(node, back)
         admin.flush()
-        assert counter(admin.metrics(), "kvgate_cache_remote_available") == 1
-        for reader in started_server(tmp_path / "reader", admin=True, extra_args=("--remote", redis.url)):
+        for reader in started_server(tmp_path / "reader", admin=True, extra_args=("--remote", pool.url)):
             again = ask(reader, back)                      # what the node put after the pool came back
             assert again["text"] == oracle(back) and again["cached"] == 5 * BLOCK
     finally:
         node.stop()
-        redis.stop()
+        pool.stop()
 
 
 def test_on_a_shared_disk_directory_node_b_loads_what_node_a_wrote(tmp_path, oracle):

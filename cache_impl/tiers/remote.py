@@ -10,17 +10,19 @@ an evicted or expired value is simply a miss.
 
 A store that does not answer makes the tier *unavailable* for `retry_s`: every
 call is then a miss (counted), never an error to the caller; after `retry_s`
-the next call tries the store again, so the tier comes back by itself.
+the next call connects to the store again, so the tier comes back by itself.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Protocol, Sequence
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -51,6 +53,7 @@ class RedisStore:
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             retry_on_timeout=False)
+        self._call(self._client.ping)  # connected means answering, as for Mooncake
 
     def _call(self, fn, *args):
         try:
@@ -83,6 +86,10 @@ class MooncakeStore:
     """Mooncake Store over TCP: this node mounts `segment_bytes` of its memory into the pool (0: none)."""
 
     def __init__(self, config: RemoteTierConfig) -> None:
+        # Mooncake's setup retries for about 90 s while its master is down, holding the GIL: a
+        # master or metadata server that does not accept a connection is unavailable at once.
+        for where in (config.master, urlsplit(config.metadata_server).netloc):
+            _accepts_connections(where, config.timeout_s)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
         from mooncake.store import MooncakeDistributedStore
 
@@ -123,6 +130,15 @@ class MooncakeStore:
         self._store.close()
 
 
+def _accepts_connections(host_port: str, timeout_s: float) -> None:
+    host, _, port = host_port.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as error:
+        raise StoreUnavailable(f"mooncake: {host_port} does not accept connections ({error})") from None
+
+
 def open_store(config: RemoteTierConfig) -> RemoteStore:
     if config.backend == "redis":
         return RedisStore(config.url, config.timeout_s)
@@ -143,37 +159,85 @@ class RemoteTier:
         self._store = store
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._connecting = False
+        self._closed = False
         self.unavailable_calls = 0
         self.last_error: Optional[str] = None
         self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-remote")
+        if store is None:
+            self._connect_in_background()
 
     def name_for(self, key: Key) -> str:
         return self._prefix + key.hex()
 
     # -- availability ----------------------------------------------------------
+    #
+    # Connecting happens on a background thread, never on a request's path: a client library
+    # may block for long while its store is down (Mooncake's setup retries for about 90 s).
+    # Until a connection stands, and for retry_s after a failure, every call is a counted miss.
 
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._store is not None and time.monotonic() >= self._down_until
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait for the first connection (at start, so the first requests can use the pool)."""
+        deadline = time.monotonic() + timeout_s
+        while self._store is None and self._connecting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._store is not None
+
+    def _connect_in_background(self) -> None:
+        with self._lock:
+            if self._connecting or self._store is not None or self._closed:
+                return
+            self._connecting = True
+        threading.Thread(target=self._connect, name="kv-remote-connect", daemon=True).start()
+
+    def _connect(self) -> None:
+        """Try to connect every retry_s until it works (or the tier is closed)."""
+        while not self._closed:
+            try:
+                store = open_store(self.config)
+            except Exception as error:  # StoreUnavailable, or whatever the client library raised
+                with self._lock:
+                    self._down_until = time.monotonic() + self.config.retry_s
+                    self.last_error = f"connecting: {error}"
+                time.sleep(self.config.retry_s)
+                continue
+            with self._lock:
+                self._store, self._connecting, self._down_until = store, False, 0.0
+            return
+        with self._lock:
+            self._connecting = False
 
     def _connected(self) -> RemoteStore:
-        """The store; StoreUnavailable while the tier is marked down, or when connecting fails."""
-        if not self.available:
-            raise StoreUnavailable(self.last_error or "unavailable")
+        """The store; StoreUnavailable while the tier is down or not connected (a connection is then started)."""
         with self._lock:
-            if self._store is None:
-                self._store = open_store(self.config)
-            return self._store
+            store, down = self._store, time.monotonic() < self._down_until
+        if down:
+            raise StoreUnavailable(self.last_error or "unavailable")
+        if store is None:
+            self._connect_in_background()
+            raise StoreUnavailable("not connected to the pool yet")
+        return store
 
     def _call(self, op, *args):
+        store = None
         try:
-            return op(self._connected(), *args)
+            store = self._connected()
+            return op(store, *args)
         except StoreUnavailable as error:
             with self._lock:
                 self.unavailable_calls += 1
-                if self.available:  # the first failure: mark the tier down for retry_s
+                if store is not None and self._store is store:  # this client failed: down for retry_s
                     self._down_until = time.monotonic() + self.config.retry_s
                     self.last_error = str(error)
+                    # A client of a store that went away may never recover (Mooncake's keeps its old
+                    # master): after retry_s the next call connects afresh. Calls still holding the
+                    # old client finish with it; it is released with its last reference.
+                    self._store = None
+            self._connect_in_background()
             raise
 
     # -- the tier interface ----------------------------------------------------
@@ -234,6 +298,7 @@ class RemoteTier:
                 "last_error": self.last_error, "backend": self.config.backend}
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
         with self._lock:
             if self._store is not None:
