@@ -62,7 +62,8 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
     @app.get("/health")
     async def health() -> dict:
         fingerprint = engine.cache.fingerprint.hex if engine.cache is not None else None
-        remote = (engine.cache.snapshot().get("remote") if engine.cache is not None else None)
+        pooled = engine.cache is not None and "remote" in engine.cache.tiers
+        remote = engine.cache.tier("remote").snapshot() if pooled else None
         return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode, "pid": os.getpid(),
                 "fingerprint": fingerprint, "remote": remote}
 

@@ -15,6 +15,7 @@ import pytest
 
 from cache_impl import integrity
 from cache_impl.config import RemoteTierConfig
+from cache_impl.tiers.remote import open_store
 from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, started_server
 from workloads.faults import AdminClient, counter
 from workloads.stores import MooncakePool, RedisServer
@@ -84,9 +85,6 @@ def test_a_value_that_fails_verification_is_refused_removed_and_recomputed(nodes
     AdminClient(a.base_url).flush()
     keys = [blk["key"] for blk in AdminClient(b.base_url).locate(prompt)]
     donor = [blk["key"] for blk in AdminClient(b.base_url).locate(other)]
-    from cache_impl.config import RemoteTierConfig
-    from cache_impl.tiers.remote import open_store
-
     store = open_store(RemoteTierConfig.from_url(pool[1].url))
     fingerprint_dir = _fingerprint_prefix(b)
     value = store.get(fingerprint_dir + donor[2])
@@ -110,9 +108,6 @@ def test_a_value_the_pool_evicted_is_a_miss_and_the_prefix_ends_before_it(nodes,
     ask(a, prompt)
     AdminClient(a.base_url).flush()
     keys = [blk["key"] for blk in AdminClient(b.base_url).locate(prompt)]
-    from cache_impl.config import RemoteTierConfig
-    from cache_impl.tiers.remote import open_store
-
     store = open_store(RemoteTierConfig.from_url(pool[1].url))
     store.remove(_fingerprint_prefix(b) + keys[3])            # as the store's own eviction would
     store.close()

@@ -155,6 +155,11 @@ def counter(samples: dict[tuple, float], name: str, **labels: str) -> float:
     return sum(v for (n, *pairs), v in samples.items() if n == name and wanted <= set(pairs))
 
 
+def per_tier(samples: dict[tuple, float], name: str) -> dict[str, float]:
+    """A per-tier metric as {tier: value}."""
+    return {dict(pairs)["tier"]: v for (n, *pairs), v in samples.items() if n == name and "tier" in dict(pairs)}
+
+
 def detection_counts(samples: dict[tuple, float]) -> dict[str, float]:
     """What the cache counted of damaged or unreadable blocks, and of injected I/O faults."""
     return {

@@ -22,7 +22,7 @@ import pytest
 from gates.g3_main.analysis import level_figures
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
-from workloads.faults import AdminClient
+from workloads.faults import AdminClient, per_tier
 from workloads.sweep import SweepSettings, prime_targets, run_sweep
 
 def _seed(run_id: str) -> int:
@@ -119,7 +119,8 @@ def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, endpoints, record)
             if served:  # under the same metric, so the TTFT plot draws a line per node
                 record("ttft_p50_ms", float(np.median([r["ttft_s"] for r in served])) * 1e3, "ms",
                        target=f"candidate {name}", concurrency=level)
-    hits = {name: _tier_hits(root) for name, root in zip(names.values(), roots)}
+    hits = {name: per_tier(AdminClient(root).metrics(), "kvgate_cache_hits_total")
+            for name, root in zip(names.values(), roots)}
     total = sum(sum(h.values()) for h in hits.values())
     remote = sum(h.get("remote", 0) for h in hits.values())
     for name, by_tier in hits.items():
@@ -127,13 +128,6 @@ def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, endpoints, record)
     record("cross_node_hit_ratio", remote / total if total else None, routing=candidate.routing,
            remote_hit_blocks=remote, hit_blocks=total)
     assert total > 0, "no candidate node served a cache hit"
-
-
-def _tier_hits(server_root: str) -> dict[str, float]:
-    """Blocks served per tier by one node, from its /metrics."""
-    samples = AdminClient(server_root).metrics()
-    return {labels[0][1]: value for (name, *labels), value in samples.items()
-            if name == "kvgate_cache_hits_total" and labels}
 
 
 def test_speedup_against_recompute_is_reported(sweep, record):

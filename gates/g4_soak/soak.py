@@ -13,20 +13,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from gates.config import FaultSpec
 from gates.g4_soak.fault_schedule import FaultSchedule
 from gates.runstore import append_jsonl, read_jsonl, write_json
 from gates.stats import mann_kendall
 from workloads.client import StreamingClient, read_records
-from workloads.faults import AdminClient
+from workloads.faults import AdminClient, counter, per_tier
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
 
@@ -55,22 +53,13 @@ def _answer(client: StreamingClient, request: WorkloadRequest) -> Optional[str]:
 
 def server_figures(server_root: str) -> dict:
     """Process memory, per-tier hits and disk usage from the server's /metrics."""
-    with urllib.request.urlopen(server_root + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    figures: dict = {"hits": {}}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "process_resident_memory_bytes":
-                figures["rss_bytes"] = sample.value
-            elif sample.name == "kvgate_cache_hits_total":
-                figures["hits"][sample.labels["tier"]] = sample.value
-            elif sample.name == "kvgate_cache_used_bytes":
-                tier = sample.labels.get("tier")
-                if tier == "disk":
-                    figures["disk_used_bytes"] = sample.value
-                else:  # device and host pools live in the server's memory
-                    figures["cache_memory_bytes"] = figures.get("cache_memory_bytes", 0) + sample.value
-    return figures
+    samples = AdminClient(server_root, timeout_s=30).metrics()
+    used = per_tier(samples, "kvgate_cache_used_bytes")
+    return {"rss_bytes": counter(samples, "process_resident_memory_bytes"),
+            "hits": per_tier(samples, "kvgate_cache_hits_total"),
+            "disk_used_bytes": used.get("disk", 0),
+            # the device and host pools live in the server's memory (the disk's and the pool's do not)
+            "cache_memory_bytes": used.get("device", 0) + used.get("host", 0)}
 
 
 def _window_row(index: int, start_s: float, records: list[dict], server: dict, probes: list[bool],
