@@ -141,7 +141,7 @@ class RemoteTierConfig(StrictModel):
     segment_bytes: int = Field(default=0, ge=0, description="mooncake: memory this node lends to the pool")
     local_buffer_bytes: int = Field(default=64 * 2**20, ge=0, description="mooncake: this node's transfer buffer")
     timeout_s: float = Field(default=2.0, gt=0, description="a call that takes longer makes the tier unavailable")
-    retry_s: float = Field(default=2.0, gt=0, description="how long an unavailable tier answers misses")
+    retry_s: float = Field(default=2.0, gt=0, description="seconds between attempts to reach an unavailable pool")
     read_workers: int = Field(default=8, ge=1, le=256, description="parallel block gets")
 
     _parse_sizes = field_validator("segment_bytes", "local_buffer_bytes", mode="before")(

@@ -8,9 +8,9 @@ verified as on disk. A put is visible only whole (both stores publish a value
 atomically), is never an overwrite (a name that exists is left as it is), and
 an evicted or expired value is simply a miss.
 
-A store that does not answer makes the tier *unavailable* for `retry_s`: every
-call is then a miss (counted), never an error to the caller; after `retry_s`
-the next call connects to the store again, so the tier comes back by itself.
+A store that does not answer makes the tier *unavailable*: every call is then
+a miss (counted), never an error to the caller, while a background thread
+connects afresh, trying every `retry_s`, so the tier comes back by itself.
 """
 
 from __future__ import annotations
@@ -218,8 +218,7 @@ class RemoteTier:
         if down:
             raise StoreUnavailable(self.last_error or "unavailable")
         if store is None:
-            self._connect_in_background()
-            raise StoreUnavailable("not connected to the pool yet")
+            raise StoreUnavailable("not connected to the pool yet")  # `_call` makes sure a connection is under way
         return store
 
     def _call(self, op, *args):
@@ -234,7 +233,7 @@ class RemoteTier:
                     self._down_until = time.monotonic() + self.config.retry_s
                     self.last_error = str(error)
                     # A client of a store that went away may never recover (Mooncake's keeps its old
-                    # master): after retry_s the next call connects afresh. Calls still holding the
+                    # master): a fresh one is connected in the background. Calls still holding the
                     # old client finish with it; it is released with its last reference.
                     self._store = None
             self._connect_in_background()
