@@ -8,13 +8,24 @@
     with cache.load(prompt_tokens) as prefix:     # longest cached prefix, pinned on the device
         ...                                       # prefix.blocks[i]: [layers, 2, kv_heads, 256, head_dim]
     cache.store(prompt_tokens, new_blocks, first_block=prefix.num_blocks)
+
+The names are imported on first use, so `import cache_impl.config` (what configs and the CLI
+read) does not import torch.
 """
 
-from .config import CacheConfig, ConfigError, DiskTierConfig
-from .keys import Fingerprint, KVLayout, block_keys
-from .manager import LoadedPrefix, PrefixMatch, TieredKVCache
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "CacheConfig", "ConfigError", "DiskTierConfig", "Fingerprint", "KVLayout", "LoadedPrefix",
-    "PrefixMatch", "TieredKVCache", "block_keys",
-]
+_EXPORTS = {
+    "CacheConfig": "config", "ConfigError": "config", "DiskTierConfig": "config",
+    "Fingerprint": "keys", "KVLayout": "keys", "block_keys": "keys",
+    "LoadedPrefix": "manager", "PrefixMatch": "manager", "TieredKVCache": "manager",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
-import torch
 import xxhash
 
 FORMAT_VERSION = 1
@@ -31,12 +30,8 @@ ROOT_PARENT = bytes(KEY_BYTES)
 
 Key = bytes
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+# bytes per element; torch itself is imported only by code that builds tensors (keys stay torch-free)
+_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +53,10 @@ class KVLayout:
             raise ValueError(f"layout.dtype: expected one of {sorted(_DTYPES)}, found {self.dtype!r}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -67,7 +64,7 @@ class KVLayout:
 
     @property
     def block_nbytes(self) -> int:
-        return int(np.prod(self.block_shape)) * self.torch_dtype.itemsize
+        return int(np.prod(self.block_shape)) * _DTYPES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
