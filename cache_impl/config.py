@@ -8,11 +8,12 @@ whose message names the field path, what was expected and what was found::
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
+
+from kvcore.settings import ConfigError, StrictModel, format_validation_error, load_yaml_file, parse_size
 
 # 256 tokens per block: large enough that one block of a real model's KV is
 # a megabyte or more (large sequential I/O on the disk tier, few keys per
@@ -20,93 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # is reused up to at most 255 tokens short of its end. LMCache uses the same
 # chunk size by default.
 DEFAULT_BLOCK_SIZE = 256
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names field, expectation and finding."""
-
-
-def parse_size(value: Any) -> int:
-    """Parse a byte size: an integer, or a string such as "512MiB" or "4GB"."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"expected a byte size >= 0, found {value}")
-        return value
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
-
-
-_EXPECTATIONS = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number",
-    "bool_type": "true or false", "bool_parsing": "true or false",
-    "string_type": "a string", "path_type": "a path",
-    "model_type": "a mapping", "dict_type": "a mapping", "model_attributes_type": "a mapping",
-    "list_type": "a list",
-}
-
-
-def _expected(item: dict) -> str:
-    kind, ctx = item["type"], item.get("ctx", {})
-    if kind in _EXPECTATIONS:
-        return _EXPECTATIONS[kind]
-    if kind == "greater_than_equal":
-        return f"a value >= {ctx['ge']}"
-    if kind == "greater_than":
-        return f"a value > {ctx['gt']}"
-    if kind == "less_than_equal":
-        return f"a value <= {ctx['le']}"
-    if kind == "less_than":
-        return f"a value < {ctx['lt']}"
-    if kind == "literal_error":
-        return f"one of {ctx['expected']}"
-    return item["msg"].removeprefix("Value error, ").removeprefix("expected ")
-
-
-def format_validation_error(error: ValidationError, root: str) -> str:
-    """Turn a pydantic error into lines of `path: expected ..., found ...`."""
-    lines = []
-    for item in error.errors():
-        path = ".".join([root, *(str(p) for p in item["loc"])])
-        if item["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown field (no such setting here), found {item.get('input')!r}")
-        elif item["type"] == "missing":
-            lines.append(f"{path}: expected a value (required), found nothing")
-        elif item["type"] == "value_error" and "found" in item["msg"]:
-            lines.append(f"{path}: {item['msg'].removeprefix('Value error, ')}")
-        else:
-            lines.append(f"{path}: expected {_expected(item)}, found {item.get('input')!r}")
-    return "\n".join(lines)
-
-
-def load_yaml_file(path: Any, root: str) -> Any:
-    """Parsed YAML of a file; unreadable or malformed files raise ConfigError under `root`."""
-    import yaml
-
-    try:
-        return yaml.safe_load(Path(path).read_text())
-    except OSError as error:
-        raise ConfigError(f"{root}: expected a readable YAML file, found {error.strerror or error} ({path})") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{root}: expected valid YAML, found {error}") from None
-
-
-class StrictModel(BaseModel):
-    """Settings models: unknown keys are errors, values are frozen once validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class DiskTierConfig(StrictModel):

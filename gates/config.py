@@ -11,37 +11,56 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
-from cache_impl.config import ConfigError, StrictModel, format_validation_error, load_yaml_file
+from kvcore.rules import Rule, parse_rule
+from kvcore.settings import ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_file, parse_size
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
+
+from workloads.datasets import load_spec
+
+from .checks import configurable_metrics
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
 
-class RuleSpec(StrictModel):
-    """A threshold {metric, op, value} or a band {metric, min, max}."""
+def _rule(found: Any) -> Rule:
+    try:
+        return parse_rule(found)
+    except ValueError as error:
+        raise ValueError(str(error)) from None
 
-    metric: str
-    op: Optional[Op] = None
-    value: Optional[float] = None
-    min: Optional[float] = None
-    max: Optional[float] = None
 
-    @model_validator(mode="after")
-    def _one_kind(self) -> "RuleSpec":
-        threshold = self.op is not None and self.value is not None
-        band = self.min is not None and self.max is not None
-        if threshold == band:
-            raise ValueError(f"expected either op and value, or min and max, found {self.model_dump(exclude_none=True)}")
-        if band and self.min > self.max:
-            raise ValueError(f"expected min <= max, found min={self.min} max={self.max}")
-        return self
+# A threshold {metric, op, value} or a band {metric, min, max}, parsed by kvcore.rules (the one parser).
+RuleField = Annotated[Rule, PlainValidator(_rule), PlainSerializer(lambda rule: rule.to_dict())]
 
-    def as_dict(self) -> dict:
-        return self.model_dump(exclude_none=True)
+
+def _declared_thresholds(gate: str, rules: list[Rule]) -> list[Rule]:
+    """Every threshold names a metric its gate judges (gates/checks.py), each metric once."""
+    known = configurable_metrics(gate)
+    seen: dict[str, int] = {}
+    for i, rule in enumerate(rules):
+        if rule.metric not in known:
+            raise ValueError(f"[{i}].metric: expected one of {', '.join(known)}, found {rule.metric!r}")
+        if rule.metric in seen:
+            raise ValueError(f"[{i}].metric: expected each metric once, found {rule.metric!r} again "
+                             f"(first at [{seen[rule.metric]}])")
+        seen[rule.metric] = i
+    return rules
+
+
+def _thresholds_of(gate: str):
+    return field_validator("thresholds")(lambda cls, rules: _declared_thresholds(gate, rules))
+
+
+def _size(value: Any) -> str:
+    parse_size(value)
+    return value if isinstance(value, str) else str(value)
+
+
+Positive = Annotated[Int, Field(ge=1)]
 
 
 class Endpoint(StrictModel):
@@ -53,15 +72,17 @@ class Endpoint(StrictModel):
 
 class EmbeddedTargets(StrictModel):
     preset: Literal["tiny", "small", "base"] = "small"
-    seed: int = 0
-    max_running: int = Field(default=8, ge=1)
-    device_capacity_blocks: int = Field(default=64, ge=1, description="device tier of both cached modes")
+    seed: Int = 0
+    max_running: Int = Field(default=8, ge=1)
+    device_capacity_blocks: Int = Field(default=64, ge=1, description="device tier of both cached modes")
     host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")
     disk_capacity: str = Field(default="8GiB", description="disk tier of the tiered mode (under storage.path)")
+
+    _sizes = field_validator("host_capacity", "disk_capacity", mode="before")(lambda cls, v: _size(v))
     disk_io_mode: Literal["buffered", "direct"] = Field(
         default="direct", description="direct: O_DIRECT reads, no second copy in the page cache under the host tier")
-    disk_read_workers: int = Field(default=16, ge=1, le=256, description="parallel block reads (queue depth)")
-    candidate_nodes: int = Field(default=1, ge=1, le=8, description="tiered candidate nodes (several: G3 routes)")
+    disk_read_workers: Int = Field(default=16, ge=1, le=256, description="parallel block reads (queue depth)")
+    candidate_nodes: Int = Field(default=1, ge=1, le=8, description="tiered candidate nodes (several: G3 routes)")
     pool: Literal["none", "redis", "mooncake"] = Field(
         default="none", description="the shared pool the candidate nodes use, started by the harness on loopback")
 
@@ -90,19 +111,19 @@ class StorageConfig(StrictModel):
 
 
 class InventoryConfig(StrictModel):
-    min_cpu_cores: Optional[int] = Field(default=None, ge=1)
-    min_memory_gib: Optional[float] = Field(default=None, gt=0)
-    min_free_gib: Optional[float] = Field(default=None, gt=0, description="free space at storage.path")
-    min_gpus: Optional[int] = Field(default=None, ge=0)
-    min_nics: Optional[int] = Field(default=None, ge=0)
+    min_cpu_cores: Optional[Int] = Field(default=None, ge=1)
+    min_memory_gib: Optional[Float] = Field(default=None, gt=0)
+    min_free_gib: Optional[Float] = Field(default=None, gt=0, description="free space at storage.path")
+    min_gpus: Optional[Int] = Field(default=None, ge=0)
+    min_nics: Optional[Int] = Field(default=None, ge=0)
     rdma_required: bool = False
 
 
 class FioConfig(StrictModel):
     size: str = "256M"
-    runtime_s: float = Field(default=5.0, gt=0)
-    iodepth: int = Field(default=16, ge=1)
-    numjobs: int = Field(default=1, ge=1)
+    runtime_s: Float = Field(default=5.0, gt=0)
+    iodepth: Int = Field(default=16, ge=1)
+    numjobs: Int = Field(default=1, ge=1)
     direct: bool = True
     ioengine: str = "libaio"
     verify: bool = True
@@ -110,23 +131,35 @@ class FioConfig(StrictModel):
 
 
 class G1Config(StrictModel):
-    thresholds: list[RuleSpec]
+    _declared = _thresholds_of("g1")
+
+    thresholds: list[RuleField]
 
 
 class G2Config(StrictModel):
-    contexts: list[int] = Field(min_length=1, description="context lengths in tokens")
-    rounds: int = Field(default=2, ge=1)
-    thresholds: list[RuleSpec]
+    _declared = _thresholds_of("g2")
+
+    contexts: list[Annotated[Int, Field(ge=2)]] = Field(min_length=1, description="context lengths in tokens")
+    rounds: Int = Field(default=2, ge=1)
+    thresholds: list[RuleField]
 
 
 class G3Config(StrictModel):
+    _declared = _thresholds_of("g3")
+
     workload: dict = Field(description="a workload spec (see workloads/specs)")
-    levels: list[int] = Field(min_length=1)
-    duration_s: float = Field(gt=0)
-    warmup_s: float = Field(ge=0)
-    min_requests: int = Field(default=10, ge=1)
+    levels: list[Positive] = Field(min_length=1, description="concurrency levels (users)")
+    duration_s: Float = Field(gt=0)
+    warmup_s: Float = Field(ge=0)
+    min_requests: Int = Field(default=10, ge=1)
     prime: bool = Field(default=True, description="send each target every session's first turn before the sweep")
-    thresholds: list[RuleSpec]
+    thresholds: list[RuleField]
+
+    @model_validator(mode="after")
+    def _warmup_within_the_step(self) -> "G3Config":
+        if self.warmup_s >= self.duration_s:
+            raise ValueError(f"warmup_s: expected less than duration_s ({self.duration_s:g}), found {self.warmup_s:g}")
+        return self
 
 
 SCHEDULED_FAULTS = BLOCK_FAULTS + IO_FAULTS
@@ -140,23 +173,27 @@ class FaultSpec(StrictModel):
     """
 
     kind: Literal[SCHEDULED_FAULTS]
-    at_s: float = Field(ge=0, description="seconds after the soak's start")
-    duration_s: float = Field(default=10, gt=0, description="I/O faults: how long the fault stays armed")
-    delay_ms: float = Field(default=50, gt=0, description="slow_disk: added delay per block read or write")
+    at_s: Float = Field(ge=0, description="seconds after the soak's start")
+    duration_s: Float = Field(default=10, gt=0, description="I/O faults: how long the fault stays armed")
+    delay_ms: Float = Field(default=50, gt=0, description="slow_disk: added delay per block read or write")
 
 
 class G4Config(StrictModel):
+    _declared = _thresholds_of("g4")
+
     workload: dict
-    duration_s: float = Field(gt=0)
-    window_s: float = Field(gt=0)
-    concurrency: int = Field(ge=1)
-    memory_growth_limit_mib: float = Field(default=512, gt=0, description="extrapolated to the full duration")
+    duration_s: Float = Field(gt=0)
+    window_s: Float = Field(gt=0)
+    concurrency: Int = Field(ge=1)
+    memory_growth_limit_mib: Float = Field(default=512, gt=0, description="extrapolated to the full duration")
     faults: list[FaultSpec] = Field(default_factory=list, description="the fault schedule (embedded candidate)")
-    thresholds: list[RuleSpec]
+    thresholds: list[RuleField]
 
     @model_validator(mode="after")
     def _faults_within_the_soak(self) -> "G4Config":
-        late = [f"faults.{i}.at_s" for i, f in enumerate(self.faults) if f.at_s >= self.duration_s]
+        if self.window_s > self.duration_s:
+            raise ValueError(f"window_s: expected at most duration_s ({self.duration_s:g}), found {self.window_s:g}")
+        late = [f"faults[{i}].at_s" for i, f in enumerate(self.faults) if f.at_s >= self.duration_s]
         if late:
             raise ValueError(f"expected every fault's at_s < duration_s ({self.duration_s:g}), found "
                              f"{', '.join(late)} at or after the end")
@@ -264,6 +301,9 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None) -> G
         raise ConfigError(f"profile: expected one of {sorted(PROFILES)}, found {chosen!r}")
     merged = _merge(PROFILES[chosen], {**data, "profile": chosen})
     try:
-        return GatesConfig.model_validate(merged)
+        config = GatesConfig.model_validate(merged)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error, "gates")) from None
+        raise ConfigError(format_validation_error(error, "")) from None
+    for gate in ("g3", "g4"):  # every field of a workload spec checked now, before any server starts
+        load_spec(getattr(config, gate).workload, root=f"{gate}.workload")
+    return config

@@ -6,6 +6,11 @@ without those options the fixtures skip, so the project's own tests are not
 affected. Each check is a test: it measures, `record`s its figures into the
 run store, and asks `verdict` to judge them against the configured rule,
 which appends the verdict and fails the test on FAIL or INCONCLUSIVE.
+
+Only declared checks are judged (gates/checks.py). A check with no rule is stored as
+measured-but-not-judged (the report lists it at the top of the gate's section) and its test
+is skipped with that reason; a test that only recorded figures and judged nothing is
+reported as skipped ("recorded only"), never counted as a passing check.
 """
 
 from __future__ import annotations
@@ -16,12 +21,18 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from kvcore.rules import Rule, parse_rule
+from kvcore.rundata import Unjudged
+
+from .checks import check_of
 from .config import GatesConfig, load_config
 from .runstore import RunStore
 from .targets import Endpoint, endpoints_from_json
-from .verdict import judge, parse_rule
+from .verdict import judge
 
 RUN_DIR = pytest.StashKey[Path]()
+JUDGED = pytest.StashKey[int]()   # verdicts stored by the test now running
+RECORDED_ONLY = "recorded only: this test stores figures and judges nothing"
 
 
 @dataclass
@@ -31,11 +42,13 @@ class GateContext:
     store: RunStore
     endpoints: dict[str, Endpoint]
 
-    def rule(self, metric: str) -> Optional[dict]:
+    def rule(self, metric: str) -> Optional[Rule]:
+        """The gate's configured threshold for a declared metric, else the check's default, else None."""
         for rule in getattr(self.config, self.gate).thresholds:
             if rule.metric == metric:
-                return rule.as_dict()
-        return None
+                return rule
+        default = check_of(self.gate, metric).default
+        return parse_rule(default) if default is not None else None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -78,26 +91,58 @@ def record(gate_context: GateContext, request: pytest.FixtureRequest) -> Callabl
 
 @pytest.fixture
 def verdict(gate_context: GateContext, request: pytest.FixtureRequest) -> Callable[..., dict]:
-    """verdict(label, metric, value, rule=None, **judge_options): judge, store, and fail the test unless PASS.
+    """verdict(label, metric, value, rule=None, context=None, unjudged_reason="", **judge_options):
+    judge, store, and fail the test unless PASS.
 
-    The rule is the configured threshold for the metric unless the check passes its own
-    (inventory expectations, for example).
-
-    A metric with no configured rule is recorded as unjudged and the test is skipped with that reason.
+    `metric` must be one of the gate's declared checks. The rule is the one the check's
+    `rule_from` field gives (passed by the suite as `rule`; None when that field is unset,
+    with `unjudged_reason` saying so), else the configured threshold, else the check's
+    default. With no rule the figure is stored as measured but not judged and the test skips.
+    `context` says where the figure belongs (`concurrency`, `context_tokens`, `target`, …).
     """
 
-    def _verdict(label: str, metric: str, value: Any, rule: Optional[dict] = None, **options: Any) -> dict:
-        rule = rule or gate_context.rule(metric)
+    def _verdict(label: str, metric: str, value: Any, rule: Optional[dict] = None,
+                 context: Optional[dict] = None, unjudged_reason: str = "", **options: Any) -> dict:
+        check = check_of(gate_context.gate, metric)
+        if check.configurable:
+            if rule is not None:
+                raise TypeError(f"{metric}: its rule comes from {gate_context.gate}.thresholds or the check's "
+                                "default (gates/checks.py), not from the suite")
+            rule = gate_context.rule(metric)
         if rule is None:
-            pytest.skip(f"{label}: no threshold configured for {metric!r} in {gate_context.gate}.thresholds")
-        result = judge(gate_context.gate, _check_name(request), label, value, parse_rule(rule), **options).to_dict()
-        result["metric"] = metric
+            reason = unjudged_reason or (f"no threshold for {metric!r} in {gate_context.gate}.thresholds and no "
+                                         "default rule")
+            gate_context.store.add_unjudged(Unjudged(
+                gate_context.gate, _check_name(request), metric, label, reason,
+                value=_number_or_none(value), unit=options.get("unit", ""), context=dict(context or {})))
+            request.config.stash[JUDGED] = request.config.stash.get(JUDGED, 0) + 1
+            pytest.skip(f"{label}: measured, not judged: {reason}")
+        result = judge(gate_context.gate, _check_name(request), label, value, parse_rule(rule), context=context,
+                       **options)
         gate_context.store.add_verdict(result)
-        if result["status"] != "PASS":
-            pytest.fail(result["reason"], pytrace=False)
-        return result
+        request.config.stash[JUDGED] = request.config.stash.get(JUDGED, 0) + 1
+        if result.status != "PASS":
+            pytest.fail(result.reason, pytrace=False)
+        return result.to_dict()
 
     return _verdict
+
+
+def _number_or_none(value: Any) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A gate test that passed without judging anything is reported as skipped (recorded only)."""
+    if call.when == "setup":
+        item.config.stash[JUDGED] = 0
+    outcome = yield
+    report = outcome.get_result()
+    in_gate = RUN_DIR in item.config.stash and "gate_context" in getattr(item, "fixturenames", ())
+    if call.when == "call" and in_gate and report.passed and not item.config.stash.get(JUDGED, 0):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, RECORDED_ONLY)
 
 
 @pytest.fixture(scope="session")

@@ -10,137 +10,14 @@ Percent figures are fractions (0.312 is shown as 31.2%).
 from __future__ import annotations
 
 import math
-import operator
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
-PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
-STATUSES = (PASS, FAIL, INCONCLUSIVE)
+from kvcore.rules import Band, Rule, Threshold, parse_rule
+from kvcore.rundata import FAIL, INCONCLUSIVE, PASS, Verdict
+
+__all__ = ["Band", "Threshold", "Verdict", "judge", "parse_rule", "PASS", "FAIL", "INCONCLUSIVE"]
+
 ABOVE_BAND_NOTE = "above the band: better than promised — check the measurement"
-
-_OPS: dict[str, Callable[[float, float], bool]] = {
-    ">=": operator.ge,
-    "<=": operator.le,
-    ">": operator.gt,
-    "<": operator.lt,
-    "==": lambda a, b: math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12),
-}
-_SYMBOLS = {">=": "≥", "<=": "≤", ">": ">", "<": "<", "==": "="}
-
-
-def _number(kind: str, field: str, found: Any) -> float:
-    if isinstance(found, bool) or not isinstance(found, (int, float)) or not math.isfinite(found):
-        raise ValueError(f"{kind}.{field}: expected a finite number, found {found!r} ({type(found).__name__})")
-    return float(found)
-
-
-def _metric(kind: str, found: Any) -> str:
-    if not isinstance(found, str) or not found:
-        raise ValueError(f"{kind}.metric: expected a non-empty string, found {found!r}")
-    return found
-
-
-@dataclass(frozen=True)
-class Threshold:
-    """PASS when `figure op value` holds."""
-
-    metric: str
-    op: str
-    value: float
-
-    def __post_init__(self) -> None:
-        _metric("Threshold", self.metric)
-        if self.op not in _OPS:
-            raise ValueError(f"Threshold.op: expected one of {', '.join(_OPS)}, found {self.op!r}")
-        object.__setattr__(self, "value", _number("Threshold", "value", self.value))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Threshold":
-        return cls(metric=data.get("metric"), op=data.get("op"), value=data.get("value"))
-
-    def to_dict(self) -> dict:
-        return {"metric": self.metric, "op": self.op, "value": self.value}
-
-    def passes(self, figure: float) -> bool:
-        return _OPS[self.op](figure, self.value)
-
-
-@dataclass(frozen=True)
-class Band:
-    """PASS when `min <= figure` (edges inclusive); above `max` still passes, with a note."""
-
-    metric: str
-    min: float
-    max: float
-
-    def __post_init__(self) -> None:
-        _metric("Band", self.metric)
-        object.__setattr__(self, "min", _number("Band", "min", self.min))
-        object.__setattr__(self, "max", _number("Band", "max", self.max))
-        if self.min > self.max:
-            raise ValueError(f"Band.max: expected max >= min ({self.min}), found {self.max}")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Band":
-        return cls(metric=data.get("metric"), min=data.get("min"), max=data.get("max"))
-
-    def to_dict(self) -> dict:
-        return {"metric": self.metric, "min": self.min, "max": self.max}
-
-
-Rule = Threshold | Band
-
-
-def parse_rule(mapping: Mapping[str, Any]) -> Rule:
-    """A Threshold from {metric, op, value} or a Band from {metric, min, max}; ValueError otherwise."""
-    if isinstance(mapping, (Threshold, Band)):
-        return mapping
-    if not isinstance(mapping, Mapping):
-        raise ValueError(f"rule: expected a mapping {{metric, op, value}} or {{metric, min, max}}, "
-                         f"found {type(mapping).__name__}")
-    keys = set(mapping)
-    if keys == {"metric", "op", "value"}:
-        return Threshold.from_dict(mapping)
-    if keys == {"metric", "min", "max"}:
-        return Band.from_dict(mapping)
-    raise ValueError(f"rule: expected keys {{metric, op, value}} (threshold) or {{metric, min, max}} (band), "
-                     f"found {{{', '.join(sorted(map(str, keys)))}}}")
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One judged check, as stored in `gates/<gate>/verdicts.jsonl` (see gates/runstore.py)."""
-
-    gate: str
-    check: str
-    metric: str
-    status: str
-    reason: str
-    value: Optional[float]
-    unit: str
-    rule: dict
-    interval: Optional[tuple[float, float]] = None
-    note: str = ""
-
-    def to_dict(self) -> dict:
-        row: dict[str, Any] = {"gate": self.gate, "check": self.check, "metric": self.metric,
-                               "status": self.status, "reason": self.reason,
-                               "value": None if self.value is None else float(self.value),
-                               "unit": self.unit, "rule": dict(self.rule)}
-        if self.interval is not None:
-            row["interval"] = [float(self.interval[0]), float(self.interval[1])]
-        if self.note:
-            row["note"] = self.note
-        return row
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Verdict":
-        interval = data.get("interval")
-        return cls(gate=data["gate"], check=data["check"], metric=data["metric"], status=data["status"],
-                   reason=data["reason"], value=data.get("value"), unit=data.get("unit", ""),
-                   rule=dict(data.get("rule", {})), interval=None if interval is None else tuple(interval),
-                   note=data.get("note", ""))
-
 
 def _trim(number: float, decimals: int) -> str:
     text = f"{number:.{decimals}f}"
@@ -199,7 +76,8 @@ def _one_line(text: str) -> str:
 
 def judge(gate: str, check: str, label: str, value: Optional[float], rule: Union[Rule, Mapping[str, Any]], *,
           unit: str = "", interval: Optional[tuple[float, float]] = None, valid: bool = True,
-          invalid_reason: str = "", display: Optional[Callable[[float], str]] = None) -> Verdict:
+          invalid_reason: str = "", display: Optional[Callable[[float], str]] = None,
+          context: Optional[Mapping[str, Any]] = None) -> Verdict:
     """Judge one figure against its rule.
 
     INCONCLUSIVE when the step was invalid, when nothing was measured (None or NaN), or when
@@ -224,14 +102,12 @@ def judge(gate: str, check: str, label: str, value: Optional[float], rule: Union
                 raise ValueError(f"interval: expected lo <= hi, found [{lo}, {hi}]")
             interval = (lo, hi)
 
-    if is_band:
-        rule_text = f"[{fmt.rule(rule.min)}, {fmt.rule(rule.max)}]"
-    else:
-        rule_text = f"{_SYMBOLS[rule.op]} {fmt.rule(rule.value)}"
+    rule_text = rule.text(fmt.rule)
 
     def verdict(status: str, reason: str, note: str = "") -> Verdict:
         return Verdict(gate=gate, check=check, metric=rule.metric, status=status, reason=_one_line(reason),
-                       value=value, unit=unit, rule=rule.to_dict(), interval=interval, note=note)
+                       value=value, unit=unit, rule=rule.to_dict(), interval=interval, note=note,
+                       context=dict(context or {}))
 
     invalid = f" (invalid step: {invalid_reason or 'no reason given'})" if not valid else ""
     if value is None:
@@ -260,14 +136,7 @@ def judge(gate: str, check: str, label: str, value: Optional[float], rule: Union
             note = "interval reaches above the band: may be better than promised — check the measurement"
         return verdict(PASS, f"{head} → PASS", note)
 
-    if interval is not None and _straddles(rule, *interval):
+    if interval is not None and rule.straddles(*interval):
         return verdict(INCONCLUSIVE, f"{head} → INCONCLUSIVE (interval straddles the threshold)")
     status = PASS if rule.passes(value) else FAIL
     return verdict(status, f"{head} → {status}")
-
-
-def _straddles(rule: Threshold, lo: float, hi: float) -> bool:
-    """Whether [lo, hi] holds both a figure that passes and one that fails."""
-    if rule.op == "==":
-        return lo < hi and (lo <= rule.value <= hi or rule.passes(lo) or rule.passes(hi))
-    return rule.passes(lo) != rule.passes(hi)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import re
 import statistics
 import sys
 import time
@@ -24,7 +22,9 @@ from typing import Any, Optional
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
-from gates.runstore import GATE_TITLES, GATES, RunStore, write_json
+from kvcore.files import write_json, write_text_atomic
+from kvcore.rules import Band, Threshold, stored_rule
+from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
 from . import svg
 
@@ -55,7 +55,8 @@ def _gate_result(store: RunStore, gate: str, requested: bool) -> dict:
     else:
         status, reason = "not run", "not run yet" if requested else "not requested"
     return {"gate": gate, "title": GATE_TITLES[gate], "status": status, "reason": reason, "requested": requested,
-            "status_record": record, "verdicts": verdicts, "measurements": measurements}
+            "status_record": record, "verdicts": verdicts, "unjudged": store.unjudged(gate),
+            "measurements": measurements}
 
 
 def _progress(verdicts: list[dict], measurements: list[dict]) -> str:
@@ -180,42 +181,14 @@ def _count(suite: ET.Element) -> ET.Element:
 
 # ---------------------------------------------------------------- plots
 
-def rule_kind(rule: Any) -> Optional[str]:
-    """"threshold" for {metric, op, value}, "band" for {metric, min, max}; also reads "kind"/"type"
-    fields and short text forms (">= 25", "[29, 40]")."""
-    if isinstance(rule, dict):
-        kind = str(rule.get("kind") or rule.get("type") or "").lower()
-        if kind in ("threshold", "band"):
-            return kind
-        if "op" in rule and "value" in rule:
-            return "threshold"
-        if "min" in rule or "max" in rule:
-            return "band"
-    elif isinstance(rule, str):
-        if _BAND_TEXT.search(rule):
-            return "band"
-        if _THRESHOLD_TEXT.search(rule):
-            return "threshold"
-    return None
+def _threshold(verdict: dict) -> Optional[Threshold]:
+    rule = stored_rule(verdict.get("rule"))
+    return rule if isinstance(rule, Threshold) else None
 
 
-_NUMBER = r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
-_BAND_TEXT = re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]", re.IGNORECASE)
-_THRESHOLD_TEXT = re.compile(rf"(>=|<=|≥|≤|>|<|==)\s*({_NUMBER})", re.IGNORECASE)
-
-
-def threshold_of(rule: Any) -> Optional[float]:
-    if isinstance(rule, dict):
-        return _number(rule.get("value"))
-    match = _THRESHOLD_TEXT.search(rule) if isinstance(rule, str) else None
-    return float(match.group(2)) if match else None
-
-
-def band_of(rule: Any) -> tuple[Optional[float], Optional[float]]:
-    if isinstance(rule, dict):
-        return _number(rule.get("min")), _number(rule.get("max"))
-    match = _BAND_TEXT.search(rule) if isinstance(rule, str) else None
-    return (float(match.group(1)), float(match.group(2))) if match else (None, None)
+def _band(verdict: dict) -> Optional[Band]:
+    rule = stored_rule(verdict.get("rule"))
+    return rule if isinstance(rule, Band) else None
 
 
 def _number(value: Any) -> Optional[float]:
@@ -248,10 +221,10 @@ def _geometric(series: dict[str, list[tuple[float, float]]]) -> bool:
 def _g1_plots(gate: dict) -> list[str]:
     by_unit: dict[str, list[dict]] = {}
     for v in gate["verdicts"]:
-        if rule_kind(v.get("rule")) == "threshold" and _number(v.get("value")) is not None:
+        if _threshold(v) is not None and _number(v.get("value")) is not None:
             by_unit.setdefault(str(v.get("unit") or ""), []).append(v)
     return [svg.bar_chart([(str(v.get("check") or v.get("metric")), v["value"]) for v in rows],
-                          [(i, threshold_of(v["rule"])) for i, v in enumerate(rows)],
+                          [(i, _threshold(v).value) for i, v in enumerate(rows)],
                           "G1 measured against spec" + (f" ({unit})" if unit else ""), unit,
                           statuses=[str(v.get("status", "")) for v in rows])
             for unit, rows in by_unit.items()]
@@ -267,7 +240,7 @@ def _g2_plots(gate: dict) -> list[str]:
 
 def _g3_plots(gate: dict) -> list[str]:
     plots, rows = [], gate["measurements"]
-    bands = [v for v in gate["verdicts"] if rule_kind(v.get("rule")) == "band"]
+    bands = [v for v in gate["verdicts"] if _band(v) is not None]
     ttft = _series(rows, "ttft_p50_ms", "target", "concurrency")
     if ttft:
         plots.append(svg.line_chart(ttft, "G3 TTFT p50 by concurrency", "concurrency", "TTFT p50 (ms)",
@@ -275,30 +248,22 @@ def _g3_plots(gate: dict) -> list[str]:
     throughput, unit = _series(rows, "output_tokens_per_s", "target", "concurrency"), _unit(rows, "output_tokens_per_s")
     same_unit = [v for v in bands if str(v.get("unit") or "") == unit and unit]
     if throughput:
-        band = band_of(same_unit[0]["rule"]) if same_unit else None
+        band = (_band(same_unit[0]).min, _band(same_unit[0]).max) if same_unit else None
         plots.append(svg.line_chart(throughput, "G3 output throughput by concurrency", "concurrency",
                                     f"output throughput ({unit or 'tokens/s'})", band=band,
                                     log_x=_geometric(throughput), band_label="accepted band"))
-    judged = [v for v in bands if v not in same_unit and _number(v.get("value")) is not None]
+    judged = [v for v in bands if v not in same_unit and _number(v.get("value")) is not None
+              and _number((v.get("context") or {}).get("concurrency")) is not None]
     if judged:
         unit = str(judged[0].get("unit") or "")
         scale = 100.0 if unit == "%" else 1.0  # verdicts hold fractions; a percent axis shows percents
-        points = [(_concurrency(v, i), v["value"] * scale) for i, v in enumerate(judged, 1)]
-        band = [None if edge is None else edge * scale for edge in band_of(judged[0]["rule"])]
+        points = [(float(v["context"]["concurrency"]), v["value"] * scale) for v in judged]
+        band = (_band(judged[0]).min * scale, _band(judged[0]).max * scale)
         metric = str(judged[0].get("metric") or judged[0].get("check") or "judged figure")
         plots.append(svg.line_chart({metric: points}, f"G3 {metric} against its band", "concurrency",
                                     f"{metric} ({unit})" if unit else metric, band=tuple(band),
                                     log_x=_geometric({"": points}), band_label="accepted band"))
     return plots
-
-
-def _concurrency(verdict: dict, fallback: int) -> float:
-    """A band verdict's concurrency: its context, else "c=16" in its check or reason."""
-    found = _number((verdict.get("context") or {}).get("concurrency"))
-    if found is not None:
-        return found
-    match = re.search(r"\bc\s*=\s*(\d+)", f"{verdict.get('check', '')} {verdict.get('reason', '')}")
-    return float(match.group(1)) if match else float(fallback)
 
 
 def _fault_marker(row: dict) -> tuple[Any, str]:
@@ -417,7 +382,7 @@ def render_html(results: dict, run_dir: Path, rendered_at: float) -> str:
                        status_class=status_class, pretty_json=pretty_json, field=fmt_field)
     gates = [{**gate, "plots": [Markup(p) for p in PLOTTERS[gate["gate"]](gate)]} for gate in results["gates"]]
     run = results["run"]
-    started = next((run[k] for k in ("started_at", "created_at", "start_time", "time") if k in run), None)
+    started = run.get("started_at")
     page = env.get_template("index.html.j2").render(
         results=results, run=run, gates=gates, run_id=run.get("run_id") or run_dir.name, started=started,
         environment=results["environment"], rendered_at=rendered_at,
@@ -426,12 +391,6 @@ def render_html(results: dict, run_dir: Path, rendered_at: float) -> str:
     # Nothing in the page may look like a link out (a target URL in the environment, say):
     # an entity for the colon shows the same text and leaves no literal scheme in the file.
     return page.replace("://", "&#58;//")
-
-
-def _write_text(path: Path, text: str) -> None:
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temp.write_text(text, encoding="utf-8")
-    os.replace(temp, path)
 
 
 def render_run(run_dir: Path) -> dict:
@@ -443,8 +402,8 @@ def render_run(run_dir: Path) -> dict:
     results = collect_results(store)
     rendered_at = time.time()
     write_json(run_dir / "results.json", results)
-    _write_text(run_dir / "junit.xml", junit_xml(store, results))
-    _write_text(run_dir / "index.html", render_html(results, run_dir, rendered_at))
+    write_text_atomic(run_dir / "junit.xml", junit_xml(store, results))
+    write_text_atomic(run_dir / "index.html", render_html(results, run_dir, rendered_at))
     return results
 
 

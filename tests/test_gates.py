@@ -14,31 +14,57 @@ from gates.template import TEMPLATE
 
 def _config_file(tmp_path: Path, data) -> Path:
     path = tmp_path / "gates.yaml"
-    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
     return path
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"g2": {"contextz": [1024]}}, "gates.g2.contextz: unknown field"),
-    ({"g2": {"contexts": "many"}}, "gates.g2.contexts: expected a list, found 'many'"),
-    ({"g2": {"contexts": []}}, "gates.g2.contexts"),
-    ({"g3": {"levels": [2, "four"]}}, "gates.g3.levels.1: expected an integer, found 'four'"),
+    ({"g2": {"contextz": [1024]}}, "g2.contextz: unknown field"),
+    ({"g2": {"contexts": "many"}}, "g2.contexts: expected a list, found 'many'"),
+    ({"g2": {"contexts": []}}, "g2.contexts"),
+    ({"g3": {"levels": [2, "four"]}}, "g3.levels[1]: expected an integer, found 'four'"),
     ({"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
-     "gates.g1.thresholds.0: expected either op and value, or min and max"),
-    ({"g1": {"thresholds": [{"metric": "x", "op": "=>", "value": 1}]}}, "gates.g1.thresholds.0.op: expected one of"),
+     "g1.thresholds[0]: expected keys {metric, op, value} (threshold) or {metric, min, max} (band), "
+     "found {metric, value}"),
+    ({"g1": {"thresholds": [{"metric": "x", "op": "=>", "value": 1}]}}, "g1.thresholds[0].op: expected one of"),
     ({"g3": {"thresholds": [{"metric": "throughput_gain", "min": 0.5, "max": 0.3}]}},
-     "expected min <= max, found min=0.5 max=0.3"),
-    ({"targets": {"kind": "external"}}, "gates.targets: expected baseline and candidate endpoints"),
+     "g3.thresholds[0].max: expected max >= min (0.5), found 0.3"),
+    ({"targets": {"kind": "external"}}, "targets: expected baseline and candidate endpoints"),
     ({"targets": {"kind": "external", "baseline": {"url": "10.0.0.1:8000", "model": "m"},
-                  "candidate": {"url": "http://h/v1", "model": "m"}}}, "gates.targets.baseline.url"),
-    ({"fio": {"iodepth": 0}}, "gates.fio.iodepth: expected a value >= 1, found 0"),
+                  "candidate": {"url": "http://h/v1", "model": "m"}}}, "targets.baseline.url"),
+    ({"fio": {"iodepth": 0}}, "fio.iodepth: expected a value >= 1, found 0"),
     ({"profile": "medium"}, "profile: expected one of ['full', 'quick'], found 'medium'"),
-    ({"g4": {"faults": [{"kind": "meteor", "at_s": 3}]}}, "gates.g4.faults.0.kind: expected one of"),
-    ({"g4": {"duration_s": 20}}, "gates.g4: expected every fault's at_s < duration_s (20), found faults.1.at_s"),
+    ({"g4": {"faults": [{"kind": "meteor", "at_s": 3}]}}, "g4.faults[0].kind: expected one of"),
+    ({"g4": {"duration_s": 20}}, "g4: expected every fault's at_s < duration_s (20), found faults[1].at_s"),
     ({"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 0}]}},
-     "gates.g4.faults.0.delay_ms: expected a value > 0.0, found 0"),
+     "g4.faults[0].delay_ms: expected a value > 0.0, found 0"),
     ("- just\n- a list\n", "expected a mapping at the top level, found list"),
     ("g1: [unclosed\n", "expected valid YAML"),
+    # a threshold naming a metric its gate does not judge (issue 12, 1.1)
+    ({"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
+                            {"metric": "throughput_gian", "min": 1, "max": 2}]}},
+     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, found 'throughput_gian'"),
+    ({"g2": {"thresholds": [{"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
+                            {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.7}]}},
+     "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_fio' again (first at [0])"),
+    ({"g1": {"thresholds": [{"metric": "cpu_cores", "op": ">=", "value": 2}]}},
+     "g1.thresholds[0].metric: expected one of seq_read_gbps"),
+    # values that cannot be meant (1.6)
+    ({"g3": {"levels": [0, -2]}}, "g3.levels[0]: expected a value >= 1, found 0"),
+    ({"g3": {"levels": [True]}}, "g3.levels[0]: expected an integer, found True"),
+    ({"g3": {"duration_s": 1e400}}, "g3.duration_s: expected a finite number, found inf"),
+    ({"g3": {"duration_s": 10, "warmup_s": 10}}, "g3.warmup_s: expected less than duration_s (10), found 10"),
+    ({"g4": {"duration_s": 5, "window_s": 10, "faults": []}}, "g4.window_s: expected at most duration_s (5), found 10"),
+    ({"g2": {"rounds": 2.0}}, "g2.rounds: expected an integer, found 2.0"),
+    # section 2: every field at load, before any server starts
+    ({"g3": {"workload": {"kind": "multi_round_qa", "userz": 4}}}, "g3.workload.userz: unknown field"),
+    ({"g3": {"workload": {"kind": "nonexistent_kind"}}}, "g3.workload.kind: expected one of"),
+    ({"targets": {"embedded": {"host_capacity": "1XB"}}},
+     "targets.embedded.host_capacity: expected a byte size (integer or string like '4GiB'), found '1XB'"),
+    (b"g1: {thresholds: []}\n# caf\xe9\n", "expected a UTF-8 text file, found byte 0xe9 at offset 26"),
 ])
 def test_a_bad_config_names_the_field_what_was_expected_and_what_was_found(tmp_path, data, message):
     with pytest.raises(ConfigError) as error:
@@ -48,7 +74,7 @@ def test_a_bad_config_names_the_field_what_was_expected_and_what_was_found(tmp_p
 
 def test_kvgate_run_exits_2_on_a_bad_config_and_on_an_unknown_gate(tmp_path, capsys):
     assert main(["run", "--config", str(_config_file(tmp_path, {"g9": {}})), "--out", str(tmp_path / "r")]) == 2
-    assert "gates.g9: unknown field" in capsys.readouterr().err
+    assert "g9: unknown field" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "g7"])
     assert exit_info.value.code == 2
@@ -58,7 +84,7 @@ def test_kvgate_run_exits_2_on_a_bad_config_and_on_an_unknown_gate(tmp_path, cap
 def test_profiles_supply_defaults_under_the_files_values(tmp_path):
     quick, full = load_config(None, "quick"), load_config(None, "full")
     assert quick.g4.duration_s < 600 and full.g4.duration_s == 72 * 3600
-    assert [r.as_dict() for r in quick.g3.thresholds] == [
+    assert [r.to_dict() for r in quick.g3.thresholds] == [
         {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
         {"metric": "throughput_gain", "min": 0.29, "max": 0.40}]
     mine = load_config(_config_file(tmp_path, {"profile": "full", "g2": {"rounds": 9}}))

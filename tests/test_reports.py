@@ -74,10 +74,11 @@ def write_g3(store: RunStore) -> None:
                      concurrency=c)
         store.add_verdict(verdict("g3", f"TTFT p50 reduction at c={c}", "PASS",
                                   f"G3 TTFT p50 reduction at c={c}: 38.0% [35.1, 40.2] ≥ 25% → PASS", 38.0, "%",
-                                  {"metric": "ttft_p50_reduction_pct", "op": ">=", "value": 25}, interval=[35.1, 40.2]))
+                                  {"metric": "ttft_p50_reduction_pct", "op": ">=", "value": 25}, interval=[35.1, 40.2],
+                                  context={"concurrency": c}))
         store.add_verdict(verdict("g3", f"throughput gain at c={c}", "PASS",
                                   f"G3 throughput gain at c={c}: 34.0% in [29, 40] → PASS", 34.0, "%",
-                                  {"metric": "throughput_gain_pct", "min": 29, "max": 40}))
+                                  {"metric": "throughput_gain_pct", "min": 29, "max": 40}, context={"concurrency": c}))
 
 
 def write_g4(store: RunStore) -> None:
@@ -381,3 +382,23 @@ def test_charts_without_data_say_so_instead_of_failing():
 def test_nice_ticks_cover_the_range_with_round_steps():
     assert svg.nice_ticks(0, 97) == [0, 20, 40, 60, 80, 100]
     assert svg.nice_ticks(0, 0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+def test_a_check_measured_but_not_judged_is_shown_at_the_top_of_its_gate_section(tmp_path):
+    from kvcore.rundata import Unjudged
+
+    store = RunStore(tmp_path)
+    store.write_run_info({"run_id": "r", "gates": ["g1"], "started_at": 1.7e9})
+    store.add_verdict(verdict("g1", "seq read", "PASS", "G1 fio sequential read: 2 GB/s ≥ 0.1 GB/s → PASS", 2.0,
+                              "GB/s", {"metric": "seq_read_gbps", "op": ">=", "value": 0.1}))
+    store.add_unjudged(Unjudged("g1", "mixed", "mixed_70_30_iops", "G1 fio mixed 70/30 4 KiB",
+                                "no threshold for 'mixed_70_30_iops' in g1.thresholds", value=41000.0, unit="IOPS"))
+    store.set_status("g1", "passed", "1 checks passed")
+    results = render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    section = page[page.index('id="g1"'):]
+    assert section.index("Measured, not judged") < section.index("<h3>Verdicts</h3>")
+    assert "G1 fio mixed 70/30 4 KiB: 41,000 IOPS" in section
+    assert "no threshold for &#39;mixed_70_30_iops&#39; in g1.thresholds" in section
+    assert results["gates"][0]["unjudged"][0]["metric"] == "mixed_70_30_iops"
+

@@ -196,18 +196,18 @@ def test_parse_rule_names_what_was_expected_and_found(mapping, fragment):
 
 
 def test_parse_rule_rejects_an_unknown_op_naming_the_choices():
-    with pytest.raises(ValueError, match=r"Threshold\.op: expected one of >=, <=, >, <, ==, found '=>'"):
+    with pytest.raises(ValueError, match=r"^op: expected one of >=, <=, >, <, ==, found '=>'"):
         parse_rule(threshold("=>"))
 
 
 @pytest.mark.parametrize("bad", ["25%", None, True, float("nan")])
 def test_parse_rule_rejects_a_non_numeric_value(bad):
-    with pytest.raises(ValueError, match=r"Threshold\.value: expected a finite number"):
+    with pytest.raises(ValueError, match=r"^value: expected a finite number"):
         parse_rule(threshold(">=", bad))
 
 
 def test_band_with_min_above_max_names_the_field():
-    with pytest.raises(ValueError, match=r"Band\.max"):
+    with pytest.raises(ValueError, match=r"^max: expected max >= min"):
         parse_rule({"metric": "m", "min": 0.5, "max": 0.4})
 
 

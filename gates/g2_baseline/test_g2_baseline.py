@@ -141,7 +141,7 @@ def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_conte
     fraction = min((c / e for c, e in hits if e), default=0.0)
     record("cached_fraction_min", fraction)
     verdict("G2 cache hits really served from the placed tier (least cached share of a hit)", "cached_fraction_min",
-            fraction, rule={"metric": "cached_fraction_min", "op": ">=", "value": 0.99}, unit="%")
+            fraction, unit="%")
 
 
 def test_disk_hit_ttft_is_a_fraction_of_recompute_at_the_longest_context(gate_context, baseline_runs, record,
@@ -154,7 +154,7 @@ def test_disk_hit_ttft_is_a_fraction_of_recompute_at_the_longest_context(gate_co
     record("disk_hit_ttft_vs_recompute", ratio, context_tokens=longest, disk_ms=disk * 1e3, recompute_ms=recompute * 1e3,
            interval=list(interval))
     verdict(f"G2 cold disk hit TTFT / recompute TTFT at {longest} tokens ({disk * 1e3:.0f} / {recompute * 1e3:.0f} ms)",
-            "disk_hit_ttft_vs_recompute", ratio, unit="%", interval=interval)
+            "disk_hit_ttft_vs_recompute", ratio, unit="%", interval=interval, context={"context_tokens": longest})
 
 
 def test_cold_disk_read_bandwidth_reaches_fio(gate_context, baseline_runs, fio_seq_read_gbps, fio_like_the_tier_gbps,

@@ -93,14 +93,16 @@ def test_ttft_p50_reduction_at_each_level(sweep, record, verdict, level):
     figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
     record("ttft_p50_reduction", figures.ttft_reduction, concurrency=level, interval=figures.ttft_interval)
     verdict(f"G3 TTFT p50 reduction at c={level}", "ttft_p50_reduction", figures.ttft_reduction, unit="%",
-            interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
+            interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason,
+            context={"concurrency": level})
 
 
 def test_throughput_gain_at_each_level(sweep, record, verdict, level):
     figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
     record("throughput_gain", figures.throughput_gain, concurrency=level, interval=figures.throughput_interval)
     verdict(f"G3 throughput gain at c={level}", "throughput_gain", figures.throughput_gain, unit="%",
-            interval=figures.throughput_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
+            interval=figures.throughput_interval, valid=figures.valid, invalid_reason=figures.invalid_reason,
+            context={"concurrency": level})
 
 
 def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, endpoints, record):

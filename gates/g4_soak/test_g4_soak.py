@@ -97,7 +97,6 @@ def test_no_significant_drift(windows, record, verdict, metric, bad, label):
     detail = (f"Mann-Kendall p={result['p_value']:.3f}, Sen slope {result['sen_slope']:.3g}/window"
               if result.get("p_value") is not None else result["trend"])
     verdict(f"G4 {label} ({detail})", f"{metric}_drift", flagged,
-            rule={"metric": f"{metric}_drift", "op": "==", "value": 0},
             valid=result.get("p_value") is not None, invalid_reason="fewer than 3 windows")
 
 
@@ -106,7 +105,8 @@ def test_memory_growth_extrapolated_to_the_full_duration_stays_under_the_limit(g
     config = gate_context.config.g4
     result = drift(windows, "rss_minus_cache_mib")
     if result.get("sen_slope") is None:
-        verdict("G4 memory growth", "memory_growth_mib", None, valid=False, invalid_reason="fewer than 3 windows")
+        verdict("G4 memory growth", "memory_growth_mib", None, valid=False, invalid_reason="fewer than 3 windows",
+                rule={"metric": "memory_growth_mib", "op": "<=", "value": config.memory_growth_limit_mib})
     growth = max(0.0, result["sen_slope"]) * config.duration_s / config.window_s
     record("memory_growth_mib", growth, "MiB", sen_slope_mib_per_window=result["sen_slope"])
     verdict(f"G4 memory growth extrapolated to {config.duration_s / 3600:.3g} h", "memory_growth_mib", growth,

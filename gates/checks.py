@@ -1,0 +1,107 @@
+"""Every gate's declared checks: what it judges, what the figure means, which way is better, the default rule.
+
+The config is validated against these tables (a threshold naming a metric its gate does not
+judge is a configuration error), and a gate judges only declared metrics. A check's rule is
+the gate's configured threshold for its metric, else its default here; with neither, the
+figure is measured but not judged, and the report says so at the top of the gate's section.
+A check whose rule comes from another section of the config (`rule_from`) cannot be named
+in `thresholds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Better = Literal["higher", "lower", "in band"]
+
+
+@dataclass(frozen=True)
+class Check:
+    metric: str
+    meaning: str
+    better: Better
+    unit: str = ""
+    default: Optional[dict] = None       # the rule used when the gate's thresholds do not name the metric
+    rule_from: Optional[str] = None      # the config field that sets the rule instead of thresholds
+
+    @property
+    def configurable(self) -> bool:
+        return self.rule_from is None
+
+
+def _at_least(metric: str, value: float) -> dict:
+    return {"metric": metric, "op": ">=", "value": value}
+
+
+def _at_most(metric: str, value: float) -> dict:
+    return {"metric": metric, "op": "<=", "value": value}
+
+
+def _exactly(metric: str, value: float) -> dict:
+    return {"metric": metric, "op": "==", "value": value}
+
+
+G1_CHECKS = (
+    Check("cpu_cores", "logical CPU cores of the host", "higher", rule_from="inventory.min_cpu_cores"),
+    Check("memory_gib", "host memory", "higher", "GiB", rule_from="inventory.min_memory_gib"),
+    Check("free_gib", "free space at storage.path", "higher", "GiB", rule_from="inventory.min_free_gib"),
+    Check("gpus", "GPUs the host sees", "higher", rule_from="inventory.min_gpus"),
+    Check("nics", "network interfaces other than loopback", "higher", rule_from="inventory.min_nics"),
+    Check("rdma_devices", "RDMA/RoCE devices", "higher", rule_from="inventory.rdma_required"),
+    Check("seq_read_gbps", "fio sequential read, 1 MiB requests", "higher", "GB/s"),
+    Check("seq_write_gbps", "fio sequential write, 1 MiB requests", "higher", "GB/s"),
+    Check("rand_read_iops", "fio random read, 4 KiB requests", "higher", "IOPS"),
+    Check("rand_write_iops", "fio random write, 4 KiB requests", "higher", "IOPS"),
+    Check("rand_read_p99_ms", "fio random read 4 KiB, p99 completion latency", "lower", "ms"),
+    Check("mixed_70_30_iops", "fio mixed 70% read / 30% write, 4 KiB requests", "higher", "IOPS"),
+    Check("fio_verify_errors", "fio crc32c verify errors on written data", "lower",
+          default=_exactly("fio_verify_errors", 0)),
+)
+
+G2_CHECKS = (
+    Check("cached_fraction_min", "least share of a placed prefix served from the cache", "higher", "%",
+          default=_at_least("cached_fraction_min", 0.99)),
+    Check("disk_hit_ttft_vs_recompute", "cold disk hit TTFT / recompute TTFT at the longest context", "lower", "%",
+          default=_at_most("disk_hit_ttft_vs_recompute", 0.25)),
+    Check("cold_read_vs_fio", "cold-read KV bandwidth / fio sequential read, side by side", "higher", "%",
+          default=_at_least("cold_read_vs_fio", 0.8)),
+)
+
+G3_CHECKS = (
+    Check("ttft_p50_reduction", "candidate's TTFT p50 reduction against the baseline, per level", "higher", "%",
+          default=_at_least("ttft_p50_reduction", 0.25)),
+    Check("throughput_gain", "candidate's output throughput gain over the baseline, per level", "in band", "%",
+          default={"metric": "throughput_gain", "min": 0.29, "max": 0.40}),
+)
+
+G4_CHECKS = (
+    Check("error_rate", "failed requests / requests over the soak", "lower", "%",
+          default=_at_most("error_rate", 0.001)),
+    Check("probe_identical_fraction", "consistency probes answering as at the start", "higher", "%",
+          default=_at_least("probe_identical_fraction", 1.0)),
+    Check("faults_handled_fraction", "scheduled faults detected, harmless and recovered", "higher", "%",
+          default=_exactly("faults_handled_fraction", 1.0)),
+    Check("ttft_p99_ms_drift", "significant upward trend in windowed TTFT p99 (1: found)", "lower",
+          default=_exactly("ttft_p99_ms_drift", 0)),
+    Check("output_tokens_per_s_drift", "significant downward trend in windowed throughput (1: found)", "lower",
+          default=_exactly("output_tokens_per_s_drift", 0)),
+    Check("rss_minus_cache_mib_drift", "significant upward trend in server memory outside the cache pools "
+          "(1: found)", "lower", default=_exactly("rss_minus_cache_mib_drift", 0)),
+    Check("memory_growth_mib", "server memory growth extrapolated to the soak's duration", "lower", "MiB",
+          rule_from="g4.memory_growth_limit_mib"),
+)
+
+CHECKS: dict[str, tuple[Check, ...]] = {"g1": G1_CHECKS, "g2": G2_CHECKS, "g3": G3_CHECKS, "g4": G4_CHECKS}
+
+
+def check_of(gate: str, metric: str) -> Check:
+    """The declared check; KeyError naming the gate's metrics when the gate does not judge `metric`."""
+    for check in CHECKS[gate]:
+        if check.metric == metric:
+            return check
+    raise KeyError(f"{gate} judges no metric {metric!r} (declared: {', '.join(c.metric for c in CHECKS[gate])})")
+
+
+def configurable_metrics(gate: str) -> list[str]:
+    return [c.metric for c in CHECKS[gate] if c.configurable]

@@ -1,0 +1,151 @@
+"""The run data's schema, below both `gates/` (which write it) and `reports/` (which read it).
+
+Layout of `reports/runs/<run-id>/` (or `--out`)::
+
+    run.json                          RunInfo: run id, profile, gates, started_at, environment, targets
+    config.yaml                       the resolved configuration the run used
+    gates/<gate>/measurements.jsonl   one Measurement per line, appended as measured
+    gates/<gate>/verdicts.jsonl       one Verdict per line, appended as judged
+    gates/<gate>/unjudged.jsonl       one Unjudged per line: a check measured with no rule to judge it
+    gates/<gate>/status.json          the gate's outcome once it ended (or "not run")
+    gates/<gate>/junit.xml            pytest's JUnit report of the gate's suite
+    gates/<gate>/raw/                 raw files (fio JSON, request records, soak windows)
+    results.json, junit.xml, index.html   rendered by `reports` from the above
+
+A row's `context` says where a figure belongs, under these names (the renderer reads them,
+never the reason text): `concurrency` (a G3 level), `rate_multiplier`, `context_tokens`,
+`target` (a role or a node), `node`, `mode`, `window`, `window_start_s`, `pair`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from .files import append_jsonl, read_jsonl_file, write_json
+
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+STATUSES = (PASS, FAIL, INCONCLUSIVE)
+GATES = ("g1", "g2", "g3", "g4")
+GATE_TITLES = {"g1": "G1 arrival acceptance", "g2": "G2 single-node baseline", "g3": "G3 main gate",
+               "g4": "G4 stability"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One judged check."""
+
+    gate: str
+    check: str
+    metric: str
+    status: str
+    reason: str
+    value: Optional[float]
+    unit: str
+    rule: dict
+    interval: Optional[tuple[float, float]] = None
+    note: str = ""
+    context: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        row: dict[str, Any] = {"gate": self.gate, "check": self.check, "metric": self.metric,
+                               "status": self.status, "reason": self.reason,
+                               "value": None if self.value is None else float(self.value),
+                               "unit": self.unit, "rule": dict(self.rule)}
+        if self.interval is not None:
+            row["interval"] = [float(self.interval[0]), float(self.interval[1])]
+        if self.note:
+            row["note"] = self.note
+        if self.context:
+            row["context"] = dict(self.context)
+        return row
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Verdict":
+        interval = data.get("interval")
+        return cls(gate=data["gate"], check=data["check"], metric=data["metric"], status=data["status"],
+                   reason=data["reason"], value=data.get("value"), unit=data.get("unit", ""),
+                   rule=dict(data.get("rule", {})), interval=None if interval is None else tuple(interval),
+                   note=data.get("note", ""), context=dict(data.get("context") or {}))
+
+
+@dataclass(frozen=True)
+class Unjudged:
+    """A check the gate measured but did not judge, and why (shown at the top of the gate's section)."""
+
+    gate: str
+    check: str
+    metric: str
+    label: str
+    reason: str
+    value: Optional[float] = None
+    unit: str = ""
+    context: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, "", {})} | {"reason": self.reason}
+
+
+class RunStore:
+    """Reads and appends the raw data of one run directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def gate_dir(self, gate: str) -> Path:
+        return self.root / "gates" / gate
+
+    def raw_dir(self, gate: str) -> Path:
+        path = self.gate_dir(gate) / "raw"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def record(self, gate: str, check: str, metric: str, value: Any, unit: str = "", **context: Any) -> dict:
+        """A Measurement: {gate, check, metric, value, unit, t, context?}."""
+        row = {"gate": gate, "check": check, "metric": metric, "value": value, "unit": unit, "t": time.time()}
+        if context:
+            row["context"] = context
+        append_jsonl(self.gate_dir(gate) / "measurements.jsonl", row)
+        return row
+
+    def add_verdict(self, verdict: Verdict | dict) -> None:
+        row = verdict.to_dict() if isinstance(verdict, Verdict) else dict(verdict)
+        append_jsonl(self.gate_dir(row["gate"]) / "verdicts.jsonl", {**row, "t": time.time()})
+
+    def add_unjudged(self, unjudged: Unjudged) -> None:
+        append_jsonl(self.gate_dir(unjudged.gate) / "unjudged.jsonl", {**unjudged.to_dict(), "t": time.time()})
+
+    def measurements(self, gate: Optional[str] = None) -> list[dict]:
+        return self._rows(gate, "measurements.jsonl")
+
+    def verdicts(self, gate: Optional[str] = None) -> list[dict]:
+        return self._rows(gate, "verdicts.jsonl")
+
+    def unjudged(self, gate: Optional[str] = None) -> list[dict]:
+        return self._rows(gate, "unjudged.jsonl")
+
+    def latest(self, gate: str, metric: str, check: Optional[str] = None) -> Optional[dict]:
+        """The last measurement of a metric in a gate."""
+        rows = [m for m in self.measurements(gate) if m["metric"] == metric and (check is None or m["check"] == check)]
+        return rows[-1] if rows else None
+
+    def set_status(self, gate: str, status: str, reason: str = "", **extra: Any) -> None:
+        write_json(self.gate_dir(gate) / "status.json", {"gate": gate, "status": status, "reason": reason, **extra})
+
+    def status(self, gate: str) -> Optional[dict]:
+        path = self.gate_dir(gate) / "status.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def run_info(self) -> dict:
+        path = self.root / "run.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def write_run_info(self, info: dict) -> None:
+        write_json(self.root / "run.json", info)
+
+    def _rows(self, gate: Optional[str], name: str) -> list[dict]:
+        gates: Iterable[str] = [gate] if gate else GATES
+        return [row for g in gates for row in read_jsonl_file(self.gate_dir(g) / name)]

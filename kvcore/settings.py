@@ -1,0 +1,127 @@
+"""Settings at the edge: strict models, YAML files and errors that name the field.
+
+A bad value raises `ConfigError` whose message names the field path, what was expected
+and what was found::
+
+    cache.disk.read_workers: expected an integer >= 1, found 0
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Strict, ValidationError
+
+# YAML gives typed values: an integer field takes an integer (not true, 2.0 or "2"), a number field
+# a number (not true); models reject inf and nan.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names field, expectation and finding."""
+
+
+def parse_size(value: Any) -> int:
+    """Parse a byte size: an integer, or a string such as "512MiB" or "4GB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"expected a byte size >= 0, found {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
+
+
+_EXPECTATIONS = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number",
+    "bool_type": "true or false", "bool_parsing": "true or false",
+    "string_type": "a string", "path_type": "a path",
+    "model_type": "a mapping", "dict_type": "a mapping", "model_attributes_type": "a mapping",
+    "list_type": "a list", "finite_number": "a finite number",
+}
+
+
+def _expected(item: dict) -> str:
+    kind, ctx = item["type"], item.get("ctx", {})
+    if kind in _EXPECTATIONS:
+        return _EXPECTATIONS[kind]
+    if kind == "greater_than_equal":
+        return f"a value >= {ctx['ge']}"
+    if kind == "greater_than":
+        return f"a value > {ctx['gt']}"
+    if kind == "less_than_equal":
+        return f"a value <= {ctx['le']}"
+    if kind == "less_than":
+        return f"a value < {ctx['lt']}"
+    if kind == "literal_error":
+        return f"one of {ctx['expected']}"
+    return item["msg"].removeprefix("Value error, ").removeprefix("expected ")
+
+
+def field_path(root: str, loc: tuple) -> str:
+    """("g3", "thresholds", 1, "metric") under root "" → "g3.thresholds[1].metric"."""
+    path = root
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+# A validator's message may name a field inside the value it checked: "[1].metric: expected …".
+_INNER_FIELD = re.compile(r"^((?:\[\d+\]\.?)?[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*|\[\d+\]): (expected .*)$", re.S)
+
+
+def format_validation_error(error: ValidationError, root: str) -> str:
+    """Turn a pydantic error into lines of `path: expected ..., found ...`."""
+    lines = []
+    for item in error.errors():
+        path = field_path(root, item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        inner = _INNER_FIELD.match(message) if item["type"] == "value_error" else None
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown field (no such setting here), found {item.get('input')!r}")
+        elif item["type"] == "missing":
+            lines.append(f"{path}: expected a value (required), found nothing")
+        elif inner:
+            sep = "" if inner.group(1).startswith("[") else "."
+            lines.append(f"{path}{sep}{inner.group(1)}: {inner.group(2)}")
+        elif item["type"] == "value_error" and "found" in message:
+            lines.append(f"{path}: {message}")
+        else:
+            lines.append(f"{path}: expected {_expected(item)}, found {item.get('input')!r}")
+    return "\n".join(lines)
+
+
+def load_yaml_file(path: Any, root: str) -> Any:
+    """Parsed YAML of a file; unreadable or malformed files raise ConfigError under `root`."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"{root}: expected a readable YAML file, found {error.strerror or error} ({path})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{root}: expected a UTF-8 text file, found byte 0x{error.object[error.start]:02x} "
+                          f"at offset {error.start} ({path})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{root}: expected valid YAML, found {error}") from None
+
+
+class StrictModel(BaseModel):
+    """Settings models: unknown keys are errors, values are frozen once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
