@@ -86,27 +86,23 @@ def _add_run(commands) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .run import GateRunner, available_gates, new_run_dir
+    from .run import GateRunner, available_gates, check_resume, check_storage_path, new_run_dir
 
     if args.resume is not None:
         if args.config or args.out:
-            print("kvgate run: --resume: expected no --config or --out (the run directory has both), found them",
-                  file=sys.stderr)
-            return 2
+            raise ConfigError("--resume: expected no --config or --out (the run directory has both), found them")
         if not (args.resume / "run.json").exists() or not (args.resume / "config.yaml").exists():
-            print(f"kvgate run: --resume: expected a run directory with run.json and config.yaml, found {args.resume}",
-                  file=sys.stderr)
-            return 2
+            raise ConfigError(f"--resume: expected a run directory with run.json and config.yaml, found {args.resume}")
     config = load_config(args.resume / "config.yaml" if args.resume else args.config, args.profile)
     known = available_gates()
     gates = args.gates or (["g4"] if args.resume else known)
     missing = [g for g in gates if g not in known]
     if missing:
-        print(f"kvgate run: gates: expected some of {known} (the suites this version has), found {missing}",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"gates: expected some of {known} (the suites this version has), found {missing}")
     ordered = [g for g in ("g1", "g2", "g3", "g4") if g in gates]
+    check_storage_path(config.storage.path)
     if args.resume is not None:
+        check_resume(args.resume, ordered)
         run_id = json.loads((args.resume / "run.json").read_text()).get("run_id", args.resume.name)
         return GateRunner(config, args.resume, run_id, ordered, args.continue_on_fail, resume=True).run()
     run_id, run_dir = new_run_dir(args.out)
@@ -372,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (ConfigError, FioError) as error:
-        print(f"kvgate: {error}", file=sys.stderr)
+        print(f"kvgate {args.command}: {error}", file=sys.stderr)
         return 2
 
 

@@ -10,6 +10,7 @@ after a failure (unless --continue-on-fail), and renders the report.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import secrets
 import subprocess
@@ -22,12 +23,13 @@ from typing import Optional
 import yaml
 from rich.console import Console
 
+from kvcore.settings import ConfigError
 from workloads.fio import FioError, fio_version
 from workloads.inventory import collect_inventory
 from workloads.processes import die_with_parent
 
 from .config import GatesConfig
-from .runstore import GATE_TITLES, RunStore, read_jsonl
+from .runstore import GATE_TITLES, RunStore
 from .targets import EmbeddedServers, endpoints_to_json, external_endpoints
 
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
@@ -42,9 +44,51 @@ def available_gates() -> list[str]:
     return [g for g, suite in SUITES.items() if (GATES_DIR / suite).is_dir()]
 
 
+RESUMABLE = ("g4",)   # gates that keep their progress in the run directory (the soak's windows)
+
+
 def new_run_dir(out: Optional[Path]) -> tuple[str, Path]:
+    """A new run id and its directory; `--out` must be a new or empty directory (ConfigError otherwise)."""
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    return run_id, Path(out) if out else Path("reports") / "runs" / run_id
+    if out is None:
+        return run_id, Path("reports") / "runs" / run_id
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: expected a new or empty directory for the run, found an existing file {str(out)!r}")
+    if out.is_dir() and any(out.iterdir()):
+        hint = " (a run: continue it with --resume)" if (out / "run.json").exists() else ""
+        raise ConfigError(f"--out: expected a new or empty directory for the run, found {str(out)!r} holding "
+                          f"files{hint}")
+    return run_id, out
+
+
+def check_resume(run_dir: Path, gates: list[str]) -> None:
+    """`--resume` continues only gates that keep their progress, and only in a run that had them."""
+    cannot = [g for g in gates if g not in RESUMABLE]
+    if cannot:
+        raise ConfigError(f"--resume: expected only gates that can resume ({', '.join(RESUMABLE)}: the soak keeps "
+                          f"its windows), found {', '.join(cannot)}: start a new run for "
+                          f"{'it' if len(cannot) == 1 else 'them'}")
+    had = [str(g) for g in RunStore(run_dir).run_info().get("gates", [])]
+    missing = [g for g in gates if g not in had]
+    if missing:
+        raise ConfigError(f"--resume: expected a run that had {', '.join(missing)}, found a run of "
+                          f"{', '.join(had) or 'no gates'} in {str(run_dir)!r}")
+
+
+def check_storage_path(path: Path) -> None:
+    """storage.path is a directory kvgate can write (created when missing); ConfigError otherwise."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"storage.path: expected a directory (or a path to create one), found a file {str(path)!r}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".kvgate-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"storage.path: expected a writable directory, found {str(path)!r}: "
+                          f"{error.strerror or error}") from None
 
 
 def environment_fingerprint(config: GatesConfig) -> dict:
@@ -68,8 +112,11 @@ def environment_fingerprint(config: GatesConfig) -> dict:
     }
 
 
-def gate_status(verdicts: list[dict], pytest_exit_code: int) -> tuple[str, str]:
-    """A gate's outcome from its verdicts; a crash or a missing verdict is an error, never a pass."""
+def gate_status(verdicts: list[dict], pytest_exit_code: int, unjudged: int = 0) -> tuple[str, str]:
+    """A gate's outcome from its verdicts; a crash or a missing verdict is an error, never a pass.
+
+    Figures measured without a rule (`unjudged`) never count as passed checks; the summary says how many.
+    """
     failed = [v for v in verdicts if v["status"] == "FAIL"]
     unsure = [v for v in verdicts if v["status"] == "INCONCLUSIVE"]
     if failed:
@@ -80,7 +127,8 @@ def gate_status(verdicts: list[dict], pytest_exit_code: int) -> tuple[str, str]:
         return "error", f"a check crashed outside its verdict (pytest exit {pytest_exit_code}): see pytest.log"
     if not verdicts:
         return "error", "no check was judged"
-    return "passed", f"{len(verdicts)} checks passed"
+    not_judged = f"; {unjudged} measured, not judged" if unjudged else ""
+    return "passed", f"{len(verdicts)} checks passed{not_judged}"
 
 
 class GateRunner:
@@ -165,7 +213,7 @@ class GateRunner:
                 shown = self._print_new_verdicts(gate, shown)
                 time.sleep(0.5)
         self._print_new_verdicts(gate, shown)
-        status, reason = gate_status(read_jsonl(gate_dir / "verdicts.jsonl"), process.returncode)
+        status, reason = gate_status(self.store.verdicts(gate), process.returncode, len(self.store.unjudged(gate)))
         self.store.set_status(gate, status, reason, started_at=started, ended_at=time.time(),
                               pytest_exit_code=process.returncode)
         style = STATUS_STYLE.get(status, "bold")
@@ -174,7 +222,7 @@ class GateRunner:
         return status
 
     def _print_new_verdicts(self, gate: str, shown: int) -> int:
-        verdicts = read_jsonl(self.store.gate_dir(gate) / "verdicts.jsonl")
+        verdicts = self.store.verdicts(gate)
         for v in verdicts[shown:]:
             color = {"PASS": "green", "FAIL": "red", "INCONCLUSIVE": "yellow"}.get(v["status"], "white")
             self.console.print(f"  [{color}]{v['status']:<12}[/{color}] {v['reason']}", highlight=False)

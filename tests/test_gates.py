@@ -1,5 +1,6 @@
 """The gate framework: configuration errors, stop-loss, gate outcomes, `kvgate init`."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,57 @@ def test_a_failed_gate_stops_the_later_ones_unless_continue_on_fail(tmp_path):
                                continue_on_fail=True)
     assert going_on._run_gates() == ["passed", "failed", "passed", "passed"]
     assert going_on.ran == ["g1", "g2", "g3", "g4"]
+
+
+def _run_cli(capsys, *argv) -> tuple[int, str]:
+    code = main(["run", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+def test_out_pointing_at_an_existing_file_or_another_run_is_exit_2(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("not a run directory")
+    code, err = _run_cli(capsys, "g1", "--out", taken)
+    assert code == 2 and f"--out: expected a new or empty directory for the run, found an existing file" in err
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "run.json").write_text("{}")
+    code, err = _run_cli(capsys, "g1", "--out", other)
+    assert code == 2 and "holding files (a run: continue it with --resume)" in err
+    assert taken.read_text() == "not a run directory" and (other / "run.json").read_text() == "{}"
+
+
+def test_resume_refuses_a_gate_it_cannot_resume_and_leaves_the_run_untouched(tmp_path, capsys):
+    run_dir = tmp_path / "g4-run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"storage": {"path": str(tmp_path / "storage")}}))
+    (run_dir / "run.json").write_text('{"run_id": "r", "gates": ["g4"]}')
+    code, err = _run_cli(capsys, "g3", "--resume", run_dir)
+    assert code == 2 and "--resume: expected only gates that can resume (g4" in err and "found g3" in err
+    assert (run_dir / "run.json").read_text() == '{"run_id": "r", "gates": ["g4"]}'
+    (run_dir / "run.json").write_text('{"run_id": "r", "gates": ["g1", "g2"]}')
+    code, err = _run_cli(capsys, "--resume", run_dir)
+    assert code == 2 and "--resume: expected a run that had g4, found a run of g1, g2" in err
+
+
+def test_a_storage_path_that_is_a_file_or_read_only_is_exit_2_before_anything_starts(tmp_path, capsys):
+    a_file = tmp_path / "storage-file"
+    a_file.write_text("x")
+    config = _config_file(tmp_path, {"storage": {"path": str(a_file)}})
+    code, err = _run_cli(capsys, "g1", "--config", config, "--out", tmp_path / "r1")
+    assert code == 2 and "storage.path: expected a directory (or a path to create one), found a file" in err
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
+                             capture_output=True).returncode == 0
+    target = read_only if mounted else Path("/proc/kvgate-storage")  # no mount rights: a place nobody can write
+    try:
+        config = _config_file(tmp_path, {"storage": {"path": str(target)}})
+        code, err = _run_cli(capsys, "g1", "--config", config, "--out", tmp_path / "r2")
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(read_only)], check=True)
+    assert code == 2 and "storage.path: expected a writable directory, found" in err
+    if mounted:
+        assert "Read-only file system" in err
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
