@@ -147,7 +147,6 @@ def open_store(config: RemoteTierConfig) -> RemoteStore:
 
 class RemoteTier:
     name = "remote"
-    persistent = True
 
     def __init__(self, config: RemoteTierConfig, fingerprint: Fingerprint,
                  store: Optional[RemoteStore] = None) -> None:
