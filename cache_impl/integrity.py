@@ -1,4 +1,4 @@
-"""Block file format, checksums, verification and atomic publish.
+"""Block file format, checksums and verification (where the files live: `cache_impl.blockfiles`).
 
 A block file is a 4096-byte header followed by the payload (the block's KV
 bytes), padded to a multiple of 4096 bytes so it can be read with O_DIRECT:
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
-from itertools import count
-from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import xxhash
 
@@ -28,7 +25,6 @@ ALIGN = 4096
 HEADER_BYTES = ALIGN
 _FIELDS = struct.Struct("<8sHH16s16sQ16s")
 _HEADER_CHECK = struct.Struct("<Q")
-TEMP_SUFFIX = ".tmp"
 
 # Reasons a stored block is refused; used as metric labels.
 MISSING = "missing"
@@ -87,15 +83,14 @@ def stored_payload_nbytes(header) -> int | None:
     return _FIELDS.unpack(bytes(header[: _FIELDS.size]))[5]
 
 
-def verify_file(path: Path, fingerprint: bytes, key: bytes) -> tuple[str | None, int]:
-    """Check a whole block file without knowing the layout (the header gives the payload size).
+def verify_open_file(fd: int, fingerprint: bytes, key: bytes) -> tuple[str | None, int]:
+    """Check a whole open block file without knowing the layout (the header gives the payload size).
 
     Returns (reason or None, bytes read).
     """
     try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return MISSING, 0
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
     except OSError:
         return IO_ERROR, 0
     nbytes = stored_payload_nbytes(data[:HEADER_BYTES])
@@ -109,14 +104,6 @@ def verify_file(path: Path, fingerprint: bytes, key: bytes) -> tuple[str | None,
     if checksum(memoryview(data)[HEADER_BYTES : HEADER_BYTES + nbytes]) != expected_sum:
         return BAD_CHECKSUM, len(data)
     return None, len(data)
-
-
-_temp_counter = count()
-
-
-def temp_path_for(final: Path) -> Path:
-    """A unique sibling temp name (same directory, so rename is atomic)."""
-    return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}{TEMP_SUFFIX}")
 
 
 def _views(buffers: Sequence) -> list[memoryview]:
@@ -152,29 +139,3 @@ def read_all(fd: int, buffers: Sequence) -> int:
         total += n
         _advance(views, n)
     return total
-
-
-def atomic_publish(final: Path, buffers: Sequence, fsync: bool,
-                   before_publish: Optional[Callable[[], None]] = None) -> None:
-    """Write buffers to a temp file and rename it over `final`; on any error nothing is visible.
-
-    `before_publish` runs between the written data and the rename (where fault points act).
-    """
-    temp = temp_path_for(final)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            write_all(fd, buffers)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if before_publish is not None:
-            before_publish()
-        os.rename(temp, final)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -247,7 +247,7 @@ class TieredKVCache:
             local = len(self._index.longest_prefix(keys))
         found = []
         for key in keys[local:]:
-            if not disk.path_for(key).exists():
+            if not disk.contains(key):
                 break
             found.append(key)
         with self._lock:

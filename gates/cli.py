@@ -260,9 +260,12 @@ def _scrub(args: argparse.Namespace) -> int:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary.bad_by_reason.items())) or "none"
         print(f"{directory}: checked {summary.checked} blocks ({summary.bytes_checked / 2**20:.1f} MiB) "
               f"of {summary.fingerprints} model fingerprint(s); bad {summary.bad} ({reasons}); "
-              f"removed {summary.removed}; temp files left alone {summary.temp_files}")
+              f"removed {summary.removed}; temp files left alone {summary.temp_files}; "
+              f"skipped {summary.skipped} not the tier's own (links are never followed)")
         for path in summary.bad_files[:20]:
             print(f"  bad: {path}")
+        for path, why in summary.skipped_files[:20]:
+            print(f"  skipped ({why}): {path}")
     return 1 if found_bad else 0
 
 

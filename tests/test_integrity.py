@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cache_impl import integrity
-from tests.conftest import BLOCK, blocks_for
+from cache_impl import blockfiles, integrity
+from tests.conftest import BLOCK, blocks_for, files_below, plant_links_and_strays
 from workloads.faults import delete, flip_byte, truncate
 
 
@@ -93,7 +93,7 @@ def test_restart_reindexes_verified_blocks_and_removes_temp_files_and_bad_blocks
     cache = _disk_only(make_cache)
     tokens, blocks, paths = _stored_on_disk(cache, layout, n_blocks=4)
     cache.close()
-    temp = integrity.temp_path_for(paths[0])
+    temp = paths[0].with_name(blockfiles.temp_name(paths[0].name))
     temp.write_bytes(b"half a block")                # a store that was killed mid-write
     flip_byte(paths[3], integrity.HEADER_BYTES + 5)  # silent corruption while stopped
     restarted = _disk_only(make_cache)
@@ -103,6 +103,54 @@ def test_restart_reindexes_verified_blocks_and_removes_temp_files_and_bad_blocks
     with restarted.load(tokens) as prefix:
         assert prefix.sources == ["disk"] * 3
         assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))
+
+
+def test_restart_follows_no_link_and_removes_only_the_tiers_own_files(make_cache, layout, tmp_path):
+    cache = _disk_only(make_cache)
+    tokens, blocks, paths = _stored_on_disk(cache, layout, n_blocks=4)
+    cache.close()
+    outside = tmp_path / "outside"
+    strays = plant_links_and_strays(paths[0].parent.parent, outside)
+    before, strays_before = files_below(outside), {s: s.read_bytes() for s in strays}
+    flip_byte(paths[3], integrity.HEADER_BYTES + 5)  # one bad block of ours: the re-index still removes those
+    restarted = _disk_only(make_cache)
+    assert files_below(outside) == before             # temp- and block-named files outside stay as they were
+    assert {s: s.read_bytes() for s in strays} == strays_before
+    assert restarted.reindex_removed == 1 and not paths[3].exists()
+    assert restarted.snapshot()["indexed_blocks"] == 3
+    assert restarted.lookup(tokens).tiers == ["disk"] * 3
+
+
+def _swap_for_link(directory, outside):
+    """Move a key directory of the tier outside and leave a link to it in its place."""
+    directory.rename(outside)
+    directory.symlink_to(outside, target_is_directory=True)
+    return files_below(outside)
+
+
+def test_eviction_and_reads_never_go_through_a_link_swapped_in_for_a_directory(make_cache, layout, tmp_path):
+    cache = _disk_only(make_cache)
+    tokens, blocks, paths = _stored_on_disk(cache, layout)
+    outside = tmp_path / "outside"
+    before = _swap_for_link(paths[0].parent, outside)   # block 0's file now lies outside, whole and valid
+    with cache.load(tokens) as prefix:
+        assert prefix.num_blocks == 0                    # not read through the link: a miss
+    assert cache.snapshot()["tiers"]["disk"]["read_errors"] == 1
+    cache.evict("disk")                                  # deletes every block file it indexed
+    assert files_below(outside) == before
+    assert not paths[1].exists() and not paths[2].exists()
+
+
+def test_a_store_never_writes_through_a_link_swapped_in_for_a_directory(make_cache, layout, tmp_path):
+    cache = _disk_only(make_cache)
+    tokens, blocks, paths = _stored_on_disk(cache, layout, n_blocks=1)
+    cache.evict("disk")
+    outside = tmp_path / "outside"
+    before = _swap_for_link(paths[0].parent, outside)
+    cache.store(tokens, blocks)
+    cache.flush()
+    assert cache.snapshot()["tiers"]["disk"]["write_errors"] == 1
+    assert files_below(outside) == before and "disk" not in cache.where(cache.keys_for(tokens)[0])
 
 
 def test_a_failed_disk_store_is_never_visible(make_cache, layout, monkeypatch):

@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from cache_impl import integrity
+from cache_impl import blockfiles, integrity
 from cache_impl.scrub import scrub
 from gates.cli import main
-from tests.conftest import BLOCK, blocks_for
+from tests.conftest import BLOCK, blocks_for, files_below, plant_links_and_strays
 from workloads.faults import damage_block
 
 
@@ -31,7 +31,7 @@ def test_scrub_removes_exactly_the_damaged_blocks_of_every_model(stored):
     damage_block("flip_byte", paths[0])
     damage_block("truncate", paths[1])
     damage_block("swap", paths[2], donor=paths[3])
-    temp = integrity.temp_path_for(paths[3])
+    temp = paths[3].with_name(blockfiles.temp_name(paths[3].name))
     temp.write_bytes(b"a write in flight")
     summary = scrub(root)
     assert (summary.checked, summary.bad, summary.removed, summary.fingerprints) == (6, 3, 3, 2)
@@ -72,6 +72,32 @@ def test_the_command_finds_the_embedded_targets_directories_from_a_gates_yaml(st
     config.write_text(yaml.safe_dump({"storage": {"path": str(storage)}}))
     assert main(["scrub", "--config", str(config)]) == 0
     assert f"{storage / 'kv-tiered'}: checked 6 blocks" in capsys.readouterr().out
+
+
+def test_scrub_follows_no_link_and_judges_only_the_tiers_own_files(stored, tmp_path, capsys):
+    root, paths = stored
+    outside = tmp_path / "outside"
+    strays = plant_links_and_strays(paths[0].parent.parent, outside)
+    before, strays_before = files_below(outside), {s: s.read_bytes() for s in strays}
+    damage_block("flip_byte", paths[1])                  # one bad block of ours, so scrub does remove
+    assert main(["scrub", "--cache-dir", str(root), "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert files_below(outside) == before                # nothing outside read as a block, nothing removed
+    assert {s: s.read_bytes() for s in strays} == strays_before
+    assert (summary["checked"], summary["bad"], summary["removed"]) == (6, 1, 1) and not paths[1].exists()
+    assert summary["skipped_by_reason"] == {blockfiles.SYMLINK: 3, blockfiles.FOREIGN_NAME: 5}
+    skipped = {entry["path"] for entry in summary["skipped_files"]}
+    assert {str(s) for s in strays[1:]} <= skipped and str(strays[0].parent) in skipped
+    assert all(str(root) in path for path in skipped)    # reported where it was met, not where a link leads
+
+
+def test_the_command_names_what_it_skipped(stored, tmp_path, capsys):
+    root, paths = stored
+    plant_links_and_strays(paths[0].parent.parent, tmp_path / "outside")
+    assert main(["scrub", "--cache-dir", str(root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 8 not the tier's own" in out
+    assert f"skipped (symbolic link): {root / ('12' * 16)}" in out
 
 
 def test_a_missing_directory_or_a_bad_config_exits_2(tmp_path, capsys):

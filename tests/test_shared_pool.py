@@ -8,9 +8,12 @@ that fails verification is refused, removed from the pool and recomputed.
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import time
 
+import psutil
 import pytest
 
 from cache_impl import integrity
@@ -75,6 +78,57 @@ def test_a_prefix_computed_on_node_a_is_a_hit_on_node_b(nodes, oracle, pool):
     assert (counter(after, "kvgate_cache_hits_total", tier="remote")
             - counter(before, "kvgate_cache_hits_total", tier="remote")) == 5   # served by the pool, not B's disk
     assert counter(after, "kvgate_cache_corrupt_blocks_total") == 0
+
+
+WILDCARD = {"0.0.0.0", "::", ""}
+# The one exception, for every process that runs a Mooncake transfer engine (a node's store client,
+# mooncake_client): its handshake daemon listens on 0.0.0.0 and its TCP data listener on :: (dual stack),
+# each on a port from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT], and no setting binds them elsewhere
+# (see the README's shared pool section for the source lines).
+MOONCAKE_ENGINE_WILDCARDS = [(socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")]
+
+
+def _wildcard_listeners(process: psutil.Process) -> tuple[int, list[tuple[int, str, int]]]:
+    """(listening sockets in all, those on every interface as (family, address, port))."""
+    listening = [c for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    return len(listening), sorted((c.family, c.laddr.ip, c.laddr.port) for c in listening if c.laddr.ip in WILDCARD)
+
+
+def _runs_a_mooncake_engine(process: psutil.Process, nodes, in_process_client: bool) -> bool:
+    if process.pid == os.getpid():
+        return in_process_client
+    return process.pid in {n.process.pid for n in nodes} or os.path.basename(process.cmdline()[0]) == "mooncake_client"
+
+
+def _wait_connected(nodes) -> None:
+    deadline = time.monotonic() + 60
+    for node in nodes:
+        while counter(AdminClient(node.base_url).metrics(), "kvgate_cache_remote_available") != 1:
+            assert time.monotonic() < deadline, f"no pool connection within 60 s: {AdminClient(node.base_url).health()}"
+            time.sleep(0.2)
+
+
+def test_every_listener_kvgate_starts_is_on_loopback_but_mooncakes_documented_two(nodes, pool):
+    backend, started = pool
+    _wait_connected(nodes)
+    store = open_store(RemoteTierConfig.from_url(started.url))   # the test process is a client too
+    try:
+        me = psutil.Process()
+        processes = [me] + me.children(recursive=True)
+        ports = range(int(os.environ.get("MC_MIN_RPC_PORT", 15000)), int(os.environ.get("MC_MAX_RPC_PORT", 17000)) + 1)
+        seen, wrong = {}, []
+        for process in processes:
+            count, wildcard = _wildcard_listeners(process)
+            seen[process.pid] = count
+            engine = backend == "mooncake" and _runs_a_mooncake_engine(process, nodes, in_process_client=True)
+            allowed = MOONCAKE_ENGINE_WILDCARDS if engine else []
+            if [(family, ip) for family, ip, _ in wildcard] != allowed or any(p not in ports for *_, p in wildcard):
+                wrong.append(f"{process.name()} (pid {process.pid}, {' '.join(process.cmdline()[:4])}): {wildcard}")
+    finally:
+        store.close()
+    assert not wrong, "listening on every interface:\n" + "\n".join(wrong)
+    started_pids = [n.process.pid for n in nodes] + [p.pid for p in started.processes]
+    assert all(seen.get(pid, 0) > 0 for pid in started_pids)     # every server was seen listening at all
 
 
 def test_a_value_that_fails_verification_is_refused_removed_and_recomputed(nodes, oracle, pool):

@@ -1,10 +1,14 @@
 """Start the shared pool's stores on loopback for tests, examples and local multi-node runs.
 
-- `RedisServer`: Debian's `redis-server` on a free 127.0.0.1 port, no persistence,
+- `RedisServer`: Debian's `redis-server` on a free 127.0.0.1 port (protected mode on), no persistence,
   LRU eviction at `maxmemory` (an evicted block is a miss).
 - `MooncakePool`: Mooncake Store's HTTP metadata server, its master, and one
-  `mooncake_client` that lends `segment` bytes of memory to the pool, all bound
-  to 127.0.0.1 (`MC_TCP_BIND_ADDRESS`), on free ports.
+  `mooncake_client` that lends `segment` bytes of memory to the pool, on free
+  ports, every listener that has a setting bound to 127.0.0.1 (`--host`,
+  `-rpc_address`, `-metrics_host`, `-host`; `MC_TCP_BIND_ADDRESS` names the
+  address the transfer engine advertises). The transfer engine inside
+  `mooncake_client` (and inside every node's client) also listens on every
+  interface on two ports that no setting binds: see the README's shared pool section.
 
 Both are context managers that stop what they started, and `url` is what
 `kvgate serve --remote` takes.
@@ -99,7 +103,7 @@ class RedisServer(_Processes):
 
     def start(self, timeout_s: float = 20) -> "RedisServer":
         process, log = self.spawn("redis", [
-            _program("redis-server"), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+            _program("redis-server"), "--bind", "127.0.0.1", "--protected-mode", "yes", "--port", str(self.port), "--save", "",
             "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
             "--dir", str(self.workdir)])
         _wait_port(self.port, process, log, timeout_s)

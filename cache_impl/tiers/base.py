@@ -2,7 +2,7 @@
 
 Capacity, recency and placement are the manager's business (see
 `cache_impl.lru` and `cache_impl.manager`); a tier only moves bytes, and
-persistent tiers verify them. Verbs:
+the tiers that store bytes outside this process (disk, remote pool) verify them. Verbs:
 
 - `write(key, block)`: store a whole block; atomic (a failure leaves nothing visible).
 - `read_into(keys, outs)`: copy blocks into caller tensors; returns, per key,
@@ -22,7 +22,6 @@ from ..keys import Key
 
 class Tier(Protocol):
     name: str
-    persistent: bool
     stored_nbytes: int
 
     def write(self, key: Key, block: torch.Tensor) -> None: ...

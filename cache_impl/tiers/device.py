@@ -12,7 +12,6 @@ class DeviceTier(SlotPool):
     """Loads reserve a slot, copy into it, then the manager commits (indexes) or deletes it."""
 
     name = "device"
-    persistent = False
 
     def __init__(self, layout: KVLayout, num_slots: int, device: torch.device) -> None:
         super().__init__(layout, num_slots, device)

@@ -2,9 +2,10 @@
 
 Files live under `<path>/<fingerprint hex>/<first two key hex digits>/<key hex>.kvb`,
 so caches of different models can share one directory without seeing each
-other. Writes publish atomically (temp file + rename); reads are whole-file,
-parallel over `read_workers` threads, optionally cold (page cache dropped
-first) or O_DIRECT, and every read is verified (see `cache_impl.integrity`).
+other (the layout, and how files are reached without following links, is
+`cache_impl.blockfiles`). Writes publish atomically (temp file + rename); reads
+are whole-file, parallel over `read_workers` threads, optionally cold (page cache
+dropped first) or O_DIRECT, and every read is verified (see `cache_impl.integrity`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import integrity
+from .. import blockfiles, integrity
 from ..config import DiskTierConfig
 from ..faultpoints import FaultPoints
-from ..keys import KEY_BYTES, Fingerprint, Key
-
-SUFFIX = ".kvb"
+from ..keys import Fingerprint, Key
 
 
 def _cpu_bytes(block: torch.Tensor) -> np.ndarray:
@@ -35,7 +34,6 @@ def _cpu_bytes(block: torch.Tensor) -> np.ndarray:
 
 class DiskTier:
     name = "disk"
-    persistent = True
 
     def __init__(self, config: DiskTierConfig, fingerprint: Fingerprint) -> None:
         self.config = config
@@ -43,15 +41,19 @@ class DiskTier:
         self.payload_nbytes = fingerprint.layout.block_nbytes
         self.stored_nbytes = integrity.file_nbytes(self.payload_nbytes)
         self.root = Path(config.path) / fingerprint.hex
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._dir = blockfiles.BlockDir(self.root, create=True)
         self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-disk-read")
         self._local = threading.local()
         self._padding = bytes(integrity.padded(self.payload_nbytes) - self.payload_nbytes)
         self.faults = FaultPoints()  # nothing armed unless a test or the admin route arms it
 
     def path_for(self, key: Key) -> Path:
-        name = key.hex()
-        return self.root / name[:2] / f"{name}{SUFFIX}"
+        """Where the key's block file is (for messages and tests)."""
+        return self._dir.path_for(key)
+
+    def contains(self, key: Key) -> bool:
+        """Whether a block file (a regular file, not a link) stands at the key's place; not verified."""
+        return self._dir.contains(key)
 
     # -- write ---------------------------------------------------------------
 
@@ -61,10 +63,8 @@ class DiskTier:
         if payload.nbytes != self.payload_nbytes:
             raise ValueError(f"disk tier: block has {payload.nbytes} bytes, layout says {self.payload_nbytes}")
         header = integrity.encode_header(self.fingerprint, key, payload.nbytes, integrity.checksum(payload))
-        final = self.path_for(key)
-        final.parent.mkdir(exist_ok=True)
-        integrity.atomic_publish(final, [header, payload, self._padding], fsync=self.config.fsync,
-                                 before_publish=self.faults.before_publish)
+        self._dir.publish(key, [header, payload, self._padding], fsync=self.config.fsync,
+                          before_publish=self.faults.before_publish)
 
     # -- read ----------------------------------------------------------------
 
@@ -77,7 +77,7 @@ class DiskTier:
     def verify(self, key: Key) -> Optional[str]:
         """Read a stored block fully and check it; None when it is whole and ours."""
         scratch = self._scratch(self.stored_nbytes)
-        return self._read_verified(self.path_for(key), key, scratch)[0]
+        return self._read_verified(key, scratch)[0]
 
     def _scratch(self, nbytes: int) -> mmap.mmap:
         """A page-aligned per-thread buffer (O_DIRECT needs alignment)."""
@@ -93,23 +93,23 @@ class DiskTier:
         )
         if direct_to_out:
             payload = out.view(-1).view(torch.uint8).numpy()
-            reason, _ = self._read_verified(self.path_for(key), key, None, payload)
+            reason, _ = self._read_verified(key, None, payload)
             return reason
         scratch = self._scratch(self.stored_nbytes)
-        reason, payload = self._read_verified(self.path_for(key), key, scratch)
+        reason, payload = self._read_verified(key, scratch)
         if reason is None:
             out.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
         return reason
 
-    def _read_verified(self, path: Path, key: Key, scratch, into: np.ndarray | None = None):
+    def _read_verified(self, key: Key, scratch, into: np.ndarray | None = None):
         """Read header and payload (into `into`, or the aligned scratch); verify; return (reason, payload view)."""
         direct = self.config.io_mode == "direct"
         try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            fd = self._dir.open_block(key, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
             return integrity.MISSING, None
         except OSError:
-            return integrity.IO_ERROR, None
+            return integrity.IO_ERROR, None  # also a link or a directory at the block's place: never followed
         try:
             self.faults.before_read()
             if self.config.cold_reads and not direct:
@@ -140,56 +140,56 @@ class DiskTier:
     # -- housekeeping ----------------------------------------------------------
 
     def delete(self, key: Key) -> None:
-        """Remove the block's file; never raises (the index forgets the block either way)."""
-        _unlink_quietly(self.path_for(key))
+        """Remove the block's file; never raises (the index forgets the block either way), never removes a link."""
+        self._dir.delete(key)
 
     def scan(self) -> Iterator[tuple[Key | None, str | None, float]]:
         """Re-index: remove temp files; yield (key, refusal reason or None, mtime) per block file.
 
-        Blocks are checked fully when `verify_on_start`, else by header only.
+        Only the tier's own files count (see `cache_impl.blockfiles`); links and foreign names are
+        left alone. Blocks are checked fully when `verify_on_start`, else by header only.
         A refused block is deleted before it is yielded.
         """
         files = []
-        for sub in sorted(self.root.iterdir()) if self.root.exists() else []:
-            if not sub.is_dir():
-                continue
-            for entry in os.scandir(sub):
-                if entry.name.endswith(integrity.TEMP_SUFFIX):
-                    _unlink_quietly(entry.path)
-                elif entry.name.endswith(SUFFIX):
-                    files.append(entry)
-        for entry, reason in zip(files, self._pool.map(self._check_file, files)):
+        for found in self._dir.walk():
+            if found.kind == blockfiles.TEMP:
+                self._dir.unlink(found.sub, found.name)
+            elif found.kind == blockfiles.BLOCK:
+                files.append(found)
+        for found, reason in zip(files, self._pool.map(self._check_file, files)):
             if reason:
-                _unlink_quietly(entry.path)
+                self._dir.unlink(found.sub, found.name)
                 yield None, reason, 0.0
             else:
-                yield bytes.fromhex(entry.name[: -len(SUFFIX)]), None, entry.stat().st_mtime
+                yield found.key, None, found.mtime
 
-    def _check_file(self, entry: os.DirEntry) -> Optional[str]:
-        stem = entry.name[: -len(SUFFIX)]
-        try:
-            key = bytes.fromhex(stem)
-        except ValueError:
-            return integrity.BAD_HEADER
-        if len(key) != KEY_BYTES:
-            return integrity.BAD_HEADER
+    def _check_file(self, found: blockfiles.Found) -> Optional[str]:
         if self.config.verify_on_start:
-            return self.verify(key)
+            return self.verify(found.key)
         try:
-            with open(entry.path, "rb") as f:
-                header = f.read(integrity.HEADER_BYTES)
-            if os.path.getsize(entry.path) < self.stored_nbytes:
+            fd = self._dir.open_block(found.key)
+        except FileNotFoundError:
+            return integrity.MISSING
+        except OSError:
+            return integrity.IO_ERROR
+        try:
+            header = os.pread(fd, integrity.HEADER_BYTES, 0)
+            if os.fstat(fd).st_size < self.stored_nbytes:
                 return integrity.SHORT_READ
         except OSError:
             return integrity.IO_ERROR
-        return integrity.verify_header(header, self.fingerprint, key, self.payload_nbytes)[0]
+        finally:
+            os.close(fd)
+        return integrity.verify_header(header, self.fingerprint, found.key, self.payload_nbytes)[0]
 
     def drop_page_cache(self) -> None:
         """Ask the kernel to drop every block file's cached pages (for cold-read benchmarks)."""
-        for path in self.root.glob(f"*/*{SUFFIX}"):
+        for found in self._dir.walk():
+            if found.kind != blockfiles.BLOCK:
+                continue
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+                fd = self._dir.open_block(found.key)
+            except OSError:
                 continue  # evicted meanwhile
             try:
                 os.fdatasync(fd)  # dirty pages cannot be dropped
@@ -199,10 +199,5 @@ class DiskTier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._dir.close()
 
-
-def _unlink_quietly(path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass  # already gone, or not a file we can remove: it is not indexed either way

@@ -10,7 +10,6 @@ from .slots import SlotPool
 
 class HostTier(SlotPool):
     name = "host"
-    persistent = False
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, pin_memory: bool) -> None:
         super().__init__(layout, capacity_bytes // layout.block_nbytes, torch.device("cpu"), pin_memory=pin_memory)

@@ -82,6 +82,13 @@ class RedisStore:
         self._client.close()
 
 
+MOONCAKE_LISTENERS = (
+    "mooncake: this node's transfer engine listens on every interface, on two ports from "
+    "MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (default 15000-17000): its handshake daemon (0.0.0.0) and its TCP "
+    "data listener (::); Mooncake has no setting to bind them to one address, so firewall that range "
+    "(see the README's shared pool section)")
+
+
 class MooncakeStore:
     """Mooncake Store over TCP: this node mounts `segment_bytes` of its memory into the pool (0: none)."""
 
@@ -90,7 +97,9 @@ class MooncakeStore:
         # master or metadata server that does not accept a connection is unavailable at once.
         for where in (config.master, urlsplit(config.metadata_server).netloc):
             _accepts_connections(where, config.timeout_s)
+        # The address this node advertises to its peers (despite its name, not one it binds; see below).
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+        warnings.warn(MOONCAKE_LISTENERS, RuntimeWarning, stacklevel=2)  # shown once per process
         from mooncake.store import MooncakeDistributedStore
 
         self._store = MooncakeDistributedStore()
@@ -147,7 +156,6 @@ def open_store(config: RemoteTierConfig) -> RemoteStore:
 
 class RemoteTier:
     name = "remote"
-    persistent = True
 
     def __init__(self, config: RemoteTierConfig, fingerprint: Fingerprint,
                  store: Optional[RemoteStore] = None) -> None:
