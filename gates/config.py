@@ -11,11 +11,12 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, model_validator
 
 from cache_impl.config import ConfigError, StrictModel, format_validation_error, load_yaml_file
+from workloads.datasets import check_trace_path, load_spec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 
 Op = Literal[">=", "<=", ">", "<", "=="]
@@ -120,13 +121,43 @@ class G2Config(StrictModel):
 
 
 class G3Config(StrictModel):
+    """G3's sweep. `replay` says what a level is: closed_loop, concurrent users (every workload);
+    rate_multipliers, multiples of a trace's arrival rate (trace workloads; needs `ttft_slo_ms`)."""
+
     workload: dict = Field(description="a workload spec (see workloads/specs)")
-    levels: list[int] = Field(min_length=1)
+    replay: Literal["closed_loop", "rate_multipliers"] = Field(
+        default="closed_loop", description="closed_loop: levels are concurrencies; rate_multipliers (a trace): "
+        "levels multiply the trace's arrival rate, open loop")
+    levels: list[Union[int, float]] = Field(min_length=1, description="concurrencies, or rate multipliers")
+    ttft_slo_ms: Optional[float] = Field(
+        default=None, gt=0, description="rate_multipliers: a target sustains a rate while its TTFT p90 (from the "
+        "scheduled arrival) is within this")
     duration_s: float = Field(gt=0)
     warmup_s: float = Field(ge=0)
     min_requests: int = Field(default=10, ge=1)
-    prime: bool = Field(default=True, description="send each target every session's first turn before the sweep")
+    prime: bool = Field(default=True, description="send each target every session's first turn (a trace: its "
+                        "warm-up requests) before the sweep")
     thresholds: list[RuleSpec]
+
+    @model_validator(mode="after")
+    def _levels_mean_the_replay(self) -> "G3Config":
+        if self.replay == "closed_loop":
+            bad = [v for v in self.levels if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            if bad:
+                raise ValueError(f"expected levels to be concurrencies (integers >= 1) for replay: closed_loop, "
+                                 f"found {bad}")
+            return self
+        if self.workload.get("kind") != "trace":
+            raise ValueError(f"expected a trace workload (kind: trace) for replay: rate_multipliers, found kind "
+                             f"{self.workload.get('kind')!r}")
+        bad = [v for v in self.levels if isinstance(v, bool) or not 0 < v < float("inf")]
+        if bad or sorted(self.levels) != self.levels:
+            raise ValueError(f"expected levels to be rate multipliers (numbers > 0, ascending) for replay: "
+                             f"rate_multipliers, found {self.levels}")
+        if self.ttft_slo_ms is None:
+            raise ValueError("expected ttft_slo_ms (the TTFT objective a sustained rate meets) for replay: "
+                             "rate_multipliers, found nothing")
+        return self
 
 
 SCHEDULED_FAULTS = BLOCK_FAULTS + IO_FAULTS
@@ -251,8 +282,13 @@ def _merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def load_config(path: Optional[Path] = None, profile: Optional[str] = None) -> GatesConfig:
-    """The validated configuration: profile defaults under the file's values (file optional)."""
+def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
+                trace: Optional[Path] = None) -> GatesConfig:
+    """The validated configuration: profile defaults under the file's values (file optional).
+
+    `trace` (`kvgate run --trace`) is the trace file of every trace workload; a trace path in the
+    file is taken relative to the file's folder. Both become absolute, and the file must exist.
+    """
     data: Any = {}
     if path is not None:
         data = load_yaml_file(path, str(path)) or {}
@@ -263,7 +299,30 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None) -> G
     if chosen not in PROFILES:
         raise ConfigError(f"profile: expected one of {sorted(PROFILES)}, found {chosen!r}")
     merged = _merge(PROFILES[chosen], {**data, "profile": chosen})
+    _place_trace_paths(merged, Path(path).parent if path is not None else None, trace)
     try:
-        return GatesConfig.model_validate(merged)
+        config = GatesConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, "gates")) from None
+    for gate in ("g3", "g4"):
+        spec = load_spec(getattr(config, gate).workload, f"{gate}.workload")
+        if spec.kind == "trace":
+            check_trace_path(spec, f"{gate}.workload")
+    return config
+
+
+def _place_trace_paths(merged: dict, base: Optional[Path], trace: Optional[Path]) -> None:
+    """Trace workloads' paths made absolute: `trace` when given (from the working directory), else the file's own."""
+    traced = False
+    for gate in ("g3", "g4"):
+        workload = merged.get(gate, {}).get("workload") if isinstance(merged.get(gate), dict) else None
+        if not isinstance(workload, dict) or workload.get("kind") != "trace":
+            continue
+        traced = True
+        found = trace if trace is not None else workload.get("path")
+        if isinstance(found, (str, Path)):
+            found = Path(found) if trace is not None or base is None or Path(found).is_absolute() else base / found
+            workload["path"] = str(found.absolute())
+    if trace is not None and not traced:
+        raise ConfigError(f"--trace: expected a trace workload (g3.workload.kind or g4.workload.kind: trace), "
+                          f"found none to give {str(trace)!r} to")
