@@ -22,7 +22,7 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"contextz": [1024]}}, "gates.g2.contextz: unknown field"),
     ({"g2": {"contexts": "many"}}, "gates.g2.contexts: expected a list, found 'many'"),
     ({"g2": {"contexts": []}}, "gates.g2.contexts"),
-    ({"g3": {"levels": [2, "four"]}}, "gates.g3.levels.1: expected an integer, found 'four'"),
+    ({"g3": {"levels": [2, "four"]}}, "gates.g3.levels.1: expected a finite number, found 'four'"),
     ({"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
      "gates.g1.thresholds.0: expected either op and value, or min and max"),
     ({"g1": {"thresholds": [{"metric": "x", "op": "=>", "value": 1}]}}, "gates.g1.thresholds.0.op: expected one of"),
@@ -60,7 +60,8 @@ def test_profiles_supply_defaults_under_the_files_values(tmp_path):
     assert quick.g4.duration_s < 600 and full.g4.duration_s == 72 * 3600
     assert [r.as_dict() for r in quick.g3.thresholds] == [
         {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
-        {"metric": "throughput_gain", "min": 0.29, "max": 0.40}]
+        {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
+        {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}]
     mine = load_config(_config_file(tmp_path, {"profile": "full", "g2": {"rounds": 9}}))
     assert mine.profile == "full" and mine.g2.rounds == 9 and mine.g2.contexts == full.g2.contexts
     assert load_config(_config_file(tmp_path, {"g2": {"rounds": 9}}), profile="quick").g2.contexts == quick.g2.contexts

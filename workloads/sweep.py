@@ -185,6 +185,24 @@ def rate_multiplied(part: Workload, multiplier: float) -> Workload:
         for s in part.sessions))
 
 
+def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -> str:
+    """One sentence saying how a sweep replays its workload (the report shows it)."""
+    levels = ", ".join(f"{v:g}" for v in settings.levels)
+    if not workload.trace:
+        warm = "after priming every target with each session's first turn" if primed else "without priming"
+        return f"G3 ran closed loop at concurrency {levels} over the workload's sessions, {warm}."
+    steps = len(settings.levels) + len(settings.rates) + len(settings.multipliers)
+    part = len(workload.sessions) // max(1, steps)
+    if settings.multipliers:
+        how = (f"open loop at {', '.join(f'{m:g}×' for m in settings.multipliers)} its arrival rate "
+               f"({settings.rate_users} users)")
+    else:
+        how = f"closed loop at concurrency {levels} over its requests in order"
+    warm = (f"after {len(workload.warmup)} warm-up requests that priming sent and no step measured"
+            if primed and workload.warmup else "with no warm-up")
+    return f"G3 replayed the trace {how}; each level its own {part} consecutive requests, {warm}."
+
+
 def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
                   timeout_s: float = 600.0) -> list[dict]:
     """Send every target `primer(workload)` once; a row per target (requests, errors, seconds)."""
