@@ -381,3 +381,12 @@ def test_charts_without_data_say_so_instead_of_failing():
 def test_nice_ticks_cover_the_range_with_round_steps():
     assert svg.nice_ticks(0, 97) == [0, 20, 40, 60, 80, 100]
     assert svg.nice_ticks(0, 0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+def test_g3s_section_says_which_replay_ran(run_dir):
+    sentence = "G3 replayed the trace open loop at 1×, 2× its arrival rate (32 users); each level its own 150 ..."
+    RunStore(run_dir).record("g3", "test_the_replay_is_stated", "replay", sentence, mode="rate_multipliers")
+    render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    g3 = page[page.index('id="g3"'):]
+    assert f'<p class="gate-replay">{sentence}</p>' in g3 and g3.index(sentence) < g3.index("<h3>Verdicts</h3>")
