@@ -238,14 +238,18 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
                            workers=settings.workers, max_requests=step.max_requests)
             records = read_records(run.records_dir)
             samples = read_client_samples(run.records_dir)
+            summary = summarize_step(records, samples, run.started_at, run.ended_at, settings)
+            if step.max_requests is not None and len(records) >= step.max_requests and not summary["valid"]:
+                summary["invalid_reasons"] += (f"; its {step.max_requests} trace requests ran out after "
+                                               f"{run.ended_at - run.started_at:.1f} s (more in limit, or a shorter "
+                                               "duration)")
             rows.append({"target": target.name, "replay": step.kind, "level": step.value,
                          "concurrency": step.users if step.kind == "concurrency" else None,
                          "rate_per_s": step.value if step.kind == "rate" else None,
                          "multiplier": step.value if step.kind == "multiplier" else None, "users": step.users,
                          "offered_requests": step.max_requests, "step_dir": str(step_dir),
                          "locust_exit_code": run.returncode,
-                         "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]),
-                         **summarize_step(records, samples, run.started_at, run.ended_at, settings)})
+                         "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]), **summary})
     return pd.DataFrame(rows)
 
 
