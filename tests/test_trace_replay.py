@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -159,6 +160,13 @@ def test_sustained_rate_gain_is_the_ratio_of_the_highest_multipliers_within_the_
     mixed = [0.1] * 36 + [5.0] * 4                                           # p90 right at the edge: unsure
     unsure = sustained_rate_gain(baseline, _ladder((1, fast, True), (2, fast, True), (4, mixed, True)), 1.0)
     assert unsure.interval[0] < 1.0 <= unsure.interval[1]
+
+
+def test_failed_requests_never_meet_the_slo():
+    fast, failing = [0.1] * 20, [0.1] * 15 + [math.inf] * 5          # a quarter failed: p90 is a failure
+    figures = sustained_rate_gain(_ladder((1, fast, True), (2, failing, True)), _ladder((1, fast, True), (2, fast, True)),
+                                  slo_s=1.0)
+    assert (figures.baseline, figures.candidate, figures.gain, figures.interval) == (1, 2, 1.0, (1.0, 1.0))
 
 
 def test_sustained_rate_gain_is_inconclusive_on_an_invalid_step_or_a_baseline_that_sustains_nothing():

@@ -81,6 +81,11 @@ def slo_latencies(records: list[dict]) -> list[float]:
     return [r["client_wait_s"] + r["ttft_s"] if r["ok"] and r["ttft_s"] is not None else math.inf for r in records]
 
 
+def _slo_percentile(latencies: np.ndarray, axis=None):
+    """The SLO percentile as an observed value (no interpolation: a failure's infinity stays infinite, never NaN)."""
+    return np.percentile(latencies, SLO_PERCENTILE, axis=axis, method="higher")
+
+
 @dataclass(frozen=True)
 class Ladder:
     """One target's steps in ascending multiplier order: (multiplier, step valid, invalid reasons, SLO latencies)."""
@@ -93,7 +98,7 @@ class Ladder:
         for multiplier, valid, reasons, latencies in self.steps:
             if not valid:
                 return best, f"the {multiplier:g}x step was invalid ({reasons})"
-            if not latencies or np.percentile(latencies, SLO_PERCENTILE) > slo_s:
+            if not latencies or _slo_percentile(np.asarray(latencies, dtype=float)) > slo_s:
                 return best, ""
             best = multiplier
         return best, ""
@@ -107,7 +112,7 @@ class Ladder:
             if not valid or sample.size == 0:
                 break
             draws = sample[rng.integers(0, sample.size, size=(resamples, sample.size))]
-            ok &= np.percentile(draws, SLO_PERCENTILE, axis=1) <= slo_s
+            ok &= _slo_percentile(draws, axis=1) <= slo_s
             best = np.where(ok, multiplier, best)
         return best
 
