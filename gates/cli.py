@@ -69,6 +69,8 @@ def _add_run(commands) -> None:
     run.add_argument("--config", type=Path, help="gates.yaml (default: the profile's defaults, embedded target)")
     run.add_argument("--profile", choices=["quick", "full"], help="defaults under the config (default: quick)")
     run.add_argument("--out", type=Path, help="the run directory (default: reports/runs/<run-id>)")
+    run.add_argument("--trace", type=Path, metavar="FILE",
+                     help="the trace file (JSONL) of a trace workload (g3/g4.workload.kind: trace)")
     run.add_argument("--continue-on-fail", action="store_true", help="run the later gates after a failure")
     run.add_argument("--resume", type=Path, metavar="RUN_DIR",
                      help="continue a run whose harness was killed (its config and completed soak windows are kept)")
@@ -89,11 +91,12 @@ def _run(args: argparse.Namespace) -> int:
     from .run import GateRunner, available_gates, check_resume, check_storage_path, new_run_dir
 
     if args.resume is not None:
-        if args.config or args.out:
-            raise ConfigError("--resume: expected no --config or --out (the run directory has both), found them")
+        if args.config or args.out or args.trace:
+            raise ConfigError("--resume: expected no --config, --out or --trace (the run directory has them), "
+                              "found them")
         if not (args.resume / "run.json").exists() or not (args.resume / "config.yaml").exists():
             raise ConfigError(f"--resume: expected a run directory with run.json and config.yaml, found {args.resume}")
-    config = load_config(args.resume / "config.yaml" if args.resume else args.config, args.profile)
+    config = load_config(args.resume / "config.yaml" if args.resume else args.config, args.profile, args.trace)
     known = available_gates()
     gates = args.gates or (["g4"] if args.resume else known)
     missing = [g for g in gates if g not in known]

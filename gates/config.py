@@ -10,16 +10,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
 from kvcore.rules import Rule, parse_rule
 from kvcore.settings import ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_file, parse_size
+from workloads.datasets import check_trace_path, load_spec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
-
-from workloads.datasets import load_spec
 
 from .checks import configurable_metrics
 
@@ -144,21 +144,61 @@ class G2Config(StrictModel):
     thresholds: list[RuleField]
 
 
+def _level(value: Any) -> Union[int, float]:
+    """A G3 level as given: an int stays an int (a concurrency), a float a float (a multiplier)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"expected a finite number, found {value!r}")
+    return value
+
+
+Level = Annotated[Union[int, float], PlainValidator(_level)]
+
+
 class G3Config(StrictModel):
+    """G3's sweep. `replay` says what a level is: closed_loop, concurrent users (every workload);
+    rate_multipliers, multiples of a trace's arrival rate (trace workloads; needs `ttft_slo_ms`)."""
+
     _declared = _thresholds_of("g3")
 
     workload: dict = Field(description="a workload spec (see workloads/specs)")
-    levels: list[Positive] = Field(min_length=1, description="concurrency levels (users)")
+    replay: Literal["closed_loop", "rate_multipliers"] = Field(
+        default="closed_loop", description="closed_loop: levels are concurrencies; rate_multipliers (a trace): "
+        "levels multiply the trace's arrival rate, open loop")
+    levels: list[Level] = Field(min_length=1, description="concurrencies, or rate multipliers")
+    ttft_slo_ms: Optional[Float] = Field(
+        default=None, gt=0, description="rate_multipliers: a target sustains a rate while its TTFT p90 (from the "
+        "scheduled arrival) is within this")
     duration_s: Float = Field(gt=0)
     warmup_s: Float = Field(ge=0)
     min_requests: Int = Field(default=10, ge=1)
-    prime: bool = Field(default=True, description="send each target every session's first turn before the sweep")
+    prime: bool = Field(default=True, description="send each target every session's first turn (a trace: its "
+                        "warm-up requests) before the sweep")
     thresholds: list[RuleField]
 
     @model_validator(mode="after")
     def _warmup_within_the_step(self) -> "G3Config":
         if self.warmup_s >= self.duration_s:
             raise ValueError(f"warmup_s: expected less than duration_s ({self.duration_s:g}), found {self.warmup_s:g}")
+        return self
+
+    @model_validator(mode="after")
+    def _levels_mean_the_replay(self) -> "G3Config":
+        if self.replay == "closed_loop":
+            bad = [v for v in self.levels if not isinstance(v, int) or v < 1]
+            if bad:
+                raise ValueError(f"levels: expected concurrencies (integers >= 1) for replay: closed_loop, "
+                                 f"found {bad}")
+            return self
+        if self.workload.get("kind") != "trace":
+            raise ValueError(f"workload.kind: expected a trace workload (kind: trace) for replay: rate_multipliers, found "
+                             f"{self.workload.get('kind')!r}")
+        bad = [v for v in self.levels if v <= 0]
+        if bad or sorted(self.levels) != self.levels:
+            raise ValueError(f"levels: expected rate multipliers (numbers > 0, ascending) for replay: "
+                             f"rate_multipliers, found {self.levels}")
+        if self.ttft_slo_ms is None:
+            raise ValueError("ttft_slo_ms: expected the TTFT objective a sustained rate meets for replay: "
+                             "rate_multipliers, found nothing")
         return self
 
 
@@ -236,6 +276,7 @@ PROFILES: dict[str, dict] = {
         "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 30, "warmup_s": 6, "thresholds": [
             {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
             {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
+            {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40},
         ]},
         "g4": {"workload": _MULTI_ROUND, "duration_s": 60, "window_s": 10, "concurrency": 4, "faults": [
             {"kind": "flip_byte", "at_s": 12}, {"kind": "read_error", "at_s": 30, "duration_s": 5},
@@ -262,6 +303,7 @@ PROFILES: dict[str, dict] = {
                "duration_s": 600, "warmup_s": 60, "min_requests": 100, "thresholds": [
                    {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
                    {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
+                   {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40},
                ]},
         "g4": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "duration_s": 72 * 3600,
                "window_s": 300, "concurrency": 32, "faults": [
@@ -288,8 +330,13 @@ def _merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def load_config(path: Optional[Path] = None, profile: Optional[str] = None) -> GatesConfig:
-    """The validated configuration: profile defaults under the file's values (file optional)."""
+def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
+                trace: Optional[Path] = None) -> GatesConfig:
+    """The validated configuration: profile defaults under the file's values (file optional).
+
+    `trace` (`kvgate run --trace`) is the trace file of every trace workload; a trace path in the
+    file is taken relative to the file's folder. Both become absolute, and the file must exist.
+    """
     data: Any = {}
     if path is not None:
         data = load_yaml_file(path, str(path)) or {}
@@ -300,10 +347,30 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None) -> G
     if chosen not in PROFILES:
         raise ConfigError(f"profile: expected one of {sorted(PROFILES)}, found {chosen!r}")
     merged = _merge(PROFILES[chosen], {**data, "profile": chosen})
+    _place_trace_paths(merged, Path(path).parent if path is not None else None, trace)
     try:
         config = GatesConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, "")) from None
     for gate in ("g3", "g4"):  # every field of a workload spec checked now, before any server starts
-        load_spec(getattr(config, gate).workload, root=f"{gate}.workload")
+        spec = load_spec(getattr(config, gate).workload, root=f"{gate}.workload")
+        if spec.kind == "trace":
+            check_trace_path(spec, f"{gate}.workload")
     return config
+
+
+def _place_trace_paths(merged: dict, base: Optional[Path], trace: Optional[Path]) -> None:
+    """Trace workloads' paths made absolute: `trace` when given (from the working directory), else the file's own."""
+    traced = False
+    for gate in ("g3", "g4"):
+        workload = merged.get(gate, {}).get("workload") if isinstance(merged.get(gate), dict) else None
+        if not isinstance(workload, dict) or workload.get("kind") != "trace":
+            continue
+        traced = True
+        found = trace if trace is not None else workload.get("path")
+        if isinstance(found, (str, Path)):
+            found = Path(found) if trace is not None or base is None or Path(found).is_absolute() else base / found
+            workload["path"] = str(found.absolute())
+    if trace is not None and not traced:
+        raise ConfigError(f"--trace: expected a trace workload (g3.workload.kind or g4.workload.kind: trace), "
+                          f"found none to give {str(trace)!r} to")

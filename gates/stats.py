@@ -53,6 +53,11 @@ def _bounds(replicates: np.ndarray, confidence: float) -> tuple[float, float]:
     return (float(lo), float(hi))
 
 
+def percentile_interval(replicates: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """The percentile interval of bootstrap replicates computed elsewhere (non-finite ones ignored; NaN: none)."""
+    return _bounds(np.asarray(replicates, dtype=float), confidence)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) of raw values, numpy's linear interpolation; ValueError when empty."""
     if not 0.0 <= q <= 100.0:

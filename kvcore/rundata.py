@@ -13,7 +13,7 @@ Layout of `reports/runs/<run-id>/` (or `--out`)::
     results.json, junit.xml, index.html   rendered by `reports` from the above
 
 A row's `context` says where a figure belongs, under these names (the renderer reads them,
-never the reason text): `concurrency` (a G3 level), `rate_multiplier`, `context_tokens`,
+never the reason text): `concurrency` (a G3 level), `multiplier` (a G3 rate multiplier), `context_tokens`,
 `target` (a role or a node), `node`, `mode`, `window`, `window_start_s`, `pair`.
 """
 

@@ -11,8 +11,9 @@ import pytest
 
 from cache_impl.config import ConfigError
 from cache_impl.tokenizer import TOKENIZER_ID, ByteTokenizer
+from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.datasets import (
-    TRACE_PATH, ByteSizer, LongDocQASpec, MultiRoundQASpec, RandomSpec, SharedPrefixSpec, TraceSpec, WordSizer,
+    ByteSizer, LongDocQASpec, MultiRoundQASpec, RandomSpec, SharedPrefixSpec, TraceSpec, WordSizer,
     build_workload, load_spec, reuse_summary, sizer_for,
 )
 from workloads.requests import Workload, WorkloadRequest
@@ -47,12 +48,6 @@ SMALL_TRACE = [
     {"timestamp": 1500, "input_length": 600, "output_length": 5, "hash_ids": [1, 5]},
     {"timestamp": 2000, "input_length": 1536, "output_length": 7, "hash_ids": [1, 2, 3]},
 ]
-
-
-def write_trace(directory: Path, rows: list[dict]) -> Path:
-    path = directory / "trace.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def contents(request: WorkloadRequest) -> str:
@@ -304,7 +299,7 @@ def test_trace_missing_file_or_bad_line_is_a_config_error(tmp_path):
         build_workload({"kind": "trace", "path": str(path)}, BYTES, 0)
 
 
-@pytest.mark.skipif(not TRACE_PATH.is_file(), reason=f"Mooncake trace not found at {TRACE_PATH} (set KVGATE_TRACE)")
+@needs_real_trace
 def test_real_mooncake_trace_keeps_its_reuse_fraction_when_scaled_down():
     spec = load_spec({"kind": "trace", "path": str(TRACE_PATH), "limit": 500, "length_scale": 0.05})
     workload = build_workload(spec, BYTES, seed=0)
@@ -387,8 +382,12 @@ def test_example_specs_cover_every_kind_and_build_prompts_of_a_few_thousand_toke
         spec = load_spec(path)
         kinds[spec.kind] = path
         assert "#" in path.read_text(), f"{path.name} has no comments"
-        if spec.kind == "trace" and not spec.path.is_file():
-            continue                                    # the trace is not part of the repository
+        if spec.kind == "trace":                        # the trace is the user's, never shipped
+            assert spec.path is None, f"{path.name} names a trace file of some machine: {spec.path}"
+            with pytest.raises(ConfigError, match="workload.path: expected an existing trace file .JSONL., "
+                                                  "found nothing"):
+                build_workload(spec, BYTES, seed=0)
+            continue
         workload = build_workload(spec, BYTES, seed=0)
         assert workload.requests and max(r.prompt_tokens for r in workload.requests) <= 8192, path.name
     assert set(kinds) == {"multi_round_qa", "long_doc_qa", "shared_prefix", "random", "trace"}

@@ -26,7 +26,7 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"contextz": [1024]}}, "g2.contextz: unknown field"),
     ({"g2": {"contexts": "many"}}, "g2.contexts: expected a list, found 'many'"),
     ({"g2": {"contexts": []}}, "g2.contexts"),
-    ({"g3": {"levels": [2, "four"]}}, "g3.levels[1]: expected an integer, found 'four'"),
+    ({"g3": {"levels": [2, "four"]}}, "g3.levels[1]: expected a finite number, found 'four'"),
     ({"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
      "g1.thresholds[0]: expected keys {metric, op, value} (threshold) or {metric, min, max} (band), "
      "found {metric, value}"),
@@ -47,15 +47,15 @@ def _config_file(tmp_path: Path, data) -> Path:
     # a threshold naming a metric its gate does not judge (issue 12, 1.1)
     ({"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
                             {"metric": "throughput_gian", "min": 1, "max": 2}]}},
-     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, found 'throughput_gian'"),
+     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, found 'throughput_gian'"),
     ({"g2": {"thresholds": [{"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
                             {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.7}]}},
      "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_fio' again (first at [0])"),
     ({"g1": {"thresholds": [{"metric": "cpu_cores", "op": ">=", "value": 2}]}},
      "g1.thresholds[0].metric: expected one of seq_read_gbps"),
     # values that cannot be meant (1.6)
-    ({"g3": {"levels": [0, -2]}}, "g3.levels[0]: expected a value >= 1, found 0"),
-    ({"g3": {"levels": [True]}}, "g3.levels[0]: expected an integer, found True"),
+    ({"g3": {"levels": [0, -2]}}, "g3.levels: expected concurrencies (integers >= 1) for replay: closed_loop, found [0, -2]"),
+    ({"g3": {"levels": [True]}}, "g3.levels[0]: expected a finite number, found True"),
     ({"g3": {"duration_s": 1e400}}, "g3.duration_s: expected a finite number, found inf"),
     ({"g3": {"duration_s": 10, "warmup_s": 10}}, "g3.warmup_s: expected less than duration_s (10), found 10"),
     ({"g4": {"duration_s": 5, "window_s": 10, "faults": []}}, "g4.window_s: expected at most duration_s (5), found 10"),
@@ -87,7 +87,8 @@ def test_profiles_supply_defaults_under_the_files_values(tmp_path):
     assert quick.g4.duration_s < 600 and full.g4.duration_s == 72 * 3600
     assert [r.to_dict() for r in quick.g3.thresholds] == [
         {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
-        {"metric": "throughput_gain", "min": 0.29, "max": 0.40}]
+        {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
+        {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}]
     mine = load_config(_config_file(tmp_path, {"profile": "full", "g2": {"rounds": 9}}))
     assert mine.profile == "full" and mine.g2.rounds == 9 and mine.g2.contexts == full.g2.contexts
     assert load_config(_config_file(tmp_path, {"g2": {"rounds": 9}}), profile="quick").g2.contexts == quick.g2.contexts

@@ -402,3 +402,11 @@ def test_a_check_measured_but_not_judged_is_shown_at_the_top_of_its_gate_section
     assert "no threshold for &#39;mixed_70_30_iops&#39; in g1.thresholds" in section
     assert results["gates"][0]["unjudged"][0]["metric"] == "mixed_70_30_iops"
 
+
+def test_g3s_section_says_which_replay_ran(run_dir):
+    sentence = "G3 replayed the trace open loop at 1×, 2× its arrival rate (32 users); each level its own 150 ..."
+    RunStore(run_dir).record("g3", "test_the_replay_is_stated", "replay", sentence, mode="rate_multipliers")
+    render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    g3 = page[page.index('id="g3"'):]
+    assert f'<p class="gate-replay">{sentence}</p>' in g3 and g3.index(sentence) < g3.index("<h3>Verdicts</h3>")

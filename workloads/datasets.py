@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import re
 from dataclasses import dataclass
@@ -39,10 +38,6 @@ from cache_impl.config import ConfigError, format_validation_error, load_yaml_fi
 from cache_impl.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
 
 from .requests import Workload, WorkloadRequest
-
-# Where the Mooncake FAST'25 conversation trace lies on the project's machines;
-# it is never part of the repository. `KVGATE_TRACE` points elsewhere.
-TRACE_PATH = Path(os.environ.get("KVGATE_TRACE", "/work/shared/data/mooncake-traces/conversation_trace.jsonl"))
 
 # Tokens per hash id in Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -271,11 +266,22 @@ class RandomSpec(_Spec):
 
 
 class TraceSpec(_Spec):
-    """Replay of a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)."""
+    """Replay of a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids).
+
+    The trace's first `warmup_requests` requests are the warm-up (priming sends them, arrivals
+    dropped); the `limit` requests after them are measured, their arrivals counted from the first
+    of them. Priming never sends a measured request, so a measured hit is the trace's own reuse.
+    """
 
     kind: Literal["trace"] = Field(description="workload kind")
-    path: Path = Field(strict=False, description="the trace file (relative: to the spec file's folder)")
-    limit: Optional[int] = Field(default=None, ge=1, description="replay only the first N requests")
+    path: Optional[Path] = Field(
+        default=None, strict=False,
+        description="the trace file, JSONL (relative: to the spec file's folder); required: in the config or "
+        "with `kvgate run --trace FILE`")
+    warmup_requests: int = Field(
+        default=0, ge=0, description="the trace's first N requests warm the targets up (priming) and are never "
+        "measured; 0: no warm-up")
+    limit: Optional[int] = Field(default=None, ge=1, description="measure only the N requests after the warm-up")
     block_tokens: int = Field(default=MOONCAKE_BLOCK_TOKENS, ge=1, description="tokens per hash id in the trace")
     time_scale: float = Field(default=1.0, gt=0, description="arrival_s = timestamp / 1000 * time_scale")
     length_scale: float = Field(
@@ -315,7 +321,7 @@ def load_spec(source: Union[str, Path, Mapping[str, Any], WorkloadSpec], root: s
         spec = _SPECS[kind].model_validate(dict(source))
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, root)) from None
-    if isinstance(spec, TraceSpec) and base is not None and not spec.path.is_absolute():
+    if isinstance(spec, TraceSpec) and base is not None and spec.path is not None and not spec.path.is_absolute():
         spec = spec.model_copy(update={"path": base / spec.path})
     return spec
 
@@ -332,9 +338,12 @@ def build_workload(
         "multi_round_qa": _multi_round_qa, "long_doc_qa": _long_doc_qa, "shared_prefix": _shared_prefix,
         "random": _random, "trace": _trace,
     }
-    interleaved = getattr(spec, "kind", None) == "multi_round_qa" and spec.order == "interleaved"
-    return Workload(name=spec.name or spec.kind, sessions=builders[spec.kind](spec, sizer, seed),
-                    interleaved=interleaved)
+    sessions = builders[spec.kind](spec, sizer, seed)
+    if spec.kind == "trace":
+        return Workload(name=spec.name or spec.kind, sessions=sessions[spec.warmup_requests:], trace=True,
+                        warmup=sessions[:spec.warmup_requests])
+    interleaved = spec.kind == "multi_round_qa" and spec.order == "interleaved"
+    return Workload(name=spec.name or spec.kind, sessions=sessions, interleaved=interleaved)
 
 
 def _message(role: str, content: str) -> dict:
@@ -485,16 +494,28 @@ def _scaled_input(record: TraceRecord, block: int, scaled_block: int) -> int:
     return max(1, int(record.input_length * factor + 0.5))
 
 
+def check_trace_path(spec: TraceSpec, root: str = "workload") -> Path:
+    """The spec's trace file; ConfigError naming `root.path` when it is not given or not a file."""
+    if spec.path is None:
+        raise ConfigError(f"{root}.path: expected an existing trace file (JSONL), found nothing (give it in the "
+                          "config or with `kvgate run --trace FILE`)")
+    if not spec.path.is_file():
+        raise ConfigError(f"{root}.path: expected an existing trace file (JSONL), found {str(spec.path)!r}")
+    return spec.path
+
+
 def _trace(spec: TraceSpec, sizer: TextSizer, seed: int) -> tuple:
-    """One single-request session per record; equal hash ids become equal text blocks.
+    """One single-request session per record, warm-up ones first; equal hash ids become equal text blocks.
 
     Block text is a function of (seed, hash id) only, so requests sharing a
-    prefix of hash ids share that prefix of text. The prompt is the blocks in
-    order, the last cut so the prompt has the scaled input length; tokens
-    beyond the hash ids (when a trace has more) are the request's own text.
+    prefix of hash ids share that prefix of text (across warm-up and measured
+    requests too). The prompt is the blocks in order, the last cut so the
+    prompt has the scaled input length; tokens beyond the hash ids (when a
+    trace has more) are the request's own text. Warm-up requests have no
+    arrival time; measured ones arrive at their timestamp less the first
+    measured one's, times `time_scale`.
     """
-    if not spec.path.is_file():
-        raise ConfigError(f"workload.path: expected an existing trace file, found {str(spec.path)!r}")
+    path = check_trace_path(spec)
     block = scaled_block_tokens(spec)
     blocks: dict[int, str] = {}
 
@@ -503,8 +524,14 @@ def _trace(spec: TraceSpec, sizer: TextSizer, seed: int) -> tuple:
             blocks[hash_id] = sizer.text(block, f"{seed}/trace/block/{hash_id}")
         return blocks[hash_id]
 
+    warmup = spec.warmup_requests
+    records = read_trace(path, None if spec.limit is None else warmup + spec.limit)
+    if len(records) <= warmup:
+        raise ConfigError(f"workload.warmup_requests: expected fewer than the trace's {len(records)} requests, "
+                          f"found {warmup}")
+    origin_ms = records[warmup].timestamp_ms
     sessions = []
-    for i, record in enumerate(read_trace(spec.path, spec.limit)):
+    for i, record in enumerate(records):
         n_in = _scaled_input(record, spec.block_tokens, block)
         n_blocks = min(len(record.hash_ids), math.ceil(n_in / block))
         parts = [block_text(h) for h in record.hash_ids[:n_blocks]]
@@ -517,7 +544,8 @@ def _trace(spec: TraceSpec, sizer: TextSizer, seed: int) -> tuple:
             n_out = min(n_out, spec.max_output_tokens)
         rid = f"trace-{i}"
         sessions.append((_request(rid, rid, 0, [_message("user", "".join(parts))], n_out, sizer,
-                                  arrival_s=record.timestamp_ms / 1000 * spec.time_scale),))
+                                  arrival_s=None if i < warmup
+                                  else (record.timestamp_ms - origin_ms) / 1000 * spec.time_scale),))
     return tuple(sessions)
 
 

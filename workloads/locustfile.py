@@ -112,11 +112,11 @@ class WorkloadUser(User):
         limit = SETTINGS.get("max_requests_per_worker")
         if limit is not None and _state["sent"] >= limit:
             raise StopUser()
+        _state["sent"] += 1  # counted before waiting for its arrival, so users asleep meanwhile stop at the budget
         scheduled = time.time()
         if request.arrival_s is not None:
             scheduled = _state["start"] + request.arrival_s
             gevent.sleep(max(0.0, scheduled - time.time()))
-        _state["sent"] += 1
         node = self.router.pick(request)
         record = self.clients[node].send(request, scheduled_at=scheduled)
         record.node = self.node_urls[node]

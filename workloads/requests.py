@@ -34,6 +34,10 @@ class Workload:
     # False: a load user runs a session's turns back to back. True: load users take turns of all
     # sessions round-robin (a session's next turn after every other session's), one at a time per session.
     interleaved: bool = False
+    # True: the sessions are a trace's requests in the trace's order; a replay sends each at most once
+    # (never cycling) and priming sends `warmup`, the trace's requests before them, never these.
+    trace: bool = False
+    warmup: tuple[tuple[WorkloadRequest, ...], ...] = ()
 
     @property
     def requests(self) -> list[WorkloadRequest]:

@@ -12,6 +12,30 @@ Priming: before the first step a target can be sent the first turn of every
 session once (`prime_targets`), the same requests for every target. A prefix
 then returns to each target as it would in service, and a short step at low
 concurrency measures reuse rather than the first visits of its sessions.
+A trace is primed with its warm-up requests instead (the trace's requests
+before the measured ones), never with a measured request.
+
+Trace replay (`Workload.trace`): the measured requests are cut into as many
+consecutive parts as there are steps per target, and step i replays part i
+once, in the trace's order, never cycling, so no step measures requests an
+earlier step already sent (each target sees the trace once, in order, as in
+service). Two ways to replay a part:
+
+- closed loop (`levels`, the default for traces): N users send the part's
+  requests in order, each the next one as soon as its previous one is
+  answered; arrival times are dropped. The offered load is N concurrent users,
+  so levels differ in load and throughput is what each target serves at N.
+- rate multipliers (`multipliers`): open loop, request k of the part sent at
+  (its timestamp - the part's first) / m, with `rate_users` users; the trace's
+  arrival pattern is kept and its rate multiplied by m. Below saturation every
+  target serves the offered rate, so throughput says nothing there; what
+  differs is latency, and the highest multiplier a target sustains within a
+  TTFT objective (gates/g3_main/analysis.py).
+
+Closed loop is the default because it measures throughput at every level:
+an open-loop replay at the trace's own rate offers every target the same
+requests per second, which is why throughput gains at "concurrency levels"
+of an open-loop trace replay were identical runs.
 """
 
 from __future__ import annotations
@@ -34,6 +58,7 @@ PERCENTILES = (50, 90, 99)
 class SweepSettings:
     levels: tuple[int, ...] = (2, 4, 8)
     rates: tuple[float, ...] = ()          # requests (sessions) per second, open loop
+    multipliers: tuple[float, ...] = ()    # a trace replayed open loop at m x its arrival rate
     rate_users: int = 32                   # users available to a rate step
     duration_s: float = 30.0
     warmup_s: float = 5.0
@@ -131,44 +156,137 @@ def first_turns(workload: Workload) -> Workload:
     return Workload(f"{workload.name}:first-turns", tuple((session[0],) for session in workload.sessions if session))
 
 
+def primer(workload: Workload) -> Workload:
+    """What priming sends: a trace's warm-up requests (never its measured ones), else every session's first turn."""
+    if workload.trace:
+        return Workload(f"{workload.name}:warm-up", workload.warmup)
+    return first_turns(workload)
+
+
+def trace_parts(workload: Workload, parts: int) -> list[Workload]:
+    """A trace's measured requests cut into `parts` consecutive parts of equal size (the remainder dropped)."""
+    size = len(workload.sessions) // parts
+    if size < 1:
+        raise ValueError(f"a trace of {len(workload.sessions)} measured requests cannot give {parts} steps one each")
+    return [replace(workload, name=f"{workload.name}[{i * size}:{(i + 1) * size}]",
+                    sessions=workload.sessions[i * size:(i + 1) * size], warmup=()) for i in range(parts)]
+
+
+def closed_loop(part: Workload) -> Workload:
+    """A trace part with its arrival times dropped: users send its requests in order, back to back."""
+    return replace(part, sessions=tuple(tuple(replace(r, arrival_s=None) for r in s) for s in part.sessions))
+
+
+def rate_multiplied(part: Workload, multiplier: float) -> Workload:
+    """A trace part arriving at `multiplier` x the trace's rate: (arrival - the part's first arrival) / multiplier."""
+    origin = min(r.arrival_s for r in part.requests if r.arrival_s is not None)
+    return replace(part, name=f"{part.name}@{multiplier:g}x", sessions=tuple(
+        tuple(replace(r, arrival_s=None if r.arrival_s is None else (r.arrival_s - origin) / multiplier) for r in s)
+        for s in part.sessions))
+
+
+def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -> str:
+    """One sentence saying how a sweep replays its workload (the report shows it)."""
+    levels = ", ".join(f"{v:g}" for v in settings.levels)
+    if not workload.trace:
+        warm = "after priming every target with each session's first turn" if primed else "without priming"
+        return f"G3 ran closed loop at concurrency {levels} over the workload's sessions, {warm}."
+    steps = len(settings.levels) + len(settings.rates) + len(settings.multipliers)
+    part = len(workload.sessions) // max(1, steps)
+    if settings.multipliers:
+        how = (f"open loop at {', '.join(f'{m:g}×' for m in settings.multipliers)} its arrival rate "
+               f"({settings.rate_users} users)")
+    else:
+        how = f"closed loop at concurrency {levels} over its requests in order"
+    warm = (f"after {len(workload.warmup)} warm-up requests that priming sent and no step measured"
+            if primed and workload.warmup else "with no warm-up")
+    return f"G3 replayed the trace {how}; each level its own {part} consecutive requests, {warm}."
+
+
 def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
                   timeout_s: float = 600.0) -> list[dict]:
-    """Send every target the first turn of each session once; a row per target (requests, errors, seconds)."""
-    primer = first_turns(workload)
+    """Send every target `primer(workload)` once; a row per target (requests, errors, seconds)."""
+    primer_workload = primer(workload)
+    if not primer_workload.sessions:  # a trace without warm-up requests: nothing to send
+        return [{"target": t.name, "requests": 0, "errors": 0, "seconds": 0.0, "expected": 0,
+                 "locust_exit_code": None} for t in targets]
+    primer_workload = primer_workload if not workload.trace else closed_loop(primer_workload)
     rows = []
     for target in targets:
-        run = run_load(primer, target, users, timeout_s, out_dir / target.name / "prime",
-                       max_requests=len(primer.sessions))
+        run = run_load(primer_workload, target, users, timeout_s, out_dir / target.name / "prime",
+                       max_requests=len(primer_workload.sessions))
         records = read_records(run.records_dir)
         rows.append({"target": target.name, "requests": len(records), "errors": sum(not r["ok"] for r in records),
-                     "seconds": run.ended_at - run.started_at, "expected": len(primer.sessions),
+                     "seconds": run.ended_at - run.started_at, "expected": len(primer_workload.sessions),
                      "locust_exit_code": run.returncode})
     return rows
 
 
 def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings) -> pd.DataFrame:
-    """Every concurrency level (closed loop) and request rate (open loop) × target as one locust step.
+    """Every step (concurrency level, request rate, trace rate multiplier) × target as one locust run.
 
-    One row per step; the raw records stay in out_dir. A rate step runs `rate_users` users,
-    enough that requests wait in the client only when the target falls behind (then the step
-    shows client wait, and is flagged when the client itself saturates).
+    One row per step; the raw records stay in out_dir. A rate or multiplier step runs `rate_users`
+    users, enough that requests wait in the client only when the target falls behind (then the
+    step shows client wait, and is flagged when the client itself saturates). A trace's steps each
+    replay their own part of it once (see the module's docstring).
     """
-    steps = [("concurrency", level, workload, level) for level in settings.levels]
-    steps += [("rate", rate, paced(workload, rate, settings.duration_s), settings.rate_users)
-              for rate in settings.rates]
     rows = []
-    for kind, value, step_workload, users in steps:
+    for step in _steps(workload, settings):
         for target in targets:
-            step_dir = settings.out_dir / target.name / (f"c{value}" if kind == "concurrency" else f"r{value:g}")
-            run = run_load(step_workload, target, users, settings.duration_s, step_dir, workers=settings.workers)
+            step_dir = settings.out_dir / target.name / step.dir_name
+            run = run_load(step.workload, target, step.users, settings.duration_s, step_dir,
+                           workers=settings.workers, max_requests=step.max_requests)
             records = read_records(run.records_dir)
             samples = read_client_samples(run.records_dir)
-            rows.append({"target": target.name, "concurrency": users if kind == "concurrency" else None,
-                         "rate_per_s": value if kind == "rate" else None, "users": users,
-                         "step_dir": str(step_dir), "locust_exit_code": run.returncode,
-                         "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]),
-                         **summarize_step(records, samples, run.started_at, run.ended_at, settings)})
+            summary = summarize_step(records, samples, run.started_at, run.ended_at, settings)
+            if step.max_requests is not None and len(records) >= step.max_requests and not summary["valid"]:
+                summary["invalid_reasons"] += (f"; its {step.max_requests} trace requests ran out after "
+                                               f"{run.ended_at - run.started_at:.1f} s (more in limit, or a shorter "
+                                               "duration)")
+            rows.append({"target": target.name, "replay": step.kind, "level": step.value,
+                         "concurrency": step.users if step.kind == "concurrency" else None,
+                         "rate_per_s": step.value if step.kind == "rate" else None,
+                         "multiplier": step.value if step.kind == "multiplier" else None, "users": step.users,
+                         "offered_requests": step.max_requests, "step_dir": str(step_dir),
+                         "locust_exit_code": run.returncode,
+                         "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]), **summary})
     return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class _Step:
+    kind: str                       # "concurrency" | "rate" | "multiplier"
+    value: float
+    workload: Workload
+    users: int
+    max_requests: Optional[int]     # a trace part: sent once, never cycled
+
+    @property
+    def dir_name(self) -> str:
+        prefix = {"concurrency": "c", "rate": "r", "multiplier": "x"}[self.kind]
+        return f"{prefix}{self.value:g}"
+
+
+def _steps(workload: Workload, settings: SweepSettings) -> list[_Step]:
+    """The steps of a sweep, in order: levels, then rates, then multipliers (traces only)."""
+    if settings.multipliers and not workload.trace:
+        raise ValueError("rate multipliers replay a trace's arrival times; this workload is not a trace")
+    plan = [("concurrency", level) for level in settings.levels] + [("rate", rate) for rate in settings.rates]
+    plan += [("multiplier", m) for m in settings.multipliers]
+    parts = trace_parts(workload, len(plan)) if workload.trace and plan else []
+    steps = []
+    for i, (kind, value) in enumerate(plan):
+        if kind == "rate":
+            steps.append(_Step(kind, value, paced(parts[i] if parts else workload, value, settings.duration_s),
+                               settings.rate_users, None))
+        elif kind == "multiplier":
+            steps.append(_Step(kind, value, rate_multiplied(parts[i], value), settings.rate_users,
+                               len(parts[i].sessions)))
+        elif parts:
+            steps.append(_Step(kind, value, closed_loop(parts[i]), int(value), len(parts[i].sessions)))
+        else:
+            steps.append(_Step(kind, value, workload, int(value), None))
+    return steps
 
 
 def _p99(values: list[float]) -> Optional[float]:

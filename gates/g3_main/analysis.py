@@ -1,13 +1,22 @@
-"""G3's figures for one concurrency level, from the raw records of the baseline and candidate steps."""
+"""G3's figures from the raw records of the baseline and candidate steps.
+
+Closed loop (every workload): per concurrency level, the TTFT p50 reduction and the throughput
+gain (`level_figures`). Rate multipliers (a trace, open loop): per multiplier the TTFT p50
+reduction, and over the whole ladder the gain in the highest rate each target sustains within a
+TTFT objective (`sustained_rate_gain`), as MLPerf's server scenario and GuideLLM's sweep judge
+an open-loop server: below saturation every target serves the offered rate, so a throughput
+gain there is 0 by construction and says nothing.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from gates.stats import gain_ci, reduction_ci
+from gates.stats import gain_ci, percentile_interval, reduction_ci
 
 THROUGHPUT_WINDOW_S = 2.0
 
@@ -55,3 +64,94 @@ def level_figures(baseline: dict, candidate: dict) -> LevelFigures:
     reduction, r_interval = reduction_ci(b_ttft, c_ttft)
     gain, g_interval = gain_ci(b_windows, c_windows, statistic=np.mean)
     return LevelFigures(reduction, r_interval, gain, g_interval, valid, "; ".join(reasons))
+
+
+# --------------------------------------------------------------------------- rate multipliers
+
+SLO_PERCENTILE = 90           # a step sustains its rate when this percentile of its TTFTs meets the objective
+_UNKNOWN_TOLERANCE = 0.025    # resamples whose gain is undefined, beyond which the interval is not trusted
+
+
+def slo_latencies(records: list[dict]) -> list[float]:
+    """Per measured request: seconds from its scheduled arrival to its first token; a failure never meets an SLO.
+
+    Open loop, a request that waited in the client was late for the target as much as one queued in
+    it, so the wait counts (no coordinated omission).
+    """
+    return [r["client_wait_s"] + r["ttft_s"] if r["ok"] and r["ttft_s"] is not None else math.inf for r in records]
+
+
+def _slo_percentile(latencies: np.ndarray, axis=None):
+    """The SLO percentile as an observed value (no interpolation: a failure's infinity stays infinite, never NaN)."""
+    return np.percentile(latencies, SLO_PERCENTILE, axis=axis, method="higher")
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """One target's steps in ascending multiplier order: (multiplier, step valid, invalid reasons, SLO latencies)."""
+
+    steps: tuple[tuple[float, bool, str, tuple[float, ...]], ...]
+
+    def sustained(self, slo_s: float) -> tuple[Optional[float], str]:
+        """The highest multiplier up to which every step was valid and met the SLO, and why the ladder ended."""
+        best = None
+        for multiplier, valid, reasons, latencies in self.steps:
+            if not valid:
+                return best, f"the {multiplier:g}x step was invalid ({reasons})"
+            if not latencies or _slo_percentile(np.asarray(latencies, dtype=float)) > slo_s:
+                return best, ""
+            best = multiplier
+        return best, ""
+
+    def resampled(self, slo_s: float, rng: np.random.Generator, resamples: int) -> np.ndarray:
+        """The highest sustained multiplier (NaN: none) in each of `resamples` resamples of every step's requests."""
+        ok = np.ones(resamples, dtype=bool)
+        best = np.full(resamples, np.nan)
+        for multiplier, valid, _, latencies in self.steps:
+            sample = np.asarray(latencies, dtype=float)
+            if not valid or sample.size == 0:
+                break
+            draws = sample[rng.integers(0, sample.size, size=(resamples, sample.size))]
+            ok &= _slo_percentile(draws, axis=1) <= slo_s
+            best = np.where(ok, multiplier, best)
+        return best
+
+
+@dataclass(frozen=True)
+class SustainedFigures:
+    baseline: Optional[float]               # highest sustained multiplier (None: not even the lowest)
+    candidate: Optional[float]
+    gain: Optional[float]                   # candidate / baseline - 1
+    interval: Optional[tuple[float, float]]
+    valid: bool
+    invalid_reason: str
+
+
+def sustained_rate_gain(baseline: Ladder, candidate: Ladder, slo_s: float, resamples: int = 2000,
+                        seed: int = 0) -> SustainedFigures:
+    """How much higher a rate the candidate sustains within the TTFT objective than the baseline, with an interval.
+
+    Side by side: at every multiplier both targets were offered the same requests at the same
+    arrival times, one step after the other. The point figure is the ratio of the highest
+    multipliers each sustains; its 95% interval comes from resampling every step's requests
+    (the same resample count for both ladders, independently), which gives how sure each step's
+    pass or fail against the objective is. The figure moves in the ladder's steps (1x, 2x, 4x:
+    gains of -50%, 0, +100%, ...), and a candidate that sustains the top multiplier is censored
+    there (its true gain is at least the figure). A ladder that ended on an invalid step, or a
+    baseline that sustains no multiplier, makes it INCONCLUSIVE.
+    """
+    b_best, b_reason = baseline.sustained(slo_s)
+    c_best, c_reason = candidate.sustained(slo_s)
+    reasons = [f"{role}: {why}" for role, why in (("baseline", b_reason), ("candidate", c_reason)) if why]
+    if b_best is None:
+        reasons.append("baseline: not even the lowest multiplier met the TTFT objective (lower it)")
+        return SustainedFigures(b_best, c_best, None, None, False, "; ".join(reasons))
+    gain = (c_best or 0.0) / b_best - 1.0
+    rng = np.random.default_rng(seed)
+    b_reps, c_reps = baseline.resampled(slo_s, rng, resamples), candidate.resampled(slo_s, rng, resamples)
+    replicates = np.nan_to_num(c_reps, nan=0.0) / b_reps - 1.0
+    unknown = float(np.mean(np.isnan(replicates)))
+    if unknown > _UNKNOWN_TOLERANCE:
+        reasons.append(f"the baseline sustained no multiplier in {unknown:.0%} of resamples")
+    interval = percentile_interval(replicates)
+    return SustainedFigures(b_best, c_best, gain, interval, not reasons, "; ".join(reasons))

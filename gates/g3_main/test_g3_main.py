@@ -9,6 +9,15 @@ saturated, too few requests, too short) makes its verdicts INCONCLUSIVE.
 With `prime` on (the default) every target is first sent the first turn of
 each session once, so prefixes return as they do in service: the baseline
 keeps what its device memory holds, the candidate what all its tiers hold.
+A trace is primed with its warm-up requests instead, never a measured one.
+
+`g3.replay` says what a level is. closed_loop (the default, for traces too):
+a concurrency. rate_multipliers (traces): a multiple of the trace's arrival
+rate, open loop; TTFT p50 reduction is judged at each multiplier, and
+throughput as the gain in the highest multiplier each target sustains within
+`ttft_slo_ms` (`sustained_rate_gain`), not per level: at the same offered rate
+below saturation both targets serve that rate. The sentence saying which
+replay ran is recorded as the `replay` measurement.
 """
 
 from __future__ import annotations
@@ -19,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gates.g3_main.analysis import level_figures
+from gates.g3_main.analysis import Ladder, level_figures, slo_latencies, sustained_rate_gain
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.faults import AdminClient, per_tier
-from workloads.sweep import SweepSettings, prime_targets, run_sweep
+from workloads.sweep import SweepSettings, describe_replay, prime_targets, run_sweep
 
 def _seed(run_id: str) -> int:
     """A workload seed of this run, so no earlier run's cache contents help either side."""
@@ -39,22 +48,46 @@ def sweep(gate_context, endpoints):
     workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if embedded else None),
                               seed=_seed(gate_context.store.run_info().get("run_id", "run")))
     roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints]
-    settings = SweepSettings(levels=tuple(config.levels), duration_s=config.duration_s, warmup_s=config.warmup_s,
+    closed = config.replay == "closed_loop"
+    settings = SweepSettings(levels=tuple(config.levels) if closed else (),
+                             multipliers=() if closed else tuple(config.levels),
+                             duration_s=config.duration_s, warmup_s=config.warmup_s,
                              min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
                              min_requests=config.min_requests, out_dir=gate_context.store.raw_dir("g3") / "sweep")
     targets = [endpoints[r].target(r) for r in roles]
-    primed = prime_targets(targets, workload, min(config.levels), settings.out_dir) if config.prime else []
+    primer_users = min(config.levels) if closed else settings.rate_users
+    primed = prime_targets(targets, workload, primer_users, settings.out_dir) if config.prime else []
     frame = run_sweep(targets, workload, settings)
-    steps = {"primed": primed}
+    steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime)}
     for row in frame.to_dict("records"):
         records = read_records(Path(row["step_dir"]) / "records")
-        measured = [r for r in records if r["sent_at"] >= row["window_start"] and r["ok"]]  # the summary's window
-        steps[(row["target"], row["concurrency"])] = {"summary": row, "records": measured}
+        in_window = [r for r in records if r["sent_at"] >= row["window_start"]]  # the summary's window
+        steps[(row["target"], row["level"])] = {"summary": row, "records": [r for r in in_window if r["ok"]],
+                                                "slo_latencies": slo_latencies(in_window)}
     return steps
 
 
 def _levels(sweep) -> dict:
-    return {key: step for key, step in sweep.items() if key != "primed"}
+    return {key: step for key, step in sweep.items() if isinstance(key, tuple)}
+
+
+def _closed_loop(gate_context) -> bool:
+    return gate_context.config.g3.replay == "closed_loop"
+
+
+def _at(gate_context, level) -> dict:
+    """A level's context: its concurrency, or its rate multiplier."""
+    return {"concurrency": level} if _closed_loop(gate_context) else {"multiplier": level}
+
+
+def _label(gate_context, level) -> str:
+    return f"c={level}" if _closed_loop(gate_context) else f"{level:g}x the trace's rate"
+
+
+def test_the_replay_is_stated(sweep, gate_context, record):
+    config = gate_context.config.g3
+    record("replay", sweep["replay"], mode=config.replay, levels=list(config.levels), ttft_slo_ms=config.ttft_slo_ms)
+    assert sweep["replay"]
 
 
 def test_targets_were_primed_alike(sweep, gate_context, record):
@@ -71,33 +104,36 @@ def test_targets_were_primed_alike(sweep, gate_context, record):
 def _step(sweep, role, level):
     step = sweep.get((role, level))
     if step is None:
-        pytest.fail(f"no {role} step at c={level}", pytrace=False)
+        pytest.fail(f"no {role} step at level {level}", pytrace=False)
     return step
 
 
-def test_sweep_figures_per_target_and_level(sweep, record):
+def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
     for (role, level), step in sorted(_levels(sweep).items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        s = step["summary"]
+        s, at = step["summary"], _at(gate_context, level)
         for metric in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s"):
             if s.get(metric) is not None:
-                record(metric[:-2] + "_ms", s[metric] * 1e3, "ms", target=role, concurrency=level)
-        record("output_tokens_per_s", s["output_tokens_per_s"], "tokens/s", target=role, concurrency=level)
-        record("requests_per_s", s["requests_per_s"], "req/s", target=role, concurrency=level)
-        record("error_rate", s["error_rate"], target=role, concurrency=level)
-        record("hit_ratio", s["hit_ratio"], target=role, concurrency=level)
-        record("step_valid", s["valid"], target=role, concurrency=level, reasons=s["invalid_reasons"])
+                record(metric[:-2] + "_ms", s[metric] * 1e3, "ms", target=role, **at)
+        record("output_tokens_per_s", s["output_tokens_per_s"], "tokens/s", target=role, **at)
+        record("requests_per_s", s["requests_per_s"], "req/s", target=role, **at)
+        record("error_rate", s["error_rate"], target=role, **at)
+        record("hit_ratio", s["hit_ratio"], target=role, **at)
+        record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], **at)
     assert _levels(sweep), "the sweep produced no steps"
 
 
-def test_ttft_p50_reduction_at_each_level(sweep, record, verdict, level):
+def test_ttft_p50_reduction_at_each_level(sweep, gate_context, record, verdict, level):
     figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
-    record("ttft_p50_reduction", figures.ttft_reduction, concurrency=level, interval=figures.ttft_interval)
-    verdict(f"G3 TTFT p50 reduction at c={level}", "ttft_p50_reduction", figures.ttft_reduction, unit="%",
-            interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason,
-            context={"concurrency": level})
+    record("ttft_p50_reduction", figures.ttft_reduction, interval=figures.ttft_interval, **_at(gate_context, level))
+    verdict(f"G3 TTFT p50 reduction at {_label(gate_context, level)}", "ttft_p50_reduction", figures.ttft_reduction,
+            unit="%", interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason,
+            context=_at(gate_context, level))
 
 
-def test_throughput_gain_at_each_level(sweep, record, verdict, level):
+def test_throughput_gain_at_each_level(sweep, gate_context, record, verdict, level):
+    if not _closed_loop(gate_context):
+        pytest.skip("replay: rate_multipliers offers both targets the same arrivals, so below saturation both serve "
+                    "the offered rate: throughput is judged as sustained_rate_gain over the whole ladder")
     figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
     record("throughput_gain", figures.throughput_gain, concurrency=level, interval=figures.throughput_interval)
     verdict(f"G3 throughput gain at c={level}", "throughput_gain", figures.throughput_gain, unit="%",
@@ -105,7 +141,26 @@ def test_throughput_gain_at_each_level(sweep, record, verdict, level):
             context={"concurrency": level})
 
 
-def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, endpoints, record):
+def test_sustained_rate_gain(sweep, gate_context, record, verdict):
+    """Rate multipliers: the highest multiplier each target sustains within ttft_slo_ms, and the candidate's gain."""
+    config = gate_context.config.g3
+    if _closed_loop(gate_context):
+        pytest.skip("replay: closed_loop judges throughput_gain at each concurrency")
+    ladders = {role: Ladder(tuple((m, bool(s["summary"]["valid"]), s["summary"]["invalid_reasons"],
+                                   tuple(s["slo_latencies"])) for m in config.levels
+                                  for s in [_step(sweep, role, m)]))
+               for role in ("baseline", "candidate")}
+    figures = sustained_rate_gain(ladders["baseline"], ladders["candidate"], config.ttft_slo_ms / 1e3)
+    for role, best in (("baseline", figures.baseline), ("candidate", figures.candidate)):
+        record("sustained_multiplier", best, "x", target=role, ttft_slo_ms=config.ttft_slo_ms,
+               censored=best == max(config.levels))
+    record("sustained_rate_gain", figures.gain, interval=figures.interval, ttft_slo_ms=config.ttft_slo_ms)
+    verdict(f"G3 sustained rate gain (TTFT p90 ≤ {config.ttft_slo_ms:g} ms, "
+            f"{', '.join(f'{m:g}x' for m in config.levels)})", "sustained_rate_gain", figures.gain, unit="%",
+            interval=figures.interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
+
+
+def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, gate_context, endpoints, record):
     """With several candidate nodes: each node's share of the load, and how much reuse crossed nodes."""
     candidate = endpoints["candidate"]
     roots = candidate.node_roots
@@ -117,10 +172,10 @@ def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, endpoints, record)
             continue
         for url, name in names.items():
             served = [r for r in step["records"] if r.get("node") == url]
-            record("node_requests", len(served), target=f"candidate {name}", concurrency=level)
+            record("node_requests", len(served), target=f"candidate {name}", **_at(gate_context, level))
             if served:  # under the same metric, so the TTFT plot draws a line per node
                 record("ttft_p50_ms", float(np.median([r["ttft_s"] for r in served])) * 1e3, "ms",
-                       target=f"candidate {name}", concurrency=level)
+                       target=f"candidate {name}", **_at(gate_context, level))
     hits = {name: per_tier(AdminClient(root).metrics(), "kvgate_cache_hits_total")
             for name, root in zip(names.values(), roots)}
     total = sum(sum(h.values()) for h in hits.values())
@@ -132,7 +187,7 @@ def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, endpoints, record)
     assert total > 0, "no candidate node served a cache hit"
 
 
-def test_speedup_against_recompute_is_reported(sweep, record):
+def test_speedup_against_recompute_is_reported(sweep, gate_context, record):
     levels = sorted({level for _, level in _levels(sweep)})
     if not any(role == "recompute" for role, _ in _levels(sweep)):
         pytest.skip("no recompute reference endpoint")
@@ -140,5 +195,5 @@ def test_speedup_against_recompute_is_reported(sweep, record):
         rec, cand = sweep.get(("recompute", level)), sweep.get(("candidate", level))
         if rec and cand and cand["summary"]["ttft_p50_s"]:
             record("ttft_speedup_vs_recompute", rec["summary"]["ttft_p50_s"] / cand["summary"]["ttft_p50_s"],
-                   concurrency=level)
+                   **_at(gate_context, level))
     assert levels
