@@ -116,6 +116,8 @@ class G1Config(StrictModel):
 class G2Config(StrictModel):
     contexts: list[int] = Field(min_length=1, description="context lengths in tokens")
     rounds: int = Field(default=2, ge=1)
+    cold_read_pairs: int = Field(default=5, ge=5, description="alternating rounds of the tier's cold load and "
+                                 "fio on the same storage; the cold-read ratio is judged on them")
     thresholds: list[RuleSpec]
 
 

@@ -22,6 +22,7 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"contextz": [1024]}}, "gates.g2.contextz: unknown field"),
     ({"g2": {"contexts": "many"}}, "gates.g2.contexts: expected a list, found 'many'"),
     ({"g2": {"contexts": []}}, "gates.g2.contexts"),
+    ({"g2": {"cold_read_pairs": 3}}, "gates.g2.cold_read_pairs: expected a value >= 5, found 3"),
     ({"g3": {"levels": [2, "four"]}}, "gates.g3.levels.1: expected an integer, found 'four'"),
     ({"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
      "gates.g1.thresholds.0: expected either op and value, or min and max"),
