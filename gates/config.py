@@ -141,6 +141,8 @@ class G2Config(StrictModel):
 
     contexts: list[Annotated[Int, Field(ge=2)]] = Field(min_length=1, description="context lengths in tokens")
     rounds: Int = Field(default=2, ge=1)
+    cold_read_pairs: Int = Field(default=5, ge=5, description="alternating rounds of the tier's cold load and "
+                                 "fio on the same storage; the cold-read ratio is judged on them")
     thresholds: list[RuleField]
 
 

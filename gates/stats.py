@@ -77,11 +77,16 @@ def bootstrap_ci(values: Sequence[float], statistic: Statistic = np.median, conf
 
 
 def _two_sample(numerator: Sequence[float], denominator: Sequence[float], combine: Callable,
-                statistic: Statistic, confidence: float, resamples: int, seed: int,
+                statistic: Statistic, confidence: float, resamples: int, seed: int, paired: bool = False,
                 ) -> tuple[float, tuple[float, float]]:
-    """`combine(stat(num), stat(den))` and its bootstrap interval, the two samples resampled independently."""
+    """`combine(stat(num), stat(den))` and its bootstrap interval. The two samples are resampled
+    independently, or, when `paired`, as pairs (num[i], den[i]): one index draw for both, so what
+    the two sides of a pair share (the minute they ran in) stays together in every resample."""
     num = _sample(numerator, "numerator")
     den = _sample(denominator, "denominator")
+    if paired and num.size != den.size:
+        raise ValueError(f"denominator: expected one value per numerator value ({num.size}) for paired samples, "
+                         f"found {den.size}")
     den_stat = float(_apply(statistic, den[None, :])[0])
     if den_stat == 0.0:
         raise ValueError("denominator: its statistic is 0, the ratio is undefined")
@@ -89,8 +94,12 @@ def _two_sample(numerator: Sequence[float], denominator: Sequence[float], combin
     if num.size < 2 and den.size < 2:
         return point, (point, point)
     rng = np.random.default_rng(seed)
-    num_reps = _resample(rng, num, statistic, resamples)
-    den_reps = _resample(rng, den, statistic, resamples)
+    if paired:
+        indices = rng.integers(0, num.size, size=(resamples, num.size))
+        num_reps, den_reps = _apply(statistic, num[indices]), _apply(statistic, den[indices])
+    else:
+        num_reps = _resample(rng, num, statistic, resamples)
+        den_reps = _resample(rng, den, statistic, resamples)
     with np.errstate(divide="ignore", invalid="ignore"):
         replicates = combine(num_reps, den_reps)
     return point, _bounds(np.asarray(replicates, dtype=float), confidence)
@@ -111,10 +120,11 @@ def gain_ci(baseline: Sequence[float], candidate: Sequence[float], statistic: St
 
 
 def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], statistic: Statistic = np.median,
-             confidence: float = 0.95, resamples: int = 2000, seed: int = 0,
+             confidence: float = 0.95, resamples: int = 2000, seed: int = 0, paired: bool = False,
              ) -> tuple[float, tuple[float, float]]:
-    """Ratio `stat(numerator)/stat(denominator)` (e.g. disk-hit TTFT / recompute TTFT) and its interval."""
-    return _two_sample(numerator, denominator, lambda n, d: n / d, statistic, confidence, resamples, seed)
+    """Ratio `stat(numerator)/stat(denominator)` (e.g. disk-hit TTFT / recompute TTFT) and its interval;
+    `paired` for rounds measured side by side (numerator[i] beside denominator[i], e.g. tier vs fio)."""
+    return _two_sample(numerator, denominator, lambda n, d: n / d, statistic, confidence, resamples, seed, paired)
 
 
 def mann_kendall(values: Sequence[float], alpha: float = 0.05) -> dict:

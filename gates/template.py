@@ -58,8 +58,9 @@ g1:
 g2:
   contexts: [1024, 4096, 8192]    # tokens; one request at a time
   rounds: 2
+  cold_read_pairs: 5              # alternating rounds of the tier's cold load and fio (at least 5)
   thresholds:
-    - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs G1 fio seq read
+    - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs fio, side by side
     - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context
 
 g3:

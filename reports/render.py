@@ -231,11 +231,17 @@ def _g1_plots(gate: dict) -> list[str]:
 
 
 def _g2_plots(gate: dict) -> list[str]:
+    plots = []
     series = _series(gate["measurements"], "ttft_ms", "mode", "context_tokens")
-    if not series:
-        return []
-    return [svg.line_chart(series, "G2 TTFT by context length", "context length (tokens)", "TTFT (ms)",
-                           log_x=_geometric(series))]
+    if series:
+        plots.append(svg.line_chart(series, "G2 TTFT by context length", "context length (tokens)", "TTFT (ms)",
+                                    log_x=_geometric(series)))
+    pairs = [m.get("context") or {} for m in gate["measurements"] if m.get("metric") == "cold_read_pair"]
+    if pairs:
+        sides = {side: [(p.get("round"), p.get(f"{side}_gbps")) for p in pairs] for side in ("tier", "fio")}
+        plots.append(svg.line_chart({"disk tier cold load": sides["tier"], "fio, same storage": sides["fio"]},
+                                    "G2 cold-read bandwidth, alternating rounds", "round", "GB/s"))
+    return plots
 
 
 def _g3_plots(gate: dict) -> list[str]:

@@ -1,4 +1,5 @@
-"""fio: its JSON (fio 3.33 and 2.x, with text around it) normalised to one result; real runs; clear errors."""
+"""fio: its JSON (fio 3.33, with text around it) normalised to one result, fio 2.x refused; real runs;
+clear errors."""
 
 from __future__ import annotations
 
@@ -79,15 +80,10 @@ def test_text_printed_after_the_json_is_ignored_too():
     assert parse_fio_json(_job(), text).read_bw_bytes == 729444173.0
 
 
-def test_fio_2_json_bw_in_kib_and_clat_in_usec_are_converted_to_bytes_and_ns():
-    r = _parse("fio-2.2.10-randrw70-handwritten.json", rw="randrw")
-    assert "bw_bytes" not in r.raw["jobs"][0]["read"] and "clat_ns" not in r.raw["jobs"][0]["read"]
-    assert r.fio_version == "fio-2.2.10"
-    assert (r.read_bw_bytes, r.write_bw_bytes) == (9557 * 1024.0, 4096 * 1024.0)
-    assert (r.read_iops, r.write_iops) == (2389.33, 1024.0)
-    assert r.read_clat == ClatStats(mean_ns=301470.0, p50_ns=231000.0, p99_ns=1020000.0, p999_ns=2736000.0)
-    assert r.write_clat == ClatStats(mean_ns=412060.0, p50_ns=358000.0, p99_ns=1448000.0, p999_ns=3952000.0)
-    assert (r.clat_mean_ns, r.clat_p99_ns) == (301470.0, 1020000.0)
+def test_a_fio_2_report_is_refused_naming_its_version_not_misread():
+    # fio 2.x reports bandwidth only as `bw` in KiB/s and latency as `clat` in microseconds
+    with pytest.raises(FioError, match="expected fio 3's JSON report.*'bw_bytes'.*fio-2.2.10.*fio >= 3"):
+        _parse("fio-2.2.10-randrw70-handwritten.json", rw="randrw")
 
 
 def test_report_without_group_reporting_adds_bandwidth_and_takes_the_largest_percentile():

@@ -26,6 +26,7 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"contextz": [1024]}}, "g2.contextz: unknown field"),
     ({"g2": {"contexts": "many"}}, "g2.contexts: expected a list, found 'many'"),
     ({"g2": {"contexts": []}}, "g2.contexts"),
+    ({"g2": {"cold_read_pairs": 3}}, "g2.cold_read_pairs: expected a value >= 5, found 3"),
     ({"g3": {"levels": [2, "four"]}}, "g3.levels[1]: expected a finite number, found 'four'"),
     ({"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
      "g1.thresholds[0]: expected keys {metric, op, value} (threshold) or {metric, min, max} (band), "

@@ -337,6 +337,20 @@ def test_index_html_skips_a_plot_whose_data_is_absent(tmp_path):
     assert "<svg" not in g2 and "disk-hit TTFT ratio" in g2
 
 
+def test_index_html_plots_g2_cold_read_pairs_round_by_round_and_lists_each_pair(tmp_path):
+    store = build_run(tmp_path, gates=("g1", "g2"), g2_ttft=False)
+    for i, (tier, fio) in enumerate([(1.1, 2.0), (2.6, 3.4), (0.9, 1.3)]):
+        store.record("g2", "cold read", "cold_read_pair", tier / fio, round=i, tier_gbps=tier, fio_gbps=fio,
+                     tier_bytes=33554432, tier_seconds=33554432 / tier / 1e9, fio_bytes=33554432,
+                     fio_seconds=33554432 / fio / 1e9)
+    render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    g2 = page[page.index('id="g2"'):page.index('id="g3"')]
+    assert g2.count("<svg") == 1 and "G2 cold-read bandwidth, alternating rounds" in g2
+    assert "disk tier cold load" in g2 and "fio, same storage" in g2
+    assert g2.count("cold_read_pair") == 3 and "round=2, tier_gbps=0.9, fio_gbps=1.3" in g2
+
+
 def test_user_controlled_strings_are_escaped_in_html_and_svg(run_dir):
     render_run(run_dir)
     page = (run_dir / "index.html").read_text()

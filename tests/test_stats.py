@@ -112,6 +112,22 @@ def test_ratio_ci_gives_the_ratio_of_the_statistics():
     assert lo < 0.25 < hi
 
 
+def test_paired_ratio_ci_keeps_what_the_two_sides_of_a_round_share():
+    # the storage swings 1.3-3.5 GB/s between minutes; in each minute the tier reads at 70% of fio
+    storage = np.array([1.3, 3.5, 2.0, 1.6, 3.1, 2.4, 1.4])
+    tier = 0.7 * storage * np.array([1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.01])
+    ratio, (lo, hi) = ratio_ci(tier, storage, paired=True)
+    assert ratio == pytest.approx(np.median(tier) / np.median(storage))
+    assert 0.65 < lo <= ratio <= hi < 0.75
+    _, (independent_lo, independent_hi) = ratio_ci(tier, storage)
+    assert independent_lo < 0.5 and independent_hi > 0.9  # resampled apart, the swing swamps the ratio
+
+
+def test_paired_ratio_ci_needs_one_denominator_per_numerator():
+    with pytest.raises(ValueError, match="paired"):
+        ratio_ci([1.0, 2.0, 3.0], [1.0, 2.0], paired=True)
+
+
 def test_two_sample_ci_is_deterministic_for_a_seed():
     a, b = lognormal(100, seed=31), lognormal(100, seed=32)
     assert reduction_ci(a, b, seed=3) == reduction_ci(a, b, seed=3)

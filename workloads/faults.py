@@ -130,6 +130,10 @@ class AdminClient:
     def flush(self) -> dict:
         return self._call("POST", "/admin/cache/flush", {})
 
+    def drop_page_cache(self) -> dict:
+        """Drop the disk tier's files from the page cache, so the next disk load really reads the device."""
+        return self._call("POST", "/admin/cache/drop-page-cache", {})
+
     def arm(self, kind: str, duration_s: Optional[float] = None, delay_ms: Optional[float] = None) -> dict:
         body = {"kind": kind, "duration_s": duration_s, "delay_ms": delay_ms}
         return self._call("POST", "/admin/faults", {k: v for k, v in body.items() if v is not None})

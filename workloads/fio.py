@@ -2,9 +2,9 @@
 
 A `FioJob` is one fio job as data; `run_fio` runs it with
 `--output-format=json` and returns a `FioResult`: bandwidth in bytes/s, IOPS
-and completion-latency mean/p50/p99/p99.9 in nanoseconds, normalised across
-fio versions (fio 3 reports `bw_bytes` and `clat_ns`; fio 2.x only `bw` in
-KiB/s and `clat` in microseconds). A `FioMatrix` is a set of jobs run together
+and completion-latency mean/p50/p99/p99.9 in nanoseconds, read from fio 3's
+`bw_bytes` and `clat_ns` (fio 2.x reports, with `bw` in KiB/s and `clat` in
+microseconds, are refused with a FioError). A `FioMatrix` is a set of jobs run together
 by `run_matrix` (sequential and random reads and writes, a mixed 70/30 job and
 optionally a crc32c verify pass); `results_frame` tabulates the results.
 
@@ -239,7 +239,7 @@ def text_around_report(text: str) -> str:
 
 
 def _percentile(percentiles: dict, wanted: float) -> float:
-    """The value at percentile `wanted`; keys are strings like "99.000000" (fio 3) or "99.00"."""
+    """The value at percentile `wanted`; keys are strings like "99.000000"."""
     for key, value in percentiles.items():
         try:
             if abs(float(key) - wanted) < 1e-9:
@@ -250,38 +250,30 @@ def _percentile(percentiles: dict, wanted: float) -> float:
 
 
 def _clat(direction: dict) -> ClatStats:
-    """Completion latency in ns from `clat_ns` (fio >= 3) or `clat` in microseconds (fio 2.x)."""
-    if "clat_ns" in direction:
-        clat, scale = direction["clat_ns"], 1.0
-    elif "clat" in direction:
-        clat, scale = direction["clat"], 1000.0
-    else:
+    """Completion latency in ns from `clat_ns` (absent when the direction did no I/O)."""
+    clat = direction.get("clat_ns")
+    if clat is None:
         return ClatStats()
     percentiles = clat.get("percentile") or {}
-
-    def ns(value: float) -> float:  # microseconds to ns, rounded to hide float noise (290.52 us -> 290520.0)
-        return float(value) if scale == 1.0 else round(float(value) * scale, 3)
-
-    return ClatStats(mean_ns=ns(clat.get("mean", 0.0)), p50_ns=ns(_percentile(percentiles, 50.0)),
-                     p99_ns=ns(_percentile(percentiles, 99.0)), p999_ns=ns(_percentile(percentiles, 99.9)))
+    return ClatStats(mean_ns=float(clat.get("mean", 0.0)), p50_ns=_percentile(percentiles, 50.0),
+                     p99_ns=_percentile(percentiles, 99.0), p999_ns=_percentile(percentiles, 99.9))
 
 
 @dataclass(frozen=True)
 class _Direction:
     bw_bytes: float
     iops: float
-    io_bytes: float  # only compared between directions of one report (fio 2.x counts it in KiB)
+    io_bytes: float
     ios: float
     clat: ClatStats
 
 
 def _direction(direction: dict | None) -> _Direction:
-    """One direction (`read` or `write`) of one job entry; `bw_bytes` or, in fio 2.x, `bw` in KiB/s."""
+    """One direction (`read` or `write`) of one job entry."""
     if not direction:
         return _Direction(0.0, 0.0, 0.0, 0.0, ClatStats())
-    bw = float(direction["bw_bytes"]) if "bw_bytes" in direction else float(direction.get("bw", 0)) * 1024
     iops = float(direction.get("iops", 0.0))
-    return _Direction(bw_bytes=bw, iops=iops, io_bytes=float(direction.get("io_bytes", 0)),
+    return _Direction(bw_bytes=float(direction["bw_bytes"]), iops=iops, io_bytes=float(direction.get("io_bytes", 0)),
                       ios=float(direction.get("total_ios", iops)), clat=_clat(direction))
 
 
@@ -299,7 +291,7 @@ def _combine(parts: list[_Direction]) -> _Direction:
 
 
 def parse_fio_json(job: FioJob, text: str, fio_version: str = "") -> FioResult:
-    """The normalised result of fio's JSON report in `text` (fio 2.x or 3.x; surrounding text ignored).
+    """The normalised result of fio 3's JSON report in `text` (surrounding text ignored).
 
     `fio_version` is used only when the report does not name its version.
     """
@@ -310,6 +302,10 @@ def parse_fio_json(job: FioJob, text: str, fio_version: str = "") -> FioResult:
     try:
         read = _combine([_direction(e.get("read")) for e in entries])
         write = _combine([_direction(e.get("write")) for e in entries])
+    except KeyError as exc:
+        version = report.get("fio version") or fio_version or "unknown"
+        raise FioError(f"fio job {job.name!r}: expected fio 3's JSON report, found no {exc} in a report of "
+                       f"fio version {version} (install fio >= 3)") from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise FioError(f"fio job {job.name!r}: unexpected JSON report layout ({exc})") from None
     busy = read if read.io_bytes >= write.io_bytes else write
