@@ -7,6 +7,12 @@ tokens (and count) divided by the time from the window's start to the last
 completion. A step is invalid, with its reasons listed, when it ran shorter
 than `min_duration_s`, completed fewer than `min_requests`, its client was
 saturated (CPU or event-loop lag), or client and server token counts disagree.
+An invalid step's reasons end with its errors by type, each with a sample message
+(`workloads.errors`), counted over the whole step, warm-up included.
+
+A dead target: a step whose target stops answering (`SweepSettings.stop_rule`: connection
+errors in a row, or for so long, with no answer between them) ends early and says so; the
+sweep runs no later step against that target and lists them as not run, with the reason.
 
 Priming: before the first step a target can be sent the first turn of every
 session once (`prime_targets`), the same requests for every target. A prefix
@@ -16,6 +22,7 @@ concurrency measures reuse rather than the first visits of its sessions.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -24,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from .client import read_jsonl, read_records
+from .errors import StopRule, describe_errors, summarize_errors
 from .load import Target, run_load
 from .requests import Workload
 
@@ -42,6 +50,7 @@ class SweepSettings:
     workers: int = 0
     max_client_cpu_percent: float = 90.0
     max_loop_lag_s: float = 0.05
+    stop_rule: Optional[StopRule] = field(default_factory=StopRule)  # None: a step always runs to its end
     out_dir: Path = field(default_factory=lambda: Path("reports/runs/sweep"))
 
 
@@ -58,8 +67,11 @@ def read_client_samples(directory: Path) -> list[dict]:
 
 
 def summarize_step(records: list[dict], samples: list[dict], step_start: float, step_end: float,
-                   settings: SweepSettings) -> dict:
-    """Figures and validity of one step from its raw records and client samples."""
+                   settings: SweepSettings, stopped: Optional[str] = None) -> dict:
+    """Figures and validity of one step from its raw records and client samples.
+
+    `stopped`: why the step ended early (its target stopped answering), the first invalid reason.
+    """
     window_start = step_start + settings.warmup_s
     measured = [r for r in records if r["sent_at"] >= window_start]
     ok = [r for r in measured if r["ok"]]
@@ -77,8 +89,12 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
     reported = [r for r in ok if r["cached_tokens"] is not None and r["prompt_tokens"]]
     summary["hit_ratio"] = (sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported)
                             if reported else None)
-    reasons = _invalid_reasons(ok, samples, window_start, step_end, settings)
-    summary.update(valid=not reasons, invalid_reasons="; ".join(reasons))
+    errors = summarize_errors(records)
+    reasons = ([stopped] if stopped else []) + _invalid_reasons(ok, samples, window_start, step_end, settings)
+    if reasons and errors:
+        reasons.append("errors: " + describe_errors(errors))
+    summary.update(valid=not reasons, invalid_reasons="; ".join(reasons), errors_by_type=errors,
+                   stopped_reason=stopped)
     return summary
 
 
@@ -132,17 +148,18 @@ def first_turns(workload: Workload) -> Workload:
 
 
 def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
-                  timeout_s: float = 600.0) -> list[dict]:
+                  timeout_s: float = 600.0, stop_rule: Optional[StopRule] = StopRule()) -> list[dict]:
     """Send every target the first turn of each session once; a row per target (requests, errors, seconds)."""
     primer = first_turns(workload)
     rows = []
     for target in targets:
         run = run_load(primer, target, users, timeout_s, out_dir / target.name / "prime",
-                       max_requests=len(primer.sessions))
+                       max_requests=len(primer.sessions), stop_rule=stop_rule)
         records = read_records(run.records_dir)
         rows.append({"target": target.name, "requests": len(records), "errors": sum(not r["ok"] for r in records),
                      "seconds": run.ended_at - run.started_at, "expected": len(primer.sessions),
-                     "locust_exit_code": run.returncode})
+                     "locust_exit_code": run.returncode, "errors_by_type": describe_errors(summarize_errors(records)),
+                     "stopped_reason": run.stopped["reason"] if run.stopped else None})
     return rows
 
 
@@ -156,19 +173,34 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
     steps = [("concurrency", level, workload, level) for level in settings.levels]
     steps += [("rate", rate, paced(workload, rate, settings.duration_s), settings.rate_users)
               for rate in settings.rates]
-    rows = []
+    rows, dead = [], {}  # dead: target name -> why its later steps are not run
     for kind, value, step_workload, users in steps:
         for target in targets:
-            step_dir = settings.out_dir / target.name / (f"c{value}" if kind == "concurrency" else f"r{value:g}")
-            run = run_load(step_workload, target, users, settings.duration_s, step_dir, workers=settings.workers)
+            label = f"c{value}" if kind == "concurrency" else f"r{value:g}"
+            step_dir = settings.out_dir / target.name / label
+            row = {"target": target.name, "concurrency": users if kind == "concurrency" else None,
+                   "rate_per_s": value if kind == "rate" else None, "users": users, "step_dir": str(step_dir), "not_run": False}
+            if target.name in dead:
+                rows.append({**row, **_not_run(dead[target.name], settings)})
+                continue
+            run = run_load(step_workload, target, users, settings.duration_s, step_dir, workers=settings.workers,
+                           stop_rule=settings.stop_rule)
             records = read_records(run.records_dir)
             samples = read_client_samples(run.records_dir)
-            rows.append({"target": target.name, "concurrency": users if kind == "concurrency" else None,
-                         "rate_per_s": value if kind == "rate" else None, "users": users,
-                         "step_dir": str(step_dir), "locust_exit_code": run.returncode,
+            stopped = run.stopped["reason"] if run.stopped else None
+            if stopped:
+                dead[target.name] = f"not run: at {label}, {stopped}"
+            rows.append({**row, "locust_exit_code": run.returncode,
                          "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]),
-                         **summarize_step(records, samples, run.started_at, run.ended_at, settings)})
+                         **summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped)})
     return pd.DataFrame(rows)
+
+
+def _not_run(reason: str, settings: SweepSettings) -> dict:
+    """The summary of a step the sweep did not run: no requests, invalid, and why."""
+    now = time.time()
+    return {**summarize_step([], [], now, now, settings), "locust_exit_code": None, "client_wait_p99_s": None,
+            "valid": False, "invalid_reasons": reason, "not_run": True}
 
 
 def _p99(values: list[float]) -> Optional[float]:
