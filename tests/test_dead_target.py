@@ -137,3 +137,13 @@ def test_a_target_killed_mid_step_ends_the_step_with_the_reason_and_its_later_le
     assert second["not_run"] and second["concurrency"] == 4 and not second["valid"]
     assert second["invalid_reasons"] == f"not run: at c2, {first['stopped_reason']}"
     assert not (tmp_path / "candidate" / "c4").exists()            # nothing was sent at the next level
+
+
+def test_a_g4_window_counts_its_errors_by_type():
+    from gates.g4_soak.soak import _window_row
+
+    records = [_failed("http_500", "server_error: the engine failed")] * 2 + [_failed("connection_reset", "reset")]
+    row = _window_row(0, 0.0, records, {}, [], 10.0)
+    assert row["errors"] == 3
+    assert row["errors_by_type"] == {"http_500": {"count": 2, "example": "server_error: the engine failed"},
+                                     "connection_reset": {"count": 1, "example": "reset"}}
