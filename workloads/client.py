@@ -165,7 +165,10 @@ class _NoDelayHTTPSConnection(_NoDelay, HTTPSConnection):
 
 
 class Backoff:
-    """The wait before the next request after connection errors: `initial_s` doubling up to `cap_s`; 0 after an answer."""
+    """The wait before the next request after connection errors: `initial_s` doubling up to `cap_s`.
+
+    Reset to 0 by the first answered request (any HTTP response).
+    """
 
     def __init__(self, initial_s: float = 0.05, cap_s: float = 2.0) -> None:
         if not 0 < initial_s <= cap_s:

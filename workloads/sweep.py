@@ -158,7 +158,7 @@ def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir
         records = read_records(run.records_dir)
         rows.append({"target": target.name, "requests": len(records), "errors": sum(not r["ok"] for r in records),
                      "seconds": run.ended_at - run.started_at, "expected": len(primer.sessions),
-                     "locust_exit_code": run.returncode, "errors_by_type": describe_errors(summarize_errors(records)),
+                     "locust_exit_code": run.returncode, "error_summary": describe_errors(summarize_errors(records)),
                      "stopped_reason": run.stopped["reason"] if run.stopped else None})
     return rows
 
@@ -179,7 +179,8 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
             label = f"c{value}" if kind == "concurrency" else f"r{value:g}"
             step_dir = settings.out_dir / target.name / label
             row = {"target": target.name, "concurrency": users if kind == "concurrency" else None,
-                   "rate_per_s": value if kind == "rate" else None, "users": users, "step_dir": str(step_dir), "not_run": False}
+                   "rate_per_s": value if kind == "rate" else None, "users": users, "step_dir": str(step_dir),
+                   "not_run": False}
             if target.name in dead:
                 rows.append({**row, **_not_run(dead[target.name], settings)})
                 continue
