@@ -2,6 +2,7 @@
 
 The runner writes the resolved config and the environment fingerprint into
 the run directory, starts the embedded servers (or uses the external URLs),
+checks that every target answers (the pre-flight: exit 2 naming the target when one does not),
 runs each gate's suite with the gate plugin, prints one line per verdict as it
 lands, decides the gate's status from its verdicts, stops the later gates
 after a failure (unless --continue-on-fail), and renders the report.
@@ -29,8 +30,9 @@ from workloads.inventory import collect_inventory
 from workloads.processes import die_with_parent
 
 from .config import GatesConfig
-from .runstore import GATE_TITLES, RunStore
-from .targets import EmbeddedServers, endpoints_to_json, external_endpoints
+from .preflight import failure_message, run_preflight
+from .runstore import GATE_TITLES, RunStore, write_json
+from .targets import Endpoint, EmbeddedServers, endpoints_to_json, external_endpoints
 
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
 GATES_DIR = Path(__file__).parent
@@ -153,21 +155,39 @@ class GateRunner:
         self.store.write_run_info(info)
         self.console.print(f"[bold]kvgate run[/bold] {self.run_id}  profile {self.config.profile}  "
                            f"gates {' '.join(self.gates)}  → {self.run_dir}")
-        servers = self._targets(info)
+        servers, endpoints = self._targets(info)
         with servers or nullcontext():
-            statuses = self._run_gates()
+            problem = self._preflight(endpoints) if endpoints else ""
+            statuses = [] if problem else self._run_gates()
         info["ended_at"] = time.time()
         self.store.write_run_info(info)
+        if problem:
+            for gate in self.gates:
+                self.store.set_status(gate, "not run", problem)
         self._render()
+        if problem:
+            print(f"kvgate run: {problem}", file=sys.stderr)
+            return 2
         return 0 if all(s == "passed" for s in statuses) else 1
 
-    def _targets(self, info: dict) -> Optional[EmbeddedServers]:
+    def _preflight(self, endpoints: dict[str, Endpoint]) -> str:
+        """Check every target before any gate (gates/preflight.py); what failed, or '' when all passed."""
+        with self.console.status("pre-flight: every target's /models and one streamed token …"):
+            results = run_preflight(endpoints)
+        write_json(self.run_dir / "preflight.json", [r.to_dict() for r in results])
+        for r in results:
+            mark = "[green]ok[/green]" if r.ok else "[red]FAILED[/red]"
+            self.console.print(f"  pre-flight {mark} {r.line()}", highlight=False)
+        return failure_message(results)
+
+    def _targets(self, info: dict) -> tuple[Optional[EmbeddedServers], dict[str, Endpoint]]:
         if not NEEDS_TARGETS & set(self.gates):
-            return None
+            return None, {}
         if self.config.targets.kind == "external":
-            info["targets"] = endpoints_to_json(external_endpoints(self.config))
+            endpoints = external_endpoints(self.config)
+            info["targets"] = endpoints_to_json(endpoints)
             self.store.write_run_info(info)
-            return None
+            return None, endpoints
         servers = EmbeddedServers(self.config, self.run_dir)
         with self.console.status("starting the embedded servers (recompute, device-only, tiered) …"):
             try:
@@ -180,7 +200,7 @@ class GateRunner:
         for role, endpoint in endpoints.items():
             nodes = f"  + {len(endpoint.nodes) - 1} more node(s), {endpoint.routing}" if len(endpoint.nodes) > 1 else ""
             self.console.print(f"  {role:<9} {endpoint.mode:<11} {endpoint.url}{nodes}")
-        return servers
+        return servers, endpoints
 
     def _run_gates(self) -> list[str]:
         statuses, stopped_at = [], None

@@ -12,6 +12,11 @@
 `measure_stream` turns timed SSE lines into figures and is a pure function, so
 the definitions are tested on hand-made streams. `StreamingClient.send` does
 the HTTP (the standard library's http.client, which also runs under locust's gevent).
+
+After a connection error (`workloads.errors.CONNECTION_ERRORS`) the client waits before its
+next request, 50 ms doubling up to 2 s (`Backoff`), and answers at full speed again after the
+first answered request: a dead target costs a few attempts a second, not a busy loop. The wait
+comes before the next request is sent, so it shows as that request's client wait.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Iterable, Literal, Optional
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from urllib.parse import urlsplit
 
+from .errors import CONNECTION_ERRORS
 from .requests import WorkloadRequest
 
 
@@ -43,7 +49,7 @@ class RequestRecord:
     sent_at: float                   # wall clock (s) when it was sent
     client_wait_s: float             # sent_at - scheduled_at: time the request waited in the client
     ok: bool = False
-    error_type: Optional[str] = None  # http_4xx / http_5xx / connect / timeout / read / incomplete_stream / stream_error
+    error_type: Optional[str] = None  # see workloads.errors: http_<status> / connection_refused / timeout / …
     error_message: Optional[str] = None
     http_status: Optional[int] = None
     ttft_s: Optional[float] = None
@@ -158,6 +164,37 @@ class _NoDelayHTTPSConnection(_NoDelay, HTTPSConnection):
     pass
 
 
+class Backoff:
+    """The wait before the next request after connection errors: `initial_s` doubling up to `cap_s`.
+
+    Reset to 0 by the first answered request (any HTTP response).
+    """
+
+    def __init__(self, initial_s: float = 0.05, cap_s: float = 2.0) -> None:
+        if not 0 < initial_s <= cap_s:
+            raise ValueError(f"backoff: expected 0 < initial_s <= cap_s, found {initial_s} and {cap_s}")
+        self.initial_s, self.cap_s = initial_s, cap_s
+        self.delay_s = 0.0
+
+    def failed(self) -> None:
+        self.delay_s = min(self.cap_s, self.delay_s * 2 if self.delay_s else self.initial_s)
+
+    def reset(self) -> None:
+        self.delay_s = 0.0
+
+    def wait(self) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)  # gevent's sleep under locust
+
+
+class TargetError(Exception):
+    """A request that got no usable answer: its error type (workloads.errors) and message."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type, self.message = error_type, message
+
+
 class StreamingClient:
     """Sends workload requests to one OpenAI-compatible target over one keep-alive connection.
 
@@ -180,6 +217,7 @@ class StreamingClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._connection: Optional[HTTPConnection] = None
         self.worker = f"{os.uname().nodename}:{os.getpid()}"
+        self.backoff = Backoff()
 
     def close(self) -> None:
         if self._connection is not None:
@@ -195,7 +233,22 @@ class StreamingClient:
             body["prompt"] = request.prompt_text()
         return body
 
-    def _post(self, path: str, body: bytes):
+    def served_models(self) -> list[str]:
+        """The model ids the target lists at GET <base>/models; TargetError when it does not answer them."""
+        try:
+            _, response = self._request("GET", self._prefix + "/models", None)
+            body = response.read()
+        except (OSError, HTTPException) as error:
+            self.close()
+            raise TargetError(*classify(error)) from None
+        if response.status >= 400:
+            raise TargetError(f"http_{response.status}", _error_message(body))
+        try:
+            return [str(model["id"]) for model in json.loads(body)["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise TargetError("read", f"GET /models: expected an OpenAI model list, found {body[:120]!r}") from None
+
+    def _request(self, method: str, path: str, body: Optional[bytes]):
         """Send the request; (monotonic send time, response). A stale keep-alive connection is replaced once."""
         reused = self._connection is not None
         for attempt in (1, 2):
@@ -203,7 +256,7 @@ class StreamingClient:
                 self._connection = self._connection_class(self._host, self._port, timeout=self.timeout_s)
             sent = time.perf_counter()
             try:
-                self._connection.request("POST", path, body=body, headers=self._headers)
+                self._connection.request(method, path, body=body, headers=self._headers)
                 return sent, self._connection.getresponse()
             except (BrokenPipeError, ConnectionResetError):  # RemoteDisconnected is a ConnectionResetError
                 if not (reused and attempt == 1):
@@ -219,33 +272,47 @@ class StreamingClient:
         """
         path = self._prefix + ("/chat/completions" if self.api == "chat" else "/completions")
         body = json.dumps(self.body(request)).encode()
+        self.backoff.wait()
         sent_at = time.time()
         scheduled_at = sent_at if scheduled_at is None else scheduled_at
         record = RequestRecord(request.request_id, request.session_id, request.turn, self.target,
                                scheduled_at, sent_at, max(0.0, sent_at - scheduled_at), worker=self.worker)
+        record = self._exchange(path, body, record, keep_text)
+        if record.error_type in CONNECTION_ERRORS:
+            self.backoff.failed()
+        else:
+            self.backoff.reset()
+        return record
+
+    def _exchange(self, path: str, body: bytes, record: RequestRecord, keep_text: bool) -> RequestRecord:
         try:
-            sent, response = self._post(path, body)
+            sent, response = self._request("POST", path, body)
             record.http_status = response.status
             if response.status >= 400:
                 return _failed(record, f"http_{response.status}", _error_message(response.read()))
             metrics = measure_stream(_timed_lines(response), sent)
             if metrics.done:
                 response.read()  # the end of the chunked body, so the connection can be reused
-        except ConnectionRefusedError as error:
-            self.close()
-            return _failed(record, "connect", str(error))
-        except (TimeoutError, socket.timeout) as error:
-            self.close()
-            return _failed(record, "timeout", str(error) or "timed out")
         except (OSError, HTTPException) as error:
             self.close()
-            return _failed(record, "read", f"{type(error).__name__}: {error}")
+            return _failed(record, *classify(error))
         _apply(record, metrics)
         if keep_text:
             record.text = metrics.text
         if not metrics.done:
             self.close()  # the connection is in an unknown state
         return record
+
+
+def classify(error: BaseException) -> tuple[str, str]:
+    """(error_type, message) of a failed exchange (see workloads.errors)."""
+    if isinstance(error, ConnectionRefusedError):
+        return "connection_refused", error.strerror or str(error)
+    if isinstance(error, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
+        return "connection_reset", f"{type(error).__name__}: {error}"  # RemoteDisconnected is a reset
+    if isinstance(error, (TimeoutError, socket.timeout)):
+        return "timeout", str(error) or "timed out"
+    return "read", f"{type(error).__name__}: {error}"
 
 
 def _timed_lines(response) -> Iterable[tuple[float, str]]:
@@ -275,10 +342,14 @@ def _failed(record: RequestRecord, error_type: str, message: str) -> RequestReco
 
 
 def _error_message(body: bytes) -> str:
+    """An OpenAI-style error body as 'code: message' (the message alone without a code)."""
     try:
-        return str(json.loads(body)["error"]["message"])
+        error = json.loads(body)["error"]
+        message = str(error["message"])
     except (ValueError, KeyError, TypeError):
         return body[:300].decode("utf-8", errors="replace")
+    code = error.get("code") if isinstance(error, dict) else None
+    return f"{code}: {message}" if code and not message.startswith(str(code)) else message
 
 
 class RecordWriter:

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
+from .client import read_jsonl
+from .errors import StopRule
 from .requests import Workload, save_workload
 from .processes import die_with_parent
 
@@ -43,6 +45,7 @@ class LoadRun:
     ended_at: float
     returncode: int
     log: str
+    stopped: Optional[dict] = None   # the first load process that judged the target dead: {"reason", "at", ...}
 
 
 def free_port() -> int:
@@ -52,8 +55,13 @@ def free_port() -> int:
 
 
 def run_load(workload: Workload, target: Target, users: int, duration_s: float, out_dir: Path,
-             workers: int = 0, max_requests: Optional[int] = None, sample_interval_s: float = 1.0) -> LoadRun:
-    """Drive `users` concurrent sessions for `duration_s` (or until `max_requests`); records land in out_dir."""
+             workers: int = 0, max_requests: Optional[int] = None, sample_interval_s: float = 1.0,
+             stop_rule: Optional[StopRule] = None) -> LoadRun:
+    """Drive `users` concurrent sessions for `duration_s` (or until `max_requests`); records land in out_dir.
+
+    With a `stop_rule` a load process that sees the target stop answering ends the run early
+    (`LoadRun.stopped` says why); without one the load goes on, backing off, to the end.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     records_dir = out_dir / "records"
     if records_dir.exists() and any(records_dir.iterdir()):
@@ -62,7 +70,7 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
     per_worker = None if max_requests is None else -(-max_requests // max(1, workers))
     settings = {"workload_path": str(out_dir / "workload.json"), "records_dir": str(records_dir),
                 "target": asdict(target), "workers": max(1, workers), "max_requests_per_worker": per_worker,
-                "sample_interval_s": sample_interval_s}
+                "sample_interval_s": sample_interval_s, "stop_rule": asdict(stop_rule) if stop_rule else None}
     (out_dir / "load.json").write_text(json.dumps(settings, indent=1))
     env = {**os.environ, "KVGATE_LOAD_CONFIG": str(out_dir / "load.json")}
     base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--loglevel", "WARNING"]
@@ -77,7 +85,8 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
             returncode = proc.returncode
         else:
             returncode = _run_distributed(main, base, workers, env, log, duration_s)
-    return LoadRun(records_dir, started, time.time(), returncode, log_path.read_text())
+    stops = sorted(read_jsonl(records_dir, "stop-*.jsonl"), key=lambda row: row["at"])
+    return LoadRun(records_dir, started, time.time(), returncode, log_path.read_text(), stops[0] if stops else None)
 
 
 def _run_distributed(main: list[str], base: list[str], workers: int, env: dict, log, duration_s: float) -> int:

@@ -23,6 +23,7 @@ from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
 from workloads.client import RecordWriter, StreamingClient
+from workloads.errors import DeadTargetDetector, StopRule
 from workloads.requests import load_workload
 from workloads.routing import Router
 
@@ -53,6 +54,8 @@ def _on_test_start(environment, **_):
     # puts the session back at the end once the turn is answered
     _state.update(ready=collections.deque(mine), turn=dict.fromkeys(mine, 0))
     _state["writer"] = RecordWriter(RECORDS, _state["worker"])
+    rule = SETTINGS.get("stop_rule")
+    _state.update(detector=DeadTargetDetector(StopRule(**rule)) if rule else None, stopped=False)
     gevent.spawn(_sample_client_load, environment)
 
 
@@ -122,6 +125,7 @@ class WorkloadUser(User):
         record.node = self.node_urls[node]
         _state["writer"].write(record)
         _state["done"] += 1
+        _stop_if_dead(self.environment, record)
         if limit is not None and _state["done"] >= limit:
             gevent.spawn(self.environment.runner.quit)  # the budget is spent: end the run now
         self.environment.events.request.fire(
@@ -129,3 +133,17 @@ class WorkloadUser(User):
             response_length=record.completion_tokens or 0,
             exception=None if record.ok else RuntimeError(record.error_type), context={},
         )
+
+
+def _stop_if_dead(environment, record) -> None:
+    """End this process's run once its target stopped answering (the stop rule), saying why in stop-*.jsonl."""
+    detector = _state.get("detector")
+    if detector is None or _state["stopped"] or not detector.observe(record.error_type, record.error_message):
+        return
+    _state["stopped"] = True
+    now = time.time()
+    row = {"at": now, "t_s": now - _state["start"], "worker": _state["worker"], "errors_in_a_row": detector.in_a_row,
+           "error_type": record.error_type, "reason": f"{detector.reason()} at t={now - _state['start']:.1f} s"}
+    with open(RECORDS / f"stop-{_state['worker']}.jsonl", "a") as out:
+        out.write(json.dumps(row) + "\n")
+    gevent.spawn(environment.runner.quit)

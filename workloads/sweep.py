@@ -7,6 +7,12 @@ tokens (and count) divided by the time from the window's start to the last
 completion. A step is invalid, with its reasons listed, when it ran shorter
 than `min_duration_s`, completed fewer than `min_requests`, its client was
 saturated (CPU or event-loop lag), or client and server token counts disagree.
+An invalid step's reasons end with its errors by type, each with a sample message
+(`workloads.errors`), counted over the whole step, warm-up included.
+
+A dead target: a step whose target stops answering (`SweepSettings.stop_rule`: connection
+errors in a row, or for so long, with no answer between them) ends early and says so; the
+sweep runs no later step against that target and lists them as not run, with the reason.
 
 Priming: before the first step a target can be sent the first turn of every
 session once (`prime_targets`), the same requests for every target. A prefix
@@ -40,6 +46,7 @@ of an open-loop trace replay were identical runs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -48,6 +55,7 @@ import numpy as np
 import pandas as pd
 
 from .client import read_jsonl, read_records
+from .errors import StopRule, describe_errors, summarize_errors
 from .load import Target, run_load
 from .requests import Workload
 
@@ -67,6 +75,7 @@ class SweepSettings:
     workers: int = 0
     max_client_cpu_percent: float = 90.0
     max_loop_lag_s: float = 0.05
+    stop_rule: Optional[StopRule] = field(default_factory=StopRule)  # None: a step always runs to its end
     out_dir: Path = field(default_factory=lambda: Path("reports/runs/sweep"))
 
 
@@ -83,8 +92,11 @@ def read_client_samples(directory: Path) -> list[dict]:
 
 
 def summarize_step(records: list[dict], samples: list[dict], step_start: float, step_end: float,
-                   settings: SweepSettings) -> dict:
-    """Figures and validity of one step from its raw records and client samples."""
+                   settings: SweepSettings, stopped: Optional[str] = None) -> dict:
+    """Figures and validity of one step from its raw records and client samples.
+
+    `stopped`: why the step ended early (its target stopped answering), the first invalid reason.
+    """
     window_start = step_start + settings.warmup_s
     measured = [r for r in records if r["sent_at"] >= window_start]
     ok = [r for r in measured if r["ok"]]
@@ -102,8 +114,12 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
     reported = [r for r in ok if r["cached_tokens"] is not None and r["prompt_tokens"]]
     summary["hit_ratio"] = (sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported)
                             if reported else None)
-    reasons = _invalid_reasons(ok, samples, window_start, step_end, settings)
-    summary.update(valid=not reasons, invalid_reasons="; ".join(reasons))
+    errors = summarize_errors(records)
+    reasons = ([stopped] if stopped else []) + _invalid_reasons(ok, samples, window_start, step_end, settings)
+    if reasons and errors:
+        reasons.append("errors: " + describe_errors(errors))
+    summary.update(valid=not reasons, invalid_reasons="; ".join(reasons), errors_by_type=errors,
+                   stopped_reason=stopped)
     return summary
 
 
@@ -204,21 +220,22 @@ def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -
 
 
 def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
-                  timeout_s: float = 600.0) -> list[dict]:
+                  timeout_s: float = 600.0, stop_rule: Optional[StopRule] = StopRule()) -> list[dict]:
     """Send every target `primer(workload)` once; a row per target (requests, errors, seconds)."""
     primer_workload = primer(workload)
     if not primer_workload.sessions:  # a trace without warm-up requests: nothing to send
         return [{"target": t.name, "requests": 0, "errors": 0, "seconds": 0.0, "expected": 0,
-                 "locust_exit_code": None} for t in targets]
+                 "locust_exit_code": None, "error_summary": "", "stopped_reason": None} for t in targets]
     primer_workload = primer_workload if not workload.trace else closed_loop(primer_workload)
     rows = []
     for target in targets:
         run = run_load(primer_workload, target, users, timeout_s, out_dir / target.name / "prime",
-                       max_requests=len(primer_workload.sessions))
+                       max_requests=len(primer_workload.sessions), stop_rule=stop_rule)
         records = read_records(run.records_dir)
         rows.append({"target": target.name, "requests": len(records), "errors": sum(not r["ok"] for r in records),
                      "seconds": run.ended_at - run.started_at, "expected": len(primer_workload.sessions),
-                     "locust_exit_code": run.returncode})
+                     "locust_exit_code": run.returncode, "error_summary": describe_errors(summarize_errors(records)),
+                     "stopped_reason": run.stopped["reason"] if run.stopped else None})
     return rows
 
 
@@ -230,27 +247,40 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
     step shows client wait, and is flagged when the client itself saturates). A trace's steps each
     replay their own part of it once (see the module's docstring).
     """
-    rows = []
+    rows, dead = [], {}  # dead: target name -> why its later steps are not run
     for step in _steps(workload, settings):
         for target in targets:
             step_dir = settings.out_dir / target.name / step.dir_name
+            row = {"target": target.name, "replay": step.kind, "level": step.value,
+                   "concurrency": step.users if step.kind == "concurrency" else None,
+                   "rate_per_s": step.value if step.kind == "rate" else None,
+                   "multiplier": step.value if step.kind == "multiplier" else None, "users": step.users,
+                   "offered_requests": step.max_requests, "step_dir": str(step_dir), "not_run": False}
+            if target.name in dead:
+                rows.append({**row, **_not_run(dead[target.name], settings)})
+                continue
             run = run_load(step.workload, target, step.users, settings.duration_s, step_dir,
-                           workers=settings.workers, max_requests=step.max_requests)
+                           workers=settings.workers, max_requests=step.max_requests, stop_rule=settings.stop_rule)
             records = read_records(run.records_dir)
             samples = read_client_samples(run.records_dir)
-            summary = summarize_step(records, samples, run.started_at, run.ended_at, settings)
+            stopped = run.stopped["reason"] if run.stopped else None
+            if stopped:
+                dead[target.name] = f"not run: at {step.dir_name}, {stopped}"
+            summary = summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped)
             if step.max_requests is not None and len(records) >= step.max_requests and not summary["valid"]:
                 summary["invalid_reasons"] += (f"; its {step.max_requests} trace requests ran out after "
                                                f"{run.ended_at - run.started_at:.1f} s (more in limit, or a shorter "
                                                "duration)")
-            rows.append({"target": target.name, "replay": step.kind, "level": step.value,
-                         "concurrency": step.users if step.kind == "concurrency" else None,
-                         "rate_per_s": step.value if step.kind == "rate" else None,
-                         "multiplier": step.value if step.kind == "multiplier" else None, "users": step.users,
-                         "offered_requests": step.max_requests, "step_dir": str(step_dir),
-                         "locust_exit_code": run.returncode,
+            rows.append({**row, "locust_exit_code": run.returncode,
                          "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]), **summary})
     return pd.DataFrame(rows)
+
+
+def _not_run(reason: str, settings: SweepSettings) -> dict:
+    """The summary of a step the sweep did not run: no requests, invalid, and why."""
+    now = time.time()
+    return {**summarize_step([], [], now, now, settings), "locust_exit_code": None, "client_wait_p99_s": None,
+            "valid": False, "invalid_reasons": reason, "not_run": True}
 
 
 @dataclass(frozen=True)

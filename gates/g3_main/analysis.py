@@ -53,8 +53,10 @@ def level_figures(baseline: dict, candidate: dict) -> LevelFigures:
     """TTFT p50 reduction (requests) and throughput gain (windows), with bootstrap intervals.
 
     `baseline` and `candidate` are steps: {"summary": sweep row, "records": measured ok records}.
+    An invalid step's reasons (its errors by type among them) reach the verdict, each named by its target.
     """
-    reasons = [s["summary"]["invalid_reasons"] for s in (baseline, candidate) if s["summary"]["invalid_reasons"]]
+    reasons = [f"{s['summary'].get('target', role)}: {s['summary']['invalid_reasons']}"
+               for role, s in (("baseline", baseline), ("candidate", candidate)) if s["summary"]["invalid_reasons"]]
     valid = bool(baseline["summary"]["valid"] and candidate["summary"]["valid"])
     b_ttft = [r["ttft_s"] for r in baseline["records"] if r["ttft_s"] is not None]
     c_ttft = [r["ttft_s"] for r in candidate["records"] if r["ttft_s"] is not None]

@@ -96,8 +96,9 @@ def test_targets_were_primed_alike(sweep, gate_context, record):
     for row in sweep["primed"]:
         record("prime_requests", row["requests"], target=row["target"], errors=row["errors"],
                seconds=round(row["seconds"], 1))
-    incomplete = [f"{r['target']}: {r['requests'] - r['errors']} of {r['expected']} ok" for r in sweep["primed"]
-                  if r["requests"] - r["errors"] != r["expected"]]
+    incomplete = [f"{r['target']}: {r['requests'] - r['errors']} of {r['expected']} ok"
+                  + (f" (errors: {r['error_summary']})" if r.get("error_summary") else "")
+                  for r in sweep["primed"] if r["requests"] - r["errors"] != r["expected"]]
     assert not incomplete, "priming did not complete on every target: " + "; ".join(incomplete)
 
 

@@ -24,6 +24,7 @@ from gates.g4_soak.fault_schedule import FaultSchedule
 from gates.runstore import append_jsonl, read_jsonl, write_json
 from gates.stats import mann_kendall
 from workloads.client import StreamingClient, read_records
+from workloads.errors import summarize_errors
 from workloads.faults import AdminClient, counter, per_tier
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
@@ -68,7 +69,7 @@ def _window_row(index: int, start_s: float, records: list[dict], server: dict, p
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {
         "index": index, "start_s": start_s, "requests": len(records), "completed": len(ok),
-        "errors": len(records) - len(ok),
+        "errors": len(records) - len(ok), "errors_by_type": summarize_errors(records),
         "ttft_p50_ms": float(np.percentile(ttft, 50)) * 1e3 if ttft else None,
         "ttft_p99_ms": float(np.percentile(ttft, 99)) * 1e3 if ttft else None,
         "output_tokens_per_s": sum(r["completion_tokens"] or 0 for r in ok) / window_s,

@@ -1,0 +1,97 @@
+"""Pre-flight: before the gates that need targets, every target answers, serves its model and streams.
+
+For each role (and each node of a role served by several) two short calls, each with a
+timeout of a few seconds: GET `<url>/models` must list the configured model, then one streamed
+request of two tokens, sent by the streaming client the load uses (same client, same timing
+path), must yield a first token. A failure names the role, the URL and what happened
+("baseline http://127.0.0.1:9/v1: connection refused"); `kvgate run` then stops with exit 2
+before any gate runs, instead of sweeping a target that is not there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from workloads.client import StreamingClient, TargetError
+from workloads.errors import CONNECTION_ERRORS, describe_error
+from workloads.requests import WorkloadRequest
+
+from .targets import Endpoint
+
+TIMEOUT_S = 10.0
+PROBE = WorkloadRequest("preflight", "preflight", 0, ({"role": "user", "content": "Say OK."},), 2, 8)
+
+
+@dataclass
+class PreflightResult:
+    """One node of one role: did it answer, serve the model and stream a first token."""
+
+    role: str                        # "baseline", or "candidate node 1" when the role has several nodes
+    url: str
+    model: str
+    ok: bool = False
+    problem: str = ""                # what happened, when not ok
+    served: list[str] = field(default_factory=list)
+    ttft_s: Optional[float] = None
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return f"{self.role} {self.url}: {self.problem or 'ok'}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _nodes(role: str, endpoint: Endpoint) -> list[tuple[str, str]]:
+    urls = endpoint.nodes or (endpoint.url,)
+    return [(role if len(urls) == 1 else f"{role} node {i}", url) for i, url in enumerate(urls)]
+
+
+def check_node(role: str, url: str, endpoint: Endpoint, timeout_s: float = TIMEOUT_S) -> PreflightResult:
+    """The two calls against one node; the result says what happened."""
+    result = PreflightResult(role, url, endpoint.model)
+    started = time.monotonic()
+    api_key = os.environ.get(endpoint.api_key_env or "", "") or None
+    client = StreamingClient(url, endpoint.model, endpoint.api, api_key, target=f"preflight-{role}",
+                             timeout_s=timeout_s)
+    try:
+        result.problem = _check(client, result)
+    finally:
+        client.close()
+        result.seconds = time.monotonic() - started
+    result.ok = not result.problem
+    return result
+
+
+def _check(client: StreamingClient, result: PreflightResult) -> str:
+    try:
+        result.served = client.served_models()
+    except TargetError as error:
+        what = describe_error(error.error_type, error.message)
+        return what if error.error_type in CONNECTION_ERRORS else f"GET /models: {what}"
+    if result.model not in result.served:
+        return f"model {result.model!r} not served (serves: {', '.join(result.served) or 'none'})"
+    record = client.send(PROBE)
+    if not record.ok:
+        return describe_error(record.error_type, record.error_message)
+    if record.ttft_s is None:
+        return f"the streamed answer carried no text (finish_reason {record.finish_reason})"
+    result.ttft_s = record.ttft_s
+    return ""
+
+
+def run_preflight(endpoints: dict[str, Endpoint], timeout_s: float = TIMEOUT_S) -> list[PreflightResult]:
+    """Every node of every role, checked side by side (a dead one costs its timeout once, not once per role)."""
+    nodes = [(role, url, endpoint) for role, endpoint in endpoints.items() for role, url in _nodes(role, endpoint)]
+    with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        return list(pool.map(lambda node: check_node(*node, timeout_s=timeout_s), nodes))
+
+
+def failure_message(results: list[PreflightResult]) -> str:
+    """'pre-flight failed: baseline http://…/v1: connection refused; candidate …' ('' when all passed)."""
+    failed = [r.line() for r in results if not r.ok]
+    return "pre-flight failed: " + "; ".join(failed) if failed else ""
