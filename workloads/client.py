@@ -33,6 +33,8 @@ from typing import Iterable, Literal, Optional
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from urllib.parse import urlsplit
 
+from kvcore.files import read_jsonl
+
 from .errors import CONNECTION_ERRORS
 from .requests import WorkloadRequest
 
@@ -368,24 +370,6 @@ class RecordWriter:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-def read_jsonl_file(path: Path) -> list[dict]:
-    """Every complete JSON line of a file ([] when absent); a torn last line (a crash mid-write) is skipped."""
-    if not Path(path).exists():
-        return []
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
-
-
-def read_jsonl(directory: Path, pattern: str) -> list[dict]:
-    """Every JSON line of the files matching `pattern` in `directory`."""
-    return [row for path in sorted(Path(directory).glob(pattern)) for row in read_jsonl_file(path)]
 
 
 def read_records(directory: Path) -> list[dict]:

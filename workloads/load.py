@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from .client import read_jsonl
+from kvcore.files import read_jsonl
+
 from .errors import StopRule
 from .requests import Workload, save_workload
 from .processes import die_with_parent

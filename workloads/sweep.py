@@ -54,7 +54,9 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from .client import read_jsonl, read_records
+from kvcore.files import read_jsonl
+
+from .client import read_records
 from .errors import StopRule, describe_errors, summarize_errors
 from .load import Target, run_load
 from .requests import Workload
