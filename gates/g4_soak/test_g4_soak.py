@@ -108,15 +108,15 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
 def test_memory_growth_extrapolated_to_the_full_duration_stays_under_the_limit(gate_context, windows, fault_windows,
                                                                               record, verdict):
     config = gate_context.config.g4
+    rule = {"metric": "memory_growth_mib", "op": "<=", "value": config.memory_growth_limit_mib}
     result = drift(windows, "rss_minus_cache_mib", excluded=fault_windows)
+    label = f"G4 memory growth extrapolated to {config.duration_s / 3600:.3g} h ({result.words('MiB')})"
     if result.sen_slope is None:
-        verdict("G4 memory growth", "memory_growth_mib", None, valid=False, invalid_reason=result.invalid_reason)
+        verdict(label, "memory_growth_mib", None, rule=rule, valid=False, invalid_reason=result.invalid_reason)
     growth = max(0.0, result.sen_slope) * config.duration_s / config.window_s
     record("memory_growth_mib", growth, "MiB", sen_slope_mib_per_window=result.sen_slope, windows=result.windows,
            excluded_windows=result.excluded)
-    verdict(f"G4 memory growth extrapolated to {config.duration_s / 3600:.3g} h ({result.words('MiB')})",
-            "memory_growth_mib", growth,
-            rule={"metric": "memory_growth_mib", "op": "<=", "value": config.memory_growth_limit_mib}, unit="MiB")
+    verdict(label, "memory_growth_mib", growth, rule=rule, unit="MiB")
 
 
 def _fault_outcome(row: dict) -> tuple[bool, str]:
