@@ -265,11 +265,16 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
         assert row["detected"][row["detected_by"]] > 0, row          # the fault met blocks in use and was counted
         assert row["probe_during"]["identical"], row                  # no wrong answer while it lasted
         assert row["recovered_after_s"] is not None, row
+        assert row["at_s"] <= row["injected_s"] <= row["ended_s"] and row["recovery_timeout_s"] > 0, row
     assert rows[0]["detail"]["key"] and rows[0]["probe_during"]["cached_tokens"] < rows[0]["probe_during"]["prompt_tokens"]
     store = RunStore(run_dir)
     verdicts = {v["metric"]: v for v in store.verdicts("g4")}
     assert verdicts["faults_handled_fraction"]["status"] == "PASS", verdicts["faults_handled_fraction"]["reason"]
     assert verdicts["probe_identical_fraction"]["status"] == "PASS"
     assert verdicts["error_rate"]["status"] == "PASS"
+    left_out = {m["context"]["window"] for m in store.measurements("g4") if m["metric"] == "drift_excluded_window"}
+    assert {int(f["at_s"] // SOAK["g4"]["window_s"]) for f in FAULTS} <= left_out   # each fault's own window
+    assert f"{len(left_out)} fault windows left out" in verdicts["throughput_drift_fraction"]["reason"]
     html = (run_dir / "index.html").read_text()
     assert "served whole from cache again after" in html and "flip_byte" in html and ">faults<" in html
+    assert "fault windows left out of the drift checks" in html
