@@ -228,6 +228,8 @@ class G4Config(StrictModel):
     window_s: Float = Field(gt=0)
     concurrency: Int = Field(ge=1)
     memory_growth_limit_mib: Float = Field(default=512, gt=0, description="extrapolated to the full duration")
+    drift_tolerance: Float = Field(default=0.05, gt=0, lt=1, description=(
+        "the largest change over the soak, as a fraction of the level, that a windowed trend may show"))
     faults: list[FaultSpec] = Field(default_factory=list, description="the fault schedule (embedded candidate)")
     thresholds: list[RuleField]
 

@@ -1,4 +1,4 @@
-"""Statistics the verdicts rest on: percentiles, bootstrap intervals, Mann-Kendall trend.
+"""Statistics the verdicts rest on: percentiles, bootstrap intervals, Mann-Kendall trend, Sen slope interval.
 
 Every figure is computed from raw samples (per-request records, per-window
 figures), never from averaged percentiles. Bootstrap intervals are percentile
@@ -8,7 +8,8 @@ intervals, vectorised with numpy and deterministic for a given seed.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from statistics import NormalDist
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -127,28 +128,77 @@ def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], statistic
     return _two_sample(numerator, denominator, lambda n, d: n / d, statistic, confidence, resamples, seed, paired)
 
 
-def mann_kendall(values: Sequence[float], alpha: float = 0.05) -> dict:
+def _series(values: Sequence[float], positions: Optional[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """The values and their strictly increasing positions (0, 1, 2, ... when none are given)."""
+    y = _sample(values)
+    if positions is None:
+        return y, np.arange(y.size, dtype=float)
+    x = np.asarray(positions, dtype=float).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f"positions: expected one per value ({y.size}), found {x.size}")
+    if not np.all(np.isfinite(x)) or np.any(np.diff(x) <= 0):
+        raise ValueError("positions: expected finite, strictly increasing positions")
+    return y, x
+
+
+def _pairs(y: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Differences and slopes of every pair i < j: y[j] - y[i] and (y[j] - y[i]) / (x[j] - x[i])."""
+    i, j = np.triu_indices(y.size, k=1)
+    diffs = y[j] - y[i]
+    return diffs, diffs / (x[j] - x[i])
+
+
+def _s_variance(y: np.ndarray) -> float:
+    """Var(S) of the Mann-Kendall statistic under no trend, corrected for ties."""
+    n = y.size
+    _, ties = np.unique(y, return_counts=True)
+    return (n * (n - 1) * (2 * n + 5) - float(np.sum(ties * (ties - 1) * (2 * ties + 5)))) / 18.0
+
+
+def mann_kendall(values: Sequence[float], alpha: float = 0.05,
+                 positions: Optional[Sequence[float]] = None) -> dict:
     """Mann-Kendall trend test on an ordered series (e.g. windowed p99 TTFT, server memory).
 
     Returns {"s", "z", "p_value", "trend", "sen_slope"}: S = sum over i<j of sign(x_j - x_i);
     z from the normal approximation with the tie-corrected variance and continuity correction;
     a two-sided p-value; "increasing" / "decreasing" when p < alpha, else "no trend"; and the
-    Theil-Sen slope (median of pairwise slopes, per index step).
+    Theil-Sen slope (median of pairwise slopes, per step of position). `positions` place the
+    values (e.g. window indices with gaps where windows were left out); S depends only on the
+    order, the slope on the positions.
     """
-    x = _sample(values)
-    n = x.size
-    if n < 2:
+    y, x = _series(values, positions)
+    if y.size < 2:
         return {"s": 0, "z": 0.0, "p_value": 1.0, "trend": "no trend", "sen_slope": 0.0}
-    i, j = np.triu_indices(n, k=1)
-    diffs = x[j] - x[i]
+    diffs, slopes = _pairs(y, x)
     s = int(np.sign(diffs).sum())
-    _, ties = np.unique(x, return_counts=True)
-    variance = (n * (n - 1) * (2 * n + 5) - float(np.sum(ties * (ties - 1) * (2 * ties + 5)))) / 18.0
+    variance = _s_variance(y)
     if variance <= 0.0 or s == 0:
         z = 0.0
     else:
         z = (s - 1 if s > 0 else s + 1) / math.sqrt(variance)
     p_value = math.erfc(abs(z) / math.sqrt(2.0))
     trend = "no trend" if p_value >= alpha else ("increasing" if z > 0 else "decreasing")
-    sen_slope = float(np.median(diffs / (j - i)))
-    return {"s": s, "z": float(z), "p_value": float(p_value), "trend": trend, "sen_slope": sen_slope}
+    return {"s": s, "z": float(z), "p_value": float(p_value), "trend": trend, "sen_slope": float(np.median(slopes))}
+
+
+def sen_slope_ci(values: Sequence[float], positions: Optional[Sequence[float]] = None,
+                 confidence: float = 0.95) -> tuple[float, tuple[float, float]]:
+    """The Theil-Sen slope and its distribution-free confidence interval.
+
+    Hollander & Wolfe (1973), as in Gilbert (1987) §16.5 and R's `trend::sens.slope`: with the
+    N pairwise slopes sorted and C = z_(1-a/2) * sqrt(Var S) (Var S the Mann-Kendall variance,
+    tie-corrected), the interval runs from the round((N - C) / 2)-th to the
+    round((N + C) / 2 + 1)-th slope (1-based, clamped to 1..N). Few values give a wide interval:
+    the span of all pairwise slopes at 4 values.
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence: expected a fraction in (0, 1), found {confidence}")
+    y, x = _series(values, positions)
+    if y.size < 2:
+        return 0.0, (0.0, 0.0)
+    slopes = np.sort(_pairs(y, x)[1])
+    count = slopes.size
+    c = NormalDist().inv_cdf(1.0 - (1.0 - confidence) / 2.0) * math.sqrt(max(_s_variance(y), 0.0))
+    lower = min(max(round((count - c) / 2.0), 1), count)
+    upper = min(max(round((count + c) / 2.0 + 1.0), 1), count)
+    return float(np.median(slopes)), (float(slopes[lower - 1]), float(slopes[upper - 1]))

@@ -103,6 +103,7 @@ g4:
   window_s: 10
   concurrency: 4
   memory_growth_limit_mib: 512    # server memory growth extrapolated to duration_s
+  drift_tolerance: 0.05           # largest trend over the soak (fraction of the level) in TTFT p99, throughput, memory
   faults:                         # injected into the embedded candidate during the soak ([] for none)
     # stored-block faults (flip_byte, truncate, delete, swap) damage a disk block of the first probe's
     # prompt; I/O faults (read_error, write_error, disk_full, slow_disk + delay_ms) stay armed duration_s

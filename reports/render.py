@@ -277,11 +277,19 @@ def _fault_marker(row: dict) -> tuple[Any, str]:
     return context.get("at_s"), str(context.get("kind") or row.get("check") or "fault")
 
 
+def _left_out_span(row: dict) -> tuple[Optional[float], Optional[float], str]:
+    """A window the drift checks left out: where it lies and which faults were in it."""
+    context = row.get("context") or {}
+    return (_number(context.get("window_start_s")), _number(context.get("window_end_s")),
+            f"window {context.get('window')} left out of the drift checks: {context.get('reason') or ''}")
+
+
 def _g4_plots(gate: dict) -> list[str]:
     rows = gate["measurements"]
     metrics = sorted({str(m.get("metric")) for m in rows if str(m.get("metric", "")).startswith("window_")},
                      key=lambda metric: (metric != "window_ttft_p99_ms", metric))
     faults = [_fault_marker(m) for m in rows if m.get("metric") == "fault"]
+    left_out = [_left_out_span(m) for m in rows if m.get("metric") == "drift_excluded_window"]
     plots = []
     for metric in metrics:
         series = _series(rows, metric, "target", "window_start_s")
@@ -291,10 +299,12 @@ def _g4_plots(gate: dict) -> list[str]:
         scale, label = (3600.0, "h") if span >= 3 * 3600 else (60.0, "min") if span >= 600 else (1.0, "s")
         scaled = {name: [(x / scale, y) for x, y in points] for name, points in series.items()}
         markers = [(at / scale, kind) for at, kind in faults if _number(at) is not None]
+        spans = [(a / scale, b / scale, words) for a, b, words in left_out if None not in (a, b)]
         unit = _unit(rows, metric)
         name = _metric_words(metric.removeprefix("window_"), unit)
         plots.append(svg.line_chart(scaled, f"G4 windowed {name}", f"time since start ({label})",
-                                    f"{name} ({unit})" if unit else name, markers=markers))
+                                    f"{name} ({unit})" if unit else name, markers=markers, spans=spans,
+                                    span_label="fault windows left out of the drift checks"))
     return plots
 
 

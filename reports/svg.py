@@ -16,7 +16,7 @@ LEFT, RIGHT, BOTTOM = 70, 18, 58
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 PALETTE = ("#2563eb", "#ea580c", "#059669", "#7c3aed", "#db2777", "#0891b2", "#65a30d", "#64748b")
 STATUS_FILL = {"PASS": "#16a34a", "FAIL": "#dc2626", "INCONCLUSIVE": "#d97706"}
-SPEC_COLOR, MARKER_COLOR, BAND_FILL = "#111827", "#b91c1c", "#16a34a"
+SPEC_COLOR, MARKER_COLOR, BAND_FILL, SPAN_FILL = "#111827", "#b91c1c", "#16a34a", "#6b7280"
 CHAR_W = 6.8  # average width of a 13 px glyph, for layout estimates
 
 Point = tuple[float, float]
@@ -208,14 +208,18 @@ def bar_chart(bars: Sequence[tuple[str, float]], lines: Sequence[tuple[Union[str
 def line_chart(series: dict[str, Sequence[Point]], title: str, x_label: str, y_label: str,
                band: Optional[tuple[Optional[float], Optional[float]]] = None,
                markers: Optional[Sequence[tuple[float, str]]] = None, *, log_x: bool = False,
-               band_label: str = "band") -> str:
+               band_label: str = "band", spans: Optional[Sequence[tuple[float, float, str]]] = None,
+               span_label: str = "left out") -> str:
     """One line per series with points; `band` (lo, hi; either may be None) is shaded
-    across the chart, `markers` are dashed vertical lines with labels (e.g. injected faults)."""
+    across the chart, `markers` are dashed vertical lines with labels (e.g. injected faults),
+    `spans` (x from, x to, label) are shaded in grey from top to bottom (e.g. windows left out)."""
     clean = {str(name): sorted((float(x), float(y)) for x, y in points
                                if _finite(x) and _finite(y) and (not log_x or x > 0))
              for name, points in series.items()}
     clean = {name: points for name, points in clean.items() if points}
     markers = [(float(x), str(label)) for x, label in (markers or []) if _finite(x) and (not log_x or x > 0)]
+    spans = [(float(a), float(b), str(label)) for a, b, label in (spans or [])
+             if _finite(a) and _finite(b) and a < b and (not log_x or a > 0)]
     if not clean:
         return _empty(title)
     band_lo, band_hi = band if band else (None, None)
@@ -227,15 +231,18 @@ def line_chart(series: dict[str, Sequence[Point]], title: str, x_label: str, y_l
         legend.append((band_label, BAND_FILL, "band"))
     if markers:
         legend.append(("fault" if len(markers) == 1 else "faults", MARKER_COLOR, "marker"))
+    if spans:
+        legend.append((span_label, SPAN_FILL, "band"))
     top, bottom = _top(legend), HEIGHT - BOTTOM
 
-    xs = [x for points in clean.values() for x, _ in points] + [x for x, _ in markers]
+    xs = ([x for points in clean.values() for x, _ in points] + [x for x, _ in markers]
+          + [x for a, b, _ in spans for x in (a, b)])
     ys = [y for points in clean.values() for _, y in points] + [v for v in (band_lo, band_hi) if v is not None]
     y_ticks = nice_ticks(min(0.0, *ys), max(0.0, *ys))
     y_lo, y_hi = y_ticks[0], y_ticks[-1]
     if log_x:
         x_lo, x_hi = math.log10(min(xs)), math.log10(max(xs))
-        distinct = sorted(set(xs) - {x for x, _ in markers})
+        distinct = sorted(set(xs) - {x for x, _ in markers} - {x for a, b, _ in spans for x in (a, b)})
         x_ticks = distinct if len(distinct) <= 10 else [10.0 ** k for k in range(math.ceil(x_lo), math.floor(x_hi) + 1)]
         pad = max((x_hi - x_lo) * 0.04, 0.05)
         x_lo, x_hi = x_lo - pad, x_hi + pad
@@ -257,6 +264,9 @@ def line_chart(series: dict[str, Sequence[Point]], title: str, x_label: str, y_l
         parts.append(f'<rect x="{LEFT}" y="{y_top:.1f}" width="{WIDTH - RIGHT - LEFT}" '
                      f'height="{max(y_bottom - y_top, 0.5):.1f}" fill="{BAND_FILL}" fill-opacity="0.14">'
                      f"<title>{_t(band_label)}</title></rect>")
+    for a, b, label in spans:
+        parts.append(f'<rect x="{x_of(a):.1f}" y="{top}" width="{max(x_of(b) - x_of(a), 0.5):.1f}" '
+                     f'height="{bottom - top}" fill="{SPAN_FILL}" fill-opacity="0.16"><title>{_t(label)}</title></rect>')
     parts += _y_axis(y_ticks, y_of, top, bottom, y_label)
     for tick in x_ticks:
         x = x_of(tick)

@@ -1,4 +1,4 @@
-"""G4: a short real soak with probes, drift detection, and a harness killed mid-soak that resumes losing nothing."""
+"""G4: drift judged outside the fault windows; real soaks with probes and faults; a killed harness resumes."""
 
 import json
 import os
@@ -13,7 +13,10 @@ import pytest
 import yaml
 
 from gates.cli import main
-from gates.g4_soak.soak import drift
+from gates.config import ConfigError, load_config
+from gates.g4_soak.analysis import drift, excluded_window_rows, fault_span, windows_touched
+from gates.stats import mann_kendall
+from gates.verdict import judge
 from gates.runstore import RunStore
 
 SOAK = {
@@ -26,7 +29,7 @@ SOAK = {
 
 
 def _series(values):
-    return [{"m": v} for v in values]
+    return [{"index": i, "start_s": 60.0 * i, "m": v} for i, v in enumerate(values)]
 
 
 @pytest.mark.parametrize("values, trend", [
@@ -37,11 +40,153 @@ def _series(values):
     ([20, 19, 18.5, 17, 16, 15.5, 14, 13, 12.5, 11], "decreasing"),
 ], ids=["flat", "rising", "noisy-flat", "noisy-rising", "falling"])
 def test_drift_detection_on_synthetic_series(values, trend):
-    assert drift(_series(values), "m")["trend"] == trend
+    assert drift(_series(values), "m").trend == trend
 
 
 def test_drift_needs_three_windows():
-    assert drift(_series([1, 2]), "m")["trend"] == "too few windows"
+    result = drift(_series([1, 2]), "m")
+    assert (result.trend, result.fraction) == ("too few windows", None)
+    assert "2 windows to judge" in result.invalid_reason
+
+
+# --- the fault windows and drift judged by its size (issue 12, item 1.5) ----------------------
+
+WINDOW_S = 60.0
+ISSUE_FAULTS = [("flip_byte", 300), ("read_error", 600), ("slow_disk", 900), ("truncate", 1200), ("disk_full", 1500)]
+
+
+def _fault_row(kind, at_s, recovered_after_s=1.5, duration_s=10.0, **extra):
+    """A faults.jsonl row as FaultSchedule writes it: injected 0.2 s late, the probe back 1.5 s after the end."""
+    io = kind in ("read_error", "slow_disk", "disk_full", "write_error")
+    row = {"kind": kind, "at_s": at_s, "injected_at": 1.7e9 + at_s, "injected_s": at_s + 0.2,
+           "ended_s": at_s + 0.5 + (duration_s if io else 0.0), "recovered_after_s": recovered_after_s,
+           "recovery_timeout_s": 60.0, "error": None, "detail": {"duration_s": duration_s} if io else {}}
+    return {**row, **extra}
+
+
+def _soak_windows(level=280.0, change=0.0, noise=1.5, count=30, dips=None, seed=0):
+    """Throughput windows of a 30-minute soak (60 s windows): `level` falling by `change` of it over the soak."""
+    rng = np.random.default_rng(seed)
+    values = level * (1.0 - change * np.arange(count) / (count - 1)) + rng.normal(0.0, noise, count)
+    for index, value in (dips or {}).items():
+        values[index] = value
+    return [{"index": i, "start_s": WINDOW_S * i, "output_tokens_per_s": float(v)} for i, v in enumerate(values)]
+
+
+def _judged(windows, faults, tolerance=0.05):
+    """The drift verdict as the G4 suite gives it (gates/g4_soak/test_g4_soak.py)."""
+    result = drift(windows, "output_tokens_per_s", "decreasing", excluded=windows_touched(windows, faults, WINDOW_S))
+    verdict = judge("g4", "throughput", f"G4 decline in windowed throughput over the soak ({result.words('tokens/s')})",
+                    result.fraction, {"metric": "throughput_drift_fraction", "op": "<=", "value": tolerance},
+                    unit="%", interval=result.interval, valid=not result.invalid_reason,
+                    invalid_reason=result.invalid_reason)
+    return result, verdict
+
+
+def test_the_issue_soak_with_its_fault_windows_left_out_passes_the_throughput_drift_check():
+    # issue 12: ~280 tok/s throughout, the lowest windows (245, 259) the faults' own, in the later half
+    windows = _soak_windows(change=0.006, dips={20: 245.0, 25: 259.0})
+    faults = [_fault_row(kind, at) for kind, at in ISSUE_FAULTS]
+    values = [w["output_tokens_per_s"] for w in windows]
+    assert mann_kendall(values)["trend"] == "decreasing"     # what the p-value-only check judged: FAIL before
+    assert mann_kendall(values)["p_value"] < 0.05
+    result, verdict = _judged(windows, faults)
+    assert verdict.status == "PASS", verdict.reason
+    assert (result.windows, result.excluded) == (25, 5)
+    assert "5 fault windows left out" in verdict.reason and "Mann-Kendall p=" in verdict.reason
+    assert 0 <= result.fraction < 0.02                        # a decline below 2% of the level: no drift to speak of
+
+
+def test_a_real_ten_percent_decline_fails_with_the_fault_windows_left_out():
+    windows = _soak_windows(change=0.10, dips={20: 220.0, 25: 230.0})
+    result, verdict = _judged(windows, [_fault_row(kind, at) for kind, at in ISSUE_FAULTS])
+    assert verdict.status == "FAIL", verdict.reason
+    assert result.excluded == 5 and result.p_value < 0.05
+    assert result.interval[0] > 0.05 and result.fraction == pytest.approx(0.10 / 0.95, abs=0.02)  # level: the median
+
+
+def test_a_tiny_significant_decline_over_a_72_hour_soak_passes():
+    # 72 h in 300 s windows: 864 windows; a 1% decline is "significant" and far inside the tolerance
+    windows = _soak_windows(change=0.01, noise=3.0, count=864)
+    result, verdict = _judged(windows, [])
+    assert result.p_value < 0.05 and result.trend == "decreasing"
+    assert verdict.status == "PASS", verdict.reason
+    assert result.interval[1] < 0.05
+
+
+def test_a_large_change_a_short_noisy_soak_cannot_confirm_is_inconclusive():
+    # 6 windows, 8% noise, an 8% decline: not significant, so it is neither shown nor ruled out
+    windows = _soak_windows(change=0.08, noise=22.0, count=6, seed=3)
+    result, verdict = _judged(windows, [])
+    assert result.p_value >= 0.05
+    assert result.interval[0] <= 0 <= result.interval[1]     # not significant: "no change" stays in the interval
+    assert verdict.status == "INCONCLUSIVE", verdict.reason
+
+
+def test_too_few_windows_outside_the_faults_is_inconclusive_and_says_why():
+    windows = _soak_windows(count=4)
+    _, verdict = _judged(windows, [_fault_row("read_error", 60), _fault_row("flip_byte", 120)])
+    assert verdict.status == "INCONCLUSIVE"
+    assert "2 windows to judge outside the fault windows: the trend needs at least 3" in verdict.reason
+
+
+def test_an_upward_drift_is_positive_for_a_figure_that_must_not_rise():
+    windows = [{"index": i, "start_s": WINDOW_S * i, "m": 100.0 + i} for i in range(11)]
+    result = drift(windows, "m", "increasing")
+    assert result.fraction == pytest.approx(10 / 105)  # +10 from the first window to the last, level 105
+    assert drift(windows, "m", "decreasing").fraction == pytest.approx(-result.fraction)
+    assert result.trend_at(0) == pytest.approx(100.0) and result.trend_at(10) == pytest.approx(110.0)
+
+
+def test_the_change_is_measured_between_the_first_and_last_judged_window():
+    # windows 0..9 rising by 1 per window; the last two left out: the line runs from window 0 to 7
+    windows = [{"index": i, "start_s": WINDOW_S * i, "m": 100.0 + i} for i in range(10)]
+    result = drift(windows, "m", excluded={8, 9})
+    assert (result.sen_slope, result.change, result.level) == (pytest.approx(1.0), pytest.approx(7.0), 103.5)
+
+
+def test_each_fault_touches_the_windows_from_its_injection_to_its_recovery():
+    windows = _soak_windows(count=30)
+    spans = {
+        "flip_byte": _fault_row("flip_byte", 300),                                  # 300.2 .. 302.0: window 5
+        "read_error": _fault_row("read_error", 590, duration_s=30.0),               # 590.2 .. 622.0: windows 9, 10
+        "never": _fault_row("disk_full", 1500, recovered_after_s=None),             # to 1570.5 (timeout): 25, 26
+        "failed": _fault_row("slow_disk", 1700, error="ConnectionError: refused"),  # planned end, then timeout
+    }
+    del spans["failed"]["ended_s"], spans["failed"]["recovered_after_s"]            # what a failed injection leaves
+    touched = {name: sorted(windows_touched(windows, [row], WINDOW_S)) for name, row in spans.items()}
+    assert touched == {"flip_byte": [5], "read_error": [9, 10], "never": [25, 26], "failed": [28, 29]}
+
+
+def test_a_fault_row_from_before_the_soak_clock_falls_back_to_its_schedule():
+    old = {"kind": "read_error", "at_s": 600, "injected_at": 1.7e9, "error": None, "detail": {"duration_s": 5},
+           "recovered_after_s": 1.0}
+    span = fault_span(old)
+    assert (span.start_s, span.end_s, span.recovered) == (600.0, 606.0, True)
+    assert "read_error at 600 s" in span.describe() and "recovered" in span.describe()
+
+
+def test_the_excluded_windows_are_listed_with_their_faults_and_figures():
+    windows = _soak_windows(count=12, dips={5: 245.0})
+    faults = [_fault_row("read_error", 300), _fault_row("flip_byte", 310)]
+    rows = excluded_window_rows(windows, windows_touched(windows, faults, WINDOW_S), WINDOW_S)
+    assert [(r["window"], r["window_start_s"], r["window_end_s"], r["kind"]) for r in rows] == [
+        (5, 300.0, 360.0, "read_error, flip_byte")]
+    assert rows[0]["output_tokens_per_s"] == 245.0 and "flip_byte at 310 s" in rows[0]["reason"]
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "g4.drift_tolerance: expected a value > 0.0, found 0"),
+    (1, "g4.drift_tolerance: expected a value < 1.0, found 1"),
+    ("a lot", "g4.drift_tolerance: expected a number, found 'a lot'"),
+])
+def test_the_drift_tolerance_is_a_fraction_between_0_and_1(tmp_path, value, message):
+    path = tmp_path / "gates.yaml"
+    path.write_text(yaml.safe_dump({"g4": {"drift_tolerance": value}}))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    path.write_text(yaml.safe_dump({"g4": {"drift_tolerance": 0.1}}))
+    assert load_config(path).g4.drift_tolerance == 0.1 and load_config().g4.drift_tolerance == 0.05
 
 
 def _soak_config(tmp_path):
@@ -120,11 +265,16 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
         assert row["detected"][row["detected_by"]] > 0, row          # the fault met blocks in use and was counted
         assert row["probe_during"]["identical"], row                  # no wrong answer while it lasted
         assert row["recovered_after_s"] is not None, row
+        assert row["at_s"] <= row["injected_s"] <= row["ended_s"] and row["recovery_timeout_s"] > 0, row
     assert rows[0]["detail"]["key"] and rows[0]["probe_during"]["cached_tokens"] < rows[0]["probe_during"]["prompt_tokens"]
     store = RunStore(run_dir)
     verdicts = {v["metric"]: v for v in store.verdicts("g4")}
     assert verdicts["faults_handled_fraction"]["status"] == "PASS", verdicts["faults_handled_fraction"]["reason"]
     assert verdicts["probe_identical_fraction"]["status"] == "PASS"
     assert verdicts["error_rate"]["status"] == "PASS"
+    left_out = {m["context"]["window"] for m in store.measurements("g4") if m["metric"] == "drift_excluded_window"}
+    assert {int(f["at_s"] // SOAK["g4"]["window_s"]) for f in FAULTS} <= left_out   # each fault's own window
+    assert f"{len(left_out)} fault windows left out" in verdicts["throughput_drift_fraction"]["reason"]
     html = (run_dir / "index.html").read_text()
     assert "served whole from cache again after" in html and "flip_byte" in html and ">faults<" in html
+    assert "fault windows left out of the drift checks" in html

@@ -388,6 +388,27 @@ def test_line_chart_has_a_line_per_series_the_band_markers_and_a_legend():
     assert {"tiered", "base<line>", "band", "fault", "fault & more"} <= set(texts)
 
 
+def test_line_chart_shades_spans_across_the_plot_with_their_labels():
+    chart = svg.line_chart({"throughput": [(0, 280), (1, 245), (2, 281), (3, 279)]}, "t", "min", "tokens/s",
+                           spans=[(1, 2, "window 1: read_error <at 60 s>")], span_label="left out")
+    root = ET.fromstring(chart)
+    shaded = [r for r in root.iter("rect") if r.get("fill-opacity") == "0.16"]
+    assert len(shaded) == 1 and shaded[0].find("title").text == "window 1: read_error <at 60 s>"
+    assert float(shaded[0].get("width")) > 100                     # a third of the x range, not a sliver
+    assert "left out" in [t.text for t in root.iter("text")]       # in the legend
+
+
+def test_the_g4_plots_shade_the_windows_left_out_of_the_drift_checks(run_dir):
+    store = RunStore(run_dir)
+    store.record("g4", "fault windows left out of the drift checks", "drift_excluded_window", 7200, "s",
+                 window=8, window_start_s=7200, window_end_s=8100, kind="read_error",
+                 reason="read_error at 7300 s (s 7300.2 to 7312.0, recovered)")
+    render_run(run_dir)
+    page = (run_dir / "index.html").read_text()
+    assert "<title>window 8 left out of the drift checks: read_error at 7300 s" in page
+    assert "fault windows left out of the drift checks" in page    # the legend, and the measurement listed
+
+
 def test_charts_without_data_say_so_instead_of_failing():
     assert "no data" in svg.line_chart({"x": []}, "empty", "x", "y")
     assert "no data" in svg.bar_chart([], [], "empty", "GB/s")

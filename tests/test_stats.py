@@ -1,4 +1,4 @@
-"""Statistics: percentiles, bootstrap intervals of one and two samples, Mann-Kendall trend."""
+"""Statistics: percentiles, bootstrap intervals of one and two samples, Mann-Kendall trend, Sen slope interval."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gates.stats import bootstrap_ci, gain_ci, mann_kendall, percentile, ratio_ci, reduction_ci
+from gates.stats import bootstrap_ci, gain_ci, mann_kendall, percentile, ratio_ci, reduction_ci, sen_slope_ci
 
 
 def lognormal(n: int, seed: int, scale: float = 1.0) -> np.ndarray:
@@ -202,3 +202,67 @@ def test_mann_kendall_alpha_decides_the_trend():
 def test_mann_kendall_of_a_constant_series_has_no_trend():
     result = mann_kendall([3.0] * 10)
     assert (result["s"], result["z"], result["p_value"], result["trend"]) == (0, 0.0, 1.0, "no trend")
+
+
+def test_mann_kendall_slope_follows_the_positions_and_s_only_the_order():
+    # windows 2 and 3 left out: the same values at positions 0, 1, 4, 5 rise half as fast per step
+    values = [10.0, 11.0, 14.0, 15.0]
+    spaced = mann_kendall(values, positions=[0, 1, 4, 5])
+    assert spaced["s"] == mann_kendall(values)["s"] == 6
+    assert spaced["sen_slope"] == pytest.approx(1.0)   # pairwise slopes 1, 1, 1, 1, 1, 1
+    # at 0, 1, 2, 3 the slopes are 1, 1, 5/3, 2, 2, 3: median 11/6
+    assert mann_kendall(values)["sen_slope"] == pytest.approx(11 / 6)
+
+
+def test_positions_must_match_the_values_and_increase():
+    with pytest.raises(ValueError, match="one per value"):
+        mann_kendall([1, 2, 3], positions=[0, 1])
+    with pytest.raises(ValueError, match="increasing"):
+        sen_slope_ci([1, 2, 3], positions=[0, 2, 2])
+
+
+# --- Sen slope interval ----------------------------------------------------------------------
+
+def test_sen_slope_ci_matches_a_hand_computed_example():
+    # [1, 3, 2, 4, 5]: N = 10 slopes sorted -1, .5, .5, .667, 1, 1, 1, 1.5, 2, 2; sqrt(Var S) = sqrt(50/3)
+    # 95%: C = 1.96 * 4.08 = 8.0 → ranks round(1.0) = 1 and round(10.0) = 10 → [-1, 2]
+    # 90%: C = 1.645 * 4.08 = 6.72 → ranks round(1.64) = 2 and round(9.36) = 9 → [0.5, 2]
+    assert sen_slope_ci([1, 3, 2, 4, 5]) == (pytest.approx(1.0), (pytest.approx(-1.0), pytest.approx(2.0)))
+    assert sen_slope_ci([1, 3, 2, 4, 5], confidence=0.90)[1] == (pytest.approx(0.5), pytest.approx(2.0))
+
+
+def test_sen_slope_ci_agrees_with_the_mann_kendall_test_on_a_short_series():
+    # the interval excludes 0 when the test at alpha = 1 - confidence sees a trend, and only then
+    series = [1, 3, 2, 4, 5]
+    assert mann_kendall(series, alpha=0.10)["trend"] == "increasing" and sen_slope_ci(series, confidence=0.90)[1][0] > 0
+    assert mann_kendall(series, alpha=0.05)["trend"] == "no trend" and sen_slope_ci(series, confidence=0.95)[1][0] < 0
+
+
+def test_sen_slope_ci_matches_scipy_theilslopes():
+    # reference figures from scipy.stats.theilslopes(y, x, 0.95) (scipy 1.x), with and without gaps
+    y = [12.1, 11.4, 12.9, 12.2, 13.5, 12.8, 13.9, 13.1, 14.6, 13.7]
+    slope, (lo, hi) = sen_slope_ci(y)
+    assert (slope, lo, hi) == (pytest.approx(0.283333333), pytest.approx(0.114285714), pytest.approx(0.4))
+    slope, (lo, hi) = sen_slope_ci(y, positions=[0, 1, 2, 4, 5, 6, 8, 9, 10, 11])
+    assert (slope, lo, hi) == (pytest.approx(0.2125), pytest.approx(0.088888889), pytest.approx(0.35))
+
+
+def test_sen_slope_ci_narrows_with_more_windows_and_covers_the_true_slope():
+    rng = np.random.default_rng(43)
+    short = 100 + 0.01 * np.arange(20) + rng.normal(0, 1, size=20)
+    long = 100 + 0.01 * np.arange(2000) + rng.normal(0, 1, size=2000)
+    _, (s_lo, s_hi) = sen_slope_ci(short)
+    slope, (l_lo, l_hi) = sen_slope_ci(long)
+    assert l_lo < 0.01 < l_hi and slope == pytest.approx(0.01, abs=0.002)
+    assert (l_hi - l_lo) < (s_hi - s_lo) / 50
+
+
+def test_sen_slope_ci_of_four_values_spans_every_pairwise_slope():
+    # n = 4: slopes -2, -.5, .5, .667, 1, 3; C = 1.96 * sqrt(26/3) = 5.8 → ranks round(0.1) and round(6.9)
+    # clamp to 1 and 6, the ends
+    assert sen_slope_ci([0, 3, 1, 2]) == (pytest.approx(7 / 12), (pytest.approx(-2.0), pytest.approx(3.0)))
+
+
+def test_sen_slope_ci_rejects_a_confidence_outside_0_to_1():
+    with pytest.raises(ValueError, match="confidence"):
+        sen_slope_ci([1, 2, 3], confidence=1.0)

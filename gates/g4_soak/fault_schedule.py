@@ -5,7 +5,10 @@ first consistency probe is asked at once (its answer must not change), the
 cache's detection counters are compared with those before the fault, and the
 probe is asked until it is again served whole from the cache ("recovered
 after N s"). One row per fault is appended to `faults.jsonl` as it completes,
-so a resumed soak skips the faults already done.
+so a resumed soak skips the faults already done. A row places the fault on the
+soak's clock (the windows' `start_s`): `injected_s` when it was injected,
+`ended_s` when its effect ended (the damage done, or the I/O fault disarmed),
+then `recovered_after_s` from that end (None: not within `recovery_timeout_s`).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class FaultSchedule:
             for fault in due:
                 if self._stop.wait(max(0.0, zero + fault.at_s - time.time())):
                     return
-                append_jsonl(self.log_path, self._inject(fault, client, end))
+                append_jsonl(self.log_path, self._inject(fault, client, zero, end))
         finally:
             client.close()
 
@@ -76,8 +79,11 @@ class FaultSchedule:
         return {"ok": record.ok, "identical": record.ok and record.text == self.expected,
                 "cached_tokens": record.cached_tokens, "prompt_tokens": record.prompt_tokens}
 
-    def _inject(self, fault: FaultSpec, client: StreamingClient, end: float) -> dict:
-        row = {"kind": fault.kind, "at_s": fault.at_s, "injected_at": time.time(), "error": None}
+    def _inject(self, fault: FaultSpec, client: StreamingClient, zero: float, end: float) -> dict:
+        """`zero`: the wall time of soak second 0; `end`: the soak's last wall second."""
+        now = time.time()
+        row = {"kind": fault.kind, "at_s": fault.at_s, "injected_at": now, "injected_s": now - zero,
+               "recovery_timeout_s": self.recovery_timeout_s, "error": None}
         try:
             whole = self._ask(client)                       # the probe served from cache before the fault
             before = detection_counts(self.admin.metrics())
@@ -89,6 +95,7 @@ class FaultSchedule:
                 self.admin.evict(("device", "host"))        # the next loads go to the faulty disk
                 row["detail"] = {"duration_s": fault.duration_s}
                 fault_ends = time.time() + fault.duration_s
+            row["ended_s"] = fault_ends - zero
             row["probe_during"] = self._ask(client)
             if fault.kind in WRITE_FAULTS:                  # new blocks to store, so the writes meet the fault
                 fresh = self._fresh_request(fault)

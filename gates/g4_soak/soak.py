@@ -22,7 +22,6 @@ import numpy as np
 from gates.config import FaultSpec
 from gates.g4_soak.fault_schedule import FaultSchedule
 from gates.runstore import append_jsonl, read_jsonl, write_json
-from gates.stats import mann_kendall
 from workloads.client import StreamingClient, read_records
 from workloads.errors import summarize_errors
 from workloads.faults import AdminClient, counter, per_tier
@@ -91,9 +90,6 @@ class Soak:
         self.windows_path = raw_dir / "windows.jsonl"
         self.faults_path = raw_dir / "faults.jsonl"
 
-    def fault_rows(self) -> list[dict]:
-        return read_jsonl(self.faults_path)
-
     def windows(self) -> list[dict]:
         return read_jsonl(self.windows_path)
 
@@ -149,10 +145,3 @@ class Soak:
         schedule.stop(timeout_s=60)
         load.join(timeout=duration + 150)
 
-
-def drift(windows: list[dict], metric: str) -> dict:
-    """Mann-Kendall trend of a windowed figure (windows without the figure are left out)."""
-    values = [w[metric] for w in windows if w.get(metric) is not None]
-    if len(values) < 3:
-        return {"trend": "too few windows", "p_value": None, "sen_slope": None, "windows": len(values)}
-    return {**mann_kendall(values), "windows": len(values)}

@@ -1,0 +1,184 @@
+"""G4's judged figures from the soak's rows: which windows the injected faults touched, and drift.
+
+Drift is judged on the windows the faults left alone. A window overlapping a fault's span, from
+its injection to the end of its effect (the damage done, or the I/O fault disarmed after
+`duration_s`) plus its recovery (`recovered_after_s`, or the whole recovery timeout when the probe
+never came back), measures the fault, not the system's course over time: in a 30-minute soak
+the two windows of a read_error and a slow_disk were its lowest and made a flat throughput a
+"significant downward trend". Those windows are reported apart; the fault checks judge them.
+
+A trend is judged by its size, with the statistics deciding only how sure we are of it:
+
+- The figure is the **drift fraction**: the Theil-Sen line's change from the first to the last
+  judged window (slope × their distance in windows) over the level (the median window), signed
+  so that positive is worse (TTFT or memory up, throughput down). It is judged against a
+  tolerance (`g4.drift_tolerance`, 5% by default): the change a reviewer would call drift.
+- Its interval is the Sen slope's distribution-free 95% interval (Hollander & Wolfe; built on
+  the Mann-Kendall variance, so it excludes 0 when the Mann-Kendall test rejects "no trend").
+  When the test does not reject, the interval is stretched to include 0, so that rounding in
+  the interval's ranks can never let a trend that is not significant FAIL.
+- PASS when the whole interval is within the tolerance, FAIL when all of it is beyond (so the
+  trend is significant AND large), INCONCLUSIVE when it straddles.
+
+Why not a p-value alone: a p-value measures how sure we are that the slope is not zero, not how
+large it is. At 72 h in 60 s windows (4,320 of them) with 3% noise between windows, a decline
+of 1% over the whole soak has p < 0.001 and would fail a gate no one should fail; at 4 windows
+(the quick profile's 6 less its 2 fault windows) no slope can be significant (Mann-Kendall's
+smallest p there is 0.09), so a p-value alone would pass a 30% decline. Why a large change that
+is not significant is not a PASS either: absence of evidence is not evidence of absence. If the
+soak is too short or too noisy to tell a 5% drift from none, the interval straddles the
+tolerance and the verdict says so (INCONCLUSIVE); a longer soak settles it. Caveat: Mann-Kendall
+and the Sen interval assume independent windows; serially correlated windows make the interval
+too narrow, which the practical tolerance absorbs for small slopes (a narrow interval around a
+small change still passes).
+
+Memory is judged the same way, on the same windows: a fault may hold memory while it lasts (a
+write-behind backlog during disk_full, retried reads) without leaking it; a leak it causes
+stays after recovery and shows in the windows that follow. One rule for every trend figure
+keeps them comparable, and leaving a few windows of hundreds out costs little. The memory
+growth extrapolated to the full duration uses the same slope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from gates.stats import mann_kendall, sen_slope_ci
+
+DEFAULT_RECOVERY_TIMEOUT_S = 60.0  # FaultSchedule's, for rows written before they carried their own
+WORSE = ("increasing", "decreasing")
+
+
+@dataclass(frozen=True)
+class FaultSpan:
+    """One fault on the soak's clock, from its injection to its recovery (or the recovery timeout)."""
+
+    kind: str
+    at_s: float
+    start_s: float
+    end_s: float
+    recovered: bool
+
+    def describe(self) -> str:
+        ending = "recovered" if self.recovered else "not recovered: recovery timeout"
+        return f"{self.kind} at {self.at_s:g} s (s {self.start_s:.1f} to {self.end_s:.1f}, {ending})"
+
+
+def fault_span(row: dict) -> FaultSpan:
+    """The span of one `faults.jsonl` row (see fault_schedule); older rows fall back to `at_s`."""
+    start = float(row.get("injected_s", row["at_s"]))
+    ended = row.get("ended_s")
+    if ended is None:  # a failed injection, or a row from before `ended_s`: the fault's planned end
+        ended = start + float((row.get("detail") or {}).get("duration_s", 0.0))
+    recovered = row.get("recovered_after_s")
+    tail = recovered if recovered is not None else row.get("recovery_timeout_s", DEFAULT_RECOVERY_TIMEOUT_S)
+    return FaultSpan(row["kind"], float(row["at_s"]), start, float(ended) + float(tail), recovered is not None)
+
+
+def windows_touched(windows: Sequence[dict], rows: Sequence[dict], window_s: float) -> dict[int, list[FaultSpan]]:
+    """The index of each window that overlaps a fault's span, with the faults it overlaps."""
+    spans = [fault_span(row) for row in rows]
+    touched: dict[int, list[FaultSpan]] = {}
+    for window in windows:
+        start = float(window["start_s"])
+        hits = [span for span in spans if start <= span.end_s and span.start_s < start + window_s]
+        if hits:
+            touched[int(window["index"])] = hits
+    return touched
+
+
+JUDGED_FIGURES = ("ttft_p99_ms", "output_tokens_per_s", "rss_minus_cache_mib")
+
+
+def excluded_window_rows(windows: Sequence[dict], touched: dict[int, list[FaultSpan]], window_s: float) -> list[dict]:
+    """One row per window left out: where it lies, the faults in it and why, and its judged figures."""
+    rows = []
+    for window in windows:
+        spans = touched.get(int(window["index"]))
+        if spans:
+            rows.append({"window": window["index"], "window_start_s": window["start_s"],
+                         "window_end_s": window["start_s"] + window_s,
+                         "kind": ", ".join(span.kind for span in spans),
+                         "reason": "; ".join(span.describe() for span in spans),
+                         **{name: window.get(name) for name in JUDGED_FIGURES}})
+    return rows
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A windowed figure's trend over the judged windows, as a fraction of its level (positive: worse)."""
+
+    metric: str
+    worse: str
+    windows: int
+    excluded: int
+    level: Optional[float] = None
+    sen_slope: Optional[float] = None
+    intercept: Optional[float] = None
+    change: Optional[float] = None
+    fraction: Optional[float] = None
+    interval: Optional[tuple[float, float]] = None
+    p_value: Optional[float] = None
+    trend: str = "too few windows"
+
+    @property
+    def invalid_reason(self) -> str:
+        if self.windows < 3:
+            return f"{self.windows} windows to judge outside the fault windows: the trend needs at least 3"
+        return "" if self.fraction is not None else f"the level (median window) is {self.level:g}: no relative change"
+
+    def words(self, unit: str = "") -> str:
+        """What the figure rests on, for the verdict's label (`unit`: the windowed figure's)."""
+        plural = "s" if self.excluded != 1 else ""
+        left_out = f"; {self.excluded} fault window{plural} left out" if self.excluded else ""
+        head = f"Theil-Sen over {self.windows} windows{left_out}"
+        if self.p_value is None:
+            return head
+        level = f"{self.level:.3g} {unit}".rstrip()
+        return (f"{head}; level {level}, slope {self.sen_slope:+.3g}/window, "
+                f"Mann-Kendall p{_p_text(self.p_value)}")
+
+    def trend_at(self, index: float) -> Optional[float]:
+        """The Theil-Sen line at a window index (the line drawn beside the figure)."""
+        return None if self.sen_slope is None else self.intercept + self.sen_slope * index
+
+    def context(self) -> dict:
+        return {"windows": self.windows, "excluded_windows": self.excluded, "level": self.level,
+                "sen_slope": self.sen_slope, "intercept": self.intercept, "change": self.change,
+                "interval": self.interval, "p_value": self.p_value, "trend": self.trend}
+
+
+def drift(windows: Sequence[dict], metric: str, worse: str = "increasing", excluded: Sequence[int] = (),
+          confidence: float = 0.95) -> Drift:
+    """The drift of `metric` over the windows not in `excluded` (by index) that hold the figure."""
+    if worse not in WORSE:
+        raise ValueError(f"worse: expected one of {', '.join(WORSE)}, found {worse!r}")
+    left_out = set(excluded)
+    kept = [w for w in windows if w.get(metric) is not None and int(w["index"]) not in left_out]
+    base = {"metric": metric, "worse": worse, "windows": len(kept),
+            "excluded": sum(1 for w in windows if int(w["index"]) in left_out)}
+    if len(kept) < 3:
+        return Drift(**base)
+    values = [float(w[metric]) for w in kept]
+    positions = [float(w["index"]) for w in kept]
+    test = mann_kendall(values, alpha=1.0 - confidence, positions=positions)
+    slope, (lo, hi) = sen_slope_ci(values, positions, confidence)
+    if test["trend"] == "no trend":  # not significant: the interval holds "no change"
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    span = positions[-1] - positions[0]
+    level = float(np.median(values))
+    intercept = float(np.median(np.asarray(values) - slope * np.asarray(positions)))
+    figures = {**base, "level": level, "sen_slope": slope, "intercept": intercept, "change": slope * span,
+               "p_value": test["p_value"], "trend": test["trend"]}
+    if level <= 0:
+        return Drift(**figures)
+    sign = (1.0 if worse == "increasing" else -1.0) * span / level
+    ends = sorted((sign * lo, sign * hi))
+    return Drift(**figures, fraction=sign * slope, interval=(ends[0], ends[1]))
+
+
+def _p_text(p_value: float) -> str:
+    return f"={p_value:.3f}" if p_value >= 0.001 else "<0.001"
