@@ -22,11 +22,10 @@ from typing import Any, Callable, Optional
 import pytest
 
 from kvcore.rules import Rule, parse_rule
-from kvcore.rundata import Unjudged
+from kvcore.rundata import RunStore, Unjudged
 
 from .checks import check_of
 from .config import GatesConfig, load_config
-from .runstore import RunStore
 from .targets import Endpoint, endpoints_from_json
 from .verdict import judge
 

@@ -24,6 +24,8 @@ from typing import Optional
 import yaml
 from rich.console import Console
 
+from kvcore.files import write_json
+from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from workloads.fio import FioError, fio_version
 from workloads.inventory import collect_inventory
@@ -31,7 +33,6 @@ from workloads.processes import die_with_parent
 
 from .config import GatesConfig
 from .preflight import failure_message, run_preflight
-from .runstore import GATE_TITLES, RunStore, write_json
 from .targets import Endpoint, EmbeddedServers, endpoints_to_json, external_endpoints
 
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from gates.cli import main
-from gates.runstore import RunStore
+from kvcore.rundata import RunStore
 
 SHORT_G3 = {
     "targets": {"embedded": {"preset": "tiny", "max_running": 4, "device_capacity_blocks": 8,

@@ -17,7 +17,7 @@ from gates.config import ConfigError, load_config
 from gates.g4_soak.analysis import drift, excluded_window_rows, fault_span, windows_touched
 from gates.stats import mann_kendall
 from gates.verdict import judge
-from gates.runstore import RunStore
+from kvcore.rundata import RunStore
 
 SOAK = {
     "targets": {"embedded": {"preset": "tiny", "max_running": 4, "device_capacity_blocks": 8,

@@ -20,7 +20,7 @@ def _imports_torch(code: str, cwd: Path) -> bool:
     return last == ["TORCH"]
 
 
-@pytest.mark.parametrize("module", ["gates.cli", "gates.config", "gates.runstore", "gates.verdict",
+@pytest.mark.parametrize("module", ["gates.cli", "gates.config", "kvcore.rundata", "gates.verdict",
                                     "reports.render", "cache_impl.config", "cache_impl.keys"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not _imports_torch(f"import {module}", tmp_path)

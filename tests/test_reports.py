@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gates.runstore import RunStore
+from kvcore.rundata import RunStore
 from reports import svg
 from reports.render import main, render_run
 

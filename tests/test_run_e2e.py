@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from gates.cli import main
-from gates.runstore import RunStore
+from kvcore.rundata import RunStore
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 

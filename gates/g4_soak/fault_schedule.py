@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from gates.config import FaultSpec
-from gates.runstore import append_jsonl, read_jsonl
+from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl
 from workloads.client import StreamingClient
 from workloads.faults import BLOCK_FAULTS, AdminClient, damage_prompt_blocks, detection_counts
 from workloads.load import Target

@@ -21,7 +21,7 @@ import numpy as np
 
 from gates.config import FaultSpec
 from gates.g4_soak.fault_schedule import FaultSchedule
-from gates.runstore import append_jsonl, read_jsonl, write_json
+from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl, write_json
 from workloads.client import StreamingClient, read_records
 from workloads.errors import summarize_errors
 from workloads.faults import AdminClient, counter, per_tier

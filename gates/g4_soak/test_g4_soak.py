@@ -17,7 +17,7 @@ import pytest
 
 from gates.g4_soak.analysis import drift, excluded_window_rows, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings
-from gates.runstore import read_jsonl
+from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
 
 
