@@ -24,7 +24,6 @@ from typing import Optional
 import yaml
 from rich.console import Console
 
-from kvcore.files import write_json
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from workloads.fio import FioError, fio_version
@@ -175,7 +174,7 @@ class GateRunner:
         """Check every target before any gate (gates/preflight.py); what failed, or '' when all passed."""
         with self.console.status("pre-flight: every target's /models and one streamed token …"):
             results = run_preflight(endpoints)
-        write_json(self.run_dir / "preflight.json", [r.to_dict() for r in results])
+        self.store.write_preflight([r.to_dict() for r in results])
         for r in results:
             mark = "[green]ok[/green]" if r.ok else "[red]FAILED[/red]"
             self.console.print(f"  pre-flight {mark} {r.line()}", highlight=False)

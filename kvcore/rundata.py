@@ -3,6 +3,7 @@
 Layout of `reports/runs/<run-id>/` (or `--out`)::
 
     run.json                          RunInfo: run id, profile, gates, started_at, environment, targets
+    preflight.json                    one row per target node: answered, served its model, streamed (or what failed)
     config.yaml                       the resolved configuration the run used
     gates/<gate>/measurements.jsonl   one Measurement per line, appended as measured
     gates/<gate>/verdicts.jsonl       one Verdict per line, appended as judged
@@ -145,6 +146,13 @@ class RunStore:
 
     def write_run_info(self, info: dict) -> None:
         write_json(self.root / "run.json", info)
+
+    def write_preflight(self, rows: list[dict]) -> None:
+        write_json(self.root / "preflight.json", rows)
+
+    def preflight(self) -> list[dict]:
+        path = self.root / "preflight.json"
+        return json.loads(path.read_text()) if path.exists() else []
 
     def _rows(self, gate: Optional[str], name: str) -> list[dict]:
         gates: Iterable[str] = [gate] if gate else GATES

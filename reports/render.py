@@ -39,7 +39,8 @@ def collect_results(store: RunStore) -> dict:
     run = store.run_info()
     requested = [str(g).lower() for g in (run.get("gates") or GATES)]
     gates = [_gate_result(store, gate, gate in requested) for gate in GATES]
-    return {"run": run, "overall": overall(gates), "gates": gates, "environment": run.get("environment", {})}
+    return {"run": run, "overall": overall(gates), "gates": gates, "preflight": store.preflight(),
+            "environment": run.get("environment", {})}
 
 
 def _gate_result(store: RunStore, gate: str, requested: bool) -> dict:

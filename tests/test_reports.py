@@ -445,3 +445,19 @@ def test_g3s_section_says_which_replay_ran(run_dir):
     page = (run_dir / "index.html").read_text()
     g3 = page[page.index('id="g3"'):]
     assert f'<p class="gate-replay">{sentence}</p>' in g3 and g3.index(sentence) < g3.index("<h3>Verdicts</h3>")
+
+
+def test_the_report_shows_each_targets_pre_flight(tmp_path):
+    store = RunStore(tmp_path)
+    store.write_run_info({"run_id": "r", "gates": ["g3"], "started_at": 1.7e9})
+    store.write_preflight([
+        {"role": "baseline", "url": "http://127.0.0.1:9/v1", "model": "m", "ok": False,
+         "problem": "connection refused", "ttft_s": None},
+        {"role": "candidate", "url": "http://127.0.0.1:8001/v1", "model": "m", "ok": True, "problem": "",
+         "ttft_s": 0.0421}])
+    results = render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    section = page[page.index('<section class="preflight">'):page.index("</section>")]
+    assert "<td>baseline</td>" in section and "<td>connection refused</td>" in section
+    assert "<td>candidate</td>" in section and "42.1 ms" in section
+    assert [row["role"] for row in results["preflight"]] == ["baseline", "candidate"]
