@@ -245,29 +245,37 @@ def _g2_plots(gate: dict) -> list[str]:
     return plots
 
 
+def _g3_level_key(rows: list[dict]) -> tuple[str, str]:
+    """What G3's levels are in this run (the context key and the axis title): concurrencies or rate multipliers."""
+    multiplied = any("multiplier" in (row.get("context") or {}) for row in rows)
+    return ("multiplier", "rate multiplier (× the trace's arrival rate)") if multiplied else ("concurrency",
+                                                                                              "concurrency")
+
+
 def _g3_plots(gate: dict) -> list[str]:
     plots, rows = [], gate["measurements"]
+    key, axis = _g3_level_key(rows)
+    by = key if key == "concurrency" else "rate multiplier"
     bands = [v for v in gate["verdicts"] if _band(v) is not None]
-    ttft = _series(rows, "ttft_p50_ms", "target", "concurrency")
+    ttft = _series(rows, "ttft_p50_ms", "target", key)
     if ttft:
-        plots.append(svg.line_chart(ttft, "G3 TTFT p50 by concurrency", "concurrency", "TTFT p50 (ms)",
-                                    log_x=_geometric(ttft)))
-    throughput, unit = _series(rows, "output_tokens_per_s", "target", "concurrency"), _unit(rows, "output_tokens_per_s")
+        plots.append(svg.line_chart(ttft, f"G3 TTFT p50 by {by}", axis, "TTFT p50 (ms)", log_x=_geometric(ttft)))
+    throughput, unit = _series(rows, "output_tokens_per_s", "target", key), _unit(rows, "output_tokens_per_s")
     same_unit = [v for v in bands if str(v.get("unit") or "") == unit and unit]
     if throughput:
         band = (_band(same_unit[0]).min, _band(same_unit[0]).max) if same_unit else None
-        plots.append(svg.line_chart(throughput, "G3 output throughput by concurrency", "concurrency",
+        plots.append(svg.line_chart(throughput, f"G3 output throughput by {by}", axis,
                                     f"output throughput ({unit or 'tokens/s'})", band=band,
                                     log_x=_geometric(throughput), band_label="accepted band"))
     judged = [v for v in bands if v not in same_unit and _number(v.get("value")) is not None
-              and _number((v.get("context") or {}).get("concurrency")) is not None]
+              and _number((v.get("context") or {}).get(key)) is not None]
     if judged:
         unit = str(judged[0].get("unit") or "")
         scale = 100.0 if unit == "%" else 1.0  # verdicts hold fractions; a percent axis shows percents
-        points = [(float(v["context"]["concurrency"]), v["value"] * scale) for v in judged]
+        points = [(float(v["context"][key]), v["value"] * scale) for v in judged]
         band = (_band(judged[0]).min * scale, _band(judged[0]).max * scale)
         metric = str(judged[0].get("metric") or judged[0].get("check") or "judged figure")
-        plots.append(svg.line_chart({metric: points}, f"G3 {metric} against its band", "concurrency",
+        plots.append(svg.line_chart({metric: points}, f"G3 {metric} against its band", axis,
                                     f"{metric} ({unit})" if unit else metric, band=tuple(band),
                                     log_x=_geometric({"": points}), band_label="accepted band"))
     return plots

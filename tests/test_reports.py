@@ -461,3 +461,15 @@ def test_the_report_shows_each_targets_pre_flight(tmp_path):
     assert "<td>baseline</td>" in section and "<td>connection refused</td>" in section
     assert "<td>candidate</td>" in section and "42.1 ms" in section
     assert [row["role"] for row in results["preflight"]] == ["baseline", "candidate"]
+
+
+def test_a_rate_multiplier_sweep_is_plotted_by_its_multipliers(tmp_path):
+    store = RunStore(tmp_path)
+    store.write_run_info({"run_id": "r", "gates": ["g3"], "started_at": 1.7e9})
+    for m in (1, 2, 4):
+        store.record("g3", "sweep", "ttft_p50_ms", 100 * m, "ms", target="baseline", multiplier=m)
+        store.record("g3", "sweep", "ttft_p50_ms", 40 * m, "ms", target="candidate", multiplier=m)
+    render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    assert "<title>G3 TTFT p50 by rate multiplier</title>" in page
+    assert "rate multiplier (× the trace&#x27;s arrival rate)" in page
