@@ -13,6 +13,7 @@ Each failure is a client's mistake answered as OpenAI does (`ApiError`), never a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Optional
 
@@ -23,6 +24,7 @@ from .protocol import ApiError
 # A request kvgate understands is 5 levels deep (body > messages > message > content > part);
 # 32 leaves room for the fields it ignores (tools' JSON schemas) and keeps every later step shallow.
 MAX_DEPTH = 32
+_DECODE_INLINE_BYTES = 256 * 2**10
 
 
 class JsonBody:
@@ -32,7 +34,10 @@ class JsonBody:
         self.limit = limit
 
     async def __call__(self, request: Request) -> object:
-        return decode_json(await self.read(request))
+        raw = await self.read(request)
+        if len(raw) < _DECODE_INLINE_BYTES:
+            return decode_json(raw)
+        return await asyncio.to_thread(decode_json, raw)  # tens of ms: let the loop stream meanwhile
 
     async def read(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -74,41 +79,51 @@ def _invalid(message: str) -> ApiError:
     return ApiError(400, message, code="invalid_json")
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def _check_shape(document: object) -> None:
-    """Depth and strings of a parsed document, walked without recursion."""
-    stack: list[tuple[object, tuple, int]] = [(document, (), 1)]
+    """Depth and strings of a parsed document, walked without recursion.
+
+    A stack entry is (value, its parent's entry, its key or index there, depth): the field's
+    path is put together only when it is needed for an error.
+    """
+    stack: list[tuple] = [(document, None, None, 1)]
     while stack:
-        value, path, depth = stack.pop()
+        entry = stack.pop()
+        value, _, _, depth = entry
         if isinstance(value, str):
-            _check_text(value, path)
-            continue
-        if not isinstance(value, (dict, list)):
+            _check_text(value, entry)
             continue
         if depth > MAX_DEPTH:
             raise _invalid(f"the request body is nested deeper than {MAX_DEPTH} levels")
         if isinstance(value, dict):
             for key, item in value.items():
-                _check_text(key, path)
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, (*path, key), depth + 1))
-        else:
-            for index, item in enumerate(value):
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, (*path, index), depth + 1))
+                _check_text(key, entry)
+                if type(item) not in _SCALARS:
+                    stack.append((item, entry, key, depth + 1))
+        elif not set(map(type, value)) <= _SCALARS:  # a list of token ids is passed over at C speed
+            stack.extend((item, entry, index, depth + 1) for index, item in enumerate(value)
+                         if type(item) not in _SCALARS)
 
 
-def _check_text(text: str, path: tuple) -> None:
+def _check_text(text: str, entry: tuple) -> None:
     if text.isascii():
         return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        param = _param(path)
+        param = _param(entry)
         where = f"{param}: " if param else ""
         raise ApiError(400, f"{where}expected valid Unicode text, found a lone surrogate "
                             f"{text[error.start]!r} at character {error.start}",
                        param=param, code="invalid_unicode") from None
 
 
-def _param(path: tuple) -> Optional[str]:
-    return ".".join(str(part) for part in path) or None
+def _param(entry: tuple) -> Optional[str]:
+    """The dotted path of a stack entry's value (`messages.0.content`), None for the document itself."""
+    parts = []
+    while entry[1] is not None:
+        parts.append(str(entry[2]))
+        entry = entry[1]
+    return ".".join(reversed(parts)) or None
