@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 import torch
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from .config import CacheConfig, ConfigError, StrictModel, format_validation_error
+from .config import CacheConfig, ConfigError, StrictModel, format_validation_error, parse_size
 from .keys import Fingerprint, KVLayout
 from .manager import TieredKVCache, resolve_device
 from .model import DEFAULT_PRESET, PRESETS, Transformer, build_model, weights_digest
@@ -41,7 +41,14 @@ class EngineConfig(StrictModel):
     seed: int = Field(default=0, ge=0, description="weights seed (part of the cache fingerprint)")
     max_running: int = Field(default=8, ge=1, description="requests decoding at once")
     max_waiting: int = Field(default=64, ge=0, description="queued requests before new ones get 429")
+    # The longest prompt a preset takes (16,384 tokens) is at most ~100 KiB of JSON (a byte token
+    # escaped as \u00XX is 6 bytes), chat framing included well under 1 MiB: 4 MiB refuses only
+    # bodies no model here could take, before they are read and tokenized (HTTP 413).
+    max_request_bytes: int = Field(default=4 * 2**20, ge=1024,
+                                   description="largest request body the server reads; larger ones get 413")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="the tiered KV cache")
+
+    _parse_sizes = field_validator("max_request_bytes", mode="before")(lambda cls, v: parse_size(v))
 
     @model_validator(mode="after")
     def _tiered_needs_disk(self) -> "EngineConfig":

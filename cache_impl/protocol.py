@@ -1,25 +1,34 @@
 """OpenAI-compatible request bodies and error responses.
 
 Request models accept the fields kvgate uses and ignore other OpenAI fields
-(`user`, `top_p`, ...), but a known field of the wrong type or range is a
-400 that names it. Errors follow OpenAI's shape:
-`{"error": {"message", "type", "param", "code"}}`.
+(`user`, ...). A known field of the wrong type or out of the range vLLM
+accepts (`vllm/sampling_params.py`: top_p in (0, 1], penalties in [-2, 2], ...)
+is a 400 that names it; so is a value the embedded engine cannot honour
+(`logprobs: true`, `n: 2`, a penalty), rather than an answer that ignores it.
+Errors follow OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
+import json
+import reprlib
+
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .tokenizer import ChatMessage
 
 
 class ApiError(Exception):
     """An error answered to the client as OpenAI does; never a 500 for a client's mistake."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers  # of the response, e.g. Connection: close
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -37,18 +46,65 @@ class _GenerationFields(BaseModel):
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)           # 0 or -1: every token
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logprobs: Union[None, bool, int] = Field(default=None, ge=0)  # chat: a boolean; completions: a count
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def check_supported(self) -> None:
+        """A 400 naming the first field whose valid value the engine would have to ignore."""
+        for name, (neutral, why) in _UNSUPPORTED.items():
+            if name not in type(self).model_fields:
+                continue  # a field of the other endpoint (echo, best_of: completions; top_logprobs: chat)
+            value = getattr(self, name)
+            if _is_one_of(value, neutral) or (name in _SAMPLING_ONLY and self.temperature == 0):
+                continue  # greedy decoding takes the top token whatever top_p, top_k, min_p say (as vLLM)
+            raise ApiError(400, f"{name}: {why}; expected {' or '.join(map(_json_literal, neutral))}, "
+                                f"found {_json_literal(value)}", param=name, code="unsupported_value")
+
+
+# field: (the values that ask for nothing the engine lacks, what it lacks)
+_UNSUPPORTED = {
+    "n": ((1,), "the embedded engine returns one choice per request"),
+    "best_of": ((None, 1), "the embedded engine returns one choice per request"),
+    "logprobs": ((None, False), "the embedded engine does not return log probabilities"),
+    "top_logprobs": ((None, 0), "the embedded engine does not return log probabilities"),
+    "echo": ((False,), "the embedded engine does not echo the prompt"),
+    "presence_penalty": ((0,), "the embedded engine applies no penalties"),
+    "frequency_penalty": ((0,), "the embedded engine applies no penalties"),
+    "repetition_penalty": ((1,), "the embedded engine applies no penalties"),
+    "top_p": ((1,), "the embedded engine samples from every token (temperature only)"),
+    "top_k": ((0, -1), "the embedded engine samples from every token (temperature only)"),
+    "min_p": ((0,), "the embedded engine samples from every token (temperature only)"),
+}
+_SAMPLING_ONLY = {"top_p", "top_k", "min_p"}
+
+
+def _is_one_of(value: object, choices: tuple) -> bool:
+    """`value in choices`, where a boolean is not a number (logprobs 0 asks for log probabilities, false does not)."""
+    return any(value is c if isinstance(c, bool) or c is None or isinstance(value, bool) else value == c
+               for c in choices)
+
+
+def _json_literal(value: object) -> str:
+    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+
 
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, list[int], list[str]]
+    best_of: Optional[int] = Field(default=None, ge=1)
+    echo: bool = False
 
 
 class TextPart(BaseModel):
@@ -69,6 +125,13 @@ class Message(BaseModel):
 class ChatCompletionRequest(_GenerationFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+
+def chat_tokens(tokenizer, messages: list[Message]) -> list[int]:
+    """The prompt tokens of validated chat messages (a developer message counts as the system's)."""
+    turns = [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in messages]
+    return tokenizer.apply_chat_template(turns)
 
 
 def parse_request(model: type[BaseModel], body: object) -> BaseModel:
@@ -80,9 +143,13 @@ def parse_request(model: type[BaseModel], body: object) -> BaseModel:
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p))
-        found = "nothing" if first["type"] == "missing" else repr(first.get("input"))[:80]
+        found = "nothing" if first["type"] == "missing" else _SHORT.repr(first.get("input"))
         raise ApiError(400, f"{param}: {first['msg']} (found {found})", param=param or None,
                        code="missing_field" if first["type"] == "missing" else "invalid_value") from None
+
+
+_SHORT = reprlib.Repr()  # bounded in length and depth, whatever the client sent
+_SHORT.maxstring = _SHORT.maxother = 80
 
 
 def _is_union_tag(part: object) -> bool:

@@ -1,7 +1,11 @@
 """OpenAI-compatible streaming server for the embedded engine (FastAPI + uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not),
-GET /v1/models, GET /health, GET /metrics (Prometheus text).
+GET /v1/models, GET /health, GET /metrics (Prometheus text), and with an admin
+token the /admin routes (cache_impl/admin.py). With an API key, /v1 and /admin
+need `Authorization: Bearer KEY`; /health and /metrics never need a secret.
+Every client mistake gets a 4xx with OpenAI's error body, a body over
+`max_request_bytes` a 413 before it is read whole (cache_impl/http_body.py).
 Backpressure: when `max_waiting` requests already wait, a new one gets 429
 (OpenAI's rate-limit shape); clients retry. A client that disconnects
 mid-stream cancels its request, which frees its batch slot and KV.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -20,21 +25,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
+from .admin import add_admin_routes
+from .auth import secret_matches
 from .engine import Engine, FinishEvent, GenerationRequest, QueueFullError, TokenEvent
+from .http_body import JsonBody
 from .metrics_export import EngineCollector
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
-from .tokenizer import ChatMessage
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, chat_tokens, parse_request
 
 DEFAULT_MAX_TOKENS = 16
 
 
-def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = False) -> FastAPI:
+def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optional[str] = None) -> FastAPI:
     """The ASGI app; it starts the engine on startup and drains and flushes it on shutdown.
 
-    `admin` adds POST /admin/cache/{evict,drop-page-cache,flush,locate}, which the gates use to
-    place a prefix in a known tier before measuring (e.g. a cold disk hit) and to find its stored
-    blocks, and /admin/faults (GET, POST to arm, DELETE to clear) for disk I/O fault injection.
+    `admin_token` adds the admin routes (cache_impl/admin.py), which refuse requests without it.
     """
 
     async def lifespan(app: FastAPI):
@@ -47,14 +53,30 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
     registry.register(EngineCollector(engine))
     ProcessCollector(registry=registry)
 
+    read_json = JsonBody(engine.config.max_request_bytes)
+
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """Routing's own answers (no such route, wrong method) in OpenAI's shape too."""
+        message = f"{error.detail}: {request.method} {request.url.path}"
+        return JSONResponse(ApiError(error.status_code, message).body(), status_code=error.status_code,
+                            headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        logging.getLogger("kvgate.server").exception("%s %s failed", request.method, request.url.path)
+        body = ApiError(500, f"internal server error ({type(error).__name__})", "server_error").body()
+        return JSONResponse(body, status_code=500)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if api_key and request.url.path.startswith(("/v1/", "/admin/")):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            bearer = request.headers.get("authorization", "")
+            if not (bearer.startswith("Bearer ") and secret_matches(bearer.removeprefix("Bearer "), api_key)):
                 error = ApiError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
                 return JSONResponse(error.body(), status_code=401)
         return await call_next(request)
@@ -78,19 +100,19 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    if admin:
-        _add_admin_routes(app, engine)
+    if admin_token is not None:
+        add_admin_routes(app, engine, admin_token, read_json)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_request(CompletionRequest, await _json(request))
+        body = parse_request(CompletionRequest, await read_json(request))
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise ApiError(400, "prompt: only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            tokens = engine.tokenizer.encode(prompt)
+            tokens = engine.tokenizer.encode(prompt) if prompt else []  # "" is as empty as []
         else:
             tokens = list(prompt)
             if any(t < 0 or t >= engine.tokenizer.vocab_size for t in tokens):
@@ -99,13 +121,14 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_request(ChatCompletionRequest, await _json(request))
-        return await _generate(request, body, _chat_tokens(engine, body.messages), chat=True)
+        body = parse_request(ChatCompletionRequest, await read_json(request))
+        return await _generate(request, body, chat_tokens(engine.tokenizer, body.messages), chat=True)
 
     async def _generate(request: Request, body, tokens: list[int], chat: bool):
         if body.model != engine.model_name:
             raise ApiError(404, f"model: the model '{body.model}' does not exist (this server has "
                                 f"'{engine.model_name}')", param="model", code="model_not_found")
+        body.check_supported()
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or DEFAULT_MAX_TOKENS
         if len(tokens) + max_tokens > engine.max_context:
             raise ApiError(400, f"this model's maximum context length is {engine.max_context} tokens; the "
@@ -134,102 +157,6 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin: bool = Fals
         return shape.full(text, finish)
 
     return app
-
-
-def _add_admin_routes(app: FastAPI, engine: Engine) -> None:
-    def cache():
-        if engine.cache is None:
-            raise ApiError(409, f"mode {engine.config.mode} has no cache", code="no_cache")
-        return engine.cache
-
-    @app.post("/admin/cache/evict")
-    async def evict(request: Request) -> dict:
-        body = await _json(request)
-        tiers = body.get("tiers") if isinstance(body, dict) else None
-        if not isinstance(tiers, list) or not all(t in ("device", "host") for t in tiers):
-            raise ApiError(400, "tiers: expected a list of 'device' and/or 'host'", param="tiers")
-        evicted = {}
-        for tier in tiers:
-            if tier in cache().tiers:
-                evicted[tier] = await asyncio.to_thread(cache().evict, tier)
-        return {"evicted": evicted}
-
-    @app.post("/admin/cache/flush")
-    async def flush() -> dict:
-        return {"flushed": await asyncio.to_thread(cache().flush, 60.0)}
-
-    @app.post("/admin/cache/drop-page-cache")
-    async def drop_page_cache() -> dict:
-        if "disk" not in cache().tiers:
-            raise ApiError(409, "no disk tier", code="no_disk_tier")
-        await asyncio.to_thread(cache().flush, 60.0)
-        await asyncio.to_thread(cache().tier("disk").drop_page_cache)
-        return {"dropped": True}
-
-
-    @app.post("/admin/cache/locate")
-    async def locate(request: Request) -> dict:
-        body = await _json(request)
-        if isinstance(body, dict) and isinstance(body.get("prompt"), str):
-            tokens = engine.tokenizer.encode(body["prompt"])
-        elif isinstance(body, dict) and isinstance(body.get("messages"), list):
-            chat = parse_request(ChatCompletionRequest, {"model": engine.model_name, "messages": body["messages"]})
-            tokens = _chat_tokens(engine, chat.messages)
-        else:
-            raise ApiError(400, "expected a JSON object with 'prompt' (a string) or 'messages' (a list)",
-                           param="prompt")
-        store = cache()
-        disk = store.tier("disk") if "disk" in store.tiers else None
-        blocks = [{"index": i, "key": key.hex(), "tiers": store.where(key),
-                   "path": str(disk.path_for(key)) if disk is not None else None}
-                  for i, key in enumerate(store.keys_for(tokens))]
-        return {"prompt_tokens": len(tokens), "block_size": store.block_size, "blocks": blocks}
-
-    def faults():
-        if engine.cache is None or "disk" not in engine.cache.tiers:
-            raise ApiError(409, "no disk tier to inject faults into", code="no_disk_tier")
-        return engine.cache.tier("disk").faults
-
-    @app.get("/admin/faults")
-    async def show_faults() -> dict:
-        return faults().snapshot()
-
-    @app.post("/admin/faults")
-    async def arm_fault(request: Request) -> dict:
-        body = await _json(request)
-        if not isinstance(body, dict) or set(body) - {"kind", "duration_s", "delay_ms"}:
-            raise ApiError(400, "expected a JSON object with kind, and optionally duration_s and delay_ms, found "
-                                f"{sorted(body) if isinstance(body, dict) else type(body).__name__}", param="kind")
-        numbers = {k: body.get(k) for k in ("duration_s", "delay_ms")}
-        for name, value in numbers.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ApiError(400, f"{name}: expected a number, found {value!r}", param=name)
-        if body.get("kind") == "slow_disk" and not (numbers["delay_ms"] or 0) > 0:
-            raise ApiError(400, f"delay_ms: expected a delay > 0 for slow_disk, found {numbers['delay_ms']!r}",
-                           param="delay_ms")
-        try:
-            faults().arm(str(body.get("kind")), numbers["duration_s"], (numbers["delay_ms"] or 0) / 1e3)
-        except ValueError as error:
-            raise ApiError(400, str(error), param=str(error).split(":")[0]) from None
-        return faults().snapshot()
-
-    @app.delete("/admin/faults")
-    async def clear_faults() -> dict:
-        faults().clear()
-        return faults().snapshot()
-
-
-def _chat_tokens(engine: Engine, messages) -> list[int]:
-    """The prompt tokens of validated chat messages (a developer message counts as the system's)."""
-    turns = [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in messages]
-    return engine.tokenizer.apply_chat_template(turns)
-
-
-async def _json(request: Request) -> object:
-    try:
-        return json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the request body is not valid JSON ({error})", code="invalid_json") from None
 
 
 class _EventStream:

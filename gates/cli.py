@@ -154,7 +154,16 @@ def _add_serve(commands) -> None:
                        help="environment variable holding the API key clients must send (default: %(default)s; "
                             "unset: no key)")
     serve.add_argument("--admin", action="store_true",
-                       help="add /admin/cache/{evict,flush,drop-page-cache} (the gates use them to place prefixes)")
+                       help="add /admin/cache/{evict,flush,drop-page-cache,locate} and /admin/faults (the gates use "
+                            "them to place prefixes and inject disk faults); needs an admin token, which clients "
+                            "send in the X-Kvgate-Admin-Token header (with an API key, also the Bearer key)")
+    serve.add_argument("--admin-token-env", default="KVGATE_ADMIN_TOKEN", metavar="NAME",
+                       help="environment variable holding the admin token, at least 16 printable ASCII characters "
+                            "(default: %(default)s); --admin without it is an error (exit 2), on loopback too: "
+                            "every local user can reach loopback")
+    serve.add_argument("--max-request-bytes", metavar="SIZE",
+                       help="largest request body, e.g. 4MiB (default: the config's engine.max_request_bytes, "
+                            "else 4MiB); larger ones get 413 before they are read")
     serve.set_defaults(handler=_serve)
 
 
@@ -167,6 +176,8 @@ def engine_settings(args: argparse.Namespace) -> dict:
         settings["mode"] = args.mode
     if args.preset:
         settings["preset"] = args.preset
+    if args.max_request_bytes is not None:
+        settings["max_request_bytes"] = args.max_request_bytes
     if args.cache_dir is not None:
         cache = dict(settings.get("cache") or {})
         cache["disk"] = {**(cache.get("disk") or {}), "path": str(args.cache_dir)}
@@ -188,17 +199,25 @@ def load_yaml_section(path: Path, section: str) -> dict:
     return dict(data.get(section) or {})
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
     import uvicorn
 
+    from cache_impl.auth import admin_token_from_env
     from cache_impl.engine import Engine, EngineConfig
     from cache_impl.server import create_app
 
+    admin_token = admin_token_from_env(args.admin_token_env) if args.admin else None
     config = EngineConfig.from_dict(engine_settings(args))
+    if admin_token is not None and args.host not in LOOPBACK_HOSTS:
+        print(f"kvgate serve: warning: the admin routes listen on {args.host} over plain HTTP; anyone who sees "
+              f"the traffic sees the admin token", file=sys.stderr, flush=True)
     engine = Engine(config)
-    app = create_app(engine, api_key=os.environ.get(args.api_key_env) or None, admin=args.admin)
+    app = create_app(engine, api_key=os.environ.get(args.api_key_env) or None, admin_token=admin_token)
     remote = config.cache.remote
     print(f"kvgate serve: {engine.model_name}, mode {config.mode}, "
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "

@@ -140,6 +140,7 @@ class GateRunner:
         self.continue_on_fail, self.resume = continue_on_fail, resume
         self.store = RunStore(run_dir)
         self.console = console or Console()
+        self.suite_env: dict[str, str] = {}  # for the gate suites: the embedded servers' admin token
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +198,7 @@ class GateRunner:
                 raise
         info["targets"] = endpoints_to_json(endpoints)
         self.store.write_run_info(info)
+        self.suite_env = servers.client_environment()
         for role, endpoint in endpoints.items():
             nodes = f"  + {len(endpoint.nodes) - 1} more node(s), {endpoint.routing}" if len(endpoint.nodes) > 1 else ""
             self.console.print(f"  {role:<9} {endpoint.mode:<11} {endpoint.url}{nodes}")
@@ -228,7 +230,7 @@ class GateRunner:
         with open(gate_dir / "pytest.log", "a") as log, \
                 self.console.status(f"{GATE_TITLES[gate]} running …"):
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent,
-                                       preexec_fn=die_with_parent)
+                                       preexec_fn=die_with_parent, env=os.environ | self.suite_env)
             while process.poll() is None:
                 shown = self._print_new_verdicts(gate, shown)
                 time.sleep(0.5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Optional
 
 import yaml
 
+from cache_impl.auth import ADMIN_TOKEN_ENV
 from workloads.load import Target, free_port
 from workloads.processes import die_with_parent
 
@@ -68,6 +70,9 @@ class EmbeddedServers:
     With `candidate_nodes` > 1 the tiered candidate runs as that many nodes, each with its own disk
     directory, sharing the pool the harness starts first (`pool`: redis or mooncake, on loopback);
     the device-only baseline runs as as many nodes (no pool), routed the same way.
+
+    Their admin routes share one token made for this run; it reaches the servers and the gate
+    suites (`client_environment`) through the environment only, never a file or a command line.
     """
 
     def __init__(self, config: GatesConfig, run_dir: Path) -> None:
@@ -75,6 +80,11 @@ class EmbeddedServers:
         self.processes: dict[str, subprocess.Popen] = {}
         self.endpoints: dict[str, Endpoint] = {}
         self.pool = None
+        self._admin_token = secrets.token_urlsafe(32)
+
+    def client_environment(self) -> dict[str, str]:
+        """What a process that calls the admin routes (a gate suite's AdminClient) needs in its environment."""
+        return {ADMIN_TOKEN_ENV: self._admin_token}
 
     def start(self, timeout_s: float = 120) -> dict[str, Endpoint]:
         embedded = self.config.targets.embedded
@@ -87,6 +97,7 @@ class EmbeddedServers:
         settings = self.run_dir / "engine.yaml"
         settings.write_text(yaml.safe_dump({"engine": engine}))
         pool_url = self._start_pool(embedded.pool)
+        env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"} | self.client_environment()
         for role, mode in EMBEDDED_ROLES.items():
             # as many baseline nodes as candidate nodes, so throughput compares equal fleets
             count = embedded.candidate_nodes if role in ("candidate", "baseline") else 1
@@ -101,7 +112,7 @@ class EmbeddedServers:
                     command += ["--remote", pool_url]
                 self.processes[f"{role}-{node}"] = subprocess.Popen(
                     command, stdout=open(self.run_dir / f"server-{name}.log", "wb"), stderr=subprocess.STDOUT,
-                    preexec_fn=die_with_parent, env={k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"})
+                    preexec_fn=die_with_parent, env=env)
                 urls.append(f"http://127.0.0.1:{port}/v1")
             self.endpoints[role] = Endpoint(role, urls[0], f"kvgate-{embedded.preset}", admin=True, mode=mode,
                                             nodes=tuple(urls) if count > 1 else (),

@@ -10,8 +10,18 @@ import pytest
 import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
+from cache_impl.auth import ADMIN_TOKEN_ENV
+from tests.servers import ADMIN_TOKEN
 
 BLOCK = 4
+
+
+@pytest.fixture(scope="session", autouse=True)
+def admin_token_in_environment():
+    """The test servers' admin token where AdminClient reads it, as `kvgate run` hands it to a gate suite."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
+        yield ADMIN_TOKEN
 
 
 @pytest.fixture

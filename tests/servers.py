@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import signal
 import socket
 import string
@@ -17,12 +18,17 @@ import httpx
 import pytest
 import yaml
 
+from cache_impl.auth import ADMIN_TOKEN_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 60
 SHUTDOWN_TIMEOUT_S = 30
 
 # `kvgate serve` exits 0 after SIGTERM (a graceful drain); anything else is a failure.
 TEARDOWN_EXIT_CODES = (0,)
+# The admin token of every --admin server the tests start; tests/conftest.py puts it in this
+# process's environment, where workloads.faults.AdminClient looks for it (as in a gate suite).
+ADMIN_TOKEN = secrets.token_urlsafe(24)
 
 
 # -- the server subprocess ---------------------------------------------------------
@@ -45,14 +51,17 @@ class ServerProcess:
     def __init__(self, workdir: Path, api_key: Optional[str] = None, preset: str = "tiny",
                  mode: str = "tiered", engine: Optional[dict] = None, cache_dir: Optional[Path] = None,
                  admin: bool = False, extra_args: tuple[str, ...] = ()) -> None:
-        """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache."""
+        """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache;
+        `admin`: with the admin routes, guarded by ADMIN_TOKEN."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.cache_dir = cache_dir or workdir / "cache"
         self.log_path = workdir / f"server-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"}
+        env = {k: v for k, v in os.environ.items() if k not in ("KVGATE_API_KEY", ADMIN_TOKEN_ENV)}
         if api_key is not None:
             env["KVGATE_API_KEY"] = api_key
+        if admin:
+            env[ADMIN_TOKEN_ENV] = ADMIN_TOKEN
         command = [sys.executable, "-m", "gates.cli", "serve", "--preset", preset, "--mode", mode,
                    "--host", "127.0.0.1", "--port", str(self.port), "--cache-dir", str(self.cache_dir)]
         if engine is not None:

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
+from cache_impl.auth import ADMIN_TOKEN_HEADER
+from tests.servers import ADMIN_TOKEN, Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
 from workloads.faults import (BLOCK_FAULTS, EXPECTED_REASON, AdminClient, counter, damage_prompt_blocks,
                               detection_counts, kill_and_restart)
 
@@ -138,7 +139,7 @@ def test_bad_fault_requests_get_a_400_naming_the_field(tiered):
         for body, param in (({"kind": "meteor"}, "kind"), ({"kind": "slow_disk"}, "delay_ms"),
                             ({"kind": "read_error", "duration_s": "soon"}, "duration_s"),
                             ({"kind": "read_error", "when": 3}, "kind")):
-            response = http.post("/admin/faults", json=body)
+            response = http.post("/admin/faults", json=body, headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN})
             assert response.status_code == 400, body
             assert response.json()["error"]["param"] == param, response.json()
 

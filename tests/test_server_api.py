@@ -1,39 +1,55 @@
 """The OpenAI-compatible server of the embedded engine, over real HTTP on loopback.
 
-Each server is a real `kvgate serve --preset tiny --mode tiered` subprocess on a
-free 127.0.0.1 port with its own cache directory. The tests speak to it with
-the official `openai` client and with raw `httpx` requests (SSE, bad input,
-/metrics, API key, client disconnects). The byte tokenizer makes one token per
-ASCII character plus <|bos|>; the cache works in blocks of 256 tokens and the
-tiny preset has a context of 4096 tokens.
+Each server is a real `kvgate serve --preset tiny --mode tiered --admin` subprocess
+on a free 127.0.0.1 port with its own cache directory. The tests speak to it with
+the official `openai` client, with raw `httpx` requests (SSE, bad input, /metrics,
+API key, admin token, client disconnects) and with raw sockets where the bytes on
+the wire matter (a body announced but never sent, a chunked body). The byte
+tokenizer makes one token per ASCII character plus <|bos|>; the cache works in
+blocks of 256 tokens and the tiny preset has a context of 4096 tokens.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import os
 import random
+import socket
 import string
+import subprocess
+import sys
 import time
+from http.client import HTTPResponse
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.servers import SHUTDOWN_TIMEOUT_S, ServerProcess, http_client, started_server
+from cache_impl import auth
+from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
+from tests.servers import ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, http_client, started_server
+from workloads.faults import AdminClient
 
 MODEL = "kvgate-tiny"
 BLOCK_SIZE = 256
 CONTEXT = 4096
 
+DEFAULT_BODY_LIMIT = 4 * 2**20
+KEYED_BODY_LIMIT = 64 * 2**10
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from started_server(tmp_path_factory.mktemp("kvgate-serve"))
+    yield from started_server(tmp_path_factory.mktemp("kvgate-serve"), admin=True)
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
-    yield from started_server(tmp_path_factory.mktemp("kvgate-serve-key"), api_key="secret")
+    """Every guard set: an API key, admin routes, and a body limit of 64 KiB."""
+    yield from started_server(tmp_path_factory.mktemp("kvgate-serve-key"), api_key="secret", admin=True,
+                              extra_args=("--max-request-bytes", "64KiB"))
 
 
 @pytest.fixture
@@ -193,6 +209,13 @@ def _case(name, path, body, status=400, param=ANY, code=ANY):
     return pytest.param(path, body, status, param, code, id=name)
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 BAD_REQUESTS = [
     _case("malformed-json", COMPLETIONS, b'{"model": "kvgate-tiny", "prompt": ', code="invalid_json"),
     _case("body-is-a-list", COMPLETIONS, [{"model": MODEL, "prompt": "hi"}]),
@@ -218,6 +241,48 @@ BAD_REQUESTS = [
     _case("empty-token-list", COMPLETIONS, {"model": MODEL, "prompt": []}, param="prompt"),
     _case("max-tokens-boolean", COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": True},
           param="max_tokens"),
+    # bodies Python's JSON parser cannot take whole (RecursionError) or the tokenizer cannot encode
+    _case("array-nested-1e5-deep", COMPLETIONS, b"[" * 10**5 + b"]" * 10**5, code="invalid_json"),
+    _case("object-nested-1e5-deep", COMPLETIONS, b'{"a":' * 10**5 + b"1" + b"}" * 10**5, code="invalid_json"),
+    _case("ignored-field-nested-40-deep", COMPLETIONS, {"model": MODEL, "prompt": "hi", "user": _nested(40)},
+          code="invalid_json"),
+    _case("lone-surrogate-in-prompt", COMPLETIONS, b'{"model": "kvgate-tiny", "prompt": "\\ud800"}',
+          param="prompt", code="invalid_unicode"),
+    _case("lone-surrogate-in-model", COMPLETIONS, b'{"model": "\\udfff", "prompt": "hi"}', param="model",
+          code="invalid_unicode"),
+    _case("lone-surrogate-in-chat", CHAT, b'{"model": "kvgate-tiny", "messages": [{"role": "user", '
+                                          b'"content": "a\\ud83d"}]}', param="messages.0.content",
+          code="invalid_unicode"),
+    _case("lone-surrogate-in-a-key", COMPLETIONS, b'{"model": "kvgate-tiny", "prompt": "hi", "\\ud800": 1}',
+          code="invalid_unicode"),
+    _case("encoded-surrogate-bytes", COMPLETIONS, b'{"model": "kvgate-tiny", "prompt": "\xed\xa0\x80"}',
+          code="invalid_json"),
+    _case("nan-temperature", COMPLETIONS, b'{"model": "kvgate-tiny", "prompt": "hi", "temperature": NaN}',
+          code="invalid_json"),
+    # out of the ranges vLLM accepts (vllm/sampling_params.py), or of the wrong type
+    *(_case(f"{field}-{value}", COMPLETIONS, {"model": MODEL, "prompt": "hi", field: value}, param=field,
+            code="invalid_value")
+      for field, value in (("top_p", 5), ("top_p", -1), ("top_p", 0), ("top_p", "x"), ("presence_penalty", 100),
+                           ("presence_penalty", -2.5), ("frequency_penalty", 3), ("repetition_penalty", 0),
+                           ("top_k", -2), ("min_p", 1.5), ("temperature", 2.5), ("n", 0), ("n", "2"),
+                           ("logprobs", -1), ("echo", "yes"), ("best_of", 0))),
+    _case("chat-max-completion-tokens-0", CHAT, {"model": MODEL, "messages": HI, "max_completion_tokens": 0},
+          param="max_completion_tokens", code="invalid_value"),
+    _case("chat-top-logprobs-21", CHAT, {"model": MODEL, "messages": HI, "top_logprobs": 21},
+          param="top_logprobs", code="invalid_value"),
+    # valid values the engine would have to ignore: said so, naming the field
+    *(_case(f"unsupported-{field}-{value}", path, {"model": MODEL, **prompt, field: value}, param=field,
+            code="unsupported_value")
+      for path, prompt, field, value in (
+          (COMPLETIONS, {"prompt": "hi"}, "logprobs", True), (COMPLETIONS, {"prompt": "hi"}, "logprobs", 0),
+          (CHAT, {"messages": HI}, "logprobs", True), (CHAT, {"messages": HI}, "top_logprobs", 3),
+          (COMPLETIONS, {"prompt": "hi"}, "n", 2), (COMPLETIONS, {"prompt": "hi"}, "best_of", 2),
+          (COMPLETIONS, {"prompt": "hi"}, "echo", True), (CHAT, {"messages": HI}, "presence_penalty", 0.5),
+          (COMPLETIONS, {"prompt": "hi"}, "frequency_penalty", -1), (CHAT, {"messages": HI}, "top_p", 0.9),
+          (COMPLETIONS, {"prompt": "hi"}, "top_k", 5))),
+    _case("empty-prompt", COMPLETIONS, {"model": MODEL, "prompt": ""}, param="prompt"),
+    _case("empty-prompt-in-a-list", COMPLETIONS, {"model": MODEL, "prompt": [""]}, param="prompt"),
+    _case("no-such-route", "/v1/embeddings", {"model": MODEL, "input": "hi"}, status=404),
 ]
 
 
@@ -249,6 +314,71 @@ def test_wrong_type_error_names_the_field(http, field, body):
     error = assert_openai_error(response, 400)
     assert error["param"] == field, error
     assert error["message"].startswith(f"{field}: "), error
+
+
+def test_values_that_ask_for_nothing_the_engine_lacks_are_accepted(http):
+    neutral = {"top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "repetition_penalty": 1, "n": 1, "logprobs": None, "best_of": 1, "echo": False}
+    response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **neutral})
+    assert response.status_code == 200, response.text
+    # greedy decoding takes the top token whatever top_p and top_k say (vLLM ignores them too)
+    greedy = {"model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0, "top_p": 0.5, "top_k": 3,
+              "logprobs": False}
+    response = http.post(CHAT, json=greedy)
+    assert response.status_code == 200, response.text
+
+
+def test_a_wrong_method_gets_an_openai_error(http):
+    error = assert_openai_error(http.get(COMPLETIONS), 405)
+    assert "GET /v1/completions" in error["message"], error
+
+
+# -- 4b. the request body limit ---------------------------------------------------------------------
+
+
+def _raw_exchange(port: int, head: str, *parts: bytes) -> tuple[HTTPResponse, dict]:
+    """Send a request head and body parts as they are on one connection; the response and its JSON."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n")
+        for part in parts:
+            sock.sendall(part)
+        response = HTTPResponse(sock)
+        response.begin()
+        return response, json.loads(response.read())
+
+
+def test_a_body_announced_over_the_limit_gets_413_before_a_byte_of_it_is_sent(server):
+    head = f"POST {COMPLETIONS} HTTP/1.1\nHost: 127.0.0.1\nContent-Type: application/json\n" \
+           f"Content-Length: {200 * 10**6}\n"
+    response, body = _raw_exchange(server.port, head)   # the server would wait forever for 200 MB
+    assert response.status == 413 and response.getheader("connection") == "close"
+    assert body["error"]["code"] == "request_too_large" and body["error"]["type"] == "invalid_request_error"
+    assert f"at most {DEFAULT_BODY_LIMIT} bytes" in body["error"]["message"], body
+
+
+def test_a_chunked_body_is_cut_off_at_the_configured_limit(keyed_server):
+    head = f"POST {COMPLETIONS} HTTP/1.1\nHost: 127.0.0.1\nContent-Type: application/json\n" \
+           f"Authorization: Bearer secret\nTransfer-Encoding: chunked\n"
+    data = b'{"model": "kvgate-tiny", "prompt": "' + b"a" * KEYED_BODY_LIMIT   # one byte per chunk too many
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for piece in (data[:1000], data[1000:])]
+    response, body = _raw_exchange(keyed_server.port, head, *chunks)       # no last chunk: never ends
+    assert response.status == 413, body
+    assert body["error"]["code"] == "request_too_large"
+    assert f"at most {KEYED_BODY_LIMIT} bytes" in body["error"]["message"], body
+
+
+def test_a_body_under_the_limit_is_read_and_judged(keyed_server):
+    body = {"model": MODEL, "prompt": "a" * (KEYED_BODY_LIMIT - 100)}
+    with http_client(keyed_server.port) as http:
+        response = http.post(COMPLETIONS, json=body, headers={"Authorization": "Bearer secret"})
+    assert assert_openai_error(response, 400)["code"] == "context_length_exceeded"
+
+
+def test_a_body_limit_that_is_no_size_is_a_usage_error():
+    result = subprocess.run([sys.executable, "-m", "gates.cli", "serve", "--preset", "tiny", "--mode", "recompute",
+                             "--max-request-bytes", "lots"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "engine.max_request_bytes: expected a byte size" in result.stderr, result.stderr
 
 
 # -- 5, 6. /metrics and /health ------------------------------------------------------------------
@@ -301,6 +431,80 @@ def test_api_key_is_required_on_v1_only(keyed_server):
         assert MODEL in [m.id for m in openai_client("secret").models.list()]
         with pytest.raises(openai.AuthenticationError):
             openai_client("wrong").models.list()
+
+
+# -- 7b. the admin token ------------------------------------------------------------------------------
+
+ADMIN_ROUTES = [("POST", "/admin/cache/evict", {"tiers": ["device"]}), ("POST", "/admin/cache/flush", {}),
+                ("POST", "/admin/cache/drop-page-cache", {}), ("POST", "/admin/cache/locate", {"prompt": "hi"}),
+                ("GET", "/admin/faults", None), ("POST", "/admin/faults", {"kind": "read_error"}),
+                ("DELETE", "/admin/faults", None)]
+
+
+@pytest.mark.parametrize("method, path, body", ADMIN_ROUTES, ids=[f"{m} {p}" for m, p, _ in ADMIN_ROUTES])
+def test_an_admin_route_refuses_a_request_without_the_right_token(http, method, path, body):
+    for headers, status, code in (({}, 401, "missing_admin_token"),
+                                  ({ADMIN_TOKEN_HEADER: "not-the-token-at-all"}, 403, "invalid_admin_token"),
+                                  ({ADMIN_TOKEN_HEADER: ADMIN_TOKEN[:-1]}, 403, "invalid_admin_token"),
+                                  ({ADMIN_TOKEN_HEADER: ""}, 403, "invalid_admin_token"),
+                                  ({"Authorization": f"Bearer {ADMIN_TOKEN}"}, 401, "missing_admin_token")):
+        response = http.request(method, path, json=body, headers=headers)
+        error = assert_openai_error(response, status)
+        assert error["code"] == code and error["type"] in ("authentication_error", "permission_error"), error
+    assert http.get("/admin/faults", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}).json()["armed"] == [], \
+        "a refused request armed a fault"
+
+
+def test_an_admin_route_serves_the_right_token(server, http):
+    response = http.post("/admin/cache/evict", json={"tiers": ["device", "host"]},
+                         headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN})
+    assert response.status_code == 200 and set(response.json()["evicted"]) == {"device", "host"}, response.text
+    # the admin client of the gates finds the token in its environment (tests/conftest.py puts it there)
+    assert os.environ[ADMIN_TOKEN_ENV] == ADMIN_TOKEN
+    assert AdminClient(server.base_url).locate(prompt="x" * 600)[0]["index"] == 0
+    assert AdminClient(server.base_url, token=ADMIN_TOKEN).flush() == {"flushed": True}
+
+
+def test_health_metrics_and_models_need_no_admin_token(http):
+    for path in ("/health", "/metrics", "/v1/models"):
+        assert http.get(path).status_code == 200, path
+
+
+def test_with_an_api_key_an_admin_route_needs_both_secrets(keyed_server):
+    with http_client(keyed_server.port) as http:
+        only_token = http.post("/admin/cache/flush", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN})
+        assert assert_openai_error(only_token, 401)["code"] == "invalid_api_key"
+        only_key = http.post("/admin/cache/flush", headers={"Authorization": "Bearer secret"})
+        assert assert_openai_error(only_key, 401)["code"] == "missing_admin_token"
+    both = AdminClient(keyed_server.base_url, api_key="secret", token=ADMIN_TOKEN)
+    assert both.flush() == {"flushed": True}
+
+
+@pytest.mark.parametrize("host, token", [("0.0.0.0", None), ("127.0.0.1", None), ("127.0.0.1", "short")],
+                         ids=["any-address-no-token", "loopback-no-token", "loopback-short-token"])
+def test_serve_admin_without_a_usable_token_exits_2_before_it_listens(host, token):
+    env = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV} | ({ADMIN_TOKEN_ENV: token} if token else {})
+    result = subprocess.run([sys.executable, "-m", "gates.cli", "serve", "--preset", "tiny", "--mode", "recompute",
+                             "--admin", "--host", host, "--port", "1"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--admin: expected an admin token" in result.stderr and ADMIN_TOKEN_ENV in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "kvgate serve:" not in result.stdout
+
+
+def test_the_token_is_compared_in_constant_time(monkeypatch):
+    compared, compare_digest = [], hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return compare_digest(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    assert auth.secret_matches("s3cret-token", "s3cret-token")
+    assert not auth.secret_matches("s3cret-tokem", "s3cret-token")
+    assert not auth.secret_matches("s3cret-tok\u00e9n", "s3cret-token")    # any header bytes, no exception
+    assert not auth.secret_matches(None, "s3cret-token")
+    assert compared[:2] == [(b"s3cret-token", b"s3cret-token"), (b"s3cret-tokem", b"s3cret-token")]
 
 
 # -- 8. client disconnect ----------------------------------------------------------------------------

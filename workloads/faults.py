@@ -21,13 +21,14 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_impl import integrity
+from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from cache_impl.faultpoints import KINDS as IO_FAULTS
 
 from .processes import die_with_parent
@@ -100,11 +101,17 @@ class AdminError(RuntimeError):
 
 @dataclass
 class AdminClient:
-    """The embedded server's admin routes and the figures of its /metrics."""
+    """The embedded server's admin routes and the figures of its /metrics.
+
+    The admin routes need the server's admin token (sent in the X-Kvgate-Admin-Token header):
+    by default the one in $KVGATE_ADMIN_TOKEN, where `kvgate run` puts the token it generated
+    for its embedded servers. /health and /metrics need none.
+    """
 
     server_root: str                 # http://127.0.0.1:PORT (no /v1)
-    api_key: Optional[str] = None
+    api_key: Optional[str] = field(default=None, repr=False)  # the server's API key (Bearer), if any
     timeout_s: float = 120.0
+    token: Optional[str] = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None, repr=False)
 
     def _call(self, method: str, path: str, body: Optional[dict] = None):
         data = None if body is None else json.dumps(body).encode()
@@ -112,6 +119,8 @@ class AdminClient:
         request.add_header("Content-Type", "application/json")
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
+        if self.token and path.startswith("/admin/"):
+            request.add_header(ADMIN_TOKEN_HEADER, self.token)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 payload = response.read()

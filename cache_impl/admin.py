@@ -1,0 +1,118 @@
+"""The admin routes the gates use to place a prefix in a known tier and to inject disk faults.
+
+POST /admin/cache/{evict,flush,drop-page-cache,locate}: place a prefix before measuring (e.g. a
+cold disk hit) and find its stored blocks; /admin/faults (GET, POST to arm, DELETE to clear):
+disk I/O fault injection. Every route needs the admin token in the `X-Kvgate-Admin-Token`
+header (cache_impl/auth.py): 401 without it, 403 with another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+
+from .auth import ADMIN_TOKEN_HEADER, secret_matches
+from .http_body import JsonBody
+from .protocol import ApiError, ChatCompletionRequest, chat_tokens, parse_request
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def add_admin_routes(app: FastAPI, engine: "Engine", token: str, read_json: JsonBody) -> None:
+    """Add the admin routes to `app`, each refusing a request without `token`."""
+
+    def require_token(request: Request) -> None:
+        given = request.headers.get(ADMIN_TOKEN_HEADER)
+        if given is None:
+            raise ApiError(401, f"the admin routes need the admin token in the {ADMIN_TOKEN_HEADER} header",
+                           "authentication_error", code="missing_admin_token")
+        if not secret_matches(given, token):
+            raise ApiError(403, f"the {ADMIN_TOKEN_HEADER} header does not hold this server's admin token",
+                           "permission_error", code="invalid_admin_token")
+
+    router = APIRouter(prefix="/admin", dependencies=[Depends(require_token)])
+
+    def cache():
+        if engine.cache is None:
+            raise ApiError(409, f"mode {engine.config.mode} has no cache", code="no_cache")
+        return engine.cache
+
+    @router.post("/cache/evict")
+    async def evict(request: Request) -> dict:
+        body = await read_json(request)
+        tiers = body.get("tiers") if isinstance(body, dict) else None
+        if not isinstance(tiers, list) or not all(t in ("device", "host") for t in tiers):
+            raise ApiError(400, "tiers: expected a list of 'device' and/or 'host'", param="tiers")
+        evicted = {}
+        for tier in tiers:
+            if tier in cache().tiers:
+                evicted[tier] = await asyncio.to_thread(cache().evict, tier)
+        return {"evicted": evicted}
+
+    @router.post("/cache/flush")
+    async def flush() -> dict:
+        return {"flushed": await asyncio.to_thread(cache().flush, 60.0)}
+
+    @router.post("/cache/drop-page-cache")
+    async def drop_page_cache() -> dict:
+        if "disk" not in cache().tiers:
+            raise ApiError(409, "no disk tier", code="no_disk_tier")
+        await asyncio.to_thread(cache().flush, 60.0)
+        await asyncio.to_thread(cache().tier("disk").drop_page_cache)
+        return {"dropped": True}
+
+    @router.post("/cache/locate")
+    async def locate(request: Request) -> dict:
+        body = await read_json(request)
+        if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            tokens = engine.tokenizer.encode(body["prompt"])
+        elif isinstance(body, dict) and isinstance(body.get("messages"), list):
+            chat = parse_request(ChatCompletionRequest, {"model": engine.model_name, "messages": body["messages"]})
+            tokens = chat_tokens(engine.tokenizer, chat.messages)
+        else:
+            raise ApiError(400, "expected a JSON object with 'prompt' (a string) or 'messages' (a list)",
+                           param="prompt")
+        store = cache()
+        disk = store.tier("disk") if "disk" in store.tiers else None
+        blocks = [{"index": i, "key": key.hex(), "tiers": store.where(key),
+                   "path": str(disk.path_for(key)) if disk is not None else None}
+                  for i, key in enumerate(store.keys_for(tokens))]
+        return {"prompt_tokens": len(tokens), "block_size": store.block_size, "blocks": blocks}
+
+    def faults():
+        if engine.cache is None or "disk" not in engine.cache.tiers:
+            raise ApiError(409, "no disk tier to inject faults into", code="no_disk_tier")
+        return engine.cache.tier("disk").faults
+
+    @router.get("/faults")
+    async def show_faults() -> dict:
+        return faults().snapshot()
+
+    @router.post("/faults")
+    async def arm_fault(request: Request) -> dict:
+        body = await read_json(request)
+        if not isinstance(body, dict) or set(body) - {"kind", "duration_s", "delay_ms"}:
+            raise ApiError(400, "expected a JSON object with kind, and optionally duration_s and delay_ms, found "
+                                f"{sorted(body) if isinstance(body, dict) else type(body).__name__}", param="kind")
+        numbers = {k: body.get(k) for k in ("duration_s", "delay_ms")}
+        for name, value in numbers.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ApiError(400, f"{name}: expected a number, found {value!r}", param=name)
+        if body.get("kind") == "slow_disk" and not (numbers["delay_ms"] or 0) > 0:
+            raise ApiError(400, f"delay_ms: expected a delay > 0 for slow_disk, found {numbers['delay_ms']!r}",
+                           param="delay_ms")
+        try:
+            faults().arm(str(body.get("kind")), numbers["duration_s"], (numbers["delay_ms"] or 0) / 1e3)
+        except ValueError as error:
+            raise ApiError(400, str(error), param=str(error).split(":")[0]) from None
+        return faults().snapshot()
+
+    @router.delete("/faults")
+    async def clear_faults() -> dict:
+        faults().clear()
+        return faults().snapshot()
+
+    app.include_router(router)
