@@ -240,7 +240,7 @@ class GateRunner:
                               pytest_exit_code=process.returncode)
         style = STATUS_STYLE.get(status, "bold")
         self.console.print(f"[{style}]{GATE_TITLES[gate]}: {status.upper()}[/{style}]  "
-                           f"({time.time() - started:.0f} s) {reason if status != 'passed' else ''}")
+                           f"({time.time() - started:.0f} s) {reason}")
         return status
 
     def _print_new_verdicts(self, gate: str, shown: int) -> int:

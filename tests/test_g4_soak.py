@@ -24,7 +24,7 @@ SOAK = {
                              "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
     "g4": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
-           "duration_s": 30, "window_s": 5, "concurrency": 3, "faults": []},
+           "duration_s": 30, "window_s": 5, "warmup_s": 5, "concurrency": 3, "faults": []},
 }
 
 
@@ -93,7 +93,7 @@ def test_the_issue_soak_with_its_fault_windows_left_out_passes_the_throughput_dr
     result, verdict = _judged(windows, faults)
     assert verdict.status == "PASS", verdict.reason
     assert (result.windows, result.excluded) == (25, 5)
-    assert "5 fault windows left out" in verdict.reason and "Mann-Kendall p=" in verdict.reason
+    assert "5 windows of warm-up or faults left out" in verdict.reason and "Mann-Kendall p=" in verdict.reason
     assert 0 <= result.fraction < 0.02                        # a decline below 2% of the level: no drift to speak of
 
 
@@ -127,7 +127,7 @@ def test_too_few_windows_outside_the_faults_is_inconclusive_and_says_why():
     windows = _soak_windows(count=4)
     _, verdict = _judged(windows, [_fault_row("read_error", 60), _fault_row("flip_byte", 120)])
     assert verdict.status == "INCONCLUSIVE"
-    assert "2 windows to judge outside the fault windows: the trend needs at least 3" in verdict.reason
+    assert "2 windows to judge outside the warm-up and fault windows: the trend needs at least 3" in verdict.reason
 
 
 def test_an_upward_drift_is_positive_for_a_figure_that_must_not_rise():
@@ -186,7 +186,7 @@ def test_the_drift_tolerance_is_a_fraction_between_0_and_1(tmp_path, value, mess
     with pytest.raises(ConfigError, match=message):
         load_config(path)
     path.write_text(yaml.safe_dump({"g4": {"drift_tolerance": 0.1}}))
-    assert load_config(path).g4.drift_tolerance == 0.1 and load_config().g4.drift_tolerance == 0.05
+    assert load_config(path).g4.drift_tolerance == 0.1 and load_config().g4.drift_tolerance == 0.25
 
 
 def _soak_config(tmp_path):
@@ -274,7 +274,19 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
     assert verdicts["error_rate"]["status"] == "PASS"
     left_out = {m["context"]["window"] for m in store.measurements("g4") if m["metric"] == "drift_excluded_window"}
     assert {int(f["at_s"] // SOAK["g4"]["window_s"]) for f in FAULTS} <= left_out   # each fault's own window
-    assert f"{len(left_out)} fault windows left out" in verdicts["throughput_drift_fraction"]["reason"]
+    assert 0 in left_out                                                           # the warm-up's window
+    assert f"{len(left_out)} windows of warm-up or faults left out" in verdicts["throughput_drift_fraction"]["reason"]
     html = (run_dir / "index.html").read_text()
     assert "served whole from cache again after" in html and "flip_byte" in html and ">faults<" in html
-    assert "fault windows left out of the drift checks" in html
+    assert "windows left out of the drift checks" in html
+
+
+def test_windows_starting_within_the_warm_up_are_left_out_with_the_reason():
+    windows = [{"index": i, "start_s": 10.0 * i, "output_tokens_per_s": 100.0 + i} for i in range(6)]
+    touched = windows_touched(windows, [_fault_row("read_error", 31, duration_s=3.0)], 10.0, warmup_s=15.0)
+    assert sorted(touched) == [0, 1, 3]
+    rows = excluded_window_rows(windows, touched, 10.0)
+    assert [r["kind"] for r in rows] == ["warm-up", "warm-up", "read_error"]
+    assert "warm-up (the soak's first 15 s, g4.warmup_s)" in rows[0]["reason"]
+    assert drift(windows, "output_tokens_per_s", "decreasing", excluded=touched).windows == 3
+

@@ -59,7 +59,7 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g3": {"levels": [True]}}, "g3.levels[0]: expected a finite number, found True"),
     ({"g3": {"duration_s": 1e400}}, "g3.duration_s: expected a finite number, found inf"),
     ({"g3": {"duration_s": 10, "warmup_s": 10}}, "g3.warmup_s: expected less than duration_s (10), found 10"),
-    ({"g4": {"duration_s": 5, "window_s": 10, "faults": []}}, "g4.window_s: expected at most duration_s (5), found 10"),
+    ({"g4": {"duration_s": 5, "window_s": 10, "warmup_s": 0, "faults": []}}, "g4.window_s: expected at most duration_s (5), found 10"),
     ({"g2": {"rounds": 2.0}}, "g2.rounds: expected an integer, found 2.0"),
     # section 2: every field at load, before any server starts
     ({"g3": {"workload": {"kind": "multi_round_qa", "userz": 4}}}, "g3.workload.userz: unknown field"),

@@ -1,6 +1,7 @@
 """G4's judged figures from the soak's rows: which windows the injected faults touched, and drift.
 
-Drift is judged on the windows the faults left alone. A window overlapping a fault's span, from
+Drift is judged on the windows the faults left alone, after the warm-up (`g4.warmup_s`: the
+windows starting within it hold caches filling and memory ramping up, not the system's course). A window overlapping a fault's span, from
 its injection to the end of its effect (the damage done, or the I/O fault disarmed after
 `duration_s`) plus its recovery (`recovered_after_s`, or the whole recovery timeout when the probe
 never came back), measures the fault, not the system's course over time: in a 30-minute soak
@@ -78,15 +79,31 @@ def fault_span(row: dict) -> FaultSpan:
     return FaultSpan(row["kind"], float(row["at_s"]), start, float(ended) + float(tail), recovered is not None)
 
 
-def windows_touched(windows: Sequence[dict], rows: Sequence[dict], window_s: float) -> dict[int, list[FaultSpan]]:
-    """The index of each window that overlaps a fault's span, with the faults it overlaps."""
+@dataclass(frozen=True)
+class WarmUp:
+    """The soak's first `end_s` seconds: caches filling and memory ramping, not the system's course."""
+
+    end_s: float
+    kind: str = "warm-up"
+
+    def describe(self) -> str:
+        return f"warm-up (the soak's first {self.end_s:g} s, g4.warmup_s)"
+
+
+def windows_touched(windows: Sequence[dict], rows: Sequence[dict], window_s: float,
+                    warmup_s: float = 0.0) -> dict[int, list]:
+    """The index of each window left out of the trends: those starting within the warm-up, and those
+    overlapping a fault's span, each with what it overlaps (a WarmUp or FaultSpans)."""
     spans = [fault_span(row) for row in rows]
-    touched: dict[int, list[FaultSpan]] = {}
+    touched: dict[int, list] = {}
+    for window in windows:
+        if float(window["start_s"]) < warmup_s:
+            touched[int(window["index"])] = [WarmUp(warmup_s)]
     for window in windows:
         start = float(window["start_s"])
         hits = [span for span in spans if start <= span.end_s and span.start_s < start + window_s]
         if hits:
-            touched[int(window["index"])] = hits
+            touched.setdefault(int(window["index"]), []).extend(hits)
     return touched
 
 
@@ -127,13 +144,14 @@ class Drift:
     @property
     def invalid_reason(self) -> str:
         if self.windows < 3:
-            return f"{self.windows} windows to judge outside the fault windows: the trend needs at least 3"
+            return (f"{self.windows} windows to judge outside the warm-up and fault windows: the trend needs at "
+                    "least 3")
         return "" if self.fraction is not None else f"the level (median window) is {self.level:g}: no relative change"
 
     def words(self, unit: str = "") -> str:
         """What the figure rests on, for the verdict's label (`unit`: the windowed figure's)."""
         plural = "s" if self.excluded != 1 else ""
-        left_out = f"; {self.excluded} fault window{plural} left out" if self.excluded else ""
+        left_out = f"; {self.excluded} window{plural} of warm-up or faults left out" if self.excluded else ""
         head = f"Theil-Sen over {self.windows} windows{left_out}"
         if self.p_value is None:
             return head

@@ -53,11 +53,12 @@ def faults(gate_context, windows) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fault_windows(gate_context, windows, faults) -> dict[int, list]:
-    """The windows the faults touched (left out of the drift checks), each recorded with its faults."""
-    window_s = gate_context.config.g4.window_s
-    touched = windows_touched(windows, faults, window_s)
-    for row in excluded_window_rows(windows, touched, window_s):
-        gate_context.store.record("g4", "fault windows left out of the drift checks", "drift_excluded_window",
+    """The windows of the warm-up and those the faults touched (left out of the drift checks), each recorded
+    with why."""
+    config = gate_context.config.g4
+    touched = windows_touched(windows, faults, config.window_s, config.warmup_s)
+    for row in excluded_window_rows(windows, touched, config.window_s):
+        gate_context.store.record("g4", "windows left out of the drift checks", "drift_excluded_window",
                                   row["window_start_s"], "s", **row)
     return touched
 
