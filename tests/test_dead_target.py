@@ -147,3 +147,17 @@ def test_a_g4_window_counts_its_errors_by_type():
     assert row["errors"] == 3
     assert row["errors_by_type"] == {"http_500": {"count": 2, "example": "server_error: the engine failed"},
                                      "connection_reset": {"count": 1, "example": "reset"}}
+
+
+def test_the_g4_windows_error_summaries_merge_into_one_by_type():
+    from workloads.errors import describe_errors, merge_error_summaries
+
+    windows = [{"connection_refused": {"count": 3, "example": "Connection refused"}},
+               {}, None,
+               {"http_400": {"count": 5, "example": "context_length_exceeded: too long"},
+                "connection_refused": {"count": 1, "example": "later"}}]
+    merged = merge_error_summaries(windows)
+    assert list(merged) == ["http_400", "connection_refused"]
+    assert merged["connection_refused"] == {"count": 4, "example": "Connection refused"}
+    assert describe_errors(merged) == ("5 http_400 (e.g. 'context_length_exceeded: too long'), "
+                                       "4 connection_refused (e.g. 'Connection refused')")

@@ -33,6 +33,16 @@ def summarize_errors(records: Iterable[dict]) -> dict[str, dict]:
     return dict(sorted(found.items(), key=lambda item: -item[1]["count"]))
 
 
+def merge_error_summaries(summaries: Iterable[dict[str, dict]]) -> dict[str, dict]:
+    """One summary of several (the G4 windows'): counts added, the first example kept, most frequent first."""
+    found: dict[str, dict] = {}
+    for summary in summaries:
+        for kind, entry in (summary or {}).items():
+            merged = found.setdefault(kind, {"count": 0, "example": entry.get("example", "")})
+            merged["count"] += entry.get("count", 0)
+    return dict(sorted(found.items(), key=lambda item: -item[1]["count"]))
+
+
 def describe_errors(summary: dict[str, dict], limit: int = 4) -> str:
     """"412 connection_refused (e.g. 'Connection refused'), 3 http_400 (e.g. 'context_length_exceeded: …')"."""
     parts = [f"{e['count']} {kind} (e.g. {_shorten(e['example'])!r})" for kind, e in list(summary.items())[:limit]]

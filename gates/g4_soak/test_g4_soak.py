@@ -19,6 +19,7 @@ from gates.g4_soak.analysis import drift, excluded_window_rows, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
+from workloads.errors import describe_errors, merge_error_summaries
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +68,11 @@ def test_error_rate_stays_under_the_limit(windows, record, verdict):
     requests = sum(w["requests"] for w in windows)
     errors = sum(w["errors"] for w in windows)
     rate = errors / requests if requests else None
-    record("error_rate", rate, requests=requests, errors=errors)
-    verdict(f"G4 error rate over {len(windows)} windows ({errors} of {requests})", "error_rate", rate, unit="%",
-            valid=requests > 0, invalid_reason="no request completed in the soak")
+    by_type = merge_error_summaries(w.get("errors_by_type") for w in windows)
+    record("error_rate", rate, requests=requests, errors=errors, errors_by_type=by_type)
+    kinds = f": {describe_errors(by_type)}" if by_type else ""
+    verdict(f"G4 error rate over {len(windows)} windows ({errors} of {requests}{kinds})", "error_rate", rate,
+            unit="%", valid=requests > 0, invalid_reason="no request completed in the soak")
 
 
 def test_consistency_probes_answer_identically_throughout(windows, record, verdict):
