@@ -103,13 +103,14 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"gates: expected some of {known} (the suites this version has), found {missing}")
     ordered = [g for g in ("g1", "g2", "g3", "g4") if g in gates]
-    check_storage_path(config.storage.path)
     if args.resume is not None:
         check_resume(args.resume, ordered)
         run_id = json.loads((args.resume / "run.json").read_text()).get("run_id", args.resume.name)
-        return GateRunner(config, args.resume, run_id, ordered, args.continue_on_fail, resume=True).run()
-    run_id, run_dir = new_run_dir(args.out)
-    return GateRunner(config, run_dir, run_id, ordered, args.continue_on_fail).run()
+        run_dir = args.resume
+    else:
+        run_id, run_dir = new_run_dir(args.out)
+    check_storage_path(config.storage.path)
+    return GateRunner(config, run_dir, run_id, ordered, args.continue_on_fail, resume=args.resume is not None).run()
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -79,18 +79,19 @@ def check_resume(run_dir: Path, gates: list[str]) -> None:
 
 
 def check_storage_path(path: Path) -> None:
-    """storage.path is a directory kvgate can write (created when missing); ConfigError otherwise."""
-    path = Path(path)
+    """storage.path is a writable directory, or can be made one (nothing is created here); ConfigError otherwise."""
+    path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"storage.path: expected a directory (or a path to create one), found a file {str(path)!r}")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".kvgate-write-check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"storage.path: expected a directory (or a path to create one), found {str(existing)!r} "
+                          f"on its way, a file")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise ConfigError(f"storage.path: expected a writable directory, found {str(path)!r}: Read-only file system")
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"storage.path: expected a writable directory, found {str(path)!r}: "
-                          f"{error.strerror or error}") from None
+                          f"{str(existing)!r} is not writable")
 
 
 def environment_fingerprint(config: GatesConfig) -> dict:
