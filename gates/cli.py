@@ -105,7 +105,9 @@ def _run(args: argparse.Namespace) -> int:
     ordered = [g for g in ("g1", "g2", "g3", "g4") if g in gates]
     if args.resume is not None:
         check_resume(args.resume, ordered)
-        run_id = json.loads((args.resume / "run.json").read_text()).get("run_id", args.resume.name)
+        from kvcore.rundata import RunStore
+
+        run_id = RunStore(args.resume).run_info().get("run_id", args.resume.name)
         run_dir = args.resume
     else:
         run_id, run_dir = new_run_dir(args.out)
@@ -119,7 +121,11 @@ def _init(args: argparse.Namespace) -> int:
     if args.file.exists() and not args.force:
         print(f"kvgate init: {args.file} exists (use --force to overwrite)", file=sys.stderr)
         return 2
-    args.file.write_text(TEMPLATE)
+    try:
+        args.file.write_text(TEMPLATE)
+    except OSError as error:
+        raise ConfigError(f"file: expected a path kvgate can write, found {str(args.file)!r}: "
+                          f"{error.strerror or error}") from None
     print(f"wrote {args.file}: edit it, then `kvgate run --config {args.file}`")
     return 0
 

@@ -11,14 +11,16 @@ import copy
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
 from kvcore.rules import Rule, parse_rule
 from kvcore.settings import ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_file, parse_size
-from workloads.datasets import check_trace_path, load_spec
+from workloads.datasets import check_trace, load_spec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 
 from .checks import configurable_metrics
@@ -65,20 +67,51 @@ Positive = Annotated[Int, Field(ge=1)]
 
 class Endpoint(StrictModel):
     url: str = Field(pattern=r"^https?://", description="base URL ending in /v1")
-    model: str
+    model: str = Field(min_length=1)
     api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
     api: Literal["chat", "completions"] = "chat"
+
+    @field_validator("url")
+    @classmethod
+    def _host_and_port(cls, url: str) -> str:
+        parts = urlsplit(url)
+        try:
+            parts.port
+        except ValueError:
+            raise ValueError(f"expected a port in 1-65535 in the URL, found {url!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"expected http(s)://host[:port]/v1 with a host, found {url!r}")
+        return url
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_is_set(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None and not os.environ.get(name):
+            raise ValueError(f"expected the environment variable {name!r} to hold the API key, found it "
+                             f"{'empty' if name in os.environ else 'unset'}")
+        return name
 
 
 class EmbeddedTargets(StrictModel):
     preset: Literal["tiny", "small", "base"] = "small"
-    seed: Int = 0
+    seed: Int = Field(default=0, ge=0, le=2**63 - 1, description="weights seed")
     max_running: Int = Field(default=8, ge=1)
     device_capacity_blocks: Int = Field(default=64, ge=1, description="device tier of both cached modes")
     host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")
     disk_capacity: str = Field(default="8GiB", description="disk tier of the tiered mode (under storage.path)")
 
     _sizes = field_validator("host_capacity", "disk_capacity", mode="before")(lambda cls, v: _size(v))
+
+    @field_validator("host_capacity")
+    @classmethod
+    def _host_fits_in_memory(cls, value: str) -> str:
+        import psutil
+
+        total = psutil.virtual_memory().total
+        if parse_size(value) > total:
+            raise ValueError(f"expected at most this host's memory ({total / 2**30:.1f} GiB), found {value!r}")
+        return value
+
     disk_io_mode: Literal["buffered", "direct"] = Field(
         default="direct", description="direct: O_DIRECT reads, no second copy in the page cache under the host tier")
     disk_read_workers: Int = Field(default=16, ge=1, le=256, description="parallel block reads (queue depth)")
@@ -103,11 +136,23 @@ class TargetsConfig(StrictModel):
         if self.kind == "external" and (self.baseline is None or self.candidate is None):
             raise ValueError("expected baseline and candidate endpoints for kind: external, found "
                              f"baseline={self.baseline is not None} candidate={self.candidate is not None}")
+        if self.kind == "embedded" and self.candidate_nodes:
+            raise ValueError("candidate_nodes: expected none for kind: embedded (its nodes are "
+                             f"embedded.candidate_nodes), found {self.candidate_nodes}")
         return self
 
 
 class StorageConfig(StrictModel):
-    path: Path = Field(default=Path("kvgate-storage"), description="the storage under test (fio, disk tier)")
+    path: Path = Field(default=Path("kvgate-storage"), description="the storage under test (fio, disk tier); "
+                       "a relative path is taken from the directory kvgate runs in and stored absolute")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _absolute(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("expected a directory path, found an empty string")
+        # absolute now: the gate suites run in another directory and must measure the same storage
+        return Path(value).absolute() if isinstance(value, (str, Path)) else value
 
 
 class InventoryConfig(StrictModel):
@@ -119,15 +164,23 @@ class InventoryConfig(StrictModel):
     rdma_required: bool = False
 
 
+def _fio_size(value: Any) -> Any:
+    if parse_size(value) <= 0:
+        raise ValueError(f"expected a byte size > 0, found {value!r}")
+    return value
+
+
 class FioConfig(StrictModel):
     size: str = "256M"
     runtime_s: Float = Field(default=5.0, gt=0)
     iodepth: Int = Field(default=16, ge=1)
     numjobs: Int = Field(default=1, ge=1)
     direct: bool = True
-    ioengine: str = "libaio"
+    ioengine: str = Field(default="libaio", pattern=r"^[a-z][a-z0-9_]*$", description="an fio ioengine name")
     verify: bool = True
     verify_size: str = "64M"
+
+    _sizes = field_validator("size", "verify_size", mode="before")(lambda cls, v: _fio_size(v))
 
 
 class G1Config(StrictModel):
@@ -185,6 +238,9 @@ class G3Config(StrictModel):
 
     @model_validator(mode="after")
     def _levels_mean_the_replay(self) -> "G3Config":
+        repeated = sorted({v for v in self.levels if self.levels.count(v) > 1})
+        if repeated:
+            raise ValueError(f"levels: expected each level once, found {repeated} repeated")
         if self.replay == "closed_loop":
             bad = [v for v in self.levels if not isinstance(v, int) or v < 1]
             if bad:
@@ -192,7 +248,8 @@ class G3Config(StrictModel):
                                  f"found {bad}")
             return self
         if self.workload.get("kind") != "trace":
-            raise ValueError(f"workload.kind: expected a trace workload (kind: trace) for replay: rate_multipliers, found "
+            raise ValueError("workload.kind: expected a trace workload (kind: trace) for replay: rate_multipliers, "
+                             "found "
                              f"{self.workload.get('kind')!r}")
         bad = [v for v in self.levels if v <= 0]
         if bad or sorted(self.levels) != self.levels:
@@ -225,7 +282,7 @@ class G4Config(StrictModel):
 
     workload: dict
     duration_s: Float = Field(gt=0)
-    window_s: Float = Field(gt=0)
+    window_s: Float = Field(ge=1, description="seconds per window (at least 1: a window is a sample of the load)")
     concurrency: Int = Field(ge=1)
     memory_growth_limit_mib: Float = Field(default=512, gt=0, description="extrapolated to the full duration")
     warmup_s: Float = Field(default=0, ge=0, description="the soak's first seconds, left out of the drift checks "
@@ -258,6 +315,13 @@ class GatesConfig(StrictModel):
     g2: G2Config
     g3: G3Config
     g4: G4Config
+
+    @model_validator(mode="after")
+    def _faults_need_the_embedded_candidate(self) -> "GatesConfig":
+        if self.g4.faults and self.targets.kind != "embedded":
+            raise ValueError("g4.faults: expected no fault schedule for targets.kind: external (faults are "
+                             f"injected through the embedded candidate's admin routes), found {len(self.g4.faults)}")
+        return self
 
     def digest(self) -> str:
         return "sha256:" + hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
@@ -357,6 +421,9 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
     if chosen not in PROFILES:
         raise ConfigError(f"profile: expected one of {sorted(PROFILES)}, found {chosen!r}")
     merged = _merge(PROFILES[chosen], {**data, "profile": chosen})
+    external = isinstance(merged.get("targets"), dict) and merged["targets"].get("kind") == "external"
+    if external and "faults" not in (data.get("g4") if isinstance(data.get("g4"), dict) else {}):
+        merged["g4"]["faults"] = []  # the profile's fault schedule is for the embedded candidate
     _place_trace_paths(merged, Path(path).parent if path is not None else None, trace)
     try:
         config = GatesConfig.model_validate(merged)
@@ -365,7 +432,7 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
     for gate in ("g3", "g4"):  # every field of a workload spec checked now, before any server starts
         spec = load_spec(getattr(config, gate).workload, root=f"{gate}.workload")
         if spec.kind == "trace":
-            check_trace_path(spec, f"{gate}.workload")
+            check_trace(spec, f"{gate}.workload")
     return config
 
 

@@ -32,7 +32,7 @@ from workloads.processes import die_with_parent
 
 from .config import GatesConfig
 from .preflight import failure_message, run_preflight
-from .targets import Endpoint, EmbeddedServers, endpoints_to_json, external_endpoints
+from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
 GATES_DIR = Path(__file__).parent
@@ -52,15 +52,14 @@ RESUMABLE = ("g4",)   # gates that keep their progress in the run directory (the
 def new_run_dir(out: Optional[Path]) -> tuple[str, Path]:
     """A new run id and its directory; `--out` must be a new or empty directory (ConfigError otherwise)."""
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    if out is None:
-        return run_id, Path("reports") / "runs" / run_id
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out: expected a new or empty directory for the run, found an existing file {str(out)!r}")
+    out = Path(out) if out is not None else Path("reports") / "runs" / run_id
+    if out.is_symlink() and not out.exists():
+        raise ConfigError(f"--out: expected a new or empty directory for the run, found a dangling link {str(out)!r}")
     if out.is_dir() and any(out.iterdir()):
-        hint = " (a run: continue it with --resume)" if (out / "run.json").exists() else ""
+        hint = " (a run: --resume continues its G4 soak)" if (out / "run.json").exists() else ""
         raise ConfigError(f"--out: expected a new or empty directory for the run, found {str(out)!r} holding "
                           f"files{hint}")
+    check_creatable_dir(out, "--out", "a new or empty directory for the run")
     return run_id, out
 
 
@@ -80,18 +79,27 @@ def check_resume(run_dir: Path, gates: list[str]) -> None:
 
 def check_storage_path(path: Path) -> None:
     """storage.path is a writable directory, or can be made one (nothing is created here); ConfigError otherwise."""
+    check_creatable_dir(path, "storage.path", "a directory (or a path to create one)")
+
+
+def check_creatable_dir(path: Path, field: str, expected: str) -> None:
+    """`path` is a writable directory or can be created as one; checked without creating anything."""
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"storage.path: expected a directory (or a path to create one), found a file {str(path)!r}")
+        raise ConfigError(f"{field}: expected {expected}, found an existing file {str(path)!r}")
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise ConfigError(f"storage.path: expected a directory (or a path to create one), found {str(existing)!r} "
-                          f"on its way, a file")
+        raise ConfigError(f"{field}: expected {expected}, found the file {str(existing)!r} on its way")
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise ConfigError(f"storage.path: expected a writable directory, found {str(path)!r}: Read-only file system")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"storage.path: expected a writable directory, found {str(path)!r}: "
-                          f"{str(existing)!r} is not writable")
+        raise ConfigError(f"{field}: expected a writable directory, found {str(path)!r}: Read-only file system")
+    if not os.access(existing, os.W_OK | os.X_OK) or _pseudo_filesystem(existing):
+        raise ConfigError(f"{field}: expected a writable directory, found {str(path)!r}: {str(existing)!r} does not "
+                          "take new files")
+
+
+def _pseudo_filesystem(path: Path) -> bool:
+    """/proc and /sys take no new files even for root (whose access() says yes)."""
+    return any(Path(path).resolve().is_relative_to(root) for root in ("/proc", "/sys"))
 
 
 def environment_fingerprint(config: GatesConfig) -> dict:
@@ -157,9 +165,14 @@ class GateRunner:
         self.store.write_run_info(info)
         self.console.print(f"[bold]kvgate run[/bold] {self.run_id}  profile {self.config.profile}  "
                            f"gates {' '.join(self.gates)}  → {self.run_dir}")
-        servers, endpoints = self._targets(info)
+        try:
+            servers, endpoints = self._targets(info)
+        except ServerStartError as error:  # said at once, as a pre-flight failure is
+            servers, endpoints, problem = None, {}, str(error)
+        else:
+            problem = ""
         with servers or nullcontext():
-            problem = self._preflight(endpoints) if endpoints else ""
+            problem = problem or (self._preflight(endpoints) if endpoints else "")
             statuses = [] if problem else self._run_gates()
         info["ended_at"] = time.time()
         self.store.write_run_info(info)

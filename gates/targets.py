@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -64,6 +65,20 @@ def external_endpoints(config: GatesConfig) -> dict[str, Endpoint]:
     return endpoints
 
 
+class ServerStartError(RuntimeError):
+    """An embedded server did not come up; the message says which and what its log said last."""
+
+
+def _last_words(log: Path, lines: int = 3) -> str:
+    """What a server said last before it exited: its error line when it wrote one, else its last lines."""
+    try:
+        text = [line.strip() for line in log.read_text(errors="replace").strip().splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    errors = [line for line in text if re.match(r"^(kvgate[\w ]*: |[\w.]*(Error|Exception)\b)", line)]
+    return errors[-1] if errors else (" | ".join(text[-lines:]) or "nothing in its log")
+
+
 class EmbeddedServers:
     """Starts one `kvgate serve --admin` per mode on free loopback ports; stops them (SIGTERM) at exit.
 
@@ -78,6 +93,7 @@ class EmbeddedServers:
     def __init__(self, config: GatesConfig, run_dir: Path) -> None:
         self.config, self.run_dir = config, run_dir
         self.processes: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
         self.endpoints: dict[str, Endpoint] = {}
         self.pool = None
         self._admin_token = secrets.token_urlsafe(32)
@@ -110,8 +126,9 @@ class EmbeddedServers:
                            "--cache-dir", str(Path(self.config.storage.path).resolve() / f"kv-{name}")]
                 if role == "candidate" and pool_url:
                     command += ["--remote", pool_url]
+                self.logs[f"{role}-{node}"] = self.run_dir / f"server-{name}.log"
                 self.processes[f"{role}-{node}"] = subprocess.Popen(
-                    command, stdout=open(self.run_dir / f"server-{name}.log", "wb"), stderr=subprocess.STDOUT,
+                    command, stdout=open(self.logs[f"{role}-{node}"], "wb"), stderr=subprocess.STDOUT,
                     preexec_fn=die_with_parent, env=env)
                 urls.append(f"http://127.0.0.1:{port}/v1")
             self.endpoints[role] = Endpoint(role, urls[0], f"kvgate-{embedded.preset}", admin=True, mode=mode,
@@ -119,7 +136,7 @@ class EmbeddedServers:
                                             routing=self.config.targets.routing)
         for name, process in self.processes.items():
             role, node = name.rsplit("-", 1)
-            self._wait_healthy(process, self.endpoints[role].node_roots[int(node)], timeout_s)
+            self._wait_healthy(process, self.endpoints[role].node_roots[int(node)], self.logs[name], timeout_s)
         return self.endpoints
 
     def _start_pool(self, kind: str) -> Optional[str]:
@@ -131,19 +148,20 @@ class EmbeddedServers:
         self.pool = (RedisServer(pool_dir) if kind == "redis" else MooncakePool(pool_dir)).start()
         return self.pool.url
 
-    def _wait_healthy(self, process: subprocess.Popen, root: str, timeout_s: float) -> None:
+    def _wait_healthy(self, process: subprocess.Popen, root: str, log: Path, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"the embedded server {' '.join(process.args[5:8])} exited at start; "
-                                   f"see the server-*.log files in {self.run_dir}")
+                raise ServerStartError(f"the embedded server ({' '.join(process.args[5:8])}) exited at start "
+                                       f"(exit {process.returncode}): {_last_words(log)} (see {log})")
             try:
                 with urllib.request.urlopen(root + "/health", timeout=2) as response:
                     if response.status == 200:
                         return
             except OSError:
                 time.sleep(0.2)
-        raise RuntimeError(f"the embedded server at {root} was not healthy within {timeout_s:.0f} s")
+        raise ServerStartError(f"the embedded server at {root} was not healthy within {timeout_s:.0f} s "
+                               f"(see {log})")
 
     def stop(self) -> None:
         for process in self.processes.values():

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from .files import append_jsonl, read_jsonl_file, write_json
+from .settings import ConfigError
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 STATUSES = (PASS, FAIL, INCONCLUSIVE)
@@ -141,8 +142,17 @@ class RunStore:
         return json.loads(path.read_text()) if path.exists() else None
 
     def run_info(self) -> dict:
+        """run.json ({} when absent); ConfigError when it is not a JSON object (a run directory it is not)."""
         path = self.root / "run.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        if not path.exists():
+            return {}
+        try:
+            info = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{path}: expected a run's JSON object, found unreadable JSON ({error})") from None
+        if not isinstance(info, dict):
+            raise ConfigError(f"{path}: expected a run's JSON object, found a {type(info).__name__}")
+        return info
 
     def write_run_info(self, info: dict) -> None:
         write_json(self.root / "run.json", info)

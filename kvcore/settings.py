@@ -97,7 +97,7 @@ def format_validation_error(error: ValidationError, root: str) -> str:
         elif item["type"] == "missing":
             lines.append(f"{path}: expected a value (required), found nothing")
         elif inner:
-            sep = "" if inner.group(1).startswith("[") else "."
+            sep = "" if inner.group(1).startswith("[") or not path else "."
             lines.append(f"{path}{sep}{inner.group(1)}: {inner.group(2)}")
         elif item["type"] == "value_error" and "found" in message:
             lines.append(f"{path}: {message}")

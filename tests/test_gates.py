@@ -1,5 +1,6 @@
 """The gate framework: configuration errors, stop-loss, gate outcomes, `kvgate init`."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -67,6 +68,31 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"targets": {"embedded": {"host_capacity": "1XB"}}},
      "targets.embedded.host_capacity: expected a byte size (integer or string like '4GiB'), found '1XB'"),
     (b"g1: {thresholds: []}\n# caf\xe9\n", "expected a UTF-8 text file, found byte 0xe9 at offset 26"),
+    # what a stranger found next: values the servers or the gates would only refuse later
+    ({"targets": {"embedded": {"host_capacity": "99999TiB"}}},
+     "targets.embedded.host_capacity: expected at most this host's memory"),
+    ({"targets": {"embedded": {"seed": 10**23}}}, "targets.embedded.seed: expected a value <= 9223372036854775807"),
+    ({"fio": {"size": "1XB"}}, "fio.size: expected a byte size"),
+    ({"fio": {"verify_size": "0"}}, "fio.verify_size: expected a byte size > 0, found '0'"),
+    ({"fio": {"ioengine": "; rm -rf /"}}, "fio.ioengine: expected"),
+    ({"storage": {"path": ""}}, "storage.path: expected a directory path, found an empty string"),
+    ({"g3": {"levels": [2, 2, 4]}}, "g3.levels: expected each level once, found [2] repeated"),
+    ({"g4": {"window_s": 0.001}}, "g4.window_s: expected a value >= 1"),
+    ({"targets": {"candidate_nodes": ["http://127.0.0.1:9000/v1"]}},
+     "targets.candidate_nodes: expected none for kind: embedded"),
+    ({"targets": {"kind": "external", "baseline": {"url": "http://", "model": "m"},
+                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}},
+     "targets.baseline.url: expected http(s)://host[:port]/v1 with a host, found 'http://'"),
+    ({"targets": {"kind": "external", "baseline": {"url": "http://127.0.0.1:99999/v1", "model": "m"},
+                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}},
+     "targets.baseline.url: expected a port in 1-65535 in the URL"),
+    ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m", "api_key_env": "KVGATE_NOPE"},
+                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}},
+     "targets.baseline.api_key_env: expected the environment variable 'KVGATE_NOPE' to hold the API key, found it "
+     "unset"),
+    ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m"},
+                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}, "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]}},
+     "g4.faults: expected no fault schedule for targets.kind: external"),
 ])
 def test_a_bad_config_names_the_field_what_was_expected_and_what_was_found(tmp_path, data, message):
     with pytest.raises(ConfigError) as error:
@@ -160,7 +186,7 @@ def test_out_pointing_at_an_existing_file_or_another_run_is_exit_2(tmp_path, cap
     other.mkdir()
     (other / "run.json").write_text("{}")
     code, err = _run_cli(capsys, "g1", "--out", other)
-    assert code == 2 and "holding files (a run: continue it with --resume)" in err
+    assert code == 2 and "holding files (a run: --resume continues its G4 soak)" in err
     assert taken.read_text() == "not a run directory" and (other / "run.json").read_text() == "{}"
 
 
@@ -182,7 +208,7 @@ def test_a_storage_path_that_is_a_file_or_read_only_is_exit_2_before_anything_st
     a_file.write_text("x")
     config = _config_file(tmp_path, {"storage": {"path": str(a_file)}})
     code, err = _run_cli(capsys, "g1", "--config", config, "--out", tmp_path / "r1")
-    assert code == 2 and "storage.path: expected a directory (or a path to create one), found a file" in err
+    assert code == 2 and "storage.path: expected a directory (or a path to create one), found an existing file" in err
     read_only = tmp_path / "ro"
     read_only.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
@@ -204,3 +230,58 @@ def test_a_refused_run_creates_nothing_not_even_the_storage_directory(tmp_path, 
     code, err = _run_cli(capsys, "g1", "--config", config, "--out", tmp_path / "taken")
     assert code == 2 and "--out: expected a new or empty directory" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gates.yaml", "taken"]
+
+
+def test_an_external_config_does_not_inherit_the_profiles_fault_schedule(tmp_path):
+    config = load_config(_config_file(tmp_path, {"targets": {"kind": "external",
+                                                             "baseline": {"url": "http://h:1/v1", "model": "m"},
+                                                             "candidate": {"url": "http://h:2/v1", "model": "m"}}}))
+    assert config.g4.faults == [] and load_config().g4.faults
+
+
+def test_a_relative_storage_path_is_stored_absolute_so_every_gate_measures_the_same_directory(tmp_path,
+                                                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(_config_file(tmp_path, {"storage": {"path": "st"}}))
+    assert config.storage.path == tmp_path / "st"
+    assert yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json")))["storage"]["path"] == str(tmp_path / "st")
+
+
+@pytest.mark.parametrize("out, message", [
+    ("afile/sub", "--out: expected a new or empty directory for the run, found the file"),
+    ("/proc/kvgate-out", "--out: expected a writable directory, found '/proc/kvgate-out'"),
+    ("dangling", "--out: expected a new or empty directory for the run, found a dangling link"),
+])
+def test_an_out_directory_that_cannot_be_made_is_exit_2(tmp_path, capsys, monkeypatch, out, message):
+    monkeypatch.chdir(tmp_path)
+    Path("afile").write_text("x")
+    Path("dangling").symlink_to(tmp_path / "nowhere")
+    code, err = _run_cli(capsys, "g1", "--out", out)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_broken_run_json_is_exit_2_for_resume_and_report(tmp_path, capsys):
+    run_dir = tmp_path / "bad"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"storage": {"path": str(tmp_path / "s")}}))
+    for text, found in (("{not json", "unreadable JSON"), ("[]", "found a list")):
+        (run_dir / "run.json").write_text(text)
+        code, err = _run_cli(capsys, "--resume", run_dir)
+        assert code == 2 and "run.json: expected a run's JSON object" in err and found in err
+        assert main(["report", str(run_dir)]) == 2
+        assert "run.json: expected a run's JSON object" in capsys.readouterr().err
+
+
+def test_init_into_a_place_it_cannot_write_is_exit_2(tmp_path, capsys):
+    assert main(["init", str(tmp_path / "no" / "such" / "dir" / "g.yaml")]) == 2
+    assert "file: expected a path kvgate can write" in capsys.readouterr().err
+
+
+def test_an_embedded_server_that_dies_at_start_is_said_at_once_with_its_reason(tmp_path, capsys):
+    config = _config_file(tmp_path, {"targets": {"embedded": {"preset": "tiny", "device_capacity_blocks": 10**9}},
+                                     "storage": {"path": str(tmp_path / "storage")}})
+    code, err = _run_cli(capsys, "g2", "--config", config, "--out", tmp_path / "run")
+    assert code == 2
+    assert "the embedded server" in err and "exited at start" in err and "can't allocate memory" in err
+    assert json.loads((tmp_path / "run" / "gates" / "g2" / "status.json").read_text())["status"] == "not run"
+

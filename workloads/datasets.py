@@ -504,6 +504,16 @@ def check_trace_path(spec: TraceSpec, root: str = "workload") -> Path:
     return spec.path
 
 
+def check_trace(spec: TraceSpec, root: str = "workload") -> None:
+    """The trace file exists and the records the spec uses (its warm-up and measured ones) parse;
+    ConfigError naming the field or the file's line otherwise: checked at load, before anything starts."""
+    path = check_trace_path(spec, root)
+    limit = None if spec.limit is None else spec.warmup_requests + spec.limit
+    if not read_trace(path, limit):
+        raise ConfigError(f"{root}.path: expected a trace file with at least one request, found an empty file "
+                          f"{str(path)!r}")
+
+
 def _trace(spec: TraceSpec, sizer: TextSizer, seed: int) -> tuple:
     """One single-request session per record, warm-up ones first; equal hash ids become equal text blocks.
 
