@@ -279,7 +279,9 @@ def _scrub(args: argparse.Namespace) -> int:
     found_bad = False
     for directory in _scrub_dirs(args):
         if not directory.is_dir():
-            print(f"kvgate scrub: {directory}: no such directory", file=sys.stderr)
+            found = "a file" if directory.exists() else "no such directory"
+            print(f"kvgate scrub: --cache-dir: expected a disk tier directory, found {found}: {directory}",
+                  file=sys.stderr)
             return 2
         summary = scrub(directory, remove=not args.dry_run)
         found_bad |= summary.bad > 0

@@ -102,7 +102,10 @@ def test_the_command_names_what_it_skipped(stored, tmp_path, capsys):
 
 def test_a_missing_directory_or_a_bad_config_exits_2(tmp_path, capsys):
     assert main(["scrub", "--cache-dir", str(tmp_path / "nowhere")]) == 2
-    assert "no such directory" in capsys.readouterr().err
+    assert "--cache-dir: expected a disk tier directory, found no such directory" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["scrub", "--cache-dir", str(tmp_path / "afile")]) == 2
+    assert "--cache-dir: expected a disk tier directory, found a file" in capsys.readouterr().err
     config = tmp_path / "engine.yaml"
     config.write_text(yaml.safe_dump({"engine": {"cache": {"disk": {"path": str(tmp_path), "read_workers": 0}}}}))
     assert main(["scrub", "--config", str(config)]) == 2
