@@ -129,3 +129,24 @@ def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, tmp_
     assert [b - a for a, b in zip(moved, moved[1:] + [final])] == [4 * TINY_BLOCK_BYTES] * MIN_PAIRS
     judged = paired_ratio(pairs)
     assert judged.valid and judged.value > 0 and judged.interval[0] <= judged.value <= judged.interval[1]
+
+
+@needs_fio
+def test_a_round_of_several_prefixes_reads_them_all_from_the_disk_tier(server, tmp_path):
+    admin = AdminClient(server.base_url)
+    client = StreamingClient(server.base_url + "/v1", TINY_MODEL, "completions", target="candidate")
+    asked = []
+
+    def request_for(i: int) -> WorkloadRequest:
+        asked.append(i)
+        text = distinct_prompt(f"g2 cold read of several {i}", 1100)    # 4 full blocks
+        return WorkloadRequest(f"several-{i}", f"several-{i}", 0, ({"role": "user", "content": text},), 1, 1100)
+
+    tier = TierColdLoad(admin, client, request_for, prefixes=3)
+    try:
+        readings = [tier(0), tier(1)]
+    finally:
+        client.close()
+    assert asked == [0, 1, 2, 3, 4, 5]                        # fresh prefixes each round
+    assert [r.nbytes for r in readings] == [3 * 4 * TINY_BLOCK_BYTES] * 2
+

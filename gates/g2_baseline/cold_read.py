@@ -3,8 +3,8 @@
 This storage swings 2-3x between minutes (one fio job gave 1.3-3.5 GB/s on one disk), so a ratio
 whose two sides ran minutes apart is a draw. Each round is a *pair*, measured back to back:
 
-1. the tier: a fresh prefix is stored, placed on disk only (the upper tiers evicted, the disk
-   tier's pages dropped) and loaded once; its bandwidth is the server's own disk bytes read over
+1. the tier: fresh prefixes (`g2.cold_read_prefixes`) are stored, placed on disk only (the upper
+   tiers evicted, the disk tier's pages dropped) and loaded once each; its bandwidth is the server's own disk bytes read over
    disk load seconds, both as that one request moved them;
 2. fio: a sequential read of a fresh region of one laid-out file on the same storage, as many
    bytes as the tier read, in the tier's I/O mode (direct when the tier reads with O_DIRECT) and
@@ -133,20 +133,25 @@ def disk_counters(admin: AdminClient) -> Reading:
 
 @dataclass
 class TierColdLoad:
-    """The tier's side of round i: `request_for(i)` (a fresh prefix) stored, placed on disk only, loaded once."""
+    """The tier's side of round i: `prefixes` fresh prefixes (`request_for(i * prefixes + j)`) stored, placed
+    on disk only and loaded one after another; their bytes and load seconds together are the round's reading
+    (several prefixes: more bytes per pair, so a short stall of the disk moves the ratio less)."""
 
     admin: AdminClient
     client: StreamingClient
     request_for: Callable[[int], WorkloadRequest]
+    prefixes: int = 1
 
     def __call__(self, index: int) -> Reading:
-        request = self.request_for(index)
-        self._send(request, index)                      # a miss: computes and stores the prefix
+        requests = [self.request_for(index * self.prefixes + j) for j in range(self.prefixes)]
+        for request in requests:
+            self._send(request, index)                  # a miss: computes and stores the prefix
         self.admin.flush()                              # the write-behind mover has written it to disk
         self.admin.evict(("device", "host"))
         self.admin.drop_page_cache()
         before = disk_counters(self.admin)
-        self._send(request, index)
+        for request in requests:
+            self._send(request, index)
         after = disk_counters(self.admin)
         moved = Reading(after.nbytes - before.nbytes, after.seconds - before.seconds)
         if moved.nbytes <= 0 or moved.seconds <= 0:

@@ -89,7 +89,8 @@ def cold_read_pairs(gate_context, endpoints):
     longest = max(config.g2.contexts)
     client = StreamingClient(candidate.url, candidate.model, candidate.api, target="candidate")
     tier = TierColdLoad(AdminClient(candidate.server_root), client,
-                        lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate))
+                        lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
+                        prefixes=config.g2.cold_read_prefixes)
     fio = FioRegions(config.storage.path.resolve() / "fio", rounds=config.g2.cold_read_pairs,
                      direct=embedded.disk_io_mode == "direct", parallel=embedded.disk_read_workers,
                      ioengine=config.fio.ioengine)
