@@ -58,8 +58,8 @@ g1:
 g2:
   contexts: [1024, 4096, 8192]    # tokens; one request at a time
   rounds: 2
-  cold_read_pairs: 5              # alternating rounds of the tier's cold load and fio (at least 5)
-  cold_read_prefixes: 4           # fresh longest-context prefixes each tier round loads (more bytes per pair)
+  cold_read_pairs: 8              # alternating rounds of the tier's cold load and fio (at least 5)
+  cold_read_prefixes: 2           # fresh longest-context prefixes each tier round loads (more bytes per pair)
   thresholds:
     - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs fio, side by side
     - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context
