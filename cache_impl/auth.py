@@ -18,7 +18,7 @@ from .config import ConfigError
 
 ADMIN_TOKEN_ENV = "KVGATE_ADMIN_TOKEN"        # where `kvgate serve --admin` and the admin client find it
 ADMIN_TOKEN_HEADER = "X-Kvgate-Admin-Token"
-MIN_ADMIN_TOKEN_CHARS = 16
+MIN_SECRET_CHARS = 16  # the admin token's and the API key's least length
 _TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
 
 
@@ -36,9 +36,24 @@ def admin_token_from_env(env_name: str = ADMIN_TOKEN_ENV) -> str:
     if not token:
         raise ConfigError(f"--admin: expected an admin token in the environment variable {env_name} (clients "
                           f"send it in the {ADMIN_TOKEN_HEADER} header), found none; generate one with "
-                          f"`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`")
-    if len(token) < MIN_ADMIN_TOKEN_CHARS or not set(token) <= _TOKEN_CHARS:
-        raise ConfigError(f"--admin: expected an admin token of at least {MIN_ADMIN_TOKEN_CHARS} printable ASCII "
-                          f"characters without spaces in {env_name}, found {len(token)} characters"
-                          + ("" if set(token) <= _TOKEN_CHARS else " with others among them"))
-    return token
+                          f"`{_GENERATE}`")
+    return _strong(token, "--admin", "an admin token", env_name)
+
+
+def api_key_from_env(env_name: str) -> Optional[str]:
+    """The API key in `env_name`, None when it is unset or empty; a ConfigError when it is too weak."""
+    key = os.environ.get(env_name, "")
+    return _strong(key, "--api-key-env", "an API key", env_name) if key else None
+
+
+_GENERATE = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def _strong(secret: str, flag: str, what: str, env_name: str) -> str:
+    """`secret` when it is at least MIN_SECRET_CHARS printable ASCII characters, else a ConfigError."""
+    if len(secret) < MIN_SECRET_CHARS or not set(secret) <= _TOKEN_CHARS:
+        raise ConfigError(f"{flag}: expected {what} of at least {MIN_SECRET_CHARS} printable ASCII characters "
+                          f"without spaces in {env_name}, found {len(secret)} characters"
+                          + ("" if set(secret) <= _TOKEN_CHARS else " with others among them")
+                          + f"; generate one with `{_GENERATE}`")
+    return secret

@@ -14,6 +14,8 @@ does from scratch, and greedy output is bit-for-bit the same in every mode.
 from __future__ import annotations
 
 import collections
+import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from .tokenizer import GENERATABLE, ByteTokenizer
 
 CacheMode = Literal["recompute", "device-only", "tiered"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvgate" / "kv"
+_log = logging.getLogger("kvgate.engine")
 
 
 class EngineConfig(StrictModel):
@@ -103,6 +106,7 @@ class GenerationRequest:
     temperature: float = 0.0
     seed: Optional[int] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False  # set by the engine thread when the finish event is sent
 
 
 @dataclass
@@ -240,16 +244,42 @@ class Engine:
                     return
                 admitted = self._admit_locked()
             try:
-                for request in admitted:
-                    self._start(request)
-                self._drop_cancelled()
-                self._prefill_one_chunk()
-                self._decode_step()
-            except Exception as exc:  # never leave clients hanging: fail what is running, keep serving
-                self.counters["engine_errors"] += 1
-                for seq in self._running:
+                self._step(admitted)
+            except Exception as exc:  # outside any one sequence: fail what is running, keep serving
+                self._count_error(exc)
+                for seq in list(self._running):
                     self._finish(seq, "error", error=repr(exc))
-                self._running = []
+                for request in admitted:  # taken off the queue: each one is answered, started or not
+                    if not request.finished:
+                        self._finish_unstarted(request, "error", error=repr(exc))
+
+    def _step(self, admitted: list[GenerationRequest]) -> None:
+        """Start the admitted requests, then one prefill chunk and one decode step.
+
+        An exception while starting or stepping one sequence fails that request alone.
+        """
+        for request in admitted:
+            try:
+                self._start(request)
+            except Exception as exc:
+                self._count_error(exc)
+                self._finish_unstarted(request, "error", error=repr(exc))
+        self._drop_cancelled()
+        seq = next((s for s in self._running if s.prefilling), None)
+        if seq is not None:
+            self._guarded(seq, self._prefill_one_chunk)
+        self._decode_step()
+
+    def _guarded(self, seq: _Sequence, action: Callable[[_Sequence], None]) -> None:
+        try:
+            action(seq)
+        except Exception as exc:
+            self._count_error(exc)
+            self._finish(seq, "error", error=repr(exc))
+
+    def _count_error(self, exc: Exception) -> None:
+        self.counters["engine_errors"] += 1
+        _log.error("the engine failed a request: %r", exc, exc_info=exc)
 
     def _admit_locked(self) -> list[GenerationRequest]:
         admitted = []
@@ -283,10 +313,7 @@ class Engine:
             seq.stored_blocks = prefix.num_blocks
         self.counters["prompt_tokens_reused"] += seq.cached_tokens
 
-    def _prefill_one_chunk(self) -> None:
-        seq = next((s for s in self._running if s.prefilling), None)
-        if seq is None:
-            return
+    def _prefill_one_chunk(self, seq: _Sequence) -> None:
         start = seq.computed
         end = min((start // self.block_size + 1) * self.block_size, seq.prompt_len)
         chunk = torch.tensor(seq.tokens[start:end], device=self.device)
@@ -301,12 +328,28 @@ class Engine:
         batch = [s for s in self._running if not s.prefilling and s.computed < len(s.tokens)]
         if not batch:
             return
-        tokens = torch.tensor([s.tokens[-1] for s in batch], device=self.device)
-        logits = self.model.decode(tokens, [s.kv for s in batch], [len(s.tokens) - 1 for s in batch])
+        try:
+            logits = self._decode(batch)
+        except Exception:
+            if len(batch) == 1:
+                raise
+            for seq in batch:  # which one failed the batch? each alone: only that one fails
+                self._guarded(seq, self._decode_step_alone)
+            return
         for i, seq in enumerate(batch):
-            seq.computed += 1
-            self._store_full_blocks(seq)
-            self._emit_next(seq, logits[i : i + 1])
+            self._guarded(seq, functools.partial(self._advance, logits=logits[i : i + 1]))
+
+    def _decode(self, batch: list[_Sequence]) -> torch.Tensor:
+        tokens = torch.tensor([s.tokens[-1] for s in batch], device=self.device)
+        return self.model.decode(tokens, [s.kv for s in batch], [len(s.tokens) - 1 for s in batch])
+
+    def _decode_step_alone(self, seq: _Sequence) -> None:
+        self._advance(seq, self._decode([seq]))
+
+    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        seq.computed += 1
+        self._store_full_blocks(seq)
+        self._emit_next(seq, logits)
 
     def _emit_next(self, seq: _Sequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [1, vocab], emit it, and finish the sequence when done."""
@@ -346,11 +389,23 @@ class Engine:
     def _finish(self, seq: _Sequence, reason: str, error: str = "") -> None:
         if seq in self._running:
             self._running.remove(seq)
-        self.counters[f"requests_{reason}"] += 1
-        seq.request.on_event(FinishEvent(
-            reason, seq.prompt_len, seq.generated, seq.cached_tokens, text=seq.decoder.flush(), error=error,
+        try:
+            text = seq.decoder.flush()
+        except Exception:  # a sequence that failed mid-character still gets its finish event
+            text = ""
+        self._send_finish(seq.request, FinishEvent(
+            reason, seq.prompt_len, seq.generated, seq.cached_tokens, text=text, error=error,
         ))
 
-    def _finish_unstarted(self, request: GenerationRequest, reason: str) -> None:
-        self.counters[f"requests_{reason}"] += 1
-        request.on_event(FinishEvent(reason, len(request.prompt_tokens), 0, 0))
+    def _finish_unstarted(self, request: GenerationRequest, reason: str, error: str = "") -> None:
+        self._send_finish(request, FinishEvent(reason, len(request.prompt_tokens), 0, 0, error=error))
+
+    def _send_finish(self, request: GenerationRequest, event: FinishEvent) -> None:
+        if request.finished:
+            return  # one finish event per request, whatever failed after it
+        request.finished = True
+        self.counters[f"requests_{event.finish_reason}"] += 1
+        try:
+            request.on_event(event)
+        except Exception:  # the caller's callback: its failure must not stop the engine
+            _log.exception("delivering a finish event failed")

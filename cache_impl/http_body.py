@@ -5,6 +5,7 @@ Each failure is a client's mistake answered as OpenAI does (`ApiError`), never a
   while reading a body without one (chunked), so a huge body is never read whole; the
   connection closes after the answer, rather than reading the rest to keep it;
 - not UTF-8, not JSON, or JSON's non-standard NaN / Infinity: 400 `invalid_json`;
+- a JSON value other than an object (`null`, `1`, `[]`): 400, as every route takes an object;
 - nested deeper than `MAX_DEPTH` (Python's parser recurses; past ~1,000 levels it raises
   RecursionError): 400 `invalid_json`;
 - a string holding a lone surrogate (`"\\ud800"`: JSON's escapes allow it, UTF-8 cannot
@@ -19,7 +20,7 @@ from typing import Optional
 
 from starlette.requests import Request
 
-from .protocol import ApiError
+from .protocol import ApiError, expect_object
 
 # A request kvgate understands is 5 levels deep (body > messages > message > content > part);
 # 32 leaves room for the fields it ignores (tools' JSON schemas) and keeps every later step shallow.
@@ -33,11 +34,11 @@ class JsonBody:
     def __init__(self, limit: int) -> None:
         self.limit = limit
 
-    async def __call__(self, request: Request) -> object:
+    async def __call__(self, request: Request) -> dict:
         raw = await self.read(request)
         if len(raw) < _DECODE_INLINE_BYTES:
-            return decode_json(raw)
-        return await asyncio.to_thread(decode_json, raw)  # tens of ms: let the loop stream meanwhile
+            return expect_object(decode_json(raw))
+        return expect_object(await asyncio.to_thread(decode_json, raw))  # tens of ms: let the loop stream
 
     async def read(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -102,7 +103,7 @@ def _check_shape(document: object) -> None:
                 _check_text(key, entry)
                 if type(item) not in _SCALARS:
                     stack.append((item, entry, key, depth + 1))
-        elif not set(map(type, value)) <= _SCALARS:  # a list of token ids is passed over at C speed
+        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:  # a list of token ids is passed over at C speed
             stack.extend((item, entry, index, depth + 1) for index, item in enumerate(value)
                          if type(item) not in _SCALARS)
 

@@ -4,7 +4,11 @@ Request models accept the fields kvgate uses and ignore other OpenAI fields
 (`user`, ...). A known field of the wrong type or out of the range vLLM
 accepts (`vllm/sampling_params.py`: top_p in (0, 1], penalties in [-2, 2], ...)
 is a 400 that names it; so is a value the embedded engine cannot honour
-(`logprobs: true`, `n: 2`, a penalty), rather than an answer that ignores it.
+(`logprobs: true`, `n: 2`, a penalty, a stop string, tools), rather than an answer that
+ignores it; such a field is accepted only absent, null, empty or at its neutral value.
+`null` for a field with a default means the default, as OpenAI's clients send it. A
+temperature below vLLM's `_SAMPLING_EPS` is greedy decoding, as in vLLM; a seed is in
+the range torch's generators take.
 Errors follow OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -15,7 +19,7 @@ import reprlib
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .tokenizer import ChatMessage
 
@@ -32,6 +36,17 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+SAMPLING_EPS = 1e-5  # vllm/sampling_params.py: a temperature below it means greedy decoding
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def expect_object(body: object) -> dict:
+    """A decoded JSON body that must be an object: a 400 for any other JSON value."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"expected a JSON object as the request body, found {type(body).__name__}")
+    return body
 
 
 class StreamOptions(BaseModel):
@@ -53,10 +68,31 @@ class _GenerationFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logprobs: Union[None, bool, int] = Field(default=None, ge=0)  # chat: a boolean; completions: a count
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(default=1, ge=1)
+    # accepted only when they ask for nothing (see _UNSUPPORTED), but typed: `stop: 5` is a wrong type
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    min_tokens: Optional[int] = Field(default=None, ge=0)
+    ignore_eos: Optional[bool] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, object]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        """OpenAI's clients send `"temperature": null` for "not set": a field with a default takes it."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float) -> float:
+        return 0.0 if value < SAMPLING_EPS else value  # as vLLM: 1e-300 would overflow the softmax
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +123,17 @@ _UNSUPPORTED = {
     "top_p": ((1,), "the embedded engine samples from every token (temperature only)"),
     "top_k": ((0, -1), "the embedded engine samples from every token (temperature only)"),
     "min_p": ((0,), "the embedded engine samples from every token (temperature only)"),
+    "stop": ((None, "", []), "the embedded engine stops only at its end-of-text token or max_tokens"),
+    "stop_token_ids": ((None, []), "the embedded engine stops only at its end-of-text token or max_tokens"),
+    "min_tokens": ((None, 0), "the embedded engine stops at its end-of-text token whenever it comes"),
+    "ignore_eos": ((None, False), "the embedded engine stops at its end-of-text token"),
+    "logit_bias": ((None, {}), "the embedded engine applies no logit bias"),
+    "response_format": ((None, {}, {"type": "text"}), "the embedded engine generates free text only"),
+    "suffix": ((None, ""), "the embedded engine does not insert text"),
+    "tools": ((None, []), "the embedded engine does not call tools"),
+    "tool_choice": ((None, "none", "auto"), "the embedded engine does not call tools"),
+    "functions": ((None, []), "the embedded engine does not call functions"),
+    "function_call": ((None, "none", "auto"), "the embedded engine does not call functions"),
 }
 _SAMPLING_ONLY = {"top_p", "top_k", "min_p"}
 
@@ -98,13 +145,16 @@ def _is_one_of(value: object, choices: tuple) -> bool:
 
 
 def _json_literal(value: object) -> str:
-    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    text = repr(value) if number else json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."  # whatever the client sent
 
 
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, list[int], list[str]]
     best_of: Optional[int] = Field(default=None, ge=1)
     echo: bool = False
+    suffix: Optional[str] = None
 
 
 class TextPart(BaseModel):
@@ -126,6 +176,11 @@ class ChatCompletionRequest(_GenerationFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[dict[str, object]]] = None
+    tool_choice: Union[None, str, dict[str, object]] = None
+    parallel_tool_calls: Optional[bool] = None  # asks for nothing while tools are refused
+    functions: Optional[list[dict[str, object]]] = None  # the deprecated form of tools
+    function_call: Union[None, str, dict[str, object]] = None
 
 
 def chat_tokens(tokenizer, messages: list[Message]) -> list[int]:
@@ -136,16 +191,21 @@ def chat_tokens(tokenizer, messages: list[Message]) -> list[int]:
 
 def parse_request(model: type[BaseModel], body: object) -> BaseModel:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"expected a JSON object as the request body, found {type(body).__name__}")
     try:
-        return model.model_validate(body)
+        return model.model_validate(expect_object(body))
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p))
         found = "nothing" if first["type"] == "missing" else _SHORT.repr(first.get("input"))
         raise ApiError(400, f"{param}: {first['msg']} (found {found})", param=param or None,
-                       code="missing_field" if first["type"] == "missing" else "invalid_value") from None
+                       code=_error_code(first["type"])) from None
+
+
+def _error_code(pydantic_type: str) -> str:
+    """missing_field, invalid_type (a string for a number, `stop: 5`) or invalid_value (out of range)."""
+    if pydantic_type == "missing":
+        return "missing_field"
+    return "invalid_type" if pydantic_type.endswith("_type") else "invalid_value"
 
 
 _SHORT = reprlib.Repr()  # bounded in length and depth, whatever the client sent

@@ -150,7 +150,8 @@ def _add_serve(commands) -> None:
     )
     serve.add_argument("--mode", choices=["tiered", "device-only", "recompute"], help="cache mode (default: tiered)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8000,
+                       help="port, 1-65535, free on --host (default: %(default)s)")
     serve.add_argument("--cache-dir", type=Path, help="the disk tier's directory")
     serve.add_argument("--remote", metavar="URL",
                        help="the shared pool below the disk tier: redis://HOST:PORT/DB or "
@@ -158,8 +159,8 @@ def _add_serve(commands) -> None:
     serve.add_argument("--preset", help="model size preset: tiny, small (default), base")
     serve.add_argument("--config", type=Path, help="YAML file; its `engine:` section configures the engine")
     serve.add_argument("--api-key-env", default="KVGATE_API_KEY",
-                       help="environment variable holding the API key clients must send (default: %(default)s; "
-                            "unset: no key)")
+                       help="environment variable holding the API key clients must send, at least 16 printable "
+                            "ASCII characters (default: %(default)s; unset: no key, with a warning off loopback)")
     serve.add_argument("--admin", action="store_true",
                        help="add /admin/cache/{evict,flush,drop-page-cache,locate} and /admin/faults (the gates use "
                             "them to place prefixes and inject disk faults); needs an admin token, which clients "
@@ -209,22 +210,56 @@ def load_yaml_section(path: Path, section: str) -> dict:
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import os
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, found {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, found {value}")
+    return value
 
+
+def _check_bindable(host: str, port: int) -> None:
+    """A ConfigError unless `port` can be bound on `host` now (uvicorn binds it the same way, later)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise ConfigError(f"--host: expected an address of this machine, found {host!r} ({error})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ConfigError(f"--port: expected a free port on {host}, found {port} in use") from None
+            raise ConfigError(f"--host/--port: expected an address and port this user can bind, found "
+                              f"{host}:{port} refused ({error.strerror})") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from cache_impl.auth import admin_token_from_env
+    from cache_impl.auth import admin_token_from_env, api_key_from_env
     from cache_impl.engine import Engine, EngineConfig
     from cache_impl.server import create_app
 
     admin_token = admin_token_from_env(args.admin_token_env) if args.admin else None
+    api_key = api_key_from_env(args.api_key_env)
     config = EngineConfig.from_dict(engine_settings(args))
-    if admin_token is not None and args.host not in LOOPBACK_HOSTS:
-        print(f"kvgate serve: warning: the admin routes listen on {args.host} over plain HTTP; anyone who sees "
-              f"the traffic sees the admin token", file=sys.stderr, flush=True)
+    _check_bindable(args.host, args.port)
+    if args.host not in LOOPBACK_HOSTS:
+        if api_key is None:
+            print(f"kvgate serve: warning: the API is open to the network on {args.host} without an API key "
+                  f"(set one in {args.api_key_env})", file=sys.stderr, flush=True)
+        if admin_token is not None:
+            print(f"kvgate serve: warning: the admin routes listen on {args.host} over plain HTTP; anyone who "
+                  f"sees the traffic sees the admin token", file=sys.stderr, flush=True)
     engine = Engine(config)
-    app = create_app(engine, api_key=os.environ.get(args.api_key_env) or None, admin_token=admin_token)
+    app = create_app(engine, api_key=api_key, admin_token=admin_token)
     remote = config.cache.remote
     print(f"kvgate serve: {engine.model_name}, mode {config.mode}, "
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "

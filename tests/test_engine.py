@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from cache_impl.engine import Engine, EngineConfig, GenerationRequest, QueueFullError
+from cache_impl.engine import Engine, EngineConfig, FinishEvent, GenerationRequest, QueueFullError
 from cache_impl.tokenizer import ByteTokenizer
 
 BLOCK = 256
@@ -183,3 +183,39 @@ def test_the_default_preset_also_answers_a_cold_disk_hit_exactly_like_recompute(
     finally:
         tiered.stop()
         recompute.stop()
+
+
+def _collecting_request(tokens: list[int], max_tokens: int, **sampling) -> tuple[GenerationRequest, list, threading.Event]:
+    events, done = [], threading.Event()
+
+    def on_event(event) -> None:
+        events.append(event)
+        if isinstance(event, FinishEvent):
+            done.set()
+
+    return GenerationRequest(tokens, max_tokens, on_event, **sampling), events, done
+
+
+@pytest.mark.parametrize("sampling, raises_in", [
+    pytest.param({"temperature": 1.0, "seed": 2**64}, "ValueError", id="start-raises"),  # torch's seed range
+    pytest.param({"temperature": 1e-300}, "RuntimeError", id="sampling-raises"),  # inf / nan probabilities
+])
+def test_a_request_that_raises_inside_the_engine_fails_alone(tmp_path, sampling, raises_in):
+    """The engine's API takes what the server's protocol refuses: both requests start in the same step."""
+    engine = Engine(EngineConfig.from_dict({"mode": "recompute", "preset": "tiny", "cache": {"device": "cpu"}}))
+    greedy, greedy_events, greedy_done = _collecting_request(_prompt(7, 40), 12)
+    bad, bad_events, bad_done = _collecting_request(_prompt(8, 40), 12, **sampling)
+    engine.submit(greedy)
+    engine.submit(bad)
+    engine.start()
+    try:
+        assert bad_done.wait(60) and greedy_done.wait(60)
+        assert bad_events[-1].finish_reason == "error" and raises_in in bad_events[-1].error
+        assert [e for e in bad_events if isinstance(e, FinishEvent)] == [bad_events[-1]]  # one finish event
+        assert greedy_events[-1].finish_reason == "length"
+        assert len(greedy_events) == 13  # 12 tokens, then the finish
+        assert engine.snapshot()["counters"]["engine_errors"] == 1
+        alone = engine.generate(_prompt(7, 40), 12)  # the engine keeps serving, with the same greedy output
+        assert alone.token_ids == [e.token_id for e in greedy_events[:-1]]
+    finally:
+        engine.stop()

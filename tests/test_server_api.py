@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cache_impl import auth
 from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from tests.servers import ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, http_client, started_server
+from tests.servers import (ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, free_port, http_client,
+                           started_server)
 from workloads.faults import AdminClient
 
 MODEL = "kvgate-tiny"
@@ -38,6 +39,7 @@ CONTEXT = 4096
 
 DEFAULT_BODY_LIMIT = 4 * 2**20
 KEYED_BODY_LIMIT = 64 * 2**10
+API_KEY = "secret-key-of-24-chars!!"  # at least 16 printable characters, as kvgate serve requires
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
     """Every guard set: an API key, admin routes, and a body limit of 64 KiB."""
-    yield from started_server(tmp_path_factory.mktemp("kvgate-serve-key"), api_key="secret", admin=True,
+    yield from started_server(tmp_path_factory.mktemp("kvgate-serve-key"), api_key=API_KEY, admin=True,
                               extra_args=("--max-request-bytes", "64KiB"))
 
 
@@ -262,10 +264,22 @@ BAD_REQUESTS = [
     # out of the ranges vLLM accepts (vllm/sampling_params.py), or of the wrong type
     *(_case(f"{field}-{value}", COMPLETIONS, {"model": MODEL, "prompt": "hi", field: value}, param=field,
             code="invalid_value")
-      for field, value in (("top_p", 5), ("top_p", -1), ("top_p", 0), ("top_p", "x"), ("presence_penalty", 100),
+      for field, value in (("top_p", 5), ("top_p", -1), ("top_p", 0), ("presence_penalty", 100),
                            ("presence_penalty", -2.5), ("frequency_penalty", 3), ("repetition_penalty", 0),
-                           ("top_k", -2), ("min_p", 1.5), ("temperature", 2.5), ("n", 0), ("n", "2"),
-                           ("logprobs", -1), ("echo", "yes"), ("best_of", 0))),
+                           ("top_k", -2), ("min_p", 1.5), ("temperature", 2.5), ("n", 0),
+                           ("logprobs", -1), ("best_of", 0), ("min_tokens", -1),
+                           # torch's generators take -2**63 .. 2**64-1; past them the engine would fail
+                           ("seed", 2**64), ("seed", -2**63 - 1))),
+    *(_case(f"{field}-{value}", path, {"model": MODEL, **prompt, field: value}, param=field, code="invalid_type")
+      for path, prompt, field, value in (
+          (COMPLETIONS, {"prompt": "hi"}, "top_p", "x"), (COMPLETIONS, {"prompt": "hi"}, "n", "2"),
+          (COMPLETIONS, {"prompt": "hi"}, "echo", "yes"), (COMPLETIONS, {"prompt": "hi"}, "stop", 5),
+          (COMPLETIONS, {"prompt": "hi"}, "suffix", 1), (COMPLETIONS, {"prompt": "hi"}, "logit_bias", [1]),
+          (CHAT, {"messages": HI}, "tools", "all"), (CHAT, {"messages": HI}, "parallel_tool_calls", "yes"),
+          (CHAT, {"messages": HI}, "response_format", "json"))),
+    # a JSON value that is not an object
+    *(_case(f"body-is-{raw.decode()}-{path.rsplit('/', 1)[1]}", path, raw)
+      for raw in (b"null", b"1", b"1.5", b"true") for path in (COMPLETIONS, CHAT)),
     _case("chat-max-completion-tokens-0", CHAT, {"model": MODEL, "messages": HI, "max_completion_tokens": 0},
           param="max_completion_tokens", code="invalid_value"),
     _case("chat-top-logprobs-21", CHAT, {"model": MODEL, "messages": HI, "top_logprobs": 21},
@@ -279,7 +293,14 @@ BAD_REQUESTS = [
           (COMPLETIONS, {"prompt": "hi"}, "n", 2), (COMPLETIONS, {"prompt": "hi"}, "best_of", 2),
           (COMPLETIONS, {"prompt": "hi"}, "echo", True), (CHAT, {"messages": HI}, "presence_penalty", 0.5),
           (COMPLETIONS, {"prompt": "hi"}, "frequency_penalty", -1), (CHAT, {"messages": HI}, "top_p", 0.9),
-          (COMPLETIONS, {"prompt": "hi"}, "top_k", 5))),
+          (COMPLETIONS, {"prompt": "hi"}, "top_k", 5), (COMPLETIONS, {"prompt": "hi"}, "stop", "\n"),
+          (CHAT, {"messages": HI}, "stop", ["a"]), (COMPLETIONS, {"prompt": "hi"}, "stop_token_ids", [1]),
+          (COMPLETIONS, {"prompt": "hi"}, "suffix", "z"), (COMPLETIONS, {"prompt": "hi"}, "logit_bias", {"1": 5}),
+          (CHAT, {"messages": HI}, "min_tokens", 3), (COMPLETIONS, {"prompt": "hi"}, "ignore_eos", True),
+          (CHAT, {"messages": HI}, "response_format", {"type": "json_object"}),
+          (CHAT, {"messages": HI}, "tools", [{"type": "function", "function": {"name": "f"}}]),
+          (CHAT, {"messages": HI}, "tool_choice", "required"),
+          (CHAT, {"messages": HI}, "functions", [{"name": "f"}]))),
     _case("empty-prompt", COMPLETIONS, {"model": MODEL, "prompt": ""}, param="prompt"),
     _case("empty-prompt-in-a-list", COMPLETIONS, {"model": MODEL, "prompt": [""]}, param="prompt"),
     _case("no-such-route", "/v1/embeddings", {"model": MODEL, "input": "hi"}, status=404),
@@ -318,14 +339,54 @@ def test_wrong_type_error_names_the_field(http, field, body):
 
 def test_values_that_ask_for_nothing_the_engine_lacks_are_accepted(http):
     neutral = {"top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
-               "repetition_penalty": 1, "n": 1, "logprobs": None, "best_of": 1, "echo": False}
+               "repetition_penalty": 1, "n": 1, "logprobs": None, "best_of": 1, "echo": False, "stop": [],
+               "stop_token_ids": None, "suffix": "", "logit_bias": {}, "min_tokens": 0, "ignore_eos": False,
+               "response_format": {"type": "text"}, "user": "someone", "seed": 2**64 - 1}
     response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **neutral})
+    assert response.status_code == 200, response.text
+    no_tools = {"tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": None, "stop": None,
+                "response_format": {}, "seed": -2**63}
+    response = http.post(CHAT, json={"model": MODEL, "messages": HI, "max_tokens": 2, **no_tools})
     assert response.status_code == 200, response.text
     # greedy decoding takes the top token whatever top_p and top_k say (vLLM ignores them too)
     greedy = {"model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0, "top_p": 0.5, "top_k": 3,
               "logprobs": False}
     response = http.post(CHAT, json=greedy)
     assert response.status_code == 200, response.text
+
+
+def test_a_greedy_stream_survives_a_seed_past_torchs_range(server, http):
+    """Before: the seed raised in the engine, which failed every running stream and never answered the request."""
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 64, "temperature": 0, "stream": True}
+    with http.stream("POST", COMPLETIONS, json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream is running
+        with http_client(server.port, timeout=10) as other:
+            bad = other.post(COMPLETIONS, json={"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 1,
+                                                "seed": 2**64})
+        assert assert_openai_error(bad, 400)["param"] == "seed"
+        events = [line.removeprefix("data: ") for line in lines if line]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]
+
+
+def test_null_means_the_default_as_openai_clients_send_it(http):
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None, "echo": None,
+             "presence_penalty": None, "seed": 7}
+    response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **nulls})
+    assert response.status_code == 200, response.text  # temperature 1, top_p 1: sampled with the seed
+    again = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 7})
+    assert again.json()["choices"][0]["text"] == response.json()["choices"][0]["text"]
+
+
+def test_a_temperature_below_vllms_sampling_eps_is_greedy(http):
+    def text(temperature: float) -> str:
+        response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "The quick", "max_tokens": 6,
+                                                "temperature": temperature, "top_p": 0.5})
+        assert response.status_code == 200, response.text  # top_p too: greedy ignores it, as vLLM
+        return response.json()["choices"][0]["text"]
+
+    assert text(1e-300) == text(9e-6) == text(0)
 
 
 def test_a_wrong_method_gets_an_openai_error(http):
@@ -358,7 +419,7 @@ def test_a_body_announced_over_the_limit_gets_413_before_a_byte_of_it_is_sent(se
 
 def test_a_chunked_body_is_cut_off_at_the_configured_limit(keyed_server):
     head = f"POST {COMPLETIONS} HTTP/1.1\nHost: 127.0.0.1\nContent-Type: application/json\n" \
-           f"Authorization: Bearer secret\nTransfer-Encoding: chunked\n"
+           f"Authorization: Bearer {API_KEY}\nTransfer-Encoding: chunked\n"
     data = b'{"model": "kvgate-tiny", "prompt": "' + b"a" * KEYED_BODY_LIMIT   # one byte per chunk too many
     chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for piece in (data[:1000], data[1000:])]
     response, body = _raw_exchange(keyed_server.port, head, *chunks)       # no last chunk: never ends
@@ -370,7 +431,7 @@ def test_a_chunked_body_is_cut_off_at_the_configured_limit(keyed_server):
 def test_a_body_under_the_limit_is_read_and_judged(keyed_server):
     body = {"model": MODEL, "prompt": "a" * (KEYED_BODY_LIMIT - 100)}
     with http_client(keyed_server.port) as http:
-        response = http.post(COMPLETIONS, json=body, headers={"Authorization": "Bearer secret"})
+        response = http.post(COMPLETIONS, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert assert_openai_error(response, 400)["code"] == "context_length_exceeded"
 
 
@@ -413,12 +474,12 @@ def test_health_is_ok(http):
 def test_api_key_is_required_on_v1_only(keyed_server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}
     with http_client(keyed_server.port) as http:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             error = assert_openai_error(http.post(COMPLETIONS, json=body, headers=headers), 401)
             assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key", error
         assert_openai_error(http.get("/v1/models"), 401)
 
-        authorized = http.post(COMPLETIONS, json=body, headers={"Authorization": "Bearer secret"})
+        authorized = http.post(COMPLETIONS, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
         assert authorized.status_code == 200 and authorized.json()["usage"]["completion_tokens"] == 2
         assert http.get("/health").status_code == 200
         assert http.get("/health").json()["status"] == "ok"
@@ -428,7 +489,7 @@ def test_api_key_is_required_on_v1_only(keyed_server):
             return openai.OpenAI(base_url=f"{keyed_server.base_url}/v1", api_key=key, max_retries=0,
                                  http_client=transport)
 
-        assert MODEL in [m.id for m in openai_client("secret").models.list()]
+        assert MODEL in [m.id for m in openai_client(API_KEY).models.list()]
         with pytest.raises(openai.AuthenticationError):
             openai_client("wrong").models.list()
 
@@ -465,6 +526,37 @@ def test_an_admin_route_serves_the_right_token(server, http):
     assert AdminClient(server.base_url, token=ADMIN_TOKEN).flush() == {"flushed": True}
 
 
+@pytest.mark.parametrize("path", ["/admin/faults", "/admin/cache/evict", "/admin/cache/locate"])
+@pytest.mark.parametrize("raw", [b"null", b"1", b"1.5", b"true", b"[]"])
+def test_an_admin_route_refuses_a_body_that_is_not_an_object(http, path, raw):
+    response = http.post(path, content=raw, headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN,
+                                                     "content-type": "application/json"})
+    assert "expected a JSON object" in assert_openai_error(response, 400)["message"]
+
+
+@pytest.mark.parametrize("fault, param", [
+    ({"kind": "read_error", "duration_s": 1e308}, "duration_s"),
+    ({"kind": "read_error", "duration_s": 86401}, "duration_s"),
+    ({"kind": "slow_disk", "duration_s": 1, "delay_ms": 1e300}, "delay_ms"),
+    ({"kind": "slow_disk", "delay_ms": 60001}, "delay_ms"),
+])
+def test_a_fault_past_its_bounds_is_refused_and_not_armed(http, fault, param):
+    headers = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+    response = http.post("/admin/faults", json=fault, headers=headers)
+    assert assert_openai_error(response, 400)["param"] == param
+    assert http.get("/admin/faults", headers=headers).json()["armed"] == []
+
+
+def test_a_fault_at_its_bounds_is_armed(http):
+    headers = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+    try:
+        response = http.post("/admin/faults", json={"kind": "slow_disk", "duration_s": 86400, "delay_ms": 60000},
+                             headers=headers)
+        assert response.status_code == 200 and response.json()["armed"] == ["slow_disk"], response.text
+    finally:
+        http.delete("/admin/faults", headers=headers)
+
+
 def test_health_metrics_and_models_need_no_admin_token(http):
     for path in ("/health", "/metrics", "/v1/models"):
         assert http.get(path).status_code == 200, path
@@ -474,9 +566,9 @@ def test_with_an_api_key_an_admin_route_needs_both_secrets(keyed_server):
     with http_client(keyed_server.port) as http:
         only_token = http.post("/admin/cache/flush", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN})
         assert assert_openai_error(only_token, 401)["code"] == "invalid_api_key"
-        only_key = http.post("/admin/cache/flush", headers={"Authorization": "Bearer secret"})
+        only_key = http.post("/admin/cache/flush", headers={"Authorization": f"Bearer {API_KEY}"})
         assert assert_openai_error(only_key, 401)["code"] == "missing_admin_token"
-    both = AdminClient(keyed_server.base_url, api_key="secret", token=ADMIN_TOKEN)
+    both = AdminClient(keyed_server.base_url, api_key=API_KEY, token=ADMIN_TOKEN)
     assert both.flush() == {"flushed": True}
 
 
@@ -490,6 +582,57 @@ def test_serve_admin_without_a_usable_token_exits_2_before_it_listens(host, toke
     assert result.returncode == 2, result.stderr
     assert "--admin: expected an admin token" in result.stderr and ADMIN_TOKEN_ENV in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "kvgate serve:" not in result.stdout
+
+
+def _serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gates.cli", "serve", "--preset", "tiny", "--mode", "recompute", *args]
+
+
+def _serve_env(**secrets: str) -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("KVGATE_API_KEY", ADMIN_TOKEN_ENV)} | secrets
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])
+def test_serve_port_out_of_range_is_a_usage_error(port):
+    result = subprocess.run(_serve_command("--port", port), cwd=REPO, env=_serve_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "argument --port: expected a port number 1-65535" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_serve_on_a_port_in_use_exits_2_before_the_start_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(_serve_command("--port", str(port)), cwd=REPO, env=_serve_env(),
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"--port: expected a free port on 127.0.0.1, found {port} in use" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_serve_with_a_short_api_key_exits_2():
+    result = subprocess.run(_serve_command("--port", "1"), cwd=REPO, env=_serve_env(KVGATE_API_KEY="x"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--api-key-env: expected an API key of at least 16 printable" in result.stderr, result.stderr
+    assert "KVGATE_API_KEY" in result.stderr and result.stdout == ""
+
+
+def test_serve_open_to_the_network_without_an_api_key_warns(tmp_path):
+    process = subprocess.Popen(_serve_command("--host", "0.0.0.0", "--port", str(free_port())), cwd=REPO,
+                               env=_serve_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = process.stderr.readline()  # printed before the model is built
+    finally:
+        process.kill()
+        process.wait(30)
+        process.stderr.close()
+        process.stdout.close()
+    assert "warning: the API is open to the network on 0.0.0.0 without an API key" in first, first
+    assert "KVGATE_API_KEY" in first
 
 
 def test_the_token_is_compared_in_constant_time(monkeypatch):
