@@ -278,7 +278,7 @@ BAD_REQUESTS = [
           (CHAT, {"messages": HI}, "tools", "all"), (CHAT, {"messages": HI}, "parallel_tool_calls", "yes"),
           (CHAT, {"messages": HI}, "response_format", "json"))),
     # a JSON value that is not an object
-    *(_case(f"body-is-{raw.decode()}-{path.rsplit('/', 1)[1]}", path, raw)
+    *(_case(f"body-is-{raw.decode()}-{'chat' if path == CHAT else 'completions'}", path, raw)
       for raw in (b"null", b"1", b"1.5", b"true") for path in (COMPLETIONS, CHAT)),
     _case("chat-max-completion-tokens-0", CHAT, {"model": MODEL, "messages": HI, "max_completion_tokens": 0},
           param="max_completion_tokens", code="invalid_value"),
@@ -614,8 +614,11 @@ def test_serve_on_a_port_in_use_exits_2_before_the_start_line():
 
 
 def test_serve_with_a_short_api_key_exits_2():
-    result = subprocess.run(_serve_command("--port", "1"), cwd=REPO, env=_serve_env(KVGATE_API_KEY="x"),
-                            capture_output=True, text=True, timeout=120)
+    with socket.socket() as taken:  # were the key taken, the server would stop at the port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = subprocess.run(_serve_command("--port", str(taken.getsockname()[1])), cwd=REPO,
+                                env=_serve_env(KVGATE_API_KEY="x"), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "--api-key-env: expected an API key of at least 16 printable" in result.stderr, result.stderr
     assert "KVGATE_API_KEY" in result.stderr and result.stdout == ""
@@ -625,14 +628,13 @@ def test_serve_open_to_the_network_without_an_api_key_warns(tmp_path):
     process = subprocess.Popen(_serve_command("--host", "0.0.0.0", "--port", str(free_port())), cwd=REPO,
                                env=_serve_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = process.stderr.readline()  # printed before the model is built
+        started = process.stdout.readline()  # the start line, after any warning
     finally:
         process.kill()
-        process.wait(30)
-        process.stderr.close()
-        process.stdout.close()
-    assert "warning: the API is open to the network on 0.0.0.0 without an API key" in first, first
-    assert "KVGATE_API_KEY" in first
+        _, errors = process.communicate(timeout=30)
+    assert started.startswith("kvgate serve: kvgate-tiny"), started
+    assert "warning: the API is open to the network on 0.0.0.0 without an API key" in errors, errors
+    assert "KVGATE_API_KEY" in errors
 
 
 def test_the_token_is_compared_in_constant_time(monkeypatch):
