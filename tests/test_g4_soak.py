@@ -212,10 +212,11 @@ def test_a_killed_harness_resumes_the_soak_without_losing_or_repeating_a_window(
     harness.send_signal(signal.SIGKILL)
     harness.wait(10)
     before = _windows(run_dir)
-    time.sleep(3)  # the servers, the gate suite and locust end with the harness
+    # the servers, the gate suite and locust end with the harness (a server may first drain its requests)
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])
                  and p.pid != os.getpid()]
-    assert leftovers == [], [p.info["cmdline"] for p in leftovers]
+    _, alive = psutil.wait_procs(leftovers, timeout=60)
+    assert alive == [], [p.info["cmdline"] for p in alive]
 
     assert main(["run", "g4", "--resume", str(run_dir)]) in (0, 1)
     after = _windows(run_dir)
