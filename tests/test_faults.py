@@ -166,13 +166,19 @@ def test_kill_9_in_the_middle_of_stores_then_a_warm_restart_serves_only_whole_ve
         assert counter(admin.metrics(), "kvgate_cache_pending_disk_writes") > 0
         assert _temp_files(server.cache_dir), "no write was in flight at the kill"
         torn = next(p for p in server.cache_dir.rglob("*.kvb") if p != first_block)
-        restarted = kill_and_restart(server.process.pid, workdir / "restarted.log")
-        assert server.process.poll() is not None                          # the old process is gone
-        torn.write_bytes(torn.read_bytes()[:5000])                        # and one torn block file
+        in_flight = []
+
+        def while_down() -> None:                                          # what the kill left, then a torn block
+            in_flight.extend(_temp_files(server.cache_dir))
+            torn.write_bytes(torn.read_bytes()[:5000])
+
+        restarted = kill_and_restart(server.process.pid, workdir / "restarted.log", while_down=while_down)
+        assert server.process.wait(timeout=30) is not None                # the old process is gone
+        assert in_flight, "no write was in flight at the kill"
         server.process = restarted
         server.wait_healthy()
         samples = admin.metrics()
-        assert counter(samples, "kvgate_cache_reindex_removed_total") == 1
+        assert counter(samples, "kvgate_cache_reindex_removed_total") == 1        # the torn block, refused
         assert counter(samples, "kvgate_cache_corrupt_blocks_total", reason="short_read") == 1
         assert not _temp_files(server.cache_dir)                          # in-flight writes never became blocks
         answers = [ask(server, prompt) for prompt in prompts]

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -205,9 +205,12 @@ def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = 
 # -- processes ----------------------------------------------------------------------------------
 
 
-def kill_and_restart(pid: int, log_path: Path, wait_s: float = 30.0) -> subprocess.Popen:
+def kill_and_restart(pid: int, log_path: Path, wait_s: float = 30.0,
+                     while_down: Optional[Callable[[], None]] = None) -> subprocess.Popen:
     """SIGKILL a server and start it again with the same command line, working directory and
-    environment (it re-indexes its directories at start); the new process logs to `log_path`."""
+    environment (it re-indexes its directories at start); the new process logs to `log_path`.
+    `while_down` runs once the old process is gone and before the new one starts (to look at or
+    damage what the killed process left)."""
     proc = Path(f"/proc/{pid}")
     command = [part.decode() for part in (proc / "cmdline").read_bytes().split(b"\0") if part]
     cwd = os.readlink(proc / "cwd")
@@ -216,6 +219,8 @@ def kill_and_restart(pid: int, log_path: Path, wait_s: float = 30.0) -> subproce
     deadline = time.monotonic() + wait_s
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
+    if while_down is not None:
+        while_down()
     with open(log_path, "ab") as log:
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=die_with_parent)
