@@ -108,18 +108,17 @@ def verdict(gate_context: GateContext, request: pytest.FixtureRequest) -> Callab
                 raise TypeError(f"{metric}: its rule comes from {gate_context.gate}.thresholds or the check's "
                                 "default (gates/checks.py), not from the suite")
             rule = gate_context.rule(metric)
+        request.config.stash[JUDGED] = request.config.stash.get(JUDGED, 0) + 1  # judged, or said it is not
         if rule is None:
             reason = unjudged_reason or (f"no threshold for {metric!r} in {gate_context.gate}.thresholds and no "
                                          "default rule")
             gate_context.store.add_unjudged(Unjudged(
                 gate_context.gate, _check_name(request), metric, label, reason,
                 value=_number_or_none(value), unit=options.get("unit", ""), context=dict(context or {})))
-            request.config.stash[JUDGED] = request.config.stash.get(JUDGED, 0) + 1
             pytest.skip(f"{label}: measured, not judged: {reason}")
         result = judge(gate_context.gate, _check_name(request), label, value, parse_rule(rule), context=context,
                        **options)
         gate_context.store.add_verdict(result)
-        request.config.stash[JUDGED] = request.config.stash.get(JUDGED, 0) + 1
         if result.status != "PASS":
             pytest.fail(result.reason, pytrace=False)
         return result.to_dict()

@@ -100,6 +100,12 @@ def server(tmp_path_factory):
     yield from started_server(tmp_path_factory.mktemp("g2-cold"), admin=True, engine=engine)
 
 
+def _four_block_request(tag: str) -> WorkloadRequest:
+    """A fresh prompt of 4 full tiny-preset blocks (1100 tokens), asked for one token."""
+    text = distinct_prompt(f"g2 cold read {tag}", 1100)
+    return WorkloadRequest(tag, tag, 0, ({"role": "user", "content": text},), 1, 1100)
+
+
 @needs_fio
 def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, tmp_path):
     admin = AdminClient(server.base_url)
@@ -108,8 +114,7 @@ def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, tmp_
 
     def request_for(i: int) -> WorkloadRequest:
         moved.append(disk_counters(admin).nbytes)
-        text = distinct_prompt(f"g2 cold read {i}", 1100)    # 4 full blocks
-        return WorkloadRequest(f"cold-{i}", f"cold-{i}", 0, ({"role": "user", "content": text},), 1, 1100)
+        return _four_block_request(f"cold-{i}")
 
     tier = TierColdLoad(admin, client, request_for)
     try:
@@ -139,8 +144,7 @@ def test_a_round_of_several_prefixes_reads_them_all_from_the_disk_tier(server, t
 
     def request_for(i: int) -> WorkloadRequest:
         asked.append(i)
-        text = distinct_prompt(f"g2 cold read of several {i}", 1100)    # 4 full blocks
-        return WorkloadRequest(f"several-{i}", f"several-{i}", 0, ({"role": "user", "content": text},), 1, 1100)
+        return _four_block_request(f"several-{i}")
 
     tier = TierColdLoad(admin, client, request_for, prefixes=3)
     try:
