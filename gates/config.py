@@ -28,15 +28,8 @@ from .checks import configurable_metrics
 Op = Literal[">=", "<=", ">", "<", "=="]
 
 
-def _rule(found: Any) -> Rule:
-    try:
-        return parse_rule(found)
-    except ValueError as error:
-        raise ValueError(str(error)) from None
-
-
 # A threshold {metric, op, value} or a band {metric, min, max}, parsed by kvcore.rules (the one parser).
-RuleField = Annotated[Rule, PlainValidator(_rule), PlainSerializer(lambda rule: rule.to_dict())]
+RuleField = Annotated[Rule, PlainValidator(parse_rule), PlainSerializer(lambda rule: rule.to_dict())]
 
 
 def _declared_thresholds(gate: str, rules: list[Rule]) -> list[Rule]:
