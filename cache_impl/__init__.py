@@ -5,9 +5,10 @@
     layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="bfloat16", block_size=256)
     fp = Fingerprint(weights_digest="...", tokenizer_id="byte-v1", layout=layout)
     cache = TieredKVCache(CacheConfig.from_dict({"disk": {"path": "/nvme/kv"}}), fp)
-    with cache.load(prompt_tokens) as prefix:     # longest cached prefix, pinned on the device
-        ...                                       # prefix.blocks[i]: [layers, 2, kv_heads, 256, head_dim]
+    prefix = cache.load_into(prompt_tokens, lambda i: kv[:, :, :, i * 256:(i + 1) * 256])
+    ...                                           # the longest cached prefix is in the request's KV
     cache.store(prompt_tokens, new_blocks, first_block=prefix.num_blocks)
+    cache.promote(prompt_tokens, loaded_blocks)   # after the first token: keep the prefix on the device
 
 The names are imported on first use, so `import cache_impl.config` (what configs and the CLI
 read) does not import torch.
@@ -19,7 +20,7 @@ from typing import Any
 _EXPORTS = {
     "CacheConfig": "config", "ConfigError": "config", "DiskTierConfig": "config",
     "Fingerprint": "keys", "KVLayout": "keys", "block_keys": "keys",
-    "LoadedPrefix": "manager", "PrefixMatch": "manager", "TieredKVCache": "manager",
+    "LoadResult": "manager", "LoadedPrefix": "manager", "PrefixMatch": "manager", "TieredKVCache": "manager",
 }
 
 __all__ = sorted(_EXPORTS)

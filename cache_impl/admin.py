@@ -64,7 +64,7 @@ def add_admin_routes(app: FastAPI, engine: "Engine", token: str, read_json: Json
         if "disk" not in cache().tiers:
             raise ApiError(409, "no disk tier", code="no_disk_tier")
         await asyncio.to_thread(cache().flush, 60.0)
-        await asyncio.to_thread(cache().tier("disk").drop_page_cache)
+        await asyncio.to_thread(cache().drop_page_cache)
         return {"dropped": True}
 
     @router.post("/cache/locate")
@@ -88,7 +88,7 @@ def add_admin_routes(app: FastAPI, engine: "Engine", token: str, read_json: Json
     def faults():
         if engine.cache is None or "disk" not in engine.cache.tiers:
             raise ApiError(409, "no disk tier to inject faults into", code="no_disk_tier")
-        return engine.cache.tier("disk").faults
+        return engine.cache.faults
 
     @router.get("/faults")
     async def show_faults() -> dict:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 from . import integrity
 from .keys import KEY_BYTES, Key
@@ -75,6 +75,15 @@ def parse_name(sub: str, name: str) -> tuple[str, Key | None]:
         if match and match.group(1)[:2] == sub:
             return kind, bytes.fromhex(match.group(1)) if kind == BLOCK else None
     return SKIPPED, None
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """A block written to a temp file in its `kk` directory, not yet renamed to its block name."""
+
+    sub: str
+    temp: str
+    final: str
 
 
 @dataclass(frozen=True)
@@ -168,15 +177,14 @@ class BlockDir:
     def delete(self, key: Key) -> None:
         self.unlink(subdir_name(key), block_name(key))
 
-    def publish(self, key: Key, buffers: Sequence, fsync: bool,
-                before_publish: Optional[Callable[[], None]] = None) -> None:
-        """Write buffers to a temp file and rename it to the key's name; on any error nothing is visible.
+    def stage(self, key: Key, buffers: Sequence, fsync: bool) -> "StagedFile":
+        """Write buffers to a fresh temp file beside the key's place; nothing is visible yet.
 
-        `before_publish` runs between the written data and the rename (where fault points act).
+        On any error the temp file is removed and the error raised.
         """
-        final = block_name(key)
+        sub, final = subdir_name(key), block_name(key)
         temp = temp_name(final)
-        with self._sub(subdir_name(key), create=True) as dir_fd:
+        with self._sub(sub, create=True) as dir_fd:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
             try:
                 try:
@@ -185,15 +193,23 @@ class BlockDir:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                if before_publish is not None:
-                    before_publish()
-                os.rename(temp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except BaseException:
-                try:
-                    os.unlink(temp, dir_fd=dir_fd)
-                except FileNotFoundError:
-                    pass
+                _unlink_quietly(temp, dir_fd)
                 raise
+        return StagedFile(sub, temp, final)
+
+    def publish(self, staged: "StagedFile") -> None:
+        """Rename a staged temp file to its block name: the block appears whole, at once."""
+        with self._sub(staged.sub) as dir_fd:
+            os.rename(staged.temp, staged.final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+    def discard(self, staged: "StagedFile") -> None:
+        """Remove a staged temp file (after a failed or abandoned write); never raises."""
+        try:
+            with self._sub(staged.sub) as dir_fd:
+                _unlink_quietly(staged.temp, dir_fd)
+        except OSError:
+            pass
 
     # -- every file ------------------------------------------------------------
 
@@ -229,6 +245,13 @@ class BlockDir:
         except OSError:
             return  # the directory went away (or was swapped for a link) while we looked
         yield from found
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
 
 
 def _mtime(entry: os.DirEntry) -> float | None:

@@ -28,6 +28,8 @@ class DiskTierConfig(StrictModel):
 
     path: Path
     capacity_bytes: int = Field(default=8 * 2**30, description="bytes of block files kept")
+    min_free_bytes: int = Field(default=256 * 2**20, ge=0, description="room to leave free on the filesystem: "
+                                "below it, the tier evicts its oldest blocks before it writes")
     read_workers: int = Field(default=4, ge=1, le=256, description="parallel block reads")
     io_mode: Literal["buffered", "direct"] = Field(
         default="buffered", description="buffered page-cache reads, or O_DIRECT"
@@ -40,7 +42,7 @@ class DiskTierConfig(StrictModel):
     shared: bool = Field(default=False, description="other nodes write into this directory too (an NVMe-oF "
                          "array): on a local miss, look for their block files")
 
-    _parse_capacity = field_validator("capacity_bytes", mode="before")(lambda cls, v: parse_size(v))
+    _parse_sizes = field_validator("capacity_bytes", "min_free_bytes", mode="before")(lambda cls, v: parse_size(v))
 
 
 class RemoteTierConfig(StrictModel):

@@ -127,6 +127,7 @@ class _Sequence:
     computed: int = 0                   # positions whose KV is in `kv`
     cached_tokens: int = 0              # of those, loaded from the cache
     stored_blocks: int = 0              # full blocks already offered to the cache
+    loaded_blocks: int = 0              # leading blocks loaded from the cache, promoted after the first token
     generated: int = 0
     decoder: Any = None
     generator: Optional[torch.Generator] = None
@@ -293,7 +294,8 @@ class Engine:
             return
         args = self.model.args
         total = len(request.prompt_tokens) + request.max_tokens
-        kv = torch.empty((args.n_layers, 2, args.n_kv_heads, total, args.head_dim), device=self.device)
+        capacity = -(-total // self.block_size) * self.block_size  # whole blocks: loads copy block-shaped views
+        kv = torch.empty((args.n_layers, 2, args.n_kv_heads, capacity, args.head_dim), device=self.device)
         seq = _Sequence(request, list(request.prompt_tokens), kv, decoder=self.tokenizer.stream_decoder())
         if request.temperature > 0:
             seed = request.seed if request.seed is not None else torch.seed()
@@ -302,16 +304,26 @@ class Engine:
         self._running.append(seq)
 
     def _load_cached_prefix(self, seq: _Sequence) -> None:
-        """Copy the longest cached prefix into the sequence's KV (at least one prompt token stays to compute)."""
+        """Load the longest cached prefix straight into the sequence's KV (at least one prompt token
+        stays to compute)."""
         if self.cache is None:
             return
-        bs = self.block_size
-        with self.cache.load(seq.request.prompt_tokens, max_blocks=(seq.prompt_len - 1) // bs) as prefix:
-            for i, block in enumerate(prefix.blocks):
-                seq.kv[:, :, :, i * bs : (i + 1) * bs].copy_(block)
-            seq.computed = seq.cached_tokens = prefix.num_tokens
-            seq.stored_blocks = prefix.num_blocks
+        prefix = self.cache.load_into(seq.request.prompt_tokens, functools.partial(self._block_view, seq),
+                                      max_blocks=(seq.prompt_len - 1) // self.block_size)
+        seq.computed = seq.cached_tokens = prefix.num_tokens
+        seq.stored_blocks = seq.loaded_blocks = prefix.num_blocks
         self.counters["prompt_tokens_reused"] += seq.cached_tokens
+
+    def _block_view(self, seq: _Sequence, i: int) -> torch.Tensor:
+        """Block i of the sequence's KV, [layers, 2, kv_heads, block, head_dim] (a view)."""
+        return seq.kv[:, :, :, i * self.block_size : (i + 1) * self.block_size]
+
+    def _promote_loaded(self, seq: _Sequence) -> None:
+        """Once the first token is out: keep the loaded prefix on the upper tiers (off the TTFT path)."""
+        if self.cache is None or not seq.loaded_blocks:
+            return
+        n, seq.loaded_blocks = seq.loaded_blocks, 0
+        self.cache.promote(seq.tokens[: n * self.block_size], [self._block_view(seq, i) for i in range(n)])
 
     def _prefill_one_chunk(self, seq: _Sequence) -> None:
         start = seq.computed
@@ -320,9 +332,14 @@ class Engine:
         logits = self.model.prefill(chunk, seq.kv, start)
         seq.computed = end
         self.counters["prompt_tokens_computed"] += end - start
+        if seq.prefilling:
+            self._store_full_blocks(seq)
+        else:  # the first token first: storing and promoting can wait for it
+            self._emit_next(seq, logits[None], then=self._after_prefill)
+
+    def _after_prefill(self, seq: _Sequence) -> None:
         self._store_full_blocks(seq)
-        if not seq.prefilling:
-            self._emit_next(seq, logits[None])
+        self._promote_loaded(seq)
 
     def _decode_step(self) -> None:
         batch = [s for s in self._running if not s.prefilling and s.computed < len(s.tokens)]
@@ -351,17 +368,22 @@ class Engine:
         self._store_full_blocks(seq)
         self._emit_next(seq, logits)
 
-    def _emit_next(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [1, vocab], emit it, and finish the sequence when done."""
+    def _emit_next(self, seq: _Sequence, logits: torch.Tensor,
+                   then: Optional[Callable[[_Sequence], None]] = None) -> None:
+        """Sample the next token from logits [1, vocab] and emit it; run `then` (after the token,
+        before the finish, so a finished request's blocks are in the cache); finish when done."""
         token = self._sample(logits, seq)
-        if token == self.tokenizer.eos_id:  # not counted: usage counts the tokens that were streamed
+        stop = token == self.tokenizer.eos_id  # not counted: usage counts the tokens that were streamed
+        if not stop:
+            seq.generated += 1
+            self.counters["generation_tokens"] += 1
+            seq.tokens.append(token)
+            seq.request.on_event(TokenEvent(token, seq.decoder.feed(token)))
+        if then is not None:
+            then(seq)
+        if stop:
             self._finish(seq, "stop")
-            return
-        seq.generated += 1
-        self.counters["generation_tokens"] += 1
-        seq.tokens.append(token)
-        seq.request.on_event(TokenEvent(token, seq.decoder.feed(token)))
-        if seq.generated >= seq.request.max_tokens:
+        elif seq.generated >= seq.request.max_tokens:
             self._finish(seq, "length")
 
     def _sample(self, logits: torch.Tensor, seq: _Sequence) -> int:
@@ -377,9 +399,8 @@ class Engine:
         full = seq.computed // self.block_size
         if full <= seq.stored_blocks:
             return
-        bs = self.block_size
-        blocks = [seq.kv[:, :, :, i * bs : (i + 1) * bs] for i in range(seq.stored_blocks, full)]
-        self.cache.store(seq.tokens[: full * bs], blocks, first_block=seq.stored_blocks)
+        blocks = [self._block_view(seq, i) for i in range(seq.stored_blocks, full)]
+        self.cache.store(seq.tokens[: full * self.block_size], blocks, first_block=seq.stored_blocks)
         seq.stored_blocks = full
 
     def _drop_cancelled(self) -> None:

@@ -1,14 +1,14 @@
-"""Faults injected at the disk tier's I/O calls, for fault-injection tests and soaks.
+"""Faults injected into a tier's I/O, for fault-injection tests and soaks.
 
-A `FaultPoints` object sits in every disk tier and does nothing until a fault
-is armed (by the server's admin route or a test). Armed faults act where real
-ones would:
-- `disk_full`: a block write fails with ENOSPC after its data is written and
+`FaultInjectingTier` wraps any tier (the cache wraps its disk tier) and consults one
+`FaultPoints`, which does nothing until a fault is armed (by the server's admin route or a
+test). Armed faults act where real ones would:
+- `disk_full`: a block write fails with ENOSPC after its data is written (staged) and
   before it is published, so nothing becomes visible (as when the device fills);
 - `write_error` / `read_error`: the write or the read fails with EIO;
-- `slow_disk`: every block write and read takes `delay_s` longer (the write's
-  delay falls between writing the data and publishing it).
-A fault lasts `duration_s` (None: until cleared); every time one acts is counted.
+- `slow_disk`: every block write, and every batch of block reads, takes `delay_s` longer
+  (the write's delay falls between writing the data and publishing it).
+A fault lasts `duration_s` (None: until cleared); every block it acts on is counted.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
+
+from . import integrity
 
 KINDS = ("disk_full", "write_error", "read_error", "slow_disk")
 
@@ -65,34 +67,60 @@ class FaultPoints:
         with self._lock:
             return sorted(kind for kind, fault in self._armed.items() if fault.active(now))
 
-    def _take(self, kind: str) -> Optional[ArmedFault]:
+    def _take(self, kind: str, blocks: int) -> Optional[ArmedFault]:
         if not self._armed:  # the common case: nothing armed, no lock
             return None
         with self._lock:
             fault = self._armed.get(kind)
             if fault is None or not fault.active(time.monotonic()):
                 return None
-            self.fired[kind] += 1
+            self.fired[kind] += blocks
             return fault
 
     def before_publish(self) -> None:
-        """Called after a block's data is written and before it becomes visible."""
-        self._act(("disk_full", errno.ENOSPC), ("write_error", errno.EIO))
+        """Called after a block's data is staged and before it becomes visible."""
+        self._act(1, ("disk_full", errno.ENOSPC), ("write_error", errno.EIO))
 
-    def before_read(self) -> None:
-        """Called when a block file is open and about to be read."""
-        self._act(("read_error", errno.EIO))
+    def before_read(self, blocks: int) -> None:
+        """Called before a batch of `blocks` block reads."""
+        self._act(blocks, ("read_error", errno.EIO))
 
-    def _act(self, *failures: tuple[str, int]) -> None:
+    def _act(self, blocks: int, *failures: tuple[str, int]) -> None:
         """Sleep when the disk is slow; raise the first armed failure among `failures`."""
-        slow = self._take("slow_disk")
+        slow = self._take("slow_disk", blocks)
         if slow is not None:
             time.sleep(slow.delay_s)
         for kind, code in failures:
-            if self._take(kind) is not None:
+            if self._take(kind, blocks) is not None:
                 raise OSError(code, f"{os.strerror(code)} (injected {kind})")
 
     def snapshot(self) -> dict:
         armed = self.armed()
         with self._lock:
             return {"armed": armed, "fired": dict(self.fired)}
+
+
+class FaultInjectingTier:
+    """A tier that behaves like `inner` except where an armed fault of `points` acts.
+
+    Only `commit` and `read_into` are intercepted; every other verb and attribute is the
+    inner tier's own.
+    """
+
+    def __init__(self, inner: Any, points: FaultPoints) -> None:
+        self.inner = inner
+        self.points = points
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def commit(self, staged: Any) -> None:
+        self.points.before_publish()  # raises the injected error: the writer then aborts the staged block
+        self.inner.commit(staged)
+
+    def read_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[Optional[str]]:
+        try:
+            self.points.before_read(len(keys))
+        except OSError:
+            return [integrity.IO_ERROR] * len(keys)
+        return self.inner.read_into(keys, outs)

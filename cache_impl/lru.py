@@ -43,15 +43,16 @@ class LRUAccount:
         self.used_bytes -= nbytes
         return nbytes
 
-    def victims(self, nbytes: int, is_protected: Callable[[Key], bool]) -> list[Key] | None:
-        """Least recently used unprotected keys whose removal frees room for `nbytes`.
+    def victims(self, nbytes: int, is_protected: Callable[[Key], bool], shortfall: int = 0) -> list[Key] | None:
+        """Least recently used unprotected keys whose removal frees room for `nbytes`, and at
+        least `shortfall` bytes besides (space the medium beneath lacks).
 
         Returns [] when it already fits, None when it cannot be made to fit
         (too large, or too much of the tier is protected).
         """
         if nbytes > self.capacity_bytes:
             return None
-        needed = self.used_bytes + nbytes - self.capacity_bytes
+        needed = max(self.used_bytes + nbytes - self.capacity_bytes, shortfall)
         chosen: list[Key] = []
         for key, size in self._entries.items():
             if needed <= 0:

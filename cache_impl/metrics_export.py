@@ -14,6 +14,7 @@ _TIER_COUNTERS = {
     "bytes_read": "bytes loaded from the tier",
     "bytes_written": "bytes stored in the tier",
     "evictions": "blocks evicted from the tier",
+    "evictions_for_space": "blocks evicted because the filesystem beneath the tier was full",
     "demotions": "evicted blocks moved to a lower tier",
     "read_errors": "block reads that failed with an I/O error",
     "write_errors": "block stores that failed (nothing was published)",
@@ -70,15 +71,21 @@ def _cache_metrics(cache: dict) -> Iterator[Metric]:
         hist = figures["load_latency_seconds"]
         latency.add_metric([tier], list(hist["buckets"].items()), hist["sum"])
     yield latency
-    yield _gauge("kvgate_cache_pending_disk_writes", "disk writes queued", cache["pending_disk_writes"])
+    pending = GaugeMetricFamily("kvgate_cache_pending_writes", "block writes queued for the tier", labels=["tier"])
+    for tier, figures in tiers.items():
+        pending.add_metric([tier], figures["pending_writes"])
+    yield pending
+    yield _gauge("kvgate_cache_pending_disk_writes", "disk writes queued",
+                 tiers["disk"]["pending_writes"] if "disk" in tiers else 0)
     yield _counter("kvgate_cache_reindex_removed", "stored blocks refused and removed when re-indexing at start",
                    cache["reindex_removed"])
-    if cache.get("remote") is not None:
+    if "remote" in tiers:
+        remote = tiers["remote"]["state"]
         yield _gauge("kvgate_cache_remote_available", "1 while the shared pool answers, 0 while it is unavailable",
-                     int(cache["remote"]["available"]))
+                     int(remote["available"]))
         yield _counter("kvgate_cache_remote_unavailable_calls", "calls to the shared pool that got no answer",
-                       cache["remote"]["unavailable_calls"])
-    if cache.get("faults") is not None:
+                       remote["unavailable_calls"])
+    if "disk" in tiers:  # faults are injected into the disk tier
         injected = CounterMetricFamily("kvgate_faults_injected", "times an armed I/O fault acted (admin)",
                                        labels=["kind"])
         for kind, count in sorted(cache["faults"]["fired"].items()):

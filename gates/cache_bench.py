@@ -85,10 +85,10 @@ def _load_seconds(cache: TieredKVCache, tokens: list[int], expect_from: str, bef
     cache.evict("device")
     before()
     start = time.perf_counter()
-    with cache.load(tokens) as prefix:
-        elapsed = time.perf_counter() - start
-        if prefix.num_blocks * cache.block_size != len(tokens) or set(prefix.sources) != {expect_from}:
-            raise RuntimeError(f"cache-bench: expected every block from {expect_from}, got {set(prefix.sources)}")
+    prefix = cache.load(tokens)
+    elapsed = time.perf_counter() - start
+    if prefix.num_blocks * cache.block_size != len(tokens) or set(prefix.sources) != {expect_from}:
+        raise RuntimeError(f"cache-bench: expected every block from {expect_from}, got {set(prefix.sources)}")
     return elapsed
 
 

@@ -28,6 +28,7 @@ import torch
 from cache_impl.config import RemoteTierConfig
 from cache_impl.engine import Engine, EngineConfig
 from cache_impl.keys import Fingerprint, KVLayout
+from cache_impl.tiers.base import write_block
 from cache_impl.tiers.remote import RemoteTier, open_store
 from workloads.stores import MooncakePool, RedisServer
 
@@ -62,7 +63,7 @@ def bench_bandwidth(config: RemoteTierConfig, settings: PoolBenchSettings) -> di
     outs = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in keys]
     try:
         for key, out in zip(keys, outs):
-            tier.write(key, out.normal_())
+            write_block(tier, key, out.normal_())
         names = [tier.name_for(k) for k in keys]
         plain_pool = ThreadPoolExecutor(config.read_workers)
         tier_s, plain_s = [], []

@@ -44,15 +44,17 @@ def test_eight_threads_store_and_load_with_eviction_and_always_get_the_right_byt
                 if rng.random() < 0.5:
                     cache.store(tokens, blocks_for(layout, tokens))
                     continue
-                with cache.load(tokens) as prefix:
-                    for key, block in zip(prefix.keys, prefix.blocks):
-                        if not torch.equal(block, expected[key]):
-                            errors.append(f"wrong bytes for block {key.hex()}")
-                    with count_lock:
-                        loaded_blocks[0] += prefix.num_blocks
-                    for tier in cache.snapshot()["tiers"].values():
-                        if tier["used_bytes"] > tier["capacity_bytes"]:
-                            errors.append(f"capacity exceeded: {tier}")
+                prefix = cache.load(tokens)
+                for key, block in zip(prefix.keys, prefix.blocks):
+                    if not torch.equal(block, expected[key]):
+                        errors.append(f"wrong bytes for block {key.hex()}")
+                with count_lock:
+                    loaded_blocks[0] += prefix.num_blocks
+                if rng.random() < 0.5:
+                    cache.promote(tokens, prefix.blocks)
+                for tier in cache.snapshot()["tiers"].values():
+                    if tier["used_bytes"] > tier["capacity_bytes"]:
+                        errors.append(f"capacity exceeded: {tier}")
         except Exception as exc:  # surfaced below with the thread's seed
             errors.append(f"thread {seed}: {exc!r}")
 
@@ -121,11 +123,12 @@ class CacheAgainstAModel(RuleBasedStateMachine):
             cached += 1
         self.cache.flush()
         assert self.cache.lookup(tokens).num_blocks == cached
-        with self.cache.load(tokens) as prefix:
-            # a load brings at most as many blocks as the device pool has slots
-            assert prefix.num_blocks == min(cached, DEVICE_SLOTS)
-            for i, block in enumerate(prefix.blocks):
-                assert torch.equal(block, block_for(self.layout, tokens, i))
+        prefix = self.cache.load(tokens)
+        assert prefix.num_blocks == cached  # the whole prefix, however few device slots there are
+        for i, block in enumerate(prefix.blocks):
+            assert torch.equal(block, block_for(self.layout, tokens, i))
+        self.cache.promote(tokens, prefix.blocks)
+        assert all("device" in self.cache.where(key) for key in keys[max(cached - 1, 0):cached])  # the latest
 
     @rule()
     def restart(self):

@@ -1,5 +1,9 @@
 """LRU eviction demotes down the tiers, in recency order, and never exceeds a capacity."""
 
+import threading
+import time
+from contextlib import contextmanager
+
 import torch
 
 from tests.conftest import BLOCK, blocks_for
@@ -20,7 +24,7 @@ def test_write_back_evicts_least_recently_used_and_demotes_it_one_tier_down(make
     cache = make_cache(write_policy="write-back", device_capacity_blocks=2, host_capacity_bytes=2 * layout.block_nbytes)
     k0, k1 = _store(cache, layout, 0), _store(cache, layout, 1)
     assert cache.where(k0) == ["device"] and cache.where(k1) == ["device"]
-    cache.load(_prompt(0)).release()          # 0 becomes most recent on the device
+    cache.load(_prompt(0))          # 0 becomes most recent on the device
     k2 = _store(cache, layout, 2)             # evicts 1 (LRU), not 0
     assert cache.where(k1) == ["host"] and cache.where(k0) == ["device"] and cache.where(k2) == ["device"]
     _store(cache, layout, 3)                  # evicts 0 -> host
@@ -30,9 +34,9 @@ def test_write_back_evicts_least_recently_used_and_demotes_it_one_tier_down(make
     assert cache.where(k0) == ["host"] and cache.where(k2) == ["host"]
     snap = cache.snapshot()["tiers"]
     assert snap["device"]["demotions"] == 3 and snap["host"]["demotions"] == 1
-    with cache.load(_prompt(1)) as prefix:    # the disk copy is the original block
-        assert prefix.sources == ["disk"]
-        assert torch.equal(prefix.blocks[0], blocks_for(layout, _prompt(1))[0])
+    prefix = cache.load(_prompt(1))    # the disk copy is the original block
+    assert prefix.sources == ["disk"]
+    assert torch.equal(prefix.blocks[0], blocks_for(layout, _prompt(1))[0])
 
 
 def test_write_through_puts_new_blocks_in_every_tier_and_eviction_only_drops_copies(make_cache, layout):
@@ -46,15 +50,18 @@ def test_write_through_puts_new_blocks_in_every_tier_and_eviction_only_drops_cop
     assert cache.snapshot()["tiers"]["device"]["demotions"] == 0
 
 
-def test_a_load_promotes_to_the_device_and_keeps_lower_copies(make_cache, layout):
+def test_a_load_leaves_placement_alone_and_promote_puts_the_block_back_on_the_device(make_cache, layout):
     cache = make_cache(write_policy="write-back", device_capacity_blocks=1, host_capacity_bytes=layout.block_nbytes)
     k0 = _store(cache, layout, 0)
     _store(cache, layout, 1)
     _store(cache, layout, 2)
     cache.flush()
     assert cache.where(k0) == ["disk"]
-    cache.load(_prompt(0)).release()
+    prefix = cache.load(_prompt(0))
+    assert prefix.sources == ["disk"] and cache.where(k0) == ["disk"]  # copied straight into the caller's tensor
+    assert cache.promote(_prompt(0), prefix.blocks) == 1
     assert cache.where(k0) == ["device", "disk"]
+    assert cache.promote(_prompt(0), prefix.blocks) == 0             # already there: nothing placed twice
 
 
 def test_capacities_are_never_exceeded(make_cache, layout):
@@ -65,7 +72,7 @@ def test_capacities_are_never_exceeded(make_cache, layout):
     for n in range(40):
         _store(cache, layout, n)
         if n % 3 == 0:
-            cache.load(_prompt(n // 2)).release()
+            cache.load(_prompt(n // 2))
         snap = cache.snapshot()["tiers"]
         for tier in snap.values():
             assert tier["used_bytes"] <= tier["capacity_bytes"]
@@ -77,32 +84,68 @@ def test_capacities_are_never_exceeded(make_cache, layout):
     assert len(files) == 7
 
 
-def test_pinned_blocks_are_not_evicted_and_a_full_pool_shortens_the_prefix(make_cache, layout):
+@contextmanager
+def _load_in_progress(cache, tokens, blocks_pinned: int):
+    """A load of `tokens` on another thread, held before it copies anything until the block exits.
+
+    Yields once the load has pinned `blocks_pinned` blocks; the block's result is in the list yielded.
+    """
+    proceed, result = threading.Event(), []
+    destination = torch.empty((len(tokens) // BLOCK, *cache.layout.block_shape), dtype=cache.layout.torch_dtype)
+
+    def out(i):
+        proceed.wait(30)
+        return destination[i]
+
+    loader = threading.Thread(target=lambda: result.append((cache.load_into(tokens, out), destination)))
+    loader.start()
+    deadline = time.monotonic() + 30
+    while cache.snapshot()["pinned_blocks"] < blocks_pinned:
+        assert time.monotonic() < deadline, "the load never pinned its blocks"
+        time.sleep(0.01)
+    try:
+        yield result
+    finally:
+        proceed.set()
+        loader.join(30)
+
+
+def test_blocks_a_load_is_reading_are_never_evicted(make_cache, layout):
     cache = make_cache(write_policy="write-back", device_capacity_blocks=2)
     tokens = list(range(3 * BLOCK))
     blocks = blocks_for(layout, tokens)
     cache.store(tokens, blocks)   # block 0 is demoted to host by block 2
-    with cache.load(tokens[:BLOCK]) as held:
-        assert held.sources == ["host"]
-        with cache.load(tokens) as prefix:
-            # two slots and three blocks: the pool cannot hold the whole prefix at once
-            assert 1 <= prefix.num_blocks < 3
-            assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))
-        assert torch.equal(held.blocks[0], blocks[0])
-        assert cache.where(cache.keys_for(tokens)[0])[0] == "device"
-    # a prefix cut short by pinned slots is not a miss
+    with _load_in_progress(cache, tokens, blocks_pinned=3) as result:
+        assert cache.evict("device") == 0 and cache.evict("host") == 0   # all three are pinned
+        for n in range(100, 104):
+            _store(cache, layout, n)                                      # cannot push them out either
+        assert [cache.where(k)[0] for k in cache.keys_for(tokens)] == ["host", "device", "device"]
+    prefix, destination = result[0]
+    assert prefix.sources == ["host", "device", "device"]
+    assert all(torch.equal(destination[i], blocks[i]) for i in range(3))
+    assert cache.snapshot()["pinned_blocks"] == 0
+    assert cache.evict("device") == 2                                     # released: evictable again
+
+
+def test_a_prefix_longer_than_the_device_tier_loads_whole(make_cache, layout):
+    cache = make_cache(write_policy="write-back", device_capacity_blocks=2, host_capacity_bytes=8 * layout.block_nbytes)
+    tokens = list(range(5 * BLOCK))
+    blocks = blocks_for(layout, tokens)
+    cache.store(tokens, blocks)
+    prefix = cache.load(tokens)
+    assert prefix.sources == ["host"] * 3 + ["device"] * 2
+    assert all(torch.equal(got, want) for got, want in zip(prefix.blocks, blocks))
     assert cache.snapshot()["tiers"]["host"]["misses"] == 0
 
 
 def test_eviction_skips_a_full_lower_tier_and_demotes_further_down(make_cache, layout):
     """With the host full of pinned blocks, a device eviction goes to disk instead of being dropped."""
     cache = make_cache(write_policy="write-back", device_capacity_blocks=3, host_capacity_bytes=3 * layout.block_nbytes)
-    long_prompt = list(range(4 * BLOCK))
-    cache.store(long_prompt, blocks_for(layout, long_prompt))   # blocks 0..3: 1,2,3 on device, 0 on host
-    evicted = [_store(cache, layout, n) for n in (100, 101)]      # push blocks 1 and 2 to the host
-    with cache.load(long_prompt[: 3 * BLOCK]) as prefix:          # pins 0,1,2 (all of the host)
-        assert prefix.sources == ["host"] * 3
-    cache.flush()
-    for key in evicted + [cache.keys_for(long_prompt)[3]]:
-        assert cache.where(key), "an evicted block was dropped instead of demoted"
-    assert cache.where(evicted[0]) == ["disk"]
+    long_prompt = list(range(6 * BLOCK))
+    cache.store(long_prompt, blocks_for(layout, long_prompt))   # blocks 3,4,5 on the device, 0,1,2 on the host
+    with _load_in_progress(cache, long_prompt[: 3 * BLOCK], blocks_pinned=3):   # pins 0,1,2: all of the host
+        evicted = [_store(cache, layout, n) for n in (100, 101)]                # push blocks 3 and 4 out
+        cache.flush()
+        for key in cache.keys_for(long_prompt)[3:5]:
+            assert cache.where(key) == ["disk"], "an evicted block was dropped instead of demoted past the host"
+    assert all(cache.where(key) == ["device"] for key in evicted)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cache_impl import blockfiles, integrity
+from cache_impl.tiers.base import write_block
 from tests.conftest import BLOCK, blocks_for, files_below, plant_links_and_strays
 from workloads.faults import delete, flip_byte, truncate
 
@@ -44,9 +45,9 @@ def test_damaged_block_is_a_counted_miss_and_the_prefix_ends_before_it(make_cach
     tokens, blocks, paths = _stored_on_disk(cache, layout)
     harm, reason = DAMAGE[damage]
     harm(paths[1])
-    with cache.load(tokens) as prefix:
-        assert prefix.sources == ["disk"]            # block 0 was really read from disk
-        assert torch.equal(prefix.blocks[0], blocks[0])
+    prefix = cache.load(tokens)
+    assert prefix.sources == ["disk"]            # block 0 was really read from disk
+    assert torch.equal(prefix.blocks[0], blocks[0])
     disk = cache.snapshot()["tiers"]["disk"]
     assert disk["corrupt_blocks"] == 1 and disk["corrupt_by_reason"] == {reason: 1}
     assert not paths[1].exists()
@@ -59,8 +60,8 @@ def test_another_blocks_file_under_this_key_is_refused(make_cache, layout):
     cache = _disk_only(make_cache)
     tokens, blocks, paths = _stored_on_disk(cache, layout)
     shutil.copyfile(paths[2], paths[0])
-    with cache.load(tokens) as prefix:
-        assert prefix.num_blocks == 0
+    prefix = cache.load(tokens)
+    assert prefix.num_blocks == 0
     assert cache.snapshot()["tiers"]["disk"]["corrupt_by_reason"] == {integrity.WRONG_KEY: 1}
 
 
@@ -69,10 +70,10 @@ def test_a_block_written_under_another_fingerprint_is_refused(make_cache, layout
     tokens, blocks, paths = _stored_on_disk(cache, layout)
     other = _disk_only(make_cache, fp=replace(fingerprint, weights_digest="seed-1"))
     foreign = other.tier("disk")
-    foreign.write(cache.keys_for(tokens)[0], blocks[0])   # same key, other model's header
+    write_block(foreign, cache.keys_for(tokens)[0], blocks[0])   # same key, other model's header
     shutil.copyfile(foreign.path_for(cache.keys_for(tokens)[0]), paths[0])
-    with cache.load(tokens) as prefix:
-        assert prefix.num_blocks == 0
+    prefix = cache.load(tokens)
+    assert prefix.num_blocks == 0
     assert cache.snapshot()["tiers"]["disk"]["corrupt_by_reason"] == {integrity.WRONG_FINGERPRINT: 1}
 
 
@@ -83,8 +84,8 @@ def test_fingerprint_change_makes_every_older_block_unreachable(make_cache, layo
     for change in ({"weights_digest": "seed-1"}, {"tenant_salt": "tenant-b"}, {"format_version": 2}):
         fresh = make_cache(fp=replace(fingerprint, **change))
         assert fresh.lookup(tokens).num_blocks == 0
-        with fresh.load(tokens) as prefix:
-            assert prefix.num_blocks == 0
+        prefix = fresh.load(tokens)
+        assert prefix.num_blocks == 0
     same = make_cache()
     assert same.lookup(tokens).tiers == ["disk"] * 3   # the old model still finds its own blocks
 
@@ -100,9 +101,9 @@ def test_restart_reindexes_verified_blocks_and_removes_temp_files_and_bad_blocks
     assert not temp.exists() and not paths[3].exists()
     assert restarted.reindex_removed == 1
     assert restarted.lookup(tokens).tiers == ["disk"] * 3
-    with restarted.load(tokens) as prefix:
-        assert prefix.sources == ["disk"] * 3
-        assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))
+    prefix = restarted.load(tokens)
+    assert prefix.sources == ["disk"] * 3
+    assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))
 
 
 def test_restart_follows_no_link_and_removes_only_the_tiers_own_files(make_cache, layout, tmp_path):
@@ -133,8 +134,8 @@ def test_eviction_and_reads_never_go_through_a_link_swapped_in_for_a_directory(m
     tokens, blocks, paths = _stored_on_disk(cache, layout)
     outside = tmp_path / "outside"
     before = _swap_for_link(paths[0].parent, outside)   # block 0's file now lies outside, whole and valid
-    with cache.load(tokens) as prefix:
-        assert prefix.num_blocks == 0                    # not read through the link: a miss
+    prefix = cache.load(tokens)
+    assert prefix.num_blocks == 0                    # not read through the link: a miss
     assert cache.snapshot()["tiers"]["disk"]["read_errors"] == 1
     cache.evict("disk")                                  # deletes every block file it indexed
     assert files_below(outside) == before
@@ -178,8 +179,8 @@ def test_a_block_that_cannot_be_read_is_a_miss_counted_as_a_read_error(make_cach
     tokens, blocks, paths = _stored_on_disk(cache, layout)
     os.unlink(paths[1])
     paths[1].mkdir()                 # reading it now fails with EISDIR
-    with cache.load(tokens) as prefix:
-        assert prefix.num_blocks == 1
+    prefix = cache.load(tokens)
+    assert prefix.num_blocks == 1
     disk = cache.snapshot()["tiers"]["disk"]
     assert disk["read_errors"] == 1 and disk["corrupt_blocks"] == 0
     assert cache.lookup(tokens).num_blocks == 1

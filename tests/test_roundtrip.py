@@ -34,11 +34,11 @@ def test_round_trip_is_bitwise_equal_through_every_tier(make_cache, tier, disk_s
     assert cache.store(tokens, blocks) == 3
     _only_on(cache, tier)
     assert cache.lookup(tokens).tiers == [tier] * 3
-    with cache.load(tokens) as prefix:
-        assert prefix.sources == [tier] * 3
-        for got, want in zip(prefix.blocks, blocks):
-            assert got.dtype == want.dtype
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    prefix = cache.load(tokens)
+    assert prefix.sources == [tier] * 3
+    for got, want in zip(prefix.blocks, blocks):
+        assert got.dtype == want.dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert cache.snapshot()["tiers"][tier]["hits"] == 3
 
 
@@ -49,9 +49,9 @@ def test_lookup_stops_where_prompts_diverge_mid_block(make_cache, layout):
     diverging = stored[: 2 * BLOCK + 1] + [999] + stored[2 * BLOCK + 2 :]
     match = cache.lookup(diverging)
     assert match.num_blocks == 2 and match.num_tokens == 2 * BLOCK
-    with cache.load(diverging) as prefix:
-        assert prefix.num_tokens == 2 * BLOCK
-        assert torch.equal(prefix.blocks[1], block_for(layout, stored, 1))
+    prefix = cache.load(diverging)
+    assert prefix.num_tokens == 2 * BLOCK
+    assert torch.equal(prefix.blocks[1], block_for(layout, stored, 1))
 
 
 def test_partial_last_block_is_neither_stored_nor_matched(make_cache, layout):
@@ -77,8 +77,8 @@ def test_storing_an_existing_block_never_overwrites_it(make_cache, layout):
     original = block_for(layout, tokens, 0)
     cache.store(tokens, [original])
     assert cache.store(tokens, [torch.zeros(layout.block_shape)]) == 0
-    with cache.load(tokens) as prefix:
-        assert torch.equal(prefix.blocks[0], original)
+    prefix = cache.load(tokens)
+    assert torch.equal(prefix.blocks[0], original)
 
 
 def test_store_with_first_block_offset_appends_after_a_loaded_prefix(make_cache, layout):
@@ -86,8 +86,8 @@ def test_store_with_first_block_offset_appends_after_a_loaded_prefix(make_cache,
     tokens = list(range(4 * BLOCK))
     blocks = blocks_for(layout, tokens)
     cache.store(tokens[: 2 * BLOCK], blocks[:2])
-    with cache.load(tokens) as prefix:
-        assert prefix.num_blocks == 2
+    prefix = cache.load(tokens)
+    assert prefix.num_blocks == 2
     assert cache.store(tokens, blocks[2:], first_block=2) == 2
-    with cache.load(tokens) as prefix:
-        assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))
+    prefix = cache.load(tokens)
+    assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))

@@ -9,8 +9,6 @@ from .slots import SlotPool
 
 
 class DeviceTier(SlotPool):
-    """Loads reserve a slot, copy into it, then the manager commits (indexes) or deletes it."""
-
     name = "device"
 
     def __init__(self, layout: KVLayout, num_slots: int, device: torch.device) -> None:

@@ -22,18 +22,13 @@ import torch
 
 from .. import blockfiles, integrity
 from ..config import DiskTierConfig
-from ..faultpoints import FaultPoints
 from ..keys import Fingerprint, Key
-
-
-def _cpu_bytes(block: torch.Tensor) -> np.ndarray:
-    """The block's bytes as a flat uint8 array on the CPU (no copy when already there)."""
-    cpu = block.detach().to("cpu").contiguous()
-    return cpu.view(-1).view(torch.uint8).numpy()
+from .base import Discovered, cpu_bytes
 
 
 class DiskTier:
     name = "disk"
+    accounted = True
 
     def __init__(self, config: DiskTierConfig, fingerprint: Fingerprint) -> None:
         self.config = config
@@ -45,26 +40,35 @@ class DiskTier:
         self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-disk-read")
         self._local = threading.local()
         self._padding = bytes(integrity.padded(self.payload_nbytes) - self.payload_nbytes)
-        self.faults = FaultPoints()  # nothing armed unless a test or the admin route arms it
+        self.shared = config.shared
 
     def path_for(self, key: Key) -> Path:
         """Where the key's block file is (for messages and tests)."""
         return self._dir.path_for(key)
 
-    def contains(self, key: Key) -> bool:
-        """Whether a block file (a regular file, not a link) stands at the key's place; not verified."""
-        return self._dir.contains(key)
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        """Whether a block file (a regular file, not a link) stands at each key's place; not verified."""
+        return [self._dir.contains(key) for key in keys]
+
+    def view(self, key: Key) -> None:
+        return None  # the bytes are on disk
 
     # -- write ---------------------------------------------------------------
 
-    def write(self, key: Key, block: torch.Tensor) -> None:
-        """Publish the block atomically; raises OSError (ENOSPC, EIO, ...) leaving nothing visible."""
-        payload = _cpu_bytes(block)
+    def stage(self, key: Key, block: torch.Tensor) -> blockfiles.StagedFile:
+        """Write the block's file under a temp name; raises OSError (ENOSPC, EIO, ...) leaving nothing."""
+        payload = cpu_bytes(block)
         if payload.nbytes != self.payload_nbytes:
             raise ValueError(f"disk tier: block has {payload.nbytes} bytes, layout says {self.payload_nbytes}")
         header = integrity.encode_header(self.fingerprint, key, payload.nbytes, integrity.checksum(payload))
-        self._dir.publish(key, [header, payload, self._padding], fsync=self.config.fsync,
-                          before_publish=self.faults.before_publish)
+        return self._dir.stage(key, [header, payload, self._padding], fsync=self.config.fsync)
+
+    def commit(self, staged: blockfiles.StagedFile) -> None:
+        """Publish a staged block (an atomic rename)."""
+        self._dir.publish(staged)
+
+    def abort(self, staged: blockfiles.StagedFile) -> None:
+        self._dir.discard(staged)
 
     # -- read ----------------------------------------------------------------
 
@@ -98,7 +102,7 @@ class DiskTier:
         scratch = self._scratch(self.stored_nbytes)
         reason, payload = self._read_verified(key, scratch)
         if reason is None:
-            out.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
+            out.copy_(torch.frombuffer(payload, dtype=torch.uint8).view(out.dtype).view(out.shape))
         return reason
 
     def _read_verified(self, key: Key, scratch, into: np.ndarray | None = None):
@@ -111,7 +115,6 @@ class DiskTier:
         except OSError:
             return integrity.IO_ERROR, None  # also a link or a directory at the block's place: never followed
         try:
-            self.faults.before_read()
             if self.config.cold_reads and not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             if into is not None:
@@ -143,7 +146,7 @@ class DiskTier:
         """Remove the block's file; never raises (the index forgets the block either way), never removes a link."""
         self._dir.delete(key)
 
-    def scan(self) -> Iterator[tuple[Key | None, str | None, float]]:
+    def discover(self) -> Iterator[Discovered]:
         """Re-index: remove temp files; yield (key, refusal reason or None, mtime) per block file.
 
         Only the tier's own files count (see `cache_impl.blockfiles`); links and foreign names are
@@ -196,6 +199,14 @@ class DiskTier:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+    def free_bytes(self) -> int:
+        """Bytes the filesystem beneath the tier still gives an unprivileged writer."""
+        fs = os.statvfs(self.root)
+        return fs.f_bavail * fs.f_frsize
+
+    def snapshot(self) -> dict:
+        return {}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

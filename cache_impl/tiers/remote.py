@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Protocol, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -30,6 +30,7 @@ import torch
 from .. import integrity
 from ..config import RemoteTierConfig
 from ..keys import Fingerprint, Key
+from .base import Discovered, cpu_bytes
 
 
 class StoreUnavailable(Exception):
@@ -156,6 +157,8 @@ def open_store(config: RemoteTierConfig) -> RemoteStore:
 
 class RemoteTier:
     name = "remote"
+    accounted = False  # the store's own eviction manages the pool; what other nodes put is unknown here
+    shared = True
 
     def __init__(self, config: RemoteTierConfig, fingerprint: Fingerprint,
                  store: Optional[RemoteStore] = None) -> None:
@@ -258,14 +261,24 @@ class RemoteTier:
         except StoreUnavailable:
             return [False] * len(keys)
 
-    def write(self, key: Key, block: torch.Tensor) -> None:
-        """Put the block (header + payload); raises StoreUnavailable or ValueError, publishing nothing."""
-        payload = block.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+    def stage(self, key: Key, block: torch.Tensor) -> tuple[str, bytes]:
+        """The value to put (header + payload); nothing is in the pool until `commit`."""
+        payload = cpu_bytes(block)
         if payload.nbytes != self.payload_nbytes:
             raise ValueError(f"remote tier: block has {payload.nbytes} bytes, layout says {self.payload_nbytes}")
         header = integrity.encode_header(self.fingerprint, key, payload.nbytes, integrity.checksum(payload))
-        value = header + payload.tobytes()
-        self._call(lambda store: store.put(self.name_for(key), value))
+        return self.name_for(key), header + payload.tobytes()
+
+    def commit(self, staged: tuple[str, bytes]) -> None:
+        """Put the value (visible only whole); raises StoreUnavailable, publishing nothing."""
+        name, value = staged
+        self._call(lambda store: store.put(name, value))
+
+    def abort(self, staged: tuple[str, bytes]) -> None:
+        """Nothing was put."""
+
+    def view(self, key: Key) -> None:
+        return None  # the bytes are in the pool
 
     def read_into(self, keys: Sequence[Key], outs: Sequence[torch.Tensor]) -> list[Optional[str]]:
         """Fetch and verify blocks in parallel; per key None (ok) or the reason it was refused."""
@@ -290,7 +303,7 @@ class RemoteTier:
         with warnings.catch_warnings():  # a read-only source is fine: it is only copied from
             warnings.simplefilter("ignore", UserWarning)
             source = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8))
-        out.view(-1).view(torch.uint8).copy_(source)
+        out.copy_(source.view(out.dtype).view(out.shape))
         return None
 
     def delete(self, key: Key) -> None:
@@ -299,6 +312,15 @@ class RemoteTier:
             self._call(lambda store: store.remove(self.name_for(key)))
         except StoreUnavailable:
             pass
+
+    def discover(self) -> Iterator[Discovered]:
+        return iter(())  # the pool is asked per prefix (`contains`), never listed
+
+    def free_bytes(self) -> None:
+        return None
+
+    def drop_page_cache(self) -> None:
+        """The pool has no page cache on this node."""
 
     def snapshot(self) -> dict:
         return {"available": self.available, "unavailable_calls": self.unavailable_calls,
