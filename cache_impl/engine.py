@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config import CacheConfig, ConfigError, StrictModel, format_validation_error, parse_size
 from .keys import Fingerprint, KVLayout
+from .kvbuffers import KVBuffers
 from .manager import TieredKVCache, resolve_device
 from .model import DEFAULT_PRESET, PRESETS, Transformer, build_model, weights_digest
 from .tokenizer import GENERATABLE, ByteTokenizer
@@ -123,7 +124,8 @@ class Generation:
 class _Sequence:
     request: GenerationRequest
     tokens: list[int]
-    kv: torch.Tensor                    # [layers, 2, kv_heads, prompt + max_tokens, head_dim]
+    kv: torch.Tensor                    # [layers, 2, kv_heads, prompt + max_tokens (whole blocks), head_dim]
+    buffer: torch.Tensor                # what `kv` is a view of (from the engine's KVBuffers)
     computed: int = 0                   # positions whose KV is in `kv`
     cached_tokens: int = 0              # of those, loaded from the cache
     stored_blocks: int = 0              # full blocks already offered to the cache
@@ -165,6 +167,7 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvgate-engine", daemon=True)
         self.counters = collections.Counter()
+        self._kv_buffers = KVBuffers(self._allocate_kv, max_idle=config.max_running)
 
     # -- public ---------------------------------------------------------------
 
@@ -292,16 +295,20 @@ class Engine:
         if request.cancelled.is_set():
             self._finish_unstarted(request, "cancelled")
             return
-        args = self.model.args
         total = len(request.prompt_tokens) + request.max_tokens
         capacity = -(-total // self.block_size) * self.block_size  # whole blocks: loads copy block-shaped views
-        kv = torch.empty((args.n_layers, 2, args.n_kv_heads, capacity, args.head_dim), device=self.device)
-        seq = _Sequence(request, list(request.prompt_tokens), kv, decoder=self.tokenizer.stream_decoder())
+        buffer = self._kv_buffers.take(capacity)
+        seq = _Sequence(request, list(request.prompt_tokens), buffer[:, :, :, :capacity], buffer,
+                        decoder=self.tokenizer.stream_decoder())
         if request.temperature > 0:
             seed = request.seed if request.seed is not None else torch.seed()
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._load_cached_prefix(seq)
         self._running.append(seq)
+
+    def _allocate_kv(self, positions: int) -> torch.Tensor:
+        args = self.model.args
+        return torch.empty((args.n_layers, 2, args.n_kv_heads, positions, args.head_dim), device=self.device)
 
     def _load_cached_prefix(self, seq: _Sequence) -> None:
         """Load the longest cached prefix straight into the sequence's KV (at least one prompt token
@@ -410,6 +417,7 @@ class Engine:
     def _finish(self, seq: _Sequence, reason: str, error: str = "") -> None:
         if seq in self._running:
             self._running.remove(seq)
+            self._kv_buffers.give(seq.buffer)
         try:
             text = seq.decoder.flush()
         except Exception:  # a sequence that failed mid-character still gets its finish event

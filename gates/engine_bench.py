@@ -18,7 +18,7 @@ from pathlib import Path
 from cache_impl.engine import Engine, EngineConfig
 from cache_impl.tokenizer import ByteTokenizer
 
-TARGETS_AT_LONGEST = {"host_speedup": 20.0, "disk_speedup": 10.0}
+TARGETS_AT_LONGEST = {"host_speedup": 20.0, "disk_speedup": 15.0}
 
 
 @dataclass
@@ -54,7 +54,7 @@ def _measure_context(recompute: Engine, tiered: Engine, length: int, rounds: int
         times["host"].append(_ttft(tiered, prompt, cached))
         cache.evict("device")
         cache.evict("host")
-        cache.tier("disk").drop_page_cache()
+        cache.drop_page_cache()
         times["disk_cold"].append(_ttft(tiered, prompt, cached))
         cache.flush()
     ratio = lambda name: statistics.median(r / t for r, t in zip(times["recompute"], times[name]))  # noqa: E731

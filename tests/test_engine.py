@@ -219,3 +219,15 @@ def test_a_request_that_raises_inside_the_engine_fails_alone(tmp_path, sampling,
         assert alone.token_ids == [e.token_id for e in greedy_events[:-1]]
     finally:
         engine.stop()
+
+
+def test_a_returning_prompt_reuses_the_finished_requests_kv_buffer_and_answers_the_same(tmp_path):
+    engine = Engine(EngineConfig.from_dict({"mode": "recompute", "preset": "tiny"})).start()
+    try:
+        prompt = list(range(1, 700))
+        first = engine.generate(prompt, max_tokens=4)
+        again = engine.generate(prompt, max_tokens=4)
+        assert engine._kv_buffers.reused == 1 and engine._kv_buffers.allocated == 1
+        assert again.token_ids == first.token_ids
+    finally:
+        engine.stop()
