@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..buffers import aligned_empty
 from ..keys import Key, KVLayout
 
 
@@ -14,15 +15,13 @@ class SlotPool:
     touched (and counted in RSS) as slots are first used.
 
     One allocation keeps copies large and regular (and pins host memory once,
-    not per block). A slot is reserved for a key, filled, and freed on delete.
+    not per block); it is page-aligned, so the disk tier can read into a slot with O_DIRECT. A slot is reserved for a key, filled, and freed on delete.
     """
 
     name: str
 
     def __init__(self, layout: KVLayout, num_slots: int, device: torch.device, pin_memory: bool = False) -> None:
-        self.pool = torch.empty(
-            (num_slots, *layout.block_shape), dtype=layout.torch_dtype, device=device, pin_memory=pin_memory
-        )
+        self.pool = aligned_empty((num_slots, *layout.block_shape), layout.torch_dtype, device, pin_memory=pin_memory)
         self.stored_nbytes = layout.block_nbytes
         self._slot_of: dict[Key, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
