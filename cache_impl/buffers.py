@@ -65,20 +65,20 @@ def byte_spans(tensor: torch.Tensor, align: int = ALIGN) -> Spans | None:
     not on the CPU). The views share the tensor's memory and keep it alive."""
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return None
+    if tensor.is_contiguous():
+        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        return Spans([view], len(view), tensor.data_ptr() % align == 0 and len(view) % align == 0)
     dims = _collapsed(tensor.shape, tensor.stride())
     if dims[-1][1] != 1:
         return None
     itemsize = tensor.element_size()
     span = dims[-1][0] * itemsize
-    outer_sizes = [size for size, _ in dims[:-1]]
     outer_strides = [stride * itemsize for _, stride in dims[:-1]]
-    # numpy has no bfloat16: look at the storage's bytes and lay the tensor's runs over them.
-    storage = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy()
-    runs = np.lib.stride_tricks.as_strided(
-        storage[tensor.storage_offset() * itemsize :], (*outer_sizes, span), (*outer_strides, 1))
-    if len(outer_sizes) <= 1:
-        views = [memoryview(run) for run in runs] if outer_sizes else [memoryview(runs)]
-    else:
-        views = [memoryview(runs[index]) for index in np.ndindex(*outer_sizes)]
+    # numpy has no bfloat16: slice the storage's bytes at each run's offset.
+    storage = memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
+    offsets = np.full((), tensor.storage_offset() * itemsize, dtype=np.int64)
+    for size, stride in zip((size for size, _ in dims[:-1]), outer_strides):
+        offsets = np.add.outer(offsets, np.arange(size, dtype=np.int64) * stride)
+    views = [storage[start : start + span] for start in offsets.ravel().tolist()]
     aligned = tensor.data_ptr() % align == 0 and all(x % align == 0 for x in (span, *outer_strides))
     return Spans(views, span * len(views), aligned)

@@ -44,7 +44,8 @@ def checksum(data) -> bytes:
 
 
 def checksum_spans(spans: Sequence) -> bytes:
-    """The checksum of the buffers' bytes one after another (the same digest as of their concatenation)."""
+    """The checksum of the buffers' bytes one after another (the same digest as of their concatenation;
+    the streaming hash releases the GIL in each update too)."""
     if len(spans) == 1:
         return checksum(spans[0])
     state = xxhash.xxh3_128()

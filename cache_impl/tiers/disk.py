@@ -73,9 +73,18 @@ class DiskTier:
         An out may be any tensor of the block's shape, a strided view included (a block of a
         request's KV); a refused block leaves its out's contents unspecified.
         """
-        if len(keys) == 1:
-            return [self._read_one(keys[0], outs[0])]
-        return list(self._pool.map(self._read_one, keys, outs))
+        reasons: list[Optional[str]] = [None] * len(keys)
+        pending = iter(range(len(keys)))  # shared by the workers: each takes the next block when it is done
+
+        def work() -> None:
+            for i in pending:
+                reasons[i] = self._read_one(keys[i], outs[i])
+
+        workers = [self._pool.submit(work) for _ in range(min(self.config.read_workers, len(keys)) - 1)]
+        work()  # the calling thread reads too
+        for worker in workers:
+            worker.result()
+        return reasons
 
     def verify(self, key: Key) -> Optional[str]:
         """Read a stored block fully and check it; None when it is whole and ours."""
