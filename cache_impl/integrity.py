@@ -25,7 +25,7 @@ ALIGN = 4096
 HEADER_BYTES = ALIGN
 _FIELDS = struct.Struct("<8sHH16s16sQ16s")
 _HEADER_CHECK = struct.Struct("<Q")
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one preadv may take
+_IOV_MAX = 1024  # the most buffers one preadv takes (Linux's UIO_MAXIOV)
 
 # Reasons a stored block is refused; used as metric labels.
 MISSING = "missing"
