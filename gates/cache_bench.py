@@ -242,14 +242,19 @@ def run_cache_bench(settings: BenchSettings) -> dict:
         "host_vs_memcpy": host["ratio"],
         "lookup_ms": lookup["lookup_ms_median"],
         "disk": disk, "host": host, "lookup": lookup,
-        "targets": {**{name: f">= {target}" for name, target in TARGETS.items()}, "lookup_ms": f"<= {LOOKUP_MS_TARGET:g}"},
+        "targets": {**{name: f">= {target}" for name, target in TARGETS.items()},
+                    "lookup_ms": f"<= {LOOKUP_MS_TARGET:g}"},
         "device": "cuda" if torch.cuda.is_available() else "cpu",
     }
 
 
+def _mark(ok: bool) -> str:
+    return "meets target" if ok else "BELOW TARGET"
+
+
 def _headline(figures: dict, name: str) -> str:
     value, target = figures[name], TARGETS[name]
-    return f"{name} = {value:.2f}  (target >= {target}: {'meets target' if value >= target else 'BELOW TARGET'})"
+    return f"{name} = {value:.2f}  (target >= {target}: {_mark(value >= target)})"
 
 
 def _rounds(ratios: list[float]) -> str:
@@ -259,7 +264,8 @@ def _rounds(ratios: list[float]) -> str:
 def format_report(figures: dict) -> str:
     disk, host, lookup = figures["disk"], figures["host"], figures["lookup"]
     lines = [
-        f"kvgate cache-bench  (prefix {disk['prefix_bytes'] / MiB:.0f} MiB in {disk['block_bytes'] / MiB:.0f} MiB blocks, "
+        f"kvgate cache-bench  (prefix {disk['prefix_bytes'] / MiB:.0f} MiB "
+        f"in {disk['block_bytes'] / MiB:.0f} MiB blocks, "
         f"{disk['read_workers']} read workers, device {figures['device']})",
         "",
         "(a) disk tier, cold load vs fio sequential read, 1 MiB, same directory",
@@ -276,13 +282,14 @@ def format_report(figures: dict) -> str:
         f"    {_headline(figures, 'disk_buffered_cold_vs_fio')}",
         "",
         "(b) host tier load vs plain torch copy of the same bytes",
-        f"    tier {host['tier_gbps']:.2f} GB/s   memcpy {host['memcpy_gbps']:.2f} GB/s   {_rounds(host['ratio_rounds'])}",
+        f"    tier {host['tier_gbps']:.2f} GB/s   memcpy {host['memcpy_gbps']:.2f} GB/s",
+        f"    {_rounds(host['ratio_rounds'])}",
         f"    {_headline(figures, 'host_vs_memcpy')}",
         "",
         f"(c) longest-prefix lookup, {lookup['prompt_tokens'] // 1024}k-token prompt, "
         f"{lookup['indexed_blocks']:,} blocks indexed, keys computed",
         f"    lookup_ms = {figures['lookup_ms']:.2f} median, {lookup['lookup_ms_max']:.2f} max  "
-        f"(target <= {LOOKUP_MS_TARGET:g}: {'meets target' if figures['lookup_ms'] <= LOOKUP_MS_TARGET else 'BELOW TARGET'})",
+        f"(target <= {LOOKUP_MS_TARGET:g}: {_mark(figures['lookup_ms'] <= LOOKUP_MS_TARGET)})",
         f"    index memory {lookup['index_bytes_per_block']:.0f} bytes per block",
         "",
         "Ratios: median of back-to-back pairs. On a virtual machine the host may cache the disk, so a",

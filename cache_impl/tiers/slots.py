@@ -15,7 +15,8 @@ class SlotPool:
     touched (and counted in RSS) as slots are first used.
 
     One allocation keeps copies large and regular (and pins host memory once,
-    not per block); it is page-aligned, so the disk tier can read into a slot with O_DIRECT. A slot is reserved for a key, filled, and freed on delete.
+    not per block); it is page-aligned, so the disk tier can read into a slot with O_DIRECT.
+    A slot is reserved for a key, filled, and freed on delete.
     """
 
     name: str
