@@ -10,6 +10,7 @@ is read with one preadv of layers * 2 * kv_heads spans instead of through a scra
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -41,11 +42,13 @@ def aligned_empty(shape: Sequence[int], dtype: torch.dtype, device, pin_memory: 
 @dataclass(frozen=True)
 class Spans:
     """A tensor's bytes as contiguous buffers in logical order; `aligned`: every address and length is
-    a multiple of the alignment asked for (what O_DIRECT needs)."""
+    a multiple of the alignment asked for (what O_DIRECT needs). The views point into the tensor's
+    memory: they are valid while `owner` (the tensor) lives, so keep this object while using them."""
 
     views: list[memoryview]
     nbytes: int
     aligned: bool
+    owner: torch.Tensor
 
 
 def _collapsed(shape: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
@@ -60,25 +63,30 @@ def _collapsed(shape: Sequence[int], strides: Sequence[int]) -> list[tuple[int, 
     return list(reversed(dims)) or [(1, 1)]
 
 
+def _memory(address: int, nbytes: int) -> memoryview:
+    # A view of raw memory (numpy has no bfloat16, and going through it costs tens of microseconds a block).
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
 def byte_spans(tensor: torch.Tensor, align: int = ALIGN) -> Spans | None:
     """A CPU tensor's bytes as spans, or None when its innermost run is not contiguous (or it is
-    not on the CPU). The views share the tensor's memory and keep it alive."""
+    not on the CPU)."""
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return None
+    address, itemsize = tensor.data_ptr(), tensor.element_size()
     if tensor.is_contiguous():
-        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-        return Spans([view], len(view), tensor.data_ptr() % align == 0 and len(view) % align == 0)
+        nbytes = tensor.numel() * itemsize
+        return Spans([_memory(address, nbytes)], nbytes, address % align == 0 and nbytes % align == 0, tensor)
     dims = _collapsed(tensor.shape, tensor.stride())
-    if dims[-1][1] != 1:
+    if dims[-1][1] != 1 or any(stride < 0 for _, stride in dims):
         return None
-    itemsize = tensor.element_size()
     span = dims[-1][0] * itemsize
     outer_strides = [stride * itemsize for _, stride in dims[:-1]]
-    # numpy has no bfloat16: slice the storage's bytes at each run's offset.
-    storage = memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
-    offsets = np.full((), tensor.storage_offset() * itemsize, dtype=np.int64)
+    offsets = np.zeros((), dtype=np.int64)
     for size, stride in zip((size for size, _ in dims[:-1]), outer_strides):
         offsets = np.add.outer(offsets, np.arange(size, dtype=np.int64) * stride)
-    views = [storage[start : start + span] for start in offsets.ravel().tolist()]
-    aligned = tensor.data_ptr() % align == 0 and all(x % align == 0 for x in (span, *outer_strides))
-    return Spans(views, span * len(views), aligned)
+    starts = offsets.ravel().tolist()
+    memory = _memory(address, max(starts) + span)
+    views = [memory[start : start + span] for start in starts]
+    aligned = address % align == 0 and all(x % align == 0 for x in (span, *outer_strides))
+    return Spans(views, span * len(views), aligned, tensor)
