@@ -25,6 +25,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from .buffers import aligned_empty
 from .config import CacheConfig, ConfigError, StrictModel, format_validation_error, parse_size
 from .keys import Fingerprint, KVLayout
 from .kvbuffers import KVBuffers
@@ -307,8 +308,9 @@ class Engine:
         self._running.append(seq)
 
     def _allocate_kv(self, positions: int) -> torch.Tensor:
+        """Page-aligned, with whole blocks of positions: the disk tier reads a block into it with O_DIRECT."""
         args = self.model.args
-        return torch.empty((args.n_layers, 2, args.n_kv_heads, positions, args.head_dim), device=self.device)
+        return aligned_empty((args.n_layers, 2, args.n_kv_heads, positions, args.head_dim), torch.float32, self.device)
 
     def _load_cached_prefix(self, seq: _Sequence) -> None:
         """Load the longest cached prefix straight into the sequence's KV (at least one prompt token

@@ -25,6 +25,7 @@ ALIGN = 4096
 HEADER_BYTES = ALIGN
 _FIELDS = struct.Struct("<8sHH16s16sQ16s")
 _HEADER_CHECK = struct.Struct("<Q")
+_IOV_MAX = 1024  # the most buffers one preadv takes (Linux's UIO_MAXIOV)
 
 # Reasons a stored block is refused; used as metric labels.
 MISSING = "missing"
@@ -40,6 +41,17 @@ IO_ERROR = "io_error"
 def checksum(data) -> bytes:
     """128-bit checksum of a buffer (xxh3-128; releases the GIL on large buffers)."""
     return xxhash.xxh3_128_digest(data)
+
+
+def checksum_spans(spans: Sequence) -> bytes:
+    """The checksum of the buffers' bytes one after another (the same digest as of their concatenation;
+    the streaming hash releases the GIL in each update too)."""
+    if len(spans) == 1:
+        return checksum(spans[0])
+    state = xxhash.xxh3_128()
+    for span in spans:
+        state.update(span)
+    return state.digest()
 
 
 def padded(nbytes: int) -> int:
@@ -81,6 +93,16 @@ def stored_payload_nbytes(header) -> int | None:
     if len(header) < _FIELDS.size:
         return None
     return _FIELDS.unpack(bytes(header[: _FIELDS.size]))[5]
+
+
+def verify_read(header, payload: Sequence, got: int, fingerprint: bytes, key: bytes, payload_nbytes: int) -> str | None:
+    """Check a block read as `header` + `payload` buffers (`got` bytes in all): None when it is whole and ours."""
+    if got < HEADER_BYTES + payload_nbytes:
+        return SHORT_READ
+    reason, expected_sum = verify_header(header, fingerprint, key, payload_nbytes)
+    if reason:
+        return reason
+    return None if checksum_spans(payload) == expected_sum else BAD_CHECKSUM
 
 
 def verify_open_file(fd: int, fingerprint: bytes, key: bytes) -> tuple[str | None, int]:
@@ -133,7 +155,7 @@ def read_all(fd: int, buffers: Sequence) -> int:
     """preadv from offset 0 until the buffers are full or the file ends; bytes read."""
     views, total = _views(buffers), 0
     while views:
-        n = os.preadv(fd, views, total)
+        n = os.preadv(fd, views[:_IOV_MAX], total)
         if n == 0:
             break
         total += n

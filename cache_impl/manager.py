@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import integrity
+from .buffers import aligned_empty
 from .config import CacheConfig, ConfigError
 from .faultpoints import FaultInjectingTier, FaultPoints
 from .keys import Fingerprint, Key, block_keys
@@ -201,7 +202,7 @@ class TieredKVCache:
         """`load_into` fresh tensors on the cache's device; returns them with the prefix."""
         keys = self.keys_for(tokens)[:max_blocks]
         plan = self._plan_load(keys)
-        blocks = torch.empty((len(plan), *self.layout.block_shape), dtype=self.layout.torch_dtype, device=self.device)
+        blocks = aligned_empty((len(plan), *self.layout.block_shape), self.layout.torch_dtype, self.device)
         failures: dict[Key, tuple[Level, str]] = {}
         try:
             failures = self._read(plan, blocks.__getitem__)

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefix-mib", type=_positive_int, default=256, help="size of the cached prefix (default: 256)")
     bench.add_argument("--rounds", type=_positive_int, default=5, help="back-to-back rounds per comparison (default: 5)")
     bench.add_argument("--read-workers", type=_positive_int, default=4, help="disk tier read threads (default: 4)")
+    bench.add_argument("--block-mib", type=_positive_int, default=2,
+                       help="the bench layout's block size in MiB (1: the small preset's; 64: near a 70B model's "
+                            "80 MiB block) (default: 2)")
     bench.add_argument("--indexed-blocks", type=_positive_int, default=1_000_000,
                        help="blocks in the index for the lookup figure (default: 1000000)")
     bench.set_defaults(handler=_cache_bench)
@@ -426,7 +429,7 @@ def _cache_bench(args: argparse.Namespace) -> int:
 
     figures = run_cache_bench(BenchSettings(
         directory=args.dir, prefix_mib=args.prefix_mib, rounds=args.rounds, read_workers=args.read_workers,
-        indexed_blocks=args.indexed_blocks,
+        block_mib=args.block_mib, indexed_blocks=args.indexed_blocks,
     ))
     print(json.dumps(figures, indent=2) if args.json else format_report(figures))
     return 0

@@ -20,16 +20,22 @@ def _run_json(*args: str) -> dict:
 
 
 @needs_fio
-def test_cache_bench_json_reports_the_three_ratios_from_its_raw_figures(tmp_path):
-    figures = _run_json("cache-bench", "--dir", str(tmp_path), "--prefix-mib", "16", "--rounds", "1",
-                        "--read-workers", "2", "--indexed-blocks", "20000")
+def test_cache_bench_json_reports_the_headline_ratios_from_its_raw_figures(tmp_path):
+    figures = _run_json("cache-bench", "--dir", str(tmp_path), "--prefix-mib", "16", "--rounds", "2",
+                        "--read-workers", "2", "--block-mib", "4", "--indexed-blocks", "20000")
     disk, host, lookup = figures["disk"], figures["host"], figures["lookup"]
-    assert disk["prefix_bytes"] == 16 * 2**20
+    assert disk["prefix_bytes"] == 16 * 2**20 and disk["block_bytes"] == 4 * 2**20
     for mode in ("direct", "buffered_cold"):
-        assert disk[mode]["tier_gbps"] > 0 and disk[mode]["fio_gbps"] > 0
-        assert disk[mode]["ratio"] == pytest.approx(disk[mode]["tier_gbps"] / disk[mode]["fio_gbps"])  # one round
+        d = disk[mode]
+        assert len(d["tier_rounds_gbps"]) == len(d["fio_rounds_gbps"]) == 2
+        assert d["ratio_rounds"] == pytest.approx([t / f for t, f in zip(d["tier_rounds_gbps"], d["fio_rounds_gbps"])])
+        assert d["ratio"] == pytest.approx(sum(d["ratio_rounds"]) / 2)       # the median of two rounds
     assert figures["disk_vs_fio"] == disk["direct"]["ratio"]
-    assert figures["host_vs_memcpy"] == pytest.approx(host["tier_gbps"] / host["memcpy_gbps"])
+    assert figures["disk_buffered_cold_vs_fio"] == disk["buffered_cold"]["ratio"]
+    assert figures["targets"]["disk_vs_fio"] == figures["targets"]["disk_buffered_cold_vs_fio"] == ">= 0.9"
+    assert host["ratio_rounds"] == pytest.approx([t / m for t, m in zip(host["tier_rounds_gbps"],
+                                                                          host["memcpy_rounds_gbps"])])
+    assert figures["host_vs_memcpy"] == host["ratio"]
     assert figures["lookup_ms"] == lookup["lookup_ms_median"] > 0
     assert lookup["indexed_blocks"] == 20000 + 128 * 1024 // 256
     assert lookup["index_bytes_per_block"] > 16          # at least the key itself
@@ -41,6 +47,11 @@ def test_cache_bench_rejects_bad_arguments_with_exit_code_2(capsys):
         main(["cache-bench", "--rounds", "0"])
     assert exit_info.value.code == 2
     assert "expected a positive integer, found 0" in capsys.readouterr().err
+
+
+def test_cache_bench_refuses_a_prefix_smaller_than_one_block_with_exit_code_2(tmp_path, capsys):
+    assert main(["cache-bench", "--dir", str(tmp_path), "--prefix-mib", "8", "--block-mib", "16"]) == 2
+    assert "--prefix-mib: expected at least --block-mib (16), found 8" in capsys.readouterr().err
 
 
 def test_engine_bench_reports_ttft_of_recompute_host_and_cold_disk_hits(tmp_path):

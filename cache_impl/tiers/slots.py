@@ -6,6 +6,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ..buffers import aligned_empty
 from ..keys import Key, KVLayout
 from .base import Discovered
 
@@ -24,9 +25,7 @@ class SlotPool:
     shared = False
 
     def __init__(self, layout: KVLayout, num_slots: int, device: torch.device, pin_memory: bool = False) -> None:
-        self.pool = torch.empty(
-            (num_slots, *layout.block_shape), dtype=layout.torch_dtype, device=device, pin_memory=pin_memory
-        )
+        self.pool = aligned_empty((num_slots, *layout.block_shape), layout.torch_dtype, device, pin_memory=pin_memory)
         self.num_slots = num_slots
         self.stored_nbytes = layout.block_nbytes
         self._slot_of: dict[Key, int] = {}
