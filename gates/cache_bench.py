@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
+from cache_impl.buffers import aligned_empty
 from cache_impl.index import BlockIndex
 from cache_impl.keys import block_keys
 from kvcore.settings import ConfigError
@@ -108,12 +109,20 @@ def _cache(settings: BenchSettings, cache_dir: Path, n_blocks: int, io_mode: str
     return TieredKVCache(config, Fingerprint("cache-bench", "cache-bench", layout))
 
 
-def _load_seconds(cache: TieredKVCache, tokens: list[int], expect_from: str, before=lambda: None) -> float:
-    """Time one load of the whole prefix, starting with the device tier empty."""
+def _destination(cache: TieredKVCache, tokens: list[int]) -> torch.Tensor:
+    """Where loads go, as an engine's request KV would be: allocated once, its pages touched (not timed)."""
+    dest = aligned_empty((len(tokens) // cache.block_size, *cache.layout.block_shape), cache.layout.torch_dtype,
+                         cache.device)
+    return dest.zero_()
+
+
+def _load_seconds(cache: TieredKVCache, tokens: list[int], dest: torch.Tensor, expect_from: str,
+                  before=lambda: None) -> float:
+    """Time one load of the whole prefix into `dest`, starting with the device tier empty."""
     cache.evict("device")
     before()
     start = time.perf_counter()
-    prefix = cache.load(tokens)
+    prefix = cache.load_into(tokens, dest.__getitem__)
     elapsed = time.perf_counter() - start
     if prefix.num_blocks * cache.block_size != len(tokens) or set(prefix.sources) != {expect_from}:
         raise RuntimeError(f"cache-bench: expected every block from {expect_from}, got {set(prefix.sources)}")
@@ -147,8 +156,9 @@ def bench_disk(settings: BenchSettings, tokens: list[int], blocks: list[torch.Te
         layout_job = _same_layout_job(settings, fio_dir, mode, direct, len(blocks))
         run_fio(job), run_fio(layout_job)  # lay out fio's files before anything is timed
         tier_s, fio_bw, layout_bw = [], [], []
+        dest = _destination(cache, tokens)
         for _ in range(settings.rounds):
-            tier_s.append(_load_seconds(cache, tokens, "disk", before=cache.tier("disk").drop_page_cache))
+            tier_s.append(_load_seconds(cache, tokens, dest, "disk", before=cache.drop_page_cache))
             fio_bw.append(run_fio(job).read_bw_bytes)
             layout_bw.append(run_fio(layout_job).read_bw_bytes)
         cache.close()
@@ -179,8 +189,9 @@ def bench_host(settings: BenchSettings, tokens: list[int], blocks: list[torch.Te
     target = torch.empty(nbytes, dtype=torch.uint8)
     target.copy_(source)  # touch both once so page faults are not timed
     tier_s, copy_s = [], []
+    dest = _destination(cache, tokens)
     for _ in range(settings.rounds):
-        tier_s.append(_load_seconds(cache, tokens, "host"))
+        tier_s.append(_load_seconds(cache, tokens, dest, "host"))
         copy_s.append(_timed(lambda: target.copy_(source)))
     cache.close()
     tier_bw, copy_bw = [nbytes / s for s in tier_s], [nbytes / s for s in copy_s]
