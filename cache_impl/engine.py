@@ -26,6 +26,7 @@ import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config import CacheConfig, ConfigError, StrictModel, format_validation_error, parse_size
+from .heap import HeapTrimmer
 from .keys import Fingerprint, KVLayout
 from .manager import TieredKVCache, resolve_device
 from .model import DEFAULT_PRESET, PRESETS, Transformer, build_model, weights_digest
@@ -164,6 +165,7 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvgate-engine", daemon=True)
         self.counters = collections.Counter()
+        self._heap = HeapTrimmer()  # a finished request's KV goes back to the OS, not to a fragmented arena
 
     # -- public ---------------------------------------------------------------
 
@@ -389,6 +391,7 @@ class Engine:
     def _finish(self, seq: _Sequence, reason: str, error: str = "") -> None:
         if seq in self._running:
             self._running.remove(seq)
+            self._heap.released(seq.kv.nbytes)
         try:
             text = seq.decoder.flush()
         except Exception:  # a sequence that failed mid-character still gets its finish event
