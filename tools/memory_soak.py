@@ -1,7 +1,8 @@
 """A standalone soak of `kvgate serve` (tiered, small preset, the embedded candidate's settings) under
 G4's quick-profile load, sampling the server's memory every interval (issue 13, item 6).
 
-`python3 tools/memory_soak.py OUT_DIR [--minutes 9] [--interval 60] [--tracemalloc FRAMES] [--env K=V ...]`
+`python3 tools/memory_soak.py OUT_DIR [--minutes 9] [--interval 60] [--tracemalloc FRAMES] [--trim-every S]
+[--evict-at S ...] [--env K=V ...]`
 writes OUT_DIR/memory.jsonl (tools/memprobe.py's rows, inside the server) and OUT_DIR/gate.jsonl
 (the gate's own figure, `rss_minus_cache_mib`, from /metrics as gates/g4_soak/soak.py reads it),
 then prints one line per sample.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -21,9 +23,11 @@ from pathlib import Path
 
 import yaml
 
+from cache_impl.auth import ADMIN_TOKEN_ENV
 from gates.config import PROFILES
 from gates.g4_soak.soak import server_figures
 from workloads.datasets import build_workload, sizer_for
+from workloads.faults import AdminClient
 from workloads.load import Target, free_port, run_load
 
 ENGINE = {"preset": "small", "max_running": 8,
@@ -38,15 +42,17 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=60)
     parser.add_argument("--tracemalloc", type=int, default=0)
     parser.add_argument("--trim-every", type=float, default=0, help="malloc_trim(0) from a side thread every N s")
+    parser.add_argument("--evict-at", type=float, action="append", default=[],
+                        help="seconds into the load: evict the device and host tiers, as each G4 fault does")
     parser.add_argument("--env", action="append", default=[])
     args = parser.parse_args()
     args.out.mkdir(parents=True)
     (args.out / "engine.yaml").write_text(yaml.safe_dump({"engine": ENGINE}))
     port = free_port()
-    env = {**os.environ, **dict(item.split("=", 1) for item in args.env)}
+    env = {**os.environ, ADMIN_TOKEN_ENV: secrets.token_urlsafe(16), **dict(item.split("=", 1) for item in args.env)}
     command = [sys.executable, str(Path(__file__).with_name("memprobe.py")), str(args.out / "memory.jsonl"),
                str(args.interval), str(args.tracemalloc), str(args.trim_every), "--", "serve", "--config", str(args.out / "engine.yaml"),
-               "--port", str(port), "--cache-dir", str(args.out / "kv")]
+               "--port", str(port), "--cache-dir", str(args.out / "kv"), "--admin"]
     server = subprocess.Popen(command, env=env, stdout=open(args.out / "server.log", "wb"), stderr=subprocess.STDOUT)
     root = f"http://127.0.0.1:{port}"
     try:
@@ -59,6 +65,9 @@ def main() -> int:
                                                        args.out / "load"), daemon=True)
         load.start()
         begin = time.time()
+        admin = AdminClient(root, token=env[ADMIN_TOKEN_ENV])
+        for at in args.evict_at:
+            threading.Timer(at, lambda: print(json.dumps({"evicted": admin.evict()}), flush=True)).start()
         for k in range(int(args.minutes * 60 / args.interval) + 1):
             time.sleep(max(0.0, begin + k * args.interval - time.time()))
             figures = server_figures(root)

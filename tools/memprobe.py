@@ -41,11 +41,29 @@ def proc_figures() -> dict:
             "rss_file_mib": int(status["RssFile"].split()[0]) / 1024, "threads": int(status["Threads"])}
 
 
+def mappings() -> dict:
+    """Resident MiB of the largest anonymous mapping (the cache pools: one allocation each, adjacent),
+    of the main heap, and of every other anonymous mapping (thread arenas, scratch buffers, stacks)."""
+    maps, current = [], None
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            current = {"size": (end - start) / 2**20, "name": head[5] if len(head) > 5 else "", "rss": 0.0}
+            maps.append(current)
+        elif head[0] == "Rss:":
+            current["rss"] = int(head[1]) / 1024
+    anon = [m for m in maps if m["name"] in ("", "[heap]")]
+    pools = max(anon, key=lambda m: m["size"])
+    return {"pools_rss_mib": pools["rss"], "main_heap_rss_mib": sum(m["rss"] for m in anon if m["name"] == "[heap]"),
+            "other_anon_rss_mib": sum(m["rss"] for m in anon if m is not pools and m["name"] != "[heap]")}
+
+
 def sample(path: str, interval_s: float, traced: bool) -> None:
     previous = None
     start = time.time()
     while True:
-        row = {"t_s": round(time.time() - start, 1), **proc_figures(), **mallinfo2()}
+        row = {"t_s": round(time.time() - start, 1), **proc_figures(), **mappings(), **mallinfo2()}
         if traced:
             snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
             row["traced_mib"] = sum(s.size for s in snapshot.statistics("filename")) / 2**20
