@@ -3,10 +3,12 @@
 Each request's KV and each prefill chunk's activations are megabytes of a size that depends
 on the prompt. glibc serves them from its arenas once its mmap threshold has risen past them
 (it rises to the largest block freed, up to 32 MiB), and a freed block in the middle of an
-arena stays resident until a block of a fitting size comes back: in a soak the process's
-memory outside the cache pools climbed by the arenas' free space, not by live objects
-(tools/memory_soak.py: free bytes inside the arenas 45 -> 128+ MiB while Python's traced
-memory stayed at 80 MiB). `malloc_trim(0)` returns every whole free page of every arena.
+arena stays resident until a block of a fitting size comes back. In 9-minute soaks of the
+embedded candidate (tools/memory_soak.py, G4's quick load, the device and host tiers evicted
+every 90 s as each G4 fault does) the server's memory outside the cache pools stepped from 357
+to 368 MiB over the first evictions and held there, with 44-57 MiB free inside the arenas;
+trimmed, it stayed at 328-332 MiB with 14-21 MiB free. `malloc_trim(0)` returns every whole
+free page of every arena.
 
 `HeapTrimmer.released(nbytes)` counts what the caller let go and trims once `every_bytes` have
 been released since the last trim, so the cost (a walk of the arenas' free lists, and the
