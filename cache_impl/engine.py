@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .buffers import aligned_empty
 from .config import CacheConfig, ConfigError, StrictModel, format_validation_error, parse_size
+from .heap import HeapTrimmer
 from .keys import Fingerprint, KVLayout
 from .kvbuffers import KVBuffers
 from .manager import TieredKVCache, resolve_device
@@ -169,6 +170,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="kvgate-engine", daemon=True)
         self.counters = collections.Counter()
         self._kv_buffers = KVBuffers(self._allocate_kv, max_idle=config.max_running)
+        self._heap = HeapTrimmer()  # what finished requests freed goes back to the OS, not to a fragmented arena
 
     # -- public ---------------------------------------------------------------
 
@@ -420,6 +422,8 @@ class Engine:
         if seq in self._running:
             self._running.remove(seq)
             self._kv_buffers.give(seq.buffer)
+            # its activations are freed (and maybe a KV buffer): their measure for the trimmer is its KV size
+            self._heap.released(seq.kv.nbytes)
         try:
             text = seq.decoder.flush()
         except Exception:  # a sequence that failed mid-character still gets its finish event

@@ -93,7 +93,8 @@ G4_CHECKS = (
           "lower", "%", rule_from="g4.drift_tolerance"),
     Check("memory_drift_fraction", "rise of server memory outside the cache pools over the soak, fraction of its "
           "level", "lower", "%", rule_from="g4.drift_tolerance"),
-    Check("memory_growth_mib", "server memory growth extrapolated to the soak's duration", "lower", "MiB",
+    Check("memory_growth_mib", "growth of server memory outside the cache pools, its Theil-Sen slope projected "
+          "over g4.memory_growth_horizon_s (72 h by default)", "lower", "MiB",
           rule_from="g4.memory_growth_limit_mib"),
 )
 

@@ -104,7 +104,9 @@ g4:
   window_s: 10
   warmup_s: 10                    # first seconds left out of the drift checks (caches filling)
   concurrency: 4
-  memory_growth_limit_mib: 512    # server memory growth extrapolated to duration_s
+  memory_growth_limit_mib: 512    # most growth of server memory outside the cache pools over the horizon:
+  memory_growth_horizon_s: null   # the memory slope projected this far (default 259200: 72 h, the full
+                                  # profile's soak; null: duration_s, as two minutes tell gross growth only)
   drift_tolerance: 0.25           # largest trend over the soak (fraction of the level) in TTFT p99, throughput,
                                   # memory; two minutes tell gross drift only (full profile: 0.05)
   faults:                         # injected into the embedded candidate during the soak ([] for none)

@@ -231,3 +231,12 @@ def test_a_returning_prompt_reuses_the_finished_requests_kv_buffer_and_answers_t
         assert again.token_ids == first.token_ids
     finally:
         engine.stop()
+
+
+def test_finished_requests_report_their_kv_to_the_heap_trimmer(engines):
+    # issue 13, item 6: a finished request's KV goes back to the OS (cache_impl/heap.py), not to a fragmented arena
+    engine = engines("recompute")
+    engine._heap.every_bytes = 1
+    for length in (300, 700, 1100):
+        engine.generate(_prompt(length, length), 4)
+    assert engine._heap.trims == (3 if engine._heap.available else 0)

@@ -14,7 +14,7 @@ import yaml
 
 from gates.cli import main
 from gates.config import ConfigError, load_config
-from gates.g4_soak.analysis import drift, excluded_window_rows, fault_span, windows_touched
+from gates.g4_soak.analysis import drift, excluded_window_rows, fault_span, project_growth, windows_touched
 from gates.stats import mann_kendall
 from gates.verdict import judge
 from kvcore.rundata import RunStore
@@ -187,6 +187,67 @@ def test_the_drift_tolerance_is_a_fraction_between_0_and_1(tmp_path, value, mess
         load_config(path)
     path.write_text(yaml.safe_dump({"g4": {"drift_tolerance": 0.1}}))
     assert load_config(path).g4.drift_tolerance == 0.1 and load_config().g4.drift_tolerance == 0.25
+
+
+# --- memory growth projected over the horizon (issue 13, item 6) --------------------------------
+
+def _memory_windows(slope=0.76, noise=2.0, count=30, seed=0):
+    """rss_minus_cache_mib of a 30-minute soak in 60 s windows: 326 MiB rising by `slope` a window."""
+    values = 326.0 + slope * np.arange(count) + np.random.default_rng(seed).normal(0.0, noise, count)
+    return [{"index": i, "start_s": WINDOW_S * i, "rss_minus_cache_mib": float(v)} for i, v in enumerate(values)]
+
+
+def _growth_verdict(windows, horizon_s, limit_mib=512.0):
+    """The memory-growth verdict as the G4 suite gives it (gates/g4_soak/test_g4_soak.py)."""
+    projection = project_growth(drift(windows, "rss_minus_cache_mib"), WINDOW_S, horizon_s)
+    verdict = judge("g4", "memory", "G4 memory growth", projection.growth,
+                    {"metric": "memory_growth_mib", "op": "<=", "value": limit_mib}, unit="MiB",
+                    interval=projection.interval)
+    return projection, verdict
+
+
+def test_the_issue_soak_s_memory_slope_projected_to_72_hours_fails_the_limit_it_passed_over_30_minutes():
+    windows = _memory_windows()
+    over_the_soak, passed = _growth_verdict(windows, 30 * 60)
+    assert passed.status == "PASS" and over_the_soak.growth == pytest.approx(0.76 * 30, rel=0.15)
+    projection, verdict = _growth_verdict(windows, 72 * 3600)
+    assert verdict.status == "FAIL", verdict.reason
+    assert projection.growth == pytest.approx(0.76 * 72 * 60, rel=0.15)      # ~3.2 GiB, as the issue said
+    assert projection.interval[0] > 512 and projection.interval[0] <= projection.growth <= projection.interval[1]
+    assert projection.per_hour == pytest.approx(0.76 * 60, rel=0.15)
+    assert projection.measured == pytest.approx(0.76 * 29, rel=0.15)          # first to last window
+    words = projection.words("MiB")
+    assert "MiB measured" in words and "MiB/h [" in words and "projected over 72 h" in words
+
+
+def test_a_flat_memory_figure_projects_growth_whose_interval_holds_zero():
+    projection, verdict = _growth_verdict(_memory_windows(slope=0.0, noise=0.5), 72 * 3600)
+    assert projection.interval[0] == 0.0                                    # not significant: "no growth" kept
+    assert verdict.status in ("PASS", "INCONCLUSIVE")                         # never FAIL on no trend
+
+
+def test_falling_memory_projects_no_growth():
+    projection = project_growth(drift(_memory_windows(slope=-1.0, noise=0.2), "rss_minus_cache_mib"), 60.0, 3600.0)
+    assert projection.growth == 0.0 and projection.interval == (0.0, 0.0) and projection.per_hour < 0
+
+
+def test_too_few_windows_have_no_projection():
+    assert project_growth(drift(_memory_windows(count=2), "rss_minus_cache_mib"), 60.0, 3600.0) is None
+
+
+def test_the_memory_growth_horizon_defaults_to_72_hours_and_is_never_shorter_than_the_soak(tmp_path):
+    path = tmp_path / "gates.yaml"
+    assert load_config(profile="full").g4.growth_horizon_s == 72 * 3600
+    assert load_config().g4.growth_horizon_s == 120                          # quick: its own two minutes
+    path.write_text(yaml.safe_dump({"g4": {"duration_s": 1800, "window_s": 60, "memory_growth_horizon_s": 259200}}))
+    assert load_config(path).g4.growth_horizon_s == 259200
+    path.write_text(yaml.safe_dump({"g4": {"duration_s": 1800, "window_s": 60, "memory_growth_horizon_s": 600}}))
+    with pytest.raises(ConfigError, match=r"g4.memory_growth_horizon_s: expected at least duration_s \(1800\), "
+                                          r"found 600"):
+        load_config(path)
+    path.write_text(yaml.safe_dump({"g4": {"memory_growth_horizon_s": 0}}))
+    with pytest.raises(ConfigError, match="g4.memory_growth_horizon_s: expected a value > 0"):
+        load_config(path)
 
 
 def _soak_config(tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gates.g4_soak.analysis import drift, excluded_window_rows, windows_touched
+from gates.g4_soak.analysis import drift, excluded_window_rows, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
@@ -106,18 +106,20 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
             valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
 
 
-def test_memory_growth_extrapolated_to_the_full_duration_stays_under_the_limit(gate_context, windows, fault_windows,
-                                                                              record, verdict):
+def test_memory_growth_projected_over_the_horizon_stays_under_the_limit(gate_context, windows, fault_windows,
+                                                                         record, verdict):
     config = gate_context.config.g4
     rule = {"metric": "memory_growth_mib", "op": "<=", "value": config.memory_growth_limit_mib}
     result = drift(windows, "rss_minus_cache_mib", excluded=fault_windows)
-    label = f"G4 memory growth extrapolated to {config.duration_s / 3600:.3g} h ({result.words('MiB')})"
-    if result.sen_slope is None:
-        verdict(label, "memory_growth_mib", None, rule=rule, valid=False, invalid_reason=result.invalid_reason)
-    growth = max(0.0, result.sen_slope) * config.duration_s / config.window_s
-    record("memory_growth_mib", growth, "MiB", sen_slope_mib_per_window=result.sen_slope, windows=result.windows,
-           excluded_windows=result.excluded)
-    verdict(label, "memory_growth_mib", growth, rule=rule, unit="MiB")
+    projection = project_growth(result, config.window_s, config.growth_horizon_s)
+    if projection is None:
+        verdict(f"G4 memory growth ({result.words('MiB')})", "memory_growth_mib", None, rule=rule, valid=False,
+                invalid_reason=result.invalid_reason)
+        return
+    record("memory_growth_mib", projection.growth, "MiB", sen_slope_mib_per_window=result.sen_slope,
+           windows=result.windows, excluded_windows=result.excluded, **projection.context())
+    verdict(f"G4 memory growth ({projection.words('MiB')}; {result.words('MiB')})", "memory_growth_mib",
+            projection.growth, rule=rule, unit="MiB", interval=projection.interval)
 
 
 def _fault_outcome(row: dict) -> tuple[bool, str]:

@@ -1,0 +1,99 @@
+"""A standalone soak of `kvgate serve` (tiered, small preset, the embedded candidate's settings) under
+G4's quick-profile load, sampling the server's memory every interval (issue 13, item 6).
+
+`python3 tools/memory_soak.py OUT_DIR [--minutes 9] [--interval 60] [--tracemalloc FRAMES] [--trim-every S]
+[--evict-at S ...] [--env K=V ...]`
+writes OUT_DIR/memory.jsonl (tools/memprobe.py's rows, inside the server) and OUT_DIR/gate.jsonl
+(the gate's own figure, `rss_minus_cache_mib`, from /metrics as gates/g4_soak/soak.py reads it),
+then prints one line per sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from cache_impl.auth import ADMIN_TOKEN_ENV
+from gates.config import PROFILES
+from gates.g4_soak.soak import server_figures
+from workloads.datasets import build_workload, sizer_for
+from workloads.faults import AdminClient
+from workloads.load import Target, free_port, run_load
+
+ENGINE = {"preset": "small", "max_running": 8,
+          "cache": {"device_capacity_blocks": 64, "host_capacity_bytes": "1GiB",
+                    "disk": {"path": "unused", "capacity_bytes": "8GiB", "io_mode": "direct", "read_workers": 16}}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--minutes", type=float, default=9)
+    parser.add_argument("--interval", type=float, default=60)
+    parser.add_argument("--tracemalloc", type=int, default=0)
+    parser.add_argument("--trim-every", type=float, default=0, help="malloc_trim(0) from a side thread every N s")
+    parser.add_argument("--evict-at", type=float, action="append", default=[],
+                        help="seconds into the load: evict the device and host tiers, as each G4 fault does")
+    parser.add_argument("--env", action="append", default=[])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True)
+    (args.out / "engine.yaml").write_text(yaml.safe_dump({"engine": ENGINE}))
+    port = free_port()
+    env = {**os.environ, ADMIN_TOKEN_ENV: secrets.token_urlsafe(16), **dict(item.split("=", 1) for item in args.env)}
+    command = [sys.executable, str(Path(__file__).with_name("memprobe.py")), str(args.out / "memory.jsonl"),
+               str(args.interval), str(args.tracemalloc), str(args.trim_every), "--", "serve", "--config", str(args.out / "engine.yaml"),
+               "--port", str(port), "--cache-dir", str(args.out / "kv"), "--admin"]
+    server = subprocess.Popen(command, env=env, stdout=open(args.out / "server.log", "wb"), stderr=subprocess.STDOUT)
+    root = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(root)
+        g4 = PROFILES["quick"]["g4"]
+        workload = build_workload(g4["workload"], sizer_for("kvgate-byte-v1"), seed=4)
+        target = Target("candidate", root + "/v1", "kvgate-small")
+        duration = args.minutes * 60
+        load = threading.Thread(target=run_load, args=(workload, target, g4["concurrency"], duration + 5,
+                                                       args.out / "load"), daemon=True)
+        load.start()
+        begin = time.time()
+        admin = AdminClient(root, token=env[ADMIN_TOKEN_ENV])
+        for at in args.evict_at:
+            threading.Timer(at, lambda: print(json.dumps({"evicted": admin.evict()}), flush=True)).start()
+        for k in range(int(args.minutes * 60 / args.interval) + 1):
+            time.sleep(max(0.0, begin + k * args.interval - time.time()))
+            figures = server_figures(root)
+            row = {"t_s": round(time.time() - begin, 1), "rss_mib": figures["rss_bytes"] / 2**20,
+                   "cache_mib": figures["cache_memory_bytes"] / 2**20,
+                   "rss_minus_cache_mib": (figures["rss_bytes"] - figures["cache_memory_bytes"]) / 2**20}
+            with open(args.out / "gate.jsonl", "a") as out:
+                out.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+        load.join(timeout=300)
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    return 0
+
+
+def _wait_healthy(root: str, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(root + "/health", timeout=5).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{root}: not healthy within {timeout_s} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
