@@ -9,6 +9,9 @@ Prefill runs in chunks of exactly one cache block, aligned to block
 boundaries from position 0. A prompt whose first k blocks come from the cache
 therefore computes the same chunks, with the same inputs, as a recompute
 does from scratch, and greedy output is bit-for-bit the same in every mode.
+A prompt that ends on a block boundary takes its first token's logits from a
+one-token pass over the finished KV (`Transformer.logits_at`), in every mode:
+when all its blocks are cached, that pass is all that is computed.
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ class _Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < self.prompt_len
+        """The first token is not out yet (prompt chunks, or the logits pass, remain)."""
+        return len(self.tokens) == self.prompt_len
 
 
 class Engine:
@@ -315,12 +319,11 @@ class Engine:
         return aligned_empty((args.n_layers, 2, args.n_kv_heads, positions, args.head_dim), torch.float32, self.device)
 
     def _load_cached_prefix(self, seq: _Sequence) -> None:
-        """Load the longest cached prefix straight into the sequence's KV (at least one prompt token
-        stays to compute)."""
+        """Load the longest cached prefix straight into the sequence's KV (every full block of the
+        prompt may come from the cache)."""
         if self.cache is None:
             return
-        prefix = self.cache.load_into(seq.request.prompt_tokens, functools.partial(self._block_view, seq),
-                                      max_blocks=(seq.prompt_len - 1) // self.block_size)
+        prefix = self.cache.load_into(seq.request.prompt_tokens, functools.partial(self._block_view, seq))
         seq.computed = seq.cached_tokens = prefix.num_tokens
         seq.stored_blocks = seq.loaded_blocks = prefix.num_blocks
         self.counters["prompt_tokens_reused"] += seq.cached_tokens
@@ -337,16 +340,21 @@ class Engine:
         self.cache.promote(seq.tokens[: n * self.block_size], [self._block_view(seq, i) for i in range(n)])
 
     def _prefill_one_chunk(self, seq: _Sequence) -> None:
-        start = seq.computed
-        end = min((start // self.block_size + 1) * self.block_size, seq.prompt_len)
-        chunk = torch.tensor(seq.tokens[start:end], device=self.device)
-        logits = self.model.prefill(chunk, seq.kv, start)
-        seq.computed = end
-        self.counters["prompt_tokens_computed"] += end - start
-        if seq.prefilling:
-            self._store_full_blocks(seq)
-        else:  # the first token first: storing and promoting can wait for it
-            self._emit_next(seq, logits[None], then=self._after_prefill)
+        """One block-aligned chunk of the prompt; after the last one, the first token."""
+        if seq.computed < seq.prompt_len:
+            start = seq.computed
+            end = min((start // self.block_size + 1) * self.block_size, seq.prompt_len)
+            chunk = torch.tensor(seq.tokens[start:end], device=self.device)
+            logits = self.model.prefill(chunk, seq.kv, start)
+            seq.computed = end
+            self.counters["prompt_tokens_computed"] += end - start
+            if seq.computed < seq.prompt_len:
+                self._store_full_blocks(seq)
+                return
+        if seq.prompt_len % self.block_size == 0:  # on a boundary: every mode asks the finished KV
+            last = seq.prompt_len - 1
+            logits = self.model.logits_at(torch.tensor(seq.tokens[last], device=self.device), seq.kv, last)
+        self._emit_next(seq, logits[None], then=self._after_prefill)  # the first token first: storing can wait
 
     def _after_prefill(self, seq: _Sequence) -> None:
         self._store_full_blocks(seq)

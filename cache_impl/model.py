@@ -145,6 +145,22 @@ class Transformer(nn.Module):
         return self._logits(x[:, -1])[0]
 
     @torch.inference_mode()
+    def logits_at(self, token: torch.Tensor, kv: torch.Tensor, pos: int) -> torch.Tensor:
+        """Logits of the token at `pos` from a KV that already holds positions [0, pos]; nothing is written.
+
+        token: [] (a 0-d tensor); kv: [layers, 2, KH, max_len, D]. The query is computed afresh; the keys
+        and values, the token's own included, are the ones in `kv`.
+        """
+        x = self.embed(token.view(1))[None]                   # [1, 1, dim]
+        cos = self.rope_cos[pos : pos + 1][None, None]        # [1, 1, 1, D/2]
+        sin = self.rope_sin[pos : pos + 1][None, None]
+        for i, layer in enumerate(self.layers):
+            q, _, _ = layer.qkv(x, cos, sin)
+            keys, values = kv[i, 0, :, : pos + 1][None], kv[i, 1, :, : pos + 1][None]
+            x = layer.finish(x, F.scaled_dot_product_attention(q, keys, values, enable_gqa=True))
+        return self._logits(x[:, -1])[0]
+
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, kvs: list[torch.Tensor], positions: list[int]) -> torch.Tensor:
         """One new token for each of B sequences; returns logits [B, vocab].
 

@@ -103,7 +103,7 @@ def bench_cross_node(config: RemoteTierConfig, settings: PoolBenchSettings, work
             cache = {**base["cache"], "disk": {"path": str(work / f"node-{node}")}}
             engines[node] = Engine(EngineConfig.from_dict({**base, "cache": cache})).start()
         times: dict[str, list[float]] = {"recompute": [], "node_a": [], "node_b": []}
-        cached = (settings.context - 1) // 256 * 256
+        cached = settings.context // 256 * 256  # every full block of the prompt
         for round_ in range(settings.rounds):
             prompt = _prompt(settings.context, seed=10_000 + round_ + time.time_ns() % 10_000)
             times["recompute"].append(engines["recompute"].generate(prompt, max_tokens=1).ttft_s)

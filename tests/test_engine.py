@@ -63,6 +63,24 @@ def test_greedy_output_with_a_cache_hit_from_each_tier_equals_recompute(engines,
     assert again.text == first.text == reference(prompt)
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_prompt_ending_on_a_block_boundary_is_served_whole_from_the_cache_and_equals_recompute(
+        engines, reference, tier):
+    engine = engines("tiered")
+    prompt = _prompt(9, 4 * BLOCK)
+    first = engine.generate(prompt, 24)
+    engine.cache.flush()
+    engine.cache.evict("device")
+    if tier == "disk":
+        engine.cache.evict("host")
+        engine.cache.drop_page_cache()
+    computed = engine.counters["prompt_tokens_computed"]
+    again = engine.generate(prompt, 24)
+    assert again.finish.cached_tokens == 4 * BLOCK                         # every block, the last one too
+    assert engine.counters["prompt_tokens_computed"] == computed          # no prompt chunk ran: only the logits pass
+    assert again.text == first.text == reference(prompt)
+
+
 def test_device_only_mode_reuses_within_the_device_tier_only(engines, reference):
     engine = engines("device-only")
     assert engine.cache.tiers == ["device"]

@@ -70,10 +70,11 @@ def test_the_pairs_alternate_the_tier_and_fio_and_fio_reads_as_many_bytes_as_the
         calls.append(("fio", i, nbytes))
         return Reading(nbytes, 0.5)
 
-    pairs = measure_pairs(tier, fio, 3)
+    pairs = measure_pairs(tier, fio, 2, warmup=1)
     assert calls == [("tier", 0), ("fio", 0, 1000), ("tier", 1), ("fio", 1, 1001), ("tier", 2), ("fio", 2, 1002)]
-    assert [p.ratio for p in pairs] == [0.5, 0.5, 0.5]
-    assert pairs[2].context() == {"round": 2, "tier_gbps": 1.002e-06, "fio_gbps": 2.004e-06, "tier_bytes": 1002,
+    assert [p.round for p in pairs] == [1, 2]            # the warm-up pair is measured, not kept
+    assert [p.ratio for p in pairs] == [0.5, 0.5]
+    assert pairs[1].context() == {"round": 2, "tier_gbps": 1.002e-06, "fio_gbps": 2.004e-06, "tier_bytes": 1002,
                                   "tier_seconds": 1.0, "fio_bytes": 1002, "fio_seconds": 0.5}
 
 

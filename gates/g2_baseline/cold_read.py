@@ -111,13 +111,19 @@ def paired_ratio(pairs: Sequence[ColdReadPair]) -> PairedRatio:
                        fio_gbps=statistics.median(fio))
 
 
+WARMUP_PAIRS = 1  # the first pair meets a server whose read path is cold (threads, buffers): not judged
+
+
 def measure_pairs(tier_round: Callable[[int], Reading], fio_round: Callable[[int, float], Reading],
-                  rounds: int) -> list[ColdReadPair]:
-    """`rounds` pairs, alternating: the tier's cold load, then fio reading as many bytes."""
+                  rounds: int, warmup: int = 0) -> list[ColdReadPair]:
+    """`warmup` pairs left out, then `rounds` pairs, alternating: the tier's cold load, then fio reading
+    as many bytes (round indices count the warm-up ones: each round reads fresh data)."""
     pairs = []
-    for index in range(rounds):
+    for index in range(warmup + rounds):
         tier = tier_round(index)
-        pairs.append(ColdReadPair(index, tier, fio_round(index, tier.nbytes)))
+        pair = ColdReadPair(index, tier, fio_round(index, tier.nbytes))
+        if index >= warmup:
+            pairs.append(pair)
     return pairs
 
 
