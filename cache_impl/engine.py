@@ -361,7 +361,7 @@ class Engine:
         self._promote_loaded(seq)
 
     def _decode_step(self) -> None:
-        batch = [s for s in self._running if not s.prefilling and s.computed < len(s.tokens)]
+        batch = [s for s in self._running if not s.prefilling]
         if not batch:
             return
         try:

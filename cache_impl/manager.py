@@ -189,27 +189,30 @@ class TieredKVCache:
         `out(i)` may be any tensor of the block's shape on any device (e.g. a view of the
         request's KV); blocks after the returned prefix may have been written too.
         """
-        keys = self.keys_for(tokens)[:max_blocks]
-        plan = self._plan_load(keys)
-        failures: dict[Key, tuple[Level, str]] = {}
-        try:
-            failures = self._read(plan, out)
-        finally:
-            kept = self._finish_load(plan, failures, ended_on_miss=bool(failures) or len(plan) < len(keys))
-        return LoadResult([key for key, _ in kept], [level.name for _, level in kept], self.block_size)
+        return self._load(tokens, max_blocks, lambda planned: out)
 
     def load(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> LoadedPrefix:
         """`load_into` fresh tensors on the cache's device; returns them with the prefix."""
+        made: list[torch.Tensor] = []
+
+        def fresh(planned: int) -> BlockOut:
+            made.append(aligned_empty((planned, *self.layout.block_shape), self.layout.torch_dtype, self.device))
+            return made[0].__getitem__
+
+        result = self._load(tokens, max_blocks, fresh)
+        return LoadedPrefix(result.keys, result.sources, result.block_size, list(made[0][: result.num_blocks]))
+
+    def _load(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None,
+              destination: Callable[[int], BlockOut]) -> LoadResult:
+        """Plan (pinned), read into `destination(number of planned blocks)`, then commit what was good."""
         keys = self.keys_for(tokens)[:max_blocks]
         plan = self._plan_load(keys)
-        blocks = aligned_empty((len(plan), *self.layout.block_shape), self.layout.torch_dtype, self.device)
         failures: dict[Key, tuple[Level, str]] = {}
         try:
-            failures = self._read(plan, blocks.__getitem__)
+            failures = self._read(plan, destination(len(plan)))
         finally:
             kept = self._finish_load(plan, failures, ended_on_miss=bool(failures) or len(plan) < len(keys))
-        return LoadedPrefix([key for key, _ in kept], [level.name for _, level in kept], self.block_size,
-                            list(blocks[: len(kept)]))
+        return LoadResult([key for key, _ in kept], [level.name for _, level in kept], self.block_size)
 
     def _plan_load(self, keys: list[Key]) -> list[tuple[Key, Level]]:
         """Pin the cached prefix; each block with the level to read it from."""
@@ -346,9 +349,12 @@ class TieredKVCache:
             return True
         write_block(level.tier, key, block)
         self.placement.add(level, key)
+        self._count_written(level)
+        return True
+
+    def _count_written(self, level: Level) -> None:
         level.metrics.add("bytes_written", self.layout.block_nbytes)
         level.metrics.add("blocks_written")
-        return True
 
     def _on_written(self, level: Level) -> Callable[[Key, Optional[BaseException]], None]:
         def done(key: Key, error: Optional[BaseException]) -> None:  # called by the writer, lock held
@@ -356,8 +362,7 @@ class TieredKVCache:
             if error is None and (not accounted or key in level.lru):
                 if accounted:
                     self.placement.publish(level, key)
-                level.metrics.add("bytes_written", self.layout.block_nbytes)
-                level.metrics.add("blocks_written")
+                self._count_written(level)
                 return
             if error is None:
                 level.tier.delete(key)  # forgotten while queued: its bytes must not linger unindexed
@@ -385,12 +390,14 @@ class TieredKVCache:
         """Evict until one more block fits the level (and, when its bytes are still to be written,
         the medium beneath); False when it cannot."""
         shortfall = self._medium_shortfall(level) if new_bytes else 0
-        victims = self.placement.victims(level, level.tier.stored_nbytes, shortfall)
-        if victims is None:
-            return False
-        for key in victims:
+        return self._evict_for(level, level.tier.stored_nbytes, shortfall) is not None
+
+    def _evict_for(self, level: Level, nbytes: int, shortfall: int) -> Optional[list[Key]]:
+        """Evict the victims placement picks for `nbytes` and `shortfall` (see `Placement.victims`)."""
+        victims = self.placement.victims(level, nbytes, shortfall)
+        for key in victims or ():
             self._evict(level, key)
-        return True
+        return victims
 
     def _medium_shortfall(self, level: Level, at_least: int = 0) -> int:
         """Bytes to free on the medium beneath the level so that one more block, the writes
@@ -406,11 +413,9 @@ class TieredKVCache:
             with self._lock:
                 if level.lru is None:
                     return False
-                victims = self.placement.victims(level, 0, self._medium_shortfall(level, level.tier.stored_nbytes))
+                victims = self._evict_for(level, 0, self._medium_shortfall(level, level.tier.stored_nbytes))
                 if not victims:
                     return False
-                for victim in victims:
-                    self._evict(level, victim)
                 level.metrics.add("evictions_for_space", len(victims))
                 return True
         return make_room

@@ -101,6 +101,14 @@ def server(tmp_path_factory):
     yield from started_server(tmp_path_factory.mktemp("g2-cold"), admin=True, engine=engine)
 
 
+@pytest.fixture
+def client(server):
+    """A streaming client of the candidate server, closed at the end of the test."""
+    client = StreamingClient(server.base_url + "/v1", TINY_MODEL, "completions", target="candidate")
+    yield client
+    client.close()
+
+
 def _four_block_request(tag: str) -> WorkloadRequest:
     """A fresh prompt of 4 full tiny-preset blocks (1100 tokens), asked for one token."""
     text = distinct_prompt(f"g2 cold read {tag}", 1100)
@@ -108,9 +116,8 @@ def _four_block_request(tag: str) -> WorkloadRequest:
 
 
 @needs_fio
-def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, tmp_path):
+def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, client, tmp_path):
     admin = AdminClient(server.base_url)
-    client = StreamingClient(server.base_url + "/v1", TINY_MODEL, "completions", target="candidate")
     moved = []
 
     def request_for(i: int) -> WorkloadRequest:
@@ -118,13 +125,10 @@ def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, tmp_
         return _four_block_request(f"cold-{i}")
 
     tier = TierColdLoad(admin, client, request_for)
-    try:
-        with FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, direct=True, parallel=4) as fio:
-            pairs = measure_pairs(tier, fio, MIN_PAIRS)
-            assert fio.path.exists()
-        assert not (tmp_path / "fio").exists()               # its file and the directory it made are gone
-    finally:
-        client.close()
+    with FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, direct=True, parallel=4) as fio:
+        pairs = measure_pairs(tier, fio, MIN_PAIRS)
+        assert fio.path.exists()
+    assert not (tmp_path / "fio").exists()                   # its file and the directory it made are gone
     assert [p.round for p in pairs] == list(range(MIN_PAIRS))
     for pair in pairs:
         assert pair.tier.gbps > 0 and pair.fio.gbps > 0
@@ -138,9 +142,8 @@ def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, tmp_
 
 
 @needs_fio
-def test_a_round_of_several_prefixes_reads_them_all_from_the_disk_tier(server, tmp_path):
+def test_a_round_of_several_prefixes_reads_them_all_from_the_disk_tier(server, client):
     admin = AdminClient(server.base_url)
-    client = StreamingClient(server.base_url + "/v1", TINY_MODEL, "completions", target="candidate")
     asked = []
 
     def request_for(i: int) -> WorkloadRequest:
@@ -148,10 +151,7 @@ def test_a_round_of_several_prefixes_reads_them_all_from_the_disk_tier(server, t
         return _four_block_request(f"several-{i}")
 
     tier = TierColdLoad(admin, client, request_for, prefixes=3)
-    try:
-        readings = [tier(0), tier(1)]
-    finally:
-        client.close()
+    readings = [tier(0), tier(1)]
     assert asked == [0, 1, 2, 3, 4, 5]                        # fresh prefixes each round
     assert [r.nbytes for r in readings] == [3 * 4 * TINY_BLOCK_BYTES] * 2
 

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 
 from .. import blockfiles, buffers, integrity
