@@ -6,7 +6,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 _append_lock = threading.Lock()
 
@@ -54,3 +54,32 @@ def read_jsonl_file(path: Path) -> list[dict]:
 def read_jsonl(directory: Path, pattern: str) -> list[dict]:
     """Every JSON line of the files matching `pattern` in `directory`."""
     return [row for path in sorted(Path(directory).glob(pattern)) for row in read_jsonl_file(path)]
+
+
+def drop_cached_pages(paths: Iterable[Path]) -> int:
+    """Write back and drop each file's pages from the page cache (`posix_fadvise(DONTNEED)`), so that
+    the next read of it reads the device. Returns how many files it dropped; a file that is gone is
+    skipped. (Dirty pages cannot be dropped, hence the fdatasync first.)"""
+    dropped = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped += 1
+        finally:
+            os.close(fd)
+    return dropped
+
+
+def process_read_bytes(pid: int | str = "self") -> int:
+    """Bytes the process (all its threads) has caused to be read from storage so far: `read_bytes` of
+    /proc/PID/io. A read served by the page cache does not count, so its growth over a load says how
+    much of the load really came from the device."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/io: expected a read_bytes line, found none")
