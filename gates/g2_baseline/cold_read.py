@@ -180,11 +180,8 @@ class FioRegions:
     """fio's side: sequential reads of fresh regions of one file laid out in `directory`.
 
     The region is the first round's byte count rounded up to whole 1 MiB requests (per job); the
-    file holds `rounds` regions and round i writes region i (fsync'd, not timed) just before it reads
-    it, as the tier's side stores its prefixes just before loading them: both sides read data of the
-    same age, and no round reads what an earlier one brought into a cache. (Written all at once up
-    front, the early regions were minutes old by their read and this disk read them up to 2x faster
-    or slower than fresh data, which is what widened the verdict's interval.) Direct: one job with
+    file holds `rounds` regions, written once before the first read (not timed), and round i reads
+    region i, so no round reads what an earlier one brought into a cache. Direct: one job with
     `parallel` requests in flight (`ioengine`, G1's). Buffered: libaio completes each buffered read
     before taking the next, so up to `parallel` psync jobs read a slice of the region each, as the
     tier's read threads do. Use as a context manager: the file goes away at the end.
@@ -206,7 +203,7 @@ class FioRegions:
     def __call__(self, index: int, nbytes: float) -> Reading:
         if not self.region:
             self._size_regions(nbytes)
-        run_fio(self.write_job(index))
+            run_fio(self._layout_job())
         job = self.read_job(index)
         result = run_fio(job)
         read = sum(float(entry["read"]["io_bytes"]) for entry in result.raw["jobs"])
@@ -219,12 +216,10 @@ class FioRegions:
         self.numjobs = 1 if self.direct else min(self.parallel, requests)
         self.region = math.ceil(requests / self.numjobs) * self.numjobs * FIO_BLOCK
 
-    def write_job(self, index: int) -> FioJob:
-        """Region `index` written (and fsync'd) right before its read."""
+    def _layout_job(self) -> FioJob:
         return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(FIO_BLOCK),
-                      size=str(self.region), direct=self.direct, ioengine="psync",
-                      extra=(f"--filename={self.path.name}", f"--filesize={self.rounds * self.region}",
-                             f"--offset={index * self.region}", "--end_fsync=1"))
+                      size=str(self.rounds * self.region), direct=self.direct, ioengine="psync",
+                      extra=("--end_fsync=1",))
 
     def read_job(self, index: int) -> FioJob:
         """The read of region `index`: G1's sequential read (1 MiB), in the tier's I/O mode and parallelism."""
