@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gates.g2_baseline.cold_read import (MIN_PAIRS, ColdReadPair, FioRegions, Reading, TierColdLoad, disk_counters,
+from gates.g2_baseline.cold_read import (MIN_PAIRS, Pair, FioRegions, Reading, TierColdLoad, disk_counters,
                                          measure_pairs, paired_ratio)
 from gates.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
@@ -23,13 +23,13 @@ TINY_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 256
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 
 
-def _pairs(ratios: list[float], storage: list[float] = STORAGE) -> list[ColdReadPair]:
+def _pairs(ratios: list[float], storage: list[float] = STORAGE) -> list[Pair]:
     """Pairs whose fio side swings with the storage and whose tier side is `ratio` of it in the same round."""
     gb = 1e9
-    return [ColdReadPair(i, Reading(gb, 1 / (r * s)), Reading(gb, 1 / s)) for i, (r, s) in enumerate(zip(ratios, storage))]
+    return [Pair(i, Reading(gb, 1 / (r * s)), Reading(gb, 1 / s)) for i, (r, s) in enumerate(zip(ratios, storage))]
 
 
-def _judge(pairs: list[ColdReadPair]):
+def _judge(pairs: list[Pair]):
     judged = paired_ratio(pairs)
     return judge("g2", "cold read", "G2 cold read", judged.value, RULE, **judged.verdict_options())
 
@@ -55,7 +55,7 @@ def test_pairs_straddling_the_threshold_are_inconclusive():
 def test_fewer_than_five_pairs_are_never_judged():
     verdict = _judge(_pairs([0.95, 0.95, 0.95, 0.95]))
     assert verdict.status == INCONCLUSIVE
-    assert f"4 tier/fio pairs, at least {MIN_PAIRS} needed" in verdict.reason
+    assert f"4 side-by-side pairs, at least {MIN_PAIRS} needed" in verdict.reason
     assert _judge([]).status == INCONCLUSIVE
 
 
@@ -74,7 +74,7 @@ def test_the_pairs_alternate_the_tier_and_fio_and_fio_reads_as_many_bytes_as_the
     assert calls == [("tier", 0), ("fio", 0, 1000), ("tier", 1), ("fio", 1, 1001), ("tier", 2), ("fio", 2, 1002)]
     assert [p.round for p in pairs] == [1, 2]            # the warm-up pair is measured, not kept
     assert [p.ratio for p in pairs] == [0.5, 0.5]
-    assert pairs[1].context() == {"round": 2, "tier_gbps": 1.002e-06, "fio_gbps": 2.004e-06, "tier_bytes": 1002,
+    assert pairs[1].context("tier") == {"round": 2, "tier_gbps": 1.002e-06, "fio_gbps": 2.004e-06, "tier_bytes": 1002,
                                   "tier_seconds": 1.0, "fio_bytes": 1002, "fio_seconds": 0.5}
 
 
@@ -131,8 +131,8 @@ def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, clie
     assert not (tmp_path / "fio").exists()                   # its file and the directory it made are gone
     assert [p.round for p in pairs] == list(range(MIN_PAIRS))
     for pair in pairs:
-        assert pair.tier.gbps > 0 and pair.fio.gbps > 0
-        assert pair.tier.nbytes == 4 * TINY_BLOCK_BYTES       # 4 tiny-preset blocks, all from the disk tier
+        assert pair.subject.gbps > 0 and pair.fio.gbps > 0
+        assert pair.subject.nbytes == 4 * TINY_BLOCK_BYTES       # 4 tiny-preset blocks, all from the disk tier
         assert pair.fio.nbytes == 1 << 20                     # the same bytes, in whole 1 MiB requests
     final = disk_counters(admin).nbytes
     # the server's disk bytes read moved by each round's cold load, not before it

@@ -136,11 +136,11 @@ def test_cold_disk_read_bandwidth_reaches_fio(gate_context, cold_read_pairs, rec
     their medians with a paired bootstrap interval. G1's fio figure (another minute) is shown beside."""
     pairs, fio_job = cold_read_pairs
     for pair in pairs:
-        record("cold_read_pair", pair.ratio, **pair.context())
+        record("cold_read_pair", pair.ratio, **pair.context("tier"))
     judged = paired_ratio(pairs)
     g1 = gate_context.store.latest("g1", "seq_read_gbps")
     beside = f"; G1's fio {g1['value']:.2f} GB/s, not used" if g1 is not None else ""
-    record("cold_read_vs_fio", judged.value, pairs=judged.pairs, tier_gbps=judged.tier_gbps,
+    record("cold_read_vs_fio", judged.value, pairs=judged.pairs, tier_gbps=judged.subject_gbps,
            fio_gbps=judged.fio_gbps, interval=list(judged.interval or ()), fio_job=fio_job,
            g1_seq_read_gbps=None if g1 is None else g1["value"])
     verdict(f"G2 cold-read KV bandwidth / fio's, side by side ({judged.describe()}{beside})", "cold_read_vs_fio",
