@@ -50,7 +50,7 @@ class FioJob:
     directory: Path
     rw: RW
     bs: str = "1M"
-    size: str = "256M"
+    size: str | None = "256M"   # None: the files' own sizes (reading existing files)
     direct: bool = True
     ioengine: str = "psync"
     iodepth: int = 1
@@ -60,11 +60,17 @@ class FioJob:
     rwmixread: int | None = None
     verify: str | None = None
 
+    @property
+    def read_only(self) -> bool:
+        """A job that only reads existing files (`--readonly`): it needs no write access and no free space."""
+        return "--readonly" in self.extra
+
     def argv(self, fio_binary: str = "fio") -> list[str]:
         """fio's command line for this job (JSON output, one group report for all `numjobs`)."""
         args = [
             fio_binary, f"--name={self.name}", f"--directory={self.directory}", f"--rw={self.rw}",
-            f"--bs={self.bs}", f"--size={self.size}", f"--direct={int(self.direct)}",
+            f"--bs={self.bs}", *([f"--size={self.size}"] if self.size is not None else []),
+            f"--direct={int(self.direct)}",
             f"--ioengine={self.ioengine}", f"--iodepth={self.iodepth}", f"--numjobs={self.numjobs}",
             "--group_reporting", "--invalidate=1", "--output-format=json",
         ]
@@ -397,8 +403,9 @@ def run_fio(job: FioJob, fio_binary: str = "fio", timeout_s: float = 600) -> Fio
     `verify_ok=False` and fio's error output in `verify_errors`.
     """
     version = fio_version(fio_binary)
-    ensure_writable_directory(job.directory)
-    check_free_space(job)
+    if not job.read_only:
+        ensure_writable_directory(job.directory)
+        check_free_space(job)
     try:
         proc = subprocess.run(job.argv(fio_binary), capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:

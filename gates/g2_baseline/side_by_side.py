@@ -217,7 +217,8 @@ class FioFilesRead:
     """fio's side of a loader: a sequential read of the same files the loader read, in G1's shape.
 
     Read only (`--readonly`: fio never writes or extends them, so an existing model directory is
-    safe), one file after another (`file_service_type=sequential`), with the pages dropped first
+    safe), each file whole (no `--size`: fio would split it evenly and refuse a shorter last shard),
+    one file after another (`file_service_type=sequential`), with the pages dropped first
     (`invalidate=1`, and direct I/O when G1 reads direct). Both sides read the same bytes of the
     same files, minutes apart at most: the fairest comparison there is.
     """
@@ -237,7 +238,7 @@ class FioFilesRead:
             raise SideBySideError(f"fio read: expected files to read, found {len(files)} holding {total} bytes")
         directory = files[0].parent
         names = ":".join(str(f.relative_to(directory)) if f.parent == directory else str(f) for f in files)
-        return FioJob(name=self.name, directory=directory, rw="read", bs=str(FIO_BLOCK), size=str(total),
+        return FioJob(name=self.name, directory=directory, rw="read", bs=str(FIO_BLOCK), size=None,
                       direct=self.shape.direct, ioengine=self.shape.ioengine, iodepth=self.shape.iodepth,
                       extra=(f"--filename={names}", "--file_service_type=sequential", "--readonly"))
 
