@@ -66,6 +66,22 @@ G2_CHECKS = (
           default=_at_most("disk_hit_ttft_vs_recompute", 0.25)),
     Check("cold_read_vs_fio", "cold-read KV bandwidth / fio sequential read, side by side", "higher", "%",
           default=_at_least("cold_read_vs_fio", 0.8)),
+    # model service loading (g2.model_load) and checkpoint saving (g2.checkpoint) on the storage under test
+    Check("model_load_vs_fio", "the best loader's cold GB/s / fio's sequential read of the same files, side by side",
+          "higher", "%", default=_at_least("model_load_vs_fio", 0.8)),
+    Check("model_load_identical", "loaded tensors equal to the checkpoint's (a checksum per tensor), every loader "
+          "and round", "higher", "%", default=_exactly("model_load_identical", 1.0)),
+    Check("model_load_speedup_vs_baseline", "the best loader's cold load seconds on g2.model_load.baseline_path "
+          "over the storage under test's, side by side", "in band", "×",
+          default={"metric": "model_load_speedup_vs_baseline", "min": 6.2, "max": 9.3}),
+    Check("checkpoint_saves_complete", "saves that completed (every rank fsync'd, DCP's metadata written)", "higher",
+          "%", default=_exactly("checkpoint_saves_complete", 1.0)),
+    Check("checkpoint_write_vs_fio", "checkpoint write GB/s (bytes / the slowest rank's seconds) / fio's sequential "
+          "write of as many bytes, side by side", "higher", "%", default=_at_least("checkpoint_write_vs_fio", 0.7)),
+    Check("checkpoint_restore_identical", "restored state equal to the saved state, bit for bit, every rank",
+          "higher", "%", default=_exactly("checkpoint_restore_identical", 1.0)),
+    Check("checkpoint_speedup_vs_baseline", "checkpoint save seconds on g2.checkpoint.baseline_path over the storage "
+          "under test's, side by side", "higher", "×", default=_at_least("checkpoint_speedup_vs_baseline", 1.9)),
 )
 
 G3_CHECKS = (

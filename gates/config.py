@@ -55,6 +55,13 @@ def _size(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
+def _absolute_path(value: Any) -> Any:
+    """A directory path made absolute now (the suites run elsewhere and must read the same place)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("expected a directory path, found an empty string")
+    return Path(value).absolute() if isinstance(value, (str, Path)) else value
+
+
 Positive = Annotated[Int, Field(ge=1)]
 
 
@@ -142,13 +149,8 @@ class StorageConfig(StrictModel):
     path: Path = Field(default=Path("kvgate-storage"), description="the storage under test (fio, disk tier); "
                        "a relative path is taken from the directory kvgate runs in and stored absolute")
 
-    @field_validator("path", mode="before")
-    @classmethod
-    def _absolute(cls, value: Any) -> Any:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("expected a directory path, found an empty string")
-        # absolute now: the gate suites run in another directory and must measure the same storage
-        return Path(value).absolute() if isinstance(value, (str, Path)) else value
+    # absolute now: the gate suites run in another directory and must measure the same storage
+    _absolute = field_validator("path", mode="before")(lambda cls, v: _absolute_path(v))
 
 
 class InventoryConfig(StrictModel):
@@ -185,6 +187,82 @@ class G1Config(StrictModel):
     thresholds: list[RuleField]
 
 
+LOADER_NAMES = ("safetensors", "runai_streamer", "fastsafetensors")   # workloads/loaders.py's
+STATE_PRESET_NAMES = ("8B", "32B", "70B", "405B", "1T", "adapter")            # workloads/checkpoint.py's
+
+
+def _command(value: Any) -> Any:
+    """A start command as argv: a list of strings, or one string split as a shell would (no shell runs it)."""
+    import shlex
+
+    if isinstance(value, str):
+        value = shlex.split(value)
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) and a for a in value):
+        raise ValueError(f"expected a command (a string or a list of non-empty strings), found {value!r}")
+    return value
+
+
+class ModelLoadConfig(StrictModel):
+    """G2's model service loading: a safetensors checkpoint read cold by each loader, beside fio reading
+    the same files, and (embedded or `launch`) a server's start to its first token."""
+
+    enabled: bool = True
+    path: Optional[Path] = Field(default=None, description="an existing model directory (safetensors shards, read "
+                                 "only, never written); null: a random checkpoint of `size` is written under "
+                                 "storage.path")
+    size: str = Field(default="1GiB", description="the random checkpoint's size (without `path`)")
+    shard_size: str = Field(default="256MiB", description="the random checkpoint's shard size")
+    loaders: list[Literal[LOADER_NAMES]] = Field(default_factory=lambda: list(LOADER_NAMES), min_length=1)
+    parallel: Int = Field(default=16, ge=1, le=256, description="read threads of the streaming loaders")
+    rounds: Int = Field(default=5, ge=5, description="cold rounds per loader, each beside a fio read of the files")
+    baseline_path: Optional[Path] = Field(default=None, description=(
+        "a directory on the baseline storage (e.g. the NFS mount the vendor compares with): with `path`, the same "
+        "model there; without, the random checkpoint is written there too. Unset: the speedup is not run"))
+    service: bool = Field(default=True, description="embedded: time `kvgate serve --weights` per loader, start to "
+                          "first token")
+    launch: Optional[list[str]] = Field(default=None, description="external: the engine's own start command, timed "
+                                        "start → health_url ready → first token")
+    health_url: Optional[str] = Field(default=None, pattern=r"^https?://")
+
+    _sizes = field_validator("size", "shard_size", mode="before")(lambda cls, v: _fio_size(v))
+    _paths = field_validator("path", "baseline_path", mode="before")(lambda cls, v: _absolute_path(v))
+    _argv = field_validator("launch", mode="before")(lambda cls, v: None if v is None else _command(v))
+
+    @field_validator("loaders")
+    @classmethod
+    def _each_once(cls, loaders: list[str]) -> list[str]:
+        repeated = sorted({name for name in loaders if loaders.count(name) > 1})
+        if repeated:
+            raise ValueError(f"expected each loader once, found {repeated} repeated")
+        return loaders
+
+    @model_validator(mode="after")
+    def _launch_with_health(self) -> "ModelLoadConfig":
+        if (self.launch is None) != (self.health_url is None):
+            raise ValueError("launch and health_url: expected both (the start command and the URL that answers "
+                             f"when it is ready) or neither, found launch={self.launch!r} health_url={self.health_url!r}")
+        return self
+
+
+class CheckpointConfig(StrictModel):
+    """G2's checkpoint saving: torch.distributed.checkpoint with `ranks` gloo processes saving model +
+    optimizer state, beside fio writing as many bytes; then restored cold."""
+
+    enabled: bool = True
+    ranks: Int = Field(default=2, ge=1, le=64, description="training ranks, one process each (gloo)")
+    parameters: Union[Literal[STATE_PRESET_NAMES], Annotated[Int, Field(ge=1)]] = Field(default=40_000_000,
+        description="parameters of the saved state: a count, or a model size of MLPerf Storage's checkpoint "
+                    "workload (8B, 70B, 405B, 1T), 32B (the vendor's 8-rank job) or adapter (a LoRA adapter)")
+    bytes_per_parameter: Float = Field(default=14.0, ge=2, le=64, description=(
+        "bytes of state per parameter: 14 is bf16 weights + fp32 master weights + Adam's two moments"))
+    thread_count: Int = Field(default=1, ge=1, le=64, description="each rank's write threads (DCP FileSystemWriter)")
+    rounds: Int = Field(default=5, ge=5, description="saves, each beside a fio write of as many bytes; then restores")
+    baseline_path: Optional[Path] = Field(default=None, description=(
+        "a directory on the baseline storage: the speedup of the storage under test over it. Unset: not run"))
+
+    _paths = field_validator("baseline_path", mode="before")(lambda cls, v: _absolute_path(v))
+
+
 class G2Config(StrictModel):
     _declared = _thresholds_of("g2")
 
@@ -194,6 +272,8 @@ class G2Config(StrictModel):
                                  "fio on the same storage; the cold-read ratio is judged on them")
     cold_read_prefixes: Int = Field(default=1, ge=1, le=64, description="fresh longest-context prefixes each "
                                     "tier round loads cold (more bytes per pair: a steadier ratio)")
+    model_load: ModelLoadConfig = Field(default_factory=ModelLoadConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     thresholds: list[RuleField]
 
 
@@ -384,7 +464,12 @@ PROFILES: dict[str, dict] = {
             {"metric": "rand_write_iops", "op": ">=", "value": 200000},
             {"metric": "rand_read_p99_ms", "op": "<=", "value": 2},
         ]},
-        "g2": {"contexts": [8192, 32768, 131072], "rounds": 5, "thresholds": [
+        # model load: a 70B model's bf16 weights (the vendor's 1399 -> 150 s model); checkpoint: the vendor's
+        # 8-rank 32B job with its whole training state (~450 GB at 14 bytes per parameter)
+        "g2": {"contexts": [8192, 32768, 131072], "rounds": 5,
+               "model_load": {"size": "141GB", "shard_size": "5GB"},
+               "checkpoint": {"ranks": 8, "parameters": "32B", "thread_count": 4},
+               "thresholds": [
             {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
         ]},

@@ -126,6 +126,27 @@ def verdict(gate_context: GateContext, request: pytest.FixtureRequest) -> Callab
     return _verdict
 
 
+@pytest.fixture
+def progress(gate_context: GateContext) -> Callable[[str], None]:
+    """progress(text): say what the check is doing now (the console shows it while the gate runs)."""
+    return lambda text: gate_context.store.set_progress(gate_context.gate, text)
+
+
+@pytest.fixture
+def not_run(gate_context: GateContext, request: pytest.FixtureRequest) -> Callable[..., None]:
+    """not_run(label, metric, reason): a declared check whose input is not configured (e.g. no baseline
+    path): stored as not judged with the reason, neither passing nor failing the gate; the test skips."""
+
+    def _not_run(label: str, metric: str, reason: str) -> None:
+        check_of(gate_context.gate, metric)
+        request.config.stash[JUDGED] = request.config.stash.get(JUDGED, 0) + 1
+        gate_context.store.add_unjudged(Unjudged(gate_context.gate, _check_name(request), metric, label,
+                                                 f"not run: {reason}"))
+        pytest.skip(f"{label}: not run: {reason}")
+
+    return _not_run
+
+
 def _number_or_none(value: Any) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 

@@ -241,12 +241,14 @@ class GateRunner:
                    "--kvgate-gate", gate, "--junitxml", str((gate_dir / "junit.xml").resolve()), "-q", "-rN"]
         started = time.time()
         shown = 0
-        with open(gate_dir / "pytest.log", "a") as log, \
-                self.console.status(f"{GATE_TITLES[gate]} running …"):
+        running = f"{GATE_TITLES[gate]} running …"
+        with open(gate_dir / "pytest.log", "a") as log, self.console.status(running) as spinner:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent,
                                        preexec_fn=die_with_parent, env=os.environ | self.suite_env)
             while process.poll() is None:
                 shown = self._print_new_verdicts(gate, shown)
+                progress = self.store.progress(gate)
+                spinner.update(f"{running} {progress}" if progress else running)
                 time.sleep(0.5)
         self._print_new_verdicts(gate, shown)
         status, reason = gate_status(self.store.verdicts(gate), process.returncode, len(self.store.unjudged(gate)))

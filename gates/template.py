@@ -60,9 +60,33 @@ g2:
   rounds: 2
   cold_read_pairs: 8              # alternating rounds of the tier's cold load and fio (at least 5)
   cold_read_prefixes: 2           # fresh longest-context prefixes each tier round loads (more bytes per pair)
+  model_load:                     # model service loading on the storage under test
+    enabled: true
+    # path: /models/DeepSeek-R1-Distill-Llama-70B   # an existing safetensors model (read only, never written)
+    size: 1GiB                    # without path: a random checkpoint this big is written under storage.path
+    shard_size: 256MiB
+    loaders: [safetensors, runai_streamer, fastsafetensors]   # each read cold, beside fio reading the same files
+    parallel: 16                  # read threads of the streaming loaders
+    rounds: 5
+    # baseline_path: /mnt/nfs/kvgate   # the storage to compare with (e.g. NFS): the speedup check runs
+    service: true                 # embedded: `kvgate serve --weights` per loader, process start to first token
+    # launch: "vllm serve /models/x --load-format runai_streamer"   # external: the engine's own start,
+    # health_url: http://127.0.0.1:8000/health                      # timed to ready and first token
+  checkpoint:                     # checkpoint saving: torch.distributed.checkpoint, model + optimizer state
+    enabled: true
+    ranks: 2                      # processes on the gloo backend; the slowest rank's time counts
+    parameters: 40000000          # or 8B, 70B, 405B, 1T (MLPerf Storage), 32B, adapter
+    bytes_per_parameter: 14       # bf16 weights + fp32 master weights + Adam's two moments
+    thread_count: 1               # write threads per rank
+    rounds: 5                     # saves beside fio writes, then cold restores
+    # baseline_path: /mnt/nfs/kvgate-ckpt
   thresholds:
     - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs fio, side by side
     - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context
+    - {metric: model_load_vs_fio, op: ">=", value: 0.8}           # the best loader vs fio on the same files
+    - {metric: model_load_speedup_vs_baseline, min: 6.2, max: 9.3}  # needs model_load.baseline_path
+    - {metric: checkpoint_write_vs_fio, op: ">=", value: 0.7}     # vs fio sequential write, side by side
+    - {metric: checkpoint_speedup_vs_baseline, op: ">=", value: 1.9}  # needs checkpoint.baseline_path
 
 g3:
   workload:                       # see workloads/specs/ for every kind

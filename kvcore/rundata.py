@@ -9,6 +9,7 @@ Layout of `reports/runs/<run-id>/` (or `--out`)::
     gates/<gate>/verdicts.jsonl       one Verdict per line, appended as judged
     gates/<gate>/unjudged.jsonl       one Unjudged per line: a check measured with no rule to judge it
     gates/<gate>/status.json          the gate's outcome once it ended (or "not run")
+    gates/<gate>/progress.json        what the gate is doing now ("writing the checkpoint: 0.6 / 1.1 GB"), for the console
     gates/<gate>/junit.xml            pytest's JUnit report of the gate's suite
     gates/<gate>/raw/                 raw files (fio JSON, request records, soak windows)
     results.json, junit.xml, index.html   rendered by `reports` from the above
@@ -136,6 +137,17 @@ class RunStore:
 
     def set_status(self, gate: str, status: str, reason: str = "", **extra: Any) -> None:
         write_json(self.gate_dir(gate) / "status.json", {"gate": gate, "status": status, "reason": reason, **extra})
+
+    def set_progress(self, gate: str, text: str) -> None:
+        """What the gate is doing now, one line (the console shows it beside the gate's spinner)."""
+        write_json(self.gate_dir(gate) / "progress.json", {"gate": gate, "text": text, "t": time.time()})
+
+    def progress(self, gate: str) -> str:
+        """The gate's last progress line ("" when none, or unreadable mid-replace)."""
+        try:
+            return str(json.loads((self.gate_dir(gate) / "progress.json").read_text()).get("text", ""))
+        except (OSError, ValueError):
+            return ""
 
     def status(self, gate: str) -> Optional[dict]:
         path = self.gate_dir(gate) / "status.json"

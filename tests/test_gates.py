@@ -93,6 +93,22 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m"},
                   "candidate": {"url": "http://h:8000/v1", "model": "m"}}, "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]}},
      "g4.faults: expected no fault schedule for targets.kind: external"),
+    # model load and checkpoint save
+    ({"g2": {"model_load": {"loaders": ["safetensor"]}}}, "g2.model_load.loaders[0]: expected one of"),
+    ({"g2": {"model_load": {"loaders": ["safetensors", "safetensors"]}}},
+     "g2.model_load.loaders: expected each loader once, found ['safetensors'] repeated"),
+    ({"g2": {"model_load": {"rounds": 3}}}, "g2.model_load.rounds: expected a value >= 5, found 3"),
+    ({"g2": {"model_load": {"size": "1XB"}}}, "g2.model_load.size: expected a byte size"),
+    ({"g2": {"model_load": {"launch": "vllm serve m"}}},
+     "g2.model_load: launch and health_url: expected both (the start command and the URL that answers when it is "
+     "ready) or neither"),
+    ({"g2": {"model_load": {"launch": [], "health_url": "http://127.0.0.1:8000/health"}}},
+     "g2.model_load.launch: expected a command"),
+    ({"g2": {"model_load": {"path": ""}}}, "g2.model_load.path: expected a directory path, found an empty string"),
+    ({"g2": {"checkpoint": {"parameters": "7B"}}}, "g2.checkpoint.parameters"),
+    ({"g2": {"checkpoint": {"parameters": 0}}}, "g2.checkpoint.parameters"),
+    ({"g2": {"checkpoint": {"ranks": 0}}}, "g2.checkpoint.ranks: expected a value >= 1, found 0"),
+    ({"g2": {"checkpoint": {"sync": False}}}, "g2.checkpoint.sync: unknown field"),
 ])
 def test_a_bad_config_names_the_field_what_was_expected_and_what_was_found(tmp_path, data, message):
     with pytest.raises(ConfigError) as error:
@@ -285,3 +301,16 @@ def test_an_embedded_server_that_dies_at_start_is_said_at_once_with_its_reason(t
     assert "the embedded server" in err and "exited at start" in err and "can't allocate memory" in err
     assert json.loads((tmp_path / "run" / "gates" / "g2" / "status.json").read_text())["status"] == "not run"
 
+
+
+def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path):
+    config = load_config(_config_file(tmp_path, {"g2": {
+        "model_load": {"path": "models/m", "launch": "engine serve --port 9 'a b'",
+                       "health_url": "http://127.0.0.1:9/health", "loaders": ["fastsafetensors"]},
+        "checkpoint": {"parameters": "70B", "ranks": 8}}}))
+    assert config.g2.model_load.path.is_absolute() and config.g2.model_load.path.name == "m"
+    assert config.g2.model_load.launch == ["engine", "serve", "--port", "9", "a b"]   # split as a shell would
+    assert config.g2.model_load.loaders == ["fastsafetensors"]
+    assert config.g2.checkpoint.parameters == "70B" and config.g2.checkpoint.ranks == 8
+    # the profile's parameter count is replaced, not merged with a preset
+    assert load_config(_config_file(tmp_path, {"g2": {"checkpoint": {"parameters": 1000}}})).g2.checkpoint.parameters == 1000
