@@ -26,7 +26,7 @@ from kvcore.files import write_json, write_text_atomic
 from kvcore.rules import Band, Threshold, stored_rule
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
-from . import svg
+from . import g2_storage, svg
 
 TEMPLATES = Path(__file__).parent / "templates"
 PROBLEM = ("failed", "error")
@@ -242,7 +242,7 @@ def _g2_plots(gate: dict) -> list[str]:
         sides = {side: [(p.get("round"), p.get(f"{side}_gbps")) for p in pairs] for side in ("tier", "fio")}
         plots.append(svg.line_chart({"disk tier cold load": sides["tier"], "fio, same storage": sides["fio"]},
                                     "G2 cold-read bandwidth, alternating rounds", "round", "GB/s"))
-    return plots
+    return plots + g2_storage.storage_plots(gate["measurements"])
 
 
 def _g3_level_key(rows: list[dict]) -> tuple[str, str]:
@@ -327,6 +327,9 @@ def _metric_words(metric: str, unit: str) -> str:
 
 ACRONYMS = {"ttft", "itl", "tpot", "e2e", "rss", "kv", "gpu", "cpu"}
 PLOTTERS = {"g1": _g1_plots, "g2": _g2_plots, "g3": _g3_plots, "g4": _g4_plots}
+# a gate's tables of figures beside its verdicts: {title, columns, rows}
+TABLERS = {"g2": lambda gate: g2_storage.model_load_tables(gate["measurements"])
+           + g2_storage.checkpoint_tables(gate["measurements"])}
 
 
 # ---------------------------------------------------------------- index.html
@@ -405,7 +408,8 @@ def render_html(results: dict, run_dir: Path, rendered_at: float) -> str:
     env.filters.update(value=fmt_value, with_unit=fmt_with_unit, interval_with_unit=fmt_interval_with_unit,
                        time=fmt_time, context=fmt_context, interval=fmt_interval,
                        status_class=status_class, pretty_json=pretty_json, field=fmt_field)
-    gates = [{**gate, "plots": [Markup(p) for p in PLOTTERS[gate["gate"]](gate)]} for gate in results["gates"]]
+    gates = [{**gate, "plots": [Markup(p) for p in PLOTTERS[gate["gate"]](gate)],
+              "tables": TABLERS.get(gate["gate"], lambda g: [])(gate)} for gate in results["gates"]]
     run = results["run"]
     started = run.get("started_at")
     page = env.get_template("index.html.j2").render(

@@ -137,12 +137,12 @@ def _wrap(label: str, chars: int) -> list[str]:
 
 
 def bar_chart(bars: Sequence[tuple[str, float]], lines: Sequence[tuple[Union[str, int], float]], title: str,
-              unit: str, *, statuses: Optional[Sequence[str]] = None) -> str:
-    """Vertical bars of measured values with spec lines.
+              unit: str, *, statuses: Optional[Sequence[str]] = None, line_label: str = "spec") -> str:
+    """Vertical bars of measured values with reference lines (the spec, or fio beside each bar).
 
     A line keyed by a bar's index (or its label) is drawn across that bar only; any
     other key draws a labelled line across the whole chart. `statuses` (PASS, FAIL,
-    INCONCLUSIVE per bar) colours the bars.
+    INCONCLUSIVE per bar) colours the bars; `line_label` names the lines in the legend.
     """
     bars = [(str(label), float(value)) for label, value in bars if _finite(value)]
     if not bars:
@@ -164,7 +164,7 @@ def bar_chart(bars: Sequence[tuple[str, float]], lines: Sequence[tuple[Union[str
     legend = ([(s, STATUS_FILL[s], "bar") for s in STATUS_FILL if statuses and s in {str(x).upper() for x in statuses}]
               or [("measured", PALETTE[0], "bar")])
     if per_bar or global_lines:
-        legend.append(("spec", SPEC_COLOR, "spec"))
+        legend.append((line_label, SPEC_COLOR, "spec"))
     top, bottom = _top(legend), HEIGHT - BOTTOM
     values = [v for _, v in bars] + list(per_bar.values()) + [v for _, v in global_lines]
     ticks = nice_ticks(min(0.0, *values), max(0.0, *values))
@@ -182,7 +182,7 @@ def bar_chart(bars: Sequence[tuple[str, float]], lines: Sequence[tuple[Union[str
         y0, y1 = sorted((y_of(0.0), y_of(value)))
         tip = f"{label}: {fmt_tick(value)} {unit}".strip()
         if i in per_bar:
-            tip += f" (spec {fmt_tick(per_bar[i])})"
+            tip += f" ({line_label} {fmt_tick(per_bar[i])})"
         parts.append(f'<rect x="{centre - width / 2:.1f}" y="{y0:.1f}" width="{width:.1f}" '
                      f'height="{max(y1 - y0, 0.5):.1f}" fill="{colours[i]}" rx="2"><title>{_t(tip)}</title></rect>')
         parts.append(f'<text x="{centre:.1f}" y="{min(y0, y1) - 4:.1f}" text-anchor="middle" fill="#111827" '
@@ -191,7 +191,7 @@ def bar_chart(bars: Sequence[tuple[str, float]], lines: Sequence[tuple[Union[str
             y = y_of(per_bar[i])
             half = min(slot * 0.42, width / 2 + 12)
             parts.append(f'<line x1="{centre - half:.1f}" y1="{y:.1f}" x2="{centre + half:.1f}" y2="{y:.1f}" '
-                         f'stroke="{SPEC_COLOR}" stroke-width="3"><title>spec {fmt_tick(per_bar[i])}</title></line>')
+                         f'stroke="{SPEC_COLOR}" stroke-width="3"><title>{_t(line_label)} {fmt_tick(per_bar[i])}</title></line>')
         for row, text in enumerate(_wrap(label, chars)):
             parts.append(f'<text x="{centre:.1f}" y="{bottom + 16 + 13 * row}" text-anchor="middle" fill="#374151">'
                          f"{_t(text)}<title>{_t(label)}</title></text>")

@@ -1,0 +1,159 @@
+"""G2's model-load and checkpoint figures as the report draws them: a table per loader and per round
+with its phases, and bar charts against fio's line. Reads only the measurements' rows (the suites'
+metrics and their `context` keys, kvcore.rundata), never reason strings.
+
+Rows read (written by gates/g2_baseline/test_g2_model_load.py and test_g2_checkpoint.py):
+- `model_load_round`: one cold load (value GB/s); context loader, round, seconds, bytes, fio_gbps,
+  ratio, cold, identical, phases {open, read, deserialize, copy}, storage ("under test" or "baseline");
+- `model_load_loader`: a loader's side-by-side ratio (value); context loader, loader_gbps, fio_gbps,
+  interval, pairs;
+- `service_load`: one timed server start (value: seconds to the first token); context loader, round,
+  phases {interpreter, weights_loaded, ready, first_token}, weights {loader, seconds, bytes};
+- `checkpoint_save_round` / `checkpoint_restore_round`: one save or cold restore (value GB/s); context
+  round, slowest_s, rank_seconds, bytes, fio_gbps (saves), ratio (saves), equal and cold (restores),
+  storage.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Iterable, Optional
+
+from . import svg
+
+LOAD_PHASES = ("open", "read", "deserialize", "copy")
+SERVICE_PHASES = ("interpreter", "weights_loaded", "ready", "first_token")
+
+
+def _rows(measurements: Iterable[dict], metric: str) -> list[dict]:
+    return [m for m in measurements if m.get("metric") == metric]
+
+
+def _number(value: Any) -> Optional[float]:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _median(values: Iterable[Any]) -> Optional[float]:
+    numbers = [n for n in (_number(v) for v in values) if n is not None]
+    return statistics.median(numbers) if numbers else None
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _gbps(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _percent(value: Optional[float]) -> str:
+    return "" if value is None else f"{100 * value:.1f}%"
+
+
+def _gigabytes(value: Any) -> str:
+    number = _number(value)
+    return "" if number is None else f"{number / 1e9:.2f} GB"
+
+
+def _by(rows: list[dict], key: str) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(str((row.get("context") or {}).get(key, "")), []).append(row)
+    return groups
+
+
+def _under_test(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if (r.get("context") or {}).get("storage", "under test") == "under test"]
+
+
+def model_load_tables(measurements: list[dict]) -> list[dict]:
+    """Per loader: medians of its cold rounds on the storage under test, phase by phase; and the server
+    start per loader when it was timed."""
+    tables = []
+    loads = _under_test(_rows(measurements, "model_load_round"))
+    ratios = {str((r.get("context") or {}).get("loader")): r for r in _rows(measurements, "model_load_loader")}
+    if loads:
+        rows = []
+        for loader, rounds in _by(loads, "loader").items():
+            contexts = [r.get("context") or {} for r in rounds]
+            ratio = ratios.get(loader)
+            interval = (ratio.get("context") or {}).get("interval") if ratio else None
+            ratio_text = _percent(_number(ratio.get("value"))) if ratio else ""
+            if interval and len(interval) == 2:
+                ratio_text += f" [{_percent(_number(interval[0]))}, {_percent(_number(interval[1]))}]"
+            rows.append([loader, _gbps(_median(r.get("value") for r in rounds)),
+                         _gbps(_median(c.get("fio_gbps") for c in contexts)), ratio_text,
+                         *(_seconds(_median((c.get("phases") or {}).get(p) for c in contexts)) for p in LOAD_PHASES),
+                         _seconds(_median(c.get("seconds") for c in contexts)),
+                         _gigabytes(_median(c.get("bytes") for c in contexts)),
+                         f"{sum(1 for c in contexts if c.get('cold'))} / {len(contexts)}",
+                         f"{sum(1 for c in contexts if c.get('identical'))} / {len(contexts)}"])
+        tables.append({"title": "Model load: each loader's cold rounds (medians), beside fio reading the same files",
+                       "columns": ["loader", "GB/s", "fio GB/s", "loader / fio", *(f"{p} s" for p in LOAD_PHASES),
+                                   "total s", "bytes", "cold rounds", "identical rounds"],
+                       "rows": rows})
+    starts = _rows(measurements, "service_load")
+    if starts:
+        rows = []
+        for loader, rounds in _by(starts, "loader").items():
+            contexts = [r.get("context") or {} for r in rounds]
+            weights = [c.get("weights") or {} for c in contexts]
+            gbps = _median((_number(w.get("bytes")) or 0) / w["seconds"] / 1e9 for w in weights
+                           if _number(w.get("seconds")))
+            rows.append([loader, *(_seconds(_median((c.get("phases") or {}).get(p) for c in contexts))
+                                   for p in SERVICE_PHASES),
+                         _seconds(_median(r.get("value") for r in rounds)), _gbps(gbps), str(len(rounds))])
+        tables.append({"title": "Service load: process start to first token, per loader (seconds, medians; cold)",
+                       "columns": ["loader", "interpreter", "weights loaded", "ready", "first token", "total",
+                                   "weights GB/s", "starts"],
+                       "rows": rows})
+    return tables
+
+
+def checkpoint_tables(measurements: list[dict]) -> list[dict]:
+    """Every save beside fio's write, every cold restore: round by round, with each rank's seconds."""
+    tables = []
+    for metric, title, extra in (
+            ("checkpoint_save_round", "Checkpoint save: each round, beside fio writing as many bytes",
+             ("fio GB/s", "save / fio")),
+            ("checkpoint_restore_round", "Checkpoint restore: each round, pages dropped first", ("equal", "cold"))):
+        rounds = _rows(measurements, metric)
+        if not rounds:
+            continue
+        rows = []
+        for r in rounds:
+            c = r.get("context") or {}
+            ranks = ", ".join(_seconds(_number(s)) for s in c.get("rank_seconds") or [])
+            tail = ([_gbps(_number(c.get("fio_gbps"))), _percent(_number(c.get("ratio")))] if metric.endswith("save_round")
+                    else ["yes" if c.get("equal") else "NO", "yes" if c.get("cold") else "no"])
+            rows.append([str(c.get("storage", "under test")), str(c.get("round", "")),
+                         _seconds(_number(c.get("slowest_s"))), ranks, _gigabytes(c.get("bytes")),
+                         _gbps(_number(r.get("value"))), *tail])
+        tables.append({"title": title, "columns": ["storage", "round", "slowest rank s", "each rank s", "bytes",
+                                                   "GB/s", *extra], "rows": rows})
+    return tables
+
+
+def storage_plots(measurements: list[dict]) -> list[str]:
+    """Loaders' median GB/s with fio's median line over each; checkpoint saves and restores per round with
+    fio's write line over each save."""
+    plots = []
+    loads = _under_test(_rows(measurements, "model_load_round"))
+    if loads:
+        groups = _by(loads, "loader")
+        bars = [(loader, _median(r.get("value") for r in rounds)) for loader, rounds in groups.items()]
+        lines = [(i, _median((r.get("context") or {}).get("fio_gbps") for r in rounds))
+                 for i, rounds in enumerate(groups.values())]
+        plots.append(svg.bar_chart(bars, lines, "G2 model load: loaders' cold GB/s (medians)", "GB/s",
+                                   line_label="fio, same files"))
+    saves = _under_test(_rows(measurements, "checkpoint_save_round"))
+    restores = _under_test(_rows(measurements, "checkpoint_restore_round"))
+    if saves or restores:
+        bars = ([(f"save {(r.get('context') or {}).get('round')}", r.get("value")) for r in saves]
+                + [(f"restore {(r.get('context') or {}).get('round')}", r.get("value")) for r in restores])
+        lines = [(i, (r.get("context") or {}).get("fio_gbps")) for i, r in enumerate(saves)]
+        plots.append(svg.bar_chart(bars, lines, "G2 checkpoint: save and cold restore GB/s per round", "GB/s",
+                                   line_label="fio sequential write"))
+    return plots
