@@ -74,6 +74,8 @@ G2_CHECKS = (
     Check("model_load_speedup_vs_baseline", "the best loader's cold load seconds on g2.model_load.baseline_path "
           "over the storage under test's, side by side", "in band", "×",
           default={"metric": "model_load_speedup_vs_baseline", "min": 6.2, "max": 9.3}),
+    Check("service_load_started", "server starts that loaded the weights and streamed a first token, every loader",
+          "higher", "%", default=_exactly("service_load_started", 1.0)),
     Check("checkpoint_saves_complete", "saves that completed (every rank fsync'd, DCP's metadata written)", "higher",
           "%", default=_exactly("checkpoint_saves_complete", 1.0)),
     Check("checkpoint_write_vs_fio", "checkpoint write GB/s (bytes / the slowest rank's seconds) / fio's sequential "

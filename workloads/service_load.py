@@ -98,7 +98,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def time_service_start(command: Sequence[str], health_url: str, base_url: str, model: str, *, log: Path,
                        drop: Sequence[Path] = (), env: Optional[dict] = None, api: str = "completions",
-                       timeout_s: float = 600, poll_s: float = 0.02) -> ServiceStart:
+                       api_key: Optional[str] = None, timeout_s: float = 600, poll_s: float = 0.02) -> ServiceStart:
     """Start `command`, time it to ready (`health_url` answers 200) and to the first token of one request
     to `base_url` (an OpenAI-compatible /v1), then stop it (SIGTERM). ServiceStartError when it exits or
     does not come up within `timeout_s`, or its first request fails."""
@@ -121,15 +121,15 @@ def time_service_start(command: Sequence[str], health_url: str, base_url: str, m
             if health is None:
                 time.sleep(poll_s)
         ready = time.monotonic() - started
-        first_token = _first_token(base_url, model, api, started, log)
+        first_token = _first_token(base_url, model, api, api_key, started, log)
         return _start_from(health.get("startup"), started_wall, ready, first_token)
     finally:
         _stop(process)
 
 
-def _first_token(base_url: str, model: str, api: str, started: float, log: Path) -> float:
+def _first_token(base_url: str, model: str, api: str, api_key: Optional[str], started: float, log: Path) -> float:
     request = WorkloadRequest("service-load", "service-load", 0, ({"role": "user", "content": "Hello"},), 1, 8)
-    client = StreamingClient(base_url, model, api, target="service")
+    client = StreamingClient(base_url, model, api, api_key=api_key, target="service")
     try:
         sent = time.monotonic()
         record = client.send(request)
