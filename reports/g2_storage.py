@@ -90,7 +90,7 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
                          _gigabytes(_median(c.get("bytes") for c in contexts)),
                          f"{sum(1 for c in contexts if c.get('cold'))} / {len(contexts)}",
                          f"{sum(1 for c in contexts if c.get('identical'))} / {len(contexts)}"])
-        tables.append({"title": "Model load: each loader's cold rounds (medians), beside fio reading the same files",
+        tables.append({"title": "Model load: cold rounds per loader (medians), beside fio reading the same files",
                        "columns": ["loader", "GB/s", "fio GB/s", "loader / fio", *(f"{p} s" for p in LOAD_PHASES),
                                    "total s", "bytes", "cold rounds", "identical rounds"],
                        "rows": rows})
@@ -146,7 +146,7 @@ def storage_plots(measurements: list[dict]) -> list[str]:
         bars = [(loader, _median(r.get("value") for r in rounds)) for loader, rounds in groups.items()]
         lines = [(i, _median((r.get("context") or {}).get("fio_gbps") for r in rounds))
                  for i, rounds in enumerate(groups.values())]
-        plots.append(svg.bar_chart(bars, lines, "G2 model load: loaders' cold GB/s (medians)", "GB/s",
+        plots.append(svg.bar_chart(bars, lines, "G2 model load: cold GB/s per loader (medians)", "GB/s",
                                    line_label="fio, same files"))
     saves = _under_test(_rows(measurements, "checkpoint_save_round"))
     restores = _under_test(_rows(measurements, "checkpoint_restore_round"))

@@ -351,6 +351,39 @@ def test_index_html_plots_g2_cold_read_pairs_round_by_round_and_lists_each_pair(
     assert g2.count("cold_read_pair") == 3 and "round=2, tier_gbps=0.9, fio_gbps=1.3" in g2
 
 
+def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_against_fio(tmp_path):
+    store = build_run(tmp_path, gates=("g1", "g2"), g2_ttft=False)
+    for i in range(5):
+        for loader, gbps, fio in (("safetensors", 0.6, 1.5), ("runai_streamer", 1.3, 1.45)):
+            store.record("g2", "model_load_rounds", "model_load_round", gbps, "GB/s", loader=loader, round=i,
+                         seconds=1.07 / gbps, bytes=1_073_741_824, fio_gbps=fio, ratio=gbps / fio, cold=i > 0,
+                         identical=True, phases={"open": 0.01, "read": 1.5 + i, "deserialize": 0.0, "copy": 0.2},
+                         storage="under test")
+    store.record("g2", "model_load_rounds", "model_load_loader", 0.9, "%", loader="runai_streamer",
+                 interval=[0.85, 0.95], pairs=5)
+    store.record("g2", "service", "service_load", 4.2, "s", loader="safetensors", round=0,
+                 phases={"interpreter": 0.3, "weights_loaded": 3.1, "ready": 0.7, "first_token": 0.1},
+                 weights={"loader": "safetensors", "seconds": 0.05, "bytes": 5_000_000})
+    for i in range(2):
+        store.record("g2", "checkpoint_saves", "checkpoint_save_round", 1.1, "GB/s", round=i, slowest_s=0.51,
+                     rank_seconds=[0.5, 0.51], bytes=560_000_000, fio_gbps=1.4, ratio=0.79, storage="under test")
+    store.record("g2", "checkpoint_restores", "checkpoint_restore_round", 1.8, "GB/s", round=0, slowest_s=0.31,
+                 rank_seconds=[0.3, 0.31], bytes=560_000_000, equal=True, cold=True, storage="under test")
+    render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    g2 = page[page.index('id="g2"'):page.index('id="g3"')]
+    assert "Model load: cold rounds per loader (medians)" in g2
+    table = g2[g2.index("Model load: cold rounds per loader"):g2.index("Service load")]
+    # runai_streamer's row: median GB/s 1.30, fio 1.45, its judged ratio with interval, read phase median 3.5 s
+    assert "<td>runai_streamer</td>" in table and "90.0% [85.0%, 95.0%]" in table and ">3.500<" in table
+    assert ">4 / 5<" in table and ">5 / 5<" in table            # cold rounds, identical rounds
+    assert "Service load: process start to first token" in g2 and ">3.100<" in g2 and ">0.10<" in g2
+    assert "Checkpoint save: each round" in g2 and "0.500, 0.510" in g2 and ">79.0%<" in g2
+    assert "Checkpoint restore: each round" in g2 and ">yes<" in g2
+    assert "G2 model load: cold GB/s per loader (medians)" in g2 and "fio, same files" in g2
+    assert "G2 checkpoint: save and cold restore GB/s per round" in g2 and "fio sequential write" in g2
+
+
 def test_user_controlled_strings_are_escaped_in_html_and_svg(run_dir):
     render_run(run_dir)
     page = (run_dir / "index.html").read_text()
