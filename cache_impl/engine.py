@@ -34,10 +34,12 @@ from .heap import HeapTrimmer
 from .keys import Fingerprint, KVLayout
 from .kvbuffers import KVBuffers
 from .manager import TieredKVCache, resolve_device
-from .model import DEFAULT_PRESET, PRESETS, Transformer, build_model, weights_digest
+from .model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
 from .tokenizer import GENERATABLE, ByteTokenizer
+from .weights import WeightsLoad, load_weights, seeded_weights
 
 CacheMode = Literal["recompute", "device-only", "tiered"]
+LoadFormat = Literal["safetensors", "runai_streamer", "fastsafetensors"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvgate" / "kv"
 _log = logging.getLogger("kvgate.engine")
 
@@ -48,6 +50,12 @@ class EngineConfig(StrictModel):
     mode: CacheMode = Field(default="tiered", description="recompute, device-only (device tier only) or tiered")
     preset: Literal[tuple(PRESETS)] = Field(default=DEFAULT_PRESET, description="model size preset")
     seed: int = Field(default=0, ge=0, description="weights seed (part of the cache fingerprint)")
+    weights: Optional[Path] = Field(default=None, description="a safetensors directory to load the weights from "
+                                    "(kvgate export-weights writes one; its metadata names the preset); "
+                                    "default: weights from the seed")
+    load_format: LoadFormat = Field(default="safetensors", description="the loader of `weights`: safetensors "
+                                    "(what engines do by default), runai_streamer or fastsafetensors")
+    load_concurrency: int = Field(default=16, ge=1, le=256, description="the streaming loaders' read threads")
     max_running: int = Field(default=8, ge=1, description="requests decoding at once")
     max_waiting: int = Field(default=64, ge=0, description="queued requests before new ones get 429")
     # The longest prompt a preset takes (16,384 tokens) is at most ~100 KiB of JSON (a byte token
@@ -156,9 +164,9 @@ class Engine:
         self.config = config
         self.device = device or resolve_device(config.cache.device)
         self.tokenizer = ByteTokenizer()
-        self.model: Transformer = build_model(config.preset, config.seed, self.device)
+        self.model, self.weights_load = self._weights(config)
         args = self.model.args
-        self.model_name = f"kvgate-{config.preset}"
+        self.model_name = f"kvgate-{self.weights_load.preset}"
         self.max_context = args.max_seq_len
         self.block_size = config.cache.block_size
         self.layout = KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, "float32", self.block_size)
@@ -175,6 +183,14 @@ class Engine:
         self.counters = collections.Counter()
         self._kv_buffers = KVBuffers(self._allocate_kv, max_idle=config.max_running)
         self._heap = HeapTrimmer()  # what finished requests freed goes back to the OS, not to a fragmented arena
+
+    def _weights(self, config: EngineConfig) -> tuple[Transformer, WeightsLoad]:
+        """The seeded model, or the weights of `config.weights` (whose metadata may name the preset: an
+        explicit preset must agree with it)."""
+        if config.weights is None:
+            return seeded_weights(config.preset, config.seed, self.device)
+        asked = config.preset if "preset" in config.model_fields_set else None
+        return load_weights(config.weights, asked, config.load_format, self.device, config.load_concurrency)
 
     # -- public ---------------------------------------------------------------
 

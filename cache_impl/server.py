@@ -1,7 +1,8 @@
 """OpenAI-compatible streaming server for the embedded engine (FastAPI + uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not),
-GET /v1/models, GET /health, GET /metrics (Prometheus text), and with an admin
+GET /v1/models, GET /health (with the start-up timeline: process start, weights
+loaded and how, ready), GET /metrics (Prometheus text), and with an admin
 token the /admin routes (cache_impl/admin.py). With an API key, /v1 and /admin
 need `Authorization: Bearer KEY`; /health and /metrics never need a secret.
 Every client mistake gets a 4xx with OpenAI's error body, a body over
@@ -21,6 +22,7 @@ import time
 import uuid
 from typing import AsyncIterator, Optional
 
+import psutil
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -37,14 +39,21 @@ from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, chat_t
 DEFAULT_MAX_TOKENS = 16
 
 
-def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optional[str] = None) -> FastAPI:
+def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optional[str] = None,
+               process_start: Optional[float] = None) -> FastAPI:
     """The ASGI app; it starts the engine on startup and drains and flushes it on shutdown.
 
     `admin_token` adds the admin routes (cache_impl/admin.py), which refuse requests without it.
+    `process_start` (epoch seconds; default: the OS's start time of this process) opens the start-up
+    timeline that /health reports: process start, weights loaded, ready.
     """
+    startup = {"process_start": process_start if process_start is not None else psutil.Process().create_time(),
+               "weights_loaded": engine.weights_load.finished_at, "ready": None,
+               "weights": engine.weights_load.as_dict()}
 
     async def lifespan(app: FastAPI):
         engine.start()
+        startup["ready"] = time.time()
         yield
         await asyncio.to_thread(engine.stop)
 
@@ -87,7 +96,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
         pooled = engine.cache is not None and "remote" in engine.cache.tiers
         remote = engine.cache.tier("remote").snapshot() if pooled else None
         return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode, "pid": os.getpid(),
-                "fingerprint": fingerprint, "remote": remote}
+                "fingerprint": fingerprint, "remote": remote, "startup": startup}
 
     @app.get("/v1/models")
     async def models() -> dict:

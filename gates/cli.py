@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cache_impl.config import ConfigError
 from workloads.fio import FioError
+from workloads.safetensors_dir import CheckpointFormatError
 
 
 def _positive_int(text: str) -> int:
@@ -20,6 +21,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, found {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, found {text}")
     return value
 
 
@@ -49,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="blocks in the index for the lookup figure (default: 1000000)")
     bench.set_defaults(handler=_cache_bench)
     _add_serve(commands)
+    _add_export_weights(commands)
     _add_scrub(commands)
     _add_engine_bench(commands)
     _add_client_bench(commands)
@@ -159,7 +171,13 @@ def _add_serve(commands) -> None:
     serve.add_argument("--remote", metavar="URL",
                        help="the shared pool below the disk tier: redis://HOST:PORT/DB or "
                             "mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE]")
-    serve.add_argument("--preset", help="model size preset: tiny, small (default), base")
+    serve.add_argument("--preset", help="model size preset: tiny, small (default), base; with --weights, the "
+                                        "directory's own (an explicit one must agree with it)")
+    serve.add_argument("--weights", type=Path, metavar="DIR",
+                       help="load the weights from this safetensors directory (kvgate export-weights writes one) "
+                            "instead of making them from the seed")
+    serve.add_argument("--load-format", choices=["safetensors", "runai_streamer", "fastsafetensors"],
+                       help="the loader of --weights (default: safetensors, what engines do by default)")
     serve.add_argument("--config", type=Path, help="YAML file; its `engine:` section configures the engine")
     serve.add_argument("--api-key-env", default="KVGATE_API_KEY",
                        help="environment variable holding the API key clients must send, at least 16 printable "
@@ -189,6 +207,10 @@ def engine_settings(args: argparse.Namespace) -> dict:
         settings["preset"] = args.preset
     if args.max_request_bytes is not None:
         settings["max_request_bytes"] = args.max_request_bytes
+    if args.weights is not None:
+        settings["weights"] = str(args.weights)
+    if args.load_format is not None:
+        settings["load_format"] = args.load_format
     if args.cache_dir is not None:
         cache = dict(settings.get("cache") or {})
         cache["disk"] = {**(cache.get("disk") or {}), "path": str(args.cache_dir)}
@@ -264,13 +286,49 @@ def _serve(args: argparse.Namespace) -> int:
     engine = Engine(config)
     app = create_app(engine, api_key=api_key, admin_token=admin_token)
     remote = config.cache.remote
-    print(f"kvgate serve: {engine.model_name}, mode {config.mode}, "
+    print(f"kvgate serve: {engine.model_name}, {engine.weights_load.describe()}, mode {config.mode}, "
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "
           f"shared pool {remote.backend if remote is not None and config.mode == 'tiered' else 'off'}, "
           f"http://{args.host}:{args.port}/v1", flush=True)
     # uvicorn drains on SIGTERM, then re-raises the signal to the previous handler: make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    return 0
+
+
+def _add_export_weights(commands) -> None:
+    export = commands.add_parser(
+        "export-weights", help="write the embedded model's weights as a safetensors directory",
+        description="Write the seeded embedded model's weights the way models ship: model-0000i-of-0000N."
+                    "safetensors shards, model.safetensors.index.json and a checksum sidecar; the metadata "
+                    "names the preset, so `kvgate serve --weights DIR` needs no --preset.",
+    )
+    export.add_argument("dir", type=Path, help="the directory to write (created; refused if it holds a checkpoint)")
+    export.add_argument("--preset", default="small", help="model size preset: tiny, small, base (default: small)")
+    export.add_argument("--seed", type=int, default=0, help="weights seed (default: 0, as kvgate serve's)")
+    export.add_argument("--shard-mib", type=_positive_number, default=512,
+                        help="shard size in MiB, fractions allowed (default: 512)")
+    export.add_argument("--force", action="store_true", help="replace a checkpoint already in the directory")
+    export.set_defaults(handler=_export_weights)
+
+
+def _export_weights(args: argparse.Namespace) -> int:
+    from cache_impl.model import PRESETS
+    from cache_impl.weights import export_weights
+
+    if args.preset not in PRESETS:
+        raise ConfigError(f"--preset: expected one of {', '.join(PRESETS)}, found {args.preset!r}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed: expected an integer >= 0, found {args.seed}")
+    try:
+        written = export_weights(args.dir, args.preset, args.seed, int(args.shard_mib * 2**20), args.force)
+    except FileExistsError as error:
+        raise ConfigError(f"dir: {error} (--force replaces it)") from None
+    except OSError as error:
+        raise ConfigError(f"dir: expected a directory kvgate can write, found {args.dir} refused "
+                          f"({error.strerror or error})") from None
+    print(f"wrote {args.dir}: preset {args.preset}, seed {args.seed}, {len(written.tensors)} tensors, "
+          f"{written.tensor_bytes / 2**20:.2f} MiB in {len(written.files)} shard(s)")
     return 0
 
 
@@ -439,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, FioError) as error:
+    except (ConfigError, FioError, CheckpointFormatError) as error:
         print(f"kvgate {args.command}: {error}", file=sys.stderr)
         return 2
 

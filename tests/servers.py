@@ -48,11 +48,11 @@ def http_client(port: int, timeout: float = 30) -> httpx.Client:
 class ServerProcess:
     """One `kvgate serve` subprocess; its output goes to a log file read on failure."""
 
-    def __init__(self, workdir: Path, api_key: Optional[str] = None, preset: str = "tiny",
+    def __init__(self, workdir: Path, api_key: Optional[str] = None, preset: Optional[str] = "tiny",
                  mode: str = "tiered", engine: Optional[dict] = None, cache_dir: Optional[Path] = None,
                  admin: bool = False, extra_args: tuple[str, ...] = ()) -> None:
         """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache;
-        `admin`: with the admin routes, guarded by ADMIN_TOKEN."""
+        `admin`: with the admin routes, guarded by ADMIN_TOKEN; `preset` None: no --preset (--weights names it)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.cache_dir = cache_dir or workdir / "cache"
@@ -62,8 +62,8 @@ class ServerProcess:
             env["KVGATE_API_KEY"] = api_key
         if admin:
             env[ADMIN_TOKEN_ENV] = ADMIN_TOKEN
-        command = [sys.executable, "-m", "gates.cli", "serve", "--preset", preset, "--mode", mode,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--cache-dir", str(self.cache_dir)]
+        command = [sys.executable, "-m", "gates.cli", "serve", *(("--preset", preset) if preset else ()),
+                   "--mode", mode, "--host", "127.0.0.1", "--port", str(self.port), "--cache-dir", str(self.cache_dir)]
         if engine is not None:
             config = workdir / f"engine-{self.port}.yaml"
             config.write_text(yaml.safe_dump({"engine": engine}))
