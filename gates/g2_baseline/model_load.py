@@ -1,0 +1,198 @@
+"""G2's model service loading: a real safetensors checkpoint on the storage under test, read cold by
+each loader, each load beside fio reading the very same files (gates/g2_baseline/side_by_side.py).
+
+A vendor's "1399 → 150 s" is a service start, so two figures are kept apart: the loaders' own GB/s
+(what the storage gives a loader, judged against fio: `model_load_vs_fio`), and a server's start
+timed from outside per loader (workloads/service_load.py), phase by phase.
+
+Rounds alternate: in round i every loader loads once (pages dropped first, `cold` checked from the
+process's own device reads), each followed by fio reading the same files; so each loader's ratio is
+a paired one, and all loaders met the same minutes of the disk. With `baseline_path`, the best
+loader then alternates between the two storages for the speedup.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from kvcore.files import drop_cached_pages
+from kvcore.settings import parse_size
+from workloads.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
+
+from .side_by_side import FioFilesRead, FioShape, Pair, PairedRatio, Reading, paired_ratio
+
+Progress = Callable[[str], None]
+RANDOM_DIR = "model-load"        # under storage.path (and baseline_path): the random checkpoint, removed at the end
+
+
+@dataclass(frozen=True)
+class LoaderRound:
+    """One cold load by one loader and fio's read of the same files right after it."""
+
+    loader: str
+    pair: Pair
+    summary: dict            # workloads.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
+    identical: bool          # every tensor's checksum matched
+    mismatch: str = ""       # what did not match, when not identical
+
+    def context(self) -> dict:
+        s = self.summary
+        return {"loader": self.loader, "round": self.pair.round, "seconds": s["seconds"], "bytes": s["nbytes"],
+                "fio_gbps": self.pair.fio.gbps, "ratio": self.pair.ratio, "cold": s["cold"],
+                "device_read_bytes": s["device_read_bytes"], "identical": self.identical,
+                "phases": s["phases"], "folded": s["folded"], "storage": "under test",
+                **({"mismatch": self.mismatch} if self.mismatch else {})}
+
+
+@dataclass
+class LoaderFigures:
+    """Every round of one loader, and its side-by-side ratio."""
+
+    loader: str
+    rounds: list[LoaderRound] = field(default_factory=list)
+
+    @property
+    def judged(self) -> PairedRatio:
+        return paired_ratio([r.pair for r in self.rounds])
+
+    @property
+    def identical(self) -> int:
+        return sum(r.identical for r in self.rounds)
+
+    @property
+    def cold(self) -> int:
+        return sum(bool(r.summary["cold"]) for r in self.rounds)
+
+
+def device() -> str:
+    """Where the loaded tensors go: the GPU when there is one (the copy-to-device phase), else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Checkpoints:
+    """The checkpoint each storage is read from; the random ones are written here and removed by `close`."""
+
+    under_test: SafetensorsDir
+    baseline: Optional[SafetensorsDir]
+    written: list[Path] = field(default_factory=list)
+
+    def close(self) -> None:
+        for path in self.written:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _writer(label: str, progress: Progress) -> Callable[[int, int], None]:
+    return lambda done, total: progress(f"model load: writing the random checkpoint {label}: "
+                                        f"{done / 1e9:.2f} / {total / 1e9:.2f} GB")
+
+
+def _random_checkpoint(directory: Path, size: int, shard: int, label: str, progress: Progress) -> SafetensorsDir:
+    free = shutil.disk_usage(directory.parent if not directory.exists() else directory).free
+    if free < size * 1.05:
+        raise CheckpointFormatError(f"{directory}: expected room for a {size / 1e9:.2f} GB random checkpoint "
+                                    f"(g2.model_load.size), found {free / 1e9:.2f} GB free")
+    return write_random_checkpoint(directory, size, shard_bytes=shard, progress=_writer(label, progress),
+                                   overwrite=True)
+
+
+def prepare_checkpoints(config, storage: Path, progress: Progress) -> Checkpoints:
+    """`config` is g2.model_load. An existing model (`path`) is only read; else a random checkpoint of
+    `size` is written under `storage` (and under `baseline_path` when set)."""
+    if config.path is not None:
+        baseline = read_safetensors_dir(config.baseline_path) if config.baseline_path is not None else None
+        return Checkpoints(read_safetensors_dir(config.path), baseline)
+    size, shard = parse_size(config.size), parse_size(config.shard_size)
+    written = []
+    storage.mkdir(parents=True, exist_ok=True)
+    under_test = _random_checkpoint(storage / RANDOM_DIR, size, shard, "on the storage under test", progress)
+    written.append(under_test.path)
+    baseline = None
+    if config.baseline_path is not None:
+        config.baseline_path.mkdir(parents=True, exist_ok=True)
+        baseline = _random_checkpoint(config.baseline_path / RANDOM_DIR, size, shard, "on the baseline", progress)
+        written.append(baseline.path)
+    return Checkpoints(under_test, baseline, written)
+
+
+def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int):
+    """One cold load: the files' pages dropped, loaded into fresh tensors on the device, checked."""
+    from workloads.loaders import load_checkpoint, verify_loaded
+
+    drop_cached_pages(checkpoint.files)
+    result = load_checkpoint(checkpoint, loader, device(), concurrency=parallel)
+    try:
+        verify_loaded(result, checkpoint)
+        mismatch = ""
+    except CheckpointFormatError as error:
+        mismatch = str(error)
+    summary = result.summary()
+    del result            # the tensors: gigabytes
+    return summary, mismatch
+
+
+def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], rounds: int, parallel: int, shape: FioShape,
+                    progress: Progress, on_round: Callable[[LoaderRound], None]) -> dict[str, LoaderFigures]:
+    """`rounds` rounds; in each, every loader's cold load and then fio's read of the same files."""
+    fio = FioFilesRead(checkpoint.files, shape)
+    figures = {loader: LoaderFigures(loader) for loader in loaders}
+    for index in range(rounds):
+        for loader in loaders:
+            progress(f"model load: round {index + 1} / {rounds}, {loader} "
+                     f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then fio on the same files)")
+            summary, mismatch = cold_load(checkpoint, loader, parallel)
+            loaded = Reading(summary["nbytes"], summary["seconds"])
+            drop_cached_pages(checkpoint.files)
+            round_ = LoaderRound(loader, Pair(index, loaded, fio(index, loaded.nbytes)), summary, not mismatch,
+                                 mismatch)
+            figures[loader].rounds.append(round_)
+            on_round(round_)
+    return figures
+
+
+def best_loader(figures: dict[str, LoaderFigures]) -> Optional[LoaderFigures]:
+    """The loader with the highest side-by-side ratio (what the storage can give a loader)."""
+    judged = [f for f in figures.values() if f.judged.value is not None]
+    return max(judged, key=lambda f: f.judged.value) if judged else None
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """Load seconds on the baseline over the storage under test's, paired round by round."""
+
+    value: float
+    interval: tuple[float, float]
+    under_test_s: list[float]
+    baseline_s: list[float]
+
+
+def measure_speedup(checkpoints: Checkpoints, loader: str, rounds: int, parallel: int, progress: Progress,
+                    on_round: Callable[[str, int, dict], None]) -> Speedup:
+    """`rounds` pairs: the loader's cold load on the storage under test, then on the baseline."""
+    from gates.stats import ratio_ci
+
+    under_test, baseline = [], []
+    for index in range(rounds):
+        for storage, checkpoint, seconds in (("under test", checkpoints.under_test, under_test),
+                                             ("baseline", checkpoints.baseline, baseline)):
+            progress(f"model load: speedup round {index + 1} / {rounds}, {loader} on the {storage} storage")
+            summary, _ = cold_load(checkpoint, loader, parallel)
+            seconds.append(summary["seconds"])
+            on_round(storage, index, summary)
+    value, interval = ratio_ci(baseline, under_test, paired=True)
+    return Speedup(value, interval, under_test, baseline)
+
+
+def median_phases(figures: LoaderFigures) -> dict[str, float]:
+    """The median of each phase over a loader's rounds."""
+    phases: dict[str, list[float]] = {}
+    for r in figures.rounds:
+        for name, seconds in r.summary["phases"].items():
+            phases.setdefault(name, []).append(seconds)
+    return {name: statistics.median(values) for name, values in phases.items()}

@@ -1,0 +1,192 @@
+"""G2 model service loading on the storage under test (g2.model_load; gates/g2_baseline/model_load.py).
+
+A safetensors checkpoint (an existing model, read only, or a random one written here) is loaded cold
+by each loader in alternating rounds beside fio reading the same files; the best loader's ratio is
+judged, every load is checked tensor by tensor, and with a baseline path the best loader's speedup
+over it is judged too. Then a server is started per loader and timed to its first token: the embedded
+`kvgate serve --weights`, or the external engine's own `launch` command.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import pytest
+
+from gates.g2_baseline.model_load import (best_loader, measure_loaders, measure_speedup, median_phases,
+                                          prepare_checkpoints)
+from gates.g2_baseline.side_by_side import FioShape
+from workloads.load import free_port
+from workloads.safetensors_dir import CheckpointFormatError, read_safetensors_dir
+from workloads.service_load import ServiceStartError, time_service_start
+
+SERVICE_DIR = "model-load-service"   # under storage.path: the embedded model's exported weights
+
+
+def _settings(gate_context):
+    settings = gate_context.config.g2.model_load
+    if not settings.enabled:
+        pytest.skip("g2.model_load.enabled is false")
+    return settings
+
+
+@pytest.fixture(scope="module")
+def checkpoints(gate_context):
+    settings = _settings(gate_context)
+    store = gate_context.store
+    try:
+        prepared = prepare_checkpoints(settings, gate_context.config.storage.path,
+                                       lambda text: store.set_progress("g2", text))
+    except (CheckpointFormatError, OSError) as error:
+        pytest.fail(f"G2 model load: {error}", pytrace=False)
+    yield prepared
+    prepared.close()
+
+
+@pytest.fixture(scope="module")
+def available_loaders(gate_context, checkpoints):
+    """The configured loaders that import and run here; the others are said so in the run store."""
+    from workloads.loaders import loader_unavailable
+
+    settings = gate_context.config.g2.model_load
+    usable, missing = [], {}
+    for loader in settings.loaders:
+        reason = loader_unavailable(loader)
+        (missing.__setitem__(loader, reason) if reason else usable.append(loader))
+    for loader, reason in missing.items():
+        gate_context.store.record("g2", "model_load_loaders", "model_load_loader_unavailable", None, loader=loader,
+                                  reason=reason)
+    if not usable:
+        pytest.fail(f"G2 model load: none of the loaders {settings.loaders} runs here: {missing}", pytrace=False)
+    return usable
+
+
+@pytest.fixture(scope="module")
+def loader_figures(gate_context, checkpoints, available_loaders):
+    settings, fio = gate_context.config.g2.model_load, gate_context.config.fio
+    store = gate_context.store
+
+    def on_round(round_) -> None:
+        store.record("g2", "model_load_rounds", "model_load_round", round_.pair.subject.gbps, "GB/s",
+                     **round_.context())
+
+    figures = measure_loaders(checkpoints.under_test, available_loaders, settings.rounds, settings.parallel,
+                              FioShape(fio.direct, fio.ioengine, fio.iodepth, fio.numjobs),
+                              lambda text: store.set_progress("g2", text), on_round)
+    for loader, f in figures.items():
+        judged = f.judged
+        store.record("g2", "model_load_rounds", "model_load_loader", judged.value, "%", loader=loader,
+                     loader_gbps=judged.subject_gbps, fio_gbps=judged.fio_gbps, interval=list(judged.interval or ()),
+                     pairs=judged.pairs, cold_rounds=f.cold, identical_rounds=f.identical,
+                     phases=median_phases(f))
+    return figures
+
+
+def test_the_best_loader_reads_the_checkpoint_near_fio(gate_context, checkpoints, loader_figures, record, verdict):
+    best = best_loader(loader_figures)
+    if best is None:
+        pytest.fail("G2 model load: no loader gave a side-by-side ratio", pytrace=False)
+    judged = best.judged
+    others = ", ".join(f"{f.loader} {100 * f.judged.value:.0f}%" for f in loader_figures.values()
+                       if f is not best and f.judged.value is not None)
+    cold = ("" if best.cold == len(best.rounds) else
+            f"; only {best.cold} of {len(best.rounds)} rounds read the device (the rest came from a cache)")
+    options = judged.verdict_options()
+    if best.cold < len(best.rounds):
+        options.update(valid=False, invalid_reason=f"{len(best.rounds) - best.cold} rounds were not cold")
+    record("model_load_vs_fio", judged.value, "%", loader=best.loader, interval=list(judged.interval or ()),
+           loader_gbps=judged.subject_gbps, fio_gbps=judged.fio_gbps)
+    size = checkpoints.under_test.tensor_bytes / 1e9
+    verdict(f"G2 model load: {best.loader} / fio reading the same {size:.2f} GB cold, side by side "
+            f"({judged.describe()}{'; others: ' + others if others else ''}{cold})", "model_load_vs_fio",
+            judged.value, context={"loader": best.loader}, **options)
+
+
+def test_every_load_gave_the_tensors_that_were_written(loader_figures, record, verdict):
+    rounds = [r for f in loader_figures.values() for r in f.rounds]
+    identical = sum(r.identical for r in rounds)
+    first_bad = next((r.mismatch for r in rounds if not r.identical), "")
+    record("model_load_identical", identical / len(rounds), "%", loads=len(rounds))
+    verdict(f"G2 model load: loads whose every tensor matched its checksum ({identical} of {len(rounds)}"
+            f"{'; first mismatch: ' + first_bad if first_bad else ''})", "model_load_identical",
+            identical / len(rounds), unit="%")
+
+
+def test_speedup_over_the_baseline_storage(gate_context, checkpoints, loader_figures, record, verdict, not_run):
+    settings = gate_context.config.g2.model_load
+    label = "G2 model load: speedup over the baseline storage, same loader"
+    if checkpoints.baseline is None:
+        not_run(label, "model_load_speedup_vs_baseline", "needs a baseline storage path (g2.model_load.baseline_path)")
+    best = best_loader(loader_figures)
+    store = gate_context.store
+
+    def on_round(storage: str, index: int, summary: dict) -> None:
+        store.record("g2", "model_load_speedup", "model_load_round", summary["nbytes"] / summary["seconds"] / 1e9,
+                     "GB/s", loader=best.loader, round=index, storage=storage, seconds=summary["seconds"],
+                     bytes=summary["nbytes"], cold=summary["cold"], phases=summary["phases"])
+
+    speedup = measure_speedup(checkpoints, best.loader, settings.rounds, settings.parallel,
+                              lambda text: store.set_progress("g2", text), on_round)
+    record("model_load_speedup_vs_baseline", speedup.value, "×", loader=best.loader, interval=list(speedup.interval),
+           under_test_s=statistics.median(speedup.under_test_s), baseline_s=statistics.median(speedup.baseline_s))
+    verdict(f"{label} ({best.loader}: {statistics.median(speedup.baseline_s):.2f} s on {settings.baseline_path} "
+            f"/ {statistics.median(speedup.under_test_s):.2f} s, {len(speedup.under_test_s)} pairs)",
+            "model_load_speedup_vs_baseline", speedup.value, unit="×", interval=speedup.interval,
+            context={"loader": best.loader})
+
+
+def _service_commands(gate_context, endpoints, available_loaders):
+    """(loader, command, health URL, base URL, model, files to drop, api key) per timed start."""
+    settings, config = gate_context.config.g2.model_load, gate_context.config
+    if settings.launch is not None:
+        candidate = endpoints.get("candidate")
+        if candidate is None:
+            pytest.skip("G2 service load: g2.model_load.launch needs the candidate endpoint for its first token")
+        files = read_safetensors_dir(settings.path).files if settings.path is not None else ()
+        key = os.environ.get(candidate.api_key_env) if candidate.api_key_env else None
+        return [("launch", settings.launch, settings.health_url, candidate.url, candidate.model, files, key)]
+    if config.targets.kind != "embedded":
+        pytest.skip("G2 service load: an external engine needs g2.model_load.launch and health_url")
+    from cache_impl.weights import export_weights
+
+    embedded = config.targets.embedded
+    directory = config.storage.path / SERVICE_DIR
+    exported = export_weights(directory, embedded.preset, embedded.seed, shard_bytes=16 << 20, overwrite=True)
+    commands = []
+    for loader in available_loaders:
+        port = free_port()
+        command = [sys.executable, "-m", "gates.cli", "serve", "--weights", str(directory), "--load-format", loader,
+                   "--mode", "recompute", "--host", "127.0.0.1", "--port", str(port)]
+        commands.append((loader, command, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/v1",
+                         f"kvgate-{embedded.preset}", exported.files, None))
+    return commands
+
+
+def test_service_start_to_first_token_per_loader(gate_context, endpoints, available_loaders, record, verdict):
+    if not gate_context.config.g2.model_load.service:
+        pytest.skip("g2.model_load.service is false")
+    store = gate_context.store
+    env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"}
+    started, failures = 0, []
+    commands = _service_commands(gate_context, endpoints, available_loaders)
+    for loader, command, health, base_url, model, files, key in commands:
+        store.set_progress("g2", f"service load: starting {command[0] if loader == 'launch' else 'kvgate serve'} "
+                                 f"with {loader}, cold")
+        try:
+            start = time_service_start(command, health, base_url, model, log=store.raw_dir("g2") /
+                                       f"service-load-{loader}.log", drop=files, env=env, api_key=key)
+        except ServiceStartError as error:
+            failures.append(f"{loader}: {error}")
+            continue
+        started += 1
+        record("service_load", start.first_token_s, "s", loader=loader, round=0, phases=start.phases(),
+               weights=start.weights)
+    reason = f"; {failures[0]}" if failures else ""
+    verdict(f"G2 service load: starts that loaded the weights and streamed a first token ({started} of "
+            f"{len(commands)}{reason})", "service_load_started", started / len(commands), unit="%")
+    if gate_context.config.targets.kind == "embedded":
+        import shutil
+
+        shutil.rmtree(gate_context.config.storage.path / SERVICE_DIR, ignore_errors=True)

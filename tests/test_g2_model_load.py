@@ -1,0 +1,98 @@
+"""G2's model-load rounds with the real loaders on a real random checkpoint (tens of MiB): each loader
+alternates with fio reading the same files, every load is checked, and the speedup pairs two storages."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from gates.g2_baseline.model_load import (RANDOM_DIR, best_loader, measure_loaders, measure_speedup, median_phases,
+                                          prepare_checkpoints)
+from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape
+from workloads.safetensors_dir import CheckpointFormatError
+
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
+
+
+def _settings(**fields) -> SimpleNamespace:
+    return SimpleNamespace(**{"path": None, "size": "24MiB", "shard_size": "8MiB", "baseline_path": None, **fields})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("g2-model-load")
+    said = []
+    prepared = prepare_checkpoints(_settings(baseline_path=root / "baseline"), root / "storage", said.append)
+    yield prepared, root, said
+    prepared.close()
+
+
+@needs_fio
+def test_each_loader_alternates_with_fio_on_the_same_files_and_every_load_is_checked(checkpoints):
+    prepared, _, said = checkpoints
+    assert any("writing the random checkpoint" in line for line in said)      # progress while it was written
+    rounds = []
+    figures = measure_loaders(prepared.under_test, ["safetensors", "runai_streamer"], MIN_PAIRS, 4,
+                              FioShape(direct=True, ioengine="libaio", iodepth=4), said.append, rounds.append)
+    assert [(r.loader, r.pair.round) for r in rounds] == [(loader, i) for i in range(MIN_PAIRS)
+                                                         for loader in ("safetensors", "runai_streamer")]
+    for r in rounds:
+        assert r.identical and r.summary["nbytes"] == prepared.under_test.tensor_bytes
+        assert r.pair.fio.nbytes > 0.9 * prepared.under_test.tensor_bytes      # fio read the same files
+        assert r.summary["cold"], r.summary          # pages dropped before each load: the device was read
+        assert set(r.context()["phases"]) == {"open", "read", "deserialize", "copy"}
+    judged = {loader: f.judged for loader, f in figures.items()}
+    assert all(j.valid and j.value > 0 and j.interval[0] <= j.value <= j.interval[1] for j in judged.values())
+    assert best_loader(figures).judged.value == max(j.value for j in judged.values())
+    assert median_phases(figures["safetensors"])["copy"] > 0
+
+
+def test_a_corrupted_shard_is_a_mismatch_of_that_round_not_a_crash(checkpoints, tmp_path):
+    prepared, _, _ = checkpoints
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared.under_test.path, copy)
+    from workloads.safetensors_dir import read_safetensors_dir
+
+    damaged = read_safetensors_dir(copy)
+    entry = next(iter(damaged.tensors.values()))
+    with open(entry.file, "r+b") as f:
+        f.seek(entry.offset + 100)
+        byte = f.read(1)
+        f.seek(entry.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    from gates.g2_baseline.model_load import cold_load
+
+    summary, mismatch = cold_load(damaged, "safetensors", 4)
+    assert summary["nbytes"] == damaged.tensor_bytes
+    assert entry.file.name in mismatch and entry.name in mismatch
+
+
+def test_the_speedup_pairs_a_cold_load_on_each_storage(checkpoints):
+    prepared, root, _ = checkpoints
+    assert prepared.baseline is not None and prepared.baseline.path == root / "baseline" / RANDOM_DIR
+    seen = []
+    speedup = measure_speedup(prepared, "runai_streamer", MIN_PAIRS, 4, lambda text: None,
+                              lambda storage, index, summary: seen.append((storage, index, summary["cold"])))
+    assert [(s, i) for s, i, _ in seen] == [(s, i) for i in range(MIN_PAIRS) for s in ("under test", "baseline")]
+    # both directories are on this one disk: the "speedup" is near 1, and its interval holds it
+    assert speedup.interval[0] <= speedup.value <= speedup.interval[1] and 0.2 < speedup.value < 5
+
+
+def test_an_existing_model_is_read_never_written_and_a_missing_one_is_a_clear_error(checkpoints, tmp_path):
+    prepared, _, _ = checkpoints
+    model = prepared.under_test.path
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in model.iterdir())
+    read = prepare_checkpoints(_settings(path=model), tmp_path / "storage", lambda text: None)
+    assert read.written == [] and read.under_test.files == prepared.under_test.files
+    read.close()                                    # nothing of an existing model is removed
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in model.iterdir()) == before
+    with pytest.raises(CheckpointFormatError):
+        prepare_checkpoints(_settings(path=tmp_path / "no-model"), tmp_path / "storage", lambda text: None)
+
+
+def test_a_random_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(CheckpointFormatError, match=r"expected room for a .* GB random checkpoint"):
+        prepare_checkpoints(_settings(size="1000TB"), tmp_path / "storage", lambda text: None)
+    assert not (tmp_path / "storage" / RANDOM_DIR).exists()
