@@ -365,8 +365,12 @@ class CheckpointJob:
             raise CheckpointError(f"{directory}: expected an absent or empty directory for a new checkpoint, "
                                   f"found {'a file' if not directory.is_dir() else 'entries in it'}")
         directory.mkdir(parents=True, exist_ok=True)
-        answers = self._group.ask({"cmd": "save", "directory": str(directory), "thread_count": self.thread_count},
-                                  f"save into {directory}", timeout_s or self.round_timeout_s)
+        try:
+            answers = self._group.ask({"cmd": "save", "directory": str(directory), "thread_count": self.thread_count},
+                                      f"save into {directory}", timeout_s or self.round_timeout_s)
+        except RankFailure:
+            self._unpublish(directory)     # a rank died mid-save: whatever rank 0 published is not vouched for
+            raise
         ok = all(a.get("ok") for a in answers)
         error = None if ok else describe_failures(answers)
         if ok and not (directory / METADATA_NAME).is_file():

@@ -64,7 +64,8 @@ def differences(spec: CheckpointSpec, rank: int, expected: dict, found: dict) ->
 
 def _compare(plan: TensorPlan, expected: torch.Tensor, found: torch.Tensor) -> Optional[str]:
     if found.dtype != expected.dtype or found.shape != expected.shape:
-        return f"{plan.fqn}: expected {expected.dtype} {tuple(expected.shape)}, found {found.dtype} {tuple(found.shape)}"
+        return (f"{plan.fqn}: expected {expected.dtype} {tuple(expected.shape)}, "
+                f"found {found.dtype} {tuple(found.shape)}")
     a, b = expected.view(torch.uint8), found.view(torch.uint8)
     if torch.equal(a, b):
         return None

@@ -16,7 +16,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .load import free_port
 from .processes import die_with_parent
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -38,13 +38,6 @@ class RankFailure(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on now (for MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class RankGroup:
