@@ -19,7 +19,9 @@ SMALL = {
                              "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
     "inventory": {"min_cpu_cores": 1, "min_memory_gib": 1},
     "fio": {"size": "32M", "runtime_s": 1, "verify_size": "8M"},
-    "g2": {"contexts": [600, 1100], "rounds": 1},
+    "g2": {"contexts": [600, 1100], "rounds": 1,
+           "model_load": {"size": "24MiB", "shard_size": "8MiB"},
+           "checkpoint": {"parameters": 1_500_000}},           # 21 MB of state at 14 bytes per parameter
 }
 
 
@@ -77,3 +79,34 @@ def test_kvgate_report_re_renders_the_same_results(run, capsys):
     assert main(["report", str(run_dir)]) == 0
     assert (run_dir / "results.json").read_text() == before
     assert "report:" in capsys.readouterr().out
+
+
+def test_g2_measures_every_loader_and_every_checkpoint_round_and_judges_them(run):
+    _, run_dir = run
+    store = RunStore(run_dir)
+    rows = store.measurements("g2")
+    loads = [m for m in rows if m["metric"] == "model_load_round"]
+    loaders = {m["context"]["loader"] for m in loads}
+    assert "safetensors" in loaders and len(loads) == 5 * len(loaders)
+    assert all(m["context"]["identical"] and m["value"] > 0 and m["context"]["fio_gbps"] > 0 for m in loads)
+    assert sum(m["context"]["cold"] for m in loads) >= len(loads) // 2   # the pages were dropped before each
+    starts = [m for m in rows if m["metric"] == "service_load"]
+    assert {m["context"]["loader"] for m in starts} == loaders
+    for start in starts:     # kvgate serve --weights said when its weights were loaded, in order
+        phases = start["context"]["phases"]
+        assert list(phases) == ["interpreter", "weights_loaded", "ready", "first_token"]
+        assert start["context"]["weights"]["loader"] == start["context"]["loader"]
+    saves = [m for m in rows if m["metric"] == "checkpoint_save_round"]
+    assert len(saves) == 6 and sum(bool(m["context"].get("warmup")) for m in saves) == 1     # one warm-up save
+    assert all(len(m["context"]["rank_seconds"]) == 2 for m in saves)
+    assert all(m["context"]["slowest_s"] == max(m["context"]["rank_seconds"]) for m in saves)
+    restores = [m for m in rows if m["metric"] == "checkpoint_restore_round"]
+    assert len(restores) == 5 and all(m["context"]["equal"] for m in restores)
+    judged = {v["metric"]: v["status"] for v in store.verdicts("g2")}
+    assert judged["model_load_identical"] == judged["checkpoint_restore_identical"] == "PASS"
+    assert judged["checkpoint_saves_complete"] == judged["service_load_started"] == "PASS"
+    assert {"model_load_vs_fio", "checkpoint_write_vs_fio"} <= set(judged)
+    not_run = {u["metric"]: u["reason"] for u in store.unjudged("g2")}
+    assert "needs a baseline storage path" in not_run["model_load_speedup_vs_baseline"]
+    assert "needs a baseline storage path" in not_run["checkpoint_speedup_vs_baseline"]
+    assert not (run_dir.parent / "storage" / "model-load").exists()       # the random checkpoint is gone

@@ -53,6 +53,9 @@ AGREEMENT_TOLERANCE = 0.05   # MLPerf Storage: repeated runs agree within 5%
 # parameters (0.41% of 32.8B), what PEFT prints for that configuration; with Adam state, 1.9 GB.
 STATE_PRESETS: dict[str, int] = {
     "8b": 8_030_261_248,
+    # "32b": the vendor's 8-GPU 32B job, a model of Qwen2.5-32B's shape (64 layers, hidden 5120, ffn 27648,
+    # 8 KV heads of 128, qkv biases, vocab 152064 untied) -> 32,763,876,352
+    "32b": 32_763_876_352,
     "70b": 70_553_706_496,
     "405b": 405_853_388_800,
     "1t": 1_325_990_941_968,
@@ -116,7 +119,7 @@ class CheckpointSpec:
 
     @classmethod
     def from_preset(cls, name: str, **fields) -> "CheckpointSpec":
-        """A spec of one of STATE_PRESETS' parameter counts ('8b', '70b', '405b', '1t', 'adapter')."""
+        """A spec of one of STATE_PRESETS' parameter counts ('8b', '32b', '70b', '405b', '1t', 'adapter')."""
         if name not in STATE_PRESETS:
             raise ConfigError(f"checkpoint.preset: expected one of {', '.join(map(repr, STATE_PRESETS))}, "
                               f"found {name!r}")
