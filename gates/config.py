@@ -445,7 +445,11 @@ PROFILES: dict[str, dict] = {
         ]},
         # 8 pairs of 2 prefixes of 8k tokens (~62 MiB per side with the small preset): one prefix (~31 MiB)
         # left the tier's side noisy; more pairs narrow the median's interval over fio's swings
+        # model load: 1 GiB read by safetensors (engines' default) and the Run:ai streamer (the best loader
+        # here); fastsafetensors, slower here, is the full profile's third (a minute of the quick budget is all
+        # G2's model load and checkpoint get)
         "g2": {"contexts": [1024, 4096, 8192], "rounds": 2, "cold_read_pairs": 8, "cold_read_prefixes": 2,
+               "model_load": {"loaders": ["safetensors", "runai_streamer"]},
                "thresholds": [
             {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},

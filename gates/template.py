@@ -65,7 +65,7 @@ g2:
     # path: /models/DeepSeek-R1-Distill-Llama-70B   # an existing safetensors model (read only, never written)
     size: 1GiB                    # without path: a random checkpoint this big is written under storage.path
     shard_size: 256MiB
-    loaders: [safetensors, runai_streamer, fastsafetensors]   # each read cold, beside fio reading the same files
+    loaders: [safetensors, runai_streamer]   # each read cold beside fio reading the same files (also: fastsafetensors)
     parallel: 16                  # read threads of the streaming loaders
     rounds: 5
     # baseline_path: /mnt/nfs/kvgate   # the storage to compare with (e.g. NFS): the speedup check runs

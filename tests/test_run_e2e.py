@@ -97,7 +97,7 @@ def test_g2_measures_every_loader_and_every_checkpoint_round_and_judges_them(run
         assert list(phases) == ["interpreter", "weights_loaded", "ready", "first_token"]
         assert start["context"]["weights"]["loader"] == start["context"]["loader"]
     saves = [m for m in rows if m["metric"] == "checkpoint_save_round"]
-    assert len(saves) == 6 and sum(bool(m["context"].get("warmup")) for m in saves) == 1     # one warm-up save
+    assert len(saves) == 7 and sum(bool(m["context"].get("warmup")) for m in saves) == 2     # two warm-up saves
     assert all(len(m["context"]["rank_seconds"]) == 2 for m in saves)
     assert all(m["context"]["slowest_s"] == max(m["context"]["rank_seconds"]) for m in saves)
     restores = [m for m in rows if m["metric"] == "checkpoint_restore_round"]

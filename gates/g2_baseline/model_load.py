@@ -121,32 +121,36 @@ def prepare_checkpoints(config, storage: Path, progress: Progress) -> Checkpoint
     return Checkpoints(under_test, baseline, written)
 
 
-def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int):
-    """One cold load: the files' pages dropped, loaded into fresh tensors on the device, checked."""
+def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: Optional[dict] = None):
+    """One cold load: the files' pages dropped, loaded into `destinations` (an engine's parameters, allocated
+    once before its loads; fresh ones when None) on the device, every tensor checked."""
     from workloads.loaders import load_checkpoint, verify_loaded
 
     drop_cached_pages(checkpoint.files)
-    result = load_checkpoint(checkpoint, loader, device(), concurrency=parallel)
+    result = load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
     try:
         verify_loaded(result, checkpoint)
         mismatch = ""
     except CheckpointFormatError as error:
         mismatch = str(error)
-    summary = result.summary()
-    del result            # the tensors: gigabytes
-    return summary, mismatch
+    return result.summary(), mismatch
 
 
 def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], rounds: int, parallel: int, shape: FioShape,
                     progress: Progress, on_round: Callable[[LoaderRound], None]) -> dict[str, LoaderFigures]:
     """`rounds` rounds; in each, every loader's cold load and then fio's read of the same files."""
+    from workloads.loaders import allocate_destinations
+
     fio = FioFilesRead(checkpoint.files, shape)
     figures = {loader: LoaderFigures(loader) for loader in loaders}
+    destinations = allocate_destinations(checkpoint, device())    # the model's parameters, placed once
     for index in range(rounds):
         for loader in loaders:
             progress(f"model load: round {index + 1} / {rounds}, {loader} "
                      f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then fio on the same files)")
-            summary, mismatch = cold_load(checkpoint, loader, parallel)
+            for tensor in destinations.values():
+                tensor.zero_()       # what the last load left must not pass this one's check
+            summary, mismatch = cold_load(checkpoint, loader, parallel, destinations)
             loaded = Reading(summary["nbytes"], summary["seconds"])
             drop_cached_pages(checkpoint.files)
             round_ = LoaderRound(loader, Pair(index, loaded, fio(index, loaded.nbytes)), summary, not mismatch,

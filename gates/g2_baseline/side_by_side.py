@@ -12,8 +12,8 @@ fio's sides, one per kind of subject:
   mode and parallelism (G2's cold read);
 - `FioFilesRead`: a sequential read of the very files the subject read (a model's shards), read only,
   in G1's sequential-read shape;
-- `FioFreshWrite`: a sequential write of a fresh file, fsync'd before it counts as done, in G1's
-  sequential-write shape (a checkpoint save).
+- `FioFreshWrite`: a sequential write of a fresh file, fsync'd before it counts as done, in the
+  subject's I/O mode and streams (a checkpoint save: buffered, a job per rank).
 """
 
 from __future__ import annotations
@@ -245,8 +245,8 @@ class FioFilesRead:
 
 @dataclass
 class FioFreshWrite:
-    """fio's side of a checkpoint save: a sequential write of a fresh file of as many bytes, in G1's
-    shape, fsync'd at the end (`end_fsync=1`: a save counts as done once it is on the device, so
+    """fio's side of a checkpoint save: a sequential write of a fresh file of as many bytes, in `shape`
+    (the subject's I/O mode and streams), fsync'd at the end (`end_fsync=1`: a save counts as done once it is on the device, so
     fio's does too), the file removed after each round."""
 
     directory: Path
