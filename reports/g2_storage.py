@@ -6,7 +6,7 @@ Rows read (written by gates/g2_baseline/test_g2_model_load.py and test_g2_checkp
 - `model_load_round`: one cold load (value GB/s); context loader, round, seconds, bytes, fio_gbps,
   ratio, cold, identical, phases {open, read, deserialize, copy}, storage ("under test" or "baseline");
 - `model_load_loader`: a loader's side-by-side ratio (value); context loader, loader_gbps, fio_gbps,
-  interval, pairs;
+  interval, pairs, warm_gbps and warm_read_device (one load with the files in the page cache);
 - `service_load`: one timed server start (value: seconds to the first token); context loader, round,
   phases {interpreter, weights_loaded, ready, first_token}, weights {loader, seconds, bytes};
 - `checkpoint_save_round` / `checkpoint_restore_round`: one save or cold restore (value GB/s); context
@@ -68,6 +68,15 @@ def _under_test(rows: list[dict]) -> list[dict]:
     return [r for r in rows if (r.get("context") or {}).get("storage", "under test") == "under test"]
 
 
+def _warm(loader_row: Optional[dict]) -> str:
+    """The loader's one warm load (files in the page cache), apart from the judged cold ones."""
+    context = (loader_row or {}).get("context") or {}
+    gbps = _number(context.get("warm_gbps"))
+    if gbps is None:
+        return ""
+    return _gbps(gbps) + (" (read the device: O_DIRECT)" if context.get("warm_read_device") else "")
+
+
 def model_load_tables(measurements: list[dict]) -> list[dict]:
     """Per loader: medians of its cold rounds on the storage under test, phase by phase; and the server
     start per loader when it was timed."""
@@ -89,10 +98,11 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
                          _seconds(_median(c.get("seconds") for c in contexts)),
                          _gigabytes(_median(c.get("bytes") for c in contexts)),
                          f"{sum(1 for c in contexts if c.get('cold'))} / {len(contexts)}",
-                         f"{sum(1 for c in contexts if c.get('identical'))} / {len(contexts)}"])
+                         f"{sum(1 for c in contexts if c.get('identical'))} / {len(contexts)}",
+                         _warm(ratio)])
         tables.append({"title": "Model load: cold rounds per loader (medians), beside fio reading the same files",
                        "columns": ["loader", "GB/s", "fio GB/s", "loader / fio", *(f"{p} s" for p in LOAD_PHASES),
-                                   "total s", "bytes", "cold rounds", "identical rounds"],
+                                   "total s", "bytes", "cold rounds", "identical rounds", "warm GB/s"],
                        "rows": rows})
     starts = _rows(measurements, "service_load")
     if starts:

@@ -360,7 +360,9 @@ def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_ag
                          identical=True, phases={"open": 0.01, "read": 1.5 + i, "deserialize": 0.0, "copy": 0.2},
                          storage="under test")
     store.record("g2", "model_load_rounds", "model_load_loader", 0.9, "%", loader="runai_streamer",
-                 interval=[0.85, 0.95], pairs=5)
+                 interval=[0.85, 0.95], pairs=5, warm_gbps=1.37, warm_read_device=True)
+    store.record("g2", "model_load_rounds", "model_load_loader", 0.5, "%", loader="safetensors",
+                 interval=[0.4, 0.6], pairs=5, warm_gbps=5.2, warm_read_device=False)
     store.record("g2", "service", "service_load", 4.2, "s", loader="safetensors", round=0,
                  phases={"interpreter": 0.3, "weights_loaded": 3.1, "ready": 0.7, "first_token": 0.1},
                  weights={"loader": "safetensors", "seconds": 0.05, "bytes": 5_000_000})
@@ -377,6 +379,7 @@ def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_ag
     # runai_streamer's row: median GB/s 1.30, fio 1.45, its judged ratio with interval, read phase median 3.5 s
     assert "<td>runai_streamer</td>" in table and "90.0% [85.0%, 95.0%]" in table and ">3.500<" in table
     assert ">4 / 5<" in table and ">5 / 5<" in table            # cold rounds, identical rounds
+    assert ">1.37 (read the device: O_DIRECT)<" in table and ">5.20<" in table     # warm loads, apart
     assert "Service load: process start to first token" in g2 and ">3.100<" in g2 and ">0.10<" in g2
     assert "Checkpoint save: each round" in g2 and "0.500, 0.510" in g2 and ">79.0%<" in g2
     assert "Checkpoint restore: each round" in g2 and ">yes<" in g2

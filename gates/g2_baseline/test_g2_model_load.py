@@ -77,10 +77,11 @@ def loader_figures(gate_context, checkpoints, available_loaders):
                               lambda text: store.set_progress("g2", text), on_round)
     for loader, f in figures.items():
         judged = f.judged
+        warm = f.warm or {}
         store.record("g2", "model_load_rounds", "model_load_loader", judged.value, "%", loader=loader,
                      loader_gbps=judged.subject_gbps, fio_gbps=judged.fio_gbps, interval=list(judged.interval or ()),
                      pairs=judged.pairs, cold_rounds=f.cold, identical_rounds=f.identical,
-                     phases=median_phases(f))
+                     phases=median_phases(f), warm_gbps=warm.get("gbps"), warm_read_device=warm.get("cold"))
     return figures
 
 
