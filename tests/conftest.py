@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,24 @@ def plant_links_and_strays(fp_dir: Path, outside: Path) -> list[Path]:
         stray.parent.mkdir(exist_ok=True)
         stray.write_bytes(b"not the tier's")
     return strays
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """small_tmpfs(mib): a real tmpfs of `mib` MiB mounted under tmp_path (unmounted at the end), for tests of
+    a full filesystem; the test skips, saying why, where mounting is refused (not root)."""
+    mounted = []
+
+    def mount(mib: int) -> Path:
+        mount_point = tmp_path / f"small-fs-{len(mounted)}"
+        mount_point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(mount_point)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"needs to mount a {mib} MiB tmpfs (root): {done.stderr.strip() or done.returncode}")
+        mounted.append(mount_point)
+        return mount_point
+
+    yield mount
+    for mount_point in mounted:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -164,17 +163,8 @@ def test_a_save_into_a_directory_that_holds_files_is_refused(job, tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    mount_point = tmp_path / "small-fs"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS_MIB}m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"needs to mount a {SMALL_FS_MIB} MiB tmpfs (root): {done.stderr.strip() or done.returncode}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def small_fs(small_tmpfs):
+    return small_tmpfs(SMALL_FS_MIB)
 
 
 def test_a_save_that_runs_out_of_space_fails_and_leaves_nothing_that_looks_complete(job, small_fs, tmp_path):

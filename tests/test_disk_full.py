@@ -7,7 +7,6 @@ Needs the right to mount a tmpfs (root); skipped, saying so, where that is refus
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
@@ -20,17 +19,8 @@ FS_MIB = 48
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    mount_point = tmp_path / "small-fs"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_MIB}m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"needs to mount a {FS_MIB} MiB tmpfs (root): {done.stderr.strip() or done.returncode}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def small_fs(small_tmpfs):
+    return small_tmpfs(FS_MIB)
 
 
 def _cache(path, **disk) -> TieredKVCache:

@@ -188,8 +188,26 @@ class CheckpointSpec:
         return cls(**json.loads(text))
 
 
+class _RankRound:
+    """What a save and a restore share: each rank's seconds, the round's time (the slowest rank's: the
+    checkpoint is done, or training resumes, when the last rank is) and its GB/s (1e9 bytes per GB)."""
+
+    rank_seconds: tuple[float, ...]
+    nbytes: int
+    ok: bool
+
+    @property
+    def seconds(self) -> float:
+        return max(self.rank_seconds)
+
+    @property
+    def gbps(self) -> float:
+        """Sustained bandwidth: bytes / the slowest rank's seconds."""
+        return self.nbytes / self.seconds / 1e9 if self.ok and self.seconds > 0 else 0.0
+
+
 @dataclass(frozen=True)
-class SaveRound:
+class SaveRound(_RankRound):
     """One save: each rank's seconds, the files written and their bytes; judged by the slowest rank."""
 
     directory: str
@@ -199,16 +217,6 @@ class SaveRound:
     ok: bool
     error: Optional[str] = None
 
-    @property
-    def seconds(self) -> float:
-        """The round's time: the slowest rank's (the checkpoint is done when its last shard is)."""
-        return max(self.rank_seconds)
-
-    @property
-    def gbps(self) -> float:
-        """Sustained write bandwidth: bytes written / the slowest rank's seconds (1e9 bytes per GB)."""
-        return self.nbytes / self.seconds / 1e9 if self.ok and self.seconds > 0 else 0.0
-
     def context(self) -> dict:
         return {"directory": self.directory, "ok": self.ok, "error": self.error, "bytes": self.nbytes,
                 "seconds": self.seconds, "gbps": self.gbps, "rank_seconds": list(self.rank_seconds),
@@ -216,7 +224,7 @@ class SaveRound:
 
 
 @dataclass(frozen=True)
-class RestoreRound:
+class RestoreRound(_RankRound):
     """One restore into fresh tensors, the pages dropped first: seconds, device bytes read, equality."""
 
     directory: str
@@ -227,15 +235,6 @@ class RestoreRound:
     ok: bool
     error: Optional[str] = None
     differences: tuple[str, ...] = field(default=())
-
-    @property
-    def seconds(self) -> float:
-        """The slowest rank's seconds (training resumes when every rank has its state)."""
-        return max(self.rank_seconds)
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.ok and self.seconds > 0 else 0.0
 
     @property
     def read_bytes(self) -> int:
