@@ -40,15 +40,16 @@ DEFAULT_MAX_TOKENS = 16
 
 
 def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optional[str] = None,
-               process_start: Optional[float] = None) -> FastAPI:
+               process_start: Optional[float] = None, imports_done: Optional[float] = None) -> FastAPI:
     """The ASGI app; it starts the engine on startup and drains and flushes it on shutdown.
 
     `admin_token` adds the admin routes (cache_impl/admin.py), which refuse requests without it.
     `process_start` (epoch seconds; default: the OS's start time of this process) opens the start-up
-    timeline that /health reports: process start, weights loaded, ready.
+    timeline that /health reports: process start, imports done (`imports_done`: Python, torch and the
+    engine's modules loaded, when the caller says), weights loaded, ready.
     """
     startup = {"process_start": process_start if process_start is not None else psutil.Process().create_time(),
-               "weights_loaded": engine.weights_load.finished_at, "ready": None,
+               "imports_done": imports_done, "weights_loaded": engine.weights_load.finished_at, "ready": None,
                "weights": engine.weights_load.as_dict()}
 
     async def lifespan(app: FastAPI):

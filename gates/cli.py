@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from cache_impl.config import ConfigError
@@ -272,6 +273,8 @@ def _serve(args: argparse.Namespace) -> int:
     from cache_impl.engine import Engine, EngineConfig
     from cache_impl.server import create_app
 
+    imports_done = time.time()          # Python, torch and the engine loaded: the start-up's first phase
+
     admin_token = admin_token_from_env(args.admin_token_env) if args.admin else None
     api_key = api_key_from_env(args.api_key_env)
     config = EngineConfig.from_dict(engine_settings(args))
@@ -284,7 +287,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"kvgate serve: warning: the admin routes listen on {args.host} over plain HTTP; anyone who "
                   f"sees the traffic sees the admin token", file=sys.stderr, flush=True)
     engine = Engine(config)
-    app = create_app(engine, api_key=api_key, admin_token=admin_token)
+    app = create_app(engine, api_key=api_key, admin_token=admin_token, imports_done=imports_done)
     remote = config.cache.remote
     print(f"kvgate serve: {engine.model_name}, {engine.weights_load.describe()}, mode {config.mode}, "
           f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "

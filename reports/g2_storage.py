@@ -8,7 +8,7 @@ Rows read (written by gates/g2_baseline/test_g2_model_load.py and test_g2_checkp
 - `model_load_loader`: a loader's side-by-side ratio (value); context loader, loader_gbps, fio_gbps,
   interval, pairs, warm_gbps and warm_read_device (one load with the files in the page cache);
 - `service_load`: one timed server start (value: seconds to the first token); context loader, round,
-  phases {interpreter, weights_loaded, ready, first_token}, weights {loader, seconds, bytes};
+  phases {imports, weights, ready, first_token}, weights {loader, seconds, bytes};
 - `checkpoint_save_round` / `checkpoint_restore_round`: one save or cold restore (value GB/s); context
   round, slowest_s, rank_seconds, bytes, fio_gbps (saves), ratio (saves), equal and cold (restores),
   storage.
@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional
 from . import svg
 
 LOAD_PHASES = ("open", "read", "deserialize", "copy")
-SERVICE_PHASES = ("interpreter", "weights_loaded", "ready", "first_token")
+SERVICE_PHASES = ("imports", "weights", "ready", "first_token")
 
 
 def _rows(measurements: Iterable[dict], metric: str) -> list[dict]:
@@ -116,7 +116,7 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
                                    for p in SERVICE_PHASES),
                          _seconds(_median(r.get("value") for r in rounds)), _gbps(gbps), str(len(rounds))])
         tables.append({"title": "Service load: process start to first token, per loader (seconds, medians; cold)",
-                       "columns": ["loader", "interpreter", "weights loaded", "ready", "first token", "total",
+                       "columns": ["loader", "imports (Python, torch)", "model + weights", "ready", "first token", "total",
                                    "weights GB/s", "starts"],
                        "rows": rows})
     return tables

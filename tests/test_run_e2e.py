@@ -94,7 +94,7 @@ def test_g2_measures_every_loader_and_every_checkpoint_round_and_judges_them(run
     assert {m["context"]["loader"] for m in starts} == loaders
     for start in starts:     # kvgate serve --weights said when its weights were loaded, in order
         phases = start["context"]["phases"]
-        assert list(phases) == ["interpreter", "weights_loaded", "ready", "first_token"]
+        assert list(phases) == ["imports", "weights", "ready", "first_token"]
         assert start["context"]["weights"]["loader"] == start["context"]["loader"]
     saves = [m for m in rows if m["metric"] == "checkpoint_save_round"]
     assert len(saves) == 7 and sum(bool(m["context"].get("warmup")) for m in saves) == 2     # two warm-up saves

@@ -40,8 +40,8 @@ def test_a_service_that_never_answers_is_said_so_within_the_timeout(tmp_path):
 
 
 def test_phases_follow_the_services_own_startup_record():
-    start = ServiceStart(process_start_s=0.8, weights_loaded_s=2.0, ready_s=2.5, first_token_s=2.6)
-    assert start.phases() == pytest.approx({"interpreter": 0.8, "weights_loaded": 1.2, "ready": 0.5,
+    start = ServiceStart(imports_done_s=0.8, weights_loaded_s=2.0, ready_s=2.5, first_token_s=2.6)
+    assert start.phases() == pytest.approx({"imports": 0.8, "weights": 1.2, "ready": 0.5,
                                             "first_token": 0.1})
     unknown = ServiceStart(None, None, ready_s=3.0, first_token_s=3.5)        # an engine that says nothing
     assert unknown.phases() == pytest.approx({"ready": 3.0, "first_token": 0.5})

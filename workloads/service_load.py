@@ -7,8 +7,9 @@ external engine's), polls its health URL until it answers 200, then sends one st
 and takes the first token's arrival. Every time is seconds since the harness started the process.
 
 When the health answer carries a `startup` object (`kvgate serve` does: epoch times of its
-`process_start`, `weights_loaded` and `ready`, and the weights' `loader`, `seconds`, `bytes`,
-`phases`), the weights' phases come from it; an engine that says nothing leaves them unknown.
+`imports_done` (Python, torch and the engine loaded), `weights_loaded` and `ready`, and the weights'
+`loader`, `seconds`, `bytes`, `phases`), the start splits into imports → model and weights → ready →
+first token; an engine that says nothing gives ready and first token only.
 The weights' pages are dropped first (`drop`), so a round reads the device.
 """
 
@@ -30,7 +31,7 @@ from .client import StreamingClient
 from .processes import die_with_parent
 from .requests import WorkloadRequest
 
-PHASES = ("interpreter", "weights_loaded", "ready", "first_token")   # the order they happen in
+PHASES = ("imports", "weights", "ready", "first_token")   # the order they happen in
 
 
 class ServiceStartError(RuntimeError):
@@ -41,16 +42,17 @@ class ServiceStartError(RuntimeError):
 class ServiceStart:
     """One timed start. Times are seconds since the process was started (None: the service did not say)."""
 
-    process_start_s: Optional[float]      # the server's own clock at the top of its main (interpreter start-up)
-    weights_loaded_s: Optional[float]
+    imports_done_s: Optional[float]       # Python, torch and the server's modules imported
+    weights_loaded_s: Optional[float]     # the model built and its weights loaded and checked
     ready_s: float                        # the health URL answered 200
     first_token_s: float                  # the first generated text of one streaming request arrived
     weights: dict = field(default_factory=dict)   # loader, seconds, bytes, phases, as the service reported them
 
     def phases(self) -> dict[str, float]:
-        """Seconds spent in each phase, in order: interpreter, weights_loaded, ready, first_token (a phase
-        the service did not report is folded into the next one)."""
-        marks = {"interpreter": self.process_start_s, "weights_loaded": self.weights_loaded_s,
+        """Seconds spent in each phase, in order: imports, weights (model built, weights loaded and checked),
+        ready (the server's own start-up), first_token (a phase the service did not report is folded into
+        the next one)."""
+        marks = {"imports": self.imports_done_s, "weights": self.weights_loaded_s,
                  "ready": self.ready_s, "first_token": self.first_token_s}
         spans, previous = {}, 0.0
         for name in PHASES:
@@ -151,4 +153,4 @@ def _start_from(startup: object, started_wall: float, ready: float, first_token:
         return max(0.0, float(value) - started_wall) if isinstance(value, (int, float)) else None
 
     weights = startup.get("weights") if isinstance(startup.get("weights"), dict) else {}
-    return ServiceStart(since("process_start"), since("weights_loaded"), ready, first_token, dict(weights))
+    return ServiceStart(since("imports_done"), since("weights_loaded"), ready, first_token, dict(weights))
