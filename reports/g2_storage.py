@@ -110,7 +110,7 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
         for loader, rounds in _by(starts, "loader").items():
             contexts = [r.get("context") or {} for r in rounds]
             weights = [c.get("weights") or {} for c in contexts]
-            gbps = _median((_number(w.get("bytes")) or 0) / w["seconds"] / 1e9 for w in weights
+            gbps = _median((_number(w.get("nbytes", w.get("bytes"))) or 0) / w["seconds"] / 1e9 for w in weights
                            if _number(w.get("seconds")))
             rows.append([loader, *(_seconds(_median((c.get("phases") or {}).get(p) for c in contexts))
                                    for p in SERVICE_PHASES),
@@ -138,7 +138,8 @@ def checkpoint_tables(measurements: list[dict]) -> list[dict]:
             ranks = ", ".join(_seconds(_number(s)) for s in c.get("rank_seconds") or [])
             tail = ([_gbps(_number(c.get("fio_gbps"))), _percent(_number(c.get("ratio")))] if metric.endswith("save_round")
                     else ["yes" if c.get("equal") else "NO", "yes" if c.get("cold") else "no"])
-            rows.append([str(c.get("storage", "under test")), str(c.get("round", "")),
+            rows.append([str(c.get("storage", "under test")),
+                         f"{c.get('round', '')}{' (warm-up, not judged)' if c.get('warmup') else ''}",
                          _seconds(_number(c.get("slowest_s"))), ranks, _gigabytes(c.get("bytes")),
                          _gbps(_number(r.get("value"))), *tail])
         tables.append({"title": title, "columns": ["storage", "round", "slowest rank s", "each rank s", "bytes",

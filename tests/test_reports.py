@@ -365,10 +365,11 @@ def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_ag
                  interval=[0.4, 0.6], pairs=5, warm_gbps=5.2, warm_read_device=False)
     store.record("g2", "service", "service_load", 4.2, "s", loader="safetensors", round=0,
                  phases={"imports": 3.1, "weights": 0.3, "ready": 0.7, "first_token": 0.1},
-                 weights={"loader": "safetensors", "seconds": 0.05, "bytes": 5_000_000})
+                 weights={"loader": "safetensors", "seconds": 0.05, "nbytes": 5_000_000})
     for i in range(2):
         store.record("g2", "checkpoint_saves", "checkpoint_save_round", 1.1, "GB/s", round=i, slowest_s=0.51,
-                     rank_seconds=[0.5, 0.51], bytes=560_000_000, fio_gbps=1.4, ratio=0.79, storage="under test")
+                     rank_seconds=[0.5, 0.51], bytes=560_000_000, fio_gbps=1.4, ratio=0.79, storage="under test",
+                     **({"warmup": True} if i == 0 else {}))
     store.record("g2", "checkpoint_restores", "checkpoint_restore_round", 1.8, "GB/s", round=0, slowest_s=0.31,
                  rank_seconds=[0.3, 0.31], bytes=560_000_000, equal=True, cold=True, storage="under test")
     render_run(tmp_path)
@@ -380,8 +381,9 @@ def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_ag
     assert "<td>runai_streamer</td>" in table and "90.0% [85.0%, 95.0%]" in table and ">3.500<" in table
     assert ">4 / 5<" in table and ">5 / 5<" in table            # cold rounds, identical rounds
     assert ">1.37 (read the device: O_DIRECT)<" in table and ">5.20<" in table     # warm loads, apart
-    assert "Service load: process start to first token" in g2 and ">3.100<" in g2 and ">0.10<" in g2
+    assert "Service load: process start to first token" in g2 and ">3.100<" in g2 and ">0.10<" in g2   # 5 MB in 0.05 s
     assert "Checkpoint save: each round" in g2 and "0.500, 0.510" in g2 and ">79.0%<" in g2
+    assert g2.count("(warm-up, not judged)") == 1
     assert "Checkpoint restore: each round" in g2 and ">yes<" in g2
     assert "G2 model load: cold GB/s per loader (medians)" in g2 and "fio, same files" in g2
     assert "G2 checkpoint: save and cold restore GB/s per round" in g2 and "fio sequential write" in g2
@@ -468,7 +470,7 @@ def test_a_check_measured_but_not_judged_is_shown_at_the_top_of_its_gate_section
     results = render_run(tmp_path)
     page = (tmp_path / "index.html").read_text()
     section = page[page.index('id="g1"'):]
-    assert section.index("Measured, not judged") < section.index("<h3>Verdicts</h3>")
+    assert section.index("Not judged") < section.index("<h3>Verdicts</h3>")
     assert "G1 fio mixed 70/30 4 KiB: 41,000 IOPS" in section
     assert "no threshold for &#39;mixed_70_30_iops&#39; in g1.thresholds" in section
     assert results["gates"][0]["unjudged"][0]["metric"] == "mixed_70_30_iops"
