@@ -253,13 +253,15 @@ class CheckpointConfig(StrictModel):
 
     enabled: bool = True
     ranks: Int = Field(default=2, ge=1, le=64, description="training ranks, one process each (gloo)")
-    parameters: Union[Literal[STATE_PRESET_NAMES], Annotated[Int, Field(ge=1)]] = Field(default=40_000_000,
+    parameters: Union[Literal[STATE_PRESET_NAMES], Annotated[Int, Field(ge=1)]] = Field(default=20_000_000,
         description="parameters of the saved state: a count, or a model size of MLPerf Storage's checkpoint "
                     "workload (8B, 70B, 405B, 1T), 32B (the vendor's 8-rank job) or adapter (a LoRA adapter)")
     bytes_per_parameter: Float = Field(default=14.0, ge=2, le=64, description=(
         "bytes of state per parameter: 14 is bf16 weights + fp32 master weights + Adam's two moments"))
     thread_count: Int = Field(default=1, ge=1, le=64, description="each rank's write threads (DCP FileSystemWriter)")
-    rounds: Int = Field(default=5, ge=5, description="saves, each beside a fio write of as many bytes; then restores")
+    rounds: Int = Field(default=5, ge=5, description="saves, each beside a fio write of as many bytes (after two "
+                        "warm-up saves)")
+    restores: Int = Field(default=3, ge=1, description="cold restores of the last save, each checked bit for bit")
     baseline_path: Optional[Path] = Field(default=None, description=(
         "a directory on the baseline storage: the speedup of the storage under test over it. Unset: not run"))
 

@@ -20,6 +20,8 @@ import math
 import statistics
 from typing import Any, Iterable, Optional
 
+from workloads.loaders import READS_WITH_O_DIRECT
+
 from . import svg
 
 LOAD_PHASES = ("open", "read", "deserialize", "copy")
@@ -73,7 +75,7 @@ def _warm(loader_row: Optional[dict]) -> str:
     context = (loader_row or {}).get("context") or {}
     gbps = _number(context.get("warm_gbps"))
     if gbps is None:
-        return ""
+        return "none (reads with O_DIRECT)" if context.get("loader") in READS_WITH_O_DIRECT else ""
     return _gbps(gbps) + (" (read the device: O_DIRECT)" if context.get("warm_read_device") else "")
 
 

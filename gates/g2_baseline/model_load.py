@@ -158,16 +158,18 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], rounds: int,
                                  mismatch)
             figures[loader].rounds.append(round_)
             on_round(round_)
+    from workloads.loaders import READS_WITH_O_DIRECT
+
     for loader in loaders:       # warm: straight after a load, pages left in place; reported apart, not judged
+        if loader in READS_WITH_O_DIRECT:
+            continue             # it reads the device whatever the page cache holds: a warm load is a cold one
         progress(f"model load: one warm load by {loader}")
-        summary = warm_load(checkpoint, loader, parallel, destinations)
-        figures[loader].warm = summary
+        figures[loader].warm = warm_load(checkpoint, loader, parallel, destinations)
     return figures
 
 
 def warm_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: dict) -> dict:
-    """Two loads back to back, the second timed: what the loader gives when the page cache holds the files
-    (the O_DIRECT loaders read the device anyway: their `cold` stays true)."""
+    """Two loads back to back, the second timed: what the loader gives when the page cache holds the files."""
     from workloads.loaders import load_checkpoint
 
     load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)

@@ -129,7 +129,7 @@ def test_restored_state_equals_the_saved_state(gate_context, job, saves, record,
     last = saves["last"]
     if last is None:
         pytest.fail("G2 checkpoint: no save completed, so nothing could be restored", pytrace=False)
-    rounds = gate_context.config.g2.checkpoint.rounds
+    rounds = gate_context.config.g2.checkpoint.restores
     store = gate_context.store
     restores = []
     for index in range(rounds):

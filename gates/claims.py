@@ -1,0 +1,113 @@
+"""The claims sheet: the vendor's figures as data (`claims:` in gates.yaml), each set beside what the run
+measured and what the sizing model predicted, with a verdict: met, not met, or not measured (and why).
+
+A claim names the run-store figure that tests it (`metric`, in `gate`), how that figure is read
+(`read`: one measurement, or the lowest / highest over a gate's levels, or 1/x of it, e.g. a speed-up
+over recompute is 1 / (disk-hit TTFT ÷ recompute TTFT)) and what the vendor promised: a band
+`{min, max}` or a bound `{min}`. Met when the measured figure reaches the claim's lower edge (a figure
+above a band is met, with a note: better than promised); not met below it. Torch-free: it reads run data.
+
+The defaults are the seed playbook's figures, with its source labels.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from kvcore.rundata import RunStore
+from kvcore.settings import Float, StrictModel
+
+MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
+Read = Literal["last", "min", "max", "median", "inverse"]
+
+
+class Claim(StrictModel):
+    """One vendor figure and the measured figure that tests it."""
+
+    id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    label: str = Field(min_length=1, description="the claim as the vendor states it")
+    source: str = Field(default="", description="where the vendor's figure comes from (e.g. R2 measured, 480B TP8)")
+    gate: Literal["g1", "g2", "g3", "g4"]
+    metric: str = Field(min_length=1, description="the run-store measurement that tests it")
+    read: Read = Field(default="last", description="last, min / max / median over the gate's rows, inverse: 1/last")
+    min: Optional[Float] = Field(default=None, description="the claim's lower edge (met at or above it)")
+    max: Optional[Float] = Field(default=None, description="the claim's upper edge (a band); above it: met, note")
+    unit: str = ""
+    needs: str = Field(default="", description="what the measurement needs, said when it is absent")
+
+
+def _claim(id: str, label: str, source: str, gate: str, metric: str, read: str = "last", unit: str = "",
+           needs: str = "", **edges: float) -> dict:
+    return {"id": id, "label": label, "source": source, "gate": gate, "metric": metric, "read": read, "unit": unit,
+            "needs": needs, **edges}
+
+
+DEFAULT_CLAIMS: tuple[dict, ...] = (
+    _claim("ttft_p50_reduction", "TTFT p50 −26–32% against the baseline", "R2 measured, 480B TP8", "g3",
+           "ttft_p50_reduction", read="min", unit="%", min=0.26, max=0.32),
+    _claim("throughput_gain", "throughput +29–40% (c=8 +29%, c=16 +40%)", "R2 measured, 480B TP8", "g3",
+           "throughput_gain", read="min", unit="%", min=0.29, max=0.40),
+    _claim("speedup_over_recompute", "a cache hit 8.6–20× faster than recompute", "R3 measured, single card", "g2",
+           "disk_hit_ttft_vs_recompute", read="inverse", unit="×", min=8.6, max=20.0),
+    _claim("cold_read_gbps", "cold-read bandwidth 0.98 → 5.23 GB/s with parallel reads", "R4 measured, single card",
+           "g2", "cold_read_vs_fio", read="last", unit="GB/s", min=5.23,
+           needs="the disk tier's cold load (an embedded candidate)"),
+    _claim("model_load_speedup", "model loading 1399 → 150 s (70B) and 691 → 112 s (32B) against NFS: 6.2–9.3×",
+           "R9 measured, DeepSeek 32B/70B", "g2", "model_load_speedup_vs_baseline", unit="×", min=6.2, max=9.3,
+           needs="a baseline storage path (g2.model_load.baseline_path)"),
+    _claim("checkpoint_speedup", "checkpoint save 178 → 94 s: 1.9×", "R1 measured, 8-GPU 32B LoRA job", "g2",
+           "checkpoint_speedup_vs_baseline", unit="×", min=1.9, needs="a baseline storage path (g2.checkpoint.baseline_path)"),
+    _claim("checkpoint_write_gbps", "checkpoint sustained write 3.26 → 6.40 GB/s", "R1 measured, 8-GPU 32B LoRA job",
+           "g2", "checkpoint_write_vs_fio", unit="GB/s", min=6.40, needs="checkpoint saves (g2.checkpoint)"),
+)
+
+# claims whose figure is a measurement's context field, not its value (absolute GB/s beside a ratio)
+_CONTEXT_FIELD = {"cold_read_vs_fio": "tier_gbps", "checkpoint_write_vs_fio": "save_gbps"}
+
+
+def _figure(rows: list[dict], claim: Claim) -> Optional[float]:
+    field = _CONTEXT_FIELD.get(claim.metric) if claim.unit == "GB/s" else None
+    values = []
+    for row in rows:
+        value = (row.get("context") or {}).get(field) if field else row.get("value")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values.append(float(value))
+    if not values:
+        return None
+    if claim.read == "inverse":
+        return 1.0 / values[-1] if values[-1] > 0 else None
+    return {"last": values[-1], "min": min(values), "max": max(values),
+            "median": statistics.median(values)}[claim.read]
+
+
+def judge_claim(claim: Claim, measured: Optional[float], predicted: Optional[float] = None,
+                gate_status: Optional[str] = None) -> dict:
+    """One row of the claims table."""
+    row = {"id": claim.id, "claim": claim.label, "source": claim.source, "unit": claim.unit,
+           "min": claim.min, "max": claim.max, "predicted": predicted, "measured": measured, "note": ""}
+    if measured is None:
+        gate = claim.gate.upper()
+        if gate_status in (None, "not run"):
+            why = f"{gate} did not run" + (f"; it needs {claim.needs}" if claim.needs else "")
+        else:
+            why = f"needs {claim.needs}" if claim.needs else f"{gate} measured no {claim.metric}"
+        return {**row, "verdict": NOT_MEASURED, "note": why}
+    if claim.min is not None and measured < claim.min:
+        return {**row, "verdict": NOT_MET}
+    if claim.max is not None and measured > claim.max:
+        return {**row, "verdict": MET, "note": "above the claim: better than promised — check the measurement"}
+    return {**row, "verdict": MET}
+
+
+def claims_table(store: RunStore, claims: list[Claim], predictions: Optional[dict[str, float]] = None) -> list[dict]:
+    """Every claim against the run's measurements (and the sizing model's predictions, by claim id)."""
+    rows = []
+    for claim in claims:
+        status = store.status(claim.gate)
+        measured = _figure([m for m in store.measurements(claim.gate) if m.get("metric") == claim.metric], claim)
+        rows.append(judge_claim(claim, measured, (predictions or {}).get(claim.id),
+                                None if status is None else status.get("status")))
+    return rows
