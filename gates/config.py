@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
+from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.rules import Rule, parse_rule
 from kvcore.settings import ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_file, parse_size
 from workloads.datasets import check_trace, load_spec
@@ -25,7 +26,7 @@ from workloads.checkpoint import STATE_PRESETS
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 from workloads.loaders import LOADERS
 
-from .checks import configurable_metrics
+from .checks import CHECKS, configurable_metrics
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -410,6 +411,22 @@ class GatesConfig(StrictModel):
     g2: G2Config
     g3: G3Config
     g4: G4Config
+    claims: list[Claim] = Field(default_factory=lambda: [Claim(**c) for c in DEFAULT_CLAIMS], description=(
+        "the vendor's figures, each beside what the run measured (kvcore/claims.py); default: the seed playbook's"))
+
+    @field_validator("claims")
+    @classmethod
+    def _claims_once(cls, claims: list[Claim]) -> list[Claim]:
+        ids = [c.id for c in claims]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(f"expected each claim id once, found {repeated} repeated")
+        for i, claim in enumerate(claims):
+            known = [c.metric for c in CHECKS[claim.gate]]
+            if claim.metric not in known:
+                raise ValueError(f"[{i}].metric: expected a figure {claim.gate} judges ({', '.join(known)}), "
+                                 f"found {claim.metric!r}")
+        return claims
 
     @model_validator(mode="after")
     def _faults_need_the_embedded_candidate(self) -> "GatesConfig":

@@ -144,3 +144,25 @@ g4:
     - {metric: probe_identical_fraction, op: ">=", value: 1.0}
     - {metric: faults_handled_fraction, op: "==", value: 1.0}   # detected, answers unchanged, recovered
 """
+
+
+def _claims_section() -> str:
+    """The claims sheet with the seed playbook's figures, one flow mapping per claim (kvcore/claims.py)."""
+    import json
+
+    from kvcore.claims import DEFAULT_CLAIMS
+
+    lines = ["",
+             "# The vendor's claims, each set beside what the run measured (and what `kvgate plan` predicts):",
+             "# met at or above `min` (above a band's `max`: met, with a note), not met below it, or not measured",
+             "# with the reason (e.g. no baseline path). `metric` is a figure its `gate` records; `read`: last, min",
+             "# or max over the gate's levels, median, or inverse (1/x: a speed-up from a TTFT ratio).",
+             "claims:"]
+    for claim in DEFAULT_CLAIMS:
+        fields = ", ".join(f"{key}: {json.dumps(value, ensure_ascii=False)}" for key, value in claim.items()
+                           if value not in ("", None))
+        lines.append(f"  - {{{fields}}}")
+    return "\n".join(lines) + "\n"
+
+
+TEMPLATE += _claims_section()

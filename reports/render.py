@@ -24,6 +24,7 @@ from markupsafe import Markup
 
 from kvcore.files import write_json, write_text_atomic
 from kvcore.rules import Band, Threshold, stored_rule
+from kvcore.claims import claim_text, claims_table, format_figure, run_claims
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
 from . import g2_storage, svg
@@ -39,7 +40,10 @@ def collect_results(store: RunStore) -> dict:
     run = store.run_info()
     requested = [str(g).lower() for g in (run.get("gates") or GATES)]
     gates = [_gate_result(store, gate, gate in requested) for gate in GATES]
-    return {"run": run, "overall": overall(gates), "gates": gates, "preflight": store.preflight(),
+    claims = [{**row, "promised": claim_text(row), "measured_text": format_figure(row["measured"], row["unit"]),
+               "predicted_text": format_figure(row["predicted"], row["unit"])}
+              for row in claims_table(store, run_claims(store))]
+    return {"run": run, "overall": overall(gates), "claims": claims, "gates": gates, "preflight": store.preflight(),
             "environment": run.get("environment", {})}
 
 

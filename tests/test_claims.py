@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcore.rundata import RunStore
-from gates.claims import DEFAULT_CLAIMS, MET, NOT_MEASURED, NOT_MET, Claim, claims_table
+from kvcore.claims import DEFAULT_CLAIMS, MET, NOT_MEASURED, NOT_MET, Claim, claims_table
 
 
 def _claims() -> list[Claim]:

@@ -495,7 +495,8 @@ def test_the_report_shows_each_targets_pre_flight(tmp_path):
          "ttft_s": 0.0421}])
     results = render_run(tmp_path)
     page = (tmp_path / "index.html").read_text()
-    section = page[page.index('<section class="preflight">'):page.index("</section>")]
+    start = page.index('<section class="preflight">')
+    section = page[start:page.index("</section>", start)]
     assert "<td>baseline</td>" in section and "<td>connection refused</td>" in section
     assert "<td>candidate</td>" in section and "42.1 ms" in section
     assert [row["role"] for row in results["preflight"]] == ["baseline", "candidate"]
@@ -511,3 +512,18 @@ def test_a_rate_multiplier_sweep_is_plotted_by_its_multipliers(tmp_path):
     page = (tmp_path / "index.html").read_text()
     assert "<title>G3 TTFT p50 by rate multiplier</title>" in page
     assert "rate multiplier (× the trace&#x27;s arrival rate)" in page
+
+
+def test_the_claims_table_opens_the_report_with_promised_measured_and_verdict(tmp_path):
+    store = build_run(tmp_path, gates=("g1", "g2"), g2_ttft=False)
+    store.record("g2", "disk", "disk_hit_ttft_vs_recompute", 0.075, context_tokens=8192)
+    results = render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    claims = page[page.index('<section class="claims"'):page.index("</section>", page.index('<section class="claims"'))]
+    assert page.index('<section class="claims"') < page.index('id="g1"')
+    assert "a cache hit 8.6–20× faster than recompute" in claims and ">8.6× – 20.0×<" in claims
+    assert ">13.3×<" in claims and "<td>met</td>" in claims
+    # G3 did not run: its claims are not measured, and the table says why
+    assert "G3 did not run" in claims and "not measured" in claims
+    row = next(r for r in results["claims"] if r["id"] == "speedup_over_recompute")
+    assert row["verdict"] == "met" and abs(row["measured"] - 1 / 0.075) < 1e-9
