@@ -282,6 +282,9 @@ def test_a_bad_calibration_file_names_the_field(tmp_path):
     path.write_text(json.dumps({"format": 1, "curve": {"a": 0.0, "b": "fast", "c": 0.0}}))
     with pytest.raises(ConfigError, match="calibration.curve.b: expected a finite number >= 0, found 'fast'"):
         Calibration.load(path)
+    path.write_text(json.dumps({"format": 1, "curve": {"a": 0.0, "b": 1e-4}}))
+    with pytest.raises(ConfigError, match="calibration.curve.c: expected a number, found nothing"):
+        Calibration.load(path)
     path.write_text(json.dumps({"format": 1, "tier_efficiency": {"ssd": 0.9}}))
     with pytest.raises(ConfigError, match=r"calibration.tier_efficiency: expected tiers among .*found 'ssd'"):
         Calibration.load(path)

@@ -114,33 +114,35 @@ class Calibration:
         def number(path: str, value: Any, allow_zero: bool = True) -> Optional[float]:
             return None if value is None else check_number(f"{root}.{path}", value, allow_zero)
 
-        def mapping(name: str, allow_zero: bool) -> dict:
+        def mapping(name: str, allow_zero: bool, keys: Optional[tuple[str, ...]] = None) -> dict:
             value = data.get(name) or {}
             if not isinstance(value, dict):
                 raise ConfigError(f"{root}.{name}: expected a mapping, found {value!r}")
+            for key in value:
+                if keys is not None and key not in keys:
+                    raise ConfigError(f"{root}.{name}: expected tiers among {list(keys)}, found {key!r}")
             return {str(k): number(f"{name}.{k}", v, allow_zero) for k, v in value.items()}
 
-        curve = data.get("curve")
-        if curve is not None:
-            if not isinstance(curve, dict):
-                raise ConfigError(f"{root}.curve: expected a mapping of a, b, c, found {curve!r}")
-            curve = RecomputeCurve(*(number(f"curve.{k}", curve.get(k)) or 0.0 for k in "abc"),
-                                   source=str(curve.get("source", "")))
-        decode = data.get("decode")
-        if decode is not None:
-            if not isinstance(decode, dict):
-                raise ConfigError(f"{root}.decode: expected a mapping of step_s, per_sequence_s, found {decode!r}")
-            decode = DecodeCost(number("decode.step_s", decode.get("step_s", 0.0)),
-                                number("decode.per_sequence_s", decode.get("per_sequence_s", 0.0)))
-        for name in ("tier_efficiency", "tier_overhead_s"):
-            for tier in mapping(name, True):
-                if tier not in TIERS:
-                    raise ConfigError(f"{root}.{name}: expected tiers among {list(TIERS)}, found {tier!r}")
+        def fields(name: str, keys: tuple[str, ...]) -> Optional[list[float]]:
+            value = data.get(name)
+            if value is None:
+                return None
+            if not isinstance(value, dict):
+                raise ConfigError(f"{root}.{name}: expected a mapping of {', '.join(keys)}, found {value!r}")
+            for key in keys:
+                if value.get(key) is None:
+                    raise ConfigError(f"{root}.{name}.{key}: expected a number, found nothing")
+            return [number(f"{name}.{key}", value[key]) for key in keys]
+
+        curve = fields("curve", ("a", "b", "c"))
+        curve = None if curve is None else RecomputeCurve(*curve, source=str(data["curve"].get("source", "")))
+        decode = fields("decode", ("step_s", "per_sequence_s"))
+        decode = None if decode is None else DecodeCost(*decode)
         kv_bytes = data.get("kv_bytes_per_token")
         if kv_bytes is not None and (not isinstance(kv_bytes, int) or isinstance(kv_bytes, bool) or kv_bytes < 1):
             raise ConfigError(f"{root}.kv_bytes_per_token: expected an integer >= 1, found {kv_bytes!r}")
         return cls(curve, number("fixed_overhead_s", data.get("fixed_overhead_s")),
-                   mapping("tier_efficiency", False), mapping("tier_overhead_s", True), decode,
+                   mapping("tier_efficiency", False, TIERS), mapping("tier_overhead_s", True, TIERS), decode,
                    mapping("loader_efficiency", False),
                    number("checkpoint_efficiency", data.get("checkpoint_efficiency"), False),
                    number("service_start_s", data.get("service_start_s")), kv_bytes, str(data.get("source", "")),
@@ -278,21 +280,9 @@ def fit_decode(levels: Mapping[int, list[dict]], timing: TimingModel, max_runnin
 # --------------------------------------------------------------------------- the whole run
 
 
-def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps: float = DEFAULT_HOST_GBPS,
-              block_size: int = 256, decode_target: str = "candidate") -> Calibration:
-    """Fit every constant the run's recorded G2 and G3 data allow (the module's fits); notes say what
-    could not be fitted and why. `kv_bytes_per_token` (the model's KV layout) is read from G2's
-    cold-read rounds when not given."""
-    store = RunStore(Path(run_dir))
-    if not (store.root / "run.json").exists() and not (store.root / "gates").is_dir():
-        raise ConfigError(f"run_dir: expected a run directory (run.json, gates/), found neither in {run_dir}")
-    config_path = store.root / "config.yaml"
-    config = (load_yaml_file(config_path, "run config") or {}) if config_path.exists() else {}
-    notes = []
-    if kv_bytes_per_token is None:
-        kv_bytes_per_token = _kv_bytes_from_cold_reads(store, config, block_size)
-        if kv_bytes_per_token is None:
-            notes.append("KV bytes per token unknown (no cold-read rounds): hit rows fitted without their loads")
+def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbps: float, block_size: int,
+                    notes: list[str]) -> tuple[Optional[RecomputeCurve], Optional[float], dict, dict, Optional[float]]:
+    """(curve, fixed overhead, tier efficiency, tier overhead, disk GB/s the loads were taken at) from G2."""
     efficiency, overhead = {}, {}
     cold = store.latest("g2", "cold_read_vs_fio")
     disk_gbps = None
@@ -302,27 +292,27 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
     if disk_gbps is None:
         g1 = store.latest("g1", "seq_read_gbps")
         disk_gbps = float(g1["value"]) if g1 is not None and g1.get("value") else None
+    share = store.latest("g2", "cached_fraction_min")
+    if share is not None and share.get("value") is not None and share["value"] < 1.0:
+        notes.append(f"G2's hits reused {share['value']:.0%} of the blocks at least, not every one: the fit "
+                     "takes every whole block as cached")
     rows = _g2_rows(store)
-    curve = fixed = None
     recompute = [(c - G2_PROMPT_SHORTFALL, s) for mode, c, s in rows if mode == "recompute"]
-    if any(mode != "recompute" for mode, _, _ in rows) and len({n for n, _ in recompute}) >= 2:
+    contexts = len({n for n, _ in recompute})
+    if contexts >= 2 and any(mode != "recompute" for mode, _, _ in rows):
         curve, fixed, disk_overhead = fit_g2_ttfts(rows, kv_bytes_per_token, host_gbps, disk_gbps, block_size)
         if disk_overhead is not None:
             overhead["disk"] = disk_overhead
-    elif len({n for n, _ in recompute}) >= 3:
+        return curve, fixed, efficiency, overhead, disk_gbps
+    if contexts >= 3:
         curve = RecomputeCurve.fit(recompute)
-        fixed = curve.a
-    else:
-        notes.append("no recompute curve: G2 recorded recompute TTFTs at fewer than 3 context lengths")
-    decode = None
-    if curve is not None and kv_bytes_per_token is not None:
-        timing = TimingModel(curve, TierBandwidths(host_gbps=host_gbps, disk_gbps=disk_gbps, overhead_s=overhead),
-                             kv_bytes_per_token, block_size, fixed)
-        engine = ((config.get("targets") or {}).get("embedded") or {})
-        levels = _g3_levels(store, decode_target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
-        decode = fit_decode(levels, timing, int(engine.get("max_running", 8)), _TARGET_TIER.get(decode_target))
-    if decode is None:
-        notes.append(f"no decode cost: no G3 records of the {decode_target} with gaps between tokens")
+        return curve, curve.a, efficiency, overhead, disk_gbps
+    notes.append("no recompute curve: G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)")
+    return None, None, efficiency, overhead, disk_gbps
+
+
+def _storage_constants(store: RunStore) -> tuple[dict, Optional[float], Optional[float]]:
+    """(loader efficiencies, checkpoint efficiency, service start seconds) from G2's model load and checkpoint."""
     loaders = {}
     for m in store.measurements("g2"):
         if m["metric"] == "model_load_loader" and m.get("value"):
@@ -331,7 +321,40 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
     starts = [m["value"] - m["context"]["weights"]["seconds"] for m in store.measurements("g2")
               if m["metric"] == "service_load" and m.get("value") is not None
               and ((m.get("context") or {}).get("weights") or {}).get("seconds") is not None]
-    return Calibration(curve, fixed, efficiency, overhead, decode, loaders,
-                       float(checkpoint["value"]) if checkpoint and checkpoint.get("value") else None,
-                       statistics.median(starts) if starts else None, kv_bytes_per_token,
-                       str(store.root), tuple(notes))
+    return (loaders, float(checkpoint["value"]) if checkpoint and checkpoint.get("value") else None,
+            statistics.median(starts) if starts else None)
+
+
+def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps: float = DEFAULT_HOST_GBPS,
+              block_size: int = 256, decode_target: str = "candidate") -> Calibration:
+    """Fit every constant the run's recorded G2 and G3 data allow (the module's fits); notes say what
+    could not be fitted and why. `kv_bytes_per_token` (the model's KV layout) is read from G2's
+    cold-read rounds when not given; `host_gbps` is the host tier's copy bandwidth the hits' loads
+    are taken at."""
+    store = RunStore(Path(run_dir))
+    if not (store.root / "run.json").exists() and not (store.root / "gates").is_dir():
+        raise ConfigError(f"run_dir: expected a run directory (run.json, gates/), found neither in {run_dir}")
+    config_path = store.root / "config.yaml"
+    config = (load_yaml_file(config_path, "run config") or {}) if config_path.exists() else {}
+    notes: list[str] = []
+    if kv_bytes_per_token is None:
+        kv_bytes_per_token = _kv_bytes_from_cold_reads(store, config, block_size)
+        if kv_bytes_per_token is None:
+            notes.append("KV bytes per token unknown (no cold-read rounds): hit rows fitted without their loads")
+    curve, fixed, efficiency, overhead, disk_gbps = _ttft_constants(store, kv_bytes_per_token, host_gbps,
+                                                                    block_size, notes)
+    decode = None
+    if curve is None or kv_bytes_per_token is None:
+        notes.append("no decode cost: fitting it replays G3's requests, which needs the recompute curve and the "
+                     "KV bytes per token")
+    else:
+        timing = TimingModel(curve, TierBandwidths(host_gbps=host_gbps, disk_gbps=disk_gbps, overhead_s=overhead),
+                             kv_bytes_per_token, block_size, fixed)
+        engine = (config.get("targets") or {}).get("embedded") or {}
+        levels = _g3_levels(store, decode_target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
+        decode = fit_decode(levels, timing, int(engine.get("max_running", 8)), _TARGET_TIER.get(decode_target))
+        if decode is None:
+            notes.append(f"no decode cost: no G3 records of the {decode_target} with gaps between tokens")
+    loaders, checkpoint, service_start = _storage_constants(store)
+    return Calibration(curve, fixed, efficiency, overhead, decode, loaders, checkpoint, service_start,
+                       kv_bytes_per_token, str(store.root), tuple(notes))

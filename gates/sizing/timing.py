@@ -289,5 +289,10 @@ def model_load_seconds(nbytes: float, read_gbps: float, loader_efficiency: float
 
 def checkpoint_seconds(nbytes: float, write_gbps: float, efficiency: float = 1.0) -> float:
     """Seconds to save a checkpoint of `nbytes` to storage writing at `write_gbps` (fio's sequential write),
-    with the saver's measured share of fio (G2's `checkpoint_write_vs_fio`, side by side)."""
+    with the saver's measured share of fio (G2's `checkpoint_write_vs_fio`, side by side).
+
+    The efficiency is a share of the fio job it was measured beside, so `write_gbps` must be that
+    job's shape: G2's checkpoint compares with buffered, fsync'd psync writes, a job per rank, which
+    on one disk here gave 0.59 GB/s where G1's direct libaio write gave 1.76; G1's figure times that
+    efficiency would predict a save 3x too fast. (The model load's fio side has G1's shape.)"""
     return transfer_seconds(nbytes, write_gbps, efficiency)
