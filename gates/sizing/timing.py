@@ -144,8 +144,9 @@ class RecomputeCurve:
         achievable rate (peak × a utilisation), not the peak.
         """
         flops = check_number("device_flops", device_flops)
-        return cls(check_number("overhead_s", overhead_s, allow_zero=True), 2.0 * check_number("params", params) / flops,
-                   2.0 * check_tokens("layers", layers, 1) * check_tokens("dim", dim, 1) / flops,
+        per_token = 2.0 * check_number("params", params) / flops
+        per_token_squared = 2.0 * check_tokens("layers", layers, 1) * check_tokens("dim", dim, 1) / flops
+        return cls(check_number("overhead_s", overhead_s, allow_zero=True), per_token, per_token_squared,
                    f"roofline: {params:.3g} params, {layers} layers, dim {dim}, {flops:.3g} FLOP/s")
 
 
