@@ -1,0 +1,360 @@
+"""The sizing model's free constants fitted to a recorded run, saved as JSON for a later plan to read.
+
+From G2 (one request at a time, so nothing queues and every TTFT is one request's service time):
+
+- **recompute curve and fixed overhead**, jointly over every G2 TTFT (the medians per mode and
+  context), by non-negative least squares in relative terms (each row ÷ its own TTFT)::
+
+      recompute:  f + b·n + c·n²                           = TTFT
+      host hit:   f + b·(n−h) + c·(n²−h²)                  = TTFT − h·B / host GB/s
+      disk hit:   f + b·(n−h) + c·(n²−h²) + overhead_disk  = TTFT − h·B / disk GB/s
+
+  with n the prompt (context − 4 tokens: gates/sizing/timing.py), h its whole blocks, B the KV bytes
+  per token, f the fixed overhead (also the curve's intercept: the same server path serves all
+  three). The hits pin the curve's slope at each context, which the recompute rows alone (three
+  noisy points for three coefficients) leave loose; a full hit's row uses the one-token pass.
+  With no hit rows, the recompute rows alone (`RecomputeCurve.fit`).
+- **disk tier efficiency**: G2's `cold_read_vs_fio`, the tier's cold-read GB/s over fio's side by
+  side; the disk rows above subtract loads at that measured tier GB/s, so `overhead_disk` is what a
+  disk hit costs beyond its reads (opening, planning, verifying).
+- **loader efficiency** per loader (`model_load_loader`: loader GB/s ÷ fio's, side by side),
+  **checkpoint efficiency** (`checkpoint_write_vs_fio`), **service start** (the median of
+  `service_load` minus its weights' load seconds).
+
+From G3's raw records (closed loop, per level), the **decode step cost**: a decode step of b sequences
+costs `step_s + per_sequence_s·b`; the candidate's measured mean gap between tokens at each level is
+matched by gates/sizing/queueing.py's simulation of that level's recorded requests (their prompts,
+cached tokens and outputs). A simulated gap is decode(b) plus the chunks and loads of that step, so
+each round fits (step_s, per_sequence_s) ≥ 0 to measured − simulated non-decode share against the
+mean batch, then simulates again (a few rounds: the schedule moves little).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from kvcore.files import read_jsonl, write_json
+from kvcore.rundata import RunStore
+from kvcore.settings import ConfigError, load_yaml_file
+
+from .queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
+from .timing import (DEFAULT_HOST_GBPS, G2_PROMPT_SHORTFALL, TIERS, RecomputeCurve, TierBandwidths, TimingModel,
+                     check_number, nonnegative_least_squares)
+
+FORMAT = 1
+DECODE_ROUNDS = 4
+# the tier a G3 target's cached tokens came from, for the decode fit (the records give the total only)
+_TARGET_TIER = {"candidate": "host", "baseline": "device"}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The fitted constants (None or empty: the run did not have what fits it)."""
+
+    curve: Optional[RecomputeCurve] = None
+    fixed_overhead_s: Optional[float] = None
+    tier_efficiency: Mapping[str, float] = field(default_factory=dict)
+    tier_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    decode: Optional[DecodeCost] = None
+    loader_efficiency: Mapping[str, float] = field(default_factory=dict)
+    checkpoint_efficiency: Optional[float] = None
+    service_start_s: Optional[float] = None
+    kv_bytes_per_token: Optional[int] = None
+    source: str = ""
+    notes: tuple[str, ...] = ()
+
+    def tiers(self, base: TierBandwidths) -> TierBandwidths:
+        """`base` with the fitted efficiencies and hit overheads laid over its own."""
+        return replace(base, efficiency={**base.efficiency, **self.tier_efficiency},
+                       overhead_s={**base.overhead_s, **self.tier_overhead_s})
+
+    def timing_model(self, tiers: TierBandwidths, kv_bytes_per_token: int, block_size: int = 256,
+                     curve: Optional[RecomputeCurve] = None) -> TimingModel:
+        """The TTFT model with these constants; `curve` (say a roofline) when the run fitted none."""
+        chosen = self.curve or curve
+        if chosen is None:
+            raise ConfigError("calibration.curve: expected a recompute curve (G2's recompute TTFTs, or a roofline), "
+                              "found none")
+        return TimingModel(chosen, self.tiers(tiers), kv_bytes_per_token, block_size, self.fixed_overhead_s)
+
+    @property
+    def best_loader_efficiency(self) -> Optional[float]:
+        return max(self.loader_efficiency.values()) if self.loader_efficiency else None
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "source": self.source,
+                "curve": None if self.curve is None else {"a": self.curve.a, "b": self.curve.b, "c": self.curve.c,
+                                                          "source": self.curve.source},
+                "fixed_overhead_s": self.fixed_overhead_s, "tier_efficiency": dict(self.tier_efficiency),
+                "tier_overhead_s": dict(self.tier_overhead_s),
+                "decode": None if self.decode is None else {"step_s": self.decode.step_s,
+                                                            "per_sequence_s": self.decode.per_sequence_s},
+                "loader_efficiency": dict(self.loader_efficiency), "checkpoint_efficiency": self.checkpoint_efficiency,
+                "service_start_s": self.service_start_s, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Any, root: str = "calibration") -> "Calibration":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{root}: expected a JSON object, found {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise ConfigError(f"{root}.format: expected {FORMAT}, found {data.get('format')!r}")
+        known = set(cls().to_dict())
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{root}.{unknown[0]}: unknown field (expected one of {sorted(known)}), "
+                              f"found {data[unknown[0]]!r}")
+
+        def number(path: str, value: Any, allow_zero: bool = True) -> Optional[float]:
+            return None if value is None else check_number(f"{root}.{path}", value, allow_zero)
+
+        def mapping(name: str, allow_zero: bool, keys: Optional[tuple[str, ...]] = None) -> dict:
+            value = data.get(name) or {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{root}.{name}: expected a mapping, found {value!r}")
+            for key in value:
+                if keys is not None and key not in keys:
+                    raise ConfigError(f"{root}.{name}: expected tiers among {list(keys)}, found {key!r}")
+            return {str(k): number(f"{name}.{k}", v, allow_zero) for k, v in value.items()}
+
+        def fields(name: str, keys: tuple[str, ...]) -> Optional[list[float]]:
+            value = data.get(name)
+            if value is None:
+                return None
+            if not isinstance(value, dict):
+                raise ConfigError(f"{root}.{name}: expected a mapping of {', '.join(keys)}, found {value!r}")
+            for key in keys:
+                if value.get(key) is None:
+                    raise ConfigError(f"{root}.{name}.{key}: expected a number, found nothing")
+            return [number(f"{name}.{key}", value[key]) for key in keys]
+
+        curve = fields("curve", ("a", "b", "c"))
+        curve = None if curve is None else RecomputeCurve(*curve, source=str(data["curve"].get("source", "")))
+        decode = fields("decode", ("step_s", "per_sequence_s"))
+        decode = None if decode is None else DecodeCost(*decode)
+        kv_bytes = data.get("kv_bytes_per_token")
+        if kv_bytes is not None and (not isinstance(kv_bytes, int) or isinstance(kv_bytes, bool) or kv_bytes < 1):
+            raise ConfigError(f"{root}.kv_bytes_per_token: expected an integer >= 1, found {kv_bytes!r}")
+        return cls(curve, number("fixed_overhead_s", data.get("fixed_overhead_s")),
+                   mapping("tier_efficiency", False, TIERS), mapping("tier_overhead_s", True, TIERS), decode,
+                   mapping("loader_efficiency", False),
+                   number("checkpoint_efficiency", data.get("checkpoint_efficiency"), False),
+                   number("service_start_s", data.get("service_start_s")), kv_bytes, str(data.get("source", "")),
+                   tuple(str(n) for n in data.get("notes") or ()))
+
+    def save(self, path: Path) -> None:
+        write_json(Path(path), self.to_dict())
+
+    @classmethod
+    def load(cls, path: Path) -> "Calibration":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as error:
+            raise ConfigError(f"calibration: expected a readable JSON file, found {error.strerror or error} "
+                              f"({path})") from None
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ConfigError(f"calibration: expected a JSON file, found unreadable JSON in {path} ({error})") from None
+        return cls.from_dict(data)
+
+
+# --------------------------------------------------------------------------- G2
+
+
+def _g2_rows(store: RunStore) -> list[tuple[str, int, float]]:
+    """(mode, context tokens, TTFT seconds) of G2's per-context medians."""
+    rows = []
+    for m in store.measurements("g2"):
+        context = m.get("context") or {}
+        if m["metric"] == "ttft_ms" and m.get("value") and "mode" in context and "context_tokens" in context:
+            rows.append((context["mode"], int(context["context_tokens"]), float(m["value"]) / 1e3))
+    return rows
+
+
+def _tail_terms(prompt: int, cached: int) -> tuple[float, float]:
+    """(Δn, Δn²) of the uncached tail, or of the one-token pass of a full hit (RecomputeCurve.tail's terms)."""
+    low = prompt - 1 if cached >= prompt else cached
+    return float(prompt - low), float(prompt * prompt - low * low)
+
+
+def fit_g2_ttfts(rows: list[tuple[str, int, float]], kv_bytes_per_token: Optional[int], host_gbps: float,
+                 disk_gbps: Optional[float], block_size: int = 256,
+                 shortfall: int = G2_PROMPT_SHORTFALL) -> tuple[RecomputeCurve, float, Optional[float]]:
+    """(curve, fixed overhead, disk hit overhead) from G2's TTFT rows (the module's joint fit)."""
+    design, target, weights = [], [], []
+    disk_rows = 0
+    for mode, context, seconds in rows:
+        n = context - shortfall
+        if mode == "recompute":
+            design.append([1.0, n, float(n) * n, 0.0])
+            target.append(seconds)
+        elif mode in ("host-hit", "disk-cold"):
+            if mode == "disk-cold" and disk_gbps is None:
+                continue
+            h = n // block_size * block_size
+            gbps = host_gbps if mode == "host-hit" else disk_gbps
+            load = 0.0 if kv_bytes_per_token is None else h * kv_bytes_per_token / (gbps * 1e9)
+            disk = mode == "disk-cold"
+            disk_rows += disk
+            design.append([1.0, *_tail_terms(n, h), float(disk)])
+            target.append(seconds - load)
+        else:
+            continue
+        weights.append(1.0 / seconds)
+    w = np.array(weights)[:, None]
+    f, b, c, disk_overhead = nonnegative_least_squares(np.array(design) * w, np.array(target) * w[:, 0])
+    curve = RecomputeCurve(float(f), float(b), float(c), f"joint fit of {len(target)} G2 TTFTs "
+                                                         f"(recompute, host and disk hits)")
+    return curve, float(f), float(disk_overhead) if disk_rows else None
+
+
+def _kv_bytes_from_cold_reads(store: RunStore, config: dict, block_size: int) -> Optional[int]:
+    """KV bytes per token from G2's cold-read rounds: the bytes a round read ÷ the tokens it loaded
+    (g2.cold_read_prefixes prefixes of the longest context, every whole block)."""
+    pairs = [m["context"] for m in store.measurements("g2") if m["metric"] == "cold_read_pair"
+             and (m.get("context") or {}).get("tier_bytes")]
+    g2 = config.get("g2") or {}
+    if not pairs or not g2.get("contexts"):
+        return None
+    prompt = max(g2["contexts"]) - G2_PROMPT_SHORTFALL
+    tokens = int(g2.get("cold_read_prefixes", 1)) * (prompt // block_size * block_size)
+    return round(statistics.median(p["tier_bytes"] for p in pairs) / tokens) if tokens else None
+
+
+# --------------------------------------------------------------------------- G3
+
+
+def _g3_levels(store: RunStore, target: str, warmup_s: float) -> dict[int, list[dict]]:
+    """Per level, the target's ok records sent after the warm-up, in sending order."""
+    root = store.gate_dir("g3") / "raw" / "sweep" / target
+    levels = {}
+    for directory in sorted(root.glob("c*")):
+        if not directory.name[1:].isdigit():
+            continue
+        records = sorted((r for r in read_jsonl(directory / "records", "records-*.jsonl") if r.get("ok")),
+                         key=lambda r: r["sent_at"])
+        if records:
+            start = records[0]["sent_at"] + warmup_s
+            levels[int(directory.name[1:])] = [r for r in records if r["sent_at"] >= start]
+    return {level: records for level, records in levels.items() if records}
+
+
+def fit_decode(levels: Mapping[int, list[dict]], timing: TimingModel, max_running: int,
+               tier: Optional[str]) -> Optional[DecodeCost]:
+    """(step_s, per_sequence_s) matching each level's measured mean gap between tokens (the module's fit)."""
+    measured, replays = {}, {}
+    for level, records in levels.items():
+        gaps = [g for r in records for g in r.get("itl_s") or ()]
+        if not gaps:
+            continue
+        measured[level] = float(np.mean(gaps))
+        replays[level] = [ServedRequest(int(r["prompt_tokens"]), max(1, int(r["completion_tokens"] or 1)),
+                                        {tier: min(int(r.get("cached_tokens") or 0), int(r["prompt_tokens"]))}
+                                        if tier else {}) for r in records]
+    if not measured:
+        return None
+    decode = DecodeCost()
+    for _ in range(DECODE_ROUNDS):
+        engine = EngineModel(timing, decode, max_running)
+        rows, target = [], []
+        for level, replay in replays.items():
+            simulated = simulate_closed_loop(replay, level, engine)
+            gaps = [g for r in simulated for g in r.itl_s]
+            batches = [b for r in simulated for b in r.itl_batch]
+            if not gaps:
+                continue
+            mean_batch = float(np.mean(batches))
+            non_decode = float(np.mean(gaps)) - decode.seconds(mean_batch)   # decode(b) is linear in b
+            rows.append([1.0, mean_batch])
+            target.append(measured[level] - non_decode)
+        step, per_sequence = nonnegative_least_squares(np.array(rows), np.array(target))
+        decode = DecodeCost(float(step), float(per_sequence))
+    return decode
+
+
+# --------------------------------------------------------------------------- the whole run
+
+
+def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbps: float, block_size: int,
+                    notes: list[str]) -> tuple[Optional[RecomputeCurve], Optional[float], dict, dict, Optional[float]]:
+    """(curve, fixed overhead, tier efficiency, tier overhead, disk GB/s the loads were taken at) from G2."""
+    efficiency, overhead = {}, {}
+    cold = store.latest("g2", "cold_read_vs_fio")
+    disk_gbps = None
+    if cold is not None and cold.get("value"):
+        efficiency["disk"] = float(cold["value"])
+        disk_gbps = (cold.get("context") or {}).get("tier_gbps")
+    if disk_gbps is None:
+        g1 = store.latest("g1", "seq_read_gbps")
+        disk_gbps = float(g1["value"]) if g1 is not None and g1.get("value") else None
+    share = store.latest("g2", "cached_fraction_min")
+    if share is not None and share.get("value") is not None and share["value"] < 1.0:
+        notes.append(f"G2's hits reused {share['value']:.0%} of the blocks at least, not every one: the fit "
+                     "takes every whole block as cached")
+    rows = _g2_rows(store)
+    recompute = [(c - G2_PROMPT_SHORTFALL, s) for mode, c, s in rows if mode == "recompute"]
+    contexts = len({n for n, _ in recompute})
+    if contexts >= 2 and any(mode != "recompute" for mode, _, _ in rows):
+        curve, fixed, disk_overhead = fit_g2_ttfts(rows, kv_bytes_per_token, host_gbps, disk_gbps, block_size)
+        if disk_overhead is not None:
+            overhead["disk"] = disk_overhead
+        return curve, fixed, efficiency, overhead, disk_gbps
+    if contexts >= 3:
+        curve = RecomputeCurve.fit(recompute)
+        return curve, curve.a, efficiency, overhead, disk_gbps
+    notes.append("no recompute curve: G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)")
+    return None, None, efficiency, overhead, disk_gbps
+
+
+def _storage_constants(store: RunStore) -> tuple[dict, Optional[float], Optional[float]]:
+    """(loader efficiencies, checkpoint efficiency, service start seconds) from G2's model load and checkpoint."""
+    loaders = {}
+    for m in store.measurements("g2"):
+        if m["metric"] == "model_load_loader" and m.get("value"):
+            loaders[(m.get("context") or {}).get("loader", "?")] = float(m["value"])
+    checkpoint = store.latest("g2", "checkpoint_write_vs_fio")
+    starts = [m["value"] - m["context"]["weights"]["seconds"] for m in store.measurements("g2")
+              if m["metric"] == "service_load" and m.get("value") is not None
+              and ((m.get("context") or {}).get("weights") or {}).get("seconds") is not None]
+    return (loaders, float(checkpoint["value"]) if checkpoint and checkpoint.get("value") else None,
+            statistics.median(starts) if starts else None)
+
+
+def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps: float = DEFAULT_HOST_GBPS,
+              block_size: int = 256, decode_target: str = "candidate") -> Calibration:
+    """Fit every constant the run's recorded G2 and G3 data allow (the module's fits); notes say what
+    could not be fitted and why. `kv_bytes_per_token` (the model's KV layout) is read from G2's
+    cold-read rounds when not given; `host_gbps` is the host tier's copy bandwidth the hits' loads
+    are taken at."""
+    store = RunStore(Path(run_dir))
+    if not (store.root / "run.json").exists() and not (store.root / "gates").is_dir():
+        raise ConfigError(f"run_dir: expected a run directory (run.json, gates/), found neither in {run_dir}")
+    config_path = store.root / "config.yaml"
+    config = (load_yaml_file(config_path, "run config") or {}) if config_path.exists() else {}
+    notes: list[str] = []
+    if kv_bytes_per_token is None:
+        kv_bytes_per_token = _kv_bytes_from_cold_reads(store, config, block_size)
+        if kv_bytes_per_token is None:
+            notes.append("KV bytes per token unknown (no cold-read rounds): hit rows fitted without their loads")
+    curve, fixed, efficiency, overhead, disk_gbps = _ttft_constants(store, kv_bytes_per_token, host_gbps,
+                                                                    block_size, notes)
+    decode = None
+    if curve is None or kv_bytes_per_token is None:
+        notes.append("no decode cost: fitting it replays G3's requests, which needs the recompute curve and the "
+                     "KV bytes per token")
+    else:
+        timing = TimingModel(curve, TierBandwidths(host_gbps=host_gbps, disk_gbps=disk_gbps, overhead_s=overhead),
+                             kv_bytes_per_token, block_size, fixed)
+        engine = (config.get("targets") or {}).get("embedded") or {}
+        levels = _g3_levels(store, decode_target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
+        decode = fit_decode(levels, timing, int(engine.get("max_running", 8)), _TARGET_TIER.get(decode_target))
+        if decode is None:
+            notes.append(f"no decode cost: no G3 records of the {decode_target} with gaps between tokens")
+    loaders, checkpoint, service_start = _storage_constants(store)
+    return Calibration(curve, fixed, efficiency, overhead, decode, loaders, checkpoint, service_start,
+                       kv_bytes_per_token, str(store.root), tuple(notes))

@@ -1,0 +1,299 @@
+"""Seconds the sizing model predicts: a prompt's prefill, a request's TTFT with part of its prompt cached
+in some tier, G2's figures, and model-load and checkpoint times.
+
+Units: tokens, bytes, seconds, GB/s (10^9 bytes per second).
+
+**Recompute curve.** Prefill of a prompt of n tokens from scratch takes `a + b·n + c·n²` seconds: `b·n`
+the per-token work (every weight matrix is applied to every token), `c·n²` attention (each token
+attends to every earlier one), `a` what does not depend on the prompt (HTTP, tokenizing, the first
+token's sampling). Fitted to G2's recompute TTFTs by least squares with non-negative coefficients,
+or from a FLOPs roofline when there are none.
+
+**TTFT of a prompt of n tokens with h of them cached** (h = Σ h_T over the tiers T that served them)::
+
+    TTFT = fixed_overhead + Σ_T [overhead_T + h_T · kv_bytes_per_token / (gbps_T · efficiency_T)]
+                          + compute(n) − compute(h)                    compute(n) = b·n + c·n²
+
+The compute of the uncached tail, attention over the cached part included, is taken as the
+difference of the cumulative curve: `compute(n) − compute(h) = b·(n−h) + c·(n²−h²)`, i.e. the tail's
+tokens each attend to every earlier position, cached or not. For kvgate's engine this is not an
+approximation: it prefills in block-aligned chunks from position 0 in every mode, so a hit computes
+exactly the chunks a recompute computes after the cached blocks. For engines that prefill the tail
+in one pass it is the same FLOPs. A full hit (h = n, the prompt ends on a block boundary) still
+computes the first token's logits: a one-token pass, `compute(n) − compute(n−1)`. The loads are
+summed, not overlapped: the engine loads a request's prefix before it computes anything, tier by
+tier. `fixed_overhead` defaults to the curve's `a` (the same server path serves both), and a tier's
+`overhead_T` (default 0) is what a hit from it costs beyond its bytes (planning, opening files,
+verifying), fitted by calibration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from kvcore.rundata import RunStore
+from kvcore.settings import ConfigError
+
+TIERS = ("device", "host", "disk", "remote")
+# Memcpy-like defaults for the two memory tiers (one copy thread on a server CPU moves ~10 GB/s; a
+# device-to-device copy far more); `kvgate cache-bench` measures this machine's, config overrides.
+DEFAULT_DEVICE_GBPS = 50.0
+DEFAULT_HOST_GBPS = 10.0
+# gates/g2_baseline/test_g2_baseline.py asks for a context of n tokens with a text of n − 8 bytes,
+# which the chat template frames with 4 tokens: its prompts are n − 4 tokens long.
+G2_PROMPT_SHORTFALL = 4
+
+
+def nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """x ≥ 0 minimising |design·x − target|², exactly, for the few columns used here.
+
+    The optimum is the unconstrained least-squares solution on its own support, so every subset of
+    columns is solved (2^k of them, k ≤ 5 here) and the best one whose coefficients are all ≥ 0
+    kept. Columns are scaled to unit norm first (n² is ~10⁸ times n), which changes nothing else.
+    """
+    design, target = np.asarray(design, dtype=float), np.asarray(target, dtype=float)
+    norms = np.linalg.norm(design, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = design / norms
+    best, best_residual = np.zeros(design.shape[1]), float(np.sum(target ** 2))
+    for size in range(1, design.shape[1] + 1):
+        for support in itertools.combinations(range(design.shape[1]), size):
+            columns = list(support)
+            solution, *_ = np.linalg.lstsq(scaled[:, columns], target, rcond=None)
+            if np.any(solution < 0):
+                continue
+            residual = float(np.sum((scaled[:, columns] @ solution - target) ** 2))
+            if residual < best_residual - 1e-15 * max(1.0, best_residual):
+                best_residual, best = residual, np.zeros(design.shape[1])
+                best[columns] = solution
+    return best / norms
+
+
+def check_number(name: str, value: float, allow_zero: bool = False) -> float:
+    """`value` as a float when it is a finite number > 0 (≥ 0 with allow_zero), else a ConfigError naming `name`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+        value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ConfigError(f"{name}: expected a finite number {'>= 0' if allow_zero else '> 0'}, found {value!r}")
+    return float(value)
+
+
+def check_tokens(name: str, value: int, minimum: int = 0) -> int:
+    """`value` when it is an integer ≥ `minimum` (a token count), else a ConfigError naming `name`."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}: expected an integer >= {minimum}, found {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class RecomputeCurve:
+    """Prefill seconds of a prompt computed from scratch: `a + b·n + c·n²` (n tokens)."""
+
+    a: float                    # s, per request
+    b: float                    # s per token
+    c: float                    # s per token²
+    source: str = ""            # where the coefficients came from
+
+    def seconds(self, tokens: float) -> float:
+        """Recompute TTFT of a prompt of `tokens` tokens (the intercept included)."""
+        return self.a + self.compute(tokens)
+
+    def compute(self, tokens: float) -> float:
+        """The token-dependent part, b·n + c·n²: what a cached prefix saves is compute(h)."""
+        return self.b * tokens + self.c * tokens * tokens
+
+    def tail(self, prompt: int, cached: int) -> float:
+        """Compute of the uncached tail of a prompt, attention over the cached part included; a full
+        hit's one-token pass when nothing is left."""
+        if cached >= prompt:
+            return self.compute(prompt) - self.compute(prompt - 1)
+        return self.compute(prompt) - self.compute(cached)
+
+    @classmethod
+    def fit(cls, points: Iterable[tuple[int, float]]) -> "RecomputeCurve":
+        """Least squares, coefficients ≥ 0, over (prompt tokens, recompute seconds) points, in relative
+        terms (each point weighted by 1/seconds: a 5 ms miss at 1k tokens counts like 50 ms at 8k)."""
+        rows = [(check_tokens(f"recompute points[{i}].tokens", n, 1), check_number(f"recompute points[{i}].seconds", s))
+                for i, (n, s) in enumerate(points)]
+        distinct = sorted({n for n, _ in rows})
+        if len(distinct) < 3:
+            raise ConfigError(f"recompute points: expected at least 3 distinct context lengths (a + b·n + c·n² "
+                              f"has three coefficients), found {len(distinct)} ({distinct})")
+        n = np.array([r[0] for r in rows], dtype=float)
+        y = np.array([r[1] for r in rows])
+        design = np.column_stack([np.ones_like(n), n, n * n]) / y[:, None]
+        a, b, c = nonnegative_least_squares(design, np.ones_like(y))
+        return cls(float(a), float(b), float(c), f"fit of {len(rows)} recompute TTFTs at {distinct} tokens")
+
+    @classmethod
+    def roofline(cls, params: float, layers: int, dim: int, device_flops: float,
+                 overhead_s: float = 0.0) -> "RecomputeCurve":
+        """FLOPs of a prefill of n tokens ÷ the device's achievable FLOP/s.
+
+        FLOPs = 2·params·n + 2·layers·n²·dim. The first term: each parameter takes part in one
+        multiply-add (2 FLOPs) per token (Kaplan et al. 2020, "Scaling Laws for Neural Language
+        Models", Table 1: C_forward ≈ 2N per token). The second: per layer a token at position i
+        computes its query against i keys (2·i·dim FLOPs) and mixes i values (2·i·dim); over the
+        n(n+1)/2 causal pairs that is ≈ 2·n²·dim (Kaplan's 2·n_layer·n_ctx·d_attn per token, with n_ctx
+        = n). `dim` is n_heads × head_dim (GQA shares keys, not the FLOPs); `device_flops` the
+        achievable rate (peak × a utilisation), not the peak.
+        """
+        flops = check_number("device_flops", device_flops)
+        per_token = 2.0 * check_number("params", params) / flops
+        per_token_squared = 2.0 * check_tokens("layers", layers, 1) * check_tokens("dim", dim, 1) / flops
+        return cls(check_number("overhead_s", overhead_s, allow_zero=True), per_token, per_token_squared,
+                   f"roofline: {params:.3g} params, {layers} layers, dim {dim}, {flops:.3g} FLOP/s")
+
+
+@dataclass(frozen=True)
+class TierBandwidths:
+    """Each tier's read GB/s (raw), the share of it a cache load reaches (efficiency, default 1), and
+    what a hit from it costs beyond its bytes (overhead seconds, default 0)."""
+
+    device_gbps: float = DEFAULT_DEVICE_GBPS
+    host_gbps: float = DEFAULT_HOST_GBPS
+    disk_gbps: Optional[float] = None           # G1's fio seq_read_gbps, else the spec sheet
+    remote_gbps: Optional[float] = None         # from config
+    efficiency: Mapping[str, float] = field(default_factory=dict)
+    overhead_s: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for tier in TIERS:
+            raw = getattr(self, f"{tier}_gbps")
+            if raw is not None:
+                check_number(f"tiers.{tier}_gbps", raw)
+        for name, values in (("efficiency", self.efficiency), ("overhead_s", self.overhead_s)):
+            for tier, value in values.items():
+                if tier not in TIERS:
+                    raise ConfigError(f"tiers.{name}: expected tiers among {list(TIERS)}, found {tier!r}")
+                check_number(f"tiers.{name}.{tier}", value, allow_zero=name == "overhead_s")
+
+    def effective_gbps(self, tier: str) -> float:
+        """The GB/s a load from the tier reaches: raw × efficiency."""
+        if tier not in TIERS:
+            raise ConfigError(f"cached tier: expected one of {list(TIERS)}, found {tier!r}")
+        raw = getattr(self, f"{tier}_gbps")
+        if raw is None:
+            raise ConfigError(f"tiers.{tier}_gbps: expected the {tier} tier's read GB/s (a hit comes from it), "
+                              f"found none")
+        return raw * self.efficiency.get(tier, 1.0)
+
+    def load_seconds(self, tier: str, nbytes: float) -> float:
+        """Seconds to load `nbytes` from the tier (0 when nothing is loaded from it)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.overhead_s.get(tier, 0.0) + nbytes / (self.effective_gbps(tier) * 1e9)
+
+    @classmethod
+    def from_run(cls, store: RunStore, **settings) -> "TierBandwidths":
+        """The disk tier's raw GB/s from G1's fio sequential read when the run has it, else `disk_gbps`."""
+        g1 = store.latest("g1", "seq_read_gbps")
+        if g1 is not None and g1.get("value"):
+            settings["disk_gbps"] = float(g1["value"])
+        return cls(**settings)
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """TTFT of one request from its prompt, its cached tokens per tier and the costs (the module's formula)."""
+
+    curve: RecomputeCurve
+    tiers: TierBandwidths
+    kv_bytes_per_token: int
+    block_size: int = 256
+    fixed_overhead_s: Optional[float] = None    # default: the curve's intercept
+
+    @property
+    def overhead(self) -> float:
+        return self.curve.a if self.fixed_overhead_s is None else self.fixed_overhead_s
+
+    def checked(self, prompt: int, cached: Mapping[str, int]) -> int:
+        """The cached total; ConfigError when a count is not a token count or exceeds the prompt."""
+        check_tokens("prompt_tokens", prompt, 1)
+        for tier, tokens in cached.items():
+            if tier not in TIERS:
+                raise ConfigError(f"cached: expected tiers among {list(TIERS)}, found {tier!r}")
+            check_tokens(f"cached.{tier}", tokens)
+        total = sum(cached.values())
+        if total > prompt:
+            raise ConfigError(f"cached: expected at most the prompt's {prompt} tokens in all, found {total}")
+        return total
+
+    def load_seconds(self, cached: Mapping[str, int]) -> float:
+        return sum(self.tiers.load_seconds(tier, tokens * self.kv_bytes_per_token) for tier, tokens in cached.items())
+
+    def ttft(self, prompt: int, cached: Mapping[str, int] | None = None) -> float:
+        cached = dict(cached or {})
+        total = self.checked(prompt, cached)
+        return self.overhead + self.load_seconds(cached) + self.curve.tail(prompt, total)
+
+
+@dataclass(frozen=True)
+class G2Prediction:
+    """G2 at one context length: recompute, a host hit and a cold disk hit of every whole block."""
+
+    context_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    recompute_s: float
+    host_hit_s: float
+    disk_hit_s: float
+
+    @property
+    def disk_hit_vs_recompute(self) -> float:
+        return self.disk_hit_s / self.recompute_s
+
+
+def predict_g2(model: TimingModel, contexts: Sequence[int],
+               prompt_shortfall: int = G2_PROMPT_SHORTFALL) -> list[G2Prediction]:
+    """G2's TTFTs per context, the way its suite measures them: a prompt of context − shortfall tokens,
+    every whole block of it cached (the suite's hits reuse all of them), from host or from disk.
+    G2's judged ratio is the last one's (the longest context) `disk_hit_vs_recompute`; its cold-read
+    ratio is predicted by `cold_read_vs_fio`."""
+    predictions = []
+    for i, context in enumerate(sorted(contexts)):
+        prompt = check_tokens(f"g2.contexts[{i}]", context, prompt_shortfall + 1) - prompt_shortfall
+        cached = prompt // model.block_size * model.block_size
+        predictions.append(G2Prediction(context, prompt, cached, model.ttft(prompt),
+                                        model.ttft(prompt, {"host": cached}), model.ttft(prompt, {"disk": cached})))
+    return predictions
+
+
+def cold_read_vs_fio(tiers: TierBandwidths) -> float:
+    """G2's cold-read ratio: the disk tier's bytes over its read seconds, ÷ fio's GB/s on the same storage.
+    Bytes over read time is bandwidth alone, so this is the disk tier's efficiency (the hit overhead
+    lies outside the reads the check times)."""
+    return tiers.efficiency.get("disk", 1.0)
+
+
+def transfer_seconds(nbytes: float, gbps: float, efficiency: float = 1.0) -> float:
+    """bytes ÷ (GB/s · 10⁹ · efficiency): efficiency is the share of the storage's fio figure the
+    reader or writer reaches (1: it reaches fio)."""
+    return check_number("bytes", nbytes, allow_zero=True) / (check_number("gbps", gbps) * 1e9
+                                                         * check_number("efficiency", efficiency))
+
+
+def model_load_seconds(nbytes: float, read_gbps: float, loader_efficiency: float = 1.0,
+                       service_start_s: float = 0.0) -> float:
+    """Seconds to load a model's weights of `nbytes` from storage reading at `read_gbps` (fio's sequential
+    read), with the loader's measured share of fio (G2's `model_load_loader`: loader GB/s / fio's, side
+    by side), plus, for a service start, what it does besides reading the weights (imports, building
+    the model, warming up: G2's `service_load` minus its weights seconds). 0 for a bare load."""
+    return check_number("service_start_s", service_start_s, allow_zero=True) + transfer_seconds(
+        nbytes, read_gbps, loader_efficiency)
+
+
+def checkpoint_seconds(nbytes: float, write_gbps: float, efficiency: float = 1.0) -> float:
+    """Seconds to save a checkpoint of `nbytes` to storage writing at `write_gbps` (fio's sequential write),
+    with the saver's measured share of fio (G2's `checkpoint_write_vs_fio`, side by side).
+
+    The efficiency is a share of the fio job it was measured beside, so `write_gbps` must be that
+    job's shape: G2's checkpoint compares with buffered, fsync'd psync writes, a job per rank, which
+    on one disk here gave 0.59 GB/s where G1's direct libaio write gave 1.76; G1's figure times that
+    efficiency would predict a save 3x too fast. (The model load's fio side has G1's shape.)"""
+    return transfer_seconds(nbytes, write_gbps, efficiency)
