@@ -20,8 +20,8 @@ from cache_impl.config import CacheConfig
 from cache_impl.keys import block_keys
 from cache_impl.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
 from gates.config import PROFILES
-from gates.sizing.replay import (SIZING_DIGEST, CacheSimulator, RequestKeys, TierCapacity, load_order, replay,
-                                 tier_capacities, trace_block_keys, workload_block_keys)
+from gates.sizing.replay import (SIZING_DIGEST, CacheSimulator, RequestKeys, TierCapacity, embedded_chat_tokens,
+                                 load_order, replay, tier_capacities, trace_block_keys, workload_block_keys)
 from kvcore.settings import ConfigError
 from tests.conftest import BLOCK, blocks_for
 from workloads.datasets import TraceRecord, build_workload, ByteSizer, read_trace
@@ -339,3 +339,50 @@ def test_the_mooncake_trace_replays_with_its_reuse():
     assert result.total_prompt_blocks == sum(r.input_length // 256 for r in records)
     assert device_only.overall_hit_ratio < result.overall_hit_ratio <= result.infinite_cache_bound
     assert all(result.total_hits[name] > 0 for name in result.tiers)
+
+
+def test_the_replay_gives_the_embedded_engines_hits_on_a_workload(tmp_path):
+    """The whole chain: workload -> the engine's chat tokens -> block keys -> replay, against the engine itself."""
+    from cache_impl.engine import Engine, EngineConfig
+    from cache_impl.keys import KVLayout
+
+    block = 256
+    nbytes = KVLayout(2, 2, 16, "float32", block).block_nbytes                # the tiny preset: 128 KiB a block
+    config = EngineConfig.from_dict({"preset": "tiny", "mode": "tiered", "cache": {
+        "device": "cpu", "write_policy": "write-back", "device_capacity_blocks": 3, "host_capacity_bytes": 5 * nbytes,
+        "disk": {"path": str(tmp_path / "disk"), "capacity_bytes": 20 * integrity.file_nbytes(nbytes),
+                 "min_free_bytes": 0}}})
+    spec = {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 300, "document_tokens": 600,
+            "question_tokens": 40, "answer_tokens": 100, "output_tokens": 64}
+    order = load_order(build_workload(spec, ByteSizer(), 0), passes=2)
+    engine = Engine(config).start()
+    try:
+        assert engine.layout.block_nbytes == nbytes
+        finished, keyed = [], []
+        for request in order:
+            tokens = embedded_chat_tokens(request)
+            done = engine.generate(tokens, request.max_tokens)
+            engine.cache.flush()
+            finished.append(done.finish)
+            # the engine stores the full blocks of the positions it computed: the last token's KV is
+            # computed only when generation stopped on the end-of-text token
+            computed = len(tokens) + len(done.token_ids) - (done.finish.finish_reason == "length")
+            every = block_keys(tokens + done.token_ids, SIZING_DIGEST, block)
+            full_prompt = len(tokens) // block
+            keyed.append(RequestKeys(tuple(every[:full_prompt]), tuple(every[full_prompt: computed // block])))
+        snap = engine.cache.snapshot()["tiers"]
+    finally:
+        engine.stop()
+    result = replay(keyed, tier_capacities(config.cache, nbytes), "write-back")
+    assert [f.cached_tokens for f in finished] == [block * sum(row) for row in result.hits]
+    assert result.total_hits == {name: snap[name]["hits"] for name in result.tiers}
+    assert result.evictions == {name: snap[name]["evictions"] for name in result.tiers}
+    assert result.demotions == {name: snap[name]["demotions"] for name in result.tiers}
+    assert all(result.total_hits[name] > 0 for name in result.tiers), result.total_hits
+    assert all(result.evictions[name] > 0 for name in result.tiers), result.evictions
+    assert sum(len(k.output) for k in keyed) > 0
+    # every request ran to max_tokens (the seeded model), so the keys made from the spec alone (the
+    # output's blocks counted from max_tokens) replay to the same figures
+    assert {f.finish_reason for f in finished} == {"length"}
+    from_spec = replay(workload_block_keys(spec, passes=2), tier_capacities(config.cache, nbytes), "write-back")
+    assert from_spec == result

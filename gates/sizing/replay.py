@@ -209,7 +209,11 @@ class CacheSimulator:
                 level.lru.move_to_end(key)
 
     def _put(self, level: _Level, key: Key) -> bool:
-        """Make room (evicting least recently used blocks, demoting them), then place; False when it cannot fit."""
+        """Make room (evicting least recently used blocks, demoting each), then place; False when it cannot fit.
+
+        The cache drops a victim after demoting it, this before: the same moves, since a demotion
+        only changes the levels below.
+        """
         lru, capacity = level.lru, level.capacity
         if key in lru:  # only a pool is asked to put what it has (a put that leaves the value as it is)
             lru.move_to_end(key)
@@ -218,19 +222,16 @@ class CacheSimulator:
             if capacity < 1:
                 return False
             while len(lru) >= capacity:
-                self._evict(level, next(iter(lru)))
+                victim = lru.popitem(last=False)[0]
+                level.evictions += 1
+                for lower in level.lower:
+                    if victim in lower.lru:
+                        break
+                    if self._put(lower, victim):
+                        level.demotions += 1
+                        break
         lru[key] = None
         return True
-
-    def _evict(self, level: _Level, key: Key) -> None:
-        level.evictions += 1
-        for lower in level.lower:
-            if key in lower.lru:
-                break
-            if self._put(lower, key):
-                level.demotions += 1
-                break
-        del level.lru[key]
 
 
 # --------------------------------------------------------------------------- replay
