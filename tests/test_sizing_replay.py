@@ -8,6 +8,7 @@ output fills), one request after another, its background writes flushed before t
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import shutil
 from pathlib import Path
@@ -20,8 +21,9 @@ from cache_impl.config import CacheConfig
 from cache_impl.keys import block_keys
 from cache_impl.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
 from gates.config import PROFILES
-from gates.sizing.replay import (SIZING_DIGEST, CacheSimulator, RequestKeys, TierCapacity, embedded_chat_tokens,
-                                 load_order, replay, tier_capacities, trace_block_keys, workload_block_keys)
+from gates.sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
+from gates.sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
+                                    trace_block_keys, workload_block_keys)
 from kvcore.settings import ConfigError
 from tests.conftest import BLOCK, blocks_for
 from workloads.datasets import TraceRecord, build_workload, ByteSizer, read_trace
@@ -273,6 +275,8 @@ def test_workload_keys_are_the_embedded_engines_block_keys():
     tokens = [BOS, SYSTEM, *system.encode(), END, USER, *user.encode(), END, ASSISTANT]
     assert len(tokens) == 1 + (1 + 256 + 1) + (1 + 1536 + 32 + 1) + 1 == 1830
     assert keyed[0].prompt == tuple(block_keys(tokens, SIZING_DIGEST, 256)) and len(keyed[0].prompt) == 7
+    assert embedded_chat_tokens(first) == tokens
+    assert embedded_completion_tokens(first) == [BOS, *f"{system}\n\n{user}".encode()]   # the completions route
     # 16 output tokens: (1830 + 15) // 256 - 1830 // 256 = 7 - 7, no block filled by the output
     assert keyed[0].output == ()
     # every user's prompt opens with the same system prompt: block 0 is shared, block 1 is not
@@ -294,6 +298,14 @@ def test_output_blocks_are_the_ones_generated_tokens_fill():
     assert all(k.output == () for k in workload_block_keys(spec, outputs=False))
 
 
+def test_bad_key_sequence_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="^passes: expected an integer >= 1, found 0"):
+        workload_block_keys({"kind": "random", "requests": 1, "input_tokens": {"distribution": "fixed", "mean": 8},
+                             "output_tokens": {"distribution": "fixed", "mean": 1}}, passes=0)
+    with pytest.raises(ConfigError, match="^block_tokens: expected an integer >= 1, found 0"):
+        trace_block_keys([], 0)
+
+
 def test_load_order_takes_turns_round_robin_when_interleaved():
     spec = {"kind": "multi_round_qa", "users": 3, "rounds": 2, "document_tokens": 4, "question_tokens": 2,
             "answer_tokens": 2}
@@ -304,6 +316,22 @@ def test_load_order_takes_turns_round_robin_when_interleaved():
     sequential = build_workload({**spec, "order": "sequential"}, ByteSizer(), 0)
     assert [r.request_id for r in load_order(sequential)] == [
         "user-0/round-0", "user-0/round-1", "user-1/round-0", "user-1/round-1", "user-2/round-0", "user-2/round-1"]
+
+
+def test_a_trace_workload_sends_its_warm_up_first_and_reuses_its_blocks_through_the_chat_template(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]},
+            {"timestamp": 5, "input_length": 1536, "output_length": 4, "hash_ids": [0, 1, 2]},
+            {"timestamp": 9, "input_length": 1024, "output_length": 4, "hash_ids": [0, 3]}]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    workload = build_workload({"kind": "trace", "path": str(trace), "warmup_requests": 1}, ByteSizer(), 0)
+    assert [r.request_id for r in load_order(workload)] == ["trace-0", "trace-1", "trace-2"]
+    keyed = workload_block_keys(workload)
+    # BOS <|user|> text <|end|> <|assistant|>: (2 + 1024 + 2) // 256 and (2 + 1536 + 2) // 256 blocks
+    assert [len(k.prompt) for k in keyed] == [4, 6, 4]
+    result = replay(keyed, [TierCapacity("device", 64)], warmup=len(workload.warmup))
+    # trace-1 shares trace-0's first 2 + 1024 tokens (4 whole blocks), trace-2 its first 2 + 512 (2 blocks)
+    assert result.hits == ((4,), (2,))
 
 
 def test_trace_keys_cut_hash_ids_into_cache_blocks():
