@@ -1,0 +1,319 @@
+"""Hit ratio per tier of a workload: its block-key sequence replayed through the tiers' capacities.
+
+`CacheSimulator` is `cache_impl.manager.TieredKVCache` on keys alone (no bytes, no threads, no
+torch), with its rules (`cache_impl.placement`, `cache_impl.lru`), called per request the way the
+embedded engine (`cache_impl.engine`) calls the cache:
+
+1. load: the longest prefix of the prompt's block keys some level holds; each block is read from
+   the highest level holding it, a hit on that level, whose LRU entry is refreshed. A pool (the
+   last level, not accounted: a store shared by nodes) is asked for the blocks after the prefix
+   the local levels hold.
+2. store, each prompt block after the prefix in order: a block some accounted level holds is only
+   refreshed on every level; otherwise it is put on the device, and on every lower level the write
+   policy stores to (write-through: all; write-back: none) and on the pool. A block the device
+   cannot take goes to every lower level at once.
+3. promote, once the first token is out: each hit block is put on every accounted level the write
+   policy stores to that lacks it (write-back: the device only), then refreshed everywhere.
+4. store of the blocks the generated tokens fill, as 2.
+
+Putting a block on a full level first evicts its least recently used block. An evicted block is
+demoted to the nearest lower accounted level: nothing if that level holds it already, else it is
+put there (evicting in turn); when that level cannot take it, the next one. The last accounted
+level's evictions leave the cache (the pool is never a demotion target; the disk tier, which has
+no in-memory copy to demote, is always the last accounted level).
+
+Assumptions (each a difference from a real run): requests one after another (at concurrency c the
+engine interleaves the stores of c requests: the same operations, another order); every background
+write done before the next request (`TieredKVCache.flush`), and a disk larger than what one request
+queues to it (a block whose write is queued cannot be evicted, so a smaller one skips it for an older
+victim); the disk's filesystem has room (else the cache evicts earlier); no read fails
+verification; a pool keeps what it is given up to its capacity, least recently put or read first
+(the store's own policy decides in reality).
+
+Figures, over the counted requests (after `warmup`)::
+
+    hit ratio of tier t = Σ blocks read from t / Σ prompt blocks   (full blocks only)
+    overall hit ratio  = Σ over tiers of the above
+    infinite_cache_bound = Σ blocks of the longest prompt prefix stored by an earlier request / Σ prompt blocks
+
+Keys chain their prefix, so the bound is the share of blocks seen before, whatever the capacity; a
+finite cache hits a block only if an earlier request stored it and it lies in such a prefix, so the
+bound is at least any capacity's overall ratio.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Literal, Optional, Sequence, Union
+
+from cache_impl import integrity
+from cache_impl.config import CacheConfig
+from kvcore.settings import ConfigError
+
+Key = Hashable
+WritePolicy = Literal["write-through", "write-back"]
+WRITE_POLICIES = ("write-through", "write-back")
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """One level, top-down: its name, whole blocks it holds (None: unbounded), and whether the cache
+    accounts for it (False: a pool shared by nodes that manages its own capacity; last level only)."""
+
+    name: str
+    blocks: Optional[int]
+    accounted: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"tiers.name: expected a tier name, found {self.name!r}")
+        if self.blocks is not None and (type(self.blocks) is not int or self.blocks < 0):
+            raise ConfigError(f"tiers.{self.name}.blocks: expected an integer >= 0 or None (unbounded), "
+                              f"found {self.blocks!r}")
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """A request's block keys: its prompt's full blocks (looked up, then stored) and the blocks its
+    generated tokens fill (stored after the first token; never looked up by this request)."""
+
+    prompt: tuple[Key, ...]
+    output: tuple[Key, ...] = ()
+
+
+def tier_capacities(config: CacheConfig, block_nbytes: int, pool_blocks: Optional[int] = None) -> list[TierCapacity]:
+    """The levels `TieredKVCache` builds from `config` for blocks of `block_nbytes` (its KV layout's):
+    the device's slots; the host's slots (present when it holds one block); the disk's block files
+    (4 KiB header + payload padded to 4 KiB each); the pool, unbounded unless `pool_blocks`."""
+    levels = [TierCapacity("device", config.device_capacity_blocks)]
+    if config.host_capacity_bytes >= block_nbytes:
+        levels.append(TierCapacity("host", config.host_capacity_bytes // block_nbytes))
+    if config.disk is not None:
+        levels.append(TierCapacity("disk", config.disk.capacity_bytes // integrity.file_nbytes(block_nbytes)))
+    if config.remote is not None:
+        levels.append(TierCapacity("remote", pool_blocks, accounted=False))
+    return levels
+
+
+# --------------------------------------------------------------------------- the simulator
+
+
+class _Level:
+    __slots__ = ("rank", "name", "capacity", "accounted", "on_store", "lru", "hits", "evictions", "demotions",
+                 "lower")
+
+    def __init__(self, rank: int, tier: TierCapacity, on_store: bool) -> None:
+        self.rank, self.name, self.capacity, self.accounted = rank, tier.name, tier.blocks, tier.accounted
+        self.on_store = on_store
+        self.lru: OrderedDict[Key, None] = OrderedDict()  # oldest first
+        self.hits = self.evictions = self.demotions = 0
+        self.lower: list[_Level] = []  # accounted levels below, nearest first
+
+
+class CacheSimulator:
+    """The cache's placement on keys: `load`, `store`, `promote`, as `TieredKVCache` does them."""
+
+    def __init__(self, capacities: Sequence[TierCapacity], write_policy: WritePolicy = "write-through") -> None:
+        _check_levels(capacities, write_policy)
+        through = write_policy == "write-through"
+        self.write_policy = write_policy
+        self.levels = [_Level(rank, t, rank == 0 or through or not t.accounted) for rank, t in enumerate(capacities)]
+        self.accounted = [level for level in self.levels if level.accounted]
+        self.pool = self.levels[-1] if not self.levels[-1].accounted else None
+        for i, level in enumerate(self.accounted):
+            level.lower = self.accounted[i + 1:]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(level.name for level in self.levels)
+
+    def holders(self, key: Key) -> list[str]:
+        """The levels that hold the block, top-down (like `TieredKVCache.where`, the pool included)."""
+        return [level.name for level in self.levels if key in level.lru]
+
+    def load(self, keys: Sequence[Key]) -> list[int]:
+        """Hit blocks per level (in level order) of the longest held prefix; refreshes each source."""
+        hits = [0] * len(self.levels)
+        for key, level in zip(keys, self._plan(keys)):
+            hits[level.rank] += 1
+            level.hits += 1
+            level.lru.move_to_end(key)
+        return hits
+
+    def _plan(self, keys: Sequence[Key]) -> list[_Level]:
+        """The source level of each block of the longest prefix (`Placement.prefix` + `best`)."""
+        plan = []
+        for key in keys:
+            source = self._best_local(key)
+            if source is None:
+                break
+            plan.append(source)
+        pool = self.pool
+        if pool is None or len(plan) == len(keys):
+            return plan
+        asked = set(itertools.takewhile(pool.lru.__contains__, keys[len(plan):]))  # the pool's leading run
+        for key in keys[len(plan):]:
+            source = self._best_local(key) or (pool if key in asked else None)
+            if source is None:
+                break
+            plan.append(source)
+        return plan
+
+    def _best_local(self, key: Key) -> Optional[_Level]:
+        for level in self.accounted:
+            if key in level.lru:
+                return level
+        return None
+
+    def store(self, keys: Iterable[Key]) -> int:
+        """Store each block (`TieredKVCache._store_one`); returns how many were new."""
+        stored = 0
+        top = self.levels[0]
+        for key in keys:
+            if self._best_local(key) is not None:
+                self._touch_everywhere(key)
+                continue
+            fallback = not self._put(top, key)
+            for level in self.levels[1:]:
+                if level.on_store or (fallback and level.accounted):
+                    self._put(level, key)
+            stored += 1
+        return stored
+
+    def promote(self, keys: Iterable[Key]) -> int:
+        """Copy just-loaded blocks to every accounted level the policy stores to that lacks them."""
+        placed = 0
+        for key in keys:
+            for level in self.accounted:
+                if level.on_store and key not in level.lru:
+                    placed += self._put(level, key)
+            self._touch_everywhere(key)
+        return placed
+
+    def _touch_everywhere(self, key: Key) -> None:
+        for level in self.accounted:
+            if key in level.lru:
+                level.lru.move_to_end(key)
+
+    def _put(self, level: _Level, key: Key) -> bool:
+        """Make room (evicting least recently used blocks, demoting each), then place; False when it cannot fit.
+
+        The cache drops a victim after demoting it, this before: the same moves, since a demotion
+        only changes the levels below.
+        """
+        lru, capacity = level.lru, level.capacity
+        if key in lru:  # only a pool is asked to put what it has (a put that leaves the value as it is)
+            lru.move_to_end(key)
+            return True
+        if capacity is not None:
+            if capacity < 1:
+                return False
+            while len(lru) >= capacity:
+                victim = lru.popitem(last=False)[0]
+                level.evictions += 1
+                for lower in level.lower:
+                    if victim in lower.lru:
+                        break
+                    if self._put(lower, victim):
+                        level.demotions += 1
+                        break
+        lru[key] = None
+        return True
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Per counted request: prompt blocks, hit blocks per tier (in `tiers` order), and the blocks an
+    infinite cache would hit. Evictions and demotions per tier count the whole replay, warm-up included."""
+
+    tiers: tuple[str, ...]
+    write_policy: str
+    prompt_blocks: tuple[int, ...]
+    hits: tuple[tuple[int, ...], ...]
+    seen_blocks: tuple[int, ...]
+    evictions: dict[str, int]
+    demotions: dict[str, int]
+
+    @property
+    def requests(self) -> int:
+        return len(self.prompt_blocks)
+
+    @property
+    def total_prompt_blocks(self) -> int:
+        return sum(self.prompt_blocks)
+
+    @property
+    def total_hits(self) -> dict[str, int]:
+        return {name: sum(row[i] for row in self.hits) for i, name in enumerate(self.tiers)}
+
+    @property
+    def hit_ratio(self) -> dict[str, float]:
+        """Per tier: blocks read from it / prompt blocks."""
+        total = self.total_prompt_blocks
+        return {name: (hits / total if total else 0.0) for name, hits in self.total_hits.items()}
+
+    @property
+    def overall_hit_ratio(self) -> float:
+        total = self.total_prompt_blocks
+        return sum(self.total_hits.values()) / total if total else 0.0
+
+    @property
+    def infinite_cache_bound(self) -> float:
+        total = self.total_prompt_blocks
+        return sum(self.seen_blocks) / total if total else 0.0
+
+    def summary(self) -> dict:
+        """The figures as plain data (for results.json and `kvgate plan --json`)."""
+        return {"requests": self.requests, "write_policy": self.write_policy,
+                "prompt_blocks": self.total_prompt_blocks, "hits": self.total_hits, "hit_ratio": self.hit_ratio,
+                "overall_hit_ratio": self.overall_hit_ratio, "infinite_cache_bound": self.infinite_cache_bound,
+                "evictions": self.evictions, "demotions": self.demotions}
+
+
+def replay(requests: Iterable[Union[RequestKeys, Sequence[Key]]], capacities: Sequence[TierCapacity],
+           write_policy: WritePolicy = "write-through", warmup: int = 0) -> ReplayResult:
+    """Replay requests (RequestKeys, or a prompt's key list) in order through the levels; the first
+    `warmup` requests fill the caches (the infinite one too) but are not counted."""
+    sim = CacheSimulator(capacities, write_policy)
+    seen: set[Key] = set()
+    prompt_blocks, hits, seen_blocks = [], [], []
+    for n, request in enumerate(requests):
+        prompt, output = (request.prompt, request.output) if isinstance(request, RequestKeys) else (request, ())
+        prompt = tuple(prompt)
+        known = sum(1 for _ in itertools.takewhile(seen.__contains__, prompt))
+        row = sim.load(prompt)
+        loaded = sum(row)
+        sim.store(prompt[loaded:])
+        if loaded:
+            sim.promote(prompt[:loaded])
+        sim.store(output)
+        seen.update(prompt)
+        seen.update(output)
+        if n >= warmup:
+            prompt_blocks.append(len(prompt))
+            hits.append(tuple(row))
+            seen_blocks.append(known)
+    return ReplayResult(sim.names, write_policy, tuple(prompt_blocks), tuple(hits), tuple(seen_blocks),
+                        {level.name: level.evictions for level in sim.levels},
+                        {level.name: level.demotions for level in sim.levels})
+
+
+def _check_levels(capacities: Sequence[TierCapacity], write_policy: str) -> None:
+    if write_policy not in WRITE_POLICIES:
+        raise ConfigError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, found {write_policy!r}")
+    if not capacities:
+        raise ConfigError("tiers: expected at least one tier (the device), found none")
+    names = [tier.name for tier in capacities]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tiers: expected distinct names, found {names}")
+    if not capacities[0].accounted:
+        raise ConfigError(f"tiers.{names[0]}.accounted: expected the top tier (the device) accounted, found False")
+    late = [tier.name for tier in capacities[:-1] if not tier.accounted]
+    if late:
+        raise ConfigError(f"tiers.{late[0]}.accounted: expected only the last tier (a pool) unaccounted, found "
+                          f"{late[0]!r} above {names[-1]!r}")
