@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_weights(commands)
     _add_scrub(commands)
     _add_engine_bench(commands)
+    from .sizing.command import add_plan
+
+    add_plan(commands)
     _add_client_bench(commands)
     _add_pool_bench(commands)
     return parser

@@ -1,0 +1,65 @@
+"""`kvgate plan`: the quick profile's plan from its config alone, refined by a recorded run (predicted beside
+measured, with the errors), and the calibration written by one run and read by a later plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gates.cli import main
+from gates.config import load_config
+from gates.sizing.plan import make_plan
+from kvcore.rundata import RunStore
+from tests.test_sizing_timing import _recorded_run
+
+
+def test_a_plan_from_the_config_alone_gives_the_layout_the_tiers_and_the_workloads_hits(capsys):
+    assert main(["plan", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # the small preset: 2 (K, V) x 4 layers x 2 KV heads x 64 dims x 4 bytes = 4 KiB per token, 1 MiB per block
+    assert plan["figures"]["layout"]["bytes_per_token"] == 4096
+    assert plan["figures"]["tiers"]["candidate"] == {"device": 64 * 256, "host": 1024 * 256,
+                                                      "disk": (8 << 30) // ((1 << 20) + 4096) * 256}
+    hits = plan["figures"]["g3_hit_ratio"]
+    # the device tier alone keeps only the shared system prompt: the 16 interleaved histories outgrow it
+    assert hits["baseline"]["overall"] < 0.2 < 0.9 < hits["candidate"]["overall"]
+    assert hits["candidate"]["overall"] <= hits["candidate"]["infinite_cache_bound"]
+    assert plan["predictions"] == [] and any("recompute curve" in note for note in plan["notes"])
+
+
+def test_a_plan_from_a_run_predicts_g2_judges_it_and_sets_it_beside_the_measurement(tmp_path):
+    store = _recorded_run(tmp_path)
+    ttft = {m["context"]["mode"]: m["value"] for m in store.measurements("g2")
+            if m["metric"] == "ttft_ms" and m["context"]["context_tokens"] == 8192}
+    store.record("g2", "test_ratio", "disk_hit_ttft_vs_recompute", ttft["disk-cold"] / ttft["recompute"],
+                 context_tokens=8192)                                   # as G2's check records it
+    plan = make_plan(load_config(None, "quick"), store)
+    g2 = {p.metric: p for p in plan.predictions if p.gate == "g2"}
+    assert g2["disk_hit_ttft_vs_recompute"].status == "PASS" and "≤ 25%" in g2["disk_hit_ttft_vs_recompute"].reason
+    assert g2["cold_read_vs_fio"].value == pytest.approx(0.8)             # the run's measured tier efficiency
+    # G3 per level from the replayed hits and the fitted decode cost, each judged by G3's rules
+    g3 = [p for p in plan.predictions if p.metric == "ttft_p50_reduction"]
+    assert [p.context["concurrency"] for p in g3] == [2, 4, 8] and all(p.status for p in g3)
+    # the recorded run follows the fitted constants exactly: its G2 ratio is predicted with no error
+    row = next(r for r in plan.comparison if r["metric"] == "disk_hit_ttft_vs_recompute")
+    assert row["error"] == pytest.approx(0.0, abs=1e-6)
+    assert any(a["label"] == "TTFT / throughput MAPE" for a in plan.accuracy)
+    assert any("fitted to this same run" in note for note in plan.notes)
+    assert plan.claim_values()["speedup_over_recompute"] == pytest.approx(1 / row["predicted"])
+
+
+def test_calibrate_writes_the_constants_a_later_plan_reads(tmp_path, capsys):
+    _recorded_run(tmp_path / "run")
+    out = tmp_path / "calibration.json"
+    assert main(["plan", "--calibrate", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out and json.loads(out.read_text())["decode"]["step_s"] > 0
+    assert main(["plan", "--calibration", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted G2 cold disk hit / recompute at 8192 tokens" in text and "G3 TTFT p50 reduction at c=8" in text
+
+
+def test_a_run_directory_that_is_not_one_is_a_clear_error(tmp_path, capsys):
+    assert main(["plan", "--from", str(tmp_path / "nowhere")]) == 2
+    assert "--from: expected a run directory (with run.json)" in capsys.readouterr().err
+    assert RunStore(tmp_path).run_info() == {}
