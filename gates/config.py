@@ -401,6 +401,19 @@ class G4Config(StrictModel):
         return self
 
 
+class SizingConfig(StrictModel):
+    """The sizing model in `kvgate run` (gates/sizing/): where its constants come from before the run has
+    measured them, and its tolerances (informational: it never passes or fails a gate)."""
+
+    calibration: Optional[Path] = Field(default=None, description=(
+        "constants fitted to an earlier run on this machine (`kvgate plan --calibrate RUN_DIR`): G2's and G3's "
+        "figures are predicted before G2 runs; without it, from G2's own measurements onward"))
+    hit_ratio_points: Float = Field(default=0.05, gt=0, le=1, description="largest hit-ratio error it accepts")
+    figure_mape: Float = Field(default=0.15, gt=0, le=10, description="largest TTFT / throughput MAPE it accepts")
+
+    _paths = field_validator("calibration", mode="before")(lambda cls, v: _absolute_path(v))
+
+
 class GatesConfig(StrictModel):
     profile: Literal["quick", "full"] = "quick"
     targets: TargetsConfig = Field(default_factory=TargetsConfig)
@@ -411,6 +424,7 @@ class GatesConfig(StrictModel):
     g2: G2Config
     g3: G3Config
     g4: G4Config
+    sizing: SizingConfig = Field(default_factory=SizingConfig)
     claims: list[Claim] = Field(default_factory=lambda: [Claim(**c) for c in DEFAULT_CLAIMS], description=(
         "the vendor's figures, each beside what the run measured (kvcore/claims.py); default: the seed playbook's"))
 

@@ -150,6 +150,7 @@ class GateRunner:
         self.store = RunStore(run_dir)
         self.console = console or Console()
         self.suite_env: dict[str, str] = {}  # for the gate suites: the embedded servers' admin token
+        self.last_plan = None                # the sizing model's latest plan (gates/sizing/in_run.py)
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +177,8 @@ class GateRunner:
             statuses = [] if problem else self._run_gates()
         info["ended_at"] = time.time()
         self.store.write_run_info(info)
+        if not problem:
+            self._sizing()
         if problem:
             for gate in self.gates:
                 self.store.set_status(gate, "not run", problem)
@@ -184,6 +187,19 @@ class GateRunner:
             print(f"kvgate run: {problem}", file=sys.stderr)
             return 2
         return 0 if all(s == "passed" for s in statuses) else 1
+
+    def _sizing(self) -> None:
+        """Predicted beside measured for every gate that ran (sizing.json), shown on the console."""
+        from .sizing.in_run import final_sizing
+
+        try:
+            sizing = final_sizing(self.store, self.last_plan, self.config.sizing)
+        except Exception as error:  # informational: never the run's outcome
+            self.console.print(f"[dim]sizing model: no comparison ({type(error).__name__}: {error})[/dim]")
+            return
+        self.store.write_sizing(sizing)
+        for row in sizing["accuracy"]:
+            self.console.print(f"[dim]sizing model: {row['label']} {row['text']}[/dim]", highlight=False)
 
     def _preflight(self, endpoints: dict[str, Endpoint]) -> str:
         """Check every target before any gate (gates/preflight.py); what failed, or '' when all passed."""
@@ -227,11 +243,21 @@ class GateRunner:
                 self.console.print(f"[dim]{GATE_TITLES[gate]}: {reason}[/dim]")
                 statuses.append("not run")
                 continue
+            self._predict(gate)
             status = self._run_gate(gate)
             statuses.append(status)
             if status != "passed" and not self.continue_on_fail:
                 stopped_at = gate
         return statuses
+
+    def _predict(self, gate: str) -> None:
+        """The sizing model's figures for `gate`, from the config and the gates measured so far (recorded)."""
+        from .sizing.in_run import gate_lines, stage_plan
+
+        plan, problem = stage_plan(self.config, self.store, gate)
+        self.last_plan = plan or self.last_plan
+        for line in gate_lines(plan, gate) if plan is not None else [problem]:
+            self.console.print(f"  [dim]{line}[/dim]", highlight=False)
 
     def _run_gate(self, gate: str) -> str:
         gate_dir = self.store.gate_dir(gate)

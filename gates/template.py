@@ -165,4 +165,13 @@ def _claims_section() -> str:
     return "\n".join(lines) + "\n"
 
 
+TEMPLATE += """
+# The sizing model (kvgate plan): before each gate, its figures predicted from the config and what the
+# gates before it measured, shown and recorded; at the end, set beside what each gate measured.
+sizing:
+  calibration: null               # constants from an earlier run (kvgate plan --calibrate RUN_DIR): predicts
+                                  # G2 and G3 before G2 runs; null: from G2's own measurements onward
+  hit_ratio_points: 0.05          # the model's tolerances (informational, never a gate):
+  figure_mape: 0.15               # hit ratios within 5 points, TTFT / throughput within 15%
+"""
 TEMPLATE += _claims_section()

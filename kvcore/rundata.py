@@ -9,6 +9,8 @@ Layout of `reports/runs/<run-id>/` (or `--out`)::
     gates/<gate>/verdicts.jsonl       one Verdict per line, appended as judged
     gates/<gate>/unjudged.jsonl       one Unjudged per line: a check measured with no rule to judge it
     gates/<gate>/status.json          the gate's outcome once it ended (or "not run")
+    predictions.jsonl                 the sizing model's predicted figures, one per line, by stage ("before g3")
+    sizing.json                       predicted beside measured with the errors, and the model's accuracy
     gates/<gate>/progress.json        what the gate is doing now ("writing the checkpoint: 0.6 / 1.1 GB"), for the console
     gates/<gate>/junit.xml            pytest's JUnit report of the gate's suite
     gates/<gate>/raw/                 raw files (fio JSON, request records, soak windows)
@@ -137,6 +139,23 @@ class RunStore:
 
     def set_status(self, gate: str, status: str, reason: str = "", **extra: Any) -> None:
         write_json(self.gate_dir(gate) / "status.json", {"gate": gate, "status": status, "reason": reason, **extra})
+
+    def add_predictions(self, stage: str, rows: Iterable[dict]) -> None:
+        """The sizing model's predicted figures at one stage of the run ("before g2": from the config and
+        what the gates before G2 measured), appended as made."""
+        for row in rows:
+            append_jsonl(self.root / "predictions.jsonl", {**row, "stage": stage, "t": time.time()})
+
+    def predictions(self) -> list[dict]:
+        return read_jsonl_file(self.root / "predictions.jsonl")
+
+    def write_sizing(self, sizing: dict) -> None:
+        write_json(self.root / "sizing.json", sizing)
+
+    def sizing(self) -> dict:
+        """sizing.json ({} when the run has none)."""
+        path = self.root / "sizing.json"
+        return json.loads(path.read_text()) if path.exists() else {}
 
     def set_progress(self, gate: str, text: str) -> None:
         """What the gate is doing now, one line (the console shows it beside the gate's spinner)."""

@@ -40,10 +40,15 @@ def collect_results(store: RunStore) -> dict:
     run = store.run_info()
     requested = [str(g).lower() for g in (run.get("gates") or GATES)]
     gates = [_gate_result(store, gate, gate in requested) for gate in GATES]
+    sizing = store.sizing()
     claims = [{**row, "promised": claim_text(row), "measured_text": format_figure(row["measured"], row["unit"]),
                "predicted_text": format_figure(row["predicted"], row["unit"])}
-              for row in claims_table(store, run_claims(store))]
-    return {"run": run, "overall": overall(gates), "claims": claims, "gates": gates, "preflight": store.preflight(),
+              for row in claims_table(store, run_claims(store), sizing.get("claims"))]
+    comparison = [{**row, "predicted_text": format_figure(row["predicted"], row.get("unit", "")),
+                   "measured_text": format_figure(row["measured"], row.get("unit", ""))}
+                  for row in sizing.get("comparison", [])]
+    return {"run": run, "overall": overall(gates), "claims": claims,
+            "sizing": {**sizing, "comparison": comparison}, "gates": gates, "preflight": store.preflight(),
             "environment": run.get("environment", {})}
 
 

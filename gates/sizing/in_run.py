@@ -1,0 +1,47 @@
+"""The sizing model inside `kvgate run`: before each gate, a plan from the config and what the gates before
+it measured (G1's fio feeds G2's figures; G2's recompute curve and hit costs feed G3's) is recorded in the
+run store and shown; at the end, each gate's figures predicted before it ran are set beside what it
+measured (sizing.json), with the model's accuracy by its own tolerances. Informational: a prediction never
+passes or fails a gate, and a plan that cannot be made is a note, never a stop.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvcore.rundata import RunStore
+
+from .plan import Plan, Prediction, compare, make_plan
+
+
+def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
+    """The plan made before `gate` (recorded under "before <gate>"), or None and why not."""
+    try:
+        calibration = None
+        if store.status("g2") is None and config.sizing.calibration is not None:
+            from .calibration import Calibration
+
+            calibration = Calibration.load(config.sizing.calibration)
+        measured = any(store.status(g) is not None for g in ("g1", "g2", "g3", "g4"))
+        plan = make_plan(config, store if measured else None, calibration, config.sizing)
+    except Exception as error:  # the sizing model must never stop a run: say why it said nothing
+        return None, f"no plan before {gate.upper()}: {type(error).__name__}: {error}"
+    store.add_predictions(f"before {gate}", [p.to_dict() for p in plan.predictions if p.gate == gate])
+    return plan, ""
+
+
+def gate_lines(plan: Plan, gate: str) -> list[str]:
+    """One console line per figure predicted for `gate`, its verdict by the gate's rule."""
+    return [f"predicted: {p.reason or p.label}" for p in plan.predictions if p.gate == gate and p.status]
+
+
+def final_sizing(store: RunStore, plan: Optional[Plan], tolerances=None) -> dict:
+    """Every gate's figures as predicted before it ran, beside what it measured, and the model's accuracy."""
+    stored = [r for r in store.predictions() if r.get("stage") == f"before {r.get('gate')}"]
+    before = Plan(predictions=[Prediction(r["gate"], r["metric"], r["value"], r.get("unit", ""), r["label"],
+                                          r.get("basis", ""), dict(r.get("context") or {}), r.get("status", ""),
+                                          r.get("reason", "")) for r in stored])
+    compare(before, store, tolerances)
+    return {"comparison": before.comparison, "accuracy": before.accuracy,
+            "claims": plan.claim_values() if plan is not None else {},
+            "notes": list(plan.notes) if plan is not None else []}
