@@ -106,7 +106,7 @@ g3:
   replay: closed_loop             # closed_loop: levels are concurrencies | rate_multipliers (traces)
   levels: [2, 4, 8]               # concurrency sweep (rate_multipliers: e.g. [1, 2, 4])
   # ttft_slo_ms: 2000             # rate_multipliers: the TTFT objective a sustained rate meets
-  duration_s: 30
+  duration_s: 26
   warmup_s: 6
   min_requests: 10
   prime: true                     # send each target every session's first turn (a trace: its warm-up) first
