@@ -271,10 +271,14 @@ class GateRunner:
         with open(gate_dir / "pytest.log", "a") as log, self.console.status(running) as spinner:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent,
                                        preexec_fn=die_with_parent, env=os.environ | self.suite_env)
+            said = ""
             while process.poll() is None:
                 shown = self._print_new_verdicts(gate, shown)
                 progress = self.store.progress(gate)
                 spinner.update(f"{running} {progress}" if progress else running)
+                if progress != said and not self.console.is_terminal:   # CI logs: one plain line per step
+                    print(f"  {GATE_TITLES[gate]}: {progress}", flush=True)
+                said = progress
                 time.sleep(0.5)
         self._print_new_verdicts(gate, shown)
         status, reason = gate_status(self.store.verdicts(gate), process.returncode, len(self.store.unjudged(gate)))

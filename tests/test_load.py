@@ -99,9 +99,13 @@ def test_distributed_locust_with_two_workers_collects_the_records_of_both(target
 
 
 def test_a_sweep_returns_one_valid_row_per_level_and_target(target, tmp_path):
+    said = []
     settings = SweepSettings(levels=(1, 3), duration_s=6, warmup_s=1, min_duration_s=3, min_requests=3,
-                             out_dir=tmp_path)
+                             out_dir=tmp_path, on_step=said.append)
     frame = run_sweep([target], _workload(), settings)
+    # progress: a line as each step starts and one with its figures as it ends
+    assert said[0] == "step 1 / 2, c=1, embedded: running for 6 s" and said[1].startswith("step 1 / 2, c=1, embedded: done, ")
+    assert "TTFT p50" in said[1] and "errors 0.0%" in said[1] and len(said) == 4
     assert list(frame["concurrency"]) == [1, 3] and list(frame["target"]) == ["embedded", "embedded"]
     assert frame["valid"].all(), frame["invalid_reasons"].tolist()
     assert (frame["ttft_p50_s"] > 0).all() and (frame["output_tokens_per_s"] > 0).all()

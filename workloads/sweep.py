@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -79,6 +79,7 @@ class SweepSettings:
     max_loop_lag_s: float = 0.05
     stop_rule: Optional[StopRule] = field(default_factory=StopRule)  # None: a step always runs to its end
     out_dir: Path = field(default_factory=lambda: Path("reports/runs/sweep"))
+    on_step: Optional[Callable[[str], None]] = None   # told one line as each step starts and ends (progress)
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
@@ -250,7 +251,9 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
     replay their own part of it once (see the module's docstring).
     """
     rows, dead = [], {}  # dead: target name -> why its later steps are not run
-    for step in _steps(workload, settings):
+    steps = _steps(workload, settings)
+    say = settings.on_step or (lambda text: None)
+    for number, step in enumerate(steps, 1):
         for target in targets:
             step_dir = settings.out_dir / target.name / step.dir_name
             row = {"target": target.name, "replay": step.kind, "level": step.value,
@@ -261,6 +264,8 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
             if target.name in dead:
                 rows.append({**row, **_not_run(dead[target.name], settings)})
                 continue
+            where = f"step {number} / {len(steps)}, {step.label}, {target.name}"
+            say(f"{where}: running for {settings.duration_s:g} s")
             run = run_load(step.workload, target, step.users, settings.duration_s, step_dir,
                            workers=settings.workers, max_requests=step.max_requests, stop_rule=settings.stop_rule)
             records = read_records(run.records_dir)
@@ -275,7 +280,17 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
                                                "duration)")
             rows.append({**row, "locust_exit_code": run.returncode,
                          "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]), **summary})
+            say(f"{where}: done, {step_line(summary)}")
     return pd.DataFrame(rows)
+
+
+def step_line(summary: dict) -> str:
+    """A step's figures in one line: requests, errors, TTFT p50, throughput, hit ratio."""
+    ttft, hits = summary.get("ttft_p50_s"), summary.get("hit_ratio")
+    errors = summary.get("error_rate")
+    return (f"{summary.get('requests', 0)} requests, errors {100 * (errors or 0):.1f}%, "
+            f"TTFT p50 {'-' if ttft is None else f'{ttft * 1e3:.0f} ms'}, "
+            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}")
 
 
 def _not_run(reason: str, settings: SweepSettings) -> dict:
@@ -297,6 +312,12 @@ class _Step:
     def dir_name(self) -> str:
         prefix = {"concurrency": "c", "rate": "r", "multiplier": "x"}[self.kind]
         return f"{prefix}{self.value:g}"
+
+    @property
+    def label(self) -> str:
+        """"c=8", "2 req/s", "×1.5": the step as the console says it."""
+        return {"concurrency": f"c={self.value:g}", "rate": f"{self.value:g} req/s",
+                "multiplier": f"×{self.value:g}"}[self.kind]
 
 
 def _steps(workload: Workload, settings: SweepSettings) -> list[_Step]:

@@ -53,7 +53,8 @@ def sweep(gate_context, endpoints):
                              multipliers=() if closed else tuple(config.levels),
                              duration_s=config.duration_s, warmup_s=config.warmup_s,
                              min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
-                             min_requests=config.min_requests, out_dir=gate_context.store.raw_dir("g3") / "sweep")
+                             min_requests=config.min_requests, out_dir=gate_context.store.raw_dir("g3") / "sweep",
+                             on_step=lambda text: gate_context.store.set_progress("g3", text))
     targets = [endpoints[r].target(r) for r in roles]
     primer_users = min(config.levels) if closed else settings.rate_users
     primed = prime_targets(targets, workload, primer_users, settings.out_dir) if config.prime else []

@@ -32,7 +32,7 @@ def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]
 
 def gate_lines(plan: Plan, gate: str) -> list[str]:
     """One console line per figure predicted for `gate`, its verdict by the gate's rule."""
-    return [f"predicted: {p.reason or p.label}" for p in plan.predictions if p.gate == gate and p.status]
+    return [p.reason for p in plan.predictions if p.gate == gate and p.status]
 
 
 def final_sizing(store: RunStore, plan: Optional[Plan], tolerances=None) -> dict:
