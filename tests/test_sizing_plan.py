@@ -96,5 +96,7 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     assert rows[("hit_ratio", "candidate")]["error"] == pytest.approx(0.03)
     assert rows[("ttft_p50_reduction", None)]["error"] == pytest.approx(-0.02)
     assert rows[("ttft_p50_ms", "candidate")]["error"] == pytest.approx(-0.1)
+    assert sizing["claims"]["ttft_p50_reduction"] == pytest.approx(min(
+        v for (metric, _, _), v in predicted.items() if metric == "ttft_p50_reduction"))   # as predicted before G3
     accuracy = {a["label"]: a for a in sizing["accuracy"]}
     assert "within 5" in accuracy["hit ratio error"]["text"] and "within 15%" in accuracy["TTFT / throughput MAPE"]["text"]

@@ -23,7 +23,7 @@ def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]
 
             calibration = Calibration.load(config.sizing.calibration)
         measured = any(store.status(g) is not None for g in ("g1", "g2", "g3", "g4"))
-        plan = make_plan(config, store if measured else None, calibration, config.sizing)
+        plan = make_plan(config, store if measured else None, calibration, config.sizing, in_run=True)
     except Exception as error:  # the sizing model must never stop a run: say why it said nothing
         return None, f"no plan before {gate.upper()}: {type(error).__name__}: {error}"
     store.add_predictions(f"before {gate}", [p.to_dict() for p in plan.predictions if p.gate == gate])
@@ -36,12 +36,13 @@ def gate_lines(plan: Plan, gate: str) -> list[str]:
 
 
 def final_sizing(store: RunStore, plan: Optional[Plan], tolerances=None) -> dict:
-    """Every gate's figures as predicted before it ran, beside what it measured, and the model's accuracy."""
+    """Every gate's figures as predicted before it ran, beside what it measured, and the model's accuracy;
+    `plan`'s notes (the latest plan: what it could not predict, and why) go along."""
     stored = [r for r in store.predictions() if r.get("stage") == f"before {r.get('gate')}"]
     before = Plan(predictions=[Prediction(r["gate"], r["metric"], r["value"], r.get("unit", ""), r["label"],
                                           r.get("basis", ""), dict(r.get("context") or {}), r.get("status", ""),
                                           r.get("reason", "")) for r in stored])
     compare(before, store, tolerances)
-    return {"comparison": before.comparison, "accuracy": before.accuracy,
-            "claims": plan.claim_values() if plan is not None else {},
+    # the claims' predicted column: each figure as predicted before its gate ran (never after it measured)
+    return {"comparison": before.comparison, "accuracy": before.accuracy, "claims": before.claim_values(),
             "notes": list(plan.notes) if plan is not None else []}

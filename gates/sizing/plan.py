@@ -147,9 +147,10 @@ def _g3_requests(config, capacities: dict[str, list[TierCapacity]], seed: int = 
 
 
 def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
-              tolerances=None) -> Plan:
+              tolerances=None, in_run: bool = False) -> Plan:
     """The plan for `config` (a GatesConfig); `store`: a run whose G1/G2 figures refine it; `calibration`:
-    fitted constants (default: fitted from `store` when given)."""
+    fitted constants (default: fitted from `store` when given); `in_run`: made by `kvgate run` before a
+    gate (its figures are compared later, so no comparison now)."""
     plan = Plan()
     embedded = config.targets.embedded
     shape = KVShape.from_preset(embedded.preset)
@@ -194,7 +195,7 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
             throughput=calibration.decode is not None)
     _storage(plan, config, store, calibration, tiers)
     plan.predictions = [_judged(config, p) for p in plan.predictions]
-    if store is not None:
+    if store is not None and not in_run:
         compare(plan, store, tolerances or config.sizing)
         if calibration is not None and calibration.source and str(store.root) in calibration.source:
             plan.notes.append("the constants were fitted to this same run (G2's TTFTs and cold read, G3's gaps "
