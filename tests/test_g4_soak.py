@@ -352,3 +352,16 @@ def test_windows_starting_within_the_warm_up_are_left_out_with_the_reason():
     assert "warm-up (the soak's first 15 s, g4.warmup_s)" in rows[0]["reason"]
     assert drift(windows, "output_tokens_per_s", "decreasing", excluded=touched).windows == 3
 
+
+
+def test_each_soak_window_is_said_in_one_line_for_the_console():
+    from gates.g4_soak.soak import _window_row, window_line
+
+    records = [{"ok": True, "ttft_s": 0.05 * (i + 1), "completion_tokens": 16, "error_type": None} for i in range(9)]
+    records.append({"ok": False, "ttft_s": None, "completion_tokens": 0, "error_type": "http_500",
+                    "error_message": "boom", "http_status": 500})
+    row = _window_row(2, 20.0, records, {"rss_bytes": 600 << 20, "cache_memory_bytes": 256 << 20}, [True, True, False],
+                      10.0)
+    line = window_line(row, 12)
+    assert line.startswith("soak window 3 / 12 (20 s in): 10 requests, 1 errors, TTFT p50 250 / p99 446 ms")
+    assert "14.4 tokens/s" in line and "probes 2 / 3 identical" in line and "memory 344 MiB outside the cache" in line

@@ -80,6 +80,16 @@ def _window_row(index: int, start_s: float, records: list[dict], server: dict, p
     }
 
 
+def window_line(row: dict, planned: int) -> str:
+    """A soak window in one line for the console: where the soak is and what the window measured."""
+    p50, p99 = row.get("ttft_p50_ms"), row.get("ttft_p99_ms")
+    ttft = "no TTFT" if p50 is None else f"TTFT p50 {p50:.0f} / p99 {p99:.0f} ms"
+    return (f"soak window {row['index'] + 1} / {planned} ({row['start_s']:.0f} s in): {row['requests']} requests, "
+            f"{row['errors']} errors, {ttft}, {row['output_tokens_per_s']:.1f} tokens/s, probes "
+            f"{row['probes_identical']} / {row['probes']} identical, memory {row['rss_minus_cache_mib']:.0f} MiB "
+            "outside the cache")
+
+
 class Soak:
     """Runs (or resumes) a soak against one endpoint, appending a row per window."""
 

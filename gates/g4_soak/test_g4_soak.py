@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from gates.g4_soak.analysis import drift, excluded_window_rows, project_growth, windows_touched
-from gates.g4_soak.soak import Soak, SoakSettings
+from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
 from workloads.errors import describe_errors, merge_error_summaries
@@ -30,6 +30,7 @@ def windows(gate_context, endpoints):
     config = gate_context.config.g4   # a fault schedule needs the embedded candidate: the config checks it
     workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if candidate.admin else None), seed=4)
     store = gate_context.store
+    planned = max(1, round(config.duration_s / config.window_s))
 
     def on_window(row: dict) -> None:
         for metric in ("ttft_p99_ms", "ttft_p50_ms", "output_tokens_per_s", "rss_mib", "rss_minus_cache_mib",
@@ -37,6 +38,7 @@ def windows(gate_context, endpoints):
             if row.get(metric) is not None:
                 store.record("g4", "soak", f"window_{metric}", row[metric], target="candidate",
                              window_start_s=row["start_s"], window=row["index"])
+        store.set_progress("g4", window_line(row, planned))
 
     soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
                 SoakSettings(config.duration_s, config.window_s, config.concurrency), config.faults)
