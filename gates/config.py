@@ -26,7 +26,7 @@ from workloads.checkpoint import STATE_PRESETS
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 from workloads.loaders import LOADERS
 
-from .checks import CHECKS, configurable_metrics
+from .checks import CHECKS, check_of, configurable_metrics
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -448,6 +448,15 @@ class GatesConfig(StrictModel):
             raise ValueError("g4.faults: expected no fault schedule for targets.kind: external (faults are "
                              f"injected through the embedded candidate's admin routes), found {len(self.g4.faults)}")
         return self
+
+    def rule(self, gate: str, metric: str) -> Optional[Rule]:
+        """The rule `gate` judges `metric` by: its configured threshold, else the check's default, else None
+        (KeyError when the gate declares no such check: gates/checks.py)."""
+        for rule in getattr(self, gate).thresholds:
+            if rule.metric == metric:
+                return rule
+        default = check_of(gate, metric).default
+        return parse_rule(default) if default is not None else None
 
     def digest(self) -> str:
         return "sha256:" + hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

@@ -43,11 +43,7 @@ class GateContext:
 
     def rule(self, metric: str) -> Optional[Rule]:
         """The gate's configured threshold for a declared metric, else the check's default, else None."""
-        for rule in getattr(self.config, self.gate).thresholds:
-            if rule.metric == metric:
-                return rule
-        default = check_of(self.gate, metric).default
-        return parse_rule(default) if default is not None else None
+        return self.config.rule(self.gate, metric)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

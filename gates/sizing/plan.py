@@ -25,11 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvcore.rules import parse_rule
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 
-from ..checks import check_of
 from ..verdict import judge
 from .calibration import Calibration
 from .layout import KVShape
@@ -87,16 +85,10 @@ class Plan:
 
 
 def _rule(config, gate: str, metric: str):
-    """The gate's rule for a metric it judges (its threshold, else the check's default); None otherwise."""
+    """The gate's rule for a metric it judges (GatesConfig.rule); None for a figure it does not judge."""
     from ..checks import CHECKS
 
-    if metric not in {c.metric for c in CHECKS[gate]}:
-        return None
-    for rule in getattr(config, gate).thresholds:
-        if rule.metric == metric:
-            return rule
-    default = check_of(gate, metric).default
-    return parse_rule(default) if default is not None else None
+    return config.rule(gate, metric) if metric in {c.metric for c in CHECKS[gate]} else None
 
 
 def _judged(config, prediction: Prediction) -> Prediction:
