@@ -22,7 +22,7 @@ from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.rules import Rule, parse_rule
 from kvcore.settings import ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_file, parse_size
 from workloads.datasets import check_trace, load_spec
-from workloads.checkpoint import STATE_PRESETS
+from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 from workloads.loaders import LOADERS
 
@@ -56,6 +56,11 @@ def _thresholds_of(gate: str):
 def _size(value: Any) -> str:
     parse_size(value)
     return value if isinstance(value, str) else str(value)
+
+
+def _repeated(values: list) -> list:
+    """The values that appear more than once, sorted (an "each once" check says them)."""
+    return sorted({v for v in values if values.count(v) > 1})
 
 
 def _absolute_path(value: Any) -> Any:
@@ -235,7 +240,7 @@ class ModelLoadConfig(StrictModel):
     @field_validator("loaders")
     @classmethod
     def _each_once(cls, loaders: list[str]) -> list[str]:
-        repeated = sorted({name for name in loaders if loaders.count(name) > 1})
+        repeated = _repeated(loaders)
         if repeated:
             raise ValueError(f"expected each loader once, found {repeated} repeated")
         return loaders
@@ -267,6 +272,13 @@ class CheckpointConfig(StrictModel):
         "a directory on the baseline storage: the speedup of the storage under test over it. Unset: not run"))
 
     _paths = field_validator("baseline_path", mode="before")(lambda cls, v: _absolute_path(v))
+
+    def spec(self) -> CheckpointSpec:
+        """The state the ranks save: `parameters` (a count, or a preset's) at `bytes_per_parameter`."""
+        fields = {"bytes_per_parameter": self.bytes_per_parameter, "ranks": self.ranks}
+        if isinstance(self.parameters, str):
+            return CheckpointSpec.from_preset(self.parameters.lower(), **fields)
+        return CheckpointSpec(parameters=self.parameters, **fields)
 
 
 class G2Config(StrictModel):
@@ -322,7 +334,7 @@ class G3Config(StrictModel):
 
     @model_validator(mode="after")
     def _levels_mean_the_replay(self) -> "G3Config":
-        repeated = sorted({v for v in self.levels if self.levels.count(v) > 1})
+        repeated = _repeated(self.levels)
         if repeated:
             raise ValueError(f"levels: expected each level once, found {repeated} repeated")
         if self.replay == "closed_loop":
@@ -431,8 +443,7 @@ class GatesConfig(StrictModel):
     @field_validator("claims")
     @classmethod
     def _claims_once(cls, claims: list[Claim]) -> list[Claim]:
-        ids = [c.id for c in claims]
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        repeated = _repeated([c.id for c in claims])
         if repeated:
             raise ValueError(f"expected each claim id once, found {repeated} repeated")
         for i, claim in enumerate(claims):

@@ -312,5 +312,8 @@ def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path):
     assert config.g2.model_load.launch == ["engine", "serve", "--port", "9", "a b"]   # split as a shell would
     assert config.g2.model_load.loaders == ["fastsafetensors"]
     assert config.g2.checkpoint.parameters == "70B" and config.g2.checkpoint.ranks == 8
+    spec = config.g2.checkpoint.spec()                     # the preset's count, 14 bytes each, over 8 ranks
+    assert (spec.parameters, spec.ranks) == (70_553_706_496, 8)
+    assert 70_553_706_496 * 14 * 0.999 < spec.total_bytes < 70_553_706_496 * 14 * 1.001
     # the profile's parameter count is replaced, not merged with a preset
     assert load_config(_config_file(tmp_path, {"g2": {"checkpoint": {"parameters": 1000}}})).g2.checkpoint.parameters == 1000

@@ -18,20 +18,12 @@ import pytest
 
 from gates.g2_baseline.side_by_side import FioFreshWrite, FioShape, Pair, Reading, paired_ratio
 from gates.stats import ratio_ci
-from workloads.checkpoint import CheckpointError, CheckpointJob, CheckpointSpec, RankFailure, spread
+from workloads.checkpoint import CheckpointError, CheckpointJob, RankFailure, spread
 
 CHECKPOINT_DIR = "checkpoint"      # under storage.path (and baseline_path): the rounds' checkpoints, removed after
 # a job's first two saves ran at 0.42-0.53 GB/s here against 1.1-1.3 after, in every job: measured and shown,
 # not judged (training saves a job's state many times; the steady state is what the storage gives it)
 WARMUP_SAVES = 2
-
-
-def spec_of(settings) -> CheckpointSpec:
-    """g2.checkpoint's state: a parameter count or a preset's."""
-    fields = {"bytes_per_parameter": settings.bytes_per_parameter, "ranks": settings.ranks}
-    if isinstance(settings.parameters, str):
-        return CheckpointSpec.from_preset(settings.parameters.lower(), **fields)
-    return CheckpointSpec(parameters=settings.parameters, **fields)
 
 
 def _room(directory: Path, needed: int) -> None:
@@ -47,7 +39,7 @@ def job(gate_context):
     settings = gate_context.config.g2.checkpoint
     if not settings.enabled:
         pytest.skip("g2.checkpoint.enabled is false")
-    spec = spec_of(settings)
+    spec = settings.spec()
     storage = gate_context.config.storage.path
     _room(storage, 3 * spec.total_bytes)
     gate_context.store.set_progress("g2", f"checkpoint: starting {spec.ranks} ranks holding "

@@ -264,12 +264,7 @@ def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optiona
     checkpoint = config.g2.checkpoint
     measured = store.latest("g2", "checkpoint_write_vs_fio") if store is not None else None
     if checkpoint.enabled and measured is not None and calibration is not None and calibration.checkpoint_efficiency:
-        from workloads.checkpoint import CheckpointSpec, STATE_PRESETS
-
-        parameters = checkpoint.parameters
-        count = STATE_PRESETS[parameters.lower()] if isinstance(parameters, str) else parameters
-        nbytes = CheckpointSpec(parameters=count, bytes_per_parameter=checkpoint.bytes_per_parameter,
-                                ranks=checkpoint.ranks).total_bytes
+        nbytes = checkpoint.spec().total_bytes
         fio = float((measured.get("context") or {}).get("fio_gbps") or 0)
         if fio > 0:
             plan.figures["checkpoint_save_s"] = {
