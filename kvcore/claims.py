@@ -102,14 +102,17 @@ def judge_claim(claim: Claim, measured: Optional[float], predicted: Optional[flo
     return {**row, "verdict": MET}
 
 
-def claims_table(store: RunStore, claims: list[Claim], predictions: Optional[dict[str, float]] = None) -> list[dict]:
-    """Every claim against the run's measurements (and the sizing model's predictions, by claim id)."""
+def claims_table(store: RunStore, claims: list[Claim]) -> list[dict]:
+    """Every claim against the run's measurements, and against the sizing model's figures predicted before
+    the claim's gate ran (predictions.jsonl, stage "before <gate>"), both read by the claim's own rule."""
+    predictions = store.predictions()
     rows = []
     for claim in claims:
         status = store.status(claim.gate)
         measured = _figure([m for m in store.measurements(claim.gate) if m.get("metric") == claim.metric], claim)
-        rows.append(judge_claim(claim, measured, (predictions or {}).get(claim.id),
-                                None if status is None else status.get("status")))
+        predicted = _figure([p for p in predictions if p.get("stage") == f"before {claim.gate}"
+                             and p.get("metric") == claim.metric], claim)
+        rows.append(judge_claim(claim, measured, predicted, None if status is None else status.get("status")))
     return rows
 
 

@@ -43,7 +43,7 @@ def collect_results(store: RunStore) -> dict:
     sizing = store.sizing()
     claims = [{**row, "promised": claim_text(row), "measured_text": format_figure(row["measured"], row["unit"]),
                "predicted_text": format_figure(row["predicted"], row["unit"])}
-              for row in claims_table(store, run_claims(store), sizing.get("claims"))]
+              for row in claims_table(store, run_claims(store))]
     comparison = [{**row, "predicted_text": format_figure(row["predicted"], row.get("unit", "")),
                    "measured_text": format_figure(row["measured"], row.get("unit", ""))}
                   for row in sizing.get("comparison", [])]

@@ -10,6 +10,7 @@ import pytest
 from gates.cli import main
 from gates.config import load_config
 from gates.sizing.plan import make_plan
+from kvcore.claims import claims_table, run_claims
 from kvcore.rundata import RunStore
 from tests.test_sizing_timing import _recorded_run
 
@@ -46,7 +47,6 @@ def test_a_plan_from_a_run_predicts_g2_judges_it_and_sets_it_beside_the_measurem
     assert row["error"] == pytest.approx(0.0, abs=1e-6)
     assert any(a["label"] == "TTFT / throughput MAPE" for a in plan.accuracy)
     assert any("fitted to this same run" in note for note in plan.notes)
-    assert plan.claim_values()["speedup_over_recompute"] == pytest.approx(1 / row["predicted"])
 
 
 def test_calibrate_writes_the_constants_a_later_plan_reads(tmp_path, capsys):
@@ -76,6 +76,7 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
 
     shutil.rmtree(store.raw_dir("g3"))
     config = load_config(None, "quick")
+    stage_plan(config, store, "g2")          # G2 from the run's own G2: recorded under "before g2"
     plan, problem = stage_plan(config, store, "g3")
     assert problem == "" and any("estimated from G2's recompute curve" in note for note in plan.notes)
     recorded = [r for r in store.predictions() if r["stage"] == "before g3"]
@@ -96,7 +97,11 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     assert rows[("hit_ratio", "candidate")]["error"] == pytest.approx(0.03)
     assert rows[("ttft_p50_reduction", None)]["error"] == pytest.approx(-0.02)
     assert rows[("ttft_p50_ms", "candidate")]["error"] == pytest.approx(-0.1)
-    assert sizing["claims"]["ttft_p50_reduction"] == pytest.approx(min(
-        v for (metric, _, _), v in predicted.items() if metric == "ttft_p50_reduction"))   # as predicted before G3
+    # the claims' predicted column: each figure as predicted before its gate ran, read by the claim's rule
+    claims = {row["id"]: row for row in claims_table(store, run_claims(store))}
+    assert claims["ttft_p50_reduction"]["predicted"] == pytest.approx(min(
+        v for (metric, _, _), v in predicted.items() if metric == "ttft_p50_reduction"))
+    g2 = next(r for r in store.predictions() if r["stage"] == "before g2" and r["metric"] == "disk_hit_ttft_vs_recompute")
+    assert claims["speedup_over_recompute"]["predicted"] == pytest.approx(1 / g2["value"])
     accuracy = {a["label"]: a for a in sizing["accuracy"]}
     assert "within 5" in accuracy["hit ratio error"]["text"] and "within 15%" in accuracy["TTFT / throughput MAPE"]["text"]

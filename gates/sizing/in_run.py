@@ -43,6 +43,5 @@ def final_sizing(store: RunStore, plan: Optional[Plan], tolerances=None) -> dict
                                           r.get("basis", ""), dict(r.get("context") or {}), r.get("status", ""),
                                           r.get("reason", "")) for r in stored])
     compare(before, store, tolerances)
-    # the claims' predicted column: each figure as predicted before its gate ran (never after it measured)
-    return {"comparison": before.comparison, "accuracy": before.accuracy, "claims": before.claim_values(),
+    return {"comparison": before.comparison, "accuracy": before.accuracy,
             "notes": list(plan.notes) if plan is not None else []}

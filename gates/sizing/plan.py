@@ -71,17 +71,6 @@ class Plan:
         return {"predictions": [p.to_dict() for p in self.predictions], "figures": self.figures,
                 "notes": list(self.notes), "comparison": self.comparison, "accuracy": self.accuracy}
 
-    def claim_values(self) -> dict[str, float]:
-        """Predicted figures under the claims sheet's ids (kvcore/claims.py's defaults)."""
-        values: dict[str, float] = {}
-        for p in self.predictions:
-            if p.metric == "ttft_p50_reduction":
-                values["ttft_p50_reduction"] = min(values.get("ttft_p50_reduction", p.value), p.value)
-            elif p.metric == "throughput_gain":
-                values["throughput_gain"] = min(values.get("throughput_gain", p.value), p.value)
-            elif p.metric == "disk_hit_ttft_vs_recompute" and p.value > 0:
-                values["speedup_over_recompute"] = 1.0 / p.value
-        return values
 
 
 def _rule(config, gate: str, metric: str):
