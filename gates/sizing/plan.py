@@ -22,9 +22,10 @@ A figure whose inputs are missing is left out with a note saying what it needs. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from kvcore.claims import format_figure
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 
@@ -86,7 +87,7 @@ def _judged(config, prediction: Prediction) -> Prediction:
         return prediction
     verdict = judge(prediction.gate, "plan", f"predicted {prediction.label}", prediction.value, rule,
                     unit=prediction.unit, context=prediction.context)
-    return Prediction(**{**prediction.__dict__, "status": verdict.status, "reason": verdict.reason})
+    return replace(prediction, status=verdict.status, reason=verdict.reason)
 
 
 def _spec_disk_gbps(config) -> Optional[float]:
@@ -285,16 +286,12 @@ def render_text(plan: Plan) -> str:
     if plan.comparison:
         lines.append("  predicted vs measured:")
         for row in plan.comparison:
-            lines.append(f"    {row['label']:<48} {_shown(row['predicted'], row['unit']):>9} "
-                         f"{_shown(row['measured'], row['unit']):>9}  {row['error_text']}")
+            lines.append(f"    {row['label']:<48} {format_figure(row['predicted'], row['unit']):>9} "
+                         f"{format_figure(row['measured'], row['unit']):>9}  {row['error_text']}")
         for row in plan.accuracy:
             lines.append(f"  sizing {row['label']}: {row['text']}")
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
-
-
-def _shown(value: float, unit: str) -> str:
-    return f"{100 * value:.1f}%" if unit == "%" else f"{value:.3g} {unit}".rstrip()
 
 
 # The model judges itself as the BLIS simulator does: hit ratios within 5 points, TTFT and throughput
@@ -306,9 +303,10 @@ IN_POINTS = ("hit_ratio", "ttft_p50_reduction", "throughput_gain", "cold_read_vs
 IN_MAPE = ("ttft_p50_ms", "output_tokens_per_s", "disk_hit_ttft_vs_recompute")
 
 
-def _measured(store: RunStore, prediction: Prediction) -> Optional[float]:
+def _measured(rows: list[dict], prediction: Prediction) -> Optional[float]:
+    """The last of the gate's measurement `rows` of the prediction's metric where it was predicted."""
     want = {k: prediction.context[k] for k in _CONTEXT_KEYS if k in prediction.context}
-    for row in reversed(store.measurements(prediction.gate)):
+    for row in reversed(rows):
         context = row.get("context") or {}
         if row.get("metric") == prediction.metric and all(context.get(k) == v for k, v in want.items()):
             value = row.get("value")
@@ -320,9 +318,11 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
     """Each prediction beside what the run measured, its error, and the model's accuracy by its tolerances
     (as the BLIS simulator judges itself): hit ratios, reductions and gains as differences in points;
     TTFTs, throughputs and G2's TTFT ratio as relative errors, whose mean (MAPE) is held to its limit."""
-    rows = []
+    rows, measurements = [], {}
     for prediction in plan.predictions:
-        measured = _measured(store, prediction)
+        if prediction.gate not in measurements:          # each gate's measurements read once
+            measurements[prediction.gate] = store.measurements(prediction.gate)
+        measured = _measured(measurements[prediction.gate], prediction)
         if measured is None:
             continue
         if prediction.metric in IN_POINTS:
