@@ -252,8 +252,10 @@ class GateRunner:
 
     def _predict(self, gate: str) -> None:
         """The sizing model's figures for `gate`, from the config and the gates measured so far (recorded)."""
-        from .sizing.in_run import gate_lines, stage_plan
+        from .sizing.in_run import PREDICTED_GATES, gate_lines, stage_plan
 
+        if gate not in PREDICTED_GATES:
+            return                # nothing of it is predicted: no plan (a replay and a simulation) to make
         plan, problem = stage_plan(self.config, self.store, gate)
         self.last_plan = plan or self.last_plan
         for line in gate_lines(plan, gate) if plan is not None else [problem]:

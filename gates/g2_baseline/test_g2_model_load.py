@@ -51,10 +51,8 @@ def available_loaders(gate_context, checkpoints):
     from workloads.loaders import loader_unavailable
 
     settings = gate_context.config.g2.model_load
-    usable, missing = [], {}
-    for loader in settings.loaders:
-        reason = loader_unavailable(loader)
-        (missing.__setitem__(loader, reason) if reason else usable.append(loader))
+    missing = {loader: loader_unavailable(loader) for loader in settings.loaders if loader_unavailable(loader)}
+    usable = [loader for loader in settings.loaders if loader not in missing]
     for loader, reason in missing.items():
         gate_context.store.record("g2", "model_load_loaders", "model_load_loader_unavailable", None, loader=loader,
                                   reason=reason)

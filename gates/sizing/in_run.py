@@ -14,6 +14,9 @@ from kvcore.rundata import RunStore
 from .plan import Plan, Prediction, compare, make_plan
 
 
+PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model predicts (plan.py)
+
+
 def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
     """The plan made before `gate` (recorded under "before <gate>"), or None and why not."""
     try:
