@@ -292,10 +292,16 @@ class GateRunner:
         return status
 
     def _print_new_verdicts(self, gate: str, shown: int) -> int:
+        """Each verdict the gate wrote since the last call, with the sizing model's prediction beside it."""
+        from kvcore.predictions import beside, beside_text
+
         verdicts = self.store.verdicts(gate)
+        predictions = self.store.predictions() if verdicts[shown:] else []
         for v in verdicts[shown:]:
             color = {"PASS": "green", "FAIL": "red", "INCONCLUSIVE": "yellow"}.get(v["status"], "white")
-            self.console.print(f"  [{color}]{v['status']:<12}[/{color}] {v['reason']}", highlight=False)
+            shown_beside = beside(v, predictions)
+            extra = f"  [dim]({beside_text(shown_beside, str(v.get('unit') or ''))})[/dim]" if shown_beside else ""
+            self.console.print(f"  [{color}]{v['status']:<12}[/{color}] {v['reason']}{extra}", highlight=False)
         return len(verdicts)
 
     def _render(self) -> None:

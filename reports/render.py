@@ -25,6 +25,7 @@ from markupsafe import Markup
 from kvcore.files import write_json, write_text_atomic
 from kvcore.rules import Band, Threshold, stored_rule
 from kvcore.claims import claim_text, claims_table, format_figure, run_claims
+from kvcore.predictions import beside
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
 from . import g2_storage, svg
@@ -39,7 +40,8 @@ def collect_results(store: RunStore) -> dict:
     """The run's figures, verdicts and outcome as one JSON-ready dict."""
     run = store.run_info()
     requested = [str(g).lower() for g in (run.get("gates") or GATES)]
-    gates = [_gate_result(store, gate, gate in requested) for gate in GATES]
+    predictions = store.predictions()
+    gates = [_gate_result(store, gate, gate in requested, predictions) for gate in GATES]
     sizing = store.sizing()
     claims = [{**row, "promised": claim_text(row), "measured_text": format_figure(row["measured"], row["unit"]),
                "predicted_text": format_figure(row["predicted"], row["unit"])}
@@ -52,12 +54,14 @@ def collect_results(store: RunStore) -> dict:
             "environment": run.get("environment", {})}
 
 
-def _gate_result(store: RunStore, gate: str, requested: bool) -> dict:
+def _gate_result(store: RunStore, gate: str, requested: bool, predictions: list[dict]) -> dict:
+    """A gate's status, verdicts (each with the sizing model's prediction beside it, or None) and figures."""
     try:
         record = store.status(gate)
     except ValueError:  # a status file being replaced right now: treat as still running
         record = None
-    verdicts, measurements = store.verdicts(gate), store.measurements(gate)
+    verdicts = [{**v, "predicted": beside(v, predictions)} for v in store.verdicts(gate)]
+    measurements = store.measurements(gate)
     if record:
         status, reason = str(record.get("status", "unknown")), str(record.get("reason", ""))
     elif verdicts or measurements:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from kvcore.claims import format_figure
+from kvcore.predictions import IN_MAPE, error as prediction_error, same_place
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 
@@ -298,17 +299,13 @@ def render_text(plan: Plan) -> str:
 # figures within 15% (mean absolute percentage error); informational, never a gate.
 HIT_RATIO_POINTS = 0.05
 FIGURE_MAPE = 0.15
-_CONTEXT_KEYS = ("concurrency", "context_tokens", "target")
-IN_POINTS = ("hit_ratio", "ttft_p50_reduction", "throughput_gain", "cold_read_vs_fio")
-IN_MAPE = ("ttft_p50_ms", "output_tokens_per_s", "disk_hit_ttft_vs_recompute")
 
 
 def _measured(rows: list[dict], prediction: Prediction) -> Optional[float]:
-    """The last of the gate's measurement `rows` of the prediction's metric where it was predicted."""
-    want = {k: prediction.context[k] for k in _CONTEXT_KEYS if k in prediction.context}
+    """The last of the gate's measurement `rows` of the prediction's figure (kvcore.predictions.same_place)."""
+    wanted = prediction.to_dict()
     for row in reversed(rows):
-        context = row.get("context") or {}
-        if row.get("metric") == prediction.metric and all(context.get(k) == v for k, v in want.items()):
+        if same_place(wanted, row):
             value = row.get("value")
             return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return None
@@ -325,11 +322,7 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
         measured = _measured(measurements[prediction.gate], prediction)
         if measured is None:
             continue
-        if prediction.metric in IN_POINTS:
-            error, text = prediction.value - measured, f"{100 * (prediction.value - measured):+.1f} points"
-        else:
-            error = (prediction.value - measured) / measured if measured else float("nan")
-            text = f"{100 * error:+.1f}%"
+        error, text = prediction_error(prediction.metric, prediction.value, measured)
         rows.append({"gate": prediction.gate, "metric": prediction.metric, "label": prediction.label,
                      "context": dict(prediction.context), "unit": prediction.unit, "predicted": prediction.value,
                      "measured": measured, "error": error, "error_text": text})

@@ -1,0 +1,76 @@
+"""A measured figure beside what the sizing model predicted for it, and the error between them.
+
+The sizing model records its predictions in the run store (predictions.jsonl), each with the stage it
+was made at ("before g3": from the config and what the gates before G3 measured). A figure of a gate
+has a prediction when one made before that gate names the same metric and the same place (context
+keys: level, context length, target). One definition of the error, used by the console's verdict
+lines, results.json and the sizing section:
+
+- fractions that are themselves differences or shares (hit ratios, reductions, gains, the cold-read
+  ratio) are compared in points: predicted − measured (a 96.6% hit ratio predicted for 93.6%
+  measured is +3.0 points; a relative error of a reduction near 100% would magnify noise);
+- every other figure (TTFTs, throughputs, G2's TTFT ratio) as a relative error,
+  (predicted − measured) / measured, whose mean over a run is the model's MAPE.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+CONTEXT_KEYS = ("concurrency", "multiplier", "context_tokens", "target")
+IN_POINTS = ("hit_ratio", "ttft_p50_reduction", "throughput_gain", "cold_read_vs_fio")
+IN_MAPE = ("ttft_p50_ms", "output_tokens_per_s", "disk_hit_ttft_vs_recompute")
+
+
+def same_place(prediction: dict, row: dict) -> bool:
+    """The prediction is of `row`'s figure: same metric, and each place key the prediction names agrees."""
+    if prediction.get("metric") != row.get("metric"):
+        return False
+    mine, theirs = prediction.get("context") or {}, row.get("context") or {}
+    return all(theirs.get(key) == mine[key] for key in CONTEXT_KEYS if key in mine)
+
+
+def made_before(predictions: Iterable[dict], gate: str) -> list[dict]:
+    """The predictions made before `gate` ran, for its figures (stage "before <gate>")."""
+    return [p for p in predictions if p.get("gate") == gate and p.get("stage") == f"before {gate}"]
+
+
+def prediction_for(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
+    """The latest prediction made before `row`'s gate of `row`'s figure (a verdict or a measurement)."""
+    found = [p for p in made_before(predictions, str(row.get("gate"))) if same_place(p, row)]
+    return found[-1] if found else None
+
+
+def error(metric: str, predicted: float, measured: float) -> tuple[float, str]:
+    """The error of a prediction and its words: "+3.0 points" or "-12.5%" (the module's rule)."""
+    if metric in IN_POINTS:
+        difference = predicted - measured
+        return difference, f"{100 * difference:+.1f} points"
+    relative = (predicted - measured) / measured if measured else math.nan
+    return relative, f"{100 * relative:+.1f}%"
+
+
+def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
+    """What a verdict or measurement `row` shows of its prediction, or None when it has none:
+    {"predicted", "predicted_status", "error", "error_text"}."""
+    prediction = prediction_for(row, predictions)
+    value, measured = _number(prediction.get("value")) if prediction else None, _number(row.get("value"))
+    if value is None or measured is None:
+        return None
+    err, text = error(str(row.get("metric")), value, measured)
+    return {"predicted": value, "predicted_status": str(prediction.get("status") or ""), "error": err,
+            "error_text": text}
+
+
+def _number(value) -> Optional[float]:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def beside_text(shown: dict, unit: str) -> str:
+    """`beside`'s figures in words: "predicted 84.9% (PASS), error +2.2 points"."""
+    from .claims import format_figure
+
+    status = f" ({shown['predicted_status']})" if shown.get("predicted_status") else ""
+    return f"predicted {format_figure(shown['predicted'], unit)}{status}, error {shown['error_text']}"
