@@ -84,6 +84,11 @@ G2_CHECKS = (
           "higher", "%", default=_exactly("checkpoint_restore_identical", 1.0)),
     Check("checkpoint_speedup_vs_baseline", "checkpoint save seconds on g2.checkpoint.baseline_path over the storage "
           "under test's, side by side", "higher", "×", default=_at_least("checkpoint_speedup_vs_baseline", 1.9)),
+    # the no-reuse control (g2.no_reuse): prompts sharing no prefix, tiered candidate beside the baseline
+    *(Check(metric, meaning, "lower", "%", default=_at_most(metric, 0.05)) for metric, meaning in (
+        ("no_reuse_ttft_cost", "tiered TTFT p50 over the baseline's − 1 on prompts that share no prefix, side by side"),
+        ("no_reuse_throughput_cost", "1 − tiered output rate over the baseline's on prompts that share no prefix, "
+         "side by side"))),
 )
 
 G3_CHECKS = (

@@ -281,6 +281,16 @@ class CheckpointConfig(StrictModel):
         return CheckpointSpec(parameters=self.parameters, **fields)
 
 
+class NoReuseConfig(StrictModel):
+    """G2's no-reuse control (gates/g2_baseline/test_g2_no_reuse.py): what offload costs when no prefix
+    comes back, unique prompts sent one at a time to the candidate and the baseline in alternating pairs."""
+
+    enabled: bool = True
+    context_tokens: Int = Field(default=2048, ge=16, description="each control prompt's length in tokens")
+    max_tokens: Int = Field(default=32, ge=2, description="output tokens per control request")
+    pairs: Int = Field(default=10, ge=5, description="alternating candidate / baseline pairs")
+
+
 class G2Config(StrictModel):
     _declared = _thresholds_of("g2")
 
@@ -292,6 +302,7 @@ class G2Config(StrictModel):
                                     "tier round loads cold (more bytes per pair: a steadier ratio)")
     model_load: ModelLoadConfig = Field(default_factory=ModelLoadConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    no_reuse: NoReuseConfig = Field(default_factory=NoReuseConfig)
     thresholds: list[RuleField]
 
 

@@ -81,6 +81,11 @@ g2:
     rounds: 5                     # saves beside fio writes (after two warm-up saves)
     restores: 3                   # cold restores, checked bit for bit
     # baseline_path: /mnt/nfs/kvgate-ckpt
+  no_reuse:                       # the no-reuse control: unique prompts, tiered candidate beside the baseline
+    enabled: true
+    context_tokens: 2048
+    max_tokens: 32
+    pairs: 10                     # alternating pairs; judged: no_reuse_ttft_cost, no_reuse_throughput_cost (<= 5%)
   thresholds:
     - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs fio, side by side
     - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context

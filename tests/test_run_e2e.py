@@ -21,7 +21,8 @@ SMALL = {
     "fio": {"size": "32M", "runtime_s": 1, "verify_size": "8M"},
     "g2": {"contexts": [600, 1100], "rounds": 1,
            "model_load": {"size": "24MiB", "shard_size": "8MiB"},
-           "checkpoint": {"parameters": 1_500_000}},           # 21 MB of state at 14 bytes per parameter
+           "checkpoint": {"parameters": 1_500_000},            # 21 MB of state at 14 bytes per parameter
+           "no_reuse": {"context_tokens": 600, "max_tokens": 8, "pairs": 5}},
 }
 
 
@@ -119,3 +120,20 @@ def test_g2_measures_every_loader_and_every_checkpoint_round_and_judges_them(run
     assert "needs a baseline storage path (g2.checkpoint.baseline_path)" in not_run["checkpoint_speedup_vs_baseline"]
     for written in (run_dir.parent / "storage" / "model-load", run_dir.parent / "nfs" / "model-load"):
         assert not written.exists()                                   # the random checkpoints are gone
+
+
+def test_g2_s_no_reuse_control_alternates_unique_prompts_and_judges_what_offload_costs(run):
+    _, run_dir = run
+    store = RunStore(run_dir)
+    rounds = [m for m in store.measurements("g2") if m["metric"] == "no_reuse_round"]
+    assert sorted(m["context"]["target"] for m in rounds) == ["baseline"] * 5 + ["candidate"] * 5
+    # the pairs alternate which side goes first
+    firsts = [next(m["context"]["target"] for m in rounds if m["context"]["pair"] == pair) for pair in range(5)]
+    assert firsts == ["candidate", "baseline", "candidate", "baseline", "candidate"]
+    # nothing was reused on either side: what the control measures is the store, not a hit
+    assert all(m["context"]["cached_tokens"] == 0 and m["context"]["prompt_tokens"] >= 590 for m in rounds)
+    judged = {v["metric"]: v for v in store.verdicts("g2")}
+    for metric in ("no_reuse_ttft_cost", "no_reuse_throughput_cost"):
+        assert judged[metric]["status"] in ("PASS", "FAIL", "INCONCLUSIVE")
+        lo, hi = judged[metric]["interval"]
+        assert lo <= judged[metric]["value"] <= hi and "≤ 5%" in judged[metric]["reason"]

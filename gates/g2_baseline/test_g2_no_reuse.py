@@ -1,0 +1,128 @@
+"""G2's no-reuse control: what offload costs when nothing is reused.
+
+A tiered cache stores every prompt's KV on its way down the tiers, whether or not it comes back;
+that store is the cost a deployment pays on traffic with no shared prefixes (one-off prompts,
+a reuse ratio near zero). The control sends prompts that share no prefix, one at a time, to the
+tiered candidate and to the baseline in alternating pairs (candidate first in even pairs,
+baseline first in odd ones, so neither side always follows the other's store), and judges:
+
+- `no_reuse_ttft_cost`: the candidate's median TTFT over the baseline's, minus 1 (+0.03: 3%
+  slower to its first token), with a paired bootstrap interval;
+- `no_reuse_throughput_cost`: 1 minus the candidate's median per-request output rate (output
+  tokens ÷ E2E) over the baseline's (+0.03: 3% fewer tokens per second).
+
+Both at most 5% by default. Every request's cached tokens are checked: the control holds only
+when neither side reused anything (more than one block's worth of a prompt cached makes the
+verdicts INCONCLUSIVE, saying how much was cached), so a cost near zero cannot come from hits.
+Works on any candidate: it needs no admin route, only the two endpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from gates.stats import ratio_ci
+from workloads.client import StreamingClient
+from workloads.datasets import sizer_for
+from workloads.requests import WorkloadRequest
+
+ROLES = ("candidate", "baseline")
+
+
+@dataclass(frozen=True)
+class ControlRound:
+    """One unique prompt sent to one side."""
+
+    role: str
+    pair: int
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def output_rate(self) -> float:
+        """Output tokens per second of the whole request (what one user gets)."""
+        return self.output_tokens / self.e2e_s
+
+
+def _prompt(tokens: int, max_tokens: int, tag: str, endpoint) -> WorkloadRequest:
+    sizer = sizer_for("kvgate-byte-v1" if endpoint.admin else None)
+    text = sizer.text(tokens - 8, f"g2/no-reuse/{tag}")     # its own seed: no prefix shared with any other
+    return WorkloadRequest(tag, tag, 0, ({"role": "user", "content": text},), max_tokens, tokens)
+
+
+@pytest.fixture(scope="module")
+def control_rounds(gate_context, endpoints) -> list[ControlRound]:
+    config = gate_context.config.g2.no_reuse
+    if not config.enabled:
+        pytest.skip("g2.no_reuse.enabled is false")
+    missing = [role for role in ROLES if role not in endpoints]
+    if missing:
+        pytest.skip(f"the no-reuse control needs a candidate and a baseline endpoint; none for {missing}")
+    run_id = gate_context.store.run_info().get("run_id", "run")
+    clients = {role: StreamingClient(endpoints[role].url, endpoints[role].model, endpoints[role].api, target=role)
+               for role in ROLES}
+    rounds = []
+    try:
+        for pair in range(config.pairs):
+            gate_context.store.set_progress(gate_context.gate, f"no-reuse control: pair {pair + 1} / {config.pairs}")
+            for role in (ROLES if pair % 2 == 0 else ROLES[::-1]):
+                request = _prompt(config.context_tokens, config.max_tokens, f"{run_id}/{pair}/{role}",
+                                  endpoints["candidate"])
+                record = clients[role].send(request)
+                if not record.ok:
+                    pytest.fail(f"G2 no-reuse control: the {role}'s request failed: {record.error_type}: "
+                                f"{record.error_message}", pytrace=False)
+                rounds.append(ControlRound(role, pair, record.ttft_s, record.e2e_s, record.completion_tokens or 1,
+                                           record.prompt_tokens or 0, record.cached_tokens or 0))
+    finally:
+        for client in clients.values():
+            client.close()
+    return rounds
+
+
+def _sides(rounds: list[ControlRound]) -> tuple[list[ControlRound], list[ControlRound]]:
+    by_role = {role: sorted((r for r in rounds if r.role == role), key=lambda r: r.pair) for role in ROLES}
+    return by_role["candidate"], by_role["baseline"]
+
+
+def _reused(rounds: list[ControlRound], block_tokens: int = 256) -> str:
+    """Why the control does not hold ("" when it does): a side that served part of a prompt from its cache."""
+    reused = [r for r in rounds if r.cached_tokens > block_tokens]
+    if not reused:
+        return ""
+    worst = max(reused, key=lambda r: r.cached_tokens)
+    return (f"{len(reused)} of {len(rounds)} control requests were served partly from a cache (the {worst.role} "
+            f"cached {worst.cached_tokens} of {worst.prompt_tokens} tokens): the prompts shared a prefix")
+
+
+def test_offload_costs_little_in_ttft_when_nothing_is_reused(gate_context, control_rounds, record, verdict):
+    candidate, baseline = _sides(control_rounds)
+    for r in control_rounds:
+        record("no_reuse_round", r.ttft_s * 1e3, "ms", target=r.role, pair=r.pair, e2e_ms=r.e2e_s * 1e3,
+               output_tokens=r.output_tokens, cached_tokens=r.cached_tokens, prompt_tokens=r.prompt_tokens)
+    ratio, (lo, hi) = ratio_ci([r.ttft_s for r in candidate], [r.ttft_s for r in baseline], paired=True)
+    reused = _reused(control_rounds)
+    config = gate_context.config.g2.no_reuse
+    record("no_reuse_ttft_cost", ratio - 1.0, "%", interval=[lo - 1.0, hi - 1.0], pairs=len(candidate),
+           context_tokens=config.context_tokens)
+    verdict(f"G2 no-reuse control: tiered TTFT p50 / baseline's − 1 at {config.context_tokens} tokens "
+            f"({len(candidate)} pairs of unique prompts)", "no_reuse_ttft_cost", ratio - 1.0, unit="%",
+            interval=(lo - 1.0, hi - 1.0), valid=not reused, invalid_reason=reused,
+            context={"context_tokens": config.context_tokens})
+
+
+def test_offload_costs_little_in_throughput_when_nothing_is_reused(gate_context, control_rounds, record, verdict):
+    candidate, baseline = _sides(control_rounds)
+    ratio, (lo, hi) = ratio_ci([r.output_rate for r in candidate], [r.output_rate for r in baseline], paired=True)
+    reused = _reused(control_rounds)
+    config = gate_context.config.g2.no_reuse
+    record("no_reuse_throughput_cost", 1.0 - ratio, "%", interval=[1.0 - hi, 1.0 - lo], pairs=len(candidate),
+           context_tokens=config.context_tokens, max_tokens=config.max_tokens)
+    verdict(f"G2 no-reuse control: 1 − tiered output rate / baseline's ({config.max_tokens} output tokens per "
+            "request)", "no_reuse_throughput_cost", 1.0 - ratio, unit="%", interval=(1.0 - hi, 1.0 - lo),
+            valid=not reused, invalid_reason=reused, context={"context_tokens": config.context_tokens})
