@@ -316,6 +316,24 @@ def _level(value: Any) -> Union[int, float]:
 Level = Annotated[Union[int, float], PlainValidator(_level)]
 
 
+NO_REUSE_WORKLOAD = {"kind": "random", "name": "no-reuse", "requests": 1000,
+                     "input_tokens": {"distribution": "uniform", "min": 512, "max": 2048},
+                     "output_tokens": {"distribution": "fixed", "mean": 32}}
+
+
+class G3NoReuseConfig(StrictModel):
+    """G3's no-reuse control (gates/g3_main/test_g3_no_reuse.py): one closed-loop level of prompts that
+    share no prefix, baseline then candidate, unprimed; each request is sent once (a workload a step
+    would cycle through voids the control: its cached tokens say so)."""
+
+    enabled: bool = True
+    workload: dict = Field(default_factory=lambda: dict(NO_REUSE_WORKLOAD),
+                           description="a workload with no shared prefixes (kind: random)")
+    level: Int = Field(default=4, ge=1, description="the concurrency the control runs at")
+    duration_s: Optional[Float] = Field(default=None, gt=0, description="seconds per target (default g3.duration_s)")
+    warmup_s: Optional[Float] = Field(default=None, ge=0, description="warm-up left out (default g3.warmup_s)")
+
+
 class G3Config(StrictModel):
     """G3's sweep. `replay` says what a level is: closed_loop, concurrent users (every workload);
     rate_multipliers, multiples of a trace's arrival rate (trace workloads; needs `ttft_slo_ms`)."""
@@ -335,7 +353,20 @@ class G3Config(StrictModel):
     min_requests: Int = Field(default=10, ge=1)
     prime: bool = Field(default=True, description="send each target every session's first turn (a trace: its "
                         "warm-up requests) before the sweep")
+    no_reuse: G3NoReuseConfig = Field(default_factory=G3NoReuseConfig)
     thresholds: list[RuleField]
+
+    @model_validator(mode="after")
+    def _no_reuse_step_fits(self) -> "G3Config":
+        control = self.no_reuse
+        duration = control.duration_s if control.duration_s is not None else self.duration_s
+        warmup = control.warmup_s if control.warmup_s is not None else self.warmup_s
+        if warmup >= duration:
+            raise ValueError(f"no_reuse.warmup_s: expected less than its duration ({duration:g} s), found {warmup:g}")
+        if control.workload.get("kind") != "random":
+            raise ValueError("no_reuse.workload.kind: expected random (prompts that share no prefix), found "
+                             f"{control.workload.get('kind')!r}")
+        return self
 
     @model_validator(mode="after")
     def _warmup_within_the_step(self) -> "G3Config":

@@ -16,7 +16,10 @@ SHORT_G3 = {
                              "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
     "g3": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
-           "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5},
+           "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5,
+           "no_reuse": {"level": 2, "workload": {"kind": "random", "requests": 400,
+                                                 "input_tokens": {"distribution": "uniform", "min": 300, "max": 900},
+                                                 "output_tokens": {"distribution": "fixed", "mean": 8}}}},
 }
 
 
@@ -32,9 +35,16 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     code, run_dir = g3_run
     store = RunStore(run_dir)
     verdicts = {v["metric"]: v for v in store.verdicts("g3")}
-    assert set(verdicts) == {"ttft_p50_reduction", "throughput_gain"}
-    assert all(v["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "c=3" in v["reason"] for v in verdicts.values())
+    assert set(verdicts) == {"ttft_p50_reduction", "throughput_gain", "no_reuse_ttft_cost", "no_reuse_throughput_cost"}
+    sweep = [v for v in verdicts.values() if not v["metric"].startswith("no_reuse")]
+    assert all(v["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "c=3" in v["reason"] for v in sweep)
     assert all(v.get("interval") or v["status"] == "INCONCLUSIVE" for v in verdicts.values())
+    # the no-reuse control ran at its own level on both targets, and nothing in it was reused
+    control = [m for m in store.measurements("g3") if m["metric"] == "no_reuse_ttft_p50_ms"]
+    assert {m["context"]["target"] for m in control} == {"baseline", "candidate"}
+    assert all(m["context"]["concurrency"] == 2 and m["context"]["requests"] >= 5 and m["context"]["cached_tokens"] == 0
+               for m in control)
+    assert "c=2" in verdicts["no_reuse_ttft_cost"]["reason"]
     targets = {m["context"]["target"] for m in store.measurements("g3") if m["metric"] == "ttft_p50_ms"}
     assert targets == {"baseline", "candidate", "recompute"}
     hits = {m["context"]["target"]: m["value"] for m in store.measurements("g3") if m["metric"] == "hit_ratio"}
@@ -51,7 +61,8 @@ def test_g3_routes_over_two_candidate_nodes_on_a_shared_pool_and_reports_cross_n
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed (.ci/run installs it; see the README)")
     two_nodes = {**SHORT_G3, "targets": {"routing": "round-robin", "embedded": {
-        **SHORT_G3["targets"]["embedded"], "candidate_nodes": 2, "pool": "redis"}}}
+        **SHORT_G3["targets"]["embedded"], "candidate_nodes": 2, "pool": "redis"}},
+                 "g3": {**SHORT_G3["g3"], "no_reuse": {"enabled": False}}}
     (tmp_path / "gates.yaml").write_text(yaml.safe_dump({**two_nodes, "storage": {"path": str(tmp_path / "storage")}}))
     assert main(["run", "g3", "--config", str(tmp_path / "gates.yaml"), "--out", str(tmp_path / "run")]) in (0, 1)
     store = RunStore(tmp_path / "run")

@@ -3,7 +3,8 @@ voids the control (its verdicts INCONCLUSIVE, saying how much was cached)."""
 
 from __future__ import annotations
 
-from gates.g2_baseline.test_g2_no_reuse import ControlRound, _reused, _sides
+from gates.g2_baseline.test_g2_no_reuse import ControlRound, _sides
+from gates.no_reuse import reuse_found
 
 
 def _round(role: str, pair: int, cached: int = 0) -> ControlRound:
@@ -12,10 +13,13 @@ def _round(role: str, pair: int, cached: int = 0) -> ControlRound:
 
 def test_prompts_with_no_cached_block_hold_the_control_and_a_reused_one_voids_it():
     clean = [_round(role, pair) for pair in range(5) for role in ("candidate", "baseline")]
-    assert _reused(clean) == ""
+    def reused(rounds):
+        return reuse_found((r.role, r.cached_tokens, r.prompt_tokens) for r in rounds)
+
+    assert reused(clean) == ""
     # a chat template's few shared tokens (under one block) do not count as reuse
-    assert _reused(clean + [_round("candidate", 5, cached=200)]) == ""
-    reason = _reused(clean + [_round("baseline", 5, cached=1536)])
+    assert reused(clean + [_round("candidate", 5, cached=200)]) == ""
+    reason = reused(clean + [_round("baseline", 5, cached=1536)])
     assert "1 of 11" in reason and "the baseline cached 1536 of 2048 tokens" in reason
 
 

@@ -11,9 +11,8 @@ baseline first in odd ones, so neither side always follows the other's store), a
 - `no_reuse_throughput_cost`: 1 minus the candidate's median per-request output rate (output
   tokens ÷ E2E) over the baseline's (+0.03: 3% fewer tokens per second).
 
-Both at most 5% by default. Every request's cached tokens are checked: the control holds only
-when neither side reused anything (more than one block's worth of a prompt cached makes the
-verdicts INCONCLUSIVE, saying how much was cached), so a cost near zero cannot come from hits.
+Both at most 5% by default. Every request's cached tokens are checked (gates/no_reuse.py): the
+control holds only when neither side reused anything, so a cost near zero cannot come from hits.
 Works on any candidate: it needs no admin route, only the two endpoints.
 """
 
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from gates.no_reuse import reuse_found
 from gates.stats import ratio_ci
 from workloads.client import StreamingClient
 from workloads.datasets import sizer_for
@@ -90,23 +90,13 @@ def _sides(rounds: list[ControlRound]) -> tuple[list[ControlRound], list[Control
     return by_role["candidate"], by_role["baseline"]
 
 
-def _reused(rounds: list[ControlRound], block_tokens: int = 256) -> str:
-    """Why the control does not hold ("" when it does): a side that served part of a prompt from its cache."""
-    reused = [r for r in rounds if r.cached_tokens > block_tokens]
-    if not reused:
-        return ""
-    worst = max(reused, key=lambda r: r.cached_tokens)
-    return (f"{len(reused)} of {len(rounds)} control requests were served partly from a cache (the {worst.role} "
-            f"cached {worst.cached_tokens} of {worst.prompt_tokens} tokens): the prompts shared a prefix")
-
-
 def test_offload_costs_little_in_ttft_when_nothing_is_reused(gate_context, control_rounds, record, verdict):
     candidate, baseline = _sides(control_rounds)
     for r in control_rounds:
         record("no_reuse_round", r.ttft_s * 1e3, "ms", target=r.role, pair=r.pair, e2e_ms=r.e2e_s * 1e3,
                output_tokens=r.output_tokens, cached_tokens=r.cached_tokens, prompt_tokens=r.prompt_tokens)
     ratio, (lo, hi) = ratio_ci([r.ttft_s for r in candidate], [r.ttft_s for r in baseline], paired=True)
-    reused = _reused(control_rounds)
+    reused = reuse_found((r.role, r.cached_tokens, r.prompt_tokens) for r in control_rounds)
     config = gate_context.config.g2.no_reuse
     record("no_reuse_ttft_cost", ratio - 1.0, "%", interval=[lo - 1.0, hi - 1.0], pairs=len(candidate),
            context_tokens=config.context_tokens)
@@ -119,7 +109,7 @@ def test_offload_costs_little_in_ttft_when_nothing_is_reused(gate_context, contr
 def test_offload_costs_little_in_throughput_when_nothing_is_reused(gate_context, control_rounds, record, verdict):
     candidate, baseline = _sides(control_rounds)
     ratio, (lo, hi) = ratio_ci([r.output_rate for r in candidate], [r.output_rate for r in baseline], paired=True)
-    reused = _reused(control_rounds)
+    reused = reuse_found((r.role, r.cached_tokens, r.prompt_tokens) for r in control_rounds)
     config = gate_context.config.g2.no_reuse
     record("no_reuse_throughput_cost", 1.0 - ratio, "%", interval=[1.0 - hi, 1.0 - lo], pairs=len(candidate),
            context_tokens=config.context_tokens, max_tokens=config.max_tokens)

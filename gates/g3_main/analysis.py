@@ -10,6 +10,7 @@ gain there is 0 by construction and says nothing.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -19,6 +20,11 @@ import numpy as np
 from gates.stats import gain_ci, percentile_interval, reduction_ci
 
 THROUGHPUT_WINDOW_S = 2.0
+
+
+def run_seed(run_id: str) -> int:
+    """A workload seed of this run, so no earlier run's cache contents help either side."""
+    return int.from_bytes(hashlib.blake2b(run_id.encode(), digest_size=4).digest(), "little")
 
 
 def throughput_windows(records: list[dict], window_s: float = THROUGHPUT_WINDOW_S) -> list[float]:

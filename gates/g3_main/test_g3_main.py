@@ -22,22 +22,16 @@ replay ran is recorded as the `replay` measurement.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gates.g3_main.analysis import Ladder, level_figures, slo_latencies, sustained_rate_gain
+from gates.g3_main.analysis import Ladder, level_figures, run_seed, slo_latencies, sustained_rate_gain
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.faults import AdminClient, per_tier
 from workloads.sweep import SweepSettings, describe_replay, prime_targets, run_sweep
-
-def _seed(run_id: str) -> int:
-    """A workload seed of this run, so no earlier run's cache contents help either side."""
-    return int.from_bytes(hashlib.blake2b(run_id.encode(), digest_size=4).digest(), "little")
-
 
 @pytest.fixture(scope="module")
 def sweep(gate_context, endpoints):
@@ -46,7 +40,7 @@ def sweep(gate_context, endpoints):
     config = gate_context.config.g3
     embedded = endpoints["candidate"].admin
     workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if embedded else None),
-                              seed=_seed(gate_context.store.run_info().get("run_id", "run")))
+                              seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
     roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints]
     closed = config.replay == "closed_loop"
     settings = SweepSettings(levels=tuple(config.levels) if closed else (),

@@ -1,0 +1,98 @@
+"""G3's no-reuse control: what offload costs under load when nothing is reused.
+
+One closed-loop level (`g3.no_reuse.level`) of prompts that share no prefix (a random workload),
+run against the baseline and then the tiered candidate, neither primed. The tiered candidate
+stores every prompt's KV down its tiers (the write-behind mover's work, on the same CPUs and
+disks as serving) and never gets to load one; the control judges what that costs:
+
+- `no_reuse_ttft_cost` = −(G3's TTFT p50 reduction): the candidate's TTFT p50 over the baseline's − 1;
+- `no_reuse_throughput_cost` = −(G3's throughput gain): 1 − the candidate's output tokens/s over the
+  baseline's;
+
+with G3's own intervals (gates/g3_main/analysis.py level_figures), at most 5% by default. Each
+request is meant to be sent once; every request's cached tokens are checked (gates/no_reuse.py),
+so a cost near zero cannot come from hits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gates.g3_main.analysis import level_figures, run_seed
+from gates.no_reuse import reuse_found
+from workloads.client import read_records
+from workloads.datasets import build_workload, sizer_for
+from workloads.sweep import SweepSettings, run_sweep
+
+ROLES = ("baseline", "candidate")
+
+
+@pytest.fixture(scope="module")
+def control(gate_context, endpoints):
+    """Each target's step of the control: {"summary": sweep row, "records": its measured ok records, "all": every record}."""
+    g3 = gate_context.config.g3
+    config = g3.no_reuse
+    if not config.enabled:
+        pytest.skip("g3.no_reuse.enabled is false")
+    missing = [role for role in ROLES if role not in endpoints]
+    if missing:
+        pytest.skip(f"the no-reuse control needs a candidate and a baseline endpoint; none for {missing}")
+    embedded = endpoints["candidate"].admin
+    run_id = str(gate_context.store.run_info().get("run_id", "run"))
+    workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if embedded else None),
+                              seed=run_seed(f"{run_id}/no-reuse"))
+    duration = config.duration_s if config.duration_s is not None else g3.duration_s
+    warmup = config.warmup_s if config.warmup_s is not None else g3.warmup_s
+    settings = SweepSettings(levels=(config.level,), duration_s=duration, warmup_s=warmup,
+                             min_duration_s=max(1.0, (duration - warmup) * 0.5), min_requests=g3.min_requests,
+                             out_dir=gate_context.store.raw_dir("g3") / "no-reuse",
+                             on_step=lambda text: gate_context.store.set_progress("g3", f"no-reuse control: {text}"))
+    frame = run_sweep([endpoints[role].target(role) for role in ROLES], workload, settings)
+    steps = {}
+    for row in frame.to_dict("records"):
+        records = read_records(Path(row["step_dir"]) / "records")
+        in_window = [r for r in records if r["sent_at"] >= row["window_start"]]
+        steps[row["target"]] = {"summary": row, "records": [r for r in in_window if r["ok"]], "all": records}
+    return steps
+
+
+def _figures(control):
+    figures = level_figures(control["baseline"], control["candidate"])
+    reused = reuse_found((role, r.get("cached_tokens") or 0, r.get("prompt_tokens") or 0)
+                         for role in ROLES for r in control[role]["all"] if r["ok"])
+    reasons = "; ".join(reason for reason in (figures.invalid_reason, reused) if reason)
+    return figures, figures.valid and not reused, reasons
+
+
+def _negated(interval):
+    return None if interval is None else (-interval[1], -interval[0])
+
+
+def test_offload_costs_little_in_ttft_under_load_when_nothing_is_reused(gate_context, control, record, verdict):
+    level = gate_context.config.g3.no_reuse.level
+    figures, valid, reasons = _figures(control)
+    cost = None if figures.ttft_reduction is None else -figures.ttft_reduction
+    for role in ROLES:
+        summary = control[role]["summary"]
+        record("no_reuse_ttft_p50_ms", (summary["ttft_p50_s"] or 0) * 1e3, "ms", target=role, concurrency=level,
+               requests=summary["requests"], cached_tokens=sum(r.get("cached_tokens") or 0 for r in control[role]["all"]))
+    record("no_reuse_ttft_cost", cost, "%", interval=_negated(figures.ttft_interval), concurrency=level)
+    verdict(f"G3 no-reuse control: tiered TTFT p50 / baseline's − 1 at c={level}", "no_reuse_ttft_cost", cost,
+            unit="%", interval=_negated(figures.ttft_interval), valid=valid, invalid_reason=reasons,
+            context={"concurrency": level})
+
+
+def test_offload_costs_little_in_throughput_under_load_when_nothing_is_reused(gate_context, control, record,
+                                                                               verdict):
+    level = gate_context.config.g3.no_reuse.level
+    figures, valid, reasons = _figures(control)
+    cost = None if figures.throughput_gain is None else -figures.throughput_gain
+    for role in ROLES:
+        record("no_reuse_output_tokens_per_s", control[role]["summary"]["output_tokens_per_s"], "tokens/s",
+               target=role, concurrency=level)
+    record("no_reuse_throughput_cost", cost, "%", interval=_negated(figures.throughput_interval), concurrency=level)
+    verdict(f"G3 no-reuse control: 1 − tiered output throughput / baseline's at c={level}",
+            "no_reuse_throughput_cost", cost, unit="%", interval=_negated(figures.throughput_interval), valid=valid,
+            invalid_reason=reasons, context={"concurrency": level})
