@@ -544,14 +544,16 @@ PROFILES: dict[str, dict] = {
         # here); fastsafetensors, slower here, is the full profile's third (a minute of the quick budget is all
         # G2's model load and checkpoint get)
         "g2": {"contexts": [1024, 4096, 8192], "rounds": 2, "cold_read_pairs": 8, "cold_read_prefixes": 2,
-               "model_load": {"loaders": ["safetensors", "runai_streamer"]},
+               "model_load": {"loaders": ["safetensors", "runai_streamer"]}, "no_reuse": {"pairs": 8},
                "thresholds": [
             {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
             *_G2_STORAGE_THRESHOLDS,
         ]},
         # 26 s steps (3 levels x 3 targets): G2 measures model loading and checkpoints too, within 10 minutes
-        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 26, "warmup_s": 6, "thresholds": [
+        # the no-reuse control: one 14-s step per target at c=4
+        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 26, "warmup_s": 6,
+               "no_reuse": {"duration_s": 14, "warmup_s": 4}, "thresholds": [
             {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
             {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
             {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40},

@@ -85,7 +85,7 @@ g2:
     enabled: true
     context_tokens: 2048
     max_tokens: 32
-    pairs: 10                     # alternating pairs; judged: no_reuse_ttft_cost, no_reuse_throughput_cost (<= 5%)
+    pairs: 8                      # alternating pairs; judged: no_reuse_ttft_cost, no_reuse_throughput_cost (<= 5%)
   thresholds:
     - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs fio, side by side
     - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context
@@ -115,6 +115,12 @@ g3:
   warmup_s: 6
   min_requests: 10
   prime: true                     # send each target every session's first turn (a trace: its warm-up) first
+  no_reuse:                       # the no-reuse control: prompts that share no prefix, one level, unprimed
+    enabled: true
+    level: 4                      # its concurrency; judged: no_reuse_ttft_cost, no_reuse_throughput_cost (<= 5%)
+    duration_s: 14                # per target (default: duration_s)
+    warmup_s: 4
+    # workload: {kind: random, requests: 1000, input_tokens: {distribution: uniform, min: 512, max: 2048}}
   thresholds:
     - {metric: ttft_p50_reduction, op: ">=", value: 0.25}
     - {metric: throughput_gain, min: 0.29, max: 0.40}   # below: FAIL; above: PASS with a note
