@@ -19,7 +19,7 @@ from workloads.client import read_records
 from workloads.live import LiveFigures, LiveStep
 from workloads.load import Target, free_port, run_load
 from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, run_sweep
+from workloads.sweep import SweepSettings, prime_targets, run_sweep
 
 
 def _workload(sessions: int = 6) -> Workload:
@@ -126,6 +126,14 @@ def test_a_running_sweep_step_tells_its_figures_so_far_and_the_prediction_given_
         expected = 0.0236 if number == 2 else None                # a prediction only for c=2
         assert all(t.predicted_ttft_p50_s == expected for t in live)
         assert all(("predicted 24 ms" in t.line()) == (number == 2) for t in counted)
+
+
+def test_priming_says_a_line_as_each_targets_priming_starts_and_ends(reference, tmp_path):
+    said: list[str] = []
+    rows = prime_targets([reference], _workload(sessions=4), users=2, out_dir=tmp_path, on_step=said.append)
+    assert rows[0]["requests"] == 4 and said == [
+        "priming reference: sending 4 requests once, 2 at a time",
+        f"priming reference: done, 4 requests, 0 errors, {rows[0]['seconds']:.0f} s"]
 
 
 def test_a_soak_window_tells_its_figures_so_far_from_a_real_load(reference, tmp_path):

@@ -232,15 +232,20 @@ def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -
 
 
 def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
-                  timeout_s: float = 600.0, stop_rule: Optional[StopRule] = StopRule()) -> list[dict]:
-    """Send every target `primer(workload)` once; a row per target (requests, errors, seconds)."""
+                  timeout_s: float = 600.0, stop_rule: Optional[StopRule] = StopRule(),
+                  on_step: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Send every target `primer(workload)` once; a row per target (requests, errors, seconds).
+
+    `on_step` is told a line as each target's priming starts and ends (progress).
+    """
     primer_workload = primer(workload)
     if not primer_workload.sessions:  # a trace without warm-up requests: nothing to send
         return [{"target": t.name, "requests": 0, "errors": 0, "seconds": 0.0, "expected": 0,
                  "locust_exit_code": None, "error_summary": "", "stopped_reason": None} for t in targets]
     primer_workload = primer_workload if not workload.trace else closed_loop(primer_workload)
-    rows = []
+    rows, say = [], on_step or (lambda text: None)
     for target in targets:
+        say(f"priming {target.name}: sending {len(primer_workload.sessions)} requests once, {users} at a time")
         run = run_load(primer_workload, target, users, timeout_s, out_dir / target.name / "prime",
                        max_requests=len(primer_workload.sessions), stop_rule=stop_rule)
         records = read_records(run.records_dir)
@@ -248,6 +253,8 @@ def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir
                      "seconds": run.ended_at - run.started_at, "expected": len(primer_workload.sessions),
                      "locust_exit_code": run.returncode, "error_summary": describe_errors(summarize_errors(records)),
                      "stopped_reason": run.stopped["reason"] if run.stopped else None})
+        say(f"priming {target.name}: done, {rows[-1]['requests']} requests, {rows[-1]['errors']} errors, "
+            f"{rows[-1]['seconds']:.0f} s")
     return rows
 
 

@@ -68,7 +68,8 @@ def sweep(gate_context, endpoints):
                                                                         config.levels if closed else ()))
     targets = [endpoints[r].target(r) for r in roles]
     primer_users = min(config.levels) if closed else settings.rate_users
-    primed = prime_targets(targets, workload, primer_users, settings.out_dir) if config.prime else []
+    primed = prime_targets(targets, workload, primer_users, settings.out_dir,
+                           on_step=settings.on_step) if config.prime else []
     frame = run_sweep(targets, workload, settings)
     steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime)}
     for row in frame.to_dict("records"):
