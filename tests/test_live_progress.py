@@ -128,6 +128,19 @@ def test_a_running_sweep_step_tells_its_figures_so_far_and_the_prediction_given_
         assert all(("predicted 24 ms" in t.line()) == (number == 2) for t in counted)
 
 
+def test_a_master_and_two_workers_load_tells_each_landed_record_once_from_both_workers_files(reference, tmp_path):
+    told: list = []
+    run = run_load(_workload(sessions=8), reference, users=4, duration_s=5, out_dir=tmp_path, workers=2,
+                   on_progress=told.append, progress_every_s=0.5)
+    assert run.returncode == 0, run.log
+    said = [(r["worker"], r["request_id"], r["sent_at"]) for progress in told for r in progress.new_records]
+    landed = {(r["worker"], r["request_id"], r["sent_at"]) for r in read_records(run.records_dir)}
+    assert len(said) == len(set(said)) and set(said) <= landed       # each record told once, none made up
+    assert len({worker for worker, _, _ in said}) == 2                # both workers' files were read
+    assert [p.elapsed_s for p in told] == sorted(p.elapsed_s for p in told)
+    assert all(p.started_at == run.started_at for p in told)
+
+
 def test_priming_says_a_line_as_each_targets_priming_starts_and_ends(reference, tmp_path):
     said: list[str] = []
     rows = prime_targets([reference], _workload(sessions=4), users=2, out_dir=tmp_path, on_step=said.append)
