@@ -46,7 +46,8 @@ def step_name(number: int, steps: int, label: str, target: str) -> str:
     return f"step {number} / {steps}, {label}, {target}"
 
 
-def ms(seconds: Optional[float]) -> str:
+def format_ms(seconds: Optional[float]) -> str:
+    """Seconds as whole milliseconds ("212 ms"), "-" for none."""
     return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
@@ -72,6 +73,6 @@ class LiveStep:
                 f"{self.elapsed_s:.0f} / {self.planned_s:.0f} s")
         if self.warming_up:
             return f"{head}, warming up"
-        predicted = "" if self.predicted_ttft_p50_s is None else f", predicted {ms(self.predicted_ttft_p50_s)}"
+        predicted = "" if self.predicted_ttft_p50_s is None else f", predicted {format_ms(self.predicted_ttft_p50_s)}"
         return (f"{head}, {self.requests} requests, {self.errors} errors, "
-                f"TTFT p50 {ms(self.ttft_p50_s)}{predicted}")
+                f"TTFT p50 {format_ms(self.ttft_p50_s)}{predicted}")

@@ -62,7 +62,7 @@ from kvcore.files import read_jsonl
 
 from .client import read_records
 from .errors import StopRule, describe_errors, summarize_errors
-from .live import LiveFigures, LiveStep, step_name
+from .live import LiveFigures, LiveStep, format_ms, step_name
 from .load import LoadProgress, Target, run_load
 from .requests import Workload
 
@@ -327,7 +327,7 @@ def step_line(summary: dict) -> str:
     ttft, hits = summary.get("ttft_p50_s"), summary.get("hit_ratio")
     errors = summary.get("error_rate")
     return (f"{summary.get('requests', 0)} requests, errors {100 * (errors or 0):.1f}%, "
-            f"TTFT p50 {'-' if ttft is None else f'{ttft * 1e3:.0f} ms'}, "
+            f"TTFT p50 {format_ms(ttft)}, "
             f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}")
 
 

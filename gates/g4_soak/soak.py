@@ -28,7 +28,7 @@ from kvcore.files import JsonlTail, append_jsonl, read_jsonl_file as read_jsonl,
 from workloads.client import StreamingClient
 from workloads.errors import summarize_errors
 from workloads.faults import AdminClient, counter, per_tier
-from workloads.live import LiveFigures, ms
+from workloads.live import LiveFigures
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
 
@@ -114,10 +114,12 @@ class LiveWindow:
     ttft_p99_s: Optional[float]
 
     def line(self) -> str:
-        """"soak window 3 / 60 (120 s in): 14 / 60 s, 38 requests, 0 errors, TTFT p50 212 ms / p99 403 ms"."""
+        """"soak window 3 / 60 (120 s in): 14 / 60 s, 38 requests, 0 errors, TTFT p50 212 / p99 403 ms"
+        (the window's own line, `window_line`, in the same words once it ends)."""
+        ttft = ("no TTFT yet" if self.ttft_p50_s is None or self.ttft_p99_s is None
+                else f"TTFT p50 {self.ttft_p50_s * 1e3:.0f} / p99 {self.ttft_p99_s * 1e3:.0f} ms")
         return (f"soak window {self.index + 1} / {self.planned} ({self.start_s:.0f} s in): {self.elapsed_s:.0f} / "
-                f"{self.window_s:.0f} s, {self.requests} requests, {self.errors} errors, "
-                f"TTFT p50 {ms(self.ttft_p50_s)} / p99 {ms(self.ttft_p99_s)}")
+                f"{self.window_s:.0f} s, {self.requests} requests, {self.errors} errors, {ttft}")
 
 
 class WindowFeed:
