@@ -142,6 +142,16 @@ def gate_status(verdicts: list[dict], pytest_exit_code: int, unjudged: int = 0) 
     return "passed", f"{len(verdicts)} checks passed{not_judged}"
 
 
+def plain_progress_lines(title: str, steps: list[dict], terminal: bool) -> list[str]:
+    """The plain lines a console prints for a gate's new step lines (RunStore.progress_steps).
+
+    On a terminal none: the spinner shows the gate's latest line, a step's or a running step's live
+    figures. Elsewhere (CI logs) one line per step line, each once, and never a live one, which
+    changes every few seconds and is not among the step lines.
+    """
+    return [] if terminal else [f"  {title}: {row['text']}" for row in steps]
+
+
 class GateRunner:
     def __init__(self, config: GatesConfig, run_dir: Path, run_id: str, gates: list[str],
                  continue_on_fail: bool, console: Optional[Console] = None, resume: bool = False) -> None:
@@ -270,18 +280,18 @@ class GateRunner:
         started = time.time()
         shown = 0
         running = f"{GATE_TITLES[gate]} running …"
+        steps = self.store.progress_steps(gate)
+        steps.read_new()   # the step lines of an earlier attempt (a resumed soak) were said then
         with open(gate_dir / "pytest.log", "a") as log, self.console.status(running) as spinner:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=GATES_DIR.parent,
                                        preexec_fn=die_with_parent, env=os.environ | self.suite_env)
-            said = ""
             while process.poll() is None:
                 shown = self._print_new_verdicts(gate, shown)
                 progress = self.store.progress(gate)
                 spinner.update(f"{running} {progress}" if progress else running)
-                if progress != said and not self.console.is_terminal:   # CI logs: one plain line per step
-                    print(f"  {GATE_TITLES[gate]}: {progress}", flush=True)
-                said = progress
+                self._print_plain(gate, steps.read_new())
                 time.sleep(0.5)
+        self._print_plain(gate, steps.read_new())
         self._print_new_verdicts(gate, shown)
         status, reason = gate_status(self.store.verdicts(gate), process.returncode, len(self.store.unjudged(gate)))
         self.store.set_status(gate, status, reason, started_at=started, ended_at=time.time(),
@@ -290,6 +300,10 @@ class GateRunner:
         self.console.print(f"[{style}]{GATE_TITLES[gate]}: {status.upper()}[/{style}]  "
                            f"({time.time() - started:.0f} s) {reason}")
         return status
+
+    def _print_plain(self, gate: str, steps: list[dict]) -> None:
+        for line in plain_progress_lines(GATE_TITLES[gate], steps, self.console.is_terminal):
+            print(line, flush=True)
 
     def _print_new_verdicts(self, gate: str, shown: int) -> int:
         """Each verdict the gate wrote since the last call, with the sizing model's prediction beside it."""

@@ -42,8 +42,12 @@ def read_jsonl_file(path: Path) -> list[dict]:
     """Every complete JSON line of a file ([] when absent); a torn last line (a crash mid-write) is skipped."""
     if not Path(path).exists():
         return []
+    return _parsed(Path(path).read_text().splitlines())
+
+
+def _parsed(lines: Iterable[str | bytes]) -> list[dict]:
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for line in lines:
         try:
             rows.append(json.loads(line))
         except ValueError:
@@ -54,6 +58,34 @@ def read_jsonl_file(path: Path) -> list[dict]:
 def read_jsonl(directory: Path, pattern: str) -> list[dict]:
     """Every JSON line of the files matching `pattern` in `directory`."""
     return [row for path in sorted(Path(directory).glob(pattern)) for row in read_jsonl_file(path)]
+
+
+class JsonlTail:
+    """The JSON lines appended to the files matching `pattern` in `directory` since the last `read_new`.
+
+    Each file is read from where the previous call stopped (an offset per file), so a poll costs what was
+    appended, not the whole file; files that appear later are picked up. A line is taken only once its
+    newline has landed, so one caught mid-write is read whole by the next call.
+    """
+
+    def __init__(self, directory: Path, pattern: str) -> None:
+        self.directory, self.pattern = Path(directory), pattern
+        self._offsets: dict[Path, int] = {}
+
+    def read_new(self) -> list[dict]:
+        rows = []
+        for path in sorted(self.directory.glob(self.pattern)):
+            offset = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(offset)
+                    data = handle.read()
+            except FileNotFoundError:
+                continue
+            whole = data.rfind(b"\n") + 1
+            self._offsets[path] = offset + whole
+            rows += _parsed(data[:whole].splitlines())
+        return rows
 
 
 def drop_cached_pages(paths: Iterable[Path]) -> int:

@@ -12,6 +12,7 @@ Layout of `reports/runs/<run-id>/` (or `--out`)::
     predictions.jsonl                 the sizing model's predicted figures, one per line, by stage ("before g3")
     sizing.json                       predicted beside measured with the errors, and the model's accuracy
     gates/<gate>/progress.json        what the gate is doing now ("writing the checkpoint: 0.6 / 1.1 GB"), for the console
+    gates/<gate>/progress.jsonl       its step lines ("step 4 / 9, c=4, baseline: done, ..."), one per line, appended
     gates/<gate>/junit.xml            pytest's JUnit report of the gate's suite
     gates/<gate>/raw/                 raw files (fio JSON, request records, soak windows)
     results.json, junit.xml, index.html   rendered by `reports` from the above
@@ -29,12 +30,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from .files import append_jsonl, read_jsonl_file, write_json
+from .files import JsonlTail, append_jsonl, read_jsonl_file, write_json
 from .settings import ConfigError
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 STATUSES = (PASS, FAIL, INCONCLUSIVE)
 GATES = ("g1", "g2", "g3", "g4")
+PROGRESS_KINDS = ("step", "live")
 GATE_TITLES = {"g1": "G1 arrival acceptance", "g2": "G2 single-node baseline", "g3": "G3 main gate",
                "g4": "G4 stability"}
 
@@ -157,16 +159,30 @@ class RunStore:
         path = self.root / "sizing.json"
         return json.loads(path.read_text()) if path.exists() else {}
 
-    def set_progress(self, gate: str, text: str) -> None:
-        """What the gate is doing now, one line (the console shows it beside the gate's spinner)."""
-        write_json(self.gate_dir(gate) / "progress.json", {"gate": gate, "text": text, "t": time.time()})
+    def set_progress(self, gate: str, text: str, kind: str = "step") -> None:
+        """What the gate is doing now, one line (the console shows it beside the gate's spinner).
+
+        kind "step": a step started or ended (also appended to the step lines, which a console that is
+        not a terminal prints, one each); "live": the figures of a running step, replaced every few
+        seconds (shown by the spinner only, so CI logs do not fill with them).
+        """
+        if kind not in PROGRESS_KINDS:
+            raise ValueError(f"progress kind: expected one of {', '.join(PROGRESS_KINDS)}, found {kind!r}")
+        row = {"gate": gate, "text": text, "kind": kind, "t": time.time()}
+        if kind == "step":
+            append_jsonl(self.gate_dir(gate) / "progress.jsonl", row)
+        write_json(self.gate_dir(gate) / "progress.json", row)
 
     def progress(self, gate: str) -> str:
-        """The gate's last progress line ("" when none, or unreadable mid-replace)."""
+        """The gate's last progress line, step or live ("" when none, or unreadable mid-replace)."""
         try:
             return str(json.loads((self.gate_dir(gate) / "progress.json").read_text()).get("text", ""))
         except (OSError, ValueError):
             return ""
+
+    def progress_steps(self, gate: str) -> JsonlTail:
+        """A reader of the gate's step lines: each `read_new()` gives the rows appended since the last."""
+        return JsonlTail(self.gate_dir(gate), "progress.jsonl")
 
     def status(self, gate: str) -> Optional[dict]:
         path = self.gate_dir(gate) / "status.json"

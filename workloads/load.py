@@ -10,9 +10,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
-from kvcore.files import read_jsonl
+from kvcore.files import JsonlTail, read_jsonl
 
 from .errors import StopRule
 from .requests import Workload, save_workload
@@ -49,6 +49,15 @@ class LoadRun:
     stopped: Optional[dict] = None   # the first load process that judged the target dead: {"reason", "at", ...}
 
 
+@dataclass(frozen=True)
+class LoadProgress:
+    """What a running load recorded since it last said (`run_load`'s `on_progress`, every `progress_every_s`)."""
+
+    started_at: float
+    elapsed_s: float
+    new_records: list[dict]        # request records landed since the previous call, in no particular order
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,11 +66,14 @@ def free_port() -> int:
 
 def run_load(workload: Workload, target: Target, users: int, duration_s: float, out_dir: Path,
              workers: int = 0, max_requests: Optional[int] = None, sample_interval_s: float = 1.0,
-             stop_rule: Optional[StopRule] = None) -> LoadRun:
+             stop_rule: Optional[StopRule] = None, on_progress: Optional[Callable[[LoadProgress], None]] = None,
+             progress_every_s: float = 2.0) -> LoadRun:
     """Drive `users` concurrent sessions for `duration_s` (or until `max_requests`); records land in out_dir.
 
     With a `stop_rule` a load process that sees the target stop answering ends the run early
     (`LoadRun.stopped` says why); without one the load goes on, backing off, to the end.
+    `on_progress` is told every `progress_every_s` while the load runs what it recorded meanwhile
+    (the records are read from where the previous call stopped, never whole again).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     records_dir = out_dir / "records"
@@ -79,18 +91,43 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
                    "--stop-timeout", "5", "--only-summary", "--exit-code-on-error", "0", "--host", target.url]
     log_path = out_dir / "locust.log"
     started = time.time()
+    tail = JsonlTail(records_dir, "records-*.jsonl")
+    tell = (lambda: None) if on_progress is None else (
+        lambda: on_progress(LoadProgress(started, time.time() - started, tail.read_new())))
     with open(log_path, "w") as log:
         if workers <= 0:
-            proc = subprocess.run(main, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=duration_s + 120,
-                                  preexec_fn=die_with_parent)
-            returncode = proc.returncode
+            proc = subprocess.Popen(main, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            try:
+                returncode = _wait(proc, duration_s + 120, tell, progress_every_s)
+            finally:
+                _end(proc)
         else:
-            returncode = _run_distributed(main, base, workers, env, log, duration_s)
+            returncode = _run_distributed(main, base, workers, env, log, duration_s, tell, progress_every_s)
     stops = sorted(read_jsonl(records_dir, "stop-*.jsonl"), key=lambda row: row["at"])
     return LoadRun(records_dir, started, time.time(), returncode, log_path.read_text(), stops[0] if stops else None)
 
 
-def _run_distributed(main: list[str], base: list[str], workers: int, env: dict, log, duration_s: float) -> int:
+def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], None], every_s: float) -> int:
+    """The process's exit code, calling `tell` every `every_s` while it runs (TimeoutExpired past `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return process.wait(timeout=max(0.0, min(every_s, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+            tell()
+
+
+def _end(process: subprocess.Popen) -> None:
+    """Kill a load process still running (a timeout, or an error while it ran) and reap it."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _run_distributed(main: list[str], base: list[str], workers: int, env: dict, log, duration_s: float,
+                     tell: Callable[[], None], every_s: float) -> int:
     port = free_port()
     master = subprocess.Popen(main + ["--master", "--expect-workers", str(workers), "--master-bind-host",
                                       "127.0.0.1", "--master-bind-port", str(port)],
@@ -99,12 +136,10 @@ def _run_distributed(main: list[str], base: list[str], workers: int, env: dict, 
                                      env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
                     for _ in range(workers)]
     try:
-        returncode = master.wait(timeout=duration_s + 120)
+        returncode = _wait(master, duration_s + 120, tell, every_s)
         for proc in worker_procs:
             proc.wait(timeout=30)
         return returncode
     finally:
         for proc in [master, *worker_procs]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _end(proc)

@@ -42,6 +42,10 @@ Closed loop is the default because it measures throughput at every level:
 an open-loop replay at the trace's own rate offers every target the same
 requests per second, which is why throughput gains at "concurrency levels"
 of an open-loop trace replay were identical runs.
+
+Progress: `on_step` is told a line as each step starts and ends; `on_live`, every `live_every_s`
+while a step runs, its figures so far (`workloads.live.LiveStep`: requests, errors and TTFT p50 of
+its measured window, beside the sizing model's prediction for the step when there is one).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import pandas as pd
@@ -58,7 +62,8 @@ from kvcore.files import read_jsonl
 
 from .client import read_records
 from .errors import StopRule, describe_errors, summarize_errors
-from .load import Target, run_load
+from .live import LiveFigures, LiveStep, format_ms, step_name
+from .load import LoadProgress, Target, run_load
 from .requests import Workload
 
 PERCENTILES = (50, 90, 99)
@@ -80,6 +85,10 @@ class SweepSettings:
     stop_rule: Optional[StopRule] = field(default_factory=StopRule)  # None: a step always runs to its end
     out_dir: Path = field(default_factory=lambda: Path("reports/runs/sweep"))
     on_step: Optional[Callable[[str], None]] = None   # told one line as each step starts and ends (progress)
+    on_live: Optional[Callable[[LiveStep], None]] = None   # told the running step's figures so far
+    live_every_s: float = 2.0
+    # (target, concurrency) -> the sizing model's TTFT p50 (s), shown beside the live one
+    predicted_ttft_p50_s: Mapping[tuple[str, float], float] = field(default_factory=dict)
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
@@ -223,15 +232,20 @@ def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -
 
 
 def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
-                  timeout_s: float = 600.0, stop_rule: Optional[StopRule] = StopRule()) -> list[dict]:
-    """Send every target `primer(workload)` once; a row per target (requests, errors, seconds)."""
+                  timeout_s: float = 600.0, stop_rule: Optional[StopRule] = StopRule(),
+                  on_step: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Send every target `primer(workload)` once; a row per target (requests, errors, seconds).
+
+    `on_step` is told a line as each target's priming starts and ends (progress).
+    """
     primer_workload = primer(workload)
     if not primer_workload.sessions:  # a trace without warm-up requests: nothing to send
         return [{"target": t.name, "requests": 0, "errors": 0, "seconds": 0.0, "expected": 0,
                  "locust_exit_code": None, "error_summary": "", "stopped_reason": None} for t in targets]
     primer_workload = primer_workload if not workload.trace else closed_loop(primer_workload)
-    rows = []
+    rows, say = [], on_step or (lambda text: None)
     for target in targets:
+        say(f"priming {target.name}: sending {len(primer_workload.sessions)} requests once, {users} at a time")
         run = run_load(primer_workload, target, users, timeout_s, out_dir / target.name / "prime",
                        max_requests=len(primer_workload.sessions), stop_rule=stop_rule)
         records = read_records(run.records_dir)
@@ -239,6 +253,8 @@ def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir
                      "seconds": run.ended_at - run.started_at, "expected": len(primer_workload.sessions),
                      "locust_exit_code": run.returncode, "error_summary": describe_errors(summarize_errors(records)),
                      "stopped_reason": run.stopped["reason"] if run.stopped else None})
+        say(f"priming {target.name}: done, {rows[-1]['requests']} requests, {rows[-1]['errors']} errors, "
+            f"{rows[-1]['seconds']:.0f} s")
     return rows
 
 
@@ -264,10 +280,12 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
             if target.name in dead:
                 rows.append({**row, **_not_run(dead[target.name], settings)})
                 continue
-            where = f"step {number} / {len(steps)}, {step.label}, {target.name}"
+            where = step_name(number, len(steps), step.label, target.name)
             say(f"{where}: running for {settings.duration_s:g} s")
             run = run_load(step.workload, target, step.users, settings.duration_s, step_dir,
-                           workers=settings.workers, max_requests=step.max_requests, stop_rule=settings.stop_rule)
+                           workers=settings.workers, max_requests=step.max_requests, stop_rule=settings.stop_rule,
+                           on_progress=_live_teller(settings, number, len(steps), step, target.name),
+                           progress_every_s=settings.live_every_s)
             records = read_records(run.records_dir)
             samples = read_client_samples(run.records_dir)
             stopped = run.stopped["reason"] if run.stopped else None
@@ -284,12 +302,32 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
     return pd.DataFrame(rows)
 
 
+def _live_teller(settings: SweepSettings, number: int, steps: int, step: "_Step",
+                 target: str) -> Optional[Callable[[LoadProgress], None]]:
+    """What tells `settings.on_live` a running step's figures: its measured window's requests so far."""
+    if settings.on_live is None:
+        return None
+    figures: Optional[LiveFigures] = None
+    predicted = settings.predicted_ttft_p50_s.get((target, step.value)) if step.kind == "concurrency" else None
+
+    def tell(progress: LoadProgress) -> None:
+        nonlocal figures
+        if figures is None:   # the window starts after the warm-up, as in the step's summary
+            figures = LiveFigures(since=progress.started_at + settings.warmup_s)
+        figures.add(progress.new_records)
+        settings.on_live(LiveStep(number, steps, step.label, target, progress.elapsed_s, settings.duration_s,
+                                  progress.elapsed_s < settings.warmup_s, figures.requests, figures.errors,
+                                  figures.ttft_s(50), predicted))
+
+    return tell
+
+
 def step_line(summary: dict) -> str:
     """A step's figures in one line: requests, errors, TTFT p50, throughput, hit ratio."""
     ttft, hits = summary.get("ttft_p50_s"), summary.get("hit_ratio")
     errors = summary.get("error_rate")
     return (f"{summary.get('requests', 0)} requests, errors {100 * (errors or 0):.1f}%, "
-            f"TTFT p50 {'-' if ttft is None else f'{ttft * 1e3:.0f} ms'}, "
+            f"TTFT p50 {format_ms(ttft)}, "
             f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}")
 
 

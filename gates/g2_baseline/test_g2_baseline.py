@@ -58,9 +58,13 @@ def baseline_runs(gate_context, endpoints):
                (("recompute", recompute), ("candidate", candidate))}
     results = {"ttft": {}, "cached": {}}
     config = gate_context.config.g2
+    contexts = sorted(config.contexts)
     try:
-        for tokens in sorted(config.contexts):
+        for number, tokens in enumerate(contexts, 1):
             for round_ in range(config.rounds):
+                gate_context.store.set_progress("g2", f"TTFT by context: {tokens} tokens ({number} / {len(contexts)}), "
+                                                      f"round {round_ + 1} / {config.rounds}: recompute, host hit, "
+                                                      "cold disk hit")
                 request = _request(tokens, f"{run_id}/{tokens}/{round_}", candidate)
                 results["ttft"].setdefault(("recompute", tokens), []).append(_ttft(clients["recompute"], request)[0])
                 _ttft(clients["candidate"], request)                     # a miss: computes and stores the prefix

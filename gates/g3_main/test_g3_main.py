@@ -28,10 +28,24 @@ import numpy as np
 import pytest
 
 from gates.g3_main.analysis import Ladder, level_figures, run_seed, slo_latencies, sustained_rate_gain
+from kvcore.predictions import prediction_for
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.faults import AdminClient, per_tier
 from workloads.sweep import SweepSettings, describe_replay, prime_targets, run_sweep
+
+
+def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> dict[tuple[str, int], float]:
+    """The sizing model's TTFT p50 (s) per (target, concurrency), as predicted before G3, for the live lines."""
+    found = {}
+    for role in roles:
+        for level in levels:
+            row = {"gate": "g3", "metric": "ttft_p50_ms", "context": {"target": role, "concurrency": level}}
+            prediction = prediction_for(row, predictions)
+            if prediction is not None and isinstance(prediction.get("value"), (int, float)):
+                found[(role, level)] = prediction["value"] / 1e3
+    return found
+
 
 @pytest.fixture(scope="module")
 def sweep(gate_context, endpoints):
@@ -48,10 +62,14 @@ def sweep(gate_context, endpoints):
                              duration_s=config.duration_s, warmup_s=config.warmup_s,
                              min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
                              min_requests=config.min_requests, out_dir=gate_context.store.raw_dir("g3") / "sweep",
-                             on_step=lambda text: gate_context.store.set_progress("g3", text))
+                             on_step=lambda text: gate_context.store.set_progress("g3", text),
+                             on_live=lambda step: gate_context.store.set_progress("g3", step.line(), kind="live"),
+                             predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
+                                                                        config.levels if closed else ()))
     targets = [endpoints[r].target(r) for r in roles]
     primer_users = min(config.levels) if closed else settings.rate_users
-    primed = prime_targets(targets, workload, primer_users, settings.out_dir) if config.prime else []
+    primed = prime_targets(targets, workload, primer_users, settings.out_dir,
+                           on_step=settings.on_step) if config.prime else []
     frame = run_sweep(targets, workload, settings)
     steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime)}
     for row in frame.to_dict("records"):

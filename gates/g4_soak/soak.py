@@ -6,6 +6,9 @@ Everything lands in the gate's raw directory as it happens:
 - `load-<segment>/`: the load engine's raw records of each (re)started stretch;
 - `faults.jsonl`: one row per scheduled fault, with what the system did (see `fault_schedule`).
 A resumed soak reads them back, keeps every completed window and fault, and runs only the remaining time.
+
+While a window runs, `on_live` is told its figures so far every `live_every_s` (`LiveWindow`): the
+records are read as they land (`WindowFeed`), each poll only what was appended since the last.
 """
 
 from __future__ import annotations
@@ -15,16 +18,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from gates.config import FaultSpec
 from gates.g4_soak.fault_schedule import FaultSchedule
-from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl, write_json
-from workloads.client import StreamingClient, read_records
+from kvcore.files import JsonlTail, append_jsonl, read_jsonl_file as read_jsonl, write_json
+from workloads.client import StreamingClient
 from workloads.errors import summarize_errors
 from workloads.faults import AdminClient, counter, per_tier
+from workloads.live import LiveFigures
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
 
@@ -36,6 +40,11 @@ class SoakSettings:
     duration_s: float
     window_s: float
     concurrency: int
+    live_every_s: float = 2.0
+
+    @property
+    def planned_windows(self) -> int:
+        return int(round(self.duration_s / self.window_s))
 
 
 def probe_requests(workload: Workload, count: int = 3) -> list[WorkloadRequest]:
@@ -90,6 +99,56 @@ def window_line(row: dict, planned: int) -> str:
             "outside the cache")
 
 
+@dataclass(frozen=True)
+class LiveWindow:
+    """A running soak window: where it is and what it measured so far."""
+
+    index: int                     # 0-based, of `planned`
+    planned: int
+    start_s: float                 # on the soak's clock (continued across a resume)
+    elapsed_s: float
+    window_s: float
+    requests: int
+    errors: int
+    ttft_p50_s: Optional[float]
+    ttft_p99_s: Optional[float]
+
+    def line(self) -> str:
+        """"soak window 3 / 60 (120 s in): 14 / 60 s, 38 requests, 0 errors, TTFT p50 212 / p99 403 ms"
+        (the window's own line, `window_line`, in the same words once it ends)."""
+        ttft = ("no TTFT yet" if self.ttft_p50_s is None or self.ttft_p99_s is None
+                else f"TTFT p50 {self.ttft_p50_s * 1e3:.0f} / p99 {self.ttft_p99_s * 1e3:.0f} ms")
+        return (f"soak window {self.index + 1} / {self.planned} ({self.start_s:.0f} s in): {self.elapsed_s:.0f} / "
+                f"{self.window_s:.0f} s, {self.requests} requests, {self.errors} errors, {ttft}")
+
+
+class WindowFeed:
+    """A load's request records by window, read as they land (each poll reads only what was appended)."""
+
+    def __init__(self, records_dir: Path) -> None:
+        self._tail = JsonlTail(records_dir, "records-*.jsonl")
+        self._later: list[dict] = []   # landed while an earlier window was read, sent after it
+
+    def wait(self, start: float, window_s: float, every_s: float,
+             on_live: Optional[Callable[[LiveFigures, float], None]] = None) -> list[dict]:
+        """Wait for the window [start, start + window_s) to end; the records of the requests sent in it that
+        landed by then. Meanwhile, every `every_s` once it began, `on_live(figures so far, seconds in)`."""
+        end = start + window_s
+        rows = list(self._later)
+        figures = LiveFigures(since=start, until=end)
+        figures.add(rows)
+        while (left := end - time.time()) > 0:
+            time.sleep(min(every_s, left))
+            new = self._tail.read_new()
+            rows += new
+            figures.add(new)
+            if on_live is not None and start <= time.time() < end:
+                on_live(figures, time.time() - start)
+        rows += self._tail.read_new()
+        self._later = [r for r in rows if r["sent_at"] >= end]
+        return [r for r in rows if start <= r["sent_at"] < end]
+
+
 class Soak:
     """Runs (or resumes) a soak against one endpoint, appending a row per window."""
 
@@ -103,15 +162,17 @@ class Soak:
     def windows(self) -> list[dict]:
         return read_jsonl(self.windows_path)
 
-    def run(self, on_window=None) -> list[dict]:
+    def run(self, on_window: Optional[Callable[[dict], None]] = None,
+            on_live: Optional[Callable[[LiveWindow], None]] = None) -> list[dict]:
+        """Soak the remaining windows; `on_window(row)` as each ends, `on_live` while each runs."""
         done = self.windows()
-        remaining_windows = int(round(self.settings.duration_s / self.settings.window_s)) - len(done)
+        remaining_windows = self.settings.planned_windows - len(done)
         if remaining_windows <= 0:
             return done
         client = StreamingClient(self.target.url, self.target.model, self.target.api, target="probe")
         try:
             expected = self._expected_answers(client)
-            self._soak(client, expected, done, remaining_windows, on_window)
+            self._soak(client, expected, done, remaining_windows, on_window, on_live)
         finally:
             client.close()
         return self.windows()
@@ -129,7 +190,7 @@ class Soak:
         write_json(path, expected)
         return expected
 
-    def _soak(self, client, expected: dict, done: list[dict], windows: int, on_window) -> None:
+    def _soak(self, client, expected: dict, done: list[dict], windows: int, on_window, on_live) -> None:
         segment = self.raw_dir / f"load-{len(list(self.raw_dir.glob('load-*')))}"
         duration = windows * self.settings.window_s
         load = threading.Thread(target=run_load, name="g4-load", daemon=True, args=(
@@ -141,17 +202,24 @@ class Soak:
         schedule = FaultSchedule(self.faults, AdminClient(self.server_root), self.target, probes[0],
                                  expected[probes[0].request_id], self.faults_path)
         schedule.start(begin, offset, begin + duration)
+        feed = WindowFeed(segment / "records")
         for k in range(windows):
-            window_start = begin + k * self.settings.window_s
-            time.sleep(max(0.0, window_start + self.settings.window_s - time.time()))
-            records = [r for r in read_records(segment / "records")
-                       if window_start <= r["sent_at"] < window_start + self.settings.window_s]
+            index, start_s = len(done) + k, offset + k * self.settings.window_s
+            records = feed.wait(begin + k * self.settings.window_s, self.settings.window_s,
+                                self.settings.live_every_s, self._live_teller(index, start_s, on_live))
             identical = [_answer(client, p) == expected[p.request_id] for p in probes]
-            row = _window_row(len(done) + k, offset + k * self.settings.window_s, records,
-                              server_figures(self.server_root), identical, self.settings.window_s)
+            row = _window_row(index, start_s, records, server_figures(self.server_root), identical,
+                              self.settings.window_s)
             append_jsonl(self.windows_path, row)
             if on_window is not None:
                 on_window(row)
         schedule.stop(timeout_s=60)
         load.join(timeout=duration + 150)
 
+    def _live_teller(self, index: int, start_s: float,
+                     on_live: Optional[Callable[[LiveWindow], None]]) -> Optional[Callable[[LiveFigures, float], None]]:
+        if on_live is None:
+            return None
+        return lambda figures, elapsed_s: on_live(LiveWindow(
+            index, self.settings.planned_windows, start_s, elapsed_s, self.settings.window_s, figures.requests,
+            figures.errors, figures.ttft_s(50), figures.ttft_s(99)))

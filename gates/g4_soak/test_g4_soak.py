@@ -42,7 +42,7 @@ def windows(gate_context, endpoints):
 
     soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
                 SoakSettings(config.duration_s, config.window_s, config.concurrency), config.faults)
-    return soak.run(on_window=on_window)
+    return soak.run(on_window=on_window, on_live=lambda live: store.set_progress("g4", live.line(), kind="live"))
 
 
 @pytest.fixture(scope="module")
