@@ -48,7 +48,9 @@ def control(gate_context, endpoints):
     settings = SweepSettings(levels=(config.level,), duration_s=duration, warmup_s=warmup,
                              min_duration_s=max(1.0, (duration - warmup) * 0.5), min_requests=g3.min_requests,
                              out_dir=gate_context.store.raw_dir("g3") / "no-reuse",
-                             on_step=lambda text: gate_context.store.set_progress("g3", f"no-reuse control: {text}"))
+                             on_step=lambda text: gate_context.store.set_progress("g3", f"no-reuse control: {text}"),
+                             on_live=lambda step: gate_context.store.set_progress(
+                                 "g3", f"no-reuse control: {step.line()}", kind="live"))
     frame = run_sweep([endpoints[role].target(role) for role in ROLES], workload, settings)
     steps = {}
     for row in frame.to_dict("records"):
