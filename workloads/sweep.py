@@ -60,6 +60,7 @@ from .client import read_records
 from .errors import StopRule, describe_errors, summarize_errors
 from .load import Target, run_load
 from .requests import Workload
+from .tier_hits import tier_difference, tier_line
 
 PERCENTILES = (50, 90, 99)
 
@@ -80,6 +81,9 @@ class SweepSettings:
     stop_rule: Optional[StopRule] = field(default_factory=StopRule)  # None: a step always runs to its end
     out_dir: Path = field(default_factory=lambda: Path("reports/runs/sweep"))
     on_step: Optional[Callable[[str], None]] = None   # told one line as each step starts and ends (progress)
+    # read before and after each step: a target's hit blocks per tier so far (workloads.tier_hits); the step's
+    # difference is its row's `hit_blocks_by_tier` (None: not read)
+    tier_hits: Optional[Callable[[Target], Optional[dict]]] = None
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
@@ -266,6 +270,7 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
                 continue
             where = f"step {number} / {len(steps)}, {step.label}, {target.name}"
             say(f"{where}: running for {settings.duration_s:g} s")
+            hits_before = settings.tier_hits(target) if settings.tier_hits else None
             run = run_load(step.workload, target, step.users, settings.duration_s, step_dir,
                            workers=settings.workers, max_requests=step.max_requests, stop_rule=settings.stop_rule)
             records = read_records(run.records_dir)
@@ -274,6 +279,8 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
             if stopped:
                 dead[target.name] = f"not run: at {step.dir_name}, {stopped}"
             summary = summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped)
+            summary["hit_blocks_by_tier"] = tier_difference(hits_before, settings.tier_hits(target)) \
+                if settings.tier_hits else None
             if step.max_requests is not None and len(records) >= step.max_requests and not summary["valid"]:
                 summary["invalid_reasons"] += (f"; its {step.max_requests} trace requests ran out after "
                                                f"{run.ended_at - run.started_at:.1f} s (more in limit, or a shorter "
@@ -290,7 +297,8 @@ def step_line(summary: dict) -> str:
     errors = summary.get("error_rate")
     return (f"{summary.get('requests', 0)} requests, errors {100 * (errors or 0):.1f}%, "
             f"TTFT p50 {'-' if ttft is None else f'{ttft * 1e3:.0f} ms'}, "
-            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}")
+            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}"
+            + (", " + tier_line(summary["hit_blocks_by_tier"]) if summary.get("hit_blocks_by_tier") is not None else ""))
 
 
 def _not_run(reason: str, settings: SweepSettings) -> dict:
