@@ -22,21 +22,25 @@ other kinds that have them) and closed-loop levels L, with B the bytes of one bl
     W       = distinct block keys of the U_N-user workload, prompts and outputs
               (gates.sizing.sequences.workload_block_keys, as the embedded engine keys them)
     S       = ⌈W / N⌉ blocks per node        (the node's share of the fleet's working set, < W)
-    device  = min(its default, S) blocks                 (the baseline's nodes get the same)
-    host    = min(its default, S × B) bytes
-    disk    = min(its default, S × file_nbytes(B)) bytes (block files: a 4 KiB header, the payload padded to 4 KiB)
-    pool    = max(its default, 2 × W × B) bytes          (the whole working set, and room for the store's overhead)
+    disk    = min(its default, S × file_nbytes(B)) bytes   S blocks (a file: a 4 KiB header, the payload padded
+                                                           to 4 KiB)
+    host    = min(its default, ⌈S / 2⌉ × B) bytes
+    device  = min(its default, ⌈S / 4⌉) blocks             (the baseline's nodes get the same)
+    pool    = max(its default, 2 × W × B) bytes            (the whole working set, and room for the store's
+                                                           overhead)
 
-A local tier is only ever made smaller than its single-node default, the pool only larger.
+A local tier is only ever made smaller than its single-node default, the pool only larger. Each
+local tier holds more than the one above it: the cache writes through, so a lower tier as small as
+the one above holds the same blocks and never serves a hit.
 
 The quick profile on two nodes: U = 16 → U_N = 33, L = 2, 4, 8 → 4, 8, 16; the small preset's
 B = 2 (K, V) × 4 layers × 2 KV heads × 64 dims × 4 bytes × 256 tokens = 1 MiB; W = 232 blocks,
-S = 116: per node device 64 blocks, host 116 MiB (was 1 GiB), disk 116 × (4 KiB + 1 MiB) (was 8 GiB); pool
-512 MiB (2 × 232 MiB is less than its default). Between two turns of one
+S = 116: per node disk 116 × (4 KiB + 1 MiB) (was 8 GiB), host 58 MiB (was 1 GiB), device 29 blocks
+(was 64); pool 512 MiB (2 × 232 MiB is less than its default). Between two turns of one
 conversation every other conversation has a turn, and round-robin routing spreads those turns
-over the nodes, so each node touches about W blocks in between: more than the S its tiers hold,
-and the returning turn's KV comes from the pool (or, with prefix-affinity routing, from the
-node's own tiers, which then hold its share of the conversations).
+over the nodes, so a node touches up to about W blocks before a conversation returns to it: more
+than the S its tiers hold, and the returning turn's KV comes mostly from the pool (or, with
+prefix-affinity routing, from the node's own tiers, which then hold its share of the conversations).
 """
 
 from __future__ import annotations
@@ -153,8 +157,8 @@ def fleet_defaults(config, given: Mapping) -> dict:
     single = {"device_capacity_blocks": embedded.device_capacity_blocks,
               **{name: parse_size(getattr(embedded, name)) for name in ("host_capacity", "disk_capacity",
                                                                           "pool_capacity")}}
-    sized = {"device_capacity_blocks": min(single["device_capacity_blocks"], share),
-             "host_capacity": min(single["host_capacity"], share * block),
+    sized = {"device_capacity_blocks": min(single["device_capacity_blocks"], math.ceil(share / 4)),
+             "host_capacity": min(single["host_capacity"], math.ceil(share / 2) * block),
              "disk_capacity": min(single["disk_capacity"], share * integrity.file_nbytes(block)),
              "pool_capacity": max(single["pool_capacity"], POOL_HEADROOM * total * block)}
     tiers = {name: value if name == "device_capacity_blocks" else _size_text(value)

@@ -54,14 +54,14 @@ def test_two_nodes_scale_the_users_and_levels_and_shrink_each_nodes_local_tiers_
     embedded = config.targets.embedded
     # U = 33, W = 1 + 7 × 33 = 232 blocks of 1 MiB, S = ⌈232 / 2⌉ = 116
     assert config.g3.workload["users"] == 33 and config.g3.levels == [4, 8, 16]
-    assert embedded.device_capacity_blocks == min(64, 116) == 64
-    assert parse_size(embedded.host_capacity) == min(1024 * MIB, 116 * MIB) == 116 * MIB
     assert parse_size(embedded.disk_capacity) == min(8192 * MIB, 116 * FILE) == 122_109_952
+    assert parse_size(embedded.host_capacity) == min(1024 * MIB, 58 * MIB) == 58 * MIB      # ⌈116 / 2⌉
+    assert embedded.device_capacity_blocks == min(64, 29) == 29                             # ⌈116 / 4⌉
     assert parse_size(embedded.pool_capacity) == max(512 * MIB, 2 * 232 * MIB) == 512 * MIB
     sizing = fleet_sizing(config)
     assert (sizing.working_set_blocks, sizing.node_share_blocks) == (232, 116)
-    assert (sizing.device_blocks, sizing.host_blocks, sizing.disk_blocks, sizing.pool_blocks) == (64, 116, 116, 512)
-    assert sizing.host_blocks < sizing.working_set_blocks and sizing.disk_blocks < sizing.working_set_blocks
+    assert (sizing.device_blocks, sizing.host_blocks, sizing.disk_blocks, sizing.pool_blocks) == (29, 58, 116, 512)
+    assert sizing.device_blocks < sizing.host_blocks < sizing.disk_blocks < sizing.working_set_blocks
 
 
 def test_three_nodes_grow_the_pool_past_its_default_when_twice_the_working_set_needs_it(tmp_path):
@@ -69,8 +69,8 @@ def test_three_nodes_grow_the_pool_past_its_default_when_twice_the_working_set_n
     embedded = config.targets.embedded
     # U = 49, W = 1 + 7 × 49 = 344, S = ⌈344 / 3⌉ = 115; pool 2 × 344 MiB = 688 MiB > 512 MiB
     assert config.g3.workload["users"] == 49 and config.g3.levels == [6, 12, 24]
-    assert parse_size(embedded.host_capacity) == 115 * MIB
     assert parse_size(embedded.disk_capacity) == 115 * FILE
+    assert parse_size(embedded.host_capacity) == 58 * MIB and embedded.device_capacity_blocks == 29
     assert parse_size(embedded.pool_capacity) == 688 * MIB
 
 
@@ -81,8 +81,8 @@ def test_explicit_settings_win_and_the_rest_is_sized_from_the_users_own_workload
     embedded = config.targets.embedded
     assert config.g3.workload == workload and config.g3.levels == [2, 4]     # the user's, untouched
     assert embedded.host_capacity == "2GiB" and embedded.pool_capacity == "256MiB"
-    # W = 1 + 7 × 5 = 36, S = 18: the device and disk not set in the file shrink to 18 blocks
-    assert embedded.device_capacity_blocks == min(64, 18) == 18
+    # W = 1 + 7 × 5 = 36, S = 18: the disk not set in the file holds 18 blocks, the device ⌈18 / 4⌉ = 5
+    assert embedded.device_capacity_blocks == min(64, 5) == 5
     assert parse_size(embedded.disk_capacity) == 18 * FILE
 
 
@@ -114,6 +114,6 @@ def test_the_baseline_fleet_is_the_candidates_node_count_on_one_engine_setting_w
     assert [n.name for n in by_role["baseline"]] == ["device-only-0", "device-only-1", "device-only-2"]
     assert [n.pooled for n in plan] == [False, False, False, False, True, True, True]
     settings = engine_settings(embedded)["cache"]       # the one file every node reads: the device tier per node
-    assert settings["device_capacity_blocks"] == 64 and settings["host_capacity_bytes"] == embedded.host_capacity
+    assert settings["device_capacity_blocks"] == 29 and settings["host_capacity_bytes"] == embedded.host_capacity
     assert [n.name for n in fleet_plan(_fleet(tmp_path, 1, pool="none").targets.embedded)] == \
         ["recompute", "device-only", "tiered"]

@@ -61,6 +61,15 @@ def test_g3_routes_over_two_candidate_nodes_on_a_shared_pool_and_reports_cross_n
     cross = next(m for m in measured if m["metric"] == "cross_node_hit_ratio")
     assert cross["context"]["remote_hit_blocks"] > 0 and 0 < cross["value"] < 1   # reuse crossed nodes
     assert cross["context"]["routing"] == "round-robin"
+    shares = [m for m in measured if m["metric"] == "hit_tier_share"]        # per step, summed over the nodes
+    candidate = [m for m in shares if m["context"]["target"] == "candidate"]
+    assert {m["context"]["tier"] for m in candidate} == {"device", "host", "disk", "remote"}
+    assert sum(m["context"]["hit_blocks"] for m in candidate) == candidate[0]["context"]["step_hit_blocks"] > 0
+    assert abs(sum(m["value"] for m in candidate) - 1) < 1e-9
+    assert [(m["context"]["tier"], m["value"]) for m in shares if m["context"]["target"] == "baseline"] == \
+        [("device", 1.0)]                                                    # the baseline has its device tier only
+    sized = next(m for m in measured if m["metric"] == "fleet_working_set_blocks")
+    assert sized["context"]["nodes"] == 2 and sized["value"] > sized["context"]["node_share_blocks"]
     assert not _processes_in(tmp_path / "run" / "pool")              # the harness stopped the pool it started
     assert "cross_node_hit_ratio" in (tmp_path / "run" / "index.html").read_text()
 
