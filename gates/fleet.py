@@ -51,7 +51,7 @@ from typing import Any, Mapping, Optional
 
 from cache_impl import integrity
 from cache_impl.config import DEFAULT_BLOCK_SIZE
-from kvcore.settings import parse_size
+from kvcore.settings import ConfigError, parse_size
 
 SESSION_FIELDS = {"multi_round_qa": "users", "long_doc_qa": "documents", "shared_prefix": "groups"}
 POOL_HEADROOM = 2          # the pool holds this many working sets (a store's own per-value overhead, eviction slack)
@@ -104,7 +104,11 @@ def working_set_blocks(workload: Mapping[str, Any], block_tokens: int = DEFAULT_
     from gates.sizing.sequences import workload_block_keys
 
     keys = set()
-    for request in workload_block_keys(dict(workload), block_tokens=block_tokens):
+    try:
+        requests = workload_block_keys(dict(workload), block_tokens=block_tokens)
+    except ConfigError as error:  # a workload that cannot be built: named where the config holds it
+        raise ConfigError(f"g3.{error}" if str(error).startswith("workload") else str(error)) from None
+    for request in requests:
         keys.update(request.prompt)
         keys.update(request.output)
     return len(keys)
@@ -139,7 +143,7 @@ def fleet_defaults(config, given: Mapping) -> dict:
 
     Only fields `given` does not set change: g3.workload (a workload in the file is the user's, whole),
     g3.levels (closed loop), and targets.embedded's device_capacity_blocks, host_capacity, disk_capacity and
-    pool_capacity.
+    pool_capacity (kept when the workload has no whole block to cache: nothing to size them by).
     """
     if not _is_fleet(config):
         return {}
@@ -163,6 +167,6 @@ def fleet_defaults(config, given: Mapping) -> dict:
              "pool_capacity": max(single["pool_capacity"], POOL_HEADROOM * total * block)}
     tiers = {name: value if name == "device_capacity_blocks" else _size_text(value)
              for name, value in sized.items()
-             if value != single[name] and not _given(given, "targets", "embedded", name)}
+             if value != single[name] and not _given(given, "targets", "embedded", name)} if total else {}
     overrides = {**({"g3": g3} if g3 else {}), **({"targets": {"embedded": tiers}} if tiers else {})}
     return overrides

@@ -123,7 +123,8 @@ class EmbeddedServers:
 
     With `candidate_nodes` > 1 the tiered candidate runs as that many nodes, each with its own disk
     directory, sharing the pool the harness starts first (`pool`: redis or mooncake, on loopback);
-    the device-only baseline runs as as many nodes (no pool), routed the same way.
+    the device-only baseline runs as as many nodes (no pool), routed the same way (`fleet_plan`); the
+    fleet's tiers and pool are sized by gates/fleet.py where gates.yaml does not set them.
 
     Their admin routes share one token made for this run; it reaches the servers and the gate
     suites (`client_environment`) through the environment only, never a file or a command line.

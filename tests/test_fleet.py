@@ -18,7 +18,7 @@ import yaml
 from gates.config import load_config
 from gates.fleet import fleet_sizing, fleet_users, working_set_blocks
 from gates.targets import engine_settings, fleet_plan
-from kvcore.settings import parse_size
+from kvcore.settings import ConfigError, parse_size
 
 MIB = 2**20
 FILE = 4096 + MIB          # a disk block file of the small preset: 4 KiB header + 1 MiB payload
@@ -95,6 +95,18 @@ def test_one_node_or_an_external_target_keeps_the_profiles_defaults(tmp_path):
                                           "baseline": {"url": "http://127.0.0.1:8/v1", "model": "m"},
                                           "candidate": {"url": "http://127.0.0.1:7/v1", "model": "m"}})
     assert external.g3.workload["users"] == 16 and fleet_sizing(external) is None
+
+
+def test_a_workload_without_a_whole_block_keeps_the_tiers_and_a_bad_one_is_named_under_g3(tmp_path):
+    short = {**load_config(None).g3.workload, "system_prompt_tokens": 0, "document_tokens": 100, "rounds": 1}
+    config = _fleet(tmp_path, 2, g3={"workload": short})   # 1 + 1 + 100 + 32 + 1 + 1 = 136 tokens: no whole block
+    assert working_set_blocks(short) == 0 and config.g3.levels == [4, 8, 16]
+    assert config.targets.embedded.device_capacity_blocks == 64 and config.targets.embedded.host_capacity == "1GiB"
+    trace = tmp_path / "trace.jsonl"                        # fewer requests than its warm-up
+    trace.write_text("".join(f'{{"timestamp": {i}, "input_length": 600, "output_length": 4, "hash_ids": [{i}]}}\n'
+                             for i in range(3)))
+    with pytest.raises(ConfigError, match=r"^g3\.workload\.warmup_requests: expected fewer"):
+        _fleet(tmp_path, 2, g3={"workload": {"kind": "trace", "path": str(trace), "warmup_requests": 5}})
 
 
 def test_the_resolved_config_a_run_stores_reloads_to_the_same_fleet(tmp_path):
