@@ -55,6 +55,7 @@ from kvcore.settings import ConfigError, parse_size
 
 SESSION_FIELDS = {"multi_round_qa": "users", "long_doc_qa": "documents", "shared_prefix": "groups"}
 POOL_HEADROOM = 2          # the pool holds this many working sets (a store's own per-value overhead, eviction slack)
+SHARE_DIVISORS = {"disk_capacity": 1, "host_capacity": 2, "device_capacity_blocks": 4}   # tier: S / this
 
 
 @dataclass(frozen=True)
@@ -161,12 +162,12 @@ def fleet_defaults(config, given: Mapping) -> dict:
     single = {"device_capacity_blocks": embedded.device_capacity_blocks,
               **{name: parse_size(getattr(embedded, name)) for name in ("host_capacity", "disk_capacity",
                                                                           "pool_capacity")}}
-    sized = {"device_capacity_blocks": min(single["device_capacity_blocks"], math.ceil(share / 4)),
-             "host_capacity": min(single["host_capacity"], math.ceil(share / 2) * block),
-             "disk_capacity": min(single["disk_capacity"], share * integrity.file_nbytes(block)),
+    blocks = {name: math.ceil(share / divisor) for name, divisor in SHARE_DIVISORS.items()}
+    sized = {"device_capacity_blocks": min(single["device_capacity_blocks"], blocks["device_capacity_blocks"]),
+             "host_capacity": min(single["host_capacity"], blocks["host_capacity"] * block),
+             "disk_capacity": min(single["disk_capacity"], blocks["disk_capacity"] * integrity.file_nbytes(block)),
              "pool_capacity": max(single["pool_capacity"], POOL_HEADROOM * total * block)}
     tiers = {name: value if name == "device_capacity_blocks" else _size_text(value)
              for name, value in sized.items()
              if value != single[name] and not _given(given, "targets", "embedded", name)} if total else {}
-    overrides = {**({"g3": g3} if g3 else {}), **({"targets": {"embedded": tiers}} if tiers else {})}
-    return overrides
+    return {**({"g3": g3} if g3 else {}), **({"targets": {"embedded": tiers}} if tiers else {})}
