@@ -27,6 +27,7 @@ from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 from workloads.loaders import LOADERS
 
 from .checks import CHECKS, check_of, configurable_metrics
+from .fleet import fleet_defaults
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -129,6 +130,10 @@ class EmbeddedTargets(StrictModel):
     candidate_nodes: Int = Field(default=1, ge=1, le=8, description="tiered candidate nodes (several: G3 routes)")
     pool: Literal["none", "redis", "mooncake"] = Field(
         default="none", description="the shared pool the candidate nodes use, started by the harness on loopback")
+    pool_capacity: str = Field(default="512MiB", description="the memory the harness's pool holds (redis "
+                               "maxmemory, mooncake's segment); several nodes: sized to the fleet (gates/fleet.py)")
+
+    _pool_size = field_validator("pool_capacity", mode="before")(lambda cls, v: _size(v))
 
 
 class TargetsConfig(StrictModel):
@@ -641,15 +646,22 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
     if external and "faults" not in (data.get("g4") if isinstance(data.get("g4"), dict) else {}):
         merged["g4"]["faults"] = []  # the profile's fault schedule is for the embedded candidate
     _place_trace_paths(merged, Path(path).parent if path is not None else None, trace)
-    try:
-        config = GatesConfig.model_validate(merged)
-    except ValidationError as error:
-        raise ConfigError(format_validation_error(error, "")) from None
+    config = _validated(merged)
+    fleet = fleet_defaults(config, data)  # several embedded nodes: defaults sized to the fleet (gates/fleet.py)
+    if fleet:
+        config = _validated(_merge(merged, fleet))
     for gate in ("g3", "g4"):  # every field of a workload spec checked now, before any server starts
         spec = load_spec(getattr(config, gate).workload, root=f"{gate}.workload")
         if spec.kind == "trace":
             check_trace(spec, f"{gate}.workload")
     return config
+
+
+def _validated(merged: dict) -> GatesConfig:
+    try:
+        return GatesConfig.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, "")) from None
 
 
 def _place_trace_paths(merged: dict, base: Optional[Path], trace: Optional[Path]) -> None:

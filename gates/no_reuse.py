@@ -23,4 +23,4 @@ def reuse_found(requests: Iterable[tuple[str, int, int]]) -> str:
         return ""
     target, cached, prompt = max(reused, key=lambda row: row[1])
     return (f"{len(reused)} of {len(rows)} control requests were served partly from a cache (the {target} "
-            f"cached {cached} of {prompt} tokens): the prompts shared a prefix")
+            f"cached {cached} of {prompt} tokens): its prompts shared a prefix, or came back")

@@ -17,10 +17,11 @@ from typing import Optional
 import yaml
 
 from cache_impl.auth import ADMIN_TOKEN_ENV
+from kvcore.settings import parse_size
 from workloads.load import Target, free_port
 from workloads.processes import die_with_parent
 
-from .config import GatesConfig
+from .config import EmbeddedTargets, GatesConfig
 
 EMBEDDED_ROLES = {"recompute": "recompute", "baseline": "device-only", "candidate": "tiered"}
 
@@ -79,12 +80,51 @@ def _last_words(log: Path, lines: int = 3) -> str:
     return errors[-1] if errors else (" | ".join(text[-lines:]) or "nothing in its log")
 
 
+@dataclass(frozen=True)
+class NodePlan:
+    """One embedded server to start: its role, cache mode, place in its role's fleet and whether it uses the pool."""
+
+    role: str
+    mode: str
+    index: int
+    count: int                   # nodes of its role
+    pooled: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-{self.index}" if self.count > 1 else self.mode
+
+
+def fleet_plan(embedded: EmbeddedTargets) -> list[NodePlan]:
+    """Every embedded server of a run: one recompute reference, and as many device-only baseline nodes as tiered
+    candidate nodes (`candidate_nodes`), only the candidate's on the pool. Every server reads one engine setting
+    (`engine_settings`) and both fleets are routed by `targets.routing`, so throughput compares equal fleets: the
+    same node count, routing and device tier per node, the candidate adding its lower tiers and the pool."""
+    plan = []
+    for role, mode in EMBEDDED_ROLES.items():
+        count = embedded.candidate_nodes if role in ("candidate", "baseline") else 1
+        plan += [NodePlan(role, mode, node, count, role == "candidate" and embedded.pool != "none")
+                 for node in range(count)]
+    return plan
+
+
+def engine_settings(embedded: EmbeddedTargets) -> dict:
+    """The `engine:` section every embedded server starts from (its mode is its command line's)."""
+    return {"preset": embedded.preset, "seed": embedded.seed, "max_running": embedded.max_running,
+            "cache": {"device_capacity_blocks": embedded.device_capacity_blocks,
+                      "host_capacity_bytes": embedded.host_capacity,
+                      "disk": {"path": "unused", "capacity_bytes": embedded.disk_capacity,
+                               "io_mode": embedded.disk_io_mode,
+                               "read_workers": embedded.disk_read_workers}}}
+
+
 class EmbeddedServers:
     """Starts one `kvgate serve --admin` per mode on free loopback ports; stops them (SIGTERM) at exit.
 
     With `candidate_nodes` > 1 the tiered candidate runs as that many nodes, each with its own disk
     directory, sharing the pool the harness starts first (`pool`: redis or mooncake, on loopback);
-    the device-only baseline runs as as many nodes (no pool), routed the same way.
+    the device-only baseline runs as as many nodes (no pool), routed the same way (`fleet_plan`); the
+    fleet's tiers and pool are sized by gates/fleet.py where gates.yaml does not set them.
 
     Their admin routes share one token made for this run; it reaches the servers and the gate
     suites (`client_environment`) through the environment only, never a file or a command line.
@@ -104,48 +144,42 @@ class EmbeddedServers:
 
     def start(self, timeout_s: float = 120) -> dict[str, Endpoint]:
         embedded = self.config.targets.embedded
-        engine = {"preset": embedded.preset, "seed": embedded.seed, "max_running": embedded.max_running,
-                  "cache": {"device_capacity_blocks": embedded.device_capacity_blocks,
-                            "host_capacity_bytes": embedded.host_capacity,
-                            "disk": {"path": "unused", "capacity_bytes": embedded.disk_capacity,
-                                     "io_mode": embedded.disk_io_mode,
-                                     "read_workers": embedded.disk_read_workers}}}
         settings = self.run_dir / "engine.yaml"
-        settings.write_text(yaml.safe_dump({"engine": engine}))
-        pool_url = self._start_pool(embedded.pool)
+        settings.write_text(yaml.safe_dump({"engine": engine_settings(embedded)}))
+        pool_url = self._start_pool(embedded)
         env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"} | self.client_environment()
-        for role, mode in EMBEDDED_ROLES.items():
-            # as many baseline nodes as candidate nodes, so throughput compares equal fleets
-            count = embedded.candidate_nodes if role in ("candidate", "baseline") else 1
-            urls = []
-            for node in range(count):
-                name = f"{mode}-{node}" if count > 1 else mode
-                port = free_port()
-                command = [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", mode,
-                           "--host", "127.0.0.1", "--port", str(port), "--admin",
-                           "--cache-dir", str(Path(self.config.storage.path).resolve() / f"kv-{name}")]
-                if role == "candidate" and pool_url:
-                    command += ["--remote", pool_url]
-                self.logs[f"{role}-{node}"] = self.run_dir / f"server-{name}.log"
-                self.processes[f"{role}-{node}"] = subprocess.Popen(
-                    command, stdout=open(self.logs[f"{role}-{node}"], "wb"), stderr=subprocess.STDOUT,
-                    preexec_fn=die_with_parent, env=env)
-                urls.append(f"http://127.0.0.1:{port}/v1")
-            self.endpoints[role] = Endpoint(role, urls[0], f"kvgate-{embedded.preset}", admin=True, mode=mode,
-                                            nodes=tuple(urls) if count > 1 else (),
+        urls: dict[str, list[str]] = {}
+        for node in fleet_plan(embedded):
+            port = free_port()
+            command = [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", node.mode,
+                       "--host", "127.0.0.1", "--port", str(port), "--admin",
+                       "--cache-dir", str(Path(self.config.storage.path).resolve() / f"kv-{node.name}")]
+            if node.pooled:
+                command += ["--remote", pool_url]
+            key = f"{node.role}-{node.index}"
+            self.logs[key] = self.run_dir / f"server-{node.name}.log"
+            self.processes[key] = subprocess.Popen(
+                command, stdout=open(self.logs[key], "wb"), stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent, env=env)
+            urls.setdefault(node.role, []).append(f"http://127.0.0.1:{port}/v1")
+        for role, found in urls.items():
+            self.endpoints[role] = Endpoint(role, found[0], f"kvgate-{embedded.preset}", admin=True,
+                                            mode=EMBEDDED_ROLES[role], nodes=tuple(found) if len(found) > 1 else (),
                                             routing=self.config.targets.routing)
         for name, process in self.processes.items():
             role, node = name.rsplit("-", 1)
             self._wait_healthy(process, self.endpoints[role].node_roots[int(node)], self.logs[name], timeout_s)
         return self.endpoints
 
-    def _start_pool(self, kind: str) -> Optional[str]:
-        if kind == "none":
+    def _start_pool(self, embedded: EmbeddedTargets) -> Optional[str]:
+        """The pool the candidate nodes share, holding `pool_capacity` bytes; its URL (None: no pool)."""
+        if embedded.pool == "none":
             return None
         from workloads.stores import MooncakePool, RedisServer
 
-        pool_dir = self.run_dir / "pool"
-        self.pool = (RedisServer(pool_dir) if kind == "redis" else MooncakePool(pool_dir)).start()
+        pool_dir, nbytes = self.run_dir / "pool", parse_size(embedded.pool_capacity)
+        self.pool = (RedisServer(pool_dir, maxmemory=str(nbytes)) if embedded.pool == "redis"
+                     else MooncakePool(pool_dir, segment=f"{-(-nbytes // 2**20)}MB")).start()
         return self.pool.url
 
     def _wait_healthy(self, process: subprocess.Popen, root: str, log: Path, timeout_s: float) -> None:

@@ -17,7 +17,7 @@ SHORT_G3 = {
     "g3": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
            "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5,
-           "no_reuse": {"level": 2, "workload": {"kind": "random", "requests": 400,
+           "no_reuse": {"level": 2, "workload": {"kind": "random", "requests": 1500,
                                                  "input_tokens": {"distribution": "uniform", "min": 300, "max": 900},
                                                  "output_tokens": {"distribution": "fixed", "mean": 8}}}},
 }
@@ -72,6 +72,15 @@ def test_g3_routes_over_two_candidate_nodes_on_a_shared_pool_and_reports_cross_n
     cross = next(m for m in measured if m["metric"] == "cross_node_hit_ratio")
     assert cross["context"]["remote_hit_blocks"] > 0 and 0 < cross["value"] < 1   # reuse crossed nodes
     assert cross["context"]["routing"] == "round-robin"
+    shares = [m for m in measured if m["metric"] == "hit_tier_share"]        # per step, summed over the nodes
+    candidate = [m for m in shares if m["context"]["target"] == "candidate"]
+    assert {m["context"]["tier"] for m in candidate} == {"device", "host", "disk", "remote"}
+    assert sum(m["context"]["hit_blocks"] for m in candidate) == candidate[0]["context"]["step_hit_blocks"] > 0
+    assert abs(sum(m["value"] for m in candidate) - 1) < 1e-9
+    assert [(m["context"]["tier"], m["value"]) for m in shares if m["context"]["target"] == "baseline"] == \
+        [("device", 1.0)]                                                    # the baseline has its device tier only
+    sized = next(m for m in measured if m["metric"] == "fleet_working_set_blocks")
+    assert sized["context"]["nodes"] == 2 and sized["value"] > sized["context"]["node_share_blocks"]
     assert not _processes_in(tmp_path / "run" / "pool")              # the harness stopped the pool it started
     assert "cross_node_hit_ratio" in (tmp_path / "run" / "index.html").read_text()
 

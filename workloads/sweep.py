@@ -65,6 +65,7 @@ from .errors import StopRule, describe_errors, summarize_errors
 from .live import LiveFigures, LiveStep, format_ms, step_name
 from .load import LoadProgress, Target, run_load
 from .requests import Workload
+from .tier_hits import tier_difference, tier_line
 
 PERCENTILES = (50, 90, 99)
 
@@ -89,6 +90,10 @@ class SweepSettings:
     live_every_s: float = 2.0
     # (target, concurrency) -> the sizing model's TTFT p50 (s), shown beside the live one
     predicted_ttft_p50_s: Mapping[tuple[str, float], float] = field(default_factory=dict)
+    # read before and after each step: a target's hit blocks per tier so far (workloads.tier_hits); the step's
+    # difference is its row's `hit_blocks_by_tier` (None: not read)
+    tier_hits: Optional[Callable[[Target], Optional[dict]]] = None
+    send_once: bool = False                # a concurrency step sends each request at most once (never cycles)
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
@@ -282,6 +287,7 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
                 continue
             where = step_name(number, len(steps), step.label, target.name)
             say(f"{where}: running for {settings.duration_s:g} s")
+            hits_before = settings.tier_hits(target) if settings.tier_hits else None
             run = run_load(step.workload, target, step.users, settings.duration_s, step_dir,
                            workers=settings.workers, max_requests=step.max_requests, stop_rule=settings.stop_rule,
                            on_progress=_live_teller(settings, number, len(steps), step, target.name),
@@ -292,10 +298,12 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
             if stopped:
                 dead[target.name] = f"not run: at {step.dir_name}, {stopped}"
             summary = summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped)
+            summary["hit_blocks_by_tier"] = tier_difference(hits_before, settings.tier_hits(target)) \
+                if settings.tier_hits else None
             if step.max_requests is not None and len(records) >= step.max_requests and not summary["valid"]:
-                summary["invalid_reasons"] += (f"; its {step.max_requests} trace requests ran out after "
-                                               f"{run.ended_at - run.started_at:.1f} s (more in limit, or a shorter "
-                                               "duration)")
+                summary["invalid_reasons"] += (f"; its {step.max_requests} requests, each sent once, ran out after "
+                                               f"{run.ended_at - run.started_at:.1f} s (a workload with more of them "
+                                               "(a trace: a larger limit), or a shorter duration)")
             rows.append({**row, "locust_exit_code": run.returncode,
                          "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]), **summary})
             say(f"{where}: done, {step_line(summary)}")
@@ -328,7 +336,8 @@ def step_line(summary: dict) -> str:
     errors = summary.get("error_rate")
     return (f"{summary.get('requests', 0)} requests, errors {100 * (errors or 0):.1f}%, "
             f"TTFT p50 {format_ms(ttft)}, "
-            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}")
+            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}"
+            + (", " + tier_line(summary["hit_blocks_by_tier"]) if summary.get("hit_blocks_by_tier") is not None else ""))
 
 
 def _not_run(reason: str, settings: SweepSettings) -> dict:
@@ -376,7 +385,8 @@ def _steps(workload: Workload, settings: SweepSettings) -> list[_Step]:
         elif parts:
             steps.append(_Step(kind, value, closed_loop(parts[i]), int(value), len(parts[i].sessions)))
         else:
-            steps.append(_Step(kind, value, workload, int(value), None))
+            once = sum(len(session) for session in workload.sessions) if settings.send_once else None
+            steps.append(_Step(kind, value, workload, int(value), once))
     return steps
 
 

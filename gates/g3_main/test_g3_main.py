@@ -18,6 +18,12 @@ throughput as the gain in the highest multiplier each target sustains within
 `ttft_slo_ms` (`sustained_rate_gain`), not per level: at the same offered rate
 below saturation both targets serve that rate. The sentence saying which
 replay ran is recorded as the `replay` measurement.
+
+Which tier served the hits (embedded targets): each step's hit blocks per tier, the nodes'
+/metrics counters read just before and after it and summed over the nodes
+(workloads/tier_hits.py), are recorded as `hit_tier_share` per target, level and tier (tier
+`remote` is the shared pool) and shown in the step's progress line. A fleet's sizing, its
+working set beside each node's tiers (gates/fleet.py), is recorded as `fleet_working_set_blocks`.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gates.fleet import fleet_sizing
 from gates.g3_main.analysis import Ladder, level_figures, run_seed, slo_latencies, sustained_rate_gain
 from kvcore.predictions import prediction_for
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
-from workloads.faults import AdminClient, per_tier
 from workloads.sweep import SweepSettings, describe_replay, prime_targets, run_sweep
+from workloads.tier_hits import POOL_TIER, read_tier_hits, target_tier_hits, tier_shares
 
 
 def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> dict[tuple[str, int], float]:
@@ -65,7 +72,8 @@ def sweep(gate_context, endpoints):
                              on_step=lambda text: gate_context.store.set_progress("g3", text),
                              on_live=lambda step: gate_context.store.set_progress("g3", step.line(), kind="live"),
                              predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
-                                                                        config.levels if closed else ()))
+                                                                        config.levels if closed else ()),
+                             tier_hits=target_tier_hits if embedded else None)
     targets = [endpoints[r].target(r) for r in roles]
     primer_users = min(config.levels) if closed else settings.rate_users
     primed = prime_targets(targets, workload, primer_users, settings.out_dir,
@@ -132,6 +140,10 @@ def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
         record("requests_per_s", s["requests_per_s"], "req/s", target=role, **at)
         record("error_rate", s["error_rate"], target=role, **at)
         record("hit_ratio", s["hit_ratio"], target=role, **at)
+        tiers = s.get("hit_blocks_by_tier")
+        for tier, share in tier_shares(tiers or {}).items():  # the pool's share (tier "remote") among them
+            record("hit_tier_share", share, target=role, tier=tier, hit_blocks=tiers[tier],
+                   step_hit_blocks=sum(tiers.values()), **at)
         record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], **at)
     assert _levels(sweep), "the sweep produced no steps"
 
@@ -190,15 +202,26 @@ def test_per_node_figures_and_the_cross_node_hit_ratio(sweep, gate_context, endp
             if served:  # under the same metric, so the TTFT plot draws a line per node
                 record("ttft_p50_ms", float(np.median([r["ttft_s"] for r in served])) * 1e3, "ms",
                        target=f"candidate {name}", **_at(gate_context, level))
-    hits = {name: per_tier(AdminClient(root).metrics(), "kvgate_cache_hits_total")
-            for name, root in zip(names.values(), roots)}
+    hits = {name: read_tier_hits([root]) or {} for name, root in zip(names.values(), roots)}
     total = sum(sum(h.values()) for h in hits.values())
-    remote = sum(h.get("remote", 0) for h in hits.values())
+    remote = sum(h.get(POOL_TIER, 0) for h in hits.values())
     for name, by_tier in hits.items():
         record("node_hit_blocks", sum(by_tier.values()), target=f"candidate {name}", **by_tier)
     record("cross_node_hit_ratio", remote / total if total else None, routing=candidate.routing,
            remote_hit_blocks=remote, hit_blocks=total)
     assert total > 0, "no candidate node served a cache hit"
+
+
+def test_the_fleet_is_sized_against_its_working_set(sweep, gate_context, record):
+    """Several embedded nodes: the workload's working set beside each node's tiers and the pool (gates/fleet.py)."""
+    sizing = fleet_sizing(gate_context.config)
+    if sizing is None:
+        pytest.skip("the candidate is one embedded node, or external")
+    record("fleet_working_set_blocks", sizing.working_set_blocks, "blocks", nodes=sizing.nodes,
+           node_share_blocks=sizing.node_share_blocks, block_bytes=sizing.block_nbytes,
+           device_blocks=sizing.device_blocks, host_blocks=sizing.host_blocks, disk_blocks=sizing.disk_blocks,
+           pool_blocks=sizing.pool_blocks, description=sizing.line())
+    assert sizing.working_set_blocks > 0, "the G3 workload has no whole block to cache"
 
 
 def test_speedup_against_recompute_is_reported(sweep, gate_context, record):

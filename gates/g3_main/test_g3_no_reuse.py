@@ -10,8 +10,9 @@ disks as serving) and never gets to load one; the control judges what that costs
   baseline's;
 
 with G3's own intervals (gates/g3_main/analysis.py level_figures), at most 5% by default. Each
-request is meant to be sent once; every request's cached tokens are checked (gates/no_reuse.py),
-so a cost near zero cannot come from hits.
+request is sent at most once (a step that runs out of requests ends early and is invalid, saying
+so); every request's cached tokens are checked too (gates/no_reuse.py), so a cost near zero cannot
+come from hits.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def control(gate_context, endpoints):
     warmup = config.warmup_s if config.warmup_s is not None else g3.warmup_s
     settings = SweepSettings(levels=(config.level,), duration_s=duration, warmup_s=warmup,
                              min_duration_s=max(1.0, (duration - warmup) * 0.5), min_requests=g3.min_requests,
-                             out_dir=gate_context.store.raw_dir("g3") / "no-reuse",
+                             out_dir=gate_context.store.raw_dir("g3") / "no-reuse", send_once=True,
                              on_step=lambda text: gate_context.store.set_progress("g3", f"no-reuse control: {text}"),
                              on_live=lambda step: gate_context.store.set_progress(
                                  "g3", f"no-reuse control: {step.line()}", kind="live"))
