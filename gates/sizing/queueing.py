@@ -38,6 +38,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from gates.g3_main.analysis import (Ladder, LevelFigures, SustainedFigures, level_figures, slo_latencies,
+                                    sustained_rate_gain)
 from kvcore.settings import ConfigError
 
 from .timing import TimingModel, check_number, check_tokens
@@ -116,10 +118,18 @@ class SimulatedRequest:
     output_tokens: int
     itl_s: tuple[float, ...]        # gaps between its tokens
     itl_batch: tuple[int, ...]      # the decode batch of the step that ended each gap
+    node: int = 0                   # the fleet's node that served it
+    client_wait_s: float = 0.0      # open loop: how late it was sent after its arrival (every user busy)
 
     @property
     def ttft_s(self) -> float:
         return self.first_token_s - self.sent_s
+
+    def record(self) -> dict:
+        """As G3's records have it (workloads/client.py), for G3's own analysis (gates/g3_main/analysis.py)."""
+        return {"ok": True, "sent_at": self.sent_s, "ttft_s": self.ttft_s, "e2e_s": self.done_s - self.sent_s,
+                "completion_tokens": self.output_tokens, "itl_s": list(self.itl_s),
+                "client_wait_s": self.client_wait_s, "node": self.node}
 
 
 @dataclass
@@ -134,48 +144,37 @@ class _Active:
     last_token: float = 0.0
     itl: list = field(default_factory=list)
     batch: list = field(default_factory=list)
+    node: int = 0
+    client_wait: float = 0.0
 
 
-def simulate_closed_loop(requests: Sequence[ServedRequest], concurrency: int, engine: EngineModel,
-                         duration_s: Optional[float] = None) -> list[SimulatedRequest]:
-    """Every request's timeline, `concurrency` users in a closed loop (the module's model). Without a
-    duration the replay is sent once; with one, users send until `duration_s` (the replay cycling, as
-    G3's users cycle a workload that a run outlasts) and the requests in flight then finish."""
-    check_tokens("concurrency", concurrency, 1)
-    if not requests:
-        raise ConfigError("requests: expected at least one request to replay, found none")
-    for i, r in enumerate(requests):
-        check_tokens(f"requests[{i}].output_tokens", r.output_tokens, 1)
-        engine.timing.checked(r.prompt_tokens, r.cached)
-    order = itertools.cycle(enumerate(requests)) if duration_s is not None else iter(enumerate(requests))
-    overhead, arrivals, counter = engine.timing.overhead, [], itertools.count()
+class _Node:
+    """One engine's scheduler: requests arriving, waiting (FIFO), running; its clock is the end of its last step."""
 
-    def send(now: float) -> None:
-        if duration_s is not None and now >= duration_s:
-            return
-        nxt = next(order, None)
-        if nxt is None:
-            return
-        index, request = nxt
-        active = _Active(index, request, now, engine.timing.load_seconds(request.cached),
-                         deque(engine.chunks(request.prompt_tokens, sum(request.cached.values()))))
-        heapq.heappush(arrivals, (now + overhead, next(counter), active))
+    def __init__(self, engine: EngineModel) -> None:
+        self.engine, self.t = engine, 0.0
+        self.arrivals: list = []            # (arrival s, order, _Active), a heap
+        self.waiting: deque = deque()
+        self.running: list[_Active] = []
 
-    for _ in range(concurrency):
-        send(0.0)
-    t, waiting, running, done = 0.0, deque(), [], []
-    while arrivals or waiting or running:
-        while arrivals and arrivals[0][0] <= t:
-            waiting.append(heapq.heappop(arrivals)[2])
-        if not waiting and not running:
-            t = arrivals[0][0]
-            continue
-        step, finished = 0.0, []
-        while waiting and len(running) < engine.max_running:
-            admitted = waiting.popleft()
+    def next_start(self) -> Optional[float]:
+        """When its next step starts (None: nothing to do and nothing coming)."""
+        if self.waiting or self.running:
+            return self.t
+        return max(self.t, self.arrivals[0][0]) if self.arrivals else None
+
+    def step(self) -> list[tuple[_Active, float]]:
+        """Run one step (the module's formula) from `next_start()`; the requests it finished, with when."""
+        self.t = self.next_start()
+        engine = self.engine
+        while self.arrivals and self.arrivals[0][0] <= self.t:
+            self.waiting.append(heapq.heappop(self.arrivals)[2])
+        t, step, finished = self.t, 0.0, []
+        while self.waiting and len(self.running) < engine.max_running:
+            admitted = self.waiting.popleft()
             step += admitted.load
-            running.append(admitted)
-        prefilling = next((a for a in running if a.chunks), None)
+            self.running.append(admitted)
+        prefilling = next((a for a in self.running if a.chunks), None)
         if prefilling is not None:
             step += prefilling.chunks.popleft()
             if not prefilling.chunks:
@@ -183,7 +182,7 @@ def simulate_closed_loop(requests: Sequence[ServedRequest], concurrency: int, en
                 prefilling.last_token = prefilling.first_token
                 if prefilling.generated >= prefilling.request.output_tokens:
                     finished.append((prefilling, t + step))
-        batch = [a for a in running if not a.chunks and a.generated < a.request.output_tokens]
+        batch = [a for a in self.running if not a.chunks and a.generated < a.request.output_tokens]
         if batch:
             step += engine.decode.seconds(len(batch))
             for a in batch:
@@ -193,13 +192,85 @@ def simulate_closed_loop(requests: Sequence[ServedRequest], concurrency: int, en
                 a.last_token = t + step
                 if a.generated >= a.request.output_tokens:
                     finished.append((a, t + step))
-        t += step
-        for a, at in finished:
-            running.remove(a)
+        self.t = t + step
+        for a, _ in finished:
+            self.running.remove(a)
+        return finished
+
+
+def _checked_replay(requests: Sequence[ServedRequest], engines: Sequence[EngineModel],
+                    nodes: Optional[Sequence[int]]) -> list[int]:
+    if not requests:
+        raise ConfigError("requests: expected at least one request to replay, found none")
+    nodes = [0] * len(requests) if nodes is None else list(nodes)
+    if len(nodes) != len(requests):
+        raise ConfigError(f"nodes: expected a node per request ({len(requests)}), found {len(nodes)}")
+    for i, (r, node) in enumerate(zip(requests, nodes)):
+        check_tokens(f"requests[{i}].output_tokens", r.output_tokens, 1)
+        if type(node) is not int or not 0 <= node < len(engines):
+            raise ConfigError(f"nodes[{i}]: expected a node index in 0..{len(engines) - 1}, found {node!r}")
+        engines[node].timing.checked(r.prompt_tokens, r.cached)
+    return nodes
+
+
+def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel | Sequence[EngineModel], *,
+             duration_s: Optional[float] = None, arrivals_s: Optional[Sequence[float]] = None,
+             nodes: Optional[Sequence[int]] = None) -> list[SimulatedRequest]:
+    """Every request's timeline: `users` load users sending `requests` in order to one engine, or to a
+    fleet (`engines`, one per node; `nodes[i]`: the node request i is routed to), each engine stepping
+    on its own (the module's model).
+
+    Closed loop (no `arrivals_s`): a user sends its next request as soon as its previous one is answered.
+    Open loop (`arrivals_s`, seconds from the start): a free user takes the next request and sends it
+    at its arrival time, or at once when it is already late (the wait is `client_wait_s`), as the
+    locust users do; with every user busy requests wait in the client. Without a duration the replay
+    is sent once; with one, nothing is sent from `duration_s` on (a closed loop cycles the replay, as
+    G3's users cycle a workload that a run outlasts) and the requests in flight then finish.
+    """
+    check_tokens("users", users, 1)
+    engines = [engines] if isinstance(engines, EngineModel) else list(engines)
+    if not engines:
+        raise ConfigError("engines: expected at least one engine, found none")
+    nodes = _checked_replay(requests, engines, nodes)
+    if arrivals_s is not None and len(arrivals_s) != len(requests):
+        raise ConfigError(f"arrivals_s: expected an arrival per request ({len(requests)}), found {len(arrivals_s)}")
+    cycle = duration_s is not None and arrivals_s is None
+    order = itertools.cycle(enumerate(requests)) if cycle else iter(enumerate(requests))
+    fleet, counter, done = [_Node(engine) for engine in engines], itertools.count(), []
+
+    def send(free: float) -> None:
+        nxt = next(order, None)
+        if nxt is None:
+            return
+        index, request = nxt
+        scheduled = free if arrivals_s is None else float(arrivals_s[index])
+        now = max(free, scheduled)
+        if duration_s is not None and now >= duration_s:
+            return
+        node = fleet[nodes[index]]
+        active = _Active(index, request, now, node.engine.timing.load_seconds(request.cached),
+                         deque(node.engine.chunks(request.prompt_tokens, sum(request.cached.values()))),
+                         node=nodes[index], client_wait=now - scheduled)
+        heapq.heappush(node.arrivals, (now + node.engine.timing.overhead, next(counter), active))
+
+    for _ in range(users):
+        send(0.0)
+    while True:
+        starts = [(start, i) for i, node in enumerate(fleet) if (start := node.next_start()) is not None]
+        if not starts:
+            break
+        for a, at in fleet[min(starts)[1]].step():
             done.append(SimulatedRequest(a.index, a.sent, a.first_token, at, a.generated, tuple(a.itl),
-                                         tuple(a.batch)))
+                                         tuple(a.batch), a.node, a.client_wait))
             send(at)
     return sorted(done, key=lambda r: r.sent_s)
+
+
+def simulate_closed_loop(requests: Sequence[ServedRequest], concurrency: int, engine: EngineModel,
+                         duration_s: Optional[float] = None) -> list[SimulatedRequest]:
+    """Every request's timeline, `concurrency` users in a closed loop on one engine (`simulate`)."""
+    check_tokens("concurrency", concurrency, 1)
+    return simulate(requests, concurrency, engine, duration_s=duration_s)
 
 
 @dataclass(frozen=True)
@@ -224,12 +295,39 @@ def summarize(simulated: Sequence[SimulatedRequest], warmup_s: float = 0.0) -> T
                          float(np.mean(gaps)) if gaps else None)
 
 
+def g3_step(simulated: Sequence[SimulatedRequest], warmup_s: float = 0.0, min_requests: int = 1) -> dict:
+    """A simulated step as G3's analysis takes one: {"summary": its validity, "records": the requests sent
+    after the warm-up, in G3's record shape}; fewer than `min_requests` makes it invalid, as in G3."""
+    records = [r.record() for r in simulated if r.sent_s >= warmup_s]
+    valid = len(records) >= min_requests
+    return {"summary": {"valid": valid, "invalid_reasons": "" if valid else
+                        f"{len(records)} requests completed in the window (< min_requests {min_requests})"},
+            "records": records}
+
+
+@dataclass(frozen=True)
+class TargetReplay:
+    """One target's replay: its requests in order, the node of each (a fleet; None: one node) and how
+    many nodes it has (each an engine of the same model)."""
+
+    requests: Sequence[ServedRequest]
+    nodes: Optional[Sequence[int]] = None
+    engines: int = 1
+
+    def simulate(self, users: int, engine: EngineModel, **settings) -> list[SimulatedRequest]:
+        return simulate(self.requests, users, [engine] * self.engines, nodes=self.nodes, **settings)
+
+
 @dataclass(frozen=True)
 class LevelPrediction:
-    """G3 at one concurrency: every target's figures; the candidate's reduction and gain over the baseline."""
+    """G3 at one level (a concurrency, or a rate multiplier): every target's figures, and the candidate's
+    reduction and gain over the baseline as G3's own analysis gives them from the simulated records
+    (`gates.g3_main.analysis.level_figures`: the point and its 95% bootstrap interval)."""
 
-    concurrency: int
+    concurrency: float
     targets: Mapping[str, TargetFigures]
+    g3: Optional[LevelFigures] = None
+    steps: Mapping[str, dict] = field(default_factory=dict)   # each target's simulated step (g3_step)
 
     @property
     def ttft_p50_reduction(self) -> float:
@@ -238,28 +336,81 @@ class LevelPrediction:
 
     @property
     def throughput_gain(self) -> float:
-        """candidate output tokens/s ÷ baseline's − 1 (0.35: +35%)."""
+        """candidate output tokens/s ÷ baseline's − 1 (0.35: +35%), each over its whole window (G3's
+        judged gain is the mean of 2-second windows: `g3.throughput_gain`)."""
         return self.targets["candidate"].output_tokens_per_s / self.targets["baseline"].output_tokens_per_s - 1.0
 
 
-Replay = Sequence[ServedRequest] | Mapping[int, Sequence[ServedRequest]]
+Replay = Sequence[ServedRequest] | TargetReplay | Mapping[float, Sequence[ServedRequest] | TargetReplay]
 
 
-def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engine: EngineModel,
-               duration_s: Optional[float] = None, warmup_s: float = 0.0) -> list[LevelPrediction]:
-    """Per level, every target's figures. `replays` maps a target ("baseline", "candidate", and any
-    other) to its requests, one list for every level or a list per level (hits may differ with the
-    concurrency)."""
+def _replay_at(role: str, replay: Replay, level: float) -> TargetReplay:
+    found = replay.get(level) if isinstance(replay, Mapping) else replay
+    if found is None:
+        raise ConfigError(f"replays.{role}: expected requests for level {level:g}, found levels {sorted(replay)}")
+    return found if isinstance(found, TargetReplay) else TargetReplay(found)
+
+
+def _check_roles(replays: Mapping[str, Replay]) -> None:
     missing = [role for role in ("baseline", "candidate") if role not in replays]
     if missing:
         raise ConfigError(f"replays: expected a baseline and a candidate replay, found none for {missing}")
+
+
+def _level(level: float, simulated: Mapping[str, list[SimulatedRequest]], warmup_s: float,
+           min_requests: int) -> LevelPrediction:
+    steps = {role: g3_step(requests, warmup_s, min_requests) for role, requests in simulated.items()}
+    figures = {role: summarize(requests, warmup_s) for role, requests in simulated.items()}
+    return LevelPrediction(level, figures, level_figures(steps["baseline"], steps["candidate"]), steps)
+
+
+def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engine: EngineModel,
+               duration_s: Optional[float] = None, warmup_s: float = 0.0,
+               min_requests: int = 1) -> list[LevelPrediction]:
+    """Per concurrency level, every target's figures, closed loop. `replays` maps a target ("baseline",
+    "candidate", and any other) to its replay: requests (one node), a TargetReplay (a fleet), or either
+    per level (hits may differ with the level: a trace's levels each replay their own part)."""
+    _check_roles(replays)
     predictions = []
     for level in levels:
-        figures = {}
-        for role, replay in replays.items():
-            requests = replay.get(level) if isinstance(replay, Mapping) else replay
-            if requests is None:
-                raise ConfigError(f"replays.{role}: expected requests for c={level}, found levels {sorted(replay)}")
-            figures[role] = summarize(simulate_closed_loop(requests, level, engine, duration_s), warmup_s)
-        predictions.append(LevelPrediction(level, figures))
+        simulated = {role: _replay_at(role, replay, level).simulate(level, engine, duration_s=duration_s)
+                     for role, replay in replays.items()}
+        predictions.append(_level(level, simulated, warmup_s, min_requests))
     return predictions
+
+
+@dataclass(frozen=True)
+class RatePrediction:
+    """G3 with `replay: rate_multipliers`: each multiplier's figures (TTFT p50 reduction as G3 judges
+    it there) and the sustained-rate gain over the ladder (`analysis.sustained_rate_gain`)."""
+
+    levels: list[LevelPrediction]
+    sustained: SustainedFigures
+    slo_s: float
+
+
+def predict_rate_ladder(replays: Mapping[str, Replay], multipliers: Sequence[float],
+                        arrivals_s: Mapping[float, Sequence[float]], engine: EngineModel, users: int,
+                        slo_s: float, duration_s: Optional[float] = None, warmup_s: float = 0.0,
+                        min_requests: int = 1) -> RatePrediction:
+    """G3's open-loop ladder: at each multiplier m each target's requests (its own trace part) arrive
+    at `arrivals_s[m]` (the part's timestamps ÷ m, `workloads.sweep.rate_multiplied`), sent by `users`
+    load users (a request waits in the client while all are busy); then G3's judgement of the ladder:
+    per step the SLO latencies (client wait + TTFT, `analysis.slo_latencies`), the highest multiplier
+    each target sustains with its TTFT p90 within `slo_s`, and the gain with its interval."""
+    _check_roles(replays)
+    check_number("ttft_slo_s", slo_s)
+    levels, ladders = [], {role: [] for role in replays}
+    for m in multipliers:
+        if m not in arrivals_s:
+            raise ConfigError(f"arrivals_s: expected the arrival times at {m:g}x, found {sorted(arrivals_s)}")
+        simulated = {role: _replay_at(role, replay, m).simulate(users, engine, duration_s=duration_s,
+                                                                  arrivals_s=arrivals_s[m])
+                     for role, replay in replays.items()}
+        level = _level(m, simulated, warmup_s, min_requests)
+        levels.append(level)
+        for role, step in level.steps.items():
+            ladders[role].append((m, step["summary"]["valid"], step["summary"]["invalid_reasons"],
+                                  tuple(slo_latencies(step["records"]))))
+    sustained = sustained_rate_gain(Ladder(tuple(ladders["baseline"])), Ladder(tuple(ladders["candidate"])), slo_s)
+    return RatePrediction(levels, sustained, slo_s)
