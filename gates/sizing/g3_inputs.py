@@ -25,14 +25,15 @@ from what the earlier ones left in the caches. Torch-free.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from workloads.requests import Workload, WorkloadRequest
 from workloads.routing import Router
 
-from .queueing import ServedRequest, TargetReplay
-from .replay import ReplayResult, replay
+from .queueing import EngineModel, ServedRequest, TargetReplay, level_prediction, simulate_source
+from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, replay
 from .sequences import embedded_chat_tokens, load_order, requests_block_keys, word_chat_tokens
 from .targets import TargetInputs
 
@@ -136,3 +137,88 @@ def _hit_figures(result: ReplayResult, measured: list) -> dict:
     return {"per_tier": result.hit_ratio, "overall": result.overall_hit_ratio,
             "infinite_cache_bound": result.infinite_cache_bound, "pool_share": result.pool_share_of_hits,
             "per_level": per_level}
+
+
+# --------------------------------------------------------------------------- live sessions
+
+
+class SessionSource:
+    """G3's interleaved sessions as locust's users send them (workloads/locustfile.py `_run_next_turn`),
+    each request routed (`Router.pick`) and served by its node's cache at the moment it is sent.
+
+    Sessions wait in a queue; a free user takes the first one's next turn, and the session goes back
+    to the end of the queue when that turn is answered (turns cycle when a run outlasts them). So the
+    order, hence each request's node and hits, comes from the timing simulation itself: at concurrency
+    c the turns answered out of order move sessions in the queue, and round-robin then sends a
+    session's next turn to another node, whose pool hits are what carries its reuse there.
+    """
+
+    def __init__(self, workload: Workload, caches: list[CacheSimulator], keys: dict[str, RequestKeys],
+                 tokens: dict[str, int], block_tokens: int, router: Router) -> None:
+        self.sessions, self.caches, self.keys, self.tokens = workload.sessions, caches, keys, tokens
+        self.block_tokens, self.router = block_tokens, router
+        self.ready, self.turn = deque(range(len(self.sessions))), [0] * len(self.sessions)
+        self.sent: list[list] = []          # per send: [session, request, hit row, node]
+
+    def take(self) -> Optional[int]:
+        if not self.ready:
+            return None
+        session = self.ready.popleft()
+        self.sent.append([session, self.sessions[session][self.turn[session]], None, None])
+        return len(self.sent) - 1
+
+    def serve(self, index: int) -> tuple[ServedRequest, int, None]:
+        sent = self.sent[index]
+        request = sent[1]
+        node = self.router.pick(request)
+        cache = self.caches[node]
+        sent[2], sent[3] = cache.serve(self.keys[request.request_id]), node
+        cached = {tier: n * self.block_tokens for tier, n in zip(cache.names, sent[2]) if n}
+        return ServedRequest(self.tokens[request.request_id], request.max_tokens, cached), node, None
+
+    def answered(self, index: int) -> None:
+        session = self.sent[index][0]
+        self.turn[session] = (self.turn[session] + 1) % len(self.sessions[session])
+        self.ready.append(session)
+
+
+def live_sessions(g3, workload: Workload, inputs: TargetInputs) -> bool:
+    """Whether G3's closed loop over this workload is simulated with live sessions (interleaved turns)."""
+    return g3.replay == "closed_loop" and not workload.trace and workload.interleaved
+
+
+def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel) -> tuple[list, dict]:
+    """G3's closed loop, level after level, each target's caches carried from the primer through every
+    step as its servers carry them: (a LevelPrediction per level, hit figures per target)."""
+    tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
+    everything = [r for s in workload.sessions for r in s]
+    keys = dict(zip((r.request_id for r in everything),
+                    requests_block_keys(everything, tokenizer, block_tokens=inputs.block_tokens)))
+    tokens = {r.request_id: len(tokenizer(r)) for r in everything}
+    capacities = inputs.capacities()
+    primer = g3_segments(g3, workload)[0].requests if g3.prime else ()
+    simulated, hits = {level: {} for level in g3.levels}, {}
+    for role, nodes in (("candidate", inputs.candidate_nodes), ("baseline", inputs.baseline_nodes)):
+        caches = CacheSimulator.fleet(nodes, capacities[role])
+        router = Router(nodes, inputs.routing)
+        for request in primer:
+            caches[router.pick(request)].serve(keys[request.request_id])
+        rows, blocks, per_level = [], 0, {}
+        for level in g3.levels:
+            source = SessionSource(workload, caches, keys, tokens, inputs.block_tokens, Router(nodes, inputs.routing))
+            done = simulate_source(source, level, [engine] * nodes, duration_s=g3.duration_s)
+            simulated[level][role] = done
+            window = [source.sent[r.index] for r in done if r.sent_s >= g3.warmup_s]
+            level_rows = [sent[2] for sent in window]
+            level_blocks = sum(len(keys[sent[1].request_id].prompt) for sent in window)
+            per_level[level] = sum(map(sum, level_rows)) / level_blocks if level_blocks else 0.0
+            rows += level_rows
+            blocks += level_blocks
+        names = caches[0].names
+        totals = {name: sum(row[i] for row in rows) for i, name in enumerate(names)}
+        hit = sum(totals.values())
+        hits[role] = {"per_tier": {name: n / blocks if blocks else 0.0 for name, n in totals.items()},
+                      "overall": hit / blocks if blocks else 0.0, "per_level": per_level,
+                      "pool_share": totals[POOL_TIER] / hit if POOL_TIER in totals and hit else None}
+    levels = [level_prediction(level, simulated[level], g3.warmup_s, g3.min_requests) for level in g3.levels]
+    return levels, hits

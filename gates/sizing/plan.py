@@ -31,7 +31,7 @@ from kvcore.settings import parse_size
 
 from ..verdict import judge
 from .calibration import Calibration
-from .g3_inputs import G3Replays, g3_replays
+from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .queueing import DecodeCost, EngineModel, predict_g3, predict_rate_ladder
 from .targets import target_inputs
 from .timing import TierBandwidths, checkpoint_seconds, cold_read_vs_fio, model_load_seconds, predict_g2
@@ -112,7 +112,8 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
                                     for t in tiers} for role, tiers in capacities.items()}
     plan.figures["fleet"] = {"candidate_nodes": inputs.candidate_nodes, "baseline_nodes": inputs.baseline_nodes,
                              "routing": inputs.routing, "pool": inputs.pool}
-    g3 = _g3_replays(config, inputs)
+    workload = _g3_workload(config, inputs)
+    g3 = g3_replays(config.g3, workload, inputs)
     plan.figures["g3_hit_ratio"] = g3.hits
 
     tiers = TierBandwidths.from_run(store, disk_gbps=_spec_disk_gbps(config), remote_gbps=inputs.pool_gbps) \
@@ -141,7 +142,7 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
                               "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
                               "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
                               "prefill, which the curve does measure); a calibration from an earlier G3 gives both")
-        _g3(plan, config, g3, EngineModel(timing, decode, inputs.max_running), inputs,
+        _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running), inputs,
             throughput=calibration.decode is not None)
     _storage(plan, config, store, calibration, tiers)
     plan.predictions = [_judged(config, p) for p in plan.predictions]
@@ -155,13 +156,12 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
     return plan
 
 
-def _g3_replays(config, inputs, seed: int = 0) -> G3Replays:
+def _g3_workload(config, inputs, seed: int = 0):
     """G3's workload built as G3 builds it for the target (the byte sizer for kvgate's engine, the word
-    sizer for others), replayed through each target's tiers (g3_inputs.py)."""
+    sizer for others)."""
     from workloads.datasets import build_workload, sizer_for
 
-    workload = build_workload(config.g3.workload, sizer_for("kvgate-byte-v1" if inputs.embedded else None), seed)
-    return g3_replays(config.g3, workload, inputs)
+    return build_workload(config.g3.workload, sizer_for("kvgate-byte-v1" if inputs.embedded else None), seed)
 
 
 def decode_from_curve(curve, requests) -> DecodeCost:
@@ -187,18 +187,19 @@ def _g2(plan: Plan, config, timing, tiers: TierBandwidths) -> None:
             "the disk tier's efficiency (calibrated, else 1)"))
 
 
-def _g3(plan: Plan, config, g3: G3Replays, engine: EngineModel, inputs, throughput: bool = True) -> None:
-    """G3's figures per level, each judged figure with G3's own interval over the simulated requests."""
+def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs, throughput: bool = True) -> None:
+    """G3's figures per level, each judged figure with G3's own interval over the simulated requests:
+    interleaved sessions live (their order, nodes and hits from the simulation, g3_inputs.SessionSource),
+    a trace or sequential sessions from the replay made beforehand."""
     settings = config.g3
     closed = settings.replay == "closed_loop"
-    hits = g3.hits
-    fleet = (f"; {inputs.candidate_nodes} candidate nodes ({inputs.routing}, pool {inputs.pool}) and "
-             f"{inputs.baseline_nodes} baseline node(s)") if inputs.fleet else ""
-    basis = (f"replayed hit ratio {100 * hits['candidate']['overall']:.1f}% candidate / "
-             f"{100 * hits['baseline']['overall']:.1f}% baseline; "
-             f"{'closed-loop' if closed else 'open-loop'} step simulation{fleet}")
     timing = dict(duration_s=settings.duration_s, warmup_s=settings.warmup_s, min_requests=settings.min_requests)
-    if closed:
+    hits = g3.hits
+    if live_sessions(settings, workload, inputs):
+        levels, live = simulate_sessions(settings, workload, inputs, engine)
+        hits = {role: {**live[role], "infinite_cache_bound": g3.hits[role]["infinite_cache_bound"]} for role in live}
+        plan.figures["g3_hit_ratio"] = hits
+    elif closed:
         levels = predict_g3(g3.replays, settings.levels, engine, **timing)
     else:
         from workloads.sweep import SweepSettings
@@ -206,6 +207,11 @@ def _g3(plan: Plan, config, g3: G3Replays, engine: EngineModel, inputs, throughp
         ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, SweepSettings().rate_users,
                                      settings.ttft_slo_ms / 1e3, **timing)
         levels = ladder.levels
+    fleet = (f"; {inputs.candidate_nodes} candidate nodes ({inputs.routing}, pool {inputs.pool}) and "
+             f"{inputs.baseline_nodes} baseline node(s)") if inputs.fleet else ""
+    basis = (f"replayed hit ratio {100 * hits['candidate']['overall']:.1f}% candidate / "
+             f"{100 * hits['baseline']['overall']:.1f}% baseline; "
+             f"{'closed-loop' if closed else 'open-loop'} step simulation{fleet}")
     at = (lambda level: {"concurrency": level.concurrency}) if closed else (
         lambda level: {"multiplier": level.concurrency})
     name = (lambda level: f"c={level.concurrency}") if closed else (

@@ -34,7 +34,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -213,6 +213,38 @@ def _checked_replay(requests: Sequence[ServedRequest], engines: Sequence[EngineM
     return nodes
 
 
+class LoadSource(Protocol):
+    """What the load users send, asked as they send it (a replay fixed beforehand, or live sessions)."""
+
+    def take(self) -> Optional[int]:
+        """The next request a free user sends (an index), or None when none is ready (the user waits)."""
+
+    def serve(self, index: int) -> tuple[ServedRequest, int, Optional[float]]:
+        """The request as it is served now: its cached tokens per tier, its node, its arrival (open loop)."""
+
+    def answered(self, index: int) -> None:
+        """Its last token came back."""
+
+
+class ReplaySource:
+    """Requests in order, each with its hits known beforehand (a replay), cycled when `cycle`."""
+
+    def __init__(self, requests: Sequence[ServedRequest], nodes: Sequence[int], cycle: bool = False,
+                 arrivals_s: Optional[Sequence[float]] = None) -> None:
+        self.requests, self.nodes, self.arrivals_s = requests, nodes, arrivals_s
+        self._order = itertools.cycle(range(len(requests))) if cycle else iter(range(len(requests)))
+
+    def take(self) -> Optional[int]:
+        return next(self._order, None)
+
+    def serve(self, index: int) -> tuple[ServedRequest, int, Optional[float]]:
+        arrival = None if self.arrivals_s is None else float(self.arrivals_s[index])
+        return self.requests[index], self.nodes[index], arrival
+
+    def answered(self, index: int) -> None:
+        return None
+
+
 def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel | Sequence[EngineModel], *,
              duration_s: Optional[float] = None, arrivals_s: Optional[Sequence[float]] = None,
              nodes: Optional[Sequence[int]] = None) -> list[SimulatedRequest]:
@@ -227,30 +259,40 @@ def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel
     is sent once; with one, nothing is sent from `duration_s` on (a closed loop cycles the replay, as
     G3's users cycle a workload that a run outlasts) and the requests in flight then finish.
     """
-    check_tokens("users", users, 1)
     engines = [engines] if isinstance(engines, EngineModel) else list(engines)
     if not engines:
         raise ConfigError("engines: expected at least one engine, found none")
     nodes = _checked_replay(requests, engines, nodes)
     if arrivals_s is not None and len(arrivals_s) != len(requests):
         raise ConfigError(f"arrivals_s: expected an arrival per request ({len(requests)}), found {len(arrivals_s)}")
-    cycle = duration_s is not None and arrivals_s is None
-    order = itertools.cycle(enumerate(requests)) if cycle else iter(enumerate(requests))
-    fleet, counter, done = [_Node(engine) for engine in engines], itertools.count(), []
+    source = ReplaySource(requests, nodes, cycle=duration_s is not None and arrivals_s is None, arrivals_s=arrivals_s)
+    return simulate_source(source, users, engines, duration_s=duration_s)
+
+
+def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineModel], *,
+                    duration_s: Optional[float] = None) -> list[SimulatedRequest]:
+    """`simulate` with the requests asked of `source` as users send them (a user that finds none ready
+    waits until a request is answered, as the locust users wait for a session's turn)."""
+    check_tokens("users", users, 1)
+    fleet, counter, done, idle = [_Node(engine) for engine in engines], itertools.count(), [], []
 
     def send(free: float) -> None:
-        nxt = next(order, None)
-        if nxt is None:
+        if duration_s is not None and free >= duration_s:
             return
-        index, request = nxt
-        scheduled = free if arrivals_s is None else float(arrivals_s[index])
+        index = source.take()
+        if index is None:
+            idle.append(free)
+            return
+        request, node_index, scheduled = source.serve(index)
+        scheduled = free if scheduled is None else scheduled
         now = max(free, scheduled)
         if duration_s is not None and now >= duration_s:
             return
-        node = fleet[nodes[index]]
+        node = fleet[node_index]
+        node.engine.timing.checked(request.prompt_tokens, request.cached)
         active = _Active(index, request, now, node.engine.timing.load_seconds(request.cached),
                          deque(node.engine.chunks(request.prompt_tokens, sum(request.cached.values()))),
-                         node=nodes[index], client_wait=now - scheduled)
+                         node=node_index, client_wait=now - scheduled)
         heapq.heappush(node.arrivals, (now + node.engine.timing.overhead, next(counter), active))
 
     for _ in range(users):
@@ -262,7 +304,11 @@ def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel
         for a, at in fleet[min(starts)[1]].step():
             done.append(SimulatedRequest(a.index, a.sent, a.first_token, at, a.generated, tuple(a.itl),
                                          tuple(a.batch), a.node, a.client_wait))
+            source.answered(a.index)
             send(at)
+            waiting, idle[:] = list(idle), []
+            for _ in waiting:       # a user that found nothing ready tries again now
+                send(at)
     return sorted(done, key=lambda r: r.sent_s)
 
 
@@ -357,7 +403,7 @@ def _check_roles(replays: Mapping[str, Replay]) -> None:
         raise ConfigError(f"replays: expected a baseline and a candidate replay, found none for {missing}")
 
 
-def _level(level: float, simulated: Mapping[str, list[SimulatedRequest]], warmup_s: float,
+def level_prediction(level: float, simulated: Mapping[str, list[SimulatedRequest]], warmup_s: float,
            min_requests: int) -> LevelPrediction:
     steps = {role: g3_step(requests, warmup_s, min_requests) for role, requests in simulated.items()}
     figures = {role: summarize(requests, warmup_s) for role, requests in simulated.items()}
@@ -375,7 +421,7 @@ def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engine: Eng
     for level in levels:
         simulated = {role: _replay_at(role, replay, level).simulate(level, engine, duration_s=duration_s)
                      for role, replay in replays.items()}
-        predictions.append(_level(level, simulated, warmup_s, min_requests))
+        predictions.append(level_prediction(level, simulated, warmup_s, min_requests))
     return predictions
 
 
@@ -407,7 +453,7 @@ def predict_rate_ladder(replays: Mapping[str, Replay], multipliers: Sequence[flo
         simulated = {role: _replay_at(role, replay, m).simulate(users, engine, duration_s=duration_s,
                                                                   arrivals_s=arrivals_s[m])
                      for role, replay in replays.items()}
-        level = _level(m, simulated, warmup_s, min_requests)
+        level = level_prediction(m, simulated, warmup_s, min_requests)
         levels.append(level)
         for role, step in level.steps.items():
             ladders[role].append((m, step["summary"]["valid"], step["summary"]["invalid_reasons"],

@@ -192,6 +192,17 @@ class CacheSimulator:
                 return level
         return None
 
+    def serve(self, request: RequestKeys) -> list[int]:
+        """One request as the engine makes it: load its prompt's longest held prefix, store the rest of
+        the prompt, promote the hits, store the blocks its output fills; its hit blocks per level."""
+        row = self.load(request.prompt)
+        loaded = sum(row)
+        self.store(request.prompt[loaded:])
+        if loaded:
+            self.promote(request.prompt[:loaded])
+        self.store(request.output)
+        return row
+
     def store(self, keys: Iterable[Key]) -> int:
         """Store each block (`TieredKVCache._store_one`); returns how many were new."""
         stored = 0
@@ -331,12 +342,7 @@ def replay(requests: Iterable[Union[RequestKeys, Sequence[Key]]], capacities: Se
         prompt, output = (request.prompt, request.output) if isinstance(request, RequestKeys) else (request, ())
         prompt = tuple(prompt)
         known = sum(1 for _ in itertools.takewhile(seen.__contains__, prompt))
-        row = sim.load(prompt)
-        loaded = sum(row)
-        sim.store(prompt[loaded:])
-        if loaded:
-            sim.promote(prompt[:loaded])
-        sim.store(output)
+        row = sim.serve(RequestKeys(prompt, tuple(output)))
         seen.update(prompt)
         seen.update(output)
         if n >= warmup:

@@ -115,7 +115,7 @@ def word_chat_tokens(request: WorkloadRequest) -> list[int]:
     for message in request.messages:
         words.append(f"<{message.get('role', '')}>")
         words.extend(_WORDS.tokens(str(message.get("content") or "")))
-    return [xxhash.xxh32_intdigest(word) for word in words]
+    return [xxhash.xxh32_intdigest(word.encode()) for word in words]
 
 
 def _request_keys(tokens: Sequence[int], max_tokens: int, block_tokens: int, outputs: bool) -> RequestKeys:
