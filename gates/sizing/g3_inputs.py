@@ -110,6 +110,7 @@ def g3_replays(g3, workload: Workload, inputs: TargetInputs) -> G3Replays:
                 segment_nodes if nodes > 1 else None, nodes)
             start = end
         hits[role] = _hit_figures(result, measured)
+        hits[role]["per_level"] = {level: _token_hit_ratio(replay.requests) for level, replay in per_level.items()}
         if not workload.trace:  # one pass replayed for every level
             last = segments[-1].level
             per_level = {level: per_level[last] for level in g3.levels}
@@ -127,16 +128,16 @@ def _served(requests: Sequence[WorkloadRequest], result: ReplayResult, start: in
             for i, request in zip(range(start, end), requests)]
 
 
+def _token_hit_ratio(requests: Sequence[ServedRequest]) -> float:
+    """G3's hit ratio: cached tokens ÷ prompt tokens (a prompt's tail beyond its last whole block is never cached)."""
+    prompt = sum(r.prompt_tokens for r in requests)
+    return sum(sum(r.cached.values()) for r in requests) / prompt if prompt else 0.0
+
+
 def _hit_figures(result: ReplayResult, measured: list) -> dict:
-    per_level, start = {}, 0
-    for segment, _ in measured:
-        end = start + len(segment.requests)
-        blocks = sum(result.prompt_blocks[start:end])
-        per_level[segment.level] = sum(sum(row) for row in result.hits[start:end]) / blocks if blocks else 0.0
-        start = end
+    """The replay's figures in blocks (per tier, overall, the infinite cache's, the pool's share)."""
     return {"per_tier": result.hit_ratio, "overall": result.overall_hit_ratio,
-            "infinite_cache_bound": result.infinite_cache_bound, "pool_share": result.pool_share_of_hits,
-            "per_level": per_level}
+            "infinite_cache_bound": result.infinite_cache_bound, "pool_share": result.pool_share_of_hits}
 
 
 # --------------------------------------------------------------------------- live sessions
@@ -206,12 +207,15 @@ def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: Engi
         rows, blocks, per_level = [], 0, {}
         for level in g3.levels:
             source = SessionSource(workload, caches, keys, tokens, inputs.block_tokens, Router(nodes, inputs.routing))
-            done = simulate_source(source, level, [engine] * nodes, duration_s=g3.duration_s)
+            done = simulate_source(source, level, [engine] * nodes, duration_s=g3.duration_s,
+                                   one_machine=inputs.embedded)
             simulated[level][role] = done
             window = [source.sent[r.index] for r in done if r.sent_s >= g3.warmup_s]
             level_rows = [sent[2] for sent in window]
             level_blocks = sum(len(keys[sent[1].request_id].prompt) for sent in window)
-            per_level[level] = sum(map(sum, level_rows)) / level_blocks if level_blocks else 0.0
+            prompt_tokens = sum(tokens[sent[1].request_id] for sent in window)
+            per_level[level] = (sum(map(sum, level_rows)) * inputs.block_tokens / prompt_tokens
+                                if prompt_tokens else 0.0)   # as G3 measures it: cached ÷ prompt tokens
             rows += level_rows
             blocks += level_blocks
         names = caches[0].names

@@ -142,7 +142,8 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
                               "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
                               "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
                               "prefill, which the curve does measure); a calibration from an earlier G3 gives both")
-        _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running), inputs,
+        _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0),
+            inputs,
             throughput=calibration.decode is not None)
     _storage(plan, config, store, calibration, tiers)
     plan.predictions = [_judged(config, p) for p in plan.predictions]

@@ -77,14 +77,18 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class EngineModel:
-    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit."""
+    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit, and
+    the machine's step-to-step noise (`jitter`: each step's seconds × a lognormal factor of mean 1 whose
+    log has this standard deviation; 0: none)."""
 
     timing: TimingModel
     decode: DecodeCost
     max_running: int = 8
+    jitter: float = 0.0
 
     def __post_init__(self) -> None:
         check_tokens("max_running", self.max_running, 1)
+        check_number("jitter", self.jitter, allow_zero=True)
 
     def chunks(self, prompt: int, cached: int) -> list[float]:
         """Seconds of each prefill step of a prompt with `cached` tokens loaded: block-aligned chunks
@@ -151,8 +155,8 @@ class _Active:
 class _Node:
     """One engine's scheduler: requests arriving, waiting (FIFO), running; its clock is the end of its last step."""
 
-    def __init__(self, engine: EngineModel) -> None:
-        self.engine, self.t = engine, 0.0
+    def __init__(self, engine: EngineModel, rng: Optional[np.random.Generator] = None) -> None:
+        self.engine, self.t, self.rng = engine, 0.0, rng
         self.arrivals: list = []            # (arrival s, order, _Active), a heap
         self.waiting: deque = deque()
         self.running: list[_Active] = []
@@ -163,20 +167,28 @@ class _Node:
             return self.t
         return max(self.t, self.arrivals[0][0]) if self.arrivals else None
 
-    def step(self) -> list[tuple[_Active, float]]:
-        """Run one step (the module's formula) from `next_start()`; the requests it finished, with when."""
+    def busy_at(self, t: float) -> bool:
+        """Something to run at time t (a request running, waiting, or arrived)."""
+        return bool(self.waiting or self.running or (self.arrivals and self.arrivals[0][0] <= t))
+
+    def step(self, sharing: float = 1.0) -> list[tuple[_Active, float]]:
+        """Run one step (the module's formula) from `next_start()`, its seconds × `sharing` (nodes sharing
+        one machine's cores); the requests it finished, with when."""
         self.t = self.next_start()
         engine = self.engine
         while self.arrivals and self.arrivals[0][0] <= self.t:
             self.waiting.append(heapq.heappop(self.arrivals)[2])
         t, step, finished = self.t, 0.0, []
+        noise = 1.0
+        if engine.jitter and self.rng is not None:
+            noise = float(np.exp(engine.jitter * self.rng.standard_normal() - engine.jitter ** 2 / 2))
         while self.waiting and len(self.running) < engine.max_running:
             admitted = self.waiting.popleft()
-            step += admitted.load
+            step += noise * sharing * admitted.load
             self.running.append(admitted)
         prefilling = next((a for a in self.running if a.chunks), None)
         if prefilling is not None:
-            step += prefilling.chunks.popleft()
+            step += noise * sharing * prefilling.chunks.popleft()
             if not prefilling.chunks:
                 prefilling.generated, prefilling.first_token = 1, t + step
                 prefilling.last_token = prefilling.first_token
@@ -184,7 +196,7 @@ class _Node:
                     finished.append((prefilling, t + step))
         batch = [a for a in self.running if not a.chunks and a.generated < a.request.output_tokens]
         if batch:
-            step += engine.decode.seconds(len(batch))
+            step += noise * engine.decode.seconds(len(batch))
             for a in batch:
                 a.generated += 1
                 a.itl.append(t + step - a.last_token)
@@ -247,7 +259,7 @@ class ReplaySource:
 
 def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel | Sequence[EngineModel], *,
              duration_s: Optional[float] = None, arrivals_s: Optional[Sequence[float]] = None,
-             nodes: Optional[Sequence[int]] = None) -> list[SimulatedRequest]:
+             nodes: Optional[Sequence[int]] = None, seed: int = 0) -> list[SimulatedRequest]:
     """Every request's timeline: `users` load users sending `requests` in order to one engine, or to a
     fleet (`engines`, one per node; `nodes[i]`: the node request i is routed to), each engine stepping
     on its own (the module's model).
@@ -266,15 +278,20 @@ def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel
     if arrivals_s is not None and len(arrivals_s) != len(requests):
         raise ConfigError(f"arrivals_s: expected an arrival per request ({len(requests)}), found {len(arrivals_s)}")
     source = ReplaySource(requests, nodes, cycle=duration_s is not None and arrivals_s is None, arrivals_s=arrivals_s)
-    return simulate_source(source, users, engines, duration_s=duration_s)
+    return simulate_source(source, users, engines, duration_s=duration_s, seed=seed)
 
 
 def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineModel], *,
-                    duration_s: Optional[float] = None) -> list[SimulatedRequest]:
+                    duration_s: Optional[float] = None, seed: int = 0,
+                    one_machine: bool = False) -> list[SimulatedRequest]:
     """`simulate` with the requests asked of `source` as users send them (a user that finds none ready
-    waits until a request is answered, as the locust users wait for a session's turn)."""
+    waits until a request is answered, as the locust users wait for a session's turn); `seed` draws
+    each node's step noise (EngineModel.jitter), the same for a seed. `one_machine`: the nodes share
+    one machine's cores (kvgate's embedded fleet), and each engine's costs were measured with the
+    machine to itself, so a step takes as many times its cost as there are nodes busy when it starts."""
     check_tokens("users", users, 1)
-    fleet, counter, done, idle = [_Node(engine) for engine in engines], itertools.count(), [], []
+    fleet = [_Node(engine, np.random.default_rng([seed, i])) for i, engine in enumerate(engines)]
+    counter, done, idle = itertools.count(), [], []
 
     def send(free: float) -> None:
         if duration_s is not None and free >= duration_s:
@@ -301,7 +318,9 @@ def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineMode
         starts = [(start, i) for i, node in enumerate(fleet) if (start := node.next_start()) is not None]
         if not starts:
             break
-        for a, at in fleet[min(starts)[1]].step():
+        start, chosen = min(starts)
+        sharing = sum(node.busy_at(start) for node in fleet) if one_machine else 1
+        for a, at in fleet[chosen].step(max(1, sharing)):
             done.append(SimulatedRequest(a.index, a.sent, a.first_token, at, a.generated, tuple(a.itl),
                                          tuple(a.batch), a.node, a.client_wait))
             source.answered(a.index)
