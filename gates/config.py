@@ -477,6 +477,9 @@ class SizingConfig(StrictModel):
     calibration: Optional[Path] = Field(default=None, description=(
         "constants fitted to an earlier run on this machine (`kvgate plan --calibrate RUN_DIR`): G2's and G3's "
         "figures are predicted before G2 runs; without it, from G2's own measurements onward"))
+    runs: Int = Field(default=5, ge=1, le=100, description=(
+        "G3 runs simulated per level, each with its own draw of the machine's step noise (a calibrated "
+        "jitter): the figure is their median, its interval spans theirs"))
     hit_ratio_points: Float = Field(default=0.05, gt=0, le=1, description="largest hit-ratio error it accepts")
     figure_mape: Float = Field(default=0.15, gt=0, le=10, description="largest TTFT / throughput MAPE it accepts")
 

@@ -29,10 +29,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 from workloads.requests import Workload, WorkloadRequest
 from workloads.routing import Router
 
-from .queueing import EngineModel, ServedRequest, TargetReplay, level_prediction, simulate_source
+from .queueing import EngineModel, ServedRequest, TargetReplay, combine, level_prediction, simulate_source
 from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, replay
 from .sequences import embedded_chat_tokens, load_order, requests_block_keys, word_chat_tokens
 from .targets import TargetInputs
@@ -188,9 +190,11 @@ def live_sessions(g3, workload: Workload, inputs: TargetInputs) -> bool:
     return g3.replay == "closed_loop" and not workload.trace and workload.interleaved
 
 
-def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel) -> tuple[list, dict]:
+def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel,
+                      seeds: Sequence[int] = (0,)) -> tuple[list, dict]:
     """G3's closed loop, level after level, each target's caches carried from the primer through every
-    step as its servers carry them: (a LevelPrediction per level, hit figures per target)."""
+    step as its servers carry them: (a LevelPrediction per level, hit figures per target). With noise
+    (engine.jitter), the whole sweep once per seed, each level's runs combined (`queueing.combine`)."""
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
     everything = [r for s in workload.sessions for r in s]
     keys = dict(zip((r.request_id for r in everything),
@@ -198,31 +202,40 @@ def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: Engi
     tokens = {r.request_id: len(tokenizer(r)) for r in everything}
     capacities = inputs.capacities()
     primer = g3_segments(g3, workload)[0].requests if g3.prime else ()
-    simulated, hits = {level: {} for level in g3.levels}, {}
-    for role, nodes in (("candidate", inputs.candidate_nodes), ("baseline", inputs.baseline_nodes)):
-        caches = CacheSimulator.fleet(nodes, capacities[role])
-        router = Router(nodes, inputs.routing)
-        for request in primer:
-            caches[router.pick(request)].serve(keys[request.request_id])
-        rows, blocks, per_level = [], 0, {}
+    seeds = seeds if engine.jitter else seeds[:1]
+    runs = {level: [] for level in g3.levels}
+    counted = {role: {"rows": [], "blocks": 0, "per_level": {level: [] for level in g3.levels}}
+               for role in ("candidate", "baseline")}
+    names = {}
+    for seed in seeds:
+        simulated = {level: {} for level in g3.levels}
+        for role, nodes in (("candidate", inputs.candidate_nodes), ("baseline", inputs.baseline_nodes)):
+            caches = CacheSimulator.fleet(nodes, capacities[role])
+            names[role] = caches[0].names
+            router = Router(nodes, inputs.routing)
+            for request in primer:
+                caches[router.pick(request)].serve(keys[request.request_id])
+            for level in g3.levels:
+                source = SessionSource(workload, caches, keys, tokens, inputs.block_tokens,
+                                       Router(nodes, inputs.routing))
+                done = simulate_source(source, level, [engine] * nodes, duration_s=g3.duration_s, seed=seed,
+                                       one_machine=inputs.embedded)
+                simulated[level][role] = done
+                window = [source.sent[r.index] for r in done if r.sent_s >= g3.warmup_s]
+                rows = [sent[2] for sent in window]
+                prompt_tokens = sum(tokens[sent[1].request_id] for sent in window)
+                counted[role]["per_level"][level].append(   # as G3 measures it: cached ÷ prompt tokens
+                    sum(map(sum, rows)) * inputs.block_tokens / prompt_tokens if prompt_tokens else 0.0)
+                counted[role]["rows"] += rows
+                counted[role]["blocks"] += sum(len(keys[sent[1].request_id].prompt) for sent in window)
         for level in g3.levels:
-            source = SessionSource(workload, caches, keys, tokens, inputs.block_tokens, Router(nodes, inputs.routing))
-            done = simulate_source(source, level, [engine] * nodes, duration_s=g3.duration_s,
-                                   one_machine=inputs.embedded)
-            simulated[level][role] = done
-            window = [source.sent[r.index] for r in done if r.sent_s >= g3.warmup_s]
-            level_rows = [sent[2] for sent in window]
-            level_blocks = sum(len(keys[sent[1].request_id].prompt) for sent in window)
-            prompt_tokens = sum(tokens[sent[1].request_id] for sent in window)
-            per_level[level] = (sum(map(sum, level_rows)) * inputs.block_tokens / prompt_tokens
-                                if prompt_tokens else 0.0)   # as G3 measures it: cached ÷ prompt tokens
-            rows += level_rows
-            blocks += level_blocks
-        names = caches[0].names
-        totals = {name: sum(row[i] for row in rows) for i, name in enumerate(names)}
-        hit = sum(totals.values())
+            runs[level].append(level_prediction(level, simulated[level], g3.warmup_s, g3.min_requests))
+    hits = {}
+    for role, c in counted.items():
+        totals = {name: sum(row[i] for row in c["rows"]) for i, name in enumerate(names[role])}
+        hit, blocks = sum(totals.values()), c["blocks"]
         hits[role] = {"per_tier": {name: n / blocks if blocks else 0.0 for name, n in totals.items()},
-                      "overall": hit / blocks if blocks else 0.0, "per_level": per_level,
+                      "overall": hit / blocks if blocks else 0.0,
+                      "per_level": {level: float(np.mean(v)) for level, v in c["per_level"].items()},
                       "pool_share": totals[POOL_TIER] / hit if POOL_TIER in totals and hit else None}
-    levels = [level_prediction(level, simulated[level], g3.warmup_s, g3.min_requests) for level in g3.levels]
-    return levels, hits
+    return [combine(runs[level]) for level in g3.levels], hits

@@ -196,12 +196,13 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
     closed = settings.replay == "closed_loop"
     timing = dict(duration_s=settings.duration_s, warmup_s=settings.warmup_s, min_requests=settings.min_requests)
     hits = g3.hits
+    seeds = tuple(range(config.sizing.runs))
     if live_sessions(settings, workload, inputs):
-        levels, live = simulate_sessions(settings, workload, inputs, engine)
+        levels, live = simulate_sessions(settings, workload, inputs, engine, seeds)
         hits = {role: {**live[role], "infinite_cache_bound": g3.hits[role]["infinite_cache_bound"]} for role in live}
         plan.figures["g3_hit_ratio"] = hits
     elif closed:
-        levels = predict_g3(g3.replays, settings.levels, engine, **timing)
+        levels = predict_g3(g3.replays, settings.levels, engine, seeds=seeds, **timing)
     else:
         from workloads.sweep import SweepSettings
 
@@ -236,11 +237,13 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
         figures = level.g3
         judged = dict(valid=figures.valid, invalid_reason=figures.invalid_reason)
         plan.predictions.append(Prediction("g3", "ttft_p50_reduction", figures.ttft_reduction, "%",
-                                           f"G3 TTFT p50 reduction at {name(level)}", basis, at(level),
+                                           f"G3 TTFT p50 reduction at {name(level)}",
+                                           basis + _runs(level.runs, "ttft_reduction"), at(level),
                                            interval=figures.ttft_interval, **judged))
         if throughput and closed:
             plan.predictions.append(Prediction("g3", "throughput_gain", figures.throughput_gain, "%",
-                                               f"G3 throughput gain at {name(level)}", basis, at(level),
+                                               f"G3 throughput gain at {name(level)}",
+                                               basis + _runs(level.runs, "throughput_gain"), at(level),
                                                interval=figures.throughput_interval, **judged))
     if throughput and not closed:
         sustained = ladder.sustained
@@ -248,12 +251,25 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
             "g3", "sustained_rate_gain", sustained.gain, "%",
             f"G3 sustained rate gain (TTFT p90 ≤ {settings.ttft_slo_ms:g} ms, "
             f"{', '.join(f'{m:g}x' for m in settings.levels)})",
-            f"{basis}; sustained {sustained.baseline}x baseline, {sustained.candidate}x candidate", {},
+            f"{basis}; sustained {_multiplier(sustained.baseline)} baseline, {_multiplier(sustained.candidate)} "
+            "candidate", {},
             interval=sustained.interval, valid=sustained.valid, invalid_reason=sustained.invalid_reason))
     if inputs.fleet and hits["candidate"]["pool_share"] is not None:
         plan.predictions.append(Prediction("g3", "cross_node_hit_ratio", hits["candidate"]["pool_share"], "%",
                                            "G3 cross-node hit ratio (the pool's share of the candidate's hit blocks)",
                                            f"fleet replay: {inputs.candidate_nodes} nodes, {inputs.routing}", {}))
+
+
+def _runs(runs, figure: str) -> str:
+    """The spread of a combined figure over its simulated runs (none when there was one run)."""
+    values = [getattr(run, figure) for run in runs if getattr(run, figure) is not None]
+    if len(values) < 2:
+        return ""
+    return f"; {len(runs)} simulated runs: {100 * min(values):+.1f}% to {100 * max(values):+.1f}%"
+
+
+def _multiplier(value: Optional[float]) -> str:
+    return "no multiplier" if value is None else f"{value:g}x"
 
 
 def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optional[Calibration],
@@ -343,7 +359,7 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
         if prediction.gate not in measurements:          # each gate's measurements read once
             measurements[prediction.gate] = store.measurements(prediction.gate)
         measured = _measured(measurements[prediction.gate], prediction)
-        if measured is None:
+        if measured is None or prediction.value is None:
             continue
         if prediction.metric in IN_POINTS:
             error, text = prediction.value - measured, f"{100 * (prediction.value - measured):+.1f} points"

@@ -393,6 +393,7 @@ class LevelPrediction:
     targets: Mapping[str, TargetFigures]
     g3: Optional[LevelFigures] = None
     steps: Mapping[str, dict] = field(default_factory=dict)   # each target's simulated step (g3_step)
+    runs: tuple[LevelFigures, ...] = ()                       # combined from runs with several noise seeds
 
     @property
     def ttft_p50_reduction(self) -> float:
@@ -429,18 +430,51 @@ def level_prediction(level: float, simulated: Mapping[str, list[SimulatedRequest
     return LevelPrediction(level, figures, level_figures(steps["baseline"], steps["candidate"]), steps)
 
 
+def combine(replicas: Sequence[LevelPrediction]) -> LevelPrediction:
+    """One level's prediction from runs simulated with different noise seeds (each a run the machine
+    could give: its turns answered in another order, so other nodes and hits): every figure the median
+    of the runs', each interval from the lowest run's low end to the highest run's high end (it covers
+    the requests' spread within a run and which of these runs happens). One run: itself."""
+    if len(replicas) == 1:
+        return replicas[0]
+    first = replicas[0]
+
+    def median(values):
+        known = [v for v in values if v is not None]
+        return float(np.median(known)) if known else None
+
+    def span(intervals):
+        known = [i for i in intervals if i is not None]
+        return (min(i[0] for i in known), max(i[1] for i in known)) if known else None
+
+    targets = {role: TargetFigures(median([r.targets[role].ttft_p50_s for r in replicas]),
+                                   median([r.targets[role].output_tokens_per_s for r in replicas]),
+                                   int(median([r.targets[role].requests for r in replicas])),
+                                   median([r.targets[role].itl_mean_s for r in replicas]))
+               for role in first.targets}
+    runs = [r.g3 for r in replicas]
+    reasons = "; ".join(sorted({g.invalid_reason for g in runs if g.invalid_reason}))
+    g3 = LevelFigures(median([g.ttft_reduction for g in runs]), span([g.ttft_interval for g in runs]),
+                      median([g.throughput_gain for g in runs]), span([g.throughput_interval for g in runs]),
+                      all(g.valid for g in runs), reasons)
+    return LevelPrediction(first.concurrency, targets, g3, first.steps, tuple(runs))
+
+
 def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engine: EngineModel,
                duration_s: Optional[float] = None, warmup_s: float = 0.0,
-               min_requests: int = 1) -> list[LevelPrediction]:
+               min_requests: int = 1, seeds: Sequence[int] = (0,)) -> list[LevelPrediction]:
     """Per concurrency level, every target's figures, closed loop. `replays` maps a target ("baseline",
     "candidate", and any other) to its replay: requests (one node), a TargetReplay (a fleet), or either
-    per level (hits may differ with the level: a trace's levels each replay their own part)."""
+    per level (hits may differ with the level: a trace's levels each replay their own part). With
+    noise (engine.jitter), one run per seed in `seeds`, combined (`combine`)."""
     _check_roles(replays)
+    seeds = seeds if engine.jitter else seeds[:1]
     predictions = []
     for level in levels:
-        simulated = {role: _replay_at(role, replay, level).simulate(level, engine, duration_s=duration_s)
-                     for role, replay in replays.items()}
-        predictions.append(level_prediction(level, simulated, warmup_s, min_requests))
+        runs = [level_prediction(level, {role: _replay_at(role, replay, level).simulate(
+                    level, engine, duration_s=duration_s, seed=seed) for role, replay in replays.items()},
+                    warmup_s, min_requests) for seed in seeds]
+        predictions.append(combine(runs))
     return predictions
 
 
