@@ -154,6 +154,10 @@ class SessionSource:
     order, hence each request's node and hits, comes from the timing simulation itself: at concurrency
     c the turns answered out of order move sessions in the queue, and round-robin then sends a
     session's next turn to another node, whose pool hits are what carries its reuse there.
+
+    A request's cache operations are all made as it is sent (the engine loads at admission and stores
+    after its prefill, so a request sent meanwhile on another node that needs those blocks would miss
+    them; a session's next turn is sent only after its answer, so G3's own sessions never do).
     """
 
     def __init__(self, workload: Workload, caches: list[CacheSimulator], keys: dict[str, RequestKeys],

@@ -1,10 +1,11 @@
-"""G3 per concurrency level: each target's TTFT p50 and throughput, from per-request service times in a
-closed loop, hence the candidate's TTFT p50 reduction and throughput gain over the baseline.
+"""G3 per level: each target's TTFT p50 and throughput, from per-request service times in a closed loop
+(or an open loop of a trace's arrivals), hence the candidate's TTFT p50 reduction and throughput gain
+over the baseline, judged as G3 judges them.
 
-**The model: a step-level simulation of the engine's own scheduler in a closed loop** (deterministic,
-no random numbers). `c` users each send a request, wait for its last token and send the next one,
-taking requests in the replay's order (as G3's locust users take turns), with nothing between two
-requests but the fixed overhead. One server, the engine, repeats a step::
+**The model: a step-level simulation of the engine's own scheduler** (`simulate`, `simulate_source`).
+`c` users each send a request, wait for its last token and send the next one, taking requests in the
+replay's order (as G3's locust users take turns), with nothing between two requests but the fixed
+overhead. One server, the engine, repeats a step::
 
     step = Σ loads of the requests admitted now        (the cached prefix, read before anything runs)
          + one prefill chunk of the first prefilling request (FIFO; chunks are block-aligned, ≤ 1 block)
@@ -18,13 +19,38 @@ output tokens. TTFT = first token − sent, the fixed overhead (HTTP, tokenizing
 scheduler thread, so it delays the request, not the others) included; at c = 1 that is exactly
 `TimingModel.ttft`, and throughput is outputs / (TTFT + (outputs − 1) · decode(1)).
 
+- **A fleet** (several engines, `nodes[i]` the node of request i, or a `LoadSource` that routes as it
+  sends): each node steps on its own, the next step simulated is the one that starts first, so a
+  request one node answers frees its user for whichever node the next request goes to. Nodes sharing
+  one machine (`one_machine`: kvgate's embedded fleet) each had the machine to itself when their costs
+  were measured, so a step's loads and prefill chunk (the multi-threaded work) take as many times their
+  cost as there are nodes busy when it starts; its decode (small, bound by per-operation overheads on
+  one thread) does not. Calibrated on a run of one node; a fleet on separate machines shares nothing.
+- **Open loop** (`arrivals_s`: a trace at a multiple of its rate): a free user takes the next request
+  and sends it at its arrival, or late when every user was busy (its `client_wait_s`), as locust's
+  users do; `predict_rate_ladder` then judges the ladder as G3 does (`analysis.sustained_rate_gain`).
+- **Noise** (`EngineModel.jitter`, fitted from G3's gaps between tokens: calibration.py): each step's
+  seconds × a lognormal factor of mean 1, drawn per node from a seed. Without it two equal requests
+  on two nodes finish in send order forever; with it they finish either way, as in a run, and a
+  session queued behind the other moves to the other node. The same seed gives the same run.
+
+**Intervals.** A simulated step becomes G3's records (`SimulatedRequest.record`) and G3's own analysis
+(`gates.g3_main.analysis.level_figures`) gives the reduction and the gain with their 95% bootstrap
+intervals over the requests (TTFTs; output tokens per 2-second window), so a figure near its threshold
+comes out INCONCLUSIVE as the measured one would; a step with fewer than `min_requests` in its window
+is invalid as in G3. With noise, each level is simulated once per seed (`sizing.runs`) and `combine`d:
+the median figure, the interval from the lowest run's low end to the highest run's high end. The
+interval covers the spread of the requests within a run and which order of turns a run happens to
+take; it does not cover the machine's minute-to-minute swing (a baseline step measured at a slow
+minute and the candidate's at a fast one), nor the errors of the fitted constants themselves.
+
 Why this and not mean-value analysis or processor sharing: (1) G3 judges a p50 and MVA gives only
 means; (2) the engine is not a product-form station: its step time depends on the mix of phases
 running (a prefill chunk beside a batch of decodes), and prefill is FIFO one chunk per step while
-decode is shared by all, neither FCFS-exponential nor PS; (3) the service demands are deterministic
-and known request by request (hits and misses from the replay), so simulating the discipline itself
-is exact for those costs and takes milliseconds per level. Left out: CPU the write-behind mover and
-the load client take from the engine, and a decode step's growth with context length beyond what
+decode is shared by all, neither FCFS-exponential nor PS; (3) the service demands are known request
+by request (hits and misses from the replay), so simulating the discipline itself is exact for
+those costs and takes milliseconds per level. Left out: CPU the write-behind mover and the load
+client take from the engine, and a decode step's growth with context length beyond what
 `per_sequence_s` absorbs.
 """
 
