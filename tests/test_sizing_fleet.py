@@ -13,8 +13,8 @@ import yaml
 from cache_impl import integrity
 from gates.config import load_config
 from gates.sizing.plan import Prediction, _judged, make_plan
-from gates.sizing.queueing import (DecodeCost, EngineModel, ServedRequest, TargetReplay, predict_g3,
-                                   predict_rate_ladder, simulate)
+from gates.sizing.g3_figures import TargetReplay, predict_g3, predict_rate_ladder
+from gates.sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate
 from gates.sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
 from gates.sizing.targets import EMBEDDED_POOL_BYTES, pool_blocks, target_inputs
 from gates.sizing.timing import RecomputeCurve, TierBandwidths, TimingModel

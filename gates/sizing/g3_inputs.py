@@ -34,7 +34,8 @@ import numpy as np
 from workloads.requests import Workload, WorkloadRequest
 from workloads.routing import Router
 
-from .queueing import EngineModel, ServedRequest, TargetReplay, combine, level_prediction, simulate_source
+from .g3_figures import TargetReplay, combine, level_prediction
+from .queueing import EngineModel, ServedRequest, simulate_source
 from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, replay
 from .sequences import embedded_chat_tokens, load_order, requests_block_keys, word_chat_tokens
 from .targets import TargetInputs

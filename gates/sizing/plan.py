@@ -19,8 +19,8 @@ How the pieces fit (each module's docstring has its formula):
    the run's G1 fio, else the spec sheet (g1's seq_read_gbps threshold); the pool's from
    `sizing.target.pool_gbps`, else pool-bench's loopback figure. G2's disk-hit / recompute ratio and
    cold-read ratio;
-4. queueing.py: G3 per level, a step-level simulation of each engine's scheduler in a closed loop (or
-   the open loop of a trace's arrivals × a multiplier): each target's TTFT p50 and throughput, and the
+4. queueing.py + g3_figures.py: G3 per level, a step-level simulation of each engine's scheduler in a
+   closed loop (or the open loop of a trace's arrivals × a multiplier): each target's TTFT p50 and throughput, and the
    reduction, the gain (or the sustained-rate gain) with G3's own bootstrap intervals, judged by G3's
    rules (INCONCLUSIVE when the interval straddles);
 5. model load and checkpoint seconds: bytes ÷ (fio's GB/s × the measured efficiency).
@@ -40,7 +40,8 @@ from kvcore.settings import parse_size
 from ..verdict import judge
 from .calibration import Calibration
 from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
-from .queueing import DecodeCost, EngineModel, predict_g3, predict_rate_ladder
+from .g3_figures import predict_g3, predict_rate_ladder
+from .queueing import DecodeCost, EngineModel
 from .targets import target_inputs
 from .timing import TierBandwidths, checkpoint_seconds, cold_read_vs_fio, model_load_seconds, predict_g2
 
