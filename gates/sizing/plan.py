@@ -20,9 +20,9 @@ How the pieces fit (each module's docstring has its formula):
    `sizing.target.pool_gbps`, else pool-bench's loopback figure. G2's disk-hit / recompute ratio and
    cold-read ratio;
 4. queueing.py + g3_figures.py: G3 per level, a step-level simulation of each engine's scheduler in a
-   closed loop (or the open loop of a trace's arrivals × a multiplier): each target's TTFT p50 and throughput, and the
-   reduction, the gain (or the sustained-rate gain) with G3's own bootstrap intervals, judged by G3's
-   rules (INCONCLUSIVE when the interval straddles);
+   closed loop (or the open loop of a trace's arrivals × a multiplier): each target's TTFT p50 and
+   throughput, and the reduction, the gain (or the sustained-rate gain) with G3's own bootstrap
+   intervals, judged by G3's rules (INCONCLUSIVE when the interval straddles);
 5. model load and checkpoint seconds: bytes ÷ (fio's GB/s × the measured efficiency).
 
 A figure whose inputs are missing is left out with a note saying what it needs. Torch-free.
