@@ -292,3 +292,19 @@ def test_a_rate_multiplier_plan_predicts_the_sustained_rate_gain(tmp_path):
     assert [p.context for p in reductions] == [{"multiplier": 1}, {"multiplier": 2}]
     assert all(p.interval is not None for p in reductions)
     assert not any(p.metric == "throughput_gain" for p in plan.predictions)   # G3 judges the ladder instead
+
+
+def test_routing_is_g3s_own_router_afresh_for_each_load_run():
+    from gates.sizing.g3_inputs import Segment, route
+    from workloads.datasets import ByteSizer, build_workload
+
+    workload = build_workload(load_config(None, "quick").g3.workload, ByteSizer(), 0)
+    order = Segment(tuple(r for s in workload.sessions for r in s))       # sessions one after another
+    primer, step = route([order, order], 2, "round-robin")
+    assert primer == step == [k % 2 for k in range(len(order.requests))]  # each run's router starts at node 0
+    (affine,) = route([order], 2, "prefix-affinity")
+    by_session = {}
+    for request, node in zip(order.requests, affine):
+        by_session.setdefault(request.session_id, set()).add(node)
+    assert all(len(nodes) == 1 for nodes in by_session.values())            # a conversation stays on its node
+    assert set().union(*by_session.values()) == {0, 1}
