@@ -182,7 +182,22 @@ TEMPLATE += """
 sizing:
   calibration: null               # constants from an earlier run (kvgate plan --calibrate RUN_DIR): predicts
                                   # G2 and G3 before G2 runs; null: from G2's own measurements onward
+  runs: 5                         # G3 runs simulated per level, each its own draw of the machine's step noise
   hit_ratio_points: 0.05          # the model's tolerances (informational, never a gate):
   figure_mape: 0.15               # hit ratios within 5 points, TTFT / throughput within 15%
+  # What the plan needs of an external target (kind: external), which no endpoint tells; for the embedded
+  # one it reads targets.embedded, and a field given here replaces what it reads there.
+  # target:
+  #   model_config: /models/Llama-3.1-70B/config.json   # the KV layout: layers, KV heads, head dim, dtype
+  #   # kv_dtype: fp8                 # the KV cache's dtype when it is not the model's
+  #   # kv_layout: {layers: 80, dtype: bf16, kv_heads: 8, head_dim: 128}   # instead of model_config
+  #   # kv_layout: {layers: 61, dtype: bf16, kv_lora_rank: 512, qk_rope_head_dim: 64}   # MLA (DeepSeek-V3)
+  #   block_size: 16                  # tokens per KV block (vLLM's default 16)
+  #   device_kv_tokens: 500000        # vLLM: "GPU KV cache size: N tokens"; SGLang: max_total_num_tokens
+  #   host_capacity: 256GiB           # the host DRAM tier (an offload connector's CPU buffer)
+  #   disk_capacity: 4TB              # the disk tier
+  #   pool_capacity: 1TiB             # the shared pool under the candidate's nodes (targets.candidate_nodes)
+  #   pool_gbps: 5.0                  # what a node loads from the pool at (default: kvgate pool-bench on loopback)
+  #   max_running: 256                # requests an engine runs at once (vLLM --max-num-seqs)
 """
 TEMPLATE += _claims_section()

@@ -25,7 +25,9 @@ def _imports_torch(code: str, cwd: Path) -> bool:
                                     "workloads.safetensors_dir", "workloads.checkpoint", "workloads.service_load",
                                     "gates.sizing.timing", "gates.sizing.queueing", "gates.sizing.calibration",
                                     "gates.sizing.layout", "gates.sizing.replay", "gates.sizing.sequences",
-                                    "kvcore.predictions", "workloads.live", "gates.fleet", "workloads.tier_hits"])
+                                    "kvcore.predictions", "workloads.live", "gates.fleet", "workloads.tier_hits",
+                                    "gates.sizing.targets", "gates.sizing.g3_inputs", "gates.sizing.g3_figures",
+                                    "gates.sizing.plan"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not _imports_torch(f"import {module}", tmp_path)
 

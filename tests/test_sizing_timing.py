@@ -8,8 +8,8 @@ import json
 import pytest
 
 from gates.sizing.calibration import Calibration, calibrate
-from gates.sizing.queueing import (DecodeCost, EngineModel, ServedRequest, predict_g3, simulate_closed_loop,
-                                   summarize)
+from gates.sizing.g3_figures import predict_g3, summarize
+from gates.sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
 from gates.sizing.timing import (RecomputeCurve, TierBandwidths, TimingModel, checkpoint_seconds, cold_read_vs_fio,
                                  model_load_seconds, predict_g2)
 from kvcore.files import append_jsonl

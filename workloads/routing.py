@@ -36,4 +36,4 @@ class Router:
         if self.routing == "round-robin":
             return next(self._turn) % self.nodes
         opening = json.dumps(list(request.messages[:2]), sort_keys=True)
-        return xxhash.xxh3_64_intdigest(opening) % self.nodes
+        return xxhash.xxh3_64_intdigest(opening.encode()) % self.nodes

@@ -26,7 +26,9 @@ costs `step_s + per_sequence_s·b`; the candidate's measured mean gap between to
 matched by gates/sizing/queueing.py's simulation of that level's recorded requests (their prompts,
 cached tokens and outputs). A simulated gap is decode(b) plus the chunks and loads of that step, so
 each round fits (step_s, per_sequence_s) ≥ 0 to measured − simulated non-decode share against the
-mean batch, then simulates again (a few rounds: the schedule moves little).
+mean batch, then simulates again (a few rounds: the schedule moves little). Then the **step noise**
+(`fit_jitter`): the machine's step-to-step swing, as the spread of each request's gaps between tokens
+beyond what the simulated schedule gives them.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Calibration:
     tier_efficiency: Mapping[str, float] = field(default_factory=dict)
     tier_overhead_s: Mapping[str, float] = field(default_factory=dict)
     decode: Optional[DecodeCost] = None
+    jitter: Optional[float] = None          # the step noise (queueing.EngineModel.jitter), from G3's gaps
     loader_efficiency: Mapping[str, float] = field(default_factory=dict)
     checkpoint_efficiency: Optional[float] = None
     service_start_s: Optional[float] = None
@@ -95,6 +98,7 @@ class Calibration:
                 "tier_overhead_s": dict(self.tier_overhead_s),
                 "decode": None if self.decode is None else {"step_s": self.decode.step_s,
                                                             "per_sequence_s": self.decode.per_sequence_s},
+                "jitter": self.jitter,
                 "loader_efficiency": dict(self.loader_efficiency), "checkpoint_efficiency": self.checkpoint_efficiency,
                 "service_start_s": self.service_start_s, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "notes": list(self.notes)}
@@ -143,6 +147,7 @@ class Calibration:
             raise ConfigError(f"{root}.kv_bytes_per_token: expected an integer >= 1, found {kv_bytes!r}")
         return cls(curve, number("fixed_overhead_s", data.get("fixed_overhead_s")),
                    mapping("tier_efficiency", False, TIERS), mapping("tier_overhead_s", True, TIERS), decode,
+                   number("jitter", data.get("jitter")),
                    mapping("loader_efficiency", False),
                    number("checkpoint_efficiency", data.get("checkpoint_efficiency"), False),
                    number("service_start_s", data.get("service_start_s")), kv_bytes, str(data.get("source", "")),
@@ -244,18 +249,25 @@ def _g3_levels(store: RunStore, target: str, warmup_s: float) -> dict[int, list[
     return {level: records for level, records in levels.items() if records}
 
 
+def _replays(levels: Mapping[int, list[dict]], tier: Optional[str]) -> dict[int, list[ServedRequest]]:
+    """Each level's recorded requests as the simulation takes them (the records give the cached total only)."""
+    return {level: [ServedRequest(int(r["prompt_tokens"]), max(1, int(r["completion_tokens"] or 1)),
+                                  {tier: min(int(r.get("cached_tokens") or 0), int(r["prompt_tokens"]))}
+                                  if tier else {}) for r in records]
+            for level, records in levels.items()}
+
+
 def fit_decode(levels: Mapping[int, list[dict]], timing: TimingModel, max_running: int,
                tier: Optional[str]) -> Optional[DecodeCost]:
     """(step_s, per_sequence_s) matching each level's measured mean gap between tokens (the module's fit)."""
-    measured, replays = {}, {}
+    measured, all_replays = {}, _replays(levels, tier)
+    replays = {}
     for level, records in levels.items():
         gaps = [g for r in records for g in r.get("itl_s") or ()]
         if not gaps:
             continue
         measured[level] = float(np.mean(gaps))
-        replays[level] = [ServedRequest(int(r["prompt_tokens"]), max(1, int(r["completion_tokens"] or 1)),
-                                        {tier: min(int(r.get("cached_tokens") or 0), int(r["prompt_tokens"]))}
-                                        if tier else {}) for r in records]
+        replays[level] = all_replays[level]
     if not measured:
         return None
     decode = DecodeCost()
@@ -275,6 +287,32 @@ def fit_decode(levels: Mapping[int, list[dict]], timing: TimingModel, max_runnin
         step, per_sequence = nonnegative_least_squares(np.array(rows), np.array(target))
         decode = DecodeCost(float(step), float(per_sequence))
     return decode
+
+
+def _gap_spread(gap_lists) -> Optional[float]:
+    """The median over requests (with 3 gaps or more) of their gaps' coefficient of variation."""
+    cvs = [float(np.std(gaps) / np.mean(gaps)) for gaps in gap_lists if len(gaps) >= 3 and np.mean(gaps) > 0]
+    return float(np.median(cvs)) if cvs else None
+
+
+def fit_jitter(levels: Mapping[int, list[dict]], timing: TimingModel, decode: DecodeCost, max_running: int,
+               tier: Optional[str]) -> Optional[float]:
+    """The machine's step noise (EngineModel.jitter): how much more a request's gaps between tokens
+    spread in the run than in the simulation without noise, whose spread is the schedule's own (a
+    decode step that also runs another request's prefill chunk is longer). With m and s the median
+    per-request coefficients of variation, measured and simulated, over every level's requests::
+
+        jitter = √max(0, m² − s²)
+
+    (independent noise adds in variance; a lognormal factor's CV is about its log's σ when small)."""
+    replays = _replays(levels, tier)
+    measured = _gap_spread([r.get("itl_s") or () for records in levels.values() for r in records])
+    engine = EngineModel(timing, decode, max_running)
+    simulated = _gap_spread([r.itl_s for level, replay in replays.items()
+                             for r in simulate_closed_loop(replay, level, engine)])
+    if measured is None or simulated is None:
+        return None
+    return float(np.sqrt(max(0.0, measured ** 2 - simulated ** 2)))
 
 
 # --------------------------------------------------------------------------- the whole run
@@ -343,7 +381,7 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
             notes.append("KV bytes per token unknown (no cold-read rounds): hit rows fitted without their loads")
     curve, fixed, efficiency, overhead, disk_gbps = _ttft_constants(store, kv_bytes_per_token, host_gbps,
                                                                     block_size, notes)
-    decode = None
+    decode = jitter = None
     if curve is None or kv_bytes_per_token is None:
         notes.append("no decode cost: fitting it replays G3's requests, which needs the recompute curve and the "
                      "KV bytes per token")
@@ -352,9 +390,12 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
                              kv_bytes_per_token, block_size, fixed)
         engine = (config.get("targets") or {}).get("embedded") or {}
         levels = _g3_levels(store, decode_target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
-        decode = fit_decode(levels, timing, int(engine.get("max_running", 8)), _TARGET_TIER.get(decode_target))
+        max_running, tier = int(engine.get("max_running", 8)), _TARGET_TIER.get(decode_target)
+        decode = fit_decode(levels, timing, max_running, tier)
         if decode is None:
             notes.append(f"no decode cost: no G3 records of the {decode_target} with gaps between tokens")
+        else:
+            jitter = fit_jitter(levels, timing, decode, max_running, tier)
     loaders, checkpoint, service_start = _storage_constants(store)
-    return Calibration(curve, fixed, efficiency, overhead, decode, loaders, checkpoint, service_start,
+    return Calibration(curve, fixed, efficiency, overhead, decode, jitter, loaders, checkpoint, service_start,
                        kv_bytes_per_token, str(store.root), tuple(notes))

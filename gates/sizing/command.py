@@ -50,14 +50,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from gates.config import load_config
 
     from .calibration import Calibration, calibrate
-    from .layout import KVShape
     from .plan import make_plan, render_text
+    from .targets import target_inputs
 
     config = load_config(args.config, profile=args.profile)
     if args.calibrate is not None:
         store = _run_dir(args.calibrate, "--calibrate")
-        fitted = calibrate(store.root, kv_bytes_per_token=KVShape.from_preset(
-            config.targets.embedded.preset).bytes_per_token)
+        fitted = calibrate(store.root, kv_bytes_per_token=target_inputs(config)[0].shape.bytes_per_token)
         fitted.save(args.out)
         print(f"kvgate plan: wrote {args.out} (constants fitted to {args.calibrate})"
               + "".join(f"\n  note: {note}" for note in fitted.notes))

@@ -44,7 +44,8 @@ def final_sizing(store: RunStore, plan: Optional[Plan], tolerances=None) -> dict
     stored = [r for r in store.predictions() if r.get("stage") == f"before {r.get('gate')}"]
     before = Plan(predictions=[Prediction(r["gate"], r["metric"], r["value"], r.get("unit", ""), r["label"],
                                           r.get("basis", ""), dict(r.get("context") or {}), r.get("status", ""),
-                                          r.get("reason", "")) for r in stored])
+                                          r.get("reason", ""), tuple(r["interval"]) if r.get("interval") else None,
+                                          r.get("valid", True), r.get("invalid_reason", "")) for r in stored])
     compare(before, store, tolerances)
     return {"comparison": before.comparison, "accuracy": before.accuracy,
             "notes": list(plan.notes) if plan is not None else []}

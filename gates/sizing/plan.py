@@ -3,18 +3,26 @@ each with the verdict it would get.
 
 How the pieces fit (each module's docstring has its formula):
 
-1. layout.py: KV bytes per token and per block of the model under test, and how many tokens each
-   tier holds (device blocks; host and disk bytes ÷ block bytes);
-2. sequences.py + replay.py: G3's workload as block keys (its prompts through the embedded chat
-   template, 256-token blocks), primed as G3 primes it (every session's first turn), then one pass,
-   replayed through the candidate's tiers and through the baseline's device tier alone, with the
-   cache's own placement rules: hits per tier, request by request, and the infinite-cache bound;
+1. targets.py + layout.py: the targets as the plan models them: KV bytes per token and per block of
+   the model under test (the embedded preset, or `sizing.target`'s config.json or explicit layout for
+   an external engine), each tier's blocks (device; host and disk bytes ÷ block bytes; the pool's
+   bytes ÷ its values'), the nodes of each fleet and their routing;
+2. sequences.py + replay.py + g3_inputs.py: G3's workload as block keys (its prompts through the
+   embedded chat template, or the word sizer's tokens for an external engine), primed as G3 primes it,
+   each request routed by G3's own Router and served by its node's caches (a fleet's nodes share one
+   pool) with the cache's own placement rules: hits per tier, request by request, and the
+   infinite-cache bound; interleaved sessions live inside the simulation of 4 (the order turns are
+   answered in decides the next turn's node), a trace or sequential sessions replayed beforehand;
 3. timing.py: TTFT of each request from its hits (fixed overhead + bytes ÷ each tier's GB/s + the
-   recompute curve over the uncached tail); the curve, overheads and tier efficiencies come from a
-   calibration (a run's G2, `calibration.py`); the disk's raw GB/s from the run's G1 fio, else the
-   spec sheet (g1's seq_read_gbps threshold). G2's disk-hit / recompute ratio and cold-read ratio;
-4. queueing.py: G3 per level, a step-level simulation of the engine's scheduler in a closed loop:
-   each target's TTFT p50 and throughput, hence the reduction and the gain;
+   recompute curve over the uncached tail); the curve, overheads, tier efficiencies, decode cost and
+   step noise come from a calibration (a run's G2 and G3, `calibration.py`); the disk's raw GB/s from
+   the run's G1 fio, else the spec sheet (g1's seq_read_gbps threshold); the pool's from
+   `sizing.target.pool_gbps`, else pool-bench's loopback figure. G2's disk-hit / recompute ratio and
+   cold-read ratio;
+4. queueing.py + g3_figures.py: G3 per level, a step-level simulation of each engine's scheduler in a
+   closed loop (or the open loop of a trace's arrivals × a multiplier): each target's TTFT p50 and
+   throughput, and the reduction, the gain (or the sustained-rate gain) with G3's own bootstrap
+   intervals, judged by G3's rules (INCONCLUSIVE when the interval straddles);
 5. model load and checkpoint seconds: bytes ÷ (fio's GB/s × the measured efficiency).
 
 A figure whose inputs are missing is left out with a note saying what it needs. Torch-free.
@@ -32,14 +40,11 @@ from kvcore.settings import parse_size
 
 from ..verdict import judge
 from .calibration import Calibration
-from .layout import KVShape
-from .queueing import DecodeCost, EngineModel, ServedRequest, predict_g3
-from .replay import TierCapacity, replay, tier_capacities
-from .sequences import embedded_chat_tokens, load_order, workload_block_keys
+from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
+from .g3_figures import predict_g3, predict_rate_ladder
+from .queueing import DecodeCost, EngineModel
+from .targets import target_inputs
 from .timing import TierBandwidths, checkpoint_seconds, cold_read_vs_fio, model_load_seconds, predict_g2
-
-BLOCK_TOKENS = 256
-
 
 @dataclass(frozen=True)
 class Prediction:
@@ -54,11 +59,15 @@ class Prediction:
     context: dict = field(default_factory=dict)
     status: str = ""            # PASS / FAIL / INCONCLUSIVE by the gate's rule ("" when the gate judges none)
     reason: str = ""
+    interval: Optional[tuple[float, float]] = None   # 95% bootstrap interval over the simulated requests
+    valid: bool = True          # False: the simulated step would be invalid in G3 (too few requests)
+    invalid_reason: str = ""
 
     def to_dict(self) -> dict:
         return {"gate": self.gate, "metric": self.metric, "value": self.value, "unit": self.unit,
                 "label": self.label, "basis": self.basis, "context": dict(self.context), "status": self.status,
-                "reason": self.reason}
+                "reason": self.reason, "interval": None if self.interval is None else list(self.interval),
+                "valid": self.valid, "invalid_reason": self.invalid_reason}
 
 
 @dataclass
@@ -87,7 +96,8 @@ def _judged(config, prediction: Prediction) -> Prediction:
     if rule is None:
         return prediction
     verdict = judge(prediction.gate, "plan", f"predicted {prediction.label}", prediction.value, rule,
-                    unit=prediction.unit, context=prediction.context)
+                    unit=prediction.unit, context=prediction.context, interval=prediction.interval,
+                    valid=prediction.valid, invalid_reason=prediction.invalid_reason)
     return replace(prediction, status=verdict.status, reason=verdict.reason)
 
 
@@ -96,61 +106,28 @@ def _spec_disk_gbps(config) -> Optional[float]:
     return getattr(rule, "value", None)
 
 
-def _capacities(config, block_nbytes: int) -> dict[str, list[TierCapacity]]:
-    """The candidate's tiers (tiered: device, host, disk) and the baseline's (device-only)."""
-    from cache_impl.config import CacheConfig
-
-    embedded = config.targets.embedded
-    cache = CacheConfig.from_dict({"device_capacity_blocks": embedded.device_capacity_blocks,
-                                   "host_capacity_bytes": embedded.host_capacity,
-                                   "disk": {"path": "unused", "capacity_bytes": embedded.disk_capacity}})
-    return {"candidate": tier_capacities(cache, block_nbytes),
-            "baseline": [TierCapacity("device", embedded.device_capacity_blocks)]}
-
-
-def _g3_requests(config, capacities: dict[str, list[TierCapacity]], seed: int = 0):
-    """Each target's requests with their hits per tier: G3's primer (first turns), then one pass."""
-    from workloads.datasets import ByteSizer, build_workload
-    from workloads.sweep import primer
-
-    workload = build_workload(config.g3.workload, ByteSizer(), seed)
-    primed = primer(workload) if config.g3.prime else None
-    warm = workload_block_keys(primed) if primed is not None else []
-    keys = workload_block_keys(workload)
-    order = load_order(workload)
-    served, hits = {}, {}
-    for role, tiers in capacities.items():
-        result = replay(warm + keys, tiers, warmup=len(warm))
-        hits[role] = {"per_tier": result.hit_ratio, "overall": result.overall_hit_ratio,
-                      "infinite_cache_bound": result.infinite_cache_bound}
-        served[role] = [ServedRequest(len(embedded_chat_tokens(request)), request.max_tokens,
-                                      {tier: blocks * BLOCK_TOKENS for tier, blocks in zip(result.tiers, row) if blocks})
-                        for request, row in zip(order, result.hits[len(warm):])]
-    return served, hits
-
-
 def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
               tolerances=None, in_run: bool = False) -> Plan:
     """The plan for `config` (a GatesConfig); `store`: a run whose G1/G2 figures refine it; `calibration`:
     fitted constants (default: fitted from `store` when given); `in_run`: made by `kvgate run` before a
     gate (its figures are compared later, so no comparison now)."""
     plan = Plan()
-    embedded = config.targets.embedded
-    shape = KVShape.from_preset(embedded.preset)
-    block_nbytes = shape.bytes_per_block(BLOCK_TOKENS)
-    capacities = _capacities(config, block_nbytes)
+    inputs, notes = target_inputs(config)
+    plan.notes.extend(notes)
+    shape = inputs.shape
+    capacities = inputs.capacities()
     plan.figures["layout"] = {"source": shape.source, "bytes_per_token": shape.bytes_per_token,
-                              "bytes_per_block": block_nbytes}
-    plan.figures["tiers"] = {role: {t.name: None if t.blocks is None else t.blocks * BLOCK_TOKENS for t in tiers}
-                             for role, tiers in capacities.items()}
-    if config.targets.kind != "embedded":
-        plan.notes.append("targets.kind is external: the layout and capacities are the embedded preset's "
-                          f"({embedded.preset}); the external engine's are not read yet")
-    served, hits = _g3_requests(config, capacities)
-    plan.figures["g3_hit_ratio"] = hits
+                              "bytes_per_block": inputs.block_nbytes, "block_tokens": inputs.block_tokens}
+    plan.figures["tiers"] = {role: {t.name: None if t.blocks is None else t.blocks * inputs.block_tokens
+                                    for t in tiers} for role, tiers in capacities.items()}
+    plan.figures["fleet"] = {"candidate_nodes": inputs.candidate_nodes, "baseline_nodes": inputs.baseline_nodes,
+                             "routing": inputs.routing, "pool": inputs.pool}
+    workload = _g3_workload(config, inputs)
+    g3 = g3_replays(config.g3, workload, inputs)
+    plan.figures["g3_hit_ratio"] = g3.hits
 
-    tiers = TierBandwidths.from_run(store, disk_gbps=_spec_disk_gbps(config)) if store is not None else \
-        TierBandwidths(disk_gbps=_spec_disk_gbps(config))
+    tiers = TierBandwidths.from_run(store, disk_gbps=_spec_disk_gbps(config), remote_gbps=inputs.pool_gbps) \
+        if store is not None else TierBandwidths(disk_gbps=_spec_disk_gbps(config), remote_gbps=inputs.pool_gbps)
     plan.figures["disk_gbps"] = {"value": tiers.disk_gbps,
                                  "source": "G1 fio seq_read_gbps" if store is not None and store.latest(
                                      "g1", "seq_read_gbps") else "the spec sheet (g1 seq_read_gbps threshold)"}
@@ -165,16 +142,18 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
                           "calibration file (--calibration FILE)")
     else:
         tiers = calibration.tiers(tiers)
-        timing = calibration.timing_model(tiers, shape.bytes_per_token, BLOCK_TOKENS)
+        timing = calibration.timing_model(tiers, shape.bytes_per_token, inputs.block_tokens)
         _g2(plan, config, timing, tiers)
         decode = calibration.decode
         if decode is None:
-            decode = decode_from_curve(timing.curve, served["candidate"])
+            first = next(iter(g3.replays["candidate"].values()))
+            decode = decode_from_curve(timing.curve, first.requests)
             plan.notes.append(f"G3's decode cost is estimated from G2's recompute curve ({decode.per_sequence_s * 1e3:.2f} ms "
                               "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
                               "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
                               "prefill, which the curve does measure); a calibration from an earlier G3 gives both")
-        _g3(plan, config, served, EngineModel(timing, decode, embedded.max_running), hits,
+        _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0),
+            inputs,
             throughput=calibration.decode is not None)
     _storage(plan, config, store, calibration, tiers)
     plan.predictions = [_judged(config, p) for p in plan.predictions]
@@ -186,6 +165,14 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
                               "the hit ratios owe it nothing. For an out-of-sample check: --calibration FILE from "
                               "another run")
     return plan
+
+
+def _g3_workload(config, inputs, seed: int = 0):
+    """G3's workload built as G3 builds it for the target (the byte sizer for kvgate's engine, the word
+    sizer for others)."""
+    from workloads.datasets import build_workload, sizer_for
+
+    return build_workload(config.g3.workload, sizer_for("kvgate-byte-v1" if inputs.embedded else None), seed)
 
 
 def decode_from_curve(curve, requests) -> DecodeCost:
@@ -211,36 +198,88 @@ def _g2(plan: Plan, config, timing, tiers: TierBandwidths) -> None:
             "the disk tier's efficiency (calibrated, else 1)"))
 
 
-def _g3(plan: Plan, config, served: dict, engine: EngineModel, hits: dict, throughput: bool = True) -> None:
-    if config.g3.replay != "closed_loop":
-        plan.notes.append("no G3 figures: replay rate_multipliers is not modelled yet (closed_loop only)")
-        return
-    levels = predict_g3(served, config.g3.levels, engine, duration_s=config.g3.duration_s,
-                        warmup_s=config.g3.warmup_s)
+def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs, throughput: bool = True) -> None:
+    """G3's figures per level, each judged figure with G3's own interval over the simulated requests:
+    interleaved sessions live (their order, nodes and hits from the simulation, g3_inputs.SessionSource),
+    a trace or sequential sessions from the replay made beforehand."""
+    settings = config.g3
+    closed = settings.replay == "closed_loop"
+    timing = dict(duration_s=settings.duration_s, warmup_s=settings.warmup_s, min_requests=settings.min_requests)
+    hits = g3.hits
+    seeds = tuple(range(config.sizing.runs))
+    if live_sessions(settings, workload, inputs):
+        levels, live = simulate_sessions(settings, workload, inputs, engine, seeds)
+        hits = {role: {**live[role], "infinite_cache_bound": g3.hits[role]["infinite_cache_bound"]} for role in live}
+        plan.figures["g3_hit_ratio"] = hits
+    elif closed:
+        levels = predict_g3(g3.replays, settings.levels, engine, seeds=seeds, **timing)
+    else:
+        from workloads.sweep import SweepSettings
+
+        ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, SweepSettings().rate_users,
+                                     settings.ttft_slo_ms / 1e3, **timing)
+        levels = ladder.levels
+    fleet = (f"; {inputs.candidate_nodes} candidate nodes ({inputs.routing}, pool {inputs.pool}) and "
+             f"{inputs.baseline_nodes} baseline node(s)") if inputs.fleet else ""
     basis = (f"replayed hit ratio {100 * hits['candidate']['overall']:.1f}% candidate / "
-             f"{100 * hits['baseline']['overall']:.1f}% baseline; closed-loop step simulation")
+             f"{100 * hits['baseline']['overall']:.1f}% baseline; "
+             f"{'closed-loop' if closed else 'open-loop'} step simulation{fleet}")
+    at = (lambda level: {"concurrency": level.concurrency}) if closed else (
+        lambda level: {"multiplier": level.concurrency})
+    name = (lambda level: f"c={level.concurrency}") if closed else (
+        lambda level: f"{level.concurrency:g}x the trace's rate")
     for role in ("baseline", "candidate"):
         for level in levels:
-            plan.predictions.append(Prediction("g3", "hit_ratio", hits[role]["overall"], "%",
-                                               f"G3 hit ratio of the {role} at c={level.concurrency}",
+            plan.predictions.append(Prediction("g3", "hit_ratio", hits[role]["per_level"][level.concurrency], "%",
+                                               f"G3 hit ratio of the {role} at {name(level)}",
                                                "replay of the primed workload through its tiers",
-                                               {"target": role, "concurrency": level.concurrency}))
+                                               {"target": role, **at(level)}))
     for level in levels:
         for role, figures in level.targets.items():
-            at = {"target": role, "concurrency": level.concurrency}
+            context = {"target": role, **at(level)}
             plan.predictions.append(Prediction("g3", "ttft_p50_ms", figures.ttft_p50_s * 1e3, "ms",
-                                               f"G3 TTFT p50 of the {role} at c={level.concurrency}", basis, at))
+                                               f"G3 TTFT p50 of the {role} at {name(level)}", basis, context))
             if throughput:
                 plan.predictions.append(Prediction("g3", "output_tokens_per_s", figures.output_tokens_per_s,
-                                                   "tokens/s", f"G3 throughput of the {role} at c={level.concurrency}",
-                                                   basis, at))
+                                                   "tokens/s", f"G3 throughput of the {role} at {name(level)}",
+                                                   basis, context))
     for level in levels:
-        context = {"concurrency": level.concurrency}
-        plan.predictions.append(Prediction("g3", "ttft_p50_reduction", level.ttft_p50_reduction, "%",
-                                           f"G3 TTFT p50 reduction at c={level.concurrency}", basis, context))
-        if throughput:
-            plan.predictions.append(Prediction("g3", "throughput_gain", level.throughput_gain, "%",
-                                               f"G3 throughput gain at c={level.concurrency}", basis, context))
+        figures = level.g3
+        judged = dict(valid=figures.valid, invalid_reason=figures.invalid_reason)
+        plan.predictions.append(Prediction("g3", "ttft_p50_reduction", figures.ttft_reduction, "%",
+                                           f"G3 TTFT p50 reduction at {name(level)}",
+                                           basis + _runs(level.runs, "ttft_reduction"), at(level),
+                                           interval=figures.ttft_interval, **judged))
+        if throughput and closed:
+            plan.predictions.append(Prediction("g3", "throughput_gain", figures.throughput_gain, "%",
+                                               f"G3 throughput gain at {name(level)}",
+                                               basis + _runs(level.runs, "throughput_gain"), at(level),
+                                               interval=figures.throughput_interval, **judged))
+    if throughput and not closed:
+        sustained = ladder.sustained
+        plan.predictions.append(Prediction(
+            "g3", "sustained_rate_gain", sustained.gain, "%",
+            f"G3 sustained rate gain (TTFT p90 ≤ {settings.ttft_slo_ms:g} ms, "
+            f"{', '.join(f'{m:g}x' for m in settings.levels)})",
+            f"{basis}; sustained {_multiplier(sustained.baseline)} baseline, {_multiplier(sustained.candidate)} "
+            "candidate", {},
+            interval=sustained.interval, valid=sustained.valid, invalid_reason=sustained.invalid_reason))
+    if inputs.fleet and hits["candidate"]["pool_share"] is not None:
+        plan.predictions.append(Prediction("g3", "cross_node_hit_ratio", hits["candidate"]["pool_share"], "%",
+                                           "G3 cross-node hit ratio (the pool's share of the candidate's hit blocks)",
+                                           f"fleet replay: {inputs.candidate_nodes} nodes, {inputs.routing}", {}))
+
+
+def _runs(runs, figure: str) -> str:
+    """The spread of a combined figure over its simulated runs (none when there was one run)."""
+    values = [getattr(run, figure) for run in runs if getattr(run, figure) is not None]
+    if len(values) < 2:
+        return ""
+    return f"; {len(runs)} simulated runs: {100 * min(values):+.1f}% to {100 * max(values):+.1f}%"
+
+
+def _multiplier(value: Optional[float]) -> str:
+    return "no multiplier" if value is None else f"{value:g}x"
 
 
 def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optional[Calibration],
@@ -268,15 +307,20 @@ def render_text(plan: Plan) -> str:
     lines = ["kvgate plan"]
     layout = plan.figures["layout"]
     lines.append(f"  KV layout {layout['source']}: {layout['bytes_per_token']:,} B per token, "
-                 f"{layout['bytes_per_block']:,} B per {BLOCK_TOKENS}-token block")
+                 f"{layout['bytes_per_block']:,} B per {layout['block_tokens']}-token block")
+    fleet = plan.figures.get("fleet") or {}
+    if fleet.get("candidate_nodes", 1) > 1:
+        lines.append(f"  fleet: {fleet['candidate_nodes']} candidate nodes on pool {fleet['pool']}, "
+                     f"{fleet['baseline_nodes']} baseline node(s), routing {fleet['routing']}")
     for role, tiers in plan.figures["tiers"].items():
         held = ", ".join(f"{name} {tokens:,}" if tokens is not None else f"{name} unbounded"
                          for name, tokens in tiers.items())
         lines.append(f"  {role} holds (tokens): {held}")
     for role, hit in plan.figures["g3_hit_ratio"].items():
         per_tier = ", ".join(f"{tier} {100 * ratio:.1f}%" for tier, ratio in hit["per_tier"].items())
+        pool = "" if hit.get("pool_share") is None else f"; the pool's share of hits {100 * hit['pool_share']:.1f}%"
         lines.append(f"  G3 workload, {role}: hit ratio {100 * hit['overall']:.1f}% ({per_tier}); "
-                     f"infinite cache {100 * hit['infinite_cache_bound']:.1f}%")
+                     f"infinite cache {100 * hit['infinite_cache_bound']:.1f}%{pool}")
     for prediction in plan.predictions:
         lines.append(f"  {prediction.status or 'figure':<12} {prediction.reason or prediction.label}  "
                      f"[{prediction.basis}]")
@@ -320,7 +364,7 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
         if prediction.gate not in measurements:          # each gate's measurements read once
             measurements[prediction.gate] = store.measurements(prediction.gate)
         measured = _measured(measurements[prediction.gate], prediction)
-        if measured is None:
+        if measured is None or prediction.value is None:
             continue
         error, text = prediction_error(prediction.metric, prediction.value, measured)
         rows.append({"gate": prediction.gate, "metric": prediction.metric, "label": prediction.label,

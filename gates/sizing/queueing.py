@@ -1,10 +1,11 @@
-"""G3 per concurrency level: each target's TTFT p50 and throughput, from per-request service times in a
-closed loop, hence the candidate's TTFT p50 reduction and throughput gain over the baseline.
+"""G3 per level: each target's TTFT p50 and throughput, from per-request service times in a closed loop
+(or an open loop of a trace's arrivals), hence the candidate's TTFT p50 reduction and throughput gain
+over the baseline (gates/sizing/g3_figures.py judges them as G3 does).
 
-**The model: a step-level simulation of the engine's own scheduler in a closed loop** (deterministic,
-no random numbers). `c` users each send a request, wait for its last token and send the next one,
-taking requests in the replay's order (as G3's locust users take turns), with nothing between two
-requests but the fixed overhead. One server, the engine, repeats a step::
+**The model: a step-level simulation of the engine's own scheduler** (`simulate`, `simulate_source`).
+`c` users each send a request, wait for its last token and send the next one, taking requests in the
+replay's order (as G3's locust users take turns), with nothing between two requests but the fixed
+overhead. One server, the engine, repeats a step::
 
     step = Σ loads of the requests admitted now        (the cached prefix, read before anything runs)
          + one prefill chunk of the first prefilling request (FIFO; chunks are block-aligned, ≤ 1 block)
@@ -18,13 +19,30 @@ output tokens. TTFT = first token − sent, the fixed overhead (HTTP, tokenizing
 scheduler thread, so it delays the request, not the others) included; at c = 1 that is exactly
 `TimingModel.ttft`, and throughput is outputs / (TTFT + (outputs − 1) · decode(1)).
 
+- **A fleet** (several engines, `nodes[i]` the node of request i, or a `LoadSource` that routes as it
+  sends): each node steps on its own, the next step simulated is the one that starts first, so a
+  request one node answers frees its user for whichever node the next request goes to. Nodes sharing
+  one machine (`one_machine`: kvgate's embedded fleet) each had the machine to itself when their costs
+  were measured, so a step's loads and prefill chunk (the multi-threaded work) take as many times their
+  cost as there are nodes busy when it starts; its decode (small, bound by per-operation overheads on
+  one thread) does not. Calibrated on a run of one node; a fleet on separate machines shares nothing.
+- **Open loop** (`arrivals_s`: a trace at a multiple of its rate): a free user takes the next request
+  and sends it at its arrival, or late when every user was busy (its `client_wait_s`), as locust's
+  users do; `predict_rate_ladder` then judges the ladder as G3 does (`analysis.sustained_rate_gain`).
+- **Noise** (`EngineModel.jitter`, fitted from G3's gaps between tokens: calibration.py): each step's
+  seconds × a lognormal factor of mean 1, drawn per node from a seed. Without it two equal requests
+  on two nodes finish in send order forever; with it they finish either way, as in a run, and a
+  session queued behind the other moves to the other node. The same seed gives the same run.
+
+G3's figures from the simulated runs, with G3's own intervals: gates/sizing/g3_figures.py.
+
 Why this and not mean-value analysis or processor sharing: (1) G3 judges a p50 and MVA gives only
 means; (2) the engine is not a product-form station: its step time depends on the mix of phases
 running (a prefill chunk beside a batch of decodes), and prefill is FIFO one chunk per step while
-decode is shared by all, neither FCFS-exponential nor PS; (3) the service demands are deterministic
-and known request by request (hits and misses from the replay), so simulating the discipline itself
-is exact for those costs and takes milliseconds per level. Left out: CPU the write-behind mover and
-the load client take from the engine, and a decode step's growth with context length beyond what
+decode is shared by all, neither FCFS-exponential nor PS; (3) the service demands are known request
+by request (hits and misses from the replay), so simulating the discipline itself is exact for
+those costs and takes milliseconds per level. Left out: CPU the write-behind mover and the load
+client take from the engine, and a decode step's growth with context length beyond what
 `per_sequence_s` absorbs.
 """
 
@@ -34,7 +52,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -75,14 +93,18 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class EngineModel:
-    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit."""
+    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit, and
+    the machine's step-to-step noise (`jitter`: each step's seconds × a lognormal factor of mean 1 whose
+    log has this standard deviation; 0: none)."""
 
     timing: TimingModel
     decode: DecodeCost
     max_running: int = 8
+    jitter: float = 0.0
 
     def __post_init__(self) -> None:
         check_tokens("max_running", self.max_running, 1)
+        check_number("jitter", self.jitter, allow_zero=True)
 
     def chunks(self, prompt: int, cached: int) -> list[float]:
         """Seconds of each prefill step of a prompt with `cached` tokens loaded: block-aligned chunks
@@ -116,10 +138,18 @@ class SimulatedRequest:
     output_tokens: int
     itl_s: tuple[float, ...]        # gaps between its tokens
     itl_batch: tuple[int, ...]      # the decode batch of the step that ended each gap
+    node: int = 0                   # the fleet's node that served it
+    client_wait_s: float = 0.0      # open loop: how late it was sent after its arrival (every user busy)
 
     @property
     def ttft_s(self) -> float:
         return self.first_token_s - self.sent_s
+
+    def record(self) -> dict:
+        """As G3's records have it (workloads/client.py), for G3's own analysis (gates/g3_main/analysis.py)."""
+        return {"ok": True, "sent_at": self.sent_s, "ttft_s": self.ttft_s, "e2e_s": self.done_s - self.sent_s,
+                "completion_tokens": self.output_tokens, "itl_s": list(self.itl_s),
+                "client_wait_s": self.client_wait_s, "node": self.node}
 
 
 @dataclass
@@ -134,58 +164,55 @@ class _Active:
     last_token: float = 0.0
     itl: list = field(default_factory=list)
     batch: list = field(default_factory=list)
+    node: int = 0
+    client_wait: float = 0.0
 
 
-def simulate_closed_loop(requests: Sequence[ServedRequest], concurrency: int, engine: EngineModel,
-                         duration_s: Optional[float] = None) -> list[SimulatedRequest]:
-    """Every request's timeline, `concurrency` users in a closed loop (the module's model). Without a
-    duration the replay is sent once; with one, users send until `duration_s` (the replay cycling, as
-    G3's users cycle a workload that a run outlasts) and the requests in flight then finish."""
-    check_tokens("concurrency", concurrency, 1)
-    if not requests:
-        raise ConfigError("requests: expected at least one request to replay, found none")
-    for i, r in enumerate(requests):
-        check_tokens(f"requests[{i}].output_tokens", r.output_tokens, 1)
-        engine.timing.checked(r.prompt_tokens, r.cached)
-    order = itertools.cycle(enumerate(requests)) if duration_s is not None else iter(enumerate(requests))
-    overhead, arrivals, counter = engine.timing.overhead, [], itertools.count()
+class _Node:
+    """One engine's scheduler: requests arriving, waiting (FIFO), running; its clock is the end of its last step."""
 
-    def send(now: float) -> None:
-        if duration_s is not None and now >= duration_s:
-            return
-        nxt = next(order, None)
-        if nxt is None:
-            return
-        index, request = nxt
-        active = _Active(index, request, now, engine.timing.load_seconds(request.cached),
-                         deque(engine.chunks(request.prompt_tokens, sum(request.cached.values()))))
-        heapq.heappush(arrivals, (now + overhead, next(counter), active))
+    def __init__(self, engine: EngineModel, rng: Optional[np.random.Generator] = None) -> None:
+        self.engine, self.t, self.rng = engine, 0.0, rng
+        self.arrivals: list = []            # (arrival s, order, _Active), a heap
+        self.waiting: deque = deque()
+        self.running: list[_Active] = []
 
-    for _ in range(concurrency):
-        send(0.0)
-    t, waiting, running, done = 0.0, deque(), [], []
-    while arrivals or waiting or running:
-        while arrivals and arrivals[0][0] <= t:
-            waiting.append(heapq.heappop(arrivals)[2])
-        if not waiting and not running:
-            t = arrivals[0][0]
-            continue
-        step, finished = 0.0, []
-        while waiting and len(running) < engine.max_running:
-            admitted = waiting.popleft()
-            step += admitted.load
-            running.append(admitted)
-        prefilling = next((a for a in running if a.chunks), None)
+    def next_start(self) -> Optional[float]:
+        """When its next step starts (None: nothing to do and nothing coming)."""
+        if self.waiting or self.running:
+            return self.t
+        return max(self.t, self.arrivals[0][0]) if self.arrivals else None
+
+    def busy_at(self, t: float) -> bool:
+        """Something to run at time t (a request running, waiting, or arrived)."""
+        return bool(self.waiting or self.running or (self.arrivals and self.arrivals[0][0] <= t))
+
+    def step(self, sharing: float = 1.0) -> list[tuple[_Active, float]]:
+        """Run one step (the module's formula) from `next_start()`, its seconds × `sharing` (nodes sharing
+        one machine's cores); the requests it finished, with when."""
+        self.t = self.next_start()
+        engine = self.engine
+        while self.arrivals and self.arrivals[0][0] <= self.t:
+            self.waiting.append(heapq.heappop(self.arrivals)[2])
+        t, step, finished = self.t, 0.0, []
+        noise = 1.0
+        if engine.jitter and self.rng is not None:
+            noise = float(np.exp(engine.jitter * self.rng.standard_normal() - engine.jitter ** 2 / 2))
+        while self.waiting and len(self.running) < engine.max_running:
+            admitted = self.waiting.popleft()
+            step += noise * sharing * admitted.load
+            self.running.append(admitted)
+        prefilling = next((a for a in self.running if a.chunks), None)
         if prefilling is not None:
-            step += prefilling.chunks.popleft()
+            step += noise * sharing * prefilling.chunks.popleft()
             if not prefilling.chunks:
                 prefilling.generated, prefilling.first_token = 1, t + step
                 prefilling.last_token = prefilling.first_token
                 if prefilling.generated >= prefilling.request.output_tokens:
                     finished.append((prefilling, t + step))
-        batch = [a for a in running if not a.chunks and a.generated < a.request.output_tokens]
+        batch = [a for a in self.running if not a.chunks and a.generated < a.request.output_tokens]
         if batch:
-            step += engine.decode.seconds(len(batch))
+            step += noise * engine.decode.seconds(len(batch))
             for a in batch:
                 a.generated += 1
                 a.itl.append(t + step - a.last_token)
@@ -193,73 +220,135 @@ def simulate_closed_loop(requests: Sequence[ServedRequest], concurrency: int, en
                 a.last_token = t + step
                 if a.generated >= a.request.output_tokens:
                     finished.append((a, t + step))
-        t += step
-        for a, at in finished:
-            running.remove(a)
+        self.t = t + step
+        for a, _ in finished:
+            self.running.remove(a)
+        return finished
+
+
+def _checked_replay(requests: Sequence[ServedRequest], engines: Sequence[EngineModel],
+                    nodes: Optional[Sequence[int]]) -> list[int]:
+    if not requests:
+        raise ConfigError("requests: expected at least one request to replay, found none")
+    nodes = [0] * len(requests) if nodes is None else list(nodes)
+    if len(nodes) != len(requests):
+        raise ConfigError(f"nodes: expected a node per request ({len(requests)}), found {len(nodes)}")
+    for i, (r, node) in enumerate(zip(requests, nodes)):
+        check_tokens(f"requests[{i}].output_tokens", r.output_tokens, 1)
+        if type(node) is not int or not 0 <= node < len(engines):
+            raise ConfigError(f"nodes[{i}]: expected a node index in 0..{len(engines) - 1}, found {node!r}")
+        engines[node].timing.checked(r.prompt_tokens, r.cached)
+    return nodes
+
+
+class LoadSource(Protocol):
+    """What the load users send, asked as they send it (a replay fixed beforehand, or live sessions)."""
+
+    def take(self) -> Optional[int]:
+        """The next request a free user sends (an index), or None when none is ready (the user waits)."""
+
+    def serve(self, index: int) -> tuple[ServedRequest, int, Optional[float]]:
+        """The request as it is served now: its cached tokens per tier, its node, its arrival (open loop)."""
+
+    def answered(self, index: int) -> None:
+        """Its last token came back."""
+
+
+class ReplaySource:
+    """Requests in order, each with its hits known beforehand (a replay), cycled when `cycle`."""
+
+    def __init__(self, requests: Sequence[ServedRequest], nodes: Sequence[int], cycle: bool = False,
+                 arrivals_s: Optional[Sequence[float]] = None) -> None:
+        self.requests, self.nodes, self.arrivals_s = requests, nodes, arrivals_s
+        self._order = itertools.cycle(range(len(requests))) if cycle else iter(range(len(requests)))
+
+    def take(self) -> Optional[int]:
+        return next(self._order, None)
+
+    def serve(self, index: int) -> tuple[ServedRequest, int, Optional[float]]:
+        arrival = None if self.arrivals_s is None else float(self.arrivals_s[index])
+        return self.requests[index], self.nodes[index], arrival
+
+    def answered(self, index: int) -> None:
+        return None
+
+
+def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel | Sequence[EngineModel], *,
+             duration_s: Optional[float] = None, arrivals_s: Optional[Sequence[float]] = None,
+             nodes: Optional[Sequence[int]] = None, seed: int = 0) -> list[SimulatedRequest]:
+    """Every request's timeline: `users` load users sending `requests` in order to one engine, or to a
+    fleet (`engines`, one per node; `nodes[i]`: the node request i is routed to), each engine stepping
+    on its own (the module's model).
+
+    Closed loop (no `arrivals_s`): a user sends its next request as soon as its previous one is answered.
+    Open loop (`arrivals_s`, seconds from the start): a free user takes the next request and sends it
+    at its arrival time, or at once when it is already late (the wait is `client_wait_s`), as the
+    locust users do; with every user busy requests wait in the client. Without a duration the replay
+    is sent once; with one, nothing is sent from `duration_s` on (a closed loop cycles the replay, as
+    G3's users cycle a workload that a run outlasts) and the requests in flight then finish.
+    """
+    engines = [engines] if isinstance(engines, EngineModel) else list(engines)
+    if not engines:
+        raise ConfigError("engines: expected at least one engine, found none")
+    nodes = _checked_replay(requests, engines, nodes)
+    if arrivals_s is not None and len(arrivals_s) != len(requests):
+        raise ConfigError(f"arrivals_s: expected an arrival per request ({len(requests)}), found {len(arrivals_s)}")
+    source = ReplaySource(requests, nodes, cycle=duration_s is not None and arrivals_s is None, arrivals_s=arrivals_s)
+    return simulate_source(source, users, engines, duration_s=duration_s, seed=seed)
+
+
+def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineModel], *,
+                    duration_s: Optional[float] = None, seed: int = 0,
+                    one_machine: bool = False) -> list[SimulatedRequest]:
+    """`simulate` with the requests asked of `source` as users send them (a user that finds none ready
+    waits until a request is answered, as the locust users wait for a session's turn); `seed` draws
+    each node's step noise (EngineModel.jitter), the same for a seed. `one_machine`: the nodes share
+    one machine's cores (kvgate's embedded fleet), and each engine's costs were measured with the
+    machine to itself, so a step takes as many times its cost as there are nodes busy when it starts."""
+    check_tokens("users", users, 1)
+    fleet = [_Node(engine, np.random.default_rng([seed, i])) for i, engine in enumerate(engines)]
+    counter, done, idle = itertools.count(), [], []
+
+    def send(free: float) -> None:
+        if duration_s is not None and free >= duration_s:
+            return
+        index = source.take()
+        if index is None:
+            idle.append(free)
+            return
+        request, node_index, scheduled = source.serve(index)
+        scheduled = free if scheduled is None else scheduled
+        now = max(free, scheduled)
+        if duration_s is not None and now >= duration_s:
+            return
+        node = fleet[node_index]
+        node.engine.timing.checked(request.prompt_tokens, request.cached)
+        active = _Active(index, request, now, node.engine.timing.load_seconds(request.cached),
+                         deque(node.engine.chunks(request.prompt_tokens, sum(request.cached.values()))),
+                         node=node_index, client_wait=now - scheduled)
+        heapq.heappush(node.arrivals, (now + node.engine.timing.overhead, next(counter), active))
+
+    for _ in range(users):
+        send(0.0)
+    while True:
+        starts = [(start, i) for i, node in enumerate(fleet) if (start := node.next_start()) is not None]
+        if not starts:
+            break
+        start, chosen = min(starts)
+        sharing = sum(node.busy_at(start) for node in fleet) if one_machine else 1
+        for a, at in fleet[chosen].step(max(1, sharing)):
             done.append(SimulatedRequest(a.index, a.sent, a.first_token, at, a.generated, tuple(a.itl),
-                                         tuple(a.batch)))
+                                         tuple(a.batch), a.node, a.client_wait))
+            source.answered(a.index)
             send(at)
+            waiting, idle[:] = list(idle), []
+            for _ in waiting:       # a user that found nothing ready tries again now
+                send(at)
     return sorted(done, key=lambda r: r.sent_s)
 
 
-@dataclass(frozen=True)
-class TargetFigures:
-    """One target at one level, over the requests sent after the warm-up."""
-
-    ttft_p50_s: float
-    output_tokens_per_s: float      # their output tokens ÷ (last completion − warm-up end)
-    requests: int
-    itl_mean_s: Optional[float]     # mean gap between tokens (None: every request made one token)
-
-
-def summarize(simulated: Sequence[SimulatedRequest], warmup_s: float = 0.0) -> TargetFigures:
-    measured = [r for r in simulated if r.sent_s >= warmup_s]
-    if not measured:
-        raise ConfigError(f"warmup_s: expected a warm-up shorter than the simulated run, found {warmup_s} s "
-                          f"with every request sent before it")
-    span = max(r.done_s for r in measured) - warmup_s
-    gaps = [g for r in measured for g in r.itl_s]
-    return TargetFigures(float(np.median([r.ttft_s for r in measured])),
-                         sum(r.output_tokens for r in measured) / span, len(measured),
-                         float(np.mean(gaps)) if gaps else None)
-
-
-@dataclass(frozen=True)
-class LevelPrediction:
-    """G3 at one concurrency: every target's figures; the candidate's reduction and gain over the baseline."""
-
-    concurrency: int
-    targets: Mapping[str, TargetFigures]
-
-    @property
-    def ttft_p50_reduction(self) -> float:
-        """1 − candidate TTFT p50 / baseline TTFT p50 (0.31: 31% lower), as G3 computes it."""
-        return 1.0 - self.targets["candidate"].ttft_p50_s / self.targets["baseline"].ttft_p50_s
-
-    @property
-    def throughput_gain(self) -> float:
-        """candidate output tokens/s ÷ baseline's − 1 (0.35: +35%)."""
-        return self.targets["candidate"].output_tokens_per_s / self.targets["baseline"].output_tokens_per_s - 1.0
-
-
-Replay = Sequence[ServedRequest] | Mapping[int, Sequence[ServedRequest]]
-
-
-def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engine: EngineModel,
-               duration_s: Optional[float] = None, warmup_s: float = 0.0) -> list[LevelPrediction]:
-    """Per level, every target's figures. `replays` maps a target ("baseline", "candidate", and any
-    other) to its requests, one list for every level or a list per level (hits may differ with the
-    concurrency)."""
-    missing = [role for role in ("baseline", "candidate") if role not in replays]
-    if missing:
-        raise ConfigError(f"replays: expected a baseline and a candidate replay, found none for {missing}")
-    predictions = []
-    for level in levels:
-        figures = {}
-        for role, replay in replays.items():
-            requests = replay.get(level) if isinstance(replay, Mapping) else replay
-            if requests is None:
-                raise ConfigError(f"replays.{role}: expected requests for c={level}, found levels {sorted(replay)}")
-            figures[role] = summarize(simulate_closed_loop(requests, level, engine, duration_s), warmup_s)
-        predictions.append(LevelPrediction(level, figures))
-    return predictions
+def simulate_closed_loop(requests: Sequence[ServedRequest], concurrency: int, engine: EngineModel,
+                         duration_s: Optional[float] = None) -> list[SimulatedRequest]:
+    """Every request's timeline, `concurrency` users in a closed loop on one engine (`simulate`)."""
+    check_tokens("concurrency", concurrency, 1)
+    return simulate(requests, concurrency, engine, duration_s=duration_s)

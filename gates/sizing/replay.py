@@ -6,8 +6,9 @@ embedded engine (`cache_impl.engine`) calls the cache:
 
 1. load: the longest prefix of the prompt's block keys some level holds; each block is read from
    the highest level holding it, a hit on that level, whose LRU entry is refreshed. A pool (the
-   last level, not accounted: a store shared by nodes) is asked for the blocks after the prefix
-   the local levels hold.
+   last level, not accounted by the node: a store shared by nodes) is asked for the blocks after
+   the prefix the local levels hold (`TieredKVCache._ask_shared_levels`: its leading run of them),
+   and the prefix goes on through local and pool blocks alike.
 2. store, each prompt block after the prefix in order: a block some accounted level holds is only
    refreshed on every level; otherwise it is put on the device, and on every lower level the write
    policy stores to (write-through: all; write-back: none) and on the pool. A block the device
@@ -22,13 +23,23 @@ put there (evicting in turn); when that level cannot take it, the next one. The 
 level's evictions leave the cache (the pool is never a demotion target; the disk tier, which has
 no in-memory copy to demote, is always the last accounted level).
 
+**A fleet** (`replay(..., nodes=...)`: kvgate's `candidate_nodes`): one simulator per node, each with
+its own device, host and disk levels, all sharing one pool level (`CacheSimulator.fleet`): what a
+node stores goes to the pool as above (a put of a block the pool has refreshes it, as Redis's SET NX
+looks the key up), and a block another node stored is a pool hit on this one. The pool keeps
+`blocks` values (its capacity ÷ the 4 KiB header + the payload) and evicts the least recently put or
+read one (Redis's allkeys-lru reads and puts refresh; its EXISTS does not, nor does the simulator's
+lookup). Requests are routed by `nodes[i]`, the node request i went to.
+
 Assumptions (each a difference from a real run): requests one after another (at concurrency c the
 engine interleaves the stores of c requests: the same operations, another order); every background
 write done before the next request (`TieredKVCache.flush`), and a disk larger than what one request
 queues to it (a block whose write is queued cannot be evicted, so a smaller one skips it for an older
 victim); the disk's filesystem has room (else the cache evicts earlier); no read fails
 verification; a pool keeps what it is given up to its capacity, least recently put or read first
-(the store's own policy decides in reality).
+(the store's own policy decides in reality: Redis samples a few keys for its LRU, Mooncake evicts by
+its own watermarks and leases, and each value costs the store more than its bytes); in a fleet,
+a block another node stored is in the pool by the time this node asks (its write-behind put done).
 
 Figures, over the counted requests (after `warmup`)::
 
@@ -55,6 +66,7 @@ from kvcore.settings import ConfigError
 Key = Hashable
 WritePolicy = Literal["write-through", "write-back"]
 WRITE_POLICIES = ("write-through", "write-back")
+POOL_TIER = "remote"        # the shared pool's tier name (cache_impl.tiers.remote)
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ def tier_capacities(config: CacheConfig, block_nbytes: int, pool_blocks: Optiona
     if config.disk is not None:
         levels.append(TierCapacity("disk", config.disk.capacity_bytes // integrity.file_nbytes(block_nbytes)))
     if config.remote is not None:
-        levels.append(TierCapacity("remote", pool_blocks, accounted=False))
+        levels.append(TierCapacity(POOL_TIER, pool_blocks, accounted=False))
     return levels
 
 
@@ -115,15 +127,28 @@ class _Level:
 class CacheSimulator:
     """The cache's placement on keys: `load`, `store`, `promote`, as `TieredKVCache` does them."""
 
-    def __init__(self, capacities: Sequence[TierCapacity], write_policy: WritePolicy = "write-through") -> None:
+    def __init__(self, capacities: Sequence[TierCapacity], write_policy: WritePolicy = "write-through",
+                 _pool: Optional[_Level] = None) -> None:
         _check_levels(capacities, write_policy)
         through = write_policy == "write-through"
         self.write_policy = write_policy
         self.levels = [_Level(rank, t, rank == 0 or through or not t.accounted) for rank, t in enumerate(capacities)]
+        if _pool is not None and not self.levels[-1].accounted:
+            self.levels[-1] = _pool          # a fleet's one pool, shared by every node's simulator
         self.accounted = [level for level in self.levels if level.accounted]
         self.pool = self.levels[-1] if not self.levels[-1].accounted else None
         for i, level in enumerate(self.accounted):
             level.lower = self.accounted[i + 1:]
+
+    @classmethod
+    def fleet(cls, nodes: int, capacities: Sequence[TierCapacity],
+              write_policy: WritePolicy = "write-through") -> list["CacheSimulator"]:
+        """`nodes` simulators with their own local levels of `capacities` and, when its last level is a
+        pool, that one pool shared by all (as kvgate's candidate nodes share the store it starts)."""
+        if type(nodes) is not int or nodes < 1:
+            raise ConfigError(f"nodes: expected an integer >= 1, found {nodes!r}")
+        first = cls(capacities, write_policy)
+        return [first] + [cls(capacities, write_policy, first.pool) for _ in range(nodes - 1)]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -166,6 +191,17 @@ class CacheSimulator:
             if key in level.lru:
                 return level
         return None
+
+    def serve(self, request: RequestKeys) -> list[int]:
+        """One request as the engine makes it: load its prompt's longest held prefix, store the rest of
+        the prompt, promote the hits, store the blocks its output fills; its hit blocks per level."""
+        row = self.load(request.prompt)
+        loaded = sum(row)
+        self.store(request.prompt[loaded:])
+        if loaded:
+            self.promote(request.prompt[:loaded])
+        self.store(request.output)
+        return row
 
     def store(self, keys: Iterable[Key]) -> int:
         """Store each block (`TieredKVCache._store_one`); returns how many were new."""
@@ -236,8 +272,9 @@ class ReplayResult:
     prompt_blocks: tuple[int, ...]
     hits: tuple[tuple[int, ...], ...]
     seen_blocks: tuple[int, ...]
-    evictions: dict[str, int]
+    evictions: dict[str, int]           # a fleet: summed over its nodes (the pool's once)
     demotions: dict[str, int]
+    nodes: tuple[int, ...] = ()         # a fleet: the node of each counted request
 
     @property
     def requests(self) -> int:
@@ -267,40 +304,60 @@ class ReplayResult:
         total = self.total_prompt_blocks
         return sum(self.seen_blocks) / total if total else 0.0
 
+    @property
+    def pool_share_of_hits(self) -> Optional[float]:
+        """The share of hit blocks read from the pool (G3's cross-node hit ratio); None without a pool or hits."""
+        hits = self.total_hits
+        total = sum(hits.values())
+        return hits.get(POOL_TIER, 0) / total if POOL_TIER in hits and total else None
+
     def summary(self) -> dict:
         """The figures as plain data (for results.json and `kvgate plan --json`)."""
         return {"requests": self.requests, "write_policy": self.write_policy,
                 "prompt_blocks": self.total_prompt_blocks, "hits": self.total_hits, "hit_ratio": self.hit_ratio,
                 "overall_hit_ratio": self.overall_hit_ratio, "infinite_cache_bound": self.infinite_cache_bound,
-                "evictions": self.evictions, "demotions": self.demotions}
+                "evictions": self.evictions, "demotions": self.demotions,
+                "pool_share_of_hits": self.pool_share_of_hits}
 
 
 def replay(requests: Iterable[Union[RequestKeys, Sequence[Key]]], capacities: Sequence[TierCapacity],
-           write_policy: WritePolicy = "write-through", warmup: int = 0) -> ReplayResult:
+           write_policy: WritePolicy = "write-through", warmup: int = 0,
+           nodes: Optional[Sequence[int]] = None) -> ReplayResult:
     """Replay requests (RequestKeys, or a prompt's key list) in order through the levels; the first
-    `warmup` requests fill the caches (the infinite one too) but are not counted."""
-    sim = CacheSimulator(capacities, write_policy)
+    `warmup` requests fill the caches (the infinite one too) but are not counted. With `nodes` (one
+    node index per request, warm-up included), a fleet of max(nodes) + 1 nodes, each with the local
+    levels of `capacities`, sharing its pool level (the module's fleet)."""
+    requests = list(requests)
+    if nodes is not None:
+        nodes = list(nodes)
+        if len(nodes) != len(requests) or any(type(n) is not int or n < 0 for n in nodes):
+            raise ConfigError(f"nodes: expected a node index >= 0 per request ({len(requests)}), found "
+                              f"{len(nodes)} values {sorted(set(map(repr, nodes)))[:5]}")
+    routed = nodes or [0] * len(requests)
+    sims = CacheSimulator.fleet(max(routed, default=0) + 1, capacities, write_policy)
     seen: set[Key] = set()
     prompt_blocks, hits, seen_blocks = [], [], []
-    for n, request in enumerate(requests):
+    for n, (request, node) in enumerate(zip(requests, routed)):
+        sim = sims[node]
         prompt, output = (request.prompt, request.output) if isinstance(request, RequestKeys) else (request, ())
         prompt = tuple(prompt)
         known = sum(1 for _ in itertools.takewhile(seen.__contains__, prompt))
-        row = sim.load(prompt)
-        loaded = sum(row)
-        sim.store(prompt[loaded:])
-        if loaded:
-            sim.promote(prompt[:loaded])
-        sim.store(output)
+        row = sim.serve(RequestKeys(prompt, tuple(output)))
         seen.update(prompt)
         seen.update(output)
         if n >= warmup:
             prompt_blocks.append(len(prompt))
             hits.append(tuple(row))
             seen_blocks.append(known)
-    return ReplayResult(sim.names, write_policy, tuple(prompt_blocks), tuple(hits), tuple(seen_blocks),
-                        {level.name: level.evictions for level in sim.levels},
-                        {level.name: level.demotions for level in sim.levels})
+    levels = {id(level): level for sim in sims for level in sim.levels}.values()   # the pool once
+    counts = {name: {"evictions": 0, "demotions": 0} for name in sims[0].names}
+    for level in levels:
+        counts[level.name]["evictions"] += level.evictions
+        counts[level.name]["demotions"] += level.demotions
+    return ReplayResult(sims[0].names, write_policy, tuple(prompt_blocks), tuple(hits), tuple(seen_blocks),
+                        {name: c["evictions"] for name, c in counts.items()},
+                        {name: c["demotions"] for name, c in counts.items()},
+                        tuple(routed[warmup:]) if nodes is not None else ())
 
 
 def _check_levels(capacities: Sequence[TierCapacity], write_policy: str) -> None:

@@ -4,6 +4,8 @@
   sees it: each request's prompt tokens are its chat template (`cache_impl.protocol.chat_tokens`
   with the byte tokenizer, or another `PromptTokenizer`), cut into whole blocks and keyed by
   `cache_impl.keys.block_keys`, in `load_order`.
+- `requests_block_keys`: the same for requests in a given order (a segment of a load: a primer, a
+  trace part); `word_chat_tokens`: an external engine's prompts as the word sizer counts them.
 - `trace_block_keys`: a Mooncake trace's requests in the trace's order, keyed by their hash ids
   (no text, no template: the trace's own reuse).
 
@@ -25,8 +27,8 @@ from cache_impl.keys import ROOT_PARENT, block_keys
 from cache_impl.protocol import Message, chat_tokens
 from cache_impl.tokenizer import ByteTokenizer
 from kvcore.settings import ConfigError
-from workloads.datasets import (MOONCAKE_BLOCK_TOKENS, ByteSizer, TextSizer, TraceRecord, WorkloadSpec,
-                                build_workload)
+from workloads.datasets import (MOONCAKE_BLOCK_TOKENS, ByteSizer, TextSizer, TraceRecord, WordSizer,
+                                WorkloadSpec, build_workload)
 from workloads.requests import Workload, WorkloadRequest
 
 from .replay import RequestKeys
@@ -35,6 +37,7 @@ SIZING_DIGEST = bytes(range(16))
 
 PromptTokenizer = Callable[[WorkloadRequest], Sequence[int]]
 _BYTES = ByteTokenizer()
+_WORDS = WordSizer()
 
 
 def embedded_chat_tokens(request: WorkloadRequest) -> list[int]:
@@ -89,13 +92,30 @@ def workload_block_keys(workload: Union[Workload, WorkloadSpec, Mapping[str, Any
             raise ConfigError(f"{name}: expected an integer >= 1, found {value!r}")
     if not isinstance(workload, Workload):
         workload = build_workload(workload, sizer or ByteSizer(), seed)
+    return requests_block_keys(load_order(workload, passes), tokenizer, block_tokens=block_tokens, outputs=outputs)
+
+
+def requests_block_keys(requests: Sequence[WorkloadRequest], tokenizer: PromptTokenizer = embedded_chat_tokens, *,
+                        block_tokens: int = 256, outputs: bool = True) -> list[RequestKeys]:
+    """Block keys of requests in the order given (`workload_block_keys` of a load order, or part of one)."""
     done: dict[str, RequestKeys] = {}
     keyed = []
-    for request in load_order(workload, passes):
+    for request in requests:
         if request.request_id not in done:
             done[request.request_id] = _request_keys(tokenizer(request), request.max_tokens, block_tokens, outputs)
         keyed.append(done[request.request_id])
     return keyed
+
+
+def word_chat_tokens(request: WorkloadRequest) -> list[int]:
+    """An external engine's prompt as `WordSizer` counts it (one token per word, the sizer G3 builds an
+    external target's workload with): each message's words, each word a stable id. An approximation of
+    the engine's tokenizer and chat template: equal prompts give equal ids, and a shared opening shares them."""
+    words = []
+    for message in request.messages:
+        words.append(f"<{message.get('role', '')}>")
+        words.extend(_WORDS.tokens(str(message.get("content") or "")))
+    return [xxhash.xxh32_intdigest(word.encode()) for word in words]
 
 
 def _request_keys(tokens: Sequence[int], max_tokens: int, block_tokens: int, outputs: bool) -> RequestKeys:

@@ -1,0 +1,246 @@
+"""G3's workload as each target serves it: the requests of every step in the order G3's load sends them,
+the node each goes to, and the hits each one gets from each tier (replayed through the target's tiers).
+
+What G3 sends (gates/g3_main, workloads/sweep.py), each part a load run of its own:
+
+- priming (`g3.prime`): every session's first turn, or a trace's warm-up requests;
+- closed loop over a workload: one pass of its load order per level (the plan replays one pass after
+  the primer, and every level serves those hits);
+- a trace: its measured requests cut into one part per level (`trace_parts`), each level its own part,
+  in order, never cycled; with `rate_multipliers` a part's requests arrive at their timestamps − the
+  part's first, ÷ the multiplier (`rate_multiplied`).
+
+**Routing** (`workloads.routing.Router`, used here as is): a load run's process holds one router shared
+by its users (workloads/locustfile.py), so round-robin sends the k-th request the run sends to node
+k mod N, and a new run (the primer, each step) starts again at node 0; prefix-affinity hashes the
+conversation's opening. The k-th request sent is taken as the k-th of the load order: at concurrency
+c a user takes the next session as soon as it is free, and a session goes back in the queue when its
+turn is answered, so a real run drifts from that order a little (and with it which node serves a
+turn: round-robin over 16 sessions and 2 nodes keeps each session on one node in this order).
+
+The candidate's nodes share its pool; the baseline's nodes (kvgate starts as many, device-only) share
+nothing. Every request's hits come from one replay of all parts in sending order, so each part starts
+from what the earlier ones left in the caches. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from workloads.requests import Workload, WorkloadRequest
+from workloads.routing import Router
+
+from .g3_figures import TargetReplay, combine, level_prediction
+from .queueing import EngineModel, ServedRequest, simulate_source
+from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, replay
+from .sequences import embedded_chat_tokens, load_order, requests_block_keys, word_chat_tokens
+from .targets import TargetInputs
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One load run's requests in sending order; `level` the G3 level it measures (None: the primer)."""
+
+    requests: tuple[WorkloadRequest, ...]
+    level: Optional[float] = None
+    arrivals_s: dict = field(default_factory=dict)      # rate multipliers: multiplier -> arrival per request
+
+
+@dataclass(frozen=True)
+class G3Replays:
+    """Per target, per level: its TargetReplay; the hit figures per target; the arrivals of rate steps."""
+
+    replays: dict                   # role -> {level: TargetReplay}
+    hits: dict                      # role -> {"per_tier", "overall", "infinite_cache_bound", "pool_share", "per_level"}
+    arrivals_s: dict                # multiplier -> arrival seconds of its part's requests
+
+
+def g3_segments(g3, workload: Workload) -> list[Segment]:
+    """What G3 sends each target, in order: the primer (when `g3.prime`), then the measured parts."""
+    from workloads.sweep import closed_loop, primer, rate_multiplied, trace_parts
+
+    segments = []
+    if g3.prime:
+        warm = primer(workload)
+        segments.append(Segment(tuple(r for s in warm.sessions for r in s)))
+    if not workload.trace:
+        order = tuple(load_order(workload))
+        return segments + [Segment(order, level) for level in g3.levels]
+    for level, part in zip(g3.levels, trace_parts(workload, len(g3.levels))):
+        if g3.replay == "closed_loop":
+            segments.append(Segment(tuple(closed_loop(part).requests), level))
+        else:
+            paced = rate_multiplied(part, level)
+            segments.append(Segment(tuple(paced.requests), level,
+                                    {level: tuple(r.arrival_s or 0.0 for r in paced.requests)}))
+    return segments
+
+
+def route(segments: Sequence[Segment], nodes: int, routing: str) -> list[list[int]]:
+    """The node of each request of each segment: a fresh Router per load run, as each run's process has."""
+    routed = []
+    for segment in segments:
+        router = Router(nodes, routing)
+        routed.append([router.pick(request) for request in segment.requests])
+    return routed
+
+
+def g3_replays(g3, workload: Workload, inputs: TargetInputs) -> G3Replays:
+    """Every target's requests with their hits per tier and their node, per level (the module's model)."""
+    segments = g3_segments(g3, workload)
+    tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
+    # a closed loop over a workload measures the same pass at every level: replay it once after the primer
+    replayed = segments if workload.trace else [s for s in segments if s.level is None] + segments[-1:]
+    keys = [requests_block_keys(s.requests, tokenizer, block_tokens=inputs.block_tokens) for s in replayed]
+    flat = [k for part in keys for k in part]
+    warm = sum(len(s.requests) for s in replayed if s.level is None)
+    capacities = inputs.capacities()
+    replays, hits = {}, {}
+    for role, nodes in (("candidate", inputs.candidate_nodes), ("baseline", inputs.baseline_nodes)):
+        routed = route(replayed, nodes, inputs.routing)
+        result = replay(flat, capacities[role], warmup=warm,
+                        nodes=[n for part in routed for n in part] if nodes > 1 else None)
+        per_level, start = {}, 0
+        measured = [(s, r) for s, r in zip(replayed, routed) if s.level is not None]
+        for segment, segment_nodes in measured:
+            end = start + len(segment.requests)
+            per_level[segment.level] = TargetReplay(
+                _served(segment.requests, result, start, end, inputs.block_tokens, tokenizer),
+                segment_nodes if nodes > 1 else None, nodes)
+            start = end
+        hits[role] = _hit_figures(result, measured)
+        hits[role]["per_level"] = {level: _token_hit_ratio(replay.requests) for level, replay in per_level.items()}
+        if not workload.trace:  # one pass replayed for every level
+            last = segments[-1].level
+            per_level = {level: per_level[last] for level in g3.levels}
+            hits[role]["per_level"] = {level: hits[role]["per_level"][last] for level in g3.levels}
+        replays[role] = per_level
+    arrivals = {m: a for s in segments for m, a in s.arrivals_s.items()}
+    return G3Replays(replays, hits, arrivals)
+
+
+def _served(requests: Sequence[WorkloadRequest], result: ReplayResult, start: int, end: int,
+            block_tokens: int, tokenizer) -> list[ServedRequest]:
+    """Requests [start, end) of the counted replay as the timing model takes them."""
+    return [ServedRequest(len(tokenizer(request)), request.max_tokens,
+                          {tier: blocks * block_tokens for tier, blocks in zip(result.tiers, result.hits[i]) if blocks})
+            for i, request in zip(range(start, end), requests)]
+
+
+def _token_hit_ratio(requests: Sequence[ServedRequest]) -> float:
+    """G3's hit ratio: cached tokens ÷ prompt tokens (a prompt's tail beyond its last whole block is never cached)."""
+    prompt = sum(r.prompt_tokens for r in requests)
+    return sum(sum(r.cached.values()) for r in requests) / prompt if prompt else 0.0
+
+
+def _hit_figures(result: ReplayResult, measured: list) -> dict:
+    """The replay's figures in blocks (per tier, overall, the infinite cache's, the pool's share)."""
+    return {"per_tier": result.hit_ratio, "overall": result.overall_hit_ratio,
+            "infinite_cache_bound": result.infinite_cache_bound, "pool_share": result.pool_share_of_hits}
+
+
+# --------------------------------------------------------------------------- live sessions
+
+
+class SessionSource:
+    """G3's interleaved sessions as locust's users send them (workloads/locustfile.py `_run_next_turn`),
+    each request routed (`Router.pick`) and served by its node's cache at the moment it is sent.
+
+    Sessions wait in a queue; a free user takes the first one's next turn, and the session goes back
+    to the end of the queue when that turn is answered (turns cycle when a run outlasts them). So the
+    order, hence each request's node and hits, comes from the timing simulation itself: at concurrency
+    c the turns answered out of order move sessions in the queue, and round-robin then sends a
+    session's next turn to another node, whose pool hits are what carries its reuse there.
+
+    A request's cache operations are all made as it is sent (the engine loads at admission and stores
+    after its prefill, so a request sent meanwhile on another node that needs those blocks would miss
+    them; a session's next turn is sent only after its answer, so G3's own sessions never do).
+    """
+
+    def __init__(self, workload: Workload, caches: list[CacheSimulator], keys: dict[str, RequestKeys],
+                 tokens: dict[str, int], block_tokens: int, router: Router) -> None:
+        self.sessions, self.caches, self.keys, self.tokens = workload.sessions, caches, keys, tokens
+        self.block_tokens, self.router = block_tokens, router
+        self.ready, self.turn = deque(range(len(self.sessions))), [0] * len(self.sessions)
+        self.sent: list[list] = []          # per send: [session, request, hit row, node]
+
+    def take(self) -> Optional[int]:
+        if not self.ready:
+            return None
+        session = self.ready.popleft()
+        self.sent.append([session, self.sessions[session][self.turn[session]], None, None])
+        return len(self.sent) - 1
+
+    def serve(self, index: int) -> tuple[ServedRequest, int, None]:
+        sent = self.sent[index]
+        request = sent[1]
+        node = self.router.pick(request)
+        cache = self.caches[node]
+        sent[2], sent[3] = cache.serve(self.keys[request.request_id]), node
+        cached = {tier: n * self.block_tokens for tier, n in zip(cache.names, sent[2]) if n}
+        return ServedRequest(self.tokens[request.request_id], request.max_tokens, cached), node, None
+
+    def answered(self, index: int) -> None:
+        session = self.sent[index][0]
+        self.turn[session] = (self.turn[session] + 1) % len(self.sessions[session])
+        self.ready.append(session)
+
+
+def live_sessions(g3, workload: Workload, inputs: TargetInputs) -> bool:
+    """Whether G3's closed loop over this workload is simulated with live sessions (interleaved turns)."""
+    return g3.replay == "closed_loop" and not workload.trace and workload.interleaved
+
+
+def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel,
+                      seeds: Sequence[int] = (0,)) -> tuple[list, dict]:
+    """G3's closed loop, level after level, each target's caches carried from the primer through every
+    step as its servers carry them: (a LevelPrediction per level, hit figures per target). With noise
+    (engine.jitter), the whole sweep once per seed, each level's runs combined (`queueing.combine`)."""
+    tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
+    everything = [r for s in workload.sessions for r in s]
+    keys = dict(zip((r.request_id for r in everything),
+                    requests_block_keys(everything, tokenizer, block_tokens=inputs.block_tokens)))
+    tokens = {r.request_id: len(tokenizer(r)) for r in everything}
+    capacities = inputs.capacities()
+    primer = g3_segments(g3, workload)[0].requests if g3.prime else ()
+    seeds = seeds if engine.jitter else seeds[:1]
+    runs = {level: [] for level in g3.levels}
+    counted = {role: {"rows": [], "blocks": 0, "per_level": {level: [] for level in g3.levels}}
+               for role in ("candidate", "baseline")}
+    names = {}
+    for seed in seeds:
+        simulated = {level: {} for level in g3.levels}
+        for role, nodes in (("candidate", inputs.candidate_nodes), ("baseline", inputs.baseline_nodes)):
+            caches = CacheSimulator.fleet(nodes, capacities[role])
+            names[role] = caches[0].names
+            router = Router(nodes, inputs.routing)
+            for request in primer:
+                caches[router.pick(request)].serve(keys[request.request_id])
+            for level in g3.levels:
+                source = SessionSource(workload, caches, keys, tokens, inputs.block_tokens,
+                                       Router(nodes, inputs.routing))
+                done = simulate_source(source, level, [engine] * nodes, duration_s=g3.duration_s, seed=seed,
+                                       one_machine=inputs.embedded)
+                simulated[level][role] = done
+                window = [source.sent[r.index] for r in done if r.sent_s >= g3.warmup_s]
+                rows = [sent[2] for sent in window]
+                prompt_tokens = sum(tokens[sent[1].request_id] for sent in window)
+                counted[role]["per_level"][level].append(   # as G3 measures it: cached ÷ prompt tokens
+                    sum(map(sum, rows)) * inputs.block_tokens / prompt_tokens if prompt_tokens else 0.0)
+                counted[role]["rows"] += rows
+                counted[role]["blocks"] += sum(len(keys[sent[1].request_id].prompt) for sent in window)
+        for level in g3.levels:
+            runs[level].append(level_prediction(level, simulated[level], g3.warmup_s, g3.min_requests))
+    hits = {}
+    for role, c in counted.items():
+        totals = {name: sum(row[i] for row in c["rows"]) for i, name in enumerate(names[role])}
+        hit, blocks = sum(totals.values()), c["blocks"]
+        hits[role] = {"per_tier": {name: n / blocks if blocks else 0.0 for name, n in totals.items()},
+                      "overall": hit / blocks if blocks else 0.0,
+                      "per_level": {level: float(np.mean(v)) for level, v in c["per_level"].items()},
+                      "pool_share": totals[POOL_TIER] / hit if POOL_TIER in totals and hit else None}
+    return [combine(runs[level]) for level in g3.levels], hits

@@ -1,0 +1,143 @@
+"""What the sizing model reads of the targets: the model's KV layout, the block size, each tier's capacity,
+the nodes of each fleet and how requests are routed to them.
+
+- **Embedded** (`targets.kind: embedded`): the preset's layout (float32 KV), kvgate's 256-token blocks,
+  `targets.embedded`'s device blocks, host and disk bytes. With `candidate_nodes: N` kvgate runs N
+  tiered nodes (each its own device, host and disk tiers) on one pool (`pool: redis | mooncake`, the
+  store the harness starts: `EMBEDDED_POOL_BYTES`) and, so that throughput compares equal fleets,
+  N device-only baseline nodes (no pool), both routed by `targets.routing` (gates/targets.py).
+- **External** (`targets.kind: external`): nothing of this can be read from an OpenAI endpoint, so it
+  comes from `sizing.target` (gates/config.py `TargetSizing`): the layout (a config.json or explicit
+  fields), the block size, the device's KV tokens (vLLM and SGLang print theirs at start-up), host,
+  disk and pool bytes. The candidate has `1 + len(targets.candidate_nodes)` nodes; the baseline one.
+  Without `sizing.target` the embedded preset stands in, with a note saying so.
+
+`sizing.target`'s fields, when given, replace the embedded ones too (a what-if plan). A tier of 0 bytes
+is absent. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from cache_impl import integrity
+from cache_impl.config import CacheConfig
+from kvcore.settings import parse_size
+
+from .layout import KVShape
+from .replay import TierCapacity, tier_capacities
+
+EMBEDDED_BLOCK_TOKENS = 256
+# the pool kvgate starts for its embedded fleet (workloads/stores.py: Redis maxmemory 512mb, Mooncake's
+# segment 512MB); a store also spends memory on its own keeping, so it holds somewhat fewer blocks
+EMBEDDED_POOL_BYTES = 512 * 2**20
+# what a node loads from the pool at when nothing says: `kvgate pool-bench` on loopback, 2-core VM (README)
+LOOPBACK_POOL_GBPS = {"redis": 0.15, "mooncake": 0.29, "external": 0.15}
+EXTERNAL_BLOCK_TOKENS = 16          # vLLM's default block size
+
+
+@dataclass(frozen=True)
+class TargetInputs:
+    """The targets as the plan models them."""
+
+    shape: KVShape
+    block_tokens: int
+    device_blocks: int
+    host_bytes: int
+    disk_bytes: int
+    pool: str                       # "none", "redis", "mooncake", or "external" (a pool the config sizes)
+    pool_bytes: Optional[int]       # None: unbounded
+    pool_gbps: Optional[float]
+    candidate_nodes: int
+    baseline_nodes: int
+    routing: str
+    max_running: int
+    embedded: bool
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.shape.bytes_per_block(self.block_tokens)
+
+    @property
+    def fleet(self) -> bool:
+        return self.candidate_nodes > 1
+
+    def capacities(self) -> dict[str, list[TierCapacity]]:
+        """Each node's levels: the candidate's device, host, disk (and the pool below them), the
+        baseline's device alone (`replay.tier_capacities`, the cache's own arithmetic)."""
+        disk = {"path": "unused", "capacity_bytes": self.disk_bytes} if self.disk_bytes > 0 else None
+        remote = {"backend": "redis" if self.pool == "external" else self.pool} if self.pool != "none" else None
+        cache = CacheConfig.from_dict({"block_size": self.block_tokens, "device_capacity_blocks": self.device_blocks,
+                                       "host_capacity_bytes": self.host_bytes, "disk": disk, "remote": remote})
+        pool = None if self.pool_bytes is None else pool_blocks(self.pool_bytes, self.block_nbytes)
+        return {"candidate": tier_capacities(cache, self.block_nbytes, pool),
+                "baseline": [TierCapacity("device", self.device_blocks)]}
+
+
+def pool_blocks(pool_bytes: int, block_nbytes: int) -> int:
+    """Blocks a pool of `pool_bytes` holds: each value is the block file's 4 KiB header and the payload
+    (cache_impl/tiers/remote.py), not padded."""
+    return pool_bytes // (integrity.HEADER_BYTES + block_nbytes)
+
+
+def target_inputs(config) -> tuple[TargetInputs, list[str]]:
+    """The targets of `config` (a GatesConfig) as the plan models them, and notes on what stood in."""
+    targets, notes = config.targets, []
+    given = config.sizing.target
+    embedded = targets.embedded
+    if targets.kind == "embedded":
+        pool = embedded.pool
+        inputs = dict(shape=KVShape.from_preset(embedded.preset), block_tokens=EMBEDDED_BLOCK_TOKENS,
+                      device_blocks=embedded.device_capacity_blocks, host_bytes=parse_size(embedded.host_capacity),
+                      disk_bytes=parse_size(embedded.disk_capacity), pool=pool,
+                      pool_bytes=EMBEDDED_POOL_BYTES if pool != "none" else None,
+                      candidate_nodes=embedded.candidate_nodes, baseline_nodes=embedded.candidate_nodes)
+    else:
+        nodes = 1 + len(targets.candidate_nodes)
+        inputs = dict(shape=KVShape.from_preset(embedded.preset), block_tokens=EXTERNAL_BLOCK_TOKENS,
+                      device_blocks=embedded.device_capacity_blocks, host_bytes=0, disk_bytes=0,
+                      pool="none", pool_bytes=None, candidate_nodes=nodes, baseline_nodes=1)
+        if given is None or given.shape() is None:
+            notes.append(f"targets.kind is external and sizing.target gives no KV layout (model_config or kv_layout): "
+                         f"the embedded preset's ({embedded.preset}) stands in")
+        if given is None or given.device_kv_tokens is None:
+            notes.append("targets.kind is external and sizing.target.device_kv_tokens is not given (the engine prints "
+                         f"it at start-up): the embedded device tier ({embedded.device_capacity_blocks} blocks) stands in")
+        if given is None or given.block_size is None:
+            notes.append(f"sizing.target.block_size is not given: {EXTERNAL_BLOCK_TOKENS} tokens (vLLM's default)")
+        if nodes > 1 and (given is None or given.pool_capacity is None):
+            notes.append(f"the candidate has {nodes} nodes and sizing.target.pool_capacity is not given: modelled "
+                         "without a shared pool (each node its own tiers)")
+    if given is not None:
+        inputs.update(_given(given, inputs))
+    pool_gbps = getattr(given, "pool_gbps", None)
+    if inputs["pool"] != "none" and pool_gbps is None:
+        pool_gbps = LOOPBACK_POOL_GBPS[inputs["pool"]]
+        notes.append(f"the pool's load bandwidth is not given (sizing.target.pool_gbps): {pool_gbps} GB/s, "
+                     "`kvgate pool-bench` on loopback on a 2-core machine")
+    return TargetInputs(**inputs, pool_gbps=pool_gbps, routing=targets.routing,
+                        max_running=getattr(given, "max_running", None) or embedded.max_running,
+                        embedded=targets.kind == "embedded"), notes
+
+
+def _given(given, inputs: dict) -> dict:
+    """The fields `sizing.target` sets, over the ones read from the targets."""
+    out = {}
+    shape = given.shape()
+    if shape is not None:
+        out["shape"] = shape
+    if given.block_size is not None:
+        out["block_tokens"] = given.block_size
+    block_tokens = out.get("block_tokens", inputs["block_tokens"])
+    if given.device_kv_tokens is not None:
+        out["device_blocks"] = max(1, given.device_kv_tokens // block_tokens)
+    for name in ("host", "disk"):
+        value = getattr(given, f"{name}_capacity")
+        if value is not None:
+            out[f"{name}_bytes"] = parse_size(value)
+    if given.pool_capacity is not None:
+        out["pool_bytes"] = parse_size(given.pool_capacity)
+        if inputs["pool"] == "none":
+            out["pool"] = "external"
+    return out
