@@ -241,6 +241,8 @@ def test_without_noise_round_robin_keeps_each_session_on_its_node_and_with_it_tu
     # 16 sessions in a queue, 2 users, 2 nodes: equal turns answered in send order keep session s on node s mod 2
     _, hits = simulate_sessions(config.g3, workload, inputs, quiet)
     assert hits["candidate"]["pool_share"] == 0 and hits["candidate"]["per_tier"]["remote"] == 0
+    # no cache beats an infinite one over the same sends (the bound is counted on the simulated run itself)
+    assert all(0 < h["overall"] <= h["infinite_cache_bound"] for h in hits.values())
     noisy = EngineModel(quiet.timing, quiet.decode, 8, jitter=0.4)
     levels, moved = simulate_sessions(config.g3, workload, inputs, noisy, seeds=(0, 1, 2))
     assert moved["candidate"]["pool_share"] > 0                     # a moved turn's history came from the pool

@@ -36,7 +36,7 @@ from workloads.routing import Router
 
 from .g3_figures import TargetReplay, combine, level_prediction
 from .queueing import EngineModel, ServedRequest, simulate_source
-from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, replay
+from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, infinite_cache_hits, replay
 from .sequences import embedded_chat_tokens, load_order, requests_block_keys, word_chat_tokens
 from .targets import TargetInputs
 
@@ -209,7 +209,7 @@ def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: Engi
     primer = g3_segments(g3, workload)[0].requests if g3.prime else ()
     seeds = seeds if engine.jitter else seeds[:1]
     runs = {level: [] for level in g3.levels}
-    counted = {role: {"rows": [], "blocks": 0, "per_level": {level: [] for level in g3.levels}}
+    counted = {role: {"rows": [], "blocks": 0, "bound": 0, "per_level": {level: [] for level in g3.levels}}
                for role in ("candidate", "baseline")}
     names = {}
     for seed in seeds:
@@ -218,8 +218,10 @@ def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: Engi
             caches = CacheSimulator.fleet(nodes, capacities[role])
             names[role] = caches[0].names
             router = Router(nodes, inputs.routing)
+            seen: set = set()                  # what an infinite cache would hold, in this run's send order
             for request in primer:
                 caches[router.pick(request)].serve(keys[request.request_id])
+                infinite_cache_hits(seen, keys[request.request_id])
             for level in g3.levels:
                 source = SessionSource(workload, caches, keys, tokens, inputs.block_tokens,
                                        Router(nodes, inputs.routing))
@@ -227,6 +229,10 @@ def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: Engi
                                        one_machine=inputs.embedded)
                 simulated[level][role] = done
                 window = [source.sent[r.index] for r in done if r.sent_s >= g3.warmup_s]
+                measured = {id(sent) for sent in window}
+                for sent in source.sent:               # every send, in order: each stores its blocks
+                    known = infinite_cache_hits(seen, keys[sent[1].request_id])
+                    counted[role]["bound"] += known if id(sent) in measured else 0
                 rows = [sent[2] for sent in window]
                 prompt_tokens = sum(tokens[sent[1].request_id] for sent in window)
                 counted[role]["per_level"][level].append(   # as G3 measures it: cached ÷ prompt tokens
@@ -241,6 +247,7 @@ def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: Engi
         hit, blocks = sum(totals.values()), c["blocks"]
         hits[role] = {"per_tier": {name: n / blocks if blocks else 0.0 for name, n in totals.items()},
                       "overall": hit / blocks if blocks else 0.0,
+                      "infinite_cache_bound": c["bound"] / blocks if blocks else 0.0,
                       "per_level": {level: float(np.mean(v)) for level, v in c["per_level"].items()},
                       "pool_share": totals[POOL_TIER] / hit if POOL_TIER in totals and hit else None}
     return [combine(runs[level]) for level in g3.levels], hits

@@ -209,7 +209,7 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
     seeds = tuple(range(config.sizing.runs))
     if live_sessions(settings, workload, inputs):
         levels, live = simulate_sessions(settings, workload, inputs, engine, seeds)
-        hits = {role: {**live[role], "infinite_cache_bound": g3.hits[role]["infinite_cache_bound"]} for role in live}
+        hits = live
         plan.figures["g3_hit_ratio"] = hits
     elif closed:
         levels = predict_g3(g3.replays, settings.levels, engine, seeds=seeds, **timing)

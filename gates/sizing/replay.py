@@ -341,10 +341,8 @@ def replay(requests: Iterable[Union[RequestKeys, Sequence[Key]]], capacities: Se
         sim = sims[node]
         prompt, output = (request.prompt, request.output) if isinstance(request, RequestKeys) else (request, ())
         prompt = tuple(prompt)
-        known = sum(1 for _ in itertools.takewhile(seen.__contains__, prompt))
+        known = infinite_cache_hits(seen, RequestKeys(prompt, tuple(output)))
         row = sim.serve(RequestKeys(prompt, tuple(output)))
-        seen.update(prompt)
-        seen.update(output)
         if n >= warmup:
             prompt_blocks.append(len(prompt))
             hits.append(tuple(row))
@@ -358,6 +356,15 @@ def replay(requests: Iterable[Union[RequestKeys, Sequence[Key]]], capacities: Se
                         {name: c["evictions"] for name, c in counts.items()},
                         {name: c["demotions"] for name, c in counts.items()},
                         tuple(routed[warmup:]) if nodes is not None else ())
+
+
+def infinite_cache_hits(seen: set, request: RequestKeys) -> int:
+    """The prompt blocks an infinite cache would serve this request (its longest prefix of blocks that
+    an earlier request stored: `seen`), then `seen` gains the request's own blocks, prompt and output."""
+    known = sum(1 for _ in itertools.takewhile(seen.__contains__, request.prompt))
+    seen.update(request.prompt)
+    seen.update(request.output)
+    return known
 
 
 def _check_levels(capacities: Sequence[TierCapacity], write_policy: str) -> None:
