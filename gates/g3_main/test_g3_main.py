@@ -23,6 +23,7 @@ replay ran is recorded as the `replay` measurement.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -120,7 +121,9 @@ def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
         record("requests_per_s", s["requests_per_s"], "req/s", target=role, **at)
         record("error_rate", s["error_rate"], target=role, **at)
         record("hit_ratio", s["hit_ratio"], target=role, **at)
-        record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], **at)
+        # where the step's raw records are and the measured window's start: the report draws its distributions
+        record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], window_start=s["window_start"],
+               records_dir=os.path.relpath(Path(s["step_dir"]) / "records", gate_context.store.root), **at)
     assert _levels(sweep), "the sweep produced no steps"
 
 

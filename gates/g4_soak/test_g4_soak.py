@@ -139,6 +139,16 @@ def _fault_outcome(row: dict) -> tuple[bool, str]:
     return bool(moved) and during["identical"] and recovered is not None, "; ".join(words)
 
 
+def _fault_facts(row: dict) -> dict:
+    """A fault's outcome as typed fields, for the report's faults table: the counter that should detect it
+    and by how much it moved, whether the probe asked during the fault answered unchanged, and the
+    injection's error (None when it ran)."""
+    counter, during = row.get("detected_by"), row.get("probe_during") or {}
+    return {"detected_by": counter, "detected_count": (row.get("detected") or {}).get(counter) if counter else None,
+            "answer_unchanged": during.get("identical"), "probe_cached_tokens": during.get("cached_tokens"),
+            "probe_prompt_tokens": during.get("prompt_tokens"), "error": row.get("error")}
+
+
 def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, faults, record, verdict):
     scheduled = gate_context.config.g4.faults
     if not scheduled:
@@ -150,7 +160,7 @@ def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, 
         ok, words = _fault_outcome(row)
         handled += ok
         record("fault", int(ok), kind=row["kind"], at_s=row["at_s"], outcome=words,
-               recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"))
+               recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"), **_fault_facts(row))
     fraction = handled / len(scheduled)
     summary = "; ".join(f"{kind} at {at:g} s: {_fault_outcome(row)[1]}" for (kind, at), row in sorted(rows.items()))
     verdict(f"G4 faults handled ({handled} of {len(scheduled)}"
