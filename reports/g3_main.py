@@ -59,7 +59,7 @@ def figure_plots(rows: GateRows, level: Level) -> list[str]:
                   for target, points in predicted_series(rows.predictions, metric, "target", level.key).items()]
         xs = [x for points in measured.values() for x, _ in points]
         charts.append(plots.line_chart(lines, f"G3 {name} by {level.words}", level.axis, y_label,
-                                       log_x=geometric(xs), percent=percent))
+                                       log_x=geometric(xs), percent=percent, y_reach=1.0 if percent else None))
     return charts
 
 

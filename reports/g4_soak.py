@@ -26,9 +26,7 @@ def window_plots(rows: GateRows) -> list[str]:
     measurements = rows.measurements
     metrics = sorted({str(m.get("metric")) for m in measurements if str(m.get("metric", "")).startswith("window_")},
                      key=lambda metric: (metric != "window_ttft_p99_ms", metric))
-    faults = [(number((m.get("context") or {}).get("at_s")), str((m.get("context") or {}).get("kind") or "fault"))
-              for m in measurements if m.get("metric") == "fault"]
-    left_out = [m.get("context") or {} for m in measurements if m.get("metric") == "drift_excluded_window"]
+    faults, left_out = fault_markers(measurements), left_out_spans(measurements)
     charts = []
     for metric in metrics:
         found = series(measurements, metric, "target", "window_start_s")
@@ -36,16 +34,32 @@ def window_plots(rows: GateRows) -> list[str]:
             continue
         scale, label = _scale(max(x for points in found.values() for x, _ in points))
         lines = [plots.Series(name, [(x / scale, y) for x, y in points]) for name, points in found.items()]
-        markers = [(at / scale, kind) for at, kind in faults if at is not None]
-        spans = [(number(c.get("window_start_s")) / scale, number(c.get("window_end_s")) / scale,
-                  f"window {c.get('window')}") for c in left_out
-                 if number(c.get("window_start_s")) is not None and number(c.get("window_end_s")) is not None]
+        markers = [(at / scale, kind) for at, kind in faults]
+        spans = [(a / scale, b / scale, words) for a, b, words in left_out]
         unit = unit_of(measurements, metric) or _unit_in_name(metric)
         name = metric_words(metric.removeprefix("window_"), unit)
         charts.append(plots.line_chart(lines, f"G4 windowed {name}", f"time since the soak's start ({label})",
                                        f"{name} ({unit})" if unit else name, markers=markers, spans=spans,
                                        span_label="left out of the drift checks (warm-up, faults)"))
     return charts
+
+
+def fault_markers(measurements: list[dict]) -> list[tuple[float, str]]:
+    """(seconds since the soak's start, kind) of each injected fault."""
+    found = [(number((m.get("context") or {}).get("at_s")), str((m.get("context") or {}).get("kind") or "fault"))
+             for m in measurements if m.get("metric") == "fault"]
+    return [(at, kind) for at, kind in found if at is not None]
+
+
+def left_out_spans(measurements: list[dict]) -> list[tuple[float, float, str]]:
+    """(from, to, which window) in seconds of each window the drift checks left out."""
+    spans = []
+    for m in measurements:
+        context = m.get("context") or {}
+        start, end = number(context.get("window_start_s")), number(context.get("window_end_s"))
+        if m.get("metric") == "drift_excluded_window" and start is not None and end is not None:
+            spans.append((start, end, f"window {context.get('window')}"))
+    return spans
 
 
 def _unit_in_name(metric: str) -> str:

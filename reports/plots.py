@@ -9,7 +9,9 @@ must stay offline and self-contained:
 - no XML declaration, DOCTYPE or namespace URLs (inline SVG in HTML needs none; `<use>` takes
   a plain `href`), no `<metadata>` block, never a script;
 - deterministic: no date, ids hashed with a salt of the chart's own title (`svg.hashsalt`), so
-  a re-render of the same data writes the same bytes and two charts in one page never share an id;
+  a re-render of the same data writes the same bytes; only the ids something refers to are kept
+  (matplotlib names every group "figure_1", "axes_1", ... in each chart), so two charts in one
+  page never share an id;
 - a `<title>` for screen readers; user strings are escaped by matplotlib and never read as
   mathtext (`$` is escaped).
 
@@ -32,7 +34,6 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import matplotlib
-from matplotlib import patheffects
 from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
@@ -202,6 +203,8 @@ def to_svg(figure: Figure, title: str, wide: bool = False) -> str:
     text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.S)
     text = re.sub(r"<defs>\s*<style[^>]*>[^<]*</style>\s*</defs>\s*", "", text)  # page-wide in HTML: CHART_CSS
     text = re.sub(r"<script\b.*?</script>", "", text, flags=re.S | re.I)
+    referenced = set(re.findall(r'(?:href="#|url\(#)([^")]+)', text))
+    text = re.sub(r'\s+id="([^"]+)"', lambda m: m.group(0) if m.group(1) in referenced else "", text)
     opening = text.index(">") + 1
     classes = "chart wide" if wide else "chart"
     head = text[:opening].replace("<svg", f'<svg class="{classes}" role="img" aria-label="{_escape(title)}"', 1)
@@ -261,12 +264,13 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
                percent: bool = False, band: Optional[tuple[Optional[float], Optional[float]]] = None,
                band_label: str = "accepted band", markers: Sequence[tuple[float, str]] = (),
                spans: Sequence[tuple[float, float, str]] = (), span_label: str = "left out",
-               y_from_zero: bool = True) -> str:
+               y_from_zero: bool = True, y_reach: Optional[float] = None) -> str:
     """Lines with points; intervals as error bars; predictions dashed and hollow beside the measured lines.
 
     `band` (lo, hi; either may be None: a bound) is shaded across the chart; `markers` are dashed
     vertical lines with a label (injected faults); `spans` (x from, x to, label) are shaded grey
     from top to bottom (windows left out). `percent`: y values are fractions, shown as percents.
+    `y_reach`: the y axis goes at least this high (1.0: a share shown up to 100%).
     """
     clean = []
     for s in series:
@@ -299,19 +303,20 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
         _level_ticks(axes, xs, log_x)
         if y_from_zero:
             axes.set_ylim(bottom=min(0.0, axes.get_ylim()[0]))
+        if y_reach is not None:
+            axes.set_ylim(top=max(y_reach, axes.get_ylim()[1]))
         if band is not None:
             _shade_band(axes, band, band_label)
         shaded = [(a, b) for a, b, _ in spans if finite(a) and finite(b) and a < b]
         for a, b in shaded:
             axes.axvspan(a, b, color=SPAN_COLOR, alpha=0.15, lw=0, zorder=0)
         extra = [Patch(color=SPAN_COLOR, alpha=0.15, lw=0, label=_label(span_label))] if shaded else []
-        halo = [patheffects.withStroke(linewidth=3, foreground="white")]
         for at, words in markers:
             if finite(at):
                 axes.axvline(at, color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), zorder=2)
                 axes.annotate(_label(words), (at, 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
                               textcoords="offset points", color=MARKER_COLOR, fontsize=7.5, rotation=90,
-                              va="bottom", path_effects=halo)
+                              va="bottom", bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.85})
         _y_format(axes, percent)
         axes.set_title(_label(title))
         axes.set_xlabel(_label(x_label))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gates.g4_soak.analysis import drift, excluded_window_rows, project_growth, windows_touched
+from gates.g4_soak.analysis import drift, excluded_window_rows, fault_facts, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
@@ -139,16 +139,6 @@ def _fault_outcome(row: dict) -> tuple[bool, str]:
     return bool(moved) and during["identical"] and recovered is not None, "; ".join(words)
 
 
-def _fault_facts(row: dict) -> dict:
-    """A fault's outcome as typed fields, for the report's faults table: the counter that should detect it
-    and by how much it moved, whether the probe asked during the fault answered unchanged, and the
-    injection's error (None when it ran)."""
-    counter, during = row.get("detected_by"), row.get("probe_during") or {}
-    return {"detected_by": counter, "detected_count": (row.get("detected") or {}).get(counter) if counter else None,
-            "answer_unchanged": during.get("identical"), "probe_cached_tokens": during.get("cached_tokens"),
-            "probe_prompt_tokens": during.get("prompt_tokens"), "error": row.get("error")}
-
-
 def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, faults, record, verdict):
     scheduled = gate_context.config.g4.faults
     if not scheduled:
@@ -160,7 +150,7 @@ def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, 
         ok, words = _fault_outcome(row)
         handled += ok
         record("fault", int(ok), kind=row["kind"], at_s=row["at_s"], outcome=words,
-               recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"), **_fault_facts(row))
+               recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"), **fault_facts(row))
     fraction = handled / len(scheduled)
     summary = "; ".join(f"{kind} at {at:g} s: {_fault_outcome(row)[1]}" for (kind, at), row in sorted(rows.items()))
     verdict(f"G4 faults handled ({handled} of {len(scheduled)}"
