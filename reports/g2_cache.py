@@ -46,7 +46,7 @@ def judged_ratio_plots(rows: GateRows) -> list[str]:
                               str(v.get("status", ""))))
     if not dots:
         return []
-    return [plots.dot_chart(dots, "G2 judged ratios: measured (95% interval) beside predicted",
+    return [plots.dot_chart(dots, "G2 judged ratios beside their predictions",
                             "ratio (the threshold as a bar)", percent=True)]
 
 

@@ -40,6 +40,7 @@ def window_plots(rows: GateRows) -> list[str]:
         name = metric_words(metric.removeprefix("window_"), unit)
         charts.append(plots.line_chart(lines, f"G4 windowed {name}", f"time since the soak's start ({label})",
                                        f"{name} ({unit})" if unit else name, markers=markers, spans=spans,
+                                       marker_label="fault" if len(markers) == 1 else "faults",
                                        span_label="left out of the drift checks (warm-up, faults)"))
     return charts
 

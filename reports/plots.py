@@ -183,6 +183,12 @@ def _place(figure: Figure, left: float = 0.85, bottom: float = 0.55, top: float 
                            **spacing)
 
 
+def _title(figure: Figure, title: str) -> None:
+    """The chart's title at the figure's top left (not the axes': long category labels push those right)."""
+    height = figure.get_size_inches()[1]
+    figure.suptitle(_label(title), x=0.012, y=1 - 0.07 / height, ha="left", va="top", fontsize=11, fontweight="bold")
+
+
 def _text_width_in(labels: Sequence[str], size: float) -> float:
     """The widest line of `labels` in inches, by the font's metrics (no drawing)."""
     font = FontProperties(family=STYLE["font.family"], size=size)
@@ -221,7 +227,7 @@ def empty_chart(title: str) -> str:
         axes = figure.add_subplot()
         axes.set_position((0.02, 0.0, 0.96, 0.8))
         axes.set_axis_off()
-        axes.set_title(_label(title))
+        _title(figure, title)
         axes.text(0.5, 0.4, "no data", ha="center", va="center", color="#6b7280", transform=axes.transAxes)
         return to_svg(figure, title)
 
@@ -262,13 +268,13 @@ def _shade_band(axes, band: tuple[Optional[float], Optional[float]], label: str)
 
 def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str, *, log_x: bool = False,
                percent: bool = False, band: Optional[tuple[Optional[float], Optional[float]]] = None,
-               band_label: str = "accepted band", markers: Sequence[tuple[float, str]] = (),
+               band_label: str = "accepted band", markers: Sequence[tuple[float, str]] = (), marker_label: str = "",
                spans: Sequence[tuple[float, float, str]] = (), span_label: str = "left out",
                y_from_zero: bool = True, y_reach: Optional[float] = None) -> str:
     """Lines with points; intervals as error bars; predictions dashed and hollow beside the measured lines.
 
     `band` (lo, hi; either may be None: a bound) is shaded across the chart; `markers` are dashed
-    vertical lines with a label (injected faults); `spans` (x from, x to, label) are shaded grey
+    vertical lines with a label (injected faults), named `marker_label` in the legend; `spans` (x from, x to, label) are shaded grey
     from top to bottom (windows left out). `percent`: y values are fractions, shown as percents.
     `y_reach`: the y axis goes at least this high (1.0: a share shown up to 100%).
     """
@@ -311,6 +317,8 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
         for a, b in shaded:
             axes.axvspan(a, b, color=SPAN_COLOR, alpha=0.15, lw=0, zorder=0)
         extra = [Patch(color=SPAN_COLOR, alpha=0.15, lw=0, label=_label(span_label))] if shaded else []
+        if marker_label and any(finite(at) for at, _ in markers):
+            extra.append(Line2D([], [], color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), label=_label(marker_label)))
         for at, words in markers:
             if finite(at):
                 axes.axvline(at, color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), zorder=2)
@@ -318,7 +326,7 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
                               textcoords="offset points", color=MARKER_COLOR, fontsize=7.5, rotation=90,
                               va="bottom", bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.85})
         _y_format(axes, percent)
-        axes.set_title(_label(title))
+        _title(figure, title)
         axes.set_xlabel(_label(x_label))
         axes.set_ylabel(_label(y_label))
         axes.legend(handles=axes.get_legend_handles_labels()[0] + extra, loc="best")
@@ -354,7 +362,7 @@ def bar_chart(bars: Sequence[Bar], title: str, unit: str, *, reference_label: st
             axes.invert_yaxis()
             axes.grid(axis="y", visible=False)
         else:
-            names = [_wrapped(t, max(8, 90 // len(bars))) for t in labels]
+            names = [_wrapped(t, max(6, 70 // len(bars))) for t in labels]
             _place(figure, bottom=0.3 + 0.16 * max(n.count("\n") + 1 for n in names))
             drawn = axes.bar(positions, values, color=colours, width=0.6, zorder=3)
             axes.set_xticks(positions, names)
@@ -375,7 +383,7 @@ def bar_chart(bars: Sequence[Bar], title: str, unit: str, *, reference_label: st
             (axes.set_xscale if horizontal else axes.set_yscale)("log")
         value_axis.set_major_formatter(FuncFormatter(fmt_tick))
         extra += [Patch(color=STATUS_COLORS[s], label=s) for s in dict.fromkeys(statuses) if s in STATUS_COLORS]
-        axes.set_title(_label(title))
+        _title(figure, title)
         (axes.set_xlabel if horizontal else axes.set_ylabel)(_label(unit))
         handles = axes.get_legend_handles_labels()[0] + extra
         if handles:
@@ -418,7 +426,7 @@ def dot_chart(dots: Sequence[Dot], title: str, x_label: str, *, percent: bool = 
         axes.grid(axis="y", visible=False)
         axes.xaxis.set_major_formatter(PercentFormatter(xmax=1.0, decimals=None) if percent else FuncFormatter(fmt_tick))
         axes.set_xlim(left=min(0.0, axes.get_xlim()[0]))
-        axes.set_title(_label(title))
+        _title(figure, title)
         axes.set_xlabel(_label(x_label))
         axes.legend(handles=legend, loc="best")
         return to_svg(figure, title)
@@ -477,5 +485,5 @@ def cdf_chart(panels: Sequence[Panel], title: str, x_label: str, *, log_x: Optio
                 axes.set_ylabel("share of requests ≤ x")
             if index >= len(panels) - columns:
                 axes.set_xlabel(_label(x_label))
-        figure.suptitle(_label(title), x=0.01, ha="left", fontsize=11, fontweight="bold")
+        _title(figure, title)
         return to_svg(figure, title, wide=True)

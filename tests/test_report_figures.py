@@ -199,6 +199,7 @@ def test_g4_window_plots_mark_faults_and_shade_the_windows_left_out(tmp_path):
     [chart] = g4_soak.window_plots(rows)
     assert "<title>G4 windowed TTFT p99</title>" in chart and "TTFT p99 (ms)" in chart   # unit from the name
     assert "flip_byte" in chart and "left out of the drift checks (warm-up, faults)" in chart
+    assert ">fault</text>" in chart                                       # the markers' legend entry
 
 
 # ---------------------------------------------------------------- environment
