@@ -1,19 +1,4 @@
-"""The report's chart primitives, drawn with matplotlib's SVG backend and inlined in the page.
-
-Pure functions: data in, SVG text out. Each chart is its own `matplotlib.figure.Figure` on a
-`FigureCanvasSVG` (never pyplot's global figures). The SVG is made for inlining in a page that
-must stay offline and self-contained:
-
-- text stays text (`svg.fonttype: none`), drawn in the page's own sans-serif fonts: no font
-  files, nothing fetched, and every title and label can be found in the page;
-- no XML declaration, DOCTYPE or namespace URLs (inline SVG in HTML needs none; `<use>` takes
-  a plain `href`), no `<metadata>` block, never a script;
-- deterministic: no date, ids hashed with a salt of the chart's own title (`svg.hashsalt`), so
-  a re-render of the same data writes the same bytes; only the ids something refers to are kept
-  (matplotlib names every group "figure_1", "axes_1", ... in each chart), so two charts in one
-  page never share an id;
-- a `<title>` for screen readers; user strings are escaped by matplotlib and never read as
-  mathtext (`$` is escaped).
+"""The report's chart kinds: data in, an inline SVG element out (drawn by matplotlib, see svg_figure.py).
 
 Kinds: `line_chart` (series with optional interval error bars, predicted series as hollow
 markers on a dashed line, a shaded band or bound, vertical markers, shaded spans), `bar_chart`
@@ -24,53 +9,24 @@ markers on a dashed line, a shaded band or bound, vertical markers, shaded spans
 
 from __future__ import annotations
 
-import hashlib
-import io
 import math
-import re
 import textwrap
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
-import matplotlib
-from matplotlib.backends.backend_svg import FigureCanvasSVG
-from matplotlib.figure import Figure
-from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.textpath import text_to_path
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator, PercentFormatter
 
+from .svg_figure import (CHART_CSS, HEIGHT_IN, STYLE, WIDE_IN, literal, new_figure, place, set_title, style,
+                         text_width_in, to_svg)
+
+__all__ = ["CHART_CSS", "Bar", "Distribution", "Dot", "Panel", "Series", "bar_chart", "cdf_chart", "dot_chart",
+           "empty_chart", "fmt_tick", "line_chart", "to_svg"]
 PALETTE = ("#2563eb", "#ea580c", "#059669", "#7c3aed", "#db2777", "#0891b2", "#65a30d", "#64748b")
 STATUS_COLORS = {"PASS": "#16a34a", "FAIL": "#dc2626", "INCONCLUSIVE": "#d97706"}
 REFERENCE_COLOR, MARKER_COLOR, BAND_COLOR, SPAN_COLOR = "#111827", "#b91c1c", "#16a34a", "#6b7280"
-WIDTH_IN, HEIGHT_IN, WIDE_IN = 7.0, 3.8, 10.5
 MAX_CDF_STEPS = 200            # a CDF curve drawn from at most this many quantiles (its n is the records')
-STYLE = {
-    "svg.fonttype": "none",
-    "font.family": "sans-serif",
-    "font.sans-serif": ["DejaVu Sans", "Arial", "Helvetica"],
-    "font.size": 9.0,
-    "axes.titlesize": 11.0,
-    "axes.titleweight": "bold",
-    "axes.titlelocation": "left",
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "axes.edgecolor": "#9ca3af",
-    "axes.grid": True,
-    "grid.color": "#e5e7eb",
-    "grid.linewidth": 0.8,
-    "legend.frameon": False,
-    "legend.fontsize": 8.0,
-    "xtick.color": "#4b5563",
-    "ytick.color": "#4b5563",
-    "axes.labelcolor": "#374151",
-}
-# matplotlib's own SVG stylesheet, once in the page's CSS: a <style> inside inline SVG would apply page-wide
-CHART_CSS = ".chart * { stroke-linejoin: round; stroke-linecap: butt; }"
-NO_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
-
 Point = tuple[float, float]
 Interval = tuple[float, float]
 
@@ -146,12 +102,6 @@ def fmt_tick(value: float, _position: object = None) -> str:
     return f"{value:.2g}"
 
 
-def _label(text: object) -> str:
-    """User text as matplotlib shows it literally: `$` escaped (no mathtext), no leading `_` (legend-hidden)."""
-    words = str(text).replace("$", r"\$")
-    return " " + words if words.startswith("_") else words
-
-
 def _colours(keys: Sequence[str]) -> dict[str, str]:
     order: list[str] = []
     for key in keys:
@@ -160,74 +110,13 @@ def _colours(keys: Sequence[str]) -> dict[str, str]:
     return {key: PALETTE[i % len(PALETTE)] for i, key in enumerate(order)}
 
 
-@contextmanager
-def _style(title: str) -> Iterator[None]:
-    salt = hashlib.blake2b(title.encode(), digest_size=6).hexdigest()
-    with matplotlib.rc_context({**STYLE, "svg.hashsalt": salt}):
-        yield
-
-
-def _figure(height: float = HEIGHT_IN, width: float = WIDTH_IN) -> Figure:
-    figure = Figure(figsize=(width, height))
-    FigureCanvasSVG(figure)
-    return figure
-
-
-def _place(figure: Figure, left: float = 0.85, bottom: float = 0.55, top: float = 0.4, right: float = 0.2,
-           **spacing: float) -> None:
-    """Margins in inches. Fixed margins rather than a constrained layout, which redraws every chart
-    several times to measure it (three times the cost): the axes' tick labels are short, and long
-    category labels are measured with the font's own metrics (`_text_width_in`)."""
-    width, height = figure.get_size_inches()
-    figure.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
-                           **spacing)
-
-
-def _title(figure: Figure, title: str) -> None:
-    """The chart's title at the figure's top left (not the axes': long category labels push those right)."""
-    height = figure.get_size_inches()[1]
-    figure.suptitle(_label(title), x=0.012, y=1 - 0.07 / height, ha="left", va="top", fontsize=11, fontweight="bold")
-
-
-def _text_width_in(labels: Sequence[str], size: float) -> float:
-    """The widest line of `labels` in inches, by the font's metrics (no drawing)."""
-    font = FontProperties(family=STYLE["font.family"], size=size)
-    widths = [text_to_path.get_text_width_height_descent(line, font, ismath=False)[0]
-              for label in labels for line in label.split("\n") if line]
-    return max(widths, default=0.0) / 72.0
-
-
-def to_svg(figure: Figure, title: str, wide: bool = False) -> str:
-    """The figure as an inline <svg> element (see the module's docstring for what is removed and why);
-    `wide`: the page gives it a whole row."""
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", metadata=NO_METADATA)
-    text = buffer.getvalue()
-    text = text[text.index("<svg"):]
-    text = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", text)
-    text = text.replace("xlink:href=", "href=")
-    text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.S)
-    text = re.sub(r"<defs>\s*<style[^>]*>[^<]*</style>\s*</defs>\s*", "", text)  # page-wide in HTML: CHART_CSS
-    text = re.sub(r"<script\b.*?</script>", "", text, flags=re.S | re.I)
-    referenced = set(re.findall(r'(?:href="#|url\(#)([^")]+)', text))
-    text = re.sub(r'\s+id="([^"]+)"', lambda m: m.group(0) if m.group(1) in referenced else "", text)
-    opening = text.index(">") + 1
-    classes = "chart wide" if wide else "chart"
-    head = text[:opening].replace("<svg", f'<svg class="{classes}" role="img" aria-label="{_escape(title)}"', 1)
-    return f"{head}\n <title>{_escape(title)}</title>{text[opening:]}".strip()
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
-
-
 def empty_chart(title: str) -> str:
-    with _style(title):
-        figure = _figure(height=1.2)
+    with style(title):
+        figure = new_figure(height=1.2)
         axes = figure.add_subplot()
         axes.set_position((0.02, 0.0, 0.96, 0.8))
         axes.set_axis_off()
-        _title(figure, title)
+        set_title(figure, title)
         axes.text(0.5, 0.4, "no data", ha="center", va="center", color="#6b7280", transform=axes.transAxes)
         return to_svg(figure, title)
 
@@ -258,7 +147,7 @@ def _shade_band(axes, band: tuple[Optional[float], Optional[float]], label: str)
     margin = 0.05 * (top - bottom or 1.0)
     bottom, top = bottom - (margin if lo is None else 0), top + (margin if hi is None else 0)
     axes.axhspan(lo if lo is not None else bottom, hi if hi is not None else top, color=BAND_COLOR, alpha=0.12,
-                 lw=0, label=_label(label), zorder=0)
+                 lw=0, label=literal(label), zorder=0)
     for value in values:
         axes.axhline(value, color=BAND_COLOR, lw=1.0, ls="--", zorder=1)
     axes.set_ylim(bottom, top)
@@ -288,18 +177,18 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
     if not clean:
         return empty_chart(title)
     colours = _colours([s.key or s.name for s, _ in clean])
-    with _style(title):
-        figure = _figure()
-        _place(figure)
+    with style(title):
+        figure = new_figure()
+        place(figure)
         axes = figure.add_subplot()
         for s, kept in clean:
             colour = colours[s.key or s.name]
             xs, ys = [p[0] for p in kept], [p[1] for p in kept]
             if s.predicted:
                 axes.plot(xs, ys, ls="--", lw=1.4, marker="D", ms=5.5, mfc="white", mec=colour, mew=1.4, color=colour,
-                          label=_label(s.name), zorder=3)
+                          label=literal(s.name), zorder=3)
             else:
-                axes.plot(xs, ys, ls="-", lw=1.8, marker="o", ms=4.5, color=colour, label=_label(s.name), zorder=4)
+                axes.plot(xs, ys, ls="-", lw=1.8, marker="o", ms=4.5, color=colour, label=literal(s.name), zorder=4)
             bars = [(x, y, e) for x, y, e in kept if e is not None and finite(e[0]) and finite(e[1])]
             if bars:
                 axes.errorbar([b[0] for b in bars], [b[1] for b in bars],
@@ -316,19 +205,19 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
         shaded = [(a, b) for a, b, _ in spans if finite(a) and finite(b) and a < b]
         for a, b in shaded:
             axes.axvspan(a, b, color=SPAN_COLOR, alpha=0.15, lw=0, zorder=0)
-        extra = [Patch(color=SPAN_COLOR, alpha=0.15, lw=0, label=_label(span_label))] if shaded else []
+        extra = [Patch(color=SPAN_COLOR, alpha=0.15, lw=0, label=literal(span_label))] if shaded else []
         if marker_label and any(finite(at) for at, _ in markers):
-            extra.append(Line2D([], [], color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), label=_label(marker_label)))
+            extra.append(Line2D([], [], color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), label=literal(marker_label)))
         for at, words in markers:
             if finite(at):
                 axes.axvline(at, color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), zorder=2)
-                axes.annotate(_label(words), (at, 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
+                axes.annotate(literal(words), (at, 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
                               textcoords="offset points", color=MARKER_COLOR, fontsize=7.5, rotation=90,
                               va="bottom", bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.85})
         _y_format(axes, percent)
-        _title(figure, title)
-        axes.set_xlabel(_label(x_label))
-        axes.set_ylabel(_label(y_label))
+        set_title(figure, title)
+        axes.set_xlabel(literal(x_label))
+        axes.set_ylabel(literal(y_label))
         axes.legend(handles=axes.get_legend_handles_labels()[0] + extra, loc="best")
         return to_svg(figure, title)
 
@@ -346,24 +235,24 @@ def bar_chart(bars: Sequence[Bar], title: str, unit: str, *, reference_label: st
     if not bars:
         return empty_chart(title)
     statuses = [b.status.upper() for b in bars]
-    with _style(title):
+    with style(title):
         height = max(HEIGHT_IN, 1.2 + 0.38 * len(bars)) if horizontal else HEIGHT_IN
-        figure = _figure(height=height)
+        figure = new_figure(height=height)
         axes = figure.add_subplot()  # placed below, once its labels are known
         positions = list(range(len(bars)))
         colours = [STATUS_COLORS.get(s, PALETTE[0]) for s in statuses]
-        labels = [_label(b.label) for b in bars]
+        labels = [literal(b.label) for b in bars]
         values = [b.value for b in bars]
         if horizontal:
             names = [_wrapped(t, 40) for t in labels]
-            _place(figure, left=_text_width_in(names, STYLE["font.size"]) + 0.3)
+            place(figure, left=text_width_in(names, STYLE["font.size"]) + 0.3)
             drawn = axes.barh(positions, values, color=colours, height=0.6, zorder=3)
             axes.set_yticks(positions, names)
             axes.invert_yaxis()
             axes.grid(axis="y", visible=False)
         else:
             names = [_wrapped(t, max(6, 70 // len(bars))) for t in labels]
-            _place(figure, bottom=0.3 + 0.16 * max(n.count("\n") + 1 for n in names))
+            place(figure, bottom=0.3 + 0.16 * max(n.count("\n") + 1 for n in names))
             drawn = axes.bar(positions, values, color=colours, width=0.6, zorder=3)
             axes.set_xticks(positions, names)
             axes.grid(axis="x", visible=False)
@@ -374,17 +263,17 @@ def bar_chart(bars: Sequence[Bar], title: str, unit: str, *, reference_label: st
                 axes.vlines(value, i - 0.42, i + 0.42, color=REFERENCE_COLOR, lw=2.4, zorder=4)
             else:
                 axes.hlines(value, i - 0.42, i + 0.42, color=REFERENCE_COLOR, lw=2.4, zorder=4)
-        extra = [Line2D([], [], color=REFERENCE_COLOR, lw=2.4, label=_label(reference_label))] if references else []
+        extra = [Line2D([], [], color=REFERENCE_COLOR, lw=2.4, label=literal(reference_label))] if references else []
         if line is not None and finite(line[0]):
             (axes.axvline if horizontal else axes.axhline)(line[0], color=REFERENCE_COLOR, lw=1.2, ls="--",
-                                                           label=_label(line[1]), zorder=2)
+                                                           label=literal(line[1]), zorder=2)
         value_axis = axes.xaxis if horizontal else axes.yaxis
         if log:
             (axes.set_xscale if horizontal else axes.set_yscale)("log")
         value_axis.set_major_formatter(FuncFormatter(fmt_tick))
         extra += [Patch(color=STATUS_COLORS[s], label=s) for s in dict.fromkeys(statuses) if s in STATUS_COLORS]
-        _title(figure, title)
-        (axes.set_xlabel if horizontal else axes.set_ylabel)(_label(unit))
+        set_title(figure, title)
+        (axes.set_xlabel if horizontal else axes.set_ylabel)(literal(unit))
         handles = axes.get_legend_handles_labels()[0] + extra
         if handles:
             axes.legend(handles=handles, loc="best")
@@ -396,10 +285,10 @@ def dot_chart(dots: Sequence[Dot], title: str, x_label: str, *, percent: bool = 
     dots = [d for d in dots if finite(d.measured) or finite(d.predicted)]
     if not dots:
         return empty_chart(title)
-    with _style(title):
-        figure = _figure(height=max(2.2, 1.3 + 0.5 * len(dots)))
-        names = [_wrapped(_label(d.label), 34) for d in dots]
-        _place(figure, left=_text_width_in(names, STYLE["font.size"]) + 0.3)
+    with style(title):
+        figure = new_figure(height=max(2.2, 1.3 + 0.5 * len(dots)))
+        names = [_wrapped(literal(d.label), 34) for d in dots]
+        place(figure, left=text_width_in(names, STYLE["font.size"]) + 0.3)
         axes = figure.add_subplot()
         for row, dot in enumerate(dots):
             colour = STATUS_COLORS.get(dot.status.upper(), PALETTE[0])
@@ -426,8 +315,8 @@ def dot_chart(dots: Sequence[Dot], title: str, x_label: str, *, percent: bool = 
         axes.grid(axis="y", visible=False)
         axes.xaxis.set_major_formatter(PercentFormatter(xmax=1.0, decimals=None) if percent else FuncFormatter(fmt_tick))
         axes.set_xlim(left=min(0.0, axes.get_xlim()[0]))
-        _title(figure, title)
-        axes.set_xlabel(_label(x_label))
+        set_title(figure, title)
+        axes.set_xlabel(literal(x_label))
         axes.legend(handles=legend, loc="best")
         return to_svg(figure, title)
 
@@ -458,9 +347,9 @@ def cdf_chart(panels: Sequence[Panel], title: str, x_label: str, *, log_x: Optio
     colours = _colours([d.key or d.name for p in panels for d in p.distributions])
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
-    with _style(title):
-        figure = _figure(height=0.8 + 2.7 * rows, width=WIDE_IN)
-        _place(figure, left=0.8, top=0.6, wspace=0.06, hspace=0.45)
+    with style(title):
+        figure = new_figure(height=0.8 + 2.7 * rows, width=WIDE_IN)
+        place(figure, left=0.8, top=0.6, wspace=0.06, hspace=0.45)
         grid = figure.subplots(rows, columns, sharex=True, sharey=True, squeeze=False)
         for index, axes in enumerate(grid.flat):
             if index >= len(panels):
@@ -471,7 +360,7 @@ def cdf_chart(panels: Sequence[Panel], title: str, x_label: str, *, log_x: Optio
                 xs, ys = cdf_steps(d.values)
                 if xs:
                     axes.step(xs, ys, where="post", lw=1.6, color=colours[d.key or d.name],
-                              label=_label(f"{d.name} (n={sum(1 for v in d.values if finite(v))})"))
+                              label=literal(f"{d.name} (n={sum(1 for v in d.values if finite(v))})"))
             if log_x:
                 axes.set_xscale("log")
             axes.xaxis.set_major_formatter(FuncFormatter(fmt_tick))
@@ -479,11 +368,11 @@ def cdf_chart(panels: Sequence[Panel], title: str, x_label: str, *, log_x: Optio
             axes.set_ylim(0, 1.02)
             axes.yaxis.set_major_locator(FixedLocator([0, 0.25, 0.5, 0.75, 0.9, 0.99]))
             axes.yaxis.set_major_formatter(PercentFormatter(xmax=1.0, decimals=0))
-            axes.set_title(_label(panel.title), fontsize=9.5)
+            axes.set_title(literal(panel.title), fontsize=9.5)
             axes.legend(loc="lower right", fontsize=7.0)
             if index % columns == 0:
                 axes.set_ylabel("share of requests ≤ x")
             if index >= len(panels) - columns:
-                axes.set_xlabel(_label(x_label))
-        _title(figure, title)
+                axes.set_xlabel(literal(x_label))
+        set_title(figure, title)
         return to_svg(figure, title, wide=True)

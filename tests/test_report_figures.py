@@ -234,3 +234,23 @@ def test_the_page_shows_the_environment_as_tables_not_json(tmp_path):
     section = page[page.index('id="environment"'):]
     assert "<h4>Versions</h4>" in section and "<td>2.13.0+cpu</td>" in section and "<td>PM1743</td>" in section
     assert '{"' not in section and "<pre>" not in section
+
+
+# ---------------------------------------------------------------- G2
+
+def test_g2_draws_each_judged_ratio_with_its_interval_beside_the_prediction_made_before_g2(tmp_path):
+    from reports import g2_cache
+
+    store = RunStore(tmp_path)
+    store.add_verdict({"gate": "g2", "check": "disk hit", "metric": "disk_hit_ttft_vs_recompute", "status": "PASS",
+                       "reason": "…", "value": 0.075, "unit": "%", "interval": [0.072, 0.078],
+                       "rule": {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25}})
+    store.add_verdict({"gate": "g2", "check": "saves", "metric": "checkpoint_saves_complete", "status": "PASS",
+                       "reason": "…", "value": 1.0, "unit": "%",
+                       "rule": {"metric": "checkpoint_saves_complete", "op": "==", "value": 1.0}})
+    store.add_predictions("before g2", [{"gate": "g2", "metric": "disk_hit_ttft_vs_recompute", "value": 0.06,
+                                         "unit": "%", "label": "…", "context": {"context_tokens": 8192}}])
+    [chart] = g2_cache.judged_ratio_plots(rows_of(store, "g2"))
+    words = set(re.findall(r">([^<>]+)</text>", chart))
+    assert {"disk hit ttft vs recompute", "predicted before the gate", "threshold"} <= words
+    assert "checkpoint saves complete" not in words          # an exact rule with no interval: the table says it
