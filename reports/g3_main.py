@@ -129,6 +129,39 @@ def distribution_plots(rows: GateRows, level: Level) -> list[str]:
     return charts
 
 
+STEP_COLUMNS = (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99"),
+                ("e2e_p50_ms", "E2E p50 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("output_tokens_per_s", "tokens/s"),
+                ("requests_per_s", "req/s"), ("hit_ratio", "hit ratio"), ("error_rate", "errors"))
+
+
+def step_tables(rows: GateRows) -> list[dict]:
+    """One row per (level, target): the step's figures as G3 recorded them, and whether it was valid."""
+    level = level_of(rows.measurements)
+    steps: dict[tuple[float, str], dict[str, dict]] = {}
+    for row in rows.measurements:
+        context = row.get("context") or {}
+        at = number(context.get(level.key))
+        if at is not None and "target" in context and row.get("metric") in {m for m, _ in STEP_COLUMNS} | {"step_valid"}:
+            steps.setdefault((at, str(context["target"])), {})[str(row["metric"])] = row
+    if not steps:
+        return []
+    table, statuses = [], []
+    for (at, target), figures in sorted(steps.items()):
+        cells = []
+        for metric, _ in STEP_COLUMNS:
+            value = number((figures.get(metric) or {}).get("value"))
+            percent = metric in ("hit_ratio", "error_rate")
+            cells.append("" if value is None else f"{100 * value:.1f}%" if percent else f"{value:,.1f}")
+        valid = figures.get("step_valid") or {}
+        reasons = str((valid.get("context") or {}).get("reasons") or "")
+        ok = valid.get("value")
+        table.append([level.label(at), target, *cells, "yes" if ok else f"NO: {reasons}" if valid else ""])
+        statuses.append("" if ok or not valid else "inconclusive")
+    return [{"title": f"Each step: figures from its measured window, by {level.words} and target",
+             "columns": [level.words, "target", *(name for _, name in STEP_COLUMNS), "valid"], "rows": table,
+             "statuses": statuses, "text_columns": [0, 1, len(STEP_COLUMNS) + 2]}]
+
+
 def g3_plots(rows: GateRows) -> list[str]:
     level = level_of(rows.measurements)
     return judged_plots(rows, level) + figure_plots(rows, level) + distribution_plots(rows, level)

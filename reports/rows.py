@@ -59,11 +59,6 @@ def threshold_of(row: dict) -> Optional[Threshold]:
     return rule if isinstance(rule, Threshold) else None
 
 
-def band_of(row: dict) -> Optional[Band]:
-    rule = rule_of(row)
-    return rule if isinstance(rule, Band) else None
-
-
 def accepted(rule: Optional[Rule]) -> Optional[tuple[Optional[float], Optional[float]]]:
     """Where a figure passes, as a band (lo, hi) with None for an open side; None for `==` or no rule."""
     if isinstance(rule, Band):

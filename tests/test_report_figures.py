@@ -254,3 +254,18 @@ def test_g2_draws_each_judged_ratio_with_its_interval_beside_the_prediction_made
     words = set(re.findall(r">([^<>]+)</text>", chart))
     assert {"disk hit ttft vs recompute", "predicted before the gate", "threshold"} <= words
     assert "checkpoint saves complete" not in words          # an exact rule with no interval: the table says it
+
+
+def test_g3_step_table_lists_each_steps_recorded_figures_and_why_a_step_was_invalid(tmp_path):
+    store = RunStore(tmp_path)
+    for target, ttft, hits, valid in (("baseline", 294.86, 0.1293, True), ("candidate", 38.1, 0.9291, False)):
+        store.record("g3", "sweep", "ttft_p50_ms", ttft, "ms", target=target, concurrency=2)
+        store.record("g3", "sweep", "hit_ratio", hits, target=target, concurrency=2)
+        store.record("g3", "sweep", "error_rate", 0.0, target=target, concurrency=2)
+        store.record("g3", "sweep", "step_valid", valid, target=target, reasons="" if valid else "client saturated",
+                     concurrency=2)
+    [table] = g3_main.step_tables(rows_of(store, "g3"))
+    first, second = table["rows"]
+    assert first[:3] == ["c=2", "baseline", "294.9"] and first[-3:] == ["12.9%", "0.0%", "yes"]
+    assert second[1:3] == ["candidate", "38.1"] and second[-1] == "NO: client saturated"
+    assert table["statuses"] == ["", "inconclusive"]
