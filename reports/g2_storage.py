@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional
 
 from workloads.loaders import READS_WITH_O_DIRECT
 
-from . import svg
+from . import plots
 
 LOAD_PHASES = ("open", "read", "deserialize", "copy")
 SERVICE_PHASES = ("imports", "weights", "ready", "first_token")
@@ -152,21 +152,20 @@ def checkpoint_tables(measurements: list[dict]) -> list[dict]:
 def storage_plots(measurements: list[dict]) -> list[str]:
     """Loaders' median GB/s with fio's median line over each; checkpoint saves and restores per round with
     fio's write line over each save."""
-    plots = []
+    charts = []
     loads = _under_test(_rows(measurements, "model_load_round"))
     if loads:
-        groups = _by(loads, "loader")
-        bars = [(loader, _median(r.get("value") for r in rounds)) for loader, rounds in groups.items()]
-        lines = [(i, _median((r.get("context") or {}).get("fio_gbps") for r in rounds))
-                 for i, rounds in enumerate(groups.values())]
-        plots.append(svg.bar_chart(bars, lines, "G2 model load: cold GB/s per loader (medians)", "GB/s",
-                                   line_label="fio, same files"))
+        bars = [plots.Bar(loader, _median(r.get("value") for r in rounds),
+                          _median((r.get("context") or {}).get("fio_gbps") for r in rounds))
+                for loader, rounds in _by(loads, "loader").items()]
+        charts.append(plots.bar_chart(bars, "G2 model load: cold GB/s per loader (medians)", "GB/s",
+                                      reference_label="fio, same files"))
     saves = _under_test(_rows(measurements, "checkpoint_save_round"))
     restores = _under_test(_rows(measurements, "checkpoint_restore_round"))
     if saves or restores:
-        bars = ([(f"save {(r.get('context') or {}).get('round')}", r.get("value")) for r in saves]
-                + [(f"restore {(r.get('context') or {}).get('round')}", r.get("value")) for r in restores])
-        lines = [(i, (r.get("context") or {}).get("fio_gbps")) for i, r in enumerate(saves)]
-        plots.append(svg.bar_chart(bars, lines, "G2 checkpoint: save and cold restore GB/s per round", "GB/s",
-                                   line_label="fio sequential write"))
-    return plots
+        bars = ([plots.Bar(f"save {(r.get('context') or {}).get('round')}", r.get("value"),
+                           (r.get("context") or {}).get("fio_gbps")) for r in saves]
+                + [plots.Bar(f"restore {(r.get('context') or {}).get('round')}", r.get("value")) for r in restores])
+        charts.append(plots.bar_chart(bars, "G2 checkpoint: save and cold restore GB/s per round", "GB/s",
+                                      reference_label="fio sequential write"))
+    return charts

@@ -12,23 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
 from kvcore.files import write_json, write_text_atomic
-from kvcore.rules import Band, Threshold, stored_rule
 from kvcore.claims import claim_text, claims_table, format_figure, run_claims
 from kvcore.predictions import beside
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
-from . import g2_storage, svg
+from . import g1_arrival, g2_cache, g2_storage, g3_main, g4_soak, plots
+from .environment import environment_tables
+from .rows import GateRows, gate_rows, number
 
 TEMPLATES = Path(__file__).parent / "templates"
 PROBLEM = ("failed", "error")
@@ -193,156 +193,22 @@ def _count(suite: ET.Element) -> ET.Element:
     return suite
 
 
-# ---------------------------------------------------------------- plots
+# ---------------------------------------------------------------- plots and tables
 
-def _threshold(verdict: dict) -> Optional[Threshold]:
-    rule = stored_rule(verdict.get("rule"))
-    return rule if isinstance(rule, Threshold) else None
-
-
-def _band(verdict: dict) -> Optional[Band]:
-    rule = stored_rule(verdict.get("rule"))
-    return rule if isinstance(rule, Band) else None
-
-
-def _number(value: Any) -> Optional[float]:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
-
-
-def _series(measurements: list[dict], metric: str, group: str, x_key: str) -> dict[str, list[tuple[float, float]]]:
-    """Median value per (group, x) of one metric; group and x come from each row's context."""
-    buckets: dict[str, dict[float, list[float]]] = {}
-    for row in measurements:
-        context = row.get("context") or {}
-        x, y = _number(context.get(x_key)), _number(row.get("value"))
-        if row.get("metric") != metric or x is None or y is None:
-            continue
-        name = str(context.get(group) or row.get("check") or metric)
-        buckets.setdefault(name, {}).setdefault(x, []).append(y)
-    return {name: [(x, statistics.median(ys)) for x, ys in sorted(points.items())] for name, points in buckets.items()}
-
-
-def _unit(measurements: list[dict], metric: str) -> str:
-    return next((str(m.get("unit") or "") for m in measurements if m.get("metric") == metric), "")
-
-
-def _geometric(series: dict[str, list[tuple[float, float]]]) -> bool:
-    xs = [x for points in series.values() for x, _ in points]
-    return bool(xs) and min(xs) > 0 and max(xs) / min(xs) >= 8
-
-
-def _g1_plots(gate: dict) -> list[str]:
-    by_unit: dict[str, list[dict]] = {}
-    for v in gate["verdicts"]:
-        if _threshold(v) is not None and _number(v.get("value")) is not None:
-            by_unit.setdefault(str(v.get("unit") or ""), []).append(v)
-    return [svg.bar_chart([(str(v.get("check") or v.get("metric")), v["value"]) for v in rows],
-                          [(i, _threshold(v).value) for i, v in enumerate(rows)],
-                          "G1 measured against spec" + (f" ({unit})" if unit else ""), unit,
-                          statuses=[str(v.get("status", "")) for v in rows])
-            for unit, rows in by_unit.items()]
-
-
-def _g2_plots(gate: dict) -> list[str]:
-    plots = []
-    series = _series(gate["measurements"], "ttft_ms", "mode", "context_tokens")
-    if series:
-        plots.append(svg.line_chart(series, "G2 TTFT by context length", "context length (tokens)", "TTFT (ms)",
-                                    log_x=_geometric(series)))
-    pairs = [m.get("context") or {} for m in gate["measurements"] if m.get("metric") == "cold_read_pair"]
-    if pairs:
-        sides = {side: [(p.get("round"), p.get(f"{side}_gbps")) for p in pairs] for side in ("tier", "fio")}
-        plots.append(svg.line_chart({"disk tier cold load": sides["tier"], "fio, same storage": sides["fio"]},
-                                    "G2 cold-read bandwidth, alternating rounds", "round", "GB/s"))
-    return plots + g2_storage.storage_plots(gate["measurements"])
-
-
-def _g3_level_key(rows: list[dict]) -> tuple[str, str]:
-    """What G3's levels are in this run (the context key and the axis title): concurrencies or rate multipliers."""
-    multiplied = any("multiplier" in (row.get("context") or {}) for row in rows)
-    return ("multiplier", "rate multiplier (× the trace's arrival rate)") if multiplied else ("concurrency",
-                                                                                              "concurrency")
-
-
-def _g3_plots(gate: dict) -> list[str]:
-    plots, rows = [], gate["measurements"]
-    key, axis = _g3_level_key(rows)
-    by = key if key == "concurrency" else "rate multiplier"
-    bands = [v for v in gate["verdicts"] if _band(v) is not None]
-    ttft = _series(rows, "ttft_p50_ms", "target", key)
-    if ttft:
-        plots.append(svg.line_chart(ttft, f"G3 TTFT p50 by {by}", axis, "TTFT p50 (ms)", log_x=_geometric(ttft)))
-    throughput, unit = _series(rows, "output_tokens_per_s", "target", key), _unit(rows, "output_tokens_per_s")
-    same_unit = [v for v in bands if str(v.get("unit") or "") == unit and unit]
-    if throughput:
-        band = (_band(same_unit[0]).min, _band(same_unit[0]).max) if same_unit else None
-        plots.append(svg.line_chart(throughput, f"G3 output throughput by {by}", axis,
-                                    f"output throughput ({unit or 'tokens/s'})", band=band,
-                                    log_x=_geometric(throughput), band_label="accepted band"))
-    judged = [v for v in bands if v not in same_unit and _number(v.get("value")) is not None
-              and _number((v.get("context") or {}).get(key)) is not None]
-    if judged:
-        unit = str(judged[0].get("unit") or "")
-        scale = 100.0 if unit == "%" else 1.0  # verdicts hold fractions; a percent axis shows percents
-        points = [(float(v["context"][key]), v["value"] * scale) for v in judged]
-        band = (_band(judged[0]).min * scale, _band(judged[0]).max * scale)
-        metric = str(judged[0].get("metric") or judged[0].get("check") or "judged figure")
-        plots.append(svg.line_chart({metric: points}, f"G3 {metric} against its band", axis,
-                                    f"{metric} ({unit})" if unit else metric, band=tuple(band),
-                                    log_x=_geometric({"": points}), band_label="accepted band"))
-    return plots
-
-
-def _fault_marker(row: dict) -> tuple[Any, str]:
-    context = row.get("context") or {}
-    return context.get("at_s"), str(context.get("kind") or row.get("check") or "fault")
-
-
-def _left_out_span(row: dict) -> tuple[Optional[float], Optional[float], str]:
-    """A window the drift checks left out: where it lies and which faults were in it."""
-    context = row.get("context") or {}
-    return (_number(context.get("window_start_s")), _number(context.get("window_end_s")),
-            f"window {context.get('window')} left out of the drift checks: {context.get('reason') or ''}")
-
-
-def _g4_plots(gate: dict) -> list[str]:
-    rows = gate["measurements"]
-    metrics = sorted({str(m.get("metric")) for m in rows if str(m.get("metric", "")).startswith("window_")},
-                     key=lambda metric: (metric != "window_ttft_p99_ms", metric))
-    faults = [_fault_marker(m) for m in rows if m.get("metric") == "fault"]
-    left_out = [_left_out_span(m) for m in rows if m.get("metric") == "drift_excluded_window"]
-    plots = []
-    for metric in metrics:
-        series = _series(rows, metric, "target", "window_start_s")
-        if not series:
-            continue
-        span = max(max(x for x, _ in points) for points in series.values())
-        scale, label = (3600.0, "h") if span >= 3 * 3600 else (60.0, "min") if span >= 600 else (1.0, "s")
-        scaled = {name: [(x / scale, y) for x, y in points] for name, points in series.items()}
-        markers = [(at / scale, kind) for at, kind in faults if _number(at) is not None]
-        spans = [(a / scale, b / scale, words) for a, b, words in left_out if None not in (a, b)]
-        unit = _unit(rows, metric)
-        name = _metric_words(metric.removeprefix("window_"), unit)
-        plots.append(svg.line_chart(scaled, f"G4 windowed {name}", f"time since start ({label})",
-                                    f"{name} ({unit})" if unit else name, markers=markers, spans=spans,
-                                    span_label="fault windows left out of the drift checks"))
-    return plots
-
-
-def _metric_words(metric: str, unit: str) -> str:
-    """"ttft_p99_ms" with unit "ms" → "TTFT p99"."""
-    words = metric.split("_")
-    if unit and words[-1:] == [unit.lower()] and len(words) > 1:
-        words = words[:-1]
-    return " ".join(word.upper() if word in ACRONYMS else word for word in words)
-
-
-ACRONYMS = {"ttft", "itl", "tpot", "e2e", "rss", "kv", "gpu", "cpu"}
-PLOTTERS = {"g1": _g1_plots, "g2": _g2_plots, "g3": _g3_plots, "g4": _g4_plots}
-# a gate's tables of figures beside its verdicts: {title, columns, rows}
-TABLERS = {"g2": lambda gate: g2_storage.model_load_tables(gate["measurements"])
-           + g2_storage.checkpoint_tables(gate["measurements"])}
+# Each gate's charts (inline SVG) and tables of figures ({title, columns, rows} and optionally statuses,
+# text_columns, badge_column) from its rows; the builders live one module per gate.
+PLOTTERS: dict[str, Callable[[GateRows], list[str]]] = {
+    "g1": g1_arrival.headroom_plots,
+    "g2": lambda rows: g2_cache.cache_plots(rows) + g2_storage.storage_plots(rows.measurements),
+    "g3": g3_main.g3_plots,
+    "g4": g4_soak.window_plots,
+}
+TABLERS: dict[str, Callable[[GateRows], list[dict]]] = {
+    "g1": g1_arrival.spec_table,
+    "g2": lambda rows: g2_storage.model_load_tables(rows.measurements) + g2_storage.checkpoint_tables(rows.measurements),
+    "g3": g3_main.step_tables,
+    "g4": g4_soak.fault_tables,
+}
 
 
 # ---------------------------------------------------------------- index.html
@@ -367,8 +233,8 @@ def fmt_value(value: Any) -> str:
 
 def fmt_with_unit(value: Any, unit: Any) -> str:
     """A judged figure with its unit; "%" figures are fractions (0.312 -> "31.2%"), as in verdict reasons."""
-    if unit == "%" and _number(value) is not None:
-        return f"{_number(value) * 100:.1f}%"
+    if unit == "%" and number(value) is not None:
+        return f"{number(value) * 100:.1f}%"
     text = fmt_value(value)
     return f"{text} {unit}" if unit and text else text
 
@@ -404,31 +270,25 @@ def status_class(status: Any) -> str:
     return aliases.get(text, text.replace(" ", "-"))
 
 
-def pretty_json(value: Any) -> str:
-    """One line when short, indented otherwise."""
-    line = json.dumps(value, default=str, ensure_ascii=False, separators=(", ", ": "))
-    return line if len(line) <= 100 else json.dumps(value, indent=2, default=str, ensure_ascii=False)
-
-
-def fmt_field(value: Any, key: str) -> str:
-    """A run record field: epoch seconds under a *_at key read as a UTC time."""
-    return fmt_time(value) if str(key).endswith("_at") and isinstance(value, (int, float)) else fmt_value(value)
-
-
 def render_html(results: dict, run_dir: Path, rendered_at: float) -> str:
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=True, undefined=StrictUndefined,
                       trim_blocks=True, lstrip_blocks=True)
     env.filters.update(value=fmt_value, with_unit=fmt_with_unit, interval_with_unit=fmt_interval_with_unit,
                        time=fmt_time, context=fmt_context, interval=fmt_interval,
-                       status_class=status_class, pretty_json=pretty_json, field=fmt_field)
-    gates = [{**gate, "plots": [Markup(p) for p in PLOTTERS[gate["gate"]](gate)],
-              "tables": TABLERS.get(gate["gate"], lambda g: [])(gate)} for gate in results["gates"]]
+                       status_class=status_class)
+    store = RunStore(run_dir)
+    predictions = store.predictions()
+    gates = []
+    for gate in results["gates"]:
+        rows = gate_rows(gate, store, predictions)
+        gates.append({**gate, "plots": [Markup(p) for p in PLOTTERS[gate["gate"]](rows)],
+                      "tables": TABLERS.get(gate["gate"], lambda r: [])(rows)})
     run = results["run"]
     started = run.get("started_at")
     page = env.get_template("index.html.j2").render(
         results=results, run=run, gates=gates, run_id=run.get("run_id") or run_dir.name, started=started,
-        environment=results["environment"], rendered_at=rendered_at,
-        run_extra={k: v for k, v in run.items() if k not in ("environment", "run_id", "gates")},
+        environment_tables=environment_tables(results["environment"], run), rendered_at=rendered_at,
+        chart_css=plots.CHART_CSS,
     )
     # Nothing in the page may look like a link out (a target URL in the environment, say):
     # an entity for the colon shows the same text and leaves no literal scheme in the file.

@@ -28,6 +28,7 @@ working set beside each node's tiers (gates/fleet.py), is recorded as `fleet_wor
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +145,9 @@ def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
         for tier, share in tier_shares(tiers or {}).items():  # the pool's share (tier "remote") among them
             record("hit_tier_share", share, target=role, tier=tier, hit_blocks=tiers[tier],
                    step_hit_blocks=sum(tiers.values()), **at)
-        record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], **at)
+        # where the step's raw records are and the measured window's start: the report draws its distributions
+        record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], window_start=s["window_start"],
+               records_dir=os.path.relpath(Path(s["step_dir"]) / "records", gate_context.store.root), **at)
     assert _levels(sweep), "the sweep produced no steps"
 
 

@@ -85,6 +85,17 @@ def fault_span(row: dict) -> FaultSpan:
     return FaultSpan(row["kind"], float(row["at_s"]), start, float(ended) + float(tail), recovered is not None)
 
 
+def fault_facts(row: dict) -> dict:
+    """A `faults.jsonl` row's outcome as typed fields (the `fault` measurement's context, which the report's
+    faults table reads): the counter that should detect the fault and how far it moved, whether the probe
+    asked during the fault answered unchanged (and how much of it came from cache), and the injection's
+    error (None when it ran). A failed injection has no counter and no probe: those are None."""
+    counter, during = row.get("detected_by"), row.get("probe_during") or {}
+    return {"detected_by": counter, "detected_count": (row.get("detected") or {}).get(counter) if counter else None,
+            "answer_unchanged": during.get("identical"), "probe_cached_tokens": during.get("cached_tokens"),
+            "probe_prompt_tokens": during.get("prompt_tokens"), "error": row.get("error")}
+
+
 @dataclass(frozen=True)
 class WarmUp:
     """The soak's first `end_s` seconds: caches filling and memory ramping, not the system's course."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gates.g4_soak.analysis import drift, excluded_window_rows, project_growth, windows_touched
+from gates.g4_soak.analysis import drift, excluded_window_rows, fault_facts, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
@@ -150,7 +150,7 @@ def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, 
         ok, words = _fault_outcome(row)
         handled += ok
         record("fault", int(ok), kind=row["kind"], at_s=row["at_s"], outcome=words,
-               recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"))
+               recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"), **fault_facts(row))
     fraction = handled / len(scheduled)
     summary = "; ".join(f"{kind} at {at:g} s: {_fault_outcome(row)[1]}" for (kind, at), row in sorted(rows.items()))
     verdict(f"G4 faults handled ({handled} of {len(scheduled)}"

@@ -1,0 +1,167 @@
+"""G3 as the report draws it: each target's figures by level with the sizing model's prediction beside
+them, each judged figure with its 95% bootstrap interval against its accepted band, and the TTFT and
+E2E distributions of every step (an empirical CDF per target, a panel per level).
+
+A level is a concurrency (closed loop) or a rate multiplier (`multiplier` in the rows' context).
+Predictions are those made before G3 ran (stage "before g3"), matched by metric, target and level.
+
+The distributions come from the raw per-request records of each step: the `step_valid` row of a
+(target, level) says where they are (`records_dir`, relative to the run directory) and when the
+measured window began (`window_start`); a CDF holds exactly the window's completed requests that G3
+judged. A run recorded before those keys existed is read from the sweep's directory layout
+(gates/g3/raw/sweep/<target>/<c|x><level>/records), every completed request of the step, and the
+panel says that its warm-up is included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from workloads.client import read_records
+
+from . import plots
+from .rows import (GateRows, accepted, geometric, interval, metric_words, number, predicted_series, rule_of,
+                   series)
+
+FIGURES = (("ttft_p50_ms", "TTFT p50", "TTFT p50 (ms)", False),
+           ("output_tokens_per_s", "output throughput", "output throughput (tokens/s)", False),
+           ("hit_ratio", "prefix-cache hit ratio", "prompt tokens served from cache", True))
+DISTRIBUTIONS = (("ttft_s", "TTFT"), ("e2e_s", "E2E latency"))
+STEP_PREFIX = {"concurrency": "c", "multiplier": "x"}   # the sweep's step directories (workloads.sweep)
+
+
+@dataclass(frozen=True)
+class Level:
+    key: str      # "concurrency" or "multiplier": the rows' context key
+    axis: str     # the x axis title
+    words: str    # "concurrency", "rate multiplier"
+
+    def label(self, value: float) -> str:
+        return f"c={value:g}" if self.key == "concurrency" else f"×{value:g} the trace's rate"
+
+
+def level_of(rows: list[dict]) -> Level:
+    """What G3's levels are in this run: concurrencies, or multipliers of a trace's arrival rate."""
+    if any("multiplier" in (row.get("context") or {}) for row in rows):
+        return Level("multiplier", "rate multiplier (× the trace's arrival rate)", "rate multiplier")
+    return Level("concurrency", "concurrency", "concurrency")
+
+
+def figure_plots(rows: GateRows, level: Level) -> list[str]:
+    """Per figure: a line per target by level, and its prediction dashed beside it."""
+    charts = []
+    for metric, name, y_label, percent in FIGURES:
+        measured = series(rows.measurements, metric, "target", level.key)
+        if not measured:
+            continue
+        lines = [plots.Series(target, points) for target, points in measured.items()]
+        lines += [plots.Series(f"{target} (predicted)", points, predicted=True, key=target)
+                  for target, points in predicted_series(rows.predictions, metric, "target", level.key).items()]
+        xs = [x for points in measured.values() for x, _ in points]
+        charts.append(plots.line_chart(lines, f"G3 {name} by {level.words}", level.axis, y_label,
+                                       log_x=geometric(xs), percent=percent, y_reach=1.0 if percent else None))
+    return charts
+
+
+def judged_plots(rows: GateRows, level: Level) -> list[str]:
+    """Per judged metric with a level (TTFT p50 reduction, throughput gain): the figure with its interval
+    as error bars, where it passes shaded, and the prediction beside it."""
+    by_metric: dict[str, list[dict]] = {}
+    for v in rows.verdicts:
+        if number(v.get("value")) is not None and number((v.get("context") or {}).get(level.key)) is not None:
+            by_metric.setdefault(str(v.get("metric") or v.get("check")), []).append(v)
+    charts = []
+    for metric, verdicts in by_metric.items():
+        verdicts = sorted(verdicts, key=lambda v: v["context"][level.key])
+        unit = str(verdicts[0].get("unit") or "")
+        measured = plots.Series("measured (95% interval)", [(v["context"][level.key], v["value"]) for v in verdicts],
+                                errors=[interval(v.get("interval")) for v in verdicts], key="measured")
+        forecast = [p for p in rows.predictions if "target" not in (p.get("context") or {})]
+        guesses = predicted_series(forecast, metric, "target", level.key)
+        lines = [measured] + [plots.Series("predicted", points, predicted=True, key="predicted")
+                              for points in guesses.values()]
+        words = metric_words(metric, unit)
+        band = accepted(rule_of(verdicts[0]))
+        charts.append(plots.line_chart(lines, f"G3 {words} by {level.words}", level.axis,
+                                       f"{words} (%)" if unit == "%" else words, percent=unit == "%", band=band,
+                                       band_label="passes", log_x=geometric([p[0] for p in measured.points])))
+    return charts
+
+
+def step_records(rows: GateRows, level: Level) -> dict[tuple[str, float], tuple[list[dict], bool]]:
+    """Each (target, level)'s completed requests of its measured window, and whether the warm-up is in them
+    (a run that did not record its windows)."""
+    steps = {}
+    for row in rows.measurements:
+        context = row.get("context") or {}
+        at = number(context.get(level.key))
+        if row.get("metric") != "step_valid" or at is None or "target" not in context:
+            continue
+        target = str(context["target"])
+        recorded, start = context.get("records_dir"), number(context.get("window_start"))
+        directory = (rows.store.root / recorded if recorded
+                     else rows.store.gate_dir("g3") / "raw" / "sweep" / target / f"{STEP_PREFIX[level.key]}{at:g}"
+                     / "records")
+        records = [r for r in read_records(Path(directory)) if r.get("ok")]
+        if start is not None:
+            records = [r for r in records if (number(r.get("sent_at")) or 0.0) >= start]
+        steps[(target, at)] = (records, start is None)
+    return steps
+
+
+def distribution_plots(rows: GateRows, level: Level) -> list[str]:
+    """TTFT and E2E CDFs: a panel per level, a line per target, from the steps' raw records."""
+    steps = step_records(rows, level)
+    if not steps:
+        return []
+    levels = sorted({at for _, at in steps})
+    charts = []
+    for field, name in DISTRIBUTIONS:
+        panels = []
+        for at in levels:
+            here = {target: found for (target, where), found in steps.items() if where == at}
+            warm = any(included for _, included in here.values())
+            panels.append(plots.Panel(level.label(at) + (" (warm-up included)" if warm else ""),
+                                      [plots.Distribution(target, [1e3 * r[field] for r in records
+                                                                   if number(r.get(field)) is not None])
+                                       for target, (records, _) in here.items()]))
+        charts.append(plots.cdf_chart(panels, f"G3 {name} distribution per {level.words} (CDF)", f"{name} (ms)"))
+    return charts
+
+
+STEP_COLUMNS = (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99"),
+                ("e2e_p50_ms", "E2E p50 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("output_tokens_per_s", "tokens/s"),
+                ("requests_per_s", "req/s"), ("hit_ratio", "hit ratio"), ("error_rate", "errors"))
+
+
+def step_tables(rows: GateRows) -> list[dict]:
+    """One row per (level, target): the step's figures as G3 recorded them, and whether it was valid."""
+    level = level_of(rows.measurements)
+    steps: dict[tuple[float, str], dict[str, dict]] = {}
+    for row in rows.measurements:
+        context = row.get("context") or {}
+        at = number(context.get(level.key))
+        if at is not None and "target" in context and row.get("metric") in {m for m, _ in STEP_COLUMNS} | {"step_valid"}:
+            steps.setdefault((at, str(context["target"])), {})[str(row["metric"])] = row
+    if not steps:
+        return []
+    table, statuses = [], []
+    for (at, target), figures in sorted(steps.items()):
+        cells = []
+        for metric, _ in STEP_COLUMNS:
+            value = number((figures.get(metric) or {}).get("value"))
+            percent = metric in ("hit_ratio", "error_rate")
+            cells.append("" if value is None else f"{100 * value:.1f}%" if percent else f"{value:,.1f}")
+        valid = figures.get("step_valid") or {}
+        reasons = str((valid.get("context") or {}).get("reasons") or "")
+        ok = valid.get("value")
+        table.append([level.label(at), target, *cells, "yes" if ok else f"NO: {reasons}" if valid else ""])
+        statuses.append("" if ok or not valid else "inconclusive")
+    return [{"title": f"Each step: figures from its measured window, by {level.words} and target",
+             "columns": [level.words, "target", *(name for _, name in STEP_COLUMNS), "valid"], "rows": table,
+             "statuses": statuses, "text_columns": [0, 1, len(STEP_COLUMNS) + 2]}]
+
+
+def g3_plots(rows: GateRows) -> list[str]:
+    level = level_of(rows.measurements)
+    return judged_plots(rows, level) + figure_plots(rows, level) + distribution_plots(rows, level)
