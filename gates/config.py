@@ -27,6 +27,7 @@ from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 from workloads.loaders import LOADERS
 
 from .checks import CHECKS, check_of, configurable_metrics
+from .engines.metrics import TIER_NAMES, TIERS
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -76,11 +77,131 @@ Positive = Annotated[Int, Field(ge=1)]
 FULL_SOAK_S = 72 * 3600  # the full profile's soak: the memory growth of every soak is projected this far
 
 
+# -- an external target's engine (gates/engines/): its cache controls, capacities and metric map ------------
+
+Tier = Literal[TIERS]
+ENGINES = ("kvgate", "vllm", "sglang", "generic")
+CACHE_LAYERS = {"lmcache": ("vllm",), "hicache": ("sglang",), "mooncake": ("vllm", "sglang")}
+DEFAULT_CLEARS = {"clear_device_cache": ["device"], "clear_lower_tiers": ["host"], "drop_disk_page_cache": []}
+
+
+class HttpCall(StrictModel):
+    method: Literal["GET", "POST", "PUT", "DELETE"] = "POST"
+    url: str = Field(pattern=r"^https?://")
+    body: Optional[Any] = Field(default=None, alias="json", description="a JSON body to send")
+
+
+class ControlStep(StrictModel):
+    """One cache-control step of an engine: an HTTP call or a shell command (e.g. on the storage host over ssh)."""
+
+    http: Optional[HttpCall] = None
+    command: Optional[str] = Field(default=None, min_length=1)
+    clears: Optional[list[Tier]] = Field(default=None, description="the tiers the step empties (default: the "
+                                         "ability's own: device; host; none for a page-cache drop)")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "ControlStep":
+        if (self.http is None) == (self.command is None):
+            raise ValueError("expected exactly one of http ({method, url, json}) or command, found "
+                             f"{'both' if self.http is not None else 'neither'}")
+        return self
+
+
+class ControlConfig(StrictModel):
+    clear_device_cache: Optional[ControlStep] = None
+    clear_lower_tiers: Optional[ControlStep] = None
+    drop_disk_page_cache: Optional[ControlStep] = None
+
+    @field_validator("drop_disk_page_cache")
+    @classmethod
+    def _drop_clears_nothing(cls, step: Optional[ControlStep]) -> Optional[ControlStep]:
+        if step is not None and step.clears:
+            raise ValueError(f"clears: expected none (dropping the page cache leaves the tier's files), found "
+                             f"{step.clears}")
+        return step
+
+    def steps(self) -> dict[str, tuple[ControlStep, list[str]]]:
+        """The configured steps, each with the tiers it empties."""
+        found = {name: getattr(self, name) for name in DEFAULT_CLEARS}
+        return {name: (step, list(step.clears if step.clears is not None else DEFAULT_CLEARS[name]))
+                for name, step in found.items() if step is not None}
+
+
+def _series_list(value: Any) -> Any:
+    return [value] if isinstance(value, dict) else value
+
+
+class MetricSeries(StrictModel):
+    metric: str = Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$", description="a sample name as /metrics shows it "
+                        "(counters end in _total)")
+    labels: dict[str, str] = Field(default_factory=dict, description="only samples with these labels")
+    scale: Float = Field(default=1.0, gt=0, description="tokens per unit (e.g. the block size for a block counter)")
+
+
+class MetricMapConfig(StrictModel):
+    """Per tier, the counters whose growth is that tier's hit tokens (one series or a list, summed)."""
+
+    device: Optional[list[MetricSeries]] = None
+    host: Optional[list[MetricSeries]] = None
+    disk: Optional[list[MetricSeries]] = None
+    remote: Optional[list[MetricSeries]] = None
+    lower: Optional[list[MetricSeries]] = Field(default=None, description="below the device, tier not said")
+    any: Optional[list[MetricSeries]] = Field(default=None, description="a cache hit, tier not said")
+    prompt_tokens: Optional[list[MetricSeries]] = None
+
+    _lists = field_validator(*TIER_NAMES, "prompt_tokens", mode="before")(lambda cls, v: _series_list(v))
+
+    @model_validator(mode="after")
+    def _some_tier(self) -> "MetricMapConfig":
+        if not any(getattr(self, tier) for tier in TIER_NAMES):
+            raise ValueError(f"expected at least one tier ({', '.join(TIER_NAMES)}) with its series, found none")
+        return self
+
+    def tiers(self) -> dict[str, list[MetricSeries]]:
+        return {tier: getattr(self, tier) for tier in TIER_NAMES if getattr(self, tier)}
+
+
 class Endpoint(StrictModel):
     url: str = Field(pattern=r"^https?://", description="base URL ending in /v1")
     model: str = Field(min_length=1)
     api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
     api: Literal["chat", "completions"] = "chat"
+    engine: Literal[ENGINES] = Field(default="generic", description=(
+        "the engine serving it (gates/engines/): its cache controls and metric names. generic (default): kvgate "
+        "assumes nothing; each control and the metric map come from this section"))
+    cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
+        "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang)"))
+    cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+        "lmcache: its internal API server (clears the host tier)"))
+    metrics_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+        "the engine's Prometheus page (default: the URL without /v1, + /metrics)"))
+    cache_dir: Optional[Path] = Field(default=None, description=(
+        "the disk tier's directory when it is on this host: its page cache is dropped by fadvise"))
+    device_kv_tokens: Optional[Positive] = Field(default=None, description=(
+        "device KV capacity in tokens (default: from the engine's metrics where it says)"))
+    host_kv_tokens: Optional[Positive] = Field(default=None, description="host tier KV capacity in tokens")
+    control: ControlConfig = Field(default_factory=ControlConfig, description=(
+        "cache-control steps, each an HTTP call or a command; they replace the engine's own"))
+    metric_map: Optional[MetricMapConfig] = Field(default=None, description="generic: per tier, its hit counters")
+
+    _cache_dir = field_validator("cache_dir", mode="before")(lambda cls, v: _absolute_path(v))
+
+    @property
+    def metrics_endpoint(self) -> str:
+        return self.metrics_url or f"{self.url.rstrip('/').removesuffix('/v1')}/metrics"
+
+    @model_validator(mode="after")
+    def _engine_settings_fit(self) -> "Endpoint":
+        if self.cache_layer is not None and self.engine not in CACHE_LAYERS[self.cache_layer]:
+            raise ValueError(f"cache_layer: expected {self.cache_layer} only with engine "
+                             f"{' or '.join(CACHE_LAYERS[self.cache_layer])}, found engine {self.engine}")
+        if self.cache_layer_url is not None and self.cache_layer != "lmcache":
+            raise ValueError(f"cache_layer_url: expected only with cache_layer: lmcache (its internal API server), "
+                             f"found cache_layer {self.cache_layer}")
+        if self.metric_map is not None and self.engine != "generic":
+            raise ValueError(f"metric_map: expected only with engine: generic ({self.engine}'s metric names are "
+                             f"known), found engine {self.engine}")
+        return self
 
     @field_validator("url")
     @classmethod

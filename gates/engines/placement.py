@@ -1,0 +1,134 @@
+"""Leaving a prefix in one tier before a hit from it is measured: by route where the engine has one, else by pressure.
+
+By route: after the prefix is cached, the controls whose `clears` cover every tier above the
+target and leave the target itself (kvgate: evict device, then host; SGLang's /flush_cache also
+empties HiCache's host tier, so it can place on L3 storage but never on the host). A cold disk hit
+needs the page-cache drop too.
+
+By pressure (no admin route at all, as LMCache's long-document benchmark measures offload hits):
+after the prefix is cached, send distinct filler prompts whose KV exceeds the capacity of every
+tier above the target; LRU eviction pushes the prefix down. The fillers must write
+capacity x (1 + margin) tokens: the margin covers approximate LRU (vLLM frees blocks in a queue,
+SGLang evicts radix leaves) and blocks that fillers fill only partly. Capacities are summed over
+the tiers pushed through: right for tiers that demote on eviction, more than needed for tiers
+that hold a copy of what is above them (write-through), never too few. Either way the hit is
+then checked against the tier accounting, never assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .base import EngineAdapter
+from .metrics import TIERS
+
+DEFAULT_MARGIN = 0.25
+
+
+class PlacementError(ValueError):
+    """The placement cannot be planned from what is known (a capacity missing, fillers that do not fit)."""
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """The controls that leave a prefix in `tier` (run in order after it is cached), and whether the read is cold."""
+
+    tier: str
+    steps: tuple[str, ...]
+    cold: bool = False       # disk: the page cache is dropped too, so the hit reads the storage device
+    not_cold: str = ""       # why it is not, when it is not
+
+    def describe(self) -> str:
+        cold = "; page cache dropped" if self.cold else (f"; page cache NOT dropped ({self.not_cold})"
+                                                         if self.not_cold else "")
+        return f"{self.tier}: {' then '.join(self.steps) or 'nothing to clear'}{cold}"
+
+
+def route_plan(adapter: EngineAdapter, tier: str) -> tuple[Optional[RoutePlan], str]:
+    """The route placement of a cached prefix in `tier` on this engine, or None and why there is none."""
+    _check_tier(tier)
+    above = set(TIERS[: TIERS.index(tier)])
+    abilities = adapter.abilities()
+    usable = [name for name in ("clear_device_cache", "clear_lower_tiers")
+              if abilities[name].available and tier not in abilities[name].clears]
+    steps, cleared = [], set()
+    for name in usable:
+        if above - cleared and set(abilities[name].clears) & (above - cleared):
+            steps.append(name)
+            cleared |= set(abilities[name].clears)
+    if above - cleared:
+        blocked = [f"{name} empties {'/'.join(abilities[name].clears)}" for name in ("clear_device_cache",
+                   "clear_lower_tiers") if abilities[name].available and tier in abilities[name].clears]
+        unavailable = [abilities[name].how for name in ("clear_device_cache", "clear_lower_tiers")
+                       if not abilities[name].available]
+        return None, (f"{adapter.engine}: no route empties {'/'.join(t for t in TIERS if t in above - cleared)} "
+                      f"and keeps {tier}" + "".join(f"; {why}" for why in (*blocked, *unavailable)))
+    if tier != "disk":
+        return RoutePlan(tier, tuple(steps)), ""
+    drop = abilities["drop_disk_page_cache"]
+    return RoutePlan(tier, (*steps, "drop_disk_page_cache") if drop.available else tuple(steps), drop.available,
+                     "" if drop.available else drop.how), ""
+
+
+@dataclass(frozen=True)
+class PressurePlan:
+    """Filler prompts that push a cached prefix out of the tiers above `tier`."""
+
+    tier: str
+    pushed_through: tuple[str, ...]  # the tiers the prefix must leave
+    capacity_tokens: int             # their KV capacity together
+    target_tokens: int               # KV the fillers write: capacity x (1 + margin), at least
+    filler_tokens: int               # prompt tokens per filler (a whole number of blocks)
+    fillers: int
+
+    @property
+    def filler_total_tokens(self) -> int:
+        return self.fillers * self.filler_tokens
+
+    def describe(self) -> str:
+        if not self.fillers:
+            return f"{self.tier}: no filler needed"
+        return (f"{self.tier}: {self.fillers} distinct fillers of {self.filler_tokens} tokens "
+                f"({self.filler_total_tokens} tokens) past {'+'.join(self.pushed_through)} "
+                f"({self.capacity_tokens} tokens)")
+
+
+def pressure_plan(tier: str, capacities: Mapping[str, int], max_filler_tokens: int, margin: float = DEFAULT_MARGIN,
+                  block_size: int = 1, target_capacity: Optional[int] = None) -> PressurePlan:
+    """The fillers that place a cached prefix in `tier` by pressure.
+
+    `capacities`: KV tokens of the tiers above `tier` (device, and host for a disk target);
+    `max_filler_tokens`: the longest prompt a filler may be (the model's context, less the output);
+    each filler also fits the device, as an engine cannot hold a prompt larger than its KV pool.
+    `target_capacity`: the target tier's own capacity, when known: fillers that would overflow it
+    too (pushing the prefix past it) are refused.
+    """
+    _check_tier(tier)
+    through = TIERS[: TIERS.index(tier)]
+    missing = [t for t in through if not capacities.get(t)]
+    if missing:
+        raise PlacementError(f"placing in {tier} by pressure needs the KV capacity of {', '.join(missing)} "
+                             f"(set {', '.join(f'{t}_kv_tokens' for t in missing)} or use an engine whose metrics say it)")
+    if margin < 0 or block_size < 1:
+        raise PlacementError(f"expected margin >= 0 and block_size >= 1, found {margin}, {block_size}")
+    if not through:
+        return PressurePlan(tier, (), 0, 0, 0, 0)
+    capacity = sum(int(capacities[t]) for t in through)
+    fit = min(int(max_filler_tokens), int(capacities["device"]))
+    filler = fit // block_size * block_size
+    if filler < block_size:
+        raise PlacementError(f"a filler must hold at least one block ({block_size} tokens), but the longest prompt "
+                             f"allowed is {fit} tokens")
+    target = math.ceil(capacity * (1 + margin))
+    fillers = math.ceil(target / filler)
+    if target_capacity is not None and fillers * filler >= target_capacity:
+        raise PlacementError(f"{fillers * filler} filler tokens would overflow {tier} too ({target_capacity} tokens): "
+                             f"the prefix would be pushed past it")
+    return PressurePlan(tier, through, capacity, target, filler, fillers)
+
+
+def _check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"tier: expected one of {', '.join(TIERS)}, found {tier!r}")
