@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal, Optional, Union
@@ -132,10 +133,16 @@ def _series_list(value: Any) -> Any:
 
 
 class MetricSeries(StrictModel):
-    metric: str = Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$", description="a sample name as /metrics shows it "
-                        "(counters end in _total)")
+    metric: str = Field(description="a sample name as /metrics shows it (counters end in _total)")
     labels: dict[str, str] = Field(default_factory=dict, description="only samples with these labels")
     scale: Float = Field(default=1.0, gt=0, description="tokens per unit (e.g. the block size for a block counter)")
+
+    @field_validator("metric")
+    @classmethod
+    def _sample_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name):
+            raise ValueError(f"expected a Prometheus sample name (letters, digits, _ and :), found {name!r}")
+        return name
 
 
 class MetricMapConfig(StrictModel):

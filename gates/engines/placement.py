@@ -96,14 +96,16 @@ class PressurePlan:
 
 
 def pressure_plan(tier: str, capacities: Mapping[str, int], max_filler_tokens: int, margin: float = DEFAULT_MARGIN,
-                  block_size: int = 1, target_capacity: Optional[int] = None) -> PressurePlan:
+                  block_size: int = 1, target_capacity: Optional[int] = None, prefix_tokens: int = 0) -> PressurePlan:
     """The fillers that place a cached prefix in `tier` by pressure.
 
     `capacities`: KV tokens of the tiers above `tier` (device, and host for a disk target);
     `max_filler_tokens`: the longest prompt a filler may be (the model's context, less the output);
     each filler also fits the device, as an engine cannot hold a prompt larger than its KV pool.
-    `target_capacity`: the target tier's own capacity, when known: fillers that would overflow it
-    too (pushing the prefix past it) are refused.
+    `target_capacity`: the target tier's own capacity, when known. A tier that keeps a copy of what is
+    above it (write-through: kvgate's host, LMCache, HiCache's write_through) takes every filler too,
+    so fillers and the prefix (`prefix_tokens`) must fit in it, else the prefix is pushed past it:
+    such a plan is refused.
     """
     _check_tier(tier)
     through = TIERS[: TIERS.index(tier)]
@@ -123,9 +125,9 @@ def pressure_plan(tier: str, capacities: Mapping[str, int], max_filler_tokens: i
                              f"allowed is {fit} tokens")
     target = math.ceil(capacity * (1 + margin))
     fillers = math.ceil(target / filler)
-    if target_capacity is not None and fillers * filler >= target_capacity:
-        raise PlacementError(f"{fillers * filler} filler tokens would overflow {tier} too ({target_capacity} tokens): "
-                             f"the prefix would be pushed past it")
+    if target_capacity is not None and fillers * filler + prefix_tokens > target_capacity:
+        raise PlacementError(f"{fillers} fillers of {filler} tokens and the {prefix_tokens}-token prefix would overflow "
+                             f"{tier} too ({target_capacity} tokens): the prefix would be pushed past it")
     return PressurePlan(tier, through, capacity, target, filler, fillers)
 
 

@@ -41,7 +41,8 @@ def sglang_maps(cache_layer: Optional[str]) -> tuple[MetricMap, ...]:
 def build(spec: EngineSpec) -> EngineAdapter:
     hicache = spec.cache_layer in ("hicache", "mooncake")
     storage_tier = "remote" if spec.cache_layer == "mooncake" else "disk"
-    flush = HttpStep("POST", spec.route("/flush_cache"), None, spec.bearer)
+    busy = {400: "SGLang flushes only when no request runs or waits"}
+    flush = HttpStep("POST", spec.route("/flush_cache"), None, spec.bearer, hints=busy)
     controls = {"clear_device_cache": Control(flush, ("device", "host") if hicache else ("device",))}
     missing = {}
     if hicache:

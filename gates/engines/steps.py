@@ -69,6 +69,7 @@ class HttpStep:
     body: Optional[Any] = None
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     check: Optional[Callable[[str], Optional[str]]] = None  # the body -> None, or why it is a failure
+    hints: Mapping[int, str] = field(default_factory=dict)  # status -> what it usually means (404: route off)
     timeout_s: float = 120.0
 
     def describe(self) -> str:
@@ -77,7 +78,8 @@ class HttpStep:
     def run(self) -> StepResult:
         status, text = http_call(self.method, self.url, self.body, self.headers, self.timeout_s)
         if not 200 <= status < 300:
-            raise ControlError(f"{self.describe()}: HTTP {status}: {text.strip()[:300]}")
+            hint = f" ({self.hints[status]})" if status in self.hints else ""
+            raise ControlError(f"{self.describe()}: HTTP {status}{hint}: {text.strip()[:300]}")
         refused = self.check(text) if self.check is not None else None
         if refused:
             raise ControlError(f"{self.describe()}: {refused}")

@@ -58,9 +58,13 @@ def _success(text: str) -> Optional[str]:
     return None
 
 
+DEV_MODE = {404: "vLLM serves /reset_prefix_cache only when started with VLLM_SERVER_DEV_MODE=1"}
+
+
 def build(spec: EngineSpec) -> EngineAdapter:
     reset = spec.route("/reset_prefix_cache")
-    controls = {"clear_device_cache": Control(HttpStep("POST", reset, None, spec.bearer, _success), ("device",))}
+    controls = {"clear_device_cache": Control(HttpStep("POST", reset, None, spec.bearer, _success, DEV_MODE),
+                                              ("device",))}
     missing = {}
     if spec.cache_layer == "lmcache":
         found = lmcache_controls(spec)
@@ -69,7 +73,7 @@ def build(spec: EngineSpec) -> EngineAdapter:
     else:
         # the connector's own reset: native offloading's CPU tier, or the pool's connector
         tiers = ("remote",) if spec.cache_layer == "mooncake" else ("host",)
-        external = HttpStep("POST", f"{reset}?reset_external=true", None, spec.bearer, _success)
+        external = HttpStep("POST", f"{reset}?reset_external=true", None, spec.bearer, _success, DEV_MODE)
         controls["clear_lower_tiers"] = Control(external, ("device", *tiers))
     missing["host_kv_tokens"] = "vllm: set host_kv_tokens (the CPU offload size is in bytes, the KV layout decides tokens)"
     name = f"vllm+{spec.cache_layer}" if spec.cache_layer else "vllm"
