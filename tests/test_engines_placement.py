@@ -7,7 +7,7 @@ import pytest
 
 from gates.engines import EngineSpec, build_adapter
 from gates.engines import kvgate as kvgate_engine
-from gates.engines.placement import PlacementError, pressure_plan, route_plan
+from gates.engines.placement import PlacementError, plan_placement, pressure_plan, route_plan
 
 
 # -- by pressure -------------------------------------------------------------------------------------------
@@ -116,3 +116,42 @@ def test_vllm_with_lmcache_and_no_api_cannot_reach_its_disk_by_route(tmp_path):
 def test_a_generic_engine_without_controls_has_no_route():
     plan, why = route_plan(adapter("generic"), "host")
     assert plan is None and "generic: set control.clear_device_cache" in why
+
+
+# -- route, else pressure --------------------------------------------------------------------------------------
+
+
+def test_a_route_is_preferred_where_the_engine_has_one():
+    kvgate = kvgate_engine.build(EngineSpec("kvgate", "http://127.0.0.1:9", device_kv_tokens=8192),
+                                 admin_token="t" * 20)
+    placement = plan_placement(kvgate, "host", max_filler_tokens=4080, block_size=256)
+    assert placement.route.steps == ("clear_device_cache",) and placement.pressure is None
+    assert placement.describe() == "by route: host: clear_device_cache"
+
+
+def test_without_a_route_the_prefix_is_placed_by_pressure_from_the_configured_capacities():
+    sglang = adapter("sglang", cache_layer="hicache", device_kv_tokens=452312, host_kv_tokens=4 * 452312)
+    placement = plan_placement(sglang, "host", max_filler_tokens=32768, block_size=64, prefix_tokens=8192)
+    # 452312 x 1.25 = 565390 -> ceil(565390 / 32768) = ceil(17.25) = 18 fillers; 18 x 32768 + 8192 = 598016 fits the
+    # host (1809248)
+    assert placement.route is None and placement.why_not_route.startswith("sglang+hicache: no route empties device")
+    assert (placement.pressure.fillers, placement.pressure.filler_tokens) == (18, 32768)
+    assert placement.possible
+
+
+def test_placement_by_pressure_on_disk_says_whether_the_read_is_cold(tmp_path):
+    sglang = adapter("sglang", device_kv_tokens=8192, host_kv_tokens=16384)
+    warm = plan_placement(sglang, "disk", max_filler_tokens=4096, block_size=64)
+    assert not warm.cold and "page cache NOT dropped (sglang: set cache_dir" in warm.describe()
+    cold = plan_placement(adapter("sglang", device_kv_tokens=8192, host_kv_tokens=16384, cache_dir=tmp_path), "disk",
+                          max_filler_tokens=4096, block_size=64)
+    # (8192 + 16384) x 1.25 = 30720 -> 30720 / 4096 = 7.5 -> 8 fillers
+    assert cold.cold and cold.pressure.fillers == 8
+
+
+def test_no_route_and_no_capacity_is_no_placement_with_both_reasons():
+    placement = plan_placement(adapter("generic"), "host", max_filler_tokens=4096)
+    assert not placement.possible
+    assert "generic: set control.clear_device_cache" in placement.why_not_route
+    assert "needs the KV capacity of device (set device_kv_tokens" in placement.why_not_pressure
+    assert placement.describe().startswith("host: no placement (generic: no route empties device and keeps host")

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
-from .metrics import FOLDED, TIERS, MetricMap, MetricsError, Scrape, TierHits, parse_metrics, tier_hits
-from .steps import ControlError, HttpStep, Step, StepResult, http_call
+from .metrics import TIERS, MetricMap, MetricsError, Scrape, TierHits, parse_metrics, tier_hits
+from .steps import ControlError, Step, StepResult, http_call
 
 CONTROLS = ("clear_device_cache", "clear_lower_tiers", "drop_disk_page_cache")
 ABILITIES = (*CONTROLS, "device_kv_tokens", "host_kv_tokens", "tier_accounting")
@@ -81,7 +81,7 @@ class EngineAdapter:
     missing: Mapping[str, str] = field(default_factory=dict)  # ability -> why it is unavailable
     metric_maps: tuple[MetricMap, ...] = ()
     capacities: Mapping[str, int] = field(default_factory=dict)    # "device"/"host" tokens, from the config
-    capacity_from_metrics: Mapping[str, object] = field(default_factory=dict)  # tier -> Scrape -> Capacity|None
+    capacity_from_metrics: Mapping[str, Callable[[Scrape], Optional[Capacity]]] = field(default_factory=dict)
     metrics_headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     timeout_s: float = 30.0
 
@@ -139,13 +139,14 @@ class EngineAdapter:
 
     def device_kv_tokens(self, scrape: Optional[Scrape] = None) -> Capacity:
         """The device tier's KV capacity in tokens: the configured figure, else the engine's metrics."""
-        return self._capacity("device", scrape)
+        return self.kv_tokens("device", scrape)
 
     def host_kv_tokens(self, scrape: Optional[Scrape] = None) -> Capacity:
         """The host tier's KV capacity in tokens (configured, else the engine's metrics where it says)."""
-        return self._capacity("host", scrape)
+        return self.kv_tokens("host", scrape)
 
-    def _capacity(self, tier: str, scrape: Optional[Scrape]) -> Capacity:
+    def kv_tokens(self, tier: str, scrape: Optional[Scrape] = None) -> Capacity:
+        """A memory tier's KV capacity in tokens (device or host), or Unavailable naming what would give it."""
         name = f"{tier}_kv_tokens"
         if tier in self.capacities:
             return Capacity(int(self.capacities[tier]), f"configured {name}")
@@ -238,10 +239,5 @@ def assemble(spec: EngineSpec, name: str, controls: Mapping[str, Control], missi
                          dict(capacity_from_metrics or {}), spec.bearer)
 
 
-def folded_into(tier: str) -> list[str]:
-    """The folded tier names that hold `tier`'s hits (e.g. host -> ['lower', 'any'])."""
-    return [name for name, inside in FOLDED.items() if tier in inside]
-
-
-__all__ = ["ABILITIES", "CONTROLS", "Ability", "Capacity", "Control", "ControlError", "EngineAdapter", "EngineSpec",
-           "HttpStep", "MetricsError", "StepResult", "Unavailable", "assemble", "folded_into"]
+__all__ = ["ABILITIES", "CONTROLS", "Ability", "Capacity", "Control", "EngineAdapter", "EngineSpec", "Unavailable",
+           "assemble"]

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .base import EngineAdapter
-from .metrics import TIERS
+from .base import EngineAdapter, Unavailable
+from .metrics import TIERS, MetricsError, Scrape
 
 DEFAULT_MARGIN = 0.25
 
@@ -111,8 +111,9 @@ def pressure_plan(tier: str, capacities: Mapping[str, int], max_filler_tokens: i
     through = TIERS[: TIERS.index(tier)]
     missing = [t for t in through if not capacities.get(t)]
     if missing:
-        raise PlacementError(f"placing in {tier} by pressure needs the KV capacity of {', '.join(missing)} "
-                             f"(set {', '.join(f'{t}_kv_tokens' for t in missing)} or use an engine whose metrics say it)")
+        settable = [f"{t}_kv_tokens" for t in missing if t in ("device", "host")]
+        how = f"set {', '.join(settable)} or use an engine whose metrics say it" if settable else "place it by route"
+        raise PlacementError(f"placing in {tier} by pressure needs the KV capacity of {', '.join(missing)} ({how})")
     if margin < 0 or block_size < 1:
         raise PlacementError(f"expected margin >= 0 and block_size >= 1, found {margin}, {block_size}")
     if not through:
@@ -129,6 +130,66 @@ def pressure_plan(tier: str, capacities: Mapping[str, int], max_filler_tokens: i
         raise PlacementError(f"{fillers} fillers of {filler} tokens and the {prefix_tokens}-token prefix would overflow "
                              f"{tier} too ({target_capacity} tokens): the prefix would be pushed past it")
     return PressurePlan(tier, through, capacity, target, filler, fillers)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a cached prefix is left in `tier` on one engine: by route, else by pressure, else not at all (why)."""
+
+    tier: str
+    route: Optional[RoutePlan] = None
+    pressure: Optional[PressurePlan] = None
+    why_not_route: str = ""
+    why_not_pressure: str = ""
+    cold: bool = False          # disk: the page cache is dropped before the hit is measured
+    not_cold: str = ""
+
+    @property
+    def possible(self) -> bool:
+        return self.route is not None or self.pressure is not None
+
+    def describe(self) -> str:
+        if self.route is not None:
+            return f"by route: {self.route.describe()}"
+        if self.pressure is not None:
+            cold = "" if self.tier != "disk" else ("; page cache dropped" if self.cold else
+                                                   f"; page cache NOT dropped ({self.not_cold})")
+            return f"by pressure: {self.pressure.describe()}{cold}"
+        return f"{self.tier}: no placement ({self.why_not_route}; by pressure: {self.why_not_pressure})"
+
+
+def plan_placement(adapter: EngineAdapter, tier: str, max_filler_tokens: int, block_size: int = 1,
+                   prefix_tokens: int = 0, margin: float = DEFAULT_MARGIN, scrape: Optional[Scrape] = None) -> Placement:
+    """The placement of a cached prefix in `tier` on this engine: by route where it has the controls, else by
+    pressure from the tiers' capacities (configured, else the engine's metrics: `scrape`, or one taken now)."""
+    route, why_not_route = route_plan(adapter, tier)
+    if route is not None:
+        return Placement(tier, route=route, cold=route.cold, not_cold=route.not_cold)
+    capacities, missing = {}, []
+    for name in TIERS[: TIERS.index(tier)]:
+        try:
+            capacities[name] = adapter.kv_tokens(name, scrape).tokens
+        except (Unavailable, MetricsError, ValueError) as error:
+            missing.append(str(error))
+    target = _known_capacity(adapter, tier, scrape)
+    try:
+        pressure = pressure_plan(tier, capacities, max_filler_tokens, margin, block_size, target, prefix_tokens)
+    except PlacementError as error:
+        return Placement(tier, why_not_route=why_not_route, why_not_pressure="; ".join([str(error), *missing]))
+    drop = adapter.ability("drop_disk_page_cache")
+    cold = tier == "disk" and drop.available
+    return Placement(tier, pressure=pressure, why_not_route=why_not_route, cold=cold,
+                     not_cold="" if cold or tier != "disk" else drop.how)
+
+
+def _known_capacity(adapter: EngineAdapter, tier: str, scrape: Optional[Scrape]) -> Optional[int]:
+    """The target tier's capacity where it is known (a host); None otherwise (no disk or pool figure is kept)."""
+    if tier != "host":
+        return None
+    try:
+        return adapter.kv_tokens(tier, scrape).tokens
+    except (Unavailable, MetricsError):
+        return None
 
 
 def _check_tier(tier: str) -> None:
