@@ -72,7 +72,7 @@ def test_a_generic_engines_steps_and_metric_map_come_from_the_config(tmp_path):
     hits = adapter.tier_hits(before, after)
     # {tier="disk"} 0 -> 5 blocks x 256; prompt: computed 1522 -> 1643 (+121), reused 1280 -> 2560 (+1280)
     assert dict(hits.tiers) == {"device": 0, "host": 0, "disk": 1280} and hits.prompt_tokens == 1401
-    assert hits.verifies("disk")[0] is True and hits.metric_map == "the configured metric_map"
+    assert hits.verifies("disk")[0] is True and hits.source == "the configured metric_map"
 
 
 @pytest.mark.parametrize("candidate, message", [

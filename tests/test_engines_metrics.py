@@ -70,7 +70,7 @@ def test_vllm_by_source_attributes_device_and_host_hits():
     hits = vllm.tier_hits(scrape("vllm_0.33.0_offload_before"), scrape("vllm_0.33.0_offload_after"))
     assert dict(hits.tiers) == {"device": 1024, "host": 2048, "remote": 0, "disk": 0, "lower": 0}
     assert hits.prompt_tokens == 4096
-    assert "_by_source" in hits.metric_map
+    assert "_by_source" in hits.source
     assert hits.verifies("host") == (False, "hits came from device 1024, host 2048, disk 0, remote 0, lower 0, "
                                             "not host alone")
 
@@ -81,7 +81,7 @@ def test_vllm_without_by_source_reads_prefix_and_connector_hits():
     # offloading keeps the connector's KV in host DRAM
     hits = vllm.tier_hits(scrape("vllm_no_by_source_before"), scrape("vllm_no_by_source_after"))
     assert dict(hits.tiers) == {"device": 1024, "host": 2048}
-    assert hits.prompt_tokens == 4096 and "external_prefix_cache_hits" in hits.metric_map
+    assert hits.prompt_tokens == 4096 and "external_prefix_cache_hits" in hits.source
 
 
 def test_vllm_with_lmcache_cannot_tell_host_from_disk():
@@ -188,3 +188,41 @@ def test_a_scaled_series_turns_blocks_into_tokens():
     assert Series("hits_total", {"tier": "a"}, 16).growth(before, after) == 32
     assert Series("hits_total", {}, 16).growth(before, after) == 80
     assert Series("absent_total").growth(before, after) is None
+
+
+def test_sglang_before_the_cache_source_label_reports_hits_without_a_tier():
+    # sgl-project/sglang python/sglang/srt/metrics/collector.py at 93d04878cfb9: cached_tokens_total has only the
+    # collector's labels (model_name); the hits cannot be told apart by tier
+    page = ('# HELP sglang:cached_tokens_total Number of cached prompt tokens.\n'
+            '# TYPE sglang:cached_tokens_total counter\n'
+            'sglang:cached_tokens_total{{model_name="m"}} {cached}\n'
+            '# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n'
+            '# TYPE sglang:prompt_tokens_total counter\n'
+            'sglang:prompt_tokens_total{{model_name="m"}} {prompt}\n')
+    before, after = parse_metrics(page.format(cached=100, prompt=1000)), parse_metrics(page.format(cached=612, prompt=2024))
+    hits = adapter("sglang").tier_hits(before, after)
+    # 612 - 100 = 512 cached of 2024 - 1000 = 1024 prompt tokens, from no tier in particular
+    assert dict(hits.tiers) == {"any": 512} and hits.prompt_tokens == 1024 and "no cache_source" in hits.source
+    assert hits.verifies("host")[0] is None
+
+
+def test_lmcache_workers_of_one_tensor_parallel_group_are_read_once():
+    page = ('# TYPE lmcache:num_hit_tokens counter\n'
+            'lmcache:num_hit_tokens_total{{worker_id="0"}} {hit}\nlmcache:num_hit_tokens_total{{worker_id="1"}} {hit}\n'
+            '# TYPE lmcache:num_requested_tokens counter\n'
+            'lmcache:num_requested_tokens_total{{worker_id="0"}} {asked}\n'
+            'lmcache:num_requested_tokens_total{{worker_id="1"}} {asked}\n')
+    before, after = parse_metrics(page.format(hit=0, asked=0)), parse_metrics(page.format(hit=768, asked=1024))
+    # two TP workers each count the same 768 hit tokens for their shard: 768, not 1536
+    hits = tier_hits((lmcache_map(),), before, after)
+    assert dict(hits.tiers) == {"lower": 768} and hits.prompt_tokens == 1024
+
+
+def test_a_fleets_hits_are_each_nodes_summed_and_its_ratios_follow():
+    first = TierHits({"device": 512, "host": 256}, 2048, "kvgate")
+    second = TierHits({"device": 0, "host": 1024, "remote": 256}, 2048, "kvgate")
+    fleet = TierHits.combined([first, second])
+    # device 512 + 0, host 256 + 1024, remote 0 + 256, of 4096 prompt tokens: host 1280 / 4096 = 0.3125
+    assert dict(fleet.tiers) == {"device": 512, "host": 1280, "remote": 256} and fleet.prompt_tokens == 4096
+    assert fleet.ratio("host") == 0.3125 and fleet.ratio("remote") == 0.0625 and fleet.ratio("disk") is None
+    assert TierHits.combined([first, TierHits({"device": 1})]).prompt_tokens is None

@@ -32,16 +32,18 @@ TRAFFIC = {"hit_tokens": "lmcache:num_hit_tokens_total", "requested_tokens": "lm
 
 
 def lmcache_map() -> MetricMap:
-    """LMCache's own counters (a scrape of its internal API server, or of vLLM without the vLLM counters)."""
-    return MetricMap({"lower": (Series(TRAFFIC["hit_tokens"]),)}, (Series(TRAFFIC["requested_tokens"]),),
-                     present=TRAFFIC["hit_tokens"], source=SOURCE)
+    """LMCache's own counters (a scrape of its internal API server, or of vLLM without the vLLM counters).
+    Each tensor-parallel worker counts the same tokens for its shard: one worker's figure (the max) is read."""
+    return MetricMap({"lower": (Series(TRAFFIC["hit_tokens"], combine="max"),)},
+                     (Series(TRAFFIC["requested_tokens"], combine="max"),), present=TRAFFIC["hit_tokens"], source=SOURCE)
 
 
 def lmcache_traffic(before: Scrape, after: Scrape) -> dict[str, float]:
-    """What LMCache moved between two scrapes: hit, requested and stored tokens, requests, remote bytes read."""
+    """What LMCache moved between two scrapes: hit, requested and stored tokens, requests, remote bytes read
+    (one worker's figures: each tensor-parallel worker moves its own shard of the same tokens)."""
     moved = {}
     for name, metric in TRAFFIC.items():
-        grown = Series(metric).growth(before, after)
+        grown = Series(metric, combine="max").growth(before, after)
         if grown is not None:
             moved[name] = grown
     return moved

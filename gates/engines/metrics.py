@@ -45,11 +45,13 @@ class Scrape:
         return name in self.families or name.removesuffix("_total") in self.families or any(
             key[0] == name for key in self.samples)
 
-    def total(self, name: str, labels: Optional[Mapping[str, str]] = None) -> Optional[float]:
-        """The sum of `name`'s samples whose labels include `labels`; None when no sample matches."""
+    def total(self, name: str, labels: Optional[Mapping[str, str]] = None, combine: str = "sum") -> Optional[float]:
+        """The sum (or the max) of `name`'s samples whose labels include `labels`; None when no sample matches."""
         wanted = set((labels or {}).items())
         found = [v for (n, *pairs), v in self.samples.items() if n == name and wanted <= set(pairs)]
-        return sum(found) if found else None
+        if not found:
+            return None
+        return max(found) if combine == "max" else sum(found)
 
     def label_values(self, name: str) -> list[dict[str, str]]:
         """The label sets of `name`'s samples (an info gauge carries its facts there)."""
@@ -72,21 +74,25 @@ def parse_metrics(text: str) -> Scrape:
 
 @dataclass(frozen=True)
 class Series:
-    """Samples of one metric (those whose labels include `labels`), times `scale` (e.g. blocks to tokens)."""
+    """Samples of one metric (those whose labels include `labels`), times `scale` (e.g. blocks to tokens).
+
+    `combine`: "sum" the matching samples (engines, tiers), or take the "max" where each process of a
+    tensor-parallel group counts the same tokens for its own shard (LMCache's workers)."""
 
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     scale: float = 1.0
+    combine: str = "sum"
 
     def growth(self, before: Scrape, after: Scrape) -> Optional[float]:
         """How much the series grew between the scrapes, scaled; None when `after` has no such sample.
 
         A counter that went down was reset in between (a restart, or an engine that zeroes its
         metrics on a cache flush): the difference means nothing, so it is an error, not a zero."""
-        now = after.total(self.name, self.labels)
+        now = after.total(self.name, self.labels, self.combine)
         if now is None:
             return None
-        was = before.total(self.name, self.labels) or 0.0
+        was = before.total(self.name, self.labels, self.combine) or 0.0
         if now < was:
             raise MetricsError(f"{self.describe()} went down between the scrapes ({was:g} -> {now:g}): the "
                                f"engine restarted or reset its counters in between")
@@ -108,6 +114,7 @@ class MetricMap:
     tiers: Mapping[str, tuple[Series, ...]]
     prompt_tokens: tuple[Series, ...] = ()
     present: str = ""
+    present_label: str = ""  # ...with this label on its samples (a counter that gained a label across versions)
     source: str = ""  # where the names come from (the engine's file and version), for the report
 
     def __post_init__(self) -> None:
@@ -116,7 +123,11 @@ class MetricMap:
             raise ValueError(f"tiers: expected names among {', '.join(TIER_NAMES)}, found {unknown}")
 
     def applies_to(self, scrape: Scrape) -> bool:
-        return scrape.declares(self.present or next(s.name for series in self.tiers.values() for s in series))
+        name = self.present or next(s.name for series in self.tiers.values() for s in series)
+        if not scrape.declares(name):
+            return False
+        labelled = scrape.label_values(name)
+        return not self.present_label or not labelled or any(self.present_label in labels for labels in labelled)
 
 
 @dataclass(frozen=True)
@@ -127,11 +138,28 @@ class TierHits:
 
     tiers: Mapping[str, float]
     prompt_tokens: Optional[float] = None
-    metric_map: str = ""
+    source: str = ""  # the metric map that read them
 
     @property
     def hit_tokens(self) -> float:
         return sum(self.tiers.values())
+
+    def ratio(self, tier: str) -> Optional[float]:
+        """The share of the prompt tokens that `tier` served (None without prompt tokens or such a tier)."""
+        if not self.prompt_tokens or tier not in self.tiers:
+            return None
+        return self.tiers[tier] / self.prompt_tokens
+
+    @staticmethod
+    def combined(hits: "list[TierHits]") -> "TierHits":
+        """A fleet's hits: each node's summed per tier (prompt tokens only when every node counts them)."""
+        tiers: dict[str, float] = {}
+        for node in hits:
+            for tier, tokens in node.tiers.items():
+                tiers[tier] = tiers.get(tier, 0.0) + tokens
+        prompts = [node.prompt_tokens for node in hits]
+        return TierHits(tiers, sum(prompts) if hits and None not in prompts else None,
+                        " + ".join(dict.fromkeys(node.source for node in hits)))
 
     def verifies(self, tier: str) -> tuple[Optional[bool], str]:
         """Did the hits come from `tier` alone? True, False, or None (the metrics cannot tell), with why.
