@@ -54,8 +54,8 @@ def test_a_generic_engines_steps_and_metric_map_come_from_the_config(tmp_path):
                                                                             "url": "http://10.0.0.6:8000/flush",
                                                                             "json": {"tiers": ["gpu"]}}},
                                            "clear_lower_tiers": {"command": "true", "clears": ["host", "disk"]}},
-                               "metric_map": {"device": {"metric": "kvgate_cache_hits_total", "labels": {"tier": "device"},
-                                                         "scale": 256},
+                               "metric_map": {"device": {"metric": "kvgate_cache_hits_total",
+                                                         "labels": {"tier": "device"}, "scale": 256},
                                               "host": [{"metric": "kvgate_cache_hits_total", "labels": {"tier": "host"},
                                                         "scale": 256}],
                                               "disk": {"metric": "kvgate_cache_hits_total", "labels": {"tier": "disk"},
@@ -105,8 +105,9 @@ def test_a_generic_engines_steps_and_metric_map_come_from_the_config(tmp_path):
     ({"metric_map": {"prompt_tokens": {"metric": "x_total"}}},
      "targets.candidate.metric_map: expected at least one tier (device, host, disk, remote, lower, any) with its "
      "series, found none"),
-    ({"metric_map": {"device": {"metric": "not a name"}}}, "targets.candidate.metric_map.device[0].metric: expected a Prometheus sample name (letters, digits, _ and :), "
-                                                         "found 'not a name'"),
+    ({"metric_map": {"device": {"metric": "not a name"}}},
+     "targets.candidate.metric_map.device[0].metric: expected a Prometheus sample name (letters, digits, _ and :), "
+     "found 'not a name'"),
     ({"metrics_url": "10.0.0.6:8000/metrics"}, "targets.candidate.metrics_url: expected"),
 ])
 def test_bad_engine_settings_name_the_field(tmp_path, candidate, message):

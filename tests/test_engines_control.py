@@ -163,8 +163,10 @@ def test_kvgate_publishes_queued_writes_then_evicts_through_its_admin_routes(rec
     kvgate.clear_device_cache()
     kvgate.clear_lower_tiers()
     kvgate.drop_disk_page_cache()
-    assert recorder.seen() == [("POST", "/admin/cache/flush", {}), ("POST", "/admin/cache/evict", {"tiers": ["device"]}),
-                               ("POST", "/admin/cache/flush", {}), ("POST", "/admin/cache/evict", {"tiers": ["host"]}),
+    assert recorder.seen() == [("POST", "/admin/cache/flush", {}),
+                               ("POST", "/admin/cache/evict", {"tiers": ["device"]}),
+                               ("POST", "/admin/cache/flush", {}),
+                               ("POST", "/admin/cache/evict", {"tiers": ["host"]}),
                                ("POST", "/admin/cache/drop-page-cache", {})]
     assert all(call["headers"][ADMIN_TOKEN_HEADER] == "t" * 20 for call in recorder.calls)
 

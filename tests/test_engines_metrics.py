@@ -125,7 +125,8 @@ def test_sglang_cache_source_attributes_device_host_and_storage():
     pooled = tier_hits(sglang_maps("mooncake"), scrape("sglang_0.5.23_hicache_before"),
                        scrape("sglang_0.5.23_hicache_after"))
     assert pooled.tiers["remote"] == 2048 and "disk" not in pooled.tiers
-    assert pooled.verifies("disk") == (False, "hits came from device 512, host 1536, remote 2048, any 0, not disk alone")
+    assert pooled.verifies("disk") == (False, "hits came from device 512, host 1536, remote 2048, any 0, "
+                                              "not disk alone")
 
 
 def test_sglang_device_capacity_from_max_total_num_tokens():
@@ -173,7 +174,8 @@ def test_verifies_says_true_only_for_hits_from_that_tier_alone():
     assert TierHits({"device": 0, "host": 512}).verifies("host") == (True, "512 tokens from host (device 0, host 512)")
     assert TierHits({"device": 0, "host": 0}).verifies("host") == (False, "no cached tokens at all (device 0, host 0)")
     assert TierHits({"device": 0, "any": 64}).verifies("disk") == (
-        None, "the engine reports 64 tokens under 'any' (device/host/disk/remote together), so disk cannot be told apart")
+        None, "the engine reports 64 tokens under 'any' (device/host/disk/remote together), so disk cannot be "
+              "told apart")
     assert TierHits({"device": 16, "lower": 64}).verifies("disk") == (
         False, "hits came from device 16, lower 64, not disk alone")
     assert TierHits({"device": 16}).verifies("remote") == (None, "the engine reports no remote hits")
@@ -199,7 +201,8 @@ def test_sglang_before_the_cache_source_label_reports_hits_without_a_tier():
             '# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n'
             '# TYPE sglang:prompt_tokens_total counter\n'
             'sglang:prompt_tokens_total{{model_name="m"}} {prompt}\n')
-    before, after = parse_metrics(page.format(cached=100, prompt=1000)), parse_metrics(page.format(cached=612, prompt=2024))
+    before = parse_metrics(page.format(cached=100, prompt=1000))
+    after = parse_metrics(page.format(cached=612, prompt=2024))
     hits = adapter("sglang").tier_hits(before, after)
     # 612 - 100 = 512 cached of 2024 - 1000 = 1024 prompt tokens, from no tier in particular
     assert dict(hits.tiers) == {"any": 512} and hits.prompt_tokens == 1024 and "no cache_source" in hits.source

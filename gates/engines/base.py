@@ -102,9 +102,11 @@ class EngineAdapter:
                 found[name] = Ability(name, True, f"from {self.metrics_url}")
             else:
                 found[name] = Ability(name, False, self._why(name))
-        found["tier_accounting"] = (
-            Ability("tier_accounting", True, f"{self.metrics_url} by {self.metric_maps[0].source}")
-            if self.metric_maps and self.metrics_url else Ability("tier_accounting", False, self._why("tier_accounting")))
+        if self.metric_maps and self.metrics_url:
+            found["tier_accounting"] = Ability("tier_accounting", True,
+                                               f"{self.metrics_url} by {self.metric_maps[0].source}")
+        else:
+            found["tier_accounting"] = Ability("tier_accounting", False, self._why("tier_accounting"))
         return found
 
     def ability(self, name: str) -> Ability:

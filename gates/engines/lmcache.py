@@ -26,7 +26,8 @@ from .steps import HttpStep, with_query
 SOURCE = "LMCache 0.5.6 lmcache/observability.py (lmcache:num_hit_tokens: host, disk and remote together)"
 HOST_BACKEND = "LocalCPUBackend"
 TRAFFIC = {"hit_tokens": "lmcache:num_hit_tokens_total", "requested_tokens": "lmcache:num_requested_tokens_total",
-           "stored_tokens": "lmcache:num_stored_tokens_total", "retrieve_requests": "lmcache:num_retrieve_requests_total",
+           "stored_tokens": "lmcache:num_stored_tokens_total",
+           "retrieve_requests": "lmcache:num_retrieve_requests_total",
            "store_requests": "lmcache:num_store_requests_total",
            "remote_read_bytes": "lmcache:num_remote_read_bytes_total"}
 
@@ -35,7 +36,8 @@ def lmcache_map() -> MetricMap:
     """LMCache's own counters (a scrape of its internal API server, or of vLLM without the vLLM counters).
     Each tensor-parallel worker counts the same tokens for its shard: one worker's figure (the max) is read."""
     return MetricMap({"lower": (Series(TRAFFIC["hit_tokens"], combine="max"),)},
-                     (Series(TRAFFIC["requested_tokens"], combine="max"),), present=TRAFFIC["hit_tokens"], source=SOURCE)
+                     (Series(TRAFFIC["requested_tokens"], combine="max"),), present=TRAFFIC["hit_tokens"],
+                     source=SOURCE)
 
 
 def lmcache_traffic(before: Scrape, after: Scrape) -> dict[str, float]:

@@ -127,8 +127,8 @@ def pressure_plan(tier: str, capacities: Mapping[str, int], max_filler_tokens: i
     target = math.ceil(capacity * (1 + margin))
     fillers = math.ceil(target / filler)
     if target_capacity is not None and fillers * filler + prefix_tokens > target_capacity:
-        raise PlacementError(f"{fillers} fillers of {filler} tokens and the {prefix_tokens}-token prefix would overflow "
-                             f"{tier} too ({target_capacity} tokens): the prefix would be pushed past it")
+        raise PlacementError(f"{fillers} fillers of {filler} tokens and the {prefix_tokens}-token prefix would "
+                             f"overflow {tier} too ({target_capacity} tokens): the prefix would be pushed past it")
     return PressurePlan(tier, through, capacity, target, filler, fillers)
 
 
@@ -159,7 +159,8 @@ class Placement:
 
 
 def plan_placement(adapter: EngineAdapter, tier: str, max_filler_tokens: int, block_size: int = 1,
-                   prefix_tokens: int = 0, margin: float = DEFAULT_MARGIN, scrape: Optional[Scrape] = None) -> Placement:
+                   prefix_tokens: int = 0, margin: float = DEFAULT_MARGIN,
+                   scrape: Optional[Scrape] = None) -> Placement:
     """The placement of a cached prefix in `tier` on this engine: by route where it has the controls, else by
     pressure from the tiers' capacities (configured, else the engine's metrics: `scrape`, or one taken now)."""
     route, why_not_route = route_plan(adapter, tier)

@@ -34,7 +34,8 @@ def sglang_maps(cache_layer: Optional[str]) -> tuple[MetricMap, ...]:
              "host": (Series(CACHED, {"cache_source": "host"}),),
              storage_tier: (Series(CACHED, {"cache_source": "storage"}),),
              "any": (Series(CACHED, {"cache_source": "total"}),)}
-    by_source = MetricMap(tiers, prompt, present=CACHED, present_label="cache_source", source=f"{SOURCE} (cache_source)")
+    by_source = MetricMap(tiers, prompt, present=CACHED, present_label="cache_source",
+                          source=f"{SOURCE} (cache_source)")
     # SGLang before the cache_source label counted cached tokens with no breakdown
     unsplit = MetricMap({"any": (Series(CACHED),)}, prompt, present=CACHED, source=f"{SOURCE} (no cache_source)")
     return by_source, unsplit

@@ -75,7 +75,8 @@ def build(spec: EngineSpec) -> EngineAdapter:
         tiers = ("remote",) if spec.cache_layer == "mooncake" else ("host",)
         external = HttpStep("POST", f"{reset}?reset_external=true", None, spec.bearer, _success, DEV_MODE)
         controls["clear_lower_tiers"] = Control(external, ("device", *tiers))
-    missing["host_kv_tokens"] = "vllm: set host_kv_tokens (the CPU offload size is in bytes, the KV layout decides tokens)"
+    missing["host_kv_tokens"] = ("vllm: set host_kv_tokens (the CPU offload size is in bytes; the KV layout "
+                                 "decides the tokens)")
     name = f"vllm+{spec.cache_layer}" if spec.cache_layer else "vllm"
     return assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity})
 
