@@ -114,3 +114,14 @@ def test_bad_engine_settings_name_the_field(tmp_path, candidate, message):
     with pytest.raises(ConfigError) as caught:
         load(tmp_path, candidate)
     assert message in str(caught.value), str(caught.value)
+
+
+def test_a_configured_call_carries_the_api_key_only_to_the_endpoints_own_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("CANDIDATE_KEY", "sk-candidate")
+    endpoint = load(tmp_path, {"api_key_env": "CANDIDATE_KEY",
+                               "control": {"clear_device_cache": {"http": {"url": "http://10.0.0.6:8000/flush"}},
+                                           "clear_lower_tiers": {"http": {"url": "http://10.0.0.9:9000/clear"}}}})
+    controls = build_adapter(spec_from_endpoint(endpoint)).controls
+    assert controls["clear_device_cache"].step.headers == {"Authorization": "Bearer sk-candidate"}
+    assert controls["clear_lower_tiers"].step.headers == {}      # another host: the key stays home
+    assert controls["clear_device_cache"].step.method == "POST"  # the default method

@@ -229,3 +229,10 @@ def test_a_fleets_hits_are_each_nodes_summed_and_its_ratios_follow():
     assert dict(fleet.tiers) == {"device": 512, "host": 1280, "remote": 256} and fleet.prompt_tokens == 4096
     assert fleet.ratio("host") == 0.3125 and fleet.ratio("remote") == 0.0625 and fleet.ratio("disk") is None
     assert TierHits.combined([first, TierHits({"device": 1})]).prompt_tokens is None
+
+
+def test_the_responses_cached_tokens_are_set_beside_the_attributed_hits():
+    hits = TierHits({"device": 256, "host": 1024}, 2048)
+    assert hits.agrees_with(1280) is None
+    assert hits.agrees_with(1536) == "the response says 1536 cached tokens, the metrics attribute 1280 (device 256, " \
+                                     "host 1024)"

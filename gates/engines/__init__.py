@@ -11,6 +11,7 @@ import importlib
 import os
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
 from .metrics import TIERS, MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics
@@ -29,7 +30,9 @@ def build_adapter(spec: EngineSpec) -> EngineAdapter:
 def spec_from_endpoint(endpoint: Any) -> EngineSpec:
     """The spec of an external target from its validated gates.yaml section (gates.config.Endpoint)."""
     api_key = os.environ.get(endpoint.api_key_env) if endpoint.api_key_env else None
-    control = {name: Control(_step(step), tuple(clears)) for name, (step, clears) in endpoint.control.steps().items()}
+    root = endpoint.url.rstrip("/").removesuffix("/v1")
+    control = {name: Control(_step(step, root, api_key), tuple(clears))
+               for name, (step, clears) in endpoint.control.steps().items()}
     metric_map = None
     if endpoint.metric_map is not None:
         config = endpoint.metric_map
@@ -37,7 +40,7 @@ def spec_from_endpoint(endpoint: Any) -> EngineSpec:
                  for tier, series in config.tiers().items()}
         prompt = tuple(Series(s.metric, s.labels, s.scale) for s in config.prompt_tokens or ())
         metric_map = MetricMap(tiers, prompt, source="the configured metric_map")
-    return EngineSpec(endpoint.engine, endpoint.url.rstrip("/").removesuffix("/v1"), endpoint.metrics_endpoint,
+    return EngineSpec(endpoint.engine, root, endpoint.metrics_endpoint,
                       api_key, endpoint.cache_layer, endpoint.cache_layer_url, endpoint.cache_dir,
                       endpoint.device_kv_tokens, endpoint.host_kv_tokens, control, metric_map)
 
@@ -49,10 +52,18 @@ def embedded_spec(server_root: str, cache_dir: Optional[Path] = None, device_kv_
                       device_kv_tokens=device_kv_tokens, host_kv_tokens=host_kv_tokens, block_size=block_size)
 
 
-def _step(step: Any):
+def _step(step: Any, root: str, api_key: Optional[str]):
+    """A configured step; an HTTP call to the endpoint's own server carries its API key (to another host, never)."""
     if step.command is not None:
         return CommandStep(step.command)
-    return HttpStep(step.http.method, step.http.url, step.http.body)
+    same_server = _origin(step.http.url) == _origin(root)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key and same_server else {}
+    return HttpStep(step.http.method, step.http.url, step.http.body, headers)
+
+
+def _origin(url: str) -> tuple:
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 __all__ = ["ABILITIES", "CONTROLS", "TIERS", "Ability", "Capacity", "CommandStep", "Control", "ControlError",

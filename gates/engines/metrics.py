@@ -150,6 +150,15 @@ class TierHits:
             return None
         return self.tiers[tier] / self.prompt_tokens
 
+    def agrees_with(self, cached_tokens: int) -> Optional[str]:
+        """None when the engine's own count of a request's cached tokens (usage.prompt_tokens_details.
+        cached_tokens, where it returns one) matches the hits the metrics attribute; else what differs
+        (another request between the scrapes, or counters that miss a tier)."""
+        if cached_tokens == self.hit_tokens:
+            return None
+        return (f"the response says {cached_tokens} cached tokens, the metrics attribute {self.hit_tokens:g} "
+                f"({self._said()})")
+
     @staticmethod
     def combined(hits: "list[TierHits]") -> "TierHits":
         """A fleet's hits: each node's summed per tier (prompt tokens only when every node counts them)."""
