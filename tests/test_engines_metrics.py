@@ -88,6 +88,7 @@ def test_vllm_with_lmcache_cannot_tell_host_from_disk():
     vllm = adapter("vllm", cache_layer="lmcache")
     before, after = scrape("vllm_0.33.0_lmcache_0.5.6_before"), scrape("vllm_0.33.0_lmcache_0.5.6_after")
     # by source: external_unspecified 0 -> 6144 (LMCache's connector names no tier); prompt 8192 -> 16384
+    assert vllm.reported_tiers() == ("device", "host", "disk", "remote", "lower")
     hits = vllm.tier_hits(before, after)
     assert hits.tiers["lower"] == 6144 and hits.tiers["device"] == 0 and hits.prompt_tokens == 8192
     assert hits.verifies("disk") == (None, "the engine reports 6144 tokens under 'lower' (host/disk/remote "

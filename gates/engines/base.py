@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from .metrics import TIERS, MetricMap, MetricsError, Scrape, TierHits, parse_metrics, tier_hits
-from .steps import ControlError, Step, StepResult, http_call
+from .steps import ControlError, DropLocalPages, Step, StepResult, http_call
 
 CONTROLS = ("clear_device_cache", "clear_lower_tiers", "drop_disk_page_cache")
 ABILITIES = (*CONTROLS, "device_kv_tokens", "host_kv_tokens", "tier_accounting")
@@ -182,7 +182,8 @@ class EngineAdapter:
         return tier_hits(self.metric_maps, before, after)
 
     def reported_tiers(self) -> tuple[str, ...]:
-        """The tiers this engine's metrics attribute hits to, each on its own (a folded name covers several)."""
+        """The tiers this engine's metrics may attribute hits to, over the maps of its versions (a folded name
+        covers several); which a scrape gives is in its TierHits."""
         names = dict.fromkeys(tier for m in self.metric_maps for tier in m.tiers)
         return tuple(names)
 
@@ -225,8 +226,6 @@ def assemble(spec: EngineSpec, name: str, controls: Mapping[str, Control], missi
              metric_maps: tuple[MetricMap, ...], capacity_from_metrics: Optional[Mapping] = None) -> EngineAdapter:
     """The adapter an engine builder describes, with what the config adds on top: configured steps
     replace the engine's, a local `cache_dir` gives the page-cache drop, configured capacities win."""
-    from .steps import DropLocalPages
-
     controls, missing = dict(controls), dict(missing)
     if spec.cache_dir is not None and "drop_disk_page_cache" not in controls:
         controls["drop_disk_page_cache"] = Control(DropLocalPages(Path(spec.cache_dir)), ())
