@@ -51,25 +51,24 @@ def route_plan(adapter: EngineAdapter, tier: str) -> tuple[Optional[RoutePlan], 
     _check_tier(tier)
     above = set(TIERS[: TIERS.index(tier)])
     abilities = adapter.abilities()
-    usable = [name for name in ("clear_device_cache", "clear_lower_tiers")
-              if abilities[name].available and tier not in abilities[name].clears]
+    clearing = [abilities["clear_device_cache"], abilities["clear_lower_tiers"]]
     steps, cleared = [], set()
-    for name in usable:
-        if above - cleared and set(abilities[name].clears) & (above - cleared):
-            steps.append(name)
-            cleared |= set(abilities[name].clears)
-    if above - cleared:
-        blocked = [f"{name} empties {'/'.join(abilities[name].clears)}" for name in ("clear_device_cache",
-                   "clear_lower_tiers") if abilities[name].available and tier in abilities[name].clears]
-        unavailable = [abilities[name].how for name in ("clear_device_cache", "clear_lower_tiers")
-                       if not abilities[name].available]
-        return None, (f"{adapter.engine}: no route empties {'/'.join(t for t in TIERS if t in above - cleared)} "
-                      f"and keeps {tier}" + "".join(f"; {why}" for why in (*blocked, *unavailable)))
+    for ability in clearing:  # device first: kvgate demotes what it evicts, so the host is emptied after
+        if ability.available and tier not in ability.clears and set(ability.clears) & (above - cleared):
+            steps.append(ability.name)
+            cleared |= set(ability.clears)
+    left = [t for t in TIERS if t in above - cleared]
+    if left:
+        reasons = [f"{a.name} empties {'/'.join(a.clears)}" if a.available else a.how
+                   for a in clearing if not a.available or tier in a.clears]
+        return None, (f"{adapter.engine}: no route empties {'/'.join(left)} and keeps {tier}"
+                      + "".join(f"; {reason}" for reason in reasons))
     if tier != "disk":
         return RoutePlan(tier, tuple(steps)), ""
     drop = abilities["drop_disk_page_cache"]
-    return RoutePlan(tier, (*steps, "drop_disk_page_cache") if drop.available else tuple(steps), drop.available,
-                     "" if drop.available else drop.how), ""
+    if drop.available:
+        return RoutePlan(tier, (*steps, drop.name), cold=True), ""
+    return RoutePlan(tier, tuple(steps), cold=False, not_cold=drop.how), ""
 
 
 @dataclass(frozen=True)
