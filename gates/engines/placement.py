@@ -166,6 +166,13 @@ def plan_placement(adapter: EngineAdapter, tier: str, max_filler_tokens: int, bl
     if route is not None:
         return Placement(tier, route=route, cold=route.cold, not_cold=route.not_cold)
     capacities, missing = {}, []
+    needed = [*TIERS[: TIERS.index(tier)], *(("host",) if tier == "host" else ())]
+    from_metrics = [t for t in needed if t not in adapter.capacities and t in adapter.capacity_from_metrics]
+    if scrape is None and from_metrics and adapter.metrics_url:
+        try:
+            scrape = adapter.scrape()            # one page for every capacity the metrics give
+        except MetricsError as error:
+            missing.append(str(error))
     for name in TIERS[: TIERS.index(tier)]:
         try:
             capacities[name] = adapter.kv_tokens(name, scrape).tokens
