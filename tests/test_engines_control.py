@@ -287,3 +287,17 @@ def test_a_metrics_page_that_fails_is_an_error(recorder):
     recorder.answers[("GET", "/metrics")] = (500, "boom")
     with pytest.raises(MetricsError, match="GET .*/metrics: HTTP 500: boom"):
         adapter("sglang", recorder.root).scrape()
+
+
+def test_placement_by_pressure_reads_the_device_capacity_from_one_metrics_page(recorder, tmp_path):
+    from gates.engines.placement import plan_placement
+
+    recorder.answers[("GET", "/metrics")] = (200, (DATA / "vllm_0.33.0_lmcache_0.5.6_after.prom").read_text())
+    vllm = adapter("vllm", recorder.root, cache_layer="lmcache", host_kv_tokens=1_000_000, cache_dir=tmp_path)
+    placement = plan_placement(vllm, "disk", max_filler_tokens=32768, block_size=16)
+    # no route (LMCache's host tier has no clear without cache_layer_url): by pressure past device 27236 x 16 =
+    # 435776 (the page) + host 1000000 (configured) = 1435776; x 1.25 = 1794720 -> ceil(1794720 / 32768) = 55
+    assert placement.route is None and "set cache_layer_url" in placement.why_not_route
+    assert (placement.pressure.capacity_tokens, placement.pressure.fillers) == (1435776, 55)
+    assert placement.cold                                    # cache_dir: the page cache is dropped after
+    assert recorder.seen() == [("GET", "/metrics", None)]
