@@ -9,8 +9,9 @@ Names from LMCache 0.5.6 (the PyPI wheel; the same in LMCache/LMCache at 0353be8
 - lmcache/observability.py: counters `lmcache:num_hit_tokens`, `num_requested_tokens`,
   `num_stored_tokens`, `num_retrieve_requests`, `num_store_requests`, `num_remote_read_bytes`,
   labels model_name, worker_id, role, served_model_name. LMCache does not count hits per backend:
-  its hits are one figure for host, disk and remote together ("lower"). They are on vLLM's
-  /metrics (one registry) and on the internal API server's /metrics.
+  its hits are one figure for host, disk and remote together ("lower"). They are on the internal
+  API server's /metrics (metrics_api.py: the worker's registry), and on vLLM's when the two share
+  PROMETHEUS_MULTIPROC_DIR (point metrics_url at whichever page has them).
 """
 
 from __future__ import annotations

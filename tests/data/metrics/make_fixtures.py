@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 HERE = Path(__file__).resolve().parent
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -24,7 +24,7 @@ VLLM_SOURCE = """\
 # vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py (kv_offload_*). Values: one request.
 """
 LMCACHE_SOURCE = """\
-# vLLM 0.33.0 with LMCache 0.5.6 as its KV connector (one registry: LMCache's counters on vLLM's /metrics):
+# vLLM 0.33.0 with LMCache 0.5.6 as its KV connector (one page: LMCache's counters with vLLM's, shared registry):
 # vLLM names as in vllm_*.prom; LMCache's from lmcache/observability.py of the lmcache-0.5.6 wheel (the same
 # names in LMCache/LMCache at 0353be824aeb): labels model_name, worker_id, role, served_model_name.
 """
@@ -164,6 +164,8 @@ def write(name: str, header: str, registry: CollectorRegistry) -> None:
 
 
 def main() -> None:
+    disable_created_metrics()  # no creation timestamps: the files are the same at every run (and multiprocess
+    #                            registries, as vLLM's and SGLang's, write none either)
     for when, step in zip(("before", "after"), VLLM_STEPS):
         write(f"vllm_0.33.0_offload_{when}.prom", VLLM_SOURCE, vllm_registry(step))
     for when, (step, lmc) in zip(("before", "after"), LMCACHE_STEPS):
