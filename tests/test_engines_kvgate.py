@@ -46,8 +46,10 @@ def test_the_route_to_disk_empties_device_and_host_and_drops_the_page_cache(serv
     plan, why = route_plan(adapter, "disk")
     assert plan is not None and plan.cold, why
     assert plan.steps == ("clear_device_cache", "clear_lower_tiers", "drop_disk_page_cache")
-    for step in plan.steps:
-        getattr(adapter, step)()
+    evict_device, evict_host, drop = plan.run(adapter)
+    # each eviction first publishes queued writes (flush), then evicts: the prompt's 5 blocks at least, each tier
+    assert evict_device.answer[1]["evicted"]["device"] >= 5 and evict_host.answer[1]["evicted"]["host"] >= 5
+    assert drop.answer == {"dropped": True}
     before = adapter.scrape()
     answer = ask(server, prompt)
     hits = adapter.tier_hits(before, adapter.scrape())

@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 
 from .base import EngineAdapter, Unavailable
 from .metrics import TIERS, MetricsError, Scrape
+from .steps import StepResult
 
 DEFAULT_MARGIN = 0.25
 
@@ -39,6 +40,10 @@ class RoutePlan:
     steps: tuple[str, ...]
     cold: bool = False       # disk: the page cache is dropped too, so the hit reads the storage device
     not_cold: str = ""       # why it is not, when it is not
+
+    def run(self, adapter: EngineAdapter) -> list[StepResult]:
+        """Do the steps on the engine, in order (a failure raises ControlError and stops them)."""
+        return [getattr(adapter, step)() for step in self.steps]
 
     def describe(self) -> str:
         cold = "; page cache dropped" if self.cold else (f"; page cache NOT dropped ({self.not_cold})"
