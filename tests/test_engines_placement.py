@@ -155,3 +155,8 @@ def test_no_route_and_no_capacity_is_no_placement_with_both_reasons():
     assert "generic: set control.clear_device_cache" in placement.why_not_route
     assert "needs the KV capacity of device (set device_kv_tokens" in placement.why_not_pressure
     assert placement.describe().startswith("host: no placement (generic: no route empties device and keeps host")
+
+
+def test_an_unknown_engine_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="engine: expected one of kvgate, vllm, sglang, generic, found 'tgi'"):
+        build_adapter(EngineSpec("tgi", "http://127.0.0.1:9"))

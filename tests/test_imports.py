@@ -26,7 +26,8 @@ def _imports_torch(code: str, cwd: Path) -> bool:
                                     "gates.sizing.timing", "gates.sizing.queueing", "gates.sizing.calibration",
                                     "gates.sizing.layout", "gates.sizing.replay", "gates.sizing.sequences",
                                     "gates.engines", "gates.engines.kvgate", "gates.engines.vllm",
-                                    "gates.engines.sglang", "gates.engines.generic", "gates.engines.placement"])
+                                    "gates.engines.sglang", "gates.engines.generic", "gates.engines.placement",
+                                    "gates.engines.settings"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not _imports_torch(f"import {module}", tmp_path)
 

@@ -15,16 +15,17 @@ from urllib.parse import urlsplit
 
 from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
 from .metrics import TIERS, MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics
+from .settings import ENGINES
 from .steps import CommandStep, ControlError, HttpStep, StepResult
 
-ENGINE_MODULES = {"kvgate": "kvgate", "vllm": "vllm", "sglang": "sglang", "generic": "generic"}
 
 
 def build_adapter(spec: EngineSpec) -> EngineAdapter:
-    """The adapter of `spec.engine` (ValueError naming the engines when it is none of them)."""
-    if spec.engine not in ENGINE_MODULES:
-        raise ValueError(f"engine: expected one of {', '.join(ENGINE_MODULES)}, found {spec.engine!r}")
-    return importlib.import_module(f".{ENGINE_MODULES[spec.engine]}", __name__).build(spec)
+    """The adapter of `spec.engine`, built by the module of that name (ValueError naming the engines when it is
+    none of them)."""
+    if spec.engine not in ENGINES:
+        raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, found {spec.engine!r}")
+    return importlib.import_module(f".{spec.engine}", __name__).build(spec)
 
 
 def spec_from_endpoint(endpoint: Any) -> EngineSpec:
@@ -66,6 +67,6 @@ def _origin(url: str) -> tuple:
     return parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
-__all__ = ["ABILITIES", "CONTROLS", "TIERS", "Ability", "Capacity", "CommandStep", "Control", "ControlError",
+__all__ = ["ABILITIES", "CONTROLS", "ENGINES", "TIERS", "Ability", "Capacity", "CommandStep", "Control", "ControlError",
            "EngineAdapter", "EngineSpec", "HttpStep", "MetricMap", "MetricsError", "Scrape", "Series", "StepResult",
            "TierHits", "Unavailable", "build_adapter", "embedded_spec", "parse_metrics", "spec_from_endpoint"]

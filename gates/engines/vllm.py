@@ -47,7 +47,7 @@ def vllm_maps(cache_layer: Optional[str]) -> tuple[MetricMap, ...]:
 
 
 def _success(text: str) -> Optional[str]:
-    """vLLM >= 0.2x answers {"success": bool}; older ones an empty 200."""
+    """vLLM 0.33 answers {"success": bool}; older releases an empty 200 (taken as done)."""
     try:
         body = json.loads(text) if text.strip() else {}
     except ValueError:
