@@ -28,6 +28,7 @@ from workloads.loaders import LOADERS
 
 from .checks import CHECKS, check_of, configurable_metrics
 from .fleet import fleet_defaults
+from .engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -82,6 +83,42 @@ class Endpoint(StrictModel):
     model: str = Field(min_length=1)
     api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
     api: Literal["chat", "completions"] = "chat"
+    engine: Literal[ENGINES] = Field(default="generic", description=(
+        "the engine serving it (gates/engines/): its cache controls and metric names. generic (default): kvgate "
+        "assumes nothing; each control and the metric map come from this section"))
+    cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
+        "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang)"))
+    cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+        "lmcache: its internal API server (clears the host tier)"))
+    metrics_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+        "the engine's Prometheus page (default: the URL without /v1, + /metrics)"))
+    cache_dir: Optional[Path] = Field(default=None, description=(
+        "the disk tier's directory when it is on this host: its page cache is dropped by fadvise"))
+    device_kv_tokens: Optional[Positive] = Field(default=None, description=(
+        "device KV capacity in tokens (default: from the engine's metrics where it says)"))
+    host_kv_tokens: Optional[Positive] = Field(default=None, description="host tier KV capacity in tokens")
+    control: ControlConfig = Field(default_factory=ControlConfig, description=(
+        "cache-control steps, each an HTTP call or a command; they replace the engine's own"))
+    metric_map: Optional[MetricMapConfig] = Field(default=None, description="generic: per tier, its hit counters")
+
+    _cache_dir = field_validator("cache_dir", mode="before")(lambda cls, v: _absolute_path(v))
+
+    @property
+    def metrics_endpoint(self) -> str:
+        return self.metrics_url or f"{self.url.rstrip('/').removesuffix('/v1')}/metrics"
+
+    @model_validator(mode="after")
+    def _engine_settings_fit(self) -> "Endpoint":
+        if self.cache_layer is not None and self.engine not in CACHE_LAYERS[self.cache_layer]:
+            raise ValueError(f"cache_layer: expected {self.cache_layer} only with engine "
+                             f"{' or '.join(CACHE_LAYERS[self.cache_layer])}, found engine {self.engine}")
+        if self.cache_layer_url is not None and self.cache_layer != "lmcache":
+            raise ValueError(f"cache_layer_url: expected only with cache_layer: lmcache (its internal API server), "
+                             f"found cache_layer {self.cache_layer}")
+        if self.metric_map is not None and self.engine != "generic":
+            raise ValueError(f"metric_map: expected only with engine: generic ({self.engine}'s metric names are "
+                             f"known), found engine {self.engine}")
+        return self
 
     @field_validator("url")
     @classmethod

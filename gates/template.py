@@ -25,6 +25,32 @@ targets:
   # baseline:  {url: "http://10.0.0.5:8000/v1", model: my-model, api_key_env: BASELINE_KEY}
   # candidate: {url: "http://10.0.0.6:8000/v1", model: my-model, api_key_env: CANDIDATE_KEY}
   # recompute: {url: "http://10.0.0.7:8000/v1", model: my-model}   # optional no-reuse reference
+  #
+  # Each external endpoint names its engine, so the gates can control its cache and read which tier
+  # served a hit from its /metrics (an embedded target is always engine kvgate):
+  # candidate:
+  #   url: "http://10.0.0.6:8000/v1"
+  #   model: my-model
+  #   engine: vllm                  # kvgate | vllm | sglang | generic (default: generic, nothing assumed)
+  #                                 # vllm: POST /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1)
+  #                                 # sglang: POST /flush_cache (start it with --enable-metrics)
+  #                                 # kvgate: its /admin/cache routes (the admin token in $KVGATE_ADMIN_TOKEN)
+  #   cache_layer: lmcache          # lmcache (vllm) | hicache (sglang) | mooncake (vllm, sglang)
+  #   cache_layer_url: "http://10.0.0.6:7000"   # lmcache: its internal API server (clears its host tier)
+  #   metrics_url: "http://10.0.0.6:8000/metrics"   # default: the URL without /v1, + /metrics
+  #   cache_dir: /mnt/nvme/lmcache  # the disk tier's directory when on this host: page cache dropped by fadvise
+  #   device_kv_tokens: 500000      # device KV capacity in tokens (default: from the engine's metrics:
+  #                                 # vLLM's cache_config_info, SGLang's max_total_num_tokens)
+  #   host_kv_tokens: 2000000       # host tier capacity in tokens (placement by pressure past the host)
+  #   control:                      # steps of your own, each {http: {method, url, json}} or {command: "..."};
+  #                                 # they replace the engine's; clears: the tiers a step empties
+  #     drop_disk_page_cache: {command: "ssh storage01 'sync; echo 1 > /proc/sys/vm/drop_caches'"}
+  #     # clear_device_cache: {http: {method: POST, url: "http://10.0.0.6:8000/flush"}, clears: [device]}
+  #     # clear_lower_tiers: {command: "my-cache-cli clear --tier dram", clears: [host]}
+  #   # metric_map:                 # engine generic: per tier, the counters of its hit tokens (summed)
+  #   #   device: {metric: my_engine_cache_hit_tokens_total, labels: {tier: gpu}}
+  #   #   host: [{metric: my_offload_hit_blocks_total, scale: 16}]   # scale: tokens per unit counted
+  #   #   prompt_tokens: {metric: my_engine_prompt_tokens_total}
 
 storage:
   path: kvgate-storage            # the storage under test: fio runs here, the disk tier lives here

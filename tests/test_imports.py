@@ -27,7 +27,10 @@ def _imports_torch(code: str, cwd: Path) -> bool:
                                     "gates.sizing.layout", "gates.sizing.replay", "gates.sizing.sequences",
                                     "kvcore.predictions", "workloads.live", "gates.fleet", "workloads.tier_hits",
                                     "gates.sizing.targets", "gates.sizing.g3_inputs", "gates.sizing.g3_figures",
-                                    "gates.sizing.plan"])
+                                    "gates.sizing.plan",
+                                    "gates.engines", "gates.engines.kvgate", "gates.engines.vllm",
+                                    "gates.engines.sglang", "gates.engines.generic", "gates.engines.placement",
+                                    "gates.engines.settings"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not _imports_torch(f"import {module}", tmp_path)
 

@@ -1,0 +1,72 @@
+"""Engine adapters: what kvgate knows of kvgate, vLLM, SGLang (with LMCache, HiCache, Mooncake) and generic engines.
+
+`build_adapter(spec)` gives an `EngineAdapter` (gates/engines/base.py) for an `EngineSpec`;
+`spec_from_endpoint` makes the spec of an external target from gates.yaml, `embedded_spec` of
+one of the harness's own `kvgate serve` processes. Placement by pressure is placement.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
+from .metrics import TIERS, MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics
+from .settings import ENGINES
+from .steps import CommandStep, ControlError, HttpStep, StepResult
+
+
+
+def build_adapter(spec: EngineSpec) -> EngineAdapter:
+    """The adapter of `spec.engine`, built by the module of that name (ValueError naming the engines when it is
+    none of them)."""
+    if spec.engine not in ENGINES:
+        raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, found {spec.engine!r}")
+    return importlib.import_module(f".{spec.engine}", __name__).build(spec)
+
+
+def spec_from_endpoint(endpoint: Any) -> EngineSpec:
+    """The spec of an external target from its validated gates.yaml section (gates.config.Endpoint)."""
+    api_key = os.environ.get(endpoint.api_key_env) if endpoint.api_key_env else None
+    root = endpoint.url.rstrip("/").removesuffix("/v1")
+    control = {name: Control(_step(step, root, api_key), tuple(clears))
+               for name, (step, clears) in endpoint.control.steps().items()}
+    metric_map = None
+    if endpoint.metric_map is not None:
+        config = endpoint.metric_map
+        tiers = {tier: tuple(Series(s.metric, s.labels, s.scale) for s in series)
+                 for tier, series in config.tiers().items()}
+        prompt = tuple(Series(s.metric, s.labels, s.scale) for s in config.prompt_tokens or ())
+        metric_map = MetricMap(tiers, prompt, source="the configured metric_map")
+    return EngineSpec(endpoint.engine, root, endpoint.metrics_endpoint,
+                      api_key, endpoint.cache_layer, endpoint.cache_layer_url, endpoint.cache_dir,
+                      endpoint.device_kv_tokens, endpoint.host_kv_tokens, control, metric_map)
+
+
+def embedded_spec(server_root: str, cache_dir: Optional[Path] = None, device_kv_tokens: Optional[int] = None,
+                  host_kv_tokens: Optional[int] = None, block_size: Optional[int] = None) -> EngineSpec:
+    """The spec of a `kvgate serve --admin` the harness started (its disk tier's directory is on this host)."""
+    return EngineSpec("kvgate", server_root.rstrip("/").removesuffix("/v1"), cache_dir=cache_dir,
+                      device_kv_tokens=device_kv_tokens, host_kv_tokens=host_kv_tokens, block_size=block_size)
+
+
+def _step(step: Any, root: str, api_key: Optional[str]):
+    """A configured step; an HTTP call to the endpoint's own server carries its API key (to another host, never)."""
+    if step.command is not None:
+        return CommandStep(step.command)
+    same_server = _origin(step.http.url) == _origin(root)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key and same_server else {}
+    return HttpStep(step.http.method, step.http.url, step.http.body, headers)
+
+
+def _origin(url: str) -> tuple:
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+
+__all__ = ["ABILITIES", "CONTROLS", "ENGINES", "TIERS", "Ability", "Capacity", "CommandStep", "Control", "ControlError",
+           "EngineAdapter", "EngineSpec", "HttpStep", "MetricMap", "MetricsError", "Scrape", "Series", "StepResult",
+           "TierHits", "Unavailable", "build_adapter", "embedded_spec", "parse_metrics", "spec_from_endpoint"]

@@ -1,0 +1,99 @@
+"""vLLM (`vllm serve`), alone, with its native CPU offloading, or with a KV connector (LMCache, Mooncake).
+
+Names from vLLM 0.33.0 (the PyPI wheel of tag v0.33.0):
+- `POST /reset_prefix_cache?reset_external=<bool>` (vllm/entrypoints/serve/dev/cache/api_router.py):
+  a development route, served only with VLLM_SERVER_DEV_MODE=1; answers {"success": false} while
+  blocks are still held (running requests, async offload transfers). `reset_external=true` also
+  resets the connector-managed (offloaded) cache.
+- vllm/v1/metrics/loggers.py: `vllm:prompt_tokens_cached_by_source{source}` (device, host, disk, p2p,
+  external_unspecified; sums to prefix_cache_hits + external_prefix_cache_hits),
+  `vllm:prefix_cache_hits` (device), `vllm:external_prefix_cache_hits` (through the KV connector),
+  `vllm:prompt_tokens`, and the info gauge `vllm:cache_config_info` whose labels are CacheConfig's
+  fields (vllm/config/cache.py: num_gpu_blocks, block_size, kv_cache_size_tokens, ...).
+  Counters are exposed with the `_total` suffix.
+Older vLLM has no `_by_source` counter: the device and connector counters are read instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from .base import Capacity, Control, EngineAdapter, EngineSpec, assemble
+from .lmcache import lmcache_controls, lmcache_map
+from .metrics import MetricMap, Scrape, Series, finite_label
+from .steps import HttpStep
+
+SOURCE = "vllm 0.33.0 vllm/v1/metrics/loggers.py"
+# CacheHitSource (vllm/v1/metrics/cache_hit_source.py) -> kvgate's tiers; p2p: another instance's KV
+BY_SOURCE = {"device": "device", "host": "host", "disk": "disk", "p2p": "remote", "external_unspecified": "lower"}
+
+
+def vllm_maps(cache_layer: Optional[str]) -> tuple[MetricMap, ...]:
+    """By source where vLLM says it; else device + connector. The connector's tier: native offloading keeps
+    its KV in host DRAM; LMCache's may be host, disk or remote (folded: 'lower'); Mooncake's is the pool."""
+    by_source = {}
+    for source, tier in BY_SOURCE.items():
+        by_source.setdefault(tier, []).append(Series("vllm:prompt_tokens_cached_by_source_total", {"source": source}))
+    prompt = (Series("vllm:prompt_tokens_total"),)
+    connector_tier = {None: "host", "mooncake": "remote"}.get(cache_layer, "lower")
+    fallback = {"device": (Series("vllm:prefix_cache_hits_total"),),
+                connector_tier: (Series("vllm:external_prefix_cache_hits_total"),)}
+    maps = (MetricMap({tier: tuple(series) for tier, series in by_source.items()}, prompt,
+                      present="vllm:prompt_tokens_cached_by_source_total", source=f"{SOURCE} (_by_source)"),
+            MetricMap(fallback, prompt, present="vllm:prefix_cache_hits_total",
+                      source=f"{SOURCE} (prefix_cache_hits, external_prefix_cache_hits)"))
+    return (*maps, lmcache_map()) if cache_layer == "lmcache" else maps
+
+
+def _success(text: str) -> Optional[str]:
+    """vLLM 0.33 answers {"success": bool}; older releases an empty 200 (taken as done)."""
+    try:
+        body = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return None
+    if isinstance(body, dict) and body.get("success") is False:
+        return "vLLM refused the reset (success: false): blocks are still held by running requests or " \
+               "in-flight offload transfers; retry when the engine is idle"
+    return None
+
+
+DEV_MODE = {404: "vLLM serves /reset_prefix_cache only when started with VLLM_SERVER_DEV_MODE=1"}
+
+
+def build(spec: EngineSpec) -> EngineAdapter:
+    reset = spec.route("/reset_prefix_cache")
+    controls = {"clear_device_cache": Control(HttpStep("POST", reset, None, spec.bearer, _success, DEV_MODE),
+                                              ("device",))}
+    missing = {}
+    if spec.cache_layer == "lmcache":
+        found = lmcache_controls(spec)
+        controls.update(found.controls)
+        missing.update(found.missing)
+    else:
+        # the connector's own reset: native offloading's CPU tier, or the pool's connector
+        tiers = ("remote",) if spec.cache_layer == "mooncake" else ("host",)
+        external = HttpStep("POST", f"{reset}?reset_external=true", None, spec.bearer, _success, DEV_MODE)
+        controls["clear_lower_tiers"] = Control(external, ("device", *tiers))
+    missing["host_kv_tokens"] = ("vllm: set host_kv_tokens (the CPU offload size is in bytes; the KV layout "
+                                 "decides the tokens)")
+    name = f"vllm+{spec.cache_layer}" if spec.cache_layer else "vllm"
+    return assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity})
+
+
+def device_capacity(scrape: Scrape) -> Optional[Capacity]:
+    """GPU KV tokens from `vllm:cache_config_info`: kv_cache_size_tokens where vLLM gives it, else
+    num_gpu_blocks x block_size (summed over engines: data-parallel engines each hold their own)."""
+    total, how = 0, []
+    for labels in scrape.label_values("vllm:cache_config_info"):
+        tokens = finite_label(labels, "kv_cache_size_tokens")
+        if tokens:
+            total += int(tokens)
+            how.append(f"kv_cache_size_tokens {int(tokens)}")
+            continue
+        blocks, size = finite_label(labels, "num_gpu_blocks"), finite_label(labels, "block_size")
+        if not blocks or not size:
+            return None
+        total += int(blocks * size)
+        how.append(f"num_gpu_blocks {int(blocks)} x block_size {int(size)}")
+    return Capacity(total, "vllm:cache_config_info " + " + ".join(how)) if total else None

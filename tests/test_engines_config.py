@@ -1,0 +1,127 @@
+"""targets.<role>.engine and its settings in gates.yaml: defaults, the adapter built from them, and errors that
+name the field, what was expected and what was found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gates.config import load_config
+from gates.engines import build_adapter, spec_from_endpoint
+from gates.engines.metrics import parse_metrics
+from kvcore.settings import ConfigError
+
+DATA = Path(__file__).resolve().parent / "data" / "metrics"
+BASELINE = {"url": "http://127.0.0.1:8001/v1", "model": "m"}
+
+
+def load(tmp_path: Path, candidate: dict):
+    path = tmp_path / "gates.yaml"
+    path.write_text(yaml.safe_dump({"targets": {"kind": "external", "baseline": BASELINE,
+                                                "candidate": {"url": "http://10.0.0.6:8000/v1", "model": "m",
+                                                              **candidate}}}))
+    return load_config(path).targets.candidate
+
+
+def test_an_external_endpoint_is_generic_unless_it_names_its_engine(tmp_path):
+    endpoint = load(tmp_path, {})
+    assert endpoint.engine == "generic" and endpoint.metrics_endpoint == "http://10.0.0.6:8000/metrics"
+    adapter = build_adapter(spec_from_endpoint(endpoint))
+    assert adapter.engine == "generic" and not adapter.ability("clear_device_cache").available
+
+
+def test_a_vllm_lmcache_candidate_gets_its_routes_from_the_config(tmp_path):
+    endpoint = load(tmp_path, {"engine": "vllm", "cache_layer": "lmcache", "cache_layer_url": "http://10.0.0.6:7000",
+                               "cache_dir": str(tmp_path / "lmcache"), "device_kv_tokens": 500000,
+                               "metrics_url": "http://10.0.0.6:9100/metrics",
+                               "control": {"drop_disk_page_cache": {"command": "ssh st01 'echo 1 > /proc/sys/vm/x'"}}})
+    adapter = build_adapter(spec_from_endpoint(endpoint))
+    abilities = adapter.abilities()
+    assert adapter.engine == "vllm+lmcache" and adapter.metrics_url == "http://10.0.0.6:9100/metrics"
+    assert abilities["clear_device_cache"].how == "POST http://10.0.0.6:8000/reset_prefix_cache"
+    assert abilities["clear_lower_tiers"].how == "DELETE http://10.0.0.6:7000/cache/clear?locations=LocalCPUBackend"
+    # the configured command wins over the local cache_dir
+    assert abilities["drop_disk_page_cache"].how == "command: ssh st01 'echo 1 > /proc/sys/vm/x'"
+    assert adapter.device_kv_tokens().tokens == 500000
+    assert endpoint.cache_dir == tmp_path / "lmcache" and endpoint.cache_dir.is_absolute()
+
+
+def test_a_generic_engines_steps_and_metric_map_come_from_the_config(tmp_path):
+    # kvgate serve as a generic candidate: its block counters, scaled to tokens by its 256-token blocks
+    endpoint = load(tmp_path, {"control": {"clear_device_cache": {"http": {"method": "POST",
+                                                                            "url": "http://10.0.0.6:8000/flush",
+                                                                            "json": {"tiers": ["gpu"]}}},
+                                           "clear_lower_tiers": {"command": "true", "clears": ["host", "disk"]}},
+                               "metric_map": {"device": {"metric": "kvgate_cache_hits_total",
+                                                         "labels": {"tier": "device"}, "scale": 256},
+                                              "host": [{"metric": "kvgate_cache_hits_total", "labels": {"tier": "host"},
+                                                        "scale": 256}],
+                                              "disk": {"metric": "kvgate_cache_hits_total", "labels": {"tier": "disk"},
+                                                       "scale": 256},
+                                              "prompt_tokens": [{"metric": "kvgate_prompt_tokens_computed_total"},
+                                                                {"metric": "kvgate_prompt_tokens_reused_total"}]}})
+    adapter = build_adapter(spec_from_endpoint(endpoint))
+    abilities = adapter.abilities()
+    assert abilities["clear_device_cache"].how == 'POST http://10.0.0.6:8000/flush {"tiers": ["gpu"]}'
+    assert abilities["clear_device_cache"].clears == ("device",)        # the ability's own, by default
+    assert abilities["clear_lower_tiers"].clears == ("host", "disk")
+    before = parse_metrics((DATA / "kvgate_tiered_host_hit.prom").read_text())
+    after = parse_metrics((DATA / "kvgate_tiered_disk_hit.prom").read_text())
+    hits = adapter.tier_hits(before, after)
+    # {tier="disk"} 0 -> 5 blocks x 256; prompt: computed 1522 -> 1643 (+121), reused 1280 -> 2560 (+1280)
+    assert dict(hits.tiers) == {"device": 0, "host": 0, "disk": 1280} and hits.prompt_tokens == 1401
+    assert hits.verifies("disk")[0] is True and hits.source == "the configured metric_map"
+
+
+@pytest.mark.parametrize("candidate, message", [
+    ({"engine": "tgi"}, "targets.candidate.engine: expected one of 'kvgate', 'vllm', 'sglang' or 'generic', "
+                        "found 'tgi'"),
+    ({"engine": "sglang", "cache_layer": "lmcache"},
+     "targets.candidate.cache_layer: expected lmcache only with engine vllm, found engine sglang"),
+    ({"engine": "vllm", "cache_layer_url": "http://h:7000"},
+     "targets.candidate.cache_layer_url: expected only with cache_layer: lmcache (its internal API server), found "
+     "cache_layer None"),
+    ({"engine": "vllm", "metric_map": {"device": {"metric": "x_total"}}},
+     "targets.candidate.metric_map: expected only with engine: generic (vllm's metric names are known), found engine "
+     "vllm"),
+    ({"device_kv_tokens": 0}, "targets.candidate.device_kv_tokens: expected a value >= 1, found 0"),
+    ({"control": {"clear_device_cache": {}}},
+     "targets.candidate.control.clear_device_cache: expected exactly one of http ({method, url, json}) or command, "
+     "found neither"),
+    ({"control": {"clear_device_cache": {"command": "x", "http": {"url": "http://h/x"}}}},
+     "targets.candidate.control.clear_device_cache: expected exactly one of http ({method, url, json}) or command, "
+     "found both"),
+    ({"control": {"clear_device_cache": {"command": "x", "clears": ["gpu"]}}},
+     "targets.candidate.control.clear_device_cache.clears[0]: expected one of 'device', 'host', 'disk' or 'remote', "
+     "found 'gpu'"),
+    ({"control": {"drop_disk_page_cache": {"command": "x", "clears": ["disk"]}}},
+     "targets.candidate.control.drop_disk_page_cache.clears: expected none (dropping the page cache leaves the tier's "
+     "files), found ['disk']"),
+    ({"control": {"flush_everything": {"command": "x"}}},
+     "targets.candidate.control.flush_everything: unknown field"),
+    ({"metric_map": {"gpu": {"metric": "x_total"}}}, "targets.candidate.metric_map.gpu: unknown field"),
+    ({"metric_map": {"prompt_tokens": {"metric": "x_total"}}},
+     "targets.candidate.metric_map: expected at least one tier (device, host, disk, remote, lower, any) with its "
+     "series, found none"),
+    ({"metric_map": {"device": {"metric": "not a name"}}},
+     "targets.candidate.metric_map.device[0].metric: expected a Prometheus sample name (letters, digits, _ and :), "
+     "found 'not a name'"),
+    ({"metrics_url": "10.0.0.6:8000/metrics"}, "targets.candidate.metrics_url: expected"),
+])
+def test_bad_engine_settings_name_the_field(tmp_path, candidate, message):
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, candidate)
+    assert message in str(caught.value), str(caught.value)
+
+
+def test_a_configured_call_carries_the_api_key_only_to_the_endpoints_own_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("CANDIDATE_KEY", "sk-candidate")
+    endpoint = load(tmp_path, {"api_key_env": "CANDIDATE_KEY",
+                               "control": {"clear_device_cache": {"http": {"url": "http://10.0.0.6:8000/flush"}},
+                                           "clear_lower_tiers": {"http": {"url": "http://10.0.0.9:9000/clear"}}}})
+    controls = build_adapter(spec_from_endpoint(endpoint)).controls
+    assert controls["clear_device_cache"].step.headers == {"Authorization": "Bearer sk-candidate"}
+    assert controls["clear_lower_tiers"].step.headers == {}      # another host: the key stays home
+    assert controls["clear_device_cache"].step.method == "POST"  # the default method
