@@ -69,6 +69,8 @@ NO_REUSE_CHECKS = tuple(Check(metric, meaning, "lower", "%", default=_at_most(me
 G2_CHECKS = (
     Check("cached_fraction_min", "least share of a placed prefix served from the cache", "higher", "%",
           default=_at_least("cached_fraction_min", 0.99)),
+    Check("placed_tier_verified", "share of G2's placed hits the engine's tier accounting attributes to the placed "
+          "tier alone", "higher", "%", default=_exactly("placed_tier_verified", 1.0)),
     Check("disk_hit_ttft_vs_recompute", "cold disk hit TTFT / recompute TTFT at the longest context", "lower", "%",
           default=_at_most("disk_hit_ttft_vs_recompute", 0.25)),
     Check("cold_read_vs_fio", "cold-read KV bandwidth / fio sequential read, side by side", "higher", "%",

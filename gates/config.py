@@ -100,6 +100,9 @@ class Endpoint(StrictModel):
     control: ControlConfig = Field(default_factory=ControlConfig, description=(
         "cache-control steps, each an HTTP call or a command; they replace the engine's own"))
     metric_map: Optional[MetricMapConfig] = Field(default=None, description="generic: per tier, its hit counters")
+    tokenizer: Optional[str] = Field(default=None, description=(
+        "its tokenizer id when kvgate knows it (kvgate-byte-v1: a `kvgate serve`): prompts are sized in its tokens; "
+        "otherwise in words, an approximation"))
 
     _cache_dir = field_validator("cache_dir", mode="before")(lambda cls, v: _absolute_path(v))
 

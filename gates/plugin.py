@@ -163,3 +163,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 @pytest.fixture(scope="session")
 def endpoints(gate_context: GateContext) -> dict[str, Endpoint]:
     return gate_context.endpoints
+
+
+@pytest.fixture(scope="session")
+def adapters(gate_context: GateContext) -> dict:
+    """Each endpoint's engine adapter (gates/engines/): how the gates control its cache and read its tiers' hits."""
+    from gates.engines import endpoint_adapter
+
+    return {role: endpoint_adapter(gate_context.config, e) for role, e in gate_context.endpoints.items()}

@@ -18,6 +18,7 @@ import yaml
 
 from cache_impl.auth import ADMIN_TOKEN_ENV
 from kvcore.settings import parse_size
+from workloads.datasets import BYTE_TOKENIZER_ID
 from workloads.load import Target, free_port
 from workloads.processes import die_with_parent
 
@@ -39,6 +40,8 @@ class Endpoint:
     mode: Optional[str] = None   # embedded: the cache mode
     nodes: tuple[str, ...] = ()  # several nodes serving this role (base URLs, the first is `url`)
     routing: str = "round-robin"
+    tokenizer: Optional[str] = None   # its tokenizer id when kvgate knows it (prompts sized in its tokens)
+    cache_dir: Optional[str] = None   # embedded: the first node's disk-tier directory (on this host)
 
     def target(self, name: Optional[str] = None) -> Target:
         return Target(name or self.role, self.url, self.model, self.api, self.api_key_env,
@@ -57,7 +60,8 @@ class Endpoint:
 def external_endpoints(config: GatesConfig) -> dict[str, Endpoint]:
     targets = config.targets
     found = {"baseline": targets.baseline, "candidate": targets.candidate, "recompute": targets.recompute}
-    endpoints = {role: Endpoint(role, e.url.rstrip("/"), e.model, e.api, e.api_key_env)
+    endpoints = {role: Endpoint(role, e.url.rstrip("/"), e.model, e.api, e.api_key_env, tokenizer=e.tokenizer,
+                                cache_dir=None if e.cache_dir is None else str(e.cache_dir))
                  for role, e in found.items() if e is not None}
     if targets.candidate_nodes and "candidate" in endpoints:
         first = endpoints["candidate"]
@@ -149,6 +153,7 @@ class EmbeddedServers:
         pool_url = self._start_pool(embedded)
         env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"} | self.client_environment()
         urls: dict[str, list[str]] = {}
+        cache_dirs: dict[str, str] = {}
         for node in fleet_plan(embedded):
             port = free_port()
             command = [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", node.mode,
@@ -162,10 +167,12 @@ class EmbeddedServers:
                 command, stdout=open(self.logs[key], "wb"), stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent, env=env)
             urls.setdefault(node.role, []).append(f"http://127.0.0.1:{port}/v1")
+            cache_dirs.setdefault(node.role, command[command.index("--cache-dir") + 1])
         for role, found in urls.items():
             self.endpoints[role] = Endpoint(role, found[0], f"kvgate-{embedded.preset}", admin=True,
                                             mode=EMBEDDED_ROLES[role], nodes=tuple(found) if len(found) > 1 else (),
-                                            routing=self.config.targets.routing)
+                                            routing=self.config.targets.routing, tokenizer=BYTE_TOKENIZER_ID,
+                                            cache_dir=cache_dirs[role])
         for name, process in self.processes.items():
             role, node = name.rsplit("-", 1)
             self._wait_healthy(process, self.endpoints[role].node_roots[int(node)], self.logs[name], timeout_s)

@@ -53,6 +53,16 @@ def embedded_spec(server_root: str, cache_dir: Optional[Path] = None, device_kv_
                       device_kv_tokens=device_kv_tokens, host_kv_tokens=host_kv_tokens, block_size=block_size)
 
 
+def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
+    """The adapter of one of a run's endpoints (gates.targets.Endpoint): a `kvgate serve --admin` the harness
+    started (its admin routes; its disk tier's directory on this host), else the external target's
+    configured engine (`targets.<role>` in gates.yaml)."""
+    if endpoint.admin:
+        cache_dir = Path(endpoint.cache_dir) if endpoint.cache_dir else None
+        return build_adapter(embedded_spec(endpoint.server_root, cache_dir=cache_dir))
+    return build_adapter(spec_from_endpoint(getattr(config.targets, endpoint.role)))
+
+
 def _step(step: Any, root: str, api_key: Optional[str]):
     """A configured step; an HTTP call to the endpoint's own server carries its API key (to another host, never)."""
     if step.command is not None:
@@ -69,4 +79,5 @@ def _origin(url: str) -> tuple:
 
 __all__ = ["ABILITIES", "CONTROLS", "ENGINES", "TIERS", "Ability", "Capacity", "CommandStep", "Control", "ControlError",
            "EngineAdapter", "EngineSpec", "HttpStep", "MetricMap", "MetricsError", "Scrape", "Series", "StepResult",
-           "TierHits", "Unavailable", "build_adapter", "embedded_spec", "parse_metrics", "spec_from_endpoint"]
+           "TierHits", "Unavailable", "build_adapter", "embedded_spec", "endpoint_adapter", "parse_metrics",
+           "spec_from_endpoint"]

@@ -1,10 +1,12 @@
 """G2 single-node baseline: one request at a time, recompute vs a warm host hit vs a cold disk hit.
 
-For each context length: TTFT of the recompute endpoint, and of the candidate
-with the prefix placed in the host tier or only on disk with its pages dropped
-(through the embedded server's /admin/cache routes). The disk tier's cold-read
-bandwidth is judged against fio on the same storage in alternating rounds
-(gates/g2_baseline/cold_read.py); G1's fio figure is shown beside it, never divides it.
+For each context length: TTFT of the recompute endpoint (else the candidate's own miss), and of the
+candidate with the prefix placed in the host tier or only on disk with its pages dropped, through the
+candidate's engine adapter: by route where the engine has one, else by pressure
+(gates/g2_baseline/placed_hits.py). Each hit is checked against the engine's tier accounting; a hit
+that cannot be checked, or a tier that cannot be placed in, makes its checks INCONCLUSIVE naming what
+was missing. The disk tier's cold-read bandwidth is judged against fio on the same storage in
+alternating rounds (gates/g2_baseline/cold_read.py); G1's fio figure is shown beside it, never divides it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from gates.g2_baseline.cold_read import (WARMUP_PAIRS, ColdReadError, FioRegions, TierColdLoad, measure_pairs,
                                          paired_ratio)
+from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
 from gates.stats import ratio_ci
 from workloads.client import StreamingClient
 from workloads.datasets import sizer_for
@@ -22,62 +25,66 @@ from workloads.faults import AdminClient
 from workloads.requests import WorkloadRequest
 
 MODES = ("recompute", "host-hit", "disk-cold")
+BLOCK_TOKENS = 256     # kvgate's block: a hit serves the prompt's whole blocks (an engine with smaller ones, more)
+FILLER_EXTRA = 16      # tokens a filler prompt has beyond its planned KV: what fills its last block is never short
 
 
-def _request(tokens: int, tag: str, endpoint) -> WorkloadRequest:
-    sizer = sizer_for("kvgate-byte-v1" if endpoint.admin else None)
+def _request(tokens: int, tag: str, endpoint, max_tokens: int = 1) -> WorkloadRequest:
+    sizer = sizer_for(endpoint.tokenizer)
     text = sizer.text(tokens - 8, f"g2/{tag}")  # room for the chat template's few tokens
-    return WorkloadRequest(tag, tag, 0, ({"role": "user", "content": text},), 1, tokens)
+    return WorkloadRequest(tag, tag, 0, ({"role": "user", "content": text},), max_tokens, tokens)
 
 
-def _ttft(client: StreamingClient, request: WorkloadRequest) -> tuple[float, tuple[int, int]]:
-    """TTFT, and (cached tokens, prompt tokens) as the server reported them."""
-    record = client.send(request)
-    if not record.ok:
-        pytest.fail(f"G2 request failed: {record.error_type}: {record.error_message}", pytrace=False)
-    return record.ttft_s, (record.cached_tokens or 0, record.prompt_tokens or 0)
-
-
-def _embedded_candidate(endpoints):
-    """The candidate and the recompute endpoint; G2 skips unless the candidate has the admin routes."""
-    candidate, recompute = endpoints.get("candidate"), endpoints.get("recompute")
-    if candidate is None or recompute is None:
-        pytest.skip("G2 needs a recompute and a candidate endpoint")
-    if not candidate.admin:
-        pytest.skip("G2 needs to place prefixes in a tier (/admin/cache); the external candidate has no such route")
-    return candidate, recompute
+def _roles(endpoints):
+    """The candidate, and the endpoint whose TTFT is recompute's (the recompute reference, else the candidate's miss)."""
+    candidate = endpoints.get("candidate")
+    if candidate is None:
+        pytest.skip("G2 needs a candidate endpoint")
+    return candidate, endpoints.get("recompute")
 
 
 @pytest.fixture(scope="module")
-def baseline_runs(gate_context, endpoints):
-    """Every TTFT of every context and mode, measured once; per-round figures go to the run store."""
-    candidate, recompute = _embedded_candidate(endpoints)
+def baseline_runs(gate_context, endpoints, adapters):
+    """Every TTFT of every context and mode, measured once, and each hit as checked."""
+    candidate, recompute = _roles(endpoints)
     run_id = gate_context.store.run_info().get("run_id", "run")
-    admin = AdminClient(candidate.server_root)
-    clients = {role: StreamingClient(e.url, e.model, e.api, target=role) for role, e in
-               (("recompute", recompute), ("candidate", candidate))}
-    results = {"ttft": {}, "cached": {}}
     config = gate_context.config.g2
-    contexts = sorted(config.contexts)
+    clients = {"candidate": StreamingClient(candidate.url, candidate.model, candidate.api, target="candidate")}
+    if recompute is not None:
+        clients["recompute"] = StreamingClient(recompute.url, recompute.model, recompute.api, target="recompute")
+    # a filler's prompt holds `tokens` in whole blocks: its text, the chat template and a margin on top
+    placed = PlacedHits.plan(adapters["candidate"], clients["candidate"], max(config.contexts) - FILLER_EXTRA,
+                             BLOCK_TOKENS, lambda tokens, tag: _request(tokens + FILLER_EXTRA, f"{run_id}/{tag}",
+                                                                         candidate))
+    results = {"ttft": {}, "hits": [], "recompute_from": "the recompute endpoint" if recompute else
+               "the candidate's own miss (no recompute endpoint)",
+               "placement": {mode: p.describe() for mode, p in placed.placements.items()},
+               "unplaced": {mode: placed.unplaced(mode) for mode in PLACED if placed.unplaced(mode)}}
+    say = gate_context.store.set_progress
     try:
-        for number, tokens in enumerate(contexts, 1):
+        for tokens in sorted(config.contexts):
             for round_ in range(config.rounds):
-                gate_context.store.set_progress("g2", f"TTFT by context: {tokens} tokens ({number} / {len(contexts)}), "
-                                                      f"round {round_ + 1} / {config.rounds}: recompute, host hit, "
-                                                      "cold disk hit")
+                say("g2", f"TTFT by context: {tokens} tokens, round {round_ + 1} / {config.rounds}")
                 request = _request(tokens, f"{run_id}/{tokens}/{round_}", candidate)
-                results["ttft"].setdefault(("recompute", tokens), []).append(_ttft(clients["recompute"], request)[0])
-                _ttft(clients["candidate"], request)                     # a miss: computes and stores the prefix
-                admin.flush()
-                admin.evict(("device",))
-                ttft, cached = _ttft(clients["candidate"], request)
-                results["ttft"].setdefault(("host-hit", tokens), []).append(ttft)
-                results["cached"].setdefault(("host-hit", tokens), []).append(cached)
-                admin.evict(("device", "host"))
-                admin.drop_page_cache()
-                ttft, cached = _ttft(clients["candidate"], request)
-                results["ttft"].setdefault(("disk-cold", tokens), []).append(ttft)
-                results["cached"].setdefault(("disk-cold", tokens), []).append(cached)
+                if recompute is not None:
+                    record = clients["recompute"].send(request)
+                    if not record.ok:
+                        pytest.fail(f"G2 recompute request failed: {record.error_type}: {record.error_message}",
+                                    pytrace=False)
+                    results["ttft"].setdefault(("recompute", tokens), []).append(record.ttft_s)
+                record = clients["candidate"].send(request)            # a miss: computes and stores the prefix
+                if not record.ok:
+                    pytest.fail(f"G2 request failed: {record.error_type}: {record.error_message}", pytrace=False)
+                if recompute is None:
+                    results["ttft"].setdefault(("recompute", tokens), []).append(record.ttft_s)
+                for mode in PLACED:
+                    if mode in results["unplaced"]:
+                        continue
+                    hit = placed.hit(mode, request, tokens, round_)
+                    results["ttft"].setdefault((mode, tokens), []).append(hit.ttft_s)
+                    results["hits"].append(hit)
+    except HitError as error:
+        pytest.fail(f"G2: {error}", pytrace=False)
     finally:
         for client in clients.values():
             client.close()
@@ -87,8 +94,12 @@ def baseline_runs(gate_context, endpoints):
 @pytest.fixture(scope="module")
 def cold_read_pairs(gate_context, endpoints):
     """Alternating rounds at the longest context: the tier's cold load of a fresh prefix, then fio
-    reading as many bytes of a fresh region on the same storage, in the tier's I/O mode and parallelism."""
-    candidate, _ = _embedded_candidate(endpoints)
+    reading as many bytes of a fresh region on the same storage, in the tier's I/O mode and parallelism.
+    None for a candidate that is not kvgate's own server: the tier's side is its disk reads' bytes and
+    seconds, which only kvgate's engine exports (the check then says so, INCONCLUSIVE)."""
+    candidate, _ = _roles(endpoints)
+    if not candidate.admin:
+        return None
     config, embedded = gate_context.config, gate_context.config.targets.embedded
     run_id = gate_context.store.run_info().get("run_id", "run")
     longest = max(config.g2.contexts)
@@ -113,31 +124,71 @@ def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_conte
     for (mode, tokens), values in sorted(baseline_runs["ttft"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for i, value in enumerate(values):
             record("ttft_round_ms", value * 1e3, "ms", mode=mode, context_tokens=tokens, round=i)
-        record("ttft_ms", statistics.median(values) * 1e3, "ms", mode=mode, context_tokens=tokens)
-    # the embedded engine reuses every whole 256-token block of the prompt
-    hits = [(cached, prompt // 256 * 256) for pairs in baseline_runs["cached"].values() for cached, prompt in pairs]
-    fraction = min((c / e for c, e in hits if e), default=0.0)
-    record("cached_fraction_min", fraction)
-    verdict("G2 cache hits really served from the placed tier (least cached share of a hit)", "cached_fraction_min",
-            fraction, unit="%")
+        record("ttft_ms", statistics.median(values) * 1e3, "ms", mode=mode, context_tokens=tokens,
+               **({"from": baseline_runs["recompute_from"]} if mode == "recompute" else
+                  {"placement": baseline_runs["placement"][mode]}))
+    hits = baseline_runs["hits"]
+    # a hit serves every whole block of the prompt (kvgate's 256 tokens; an engine with smaller blocks, more)
+    shares = [(hit.hit_tokens or 0) / (hit.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS) for hit in hits
+              if hit.prompt_tokens >= BLOCK_TOKENS]
+    fraction = min(shares, default=None)
+    unplaced = "; ".join(f"{mode} not measured: {why}" for mode, why in baseline_runs["unplaced"].items())
+    record("cached_fraction_min", fraction, hits=len(hits))
+    verdict("G2 cache hits served whole (least cached share of a placed hit)", "cached_fraction_min", fraction,
+            unit="%", valid=not unplaced, invalid_reason=unplaced)
+
+
+def test_hits_were_served_from_the_placed_tier(gate_context, baseline_runs, record, verdict):
+    """Each hit against the engine's tier accounting: from the placed tier alone (or, INCONCLUSIVE, why not known)."""
+    hits = baseline_runs["hits"]
+    for hit in hits:
+        record("placed_hit", hit.verified, mode=hit.mode, tier=PLACED[hit.mode], context_tokens=hit.context_tokens,
+               round=hit.round, tier_tokens=hit.tier_tokens, cached_tokens=hit.cached_tokens, why=hit.why)
+    served = sum(hit.verified is True for hit in hits)
+    unknown = list(dict.fromkeys(f"{hit.mode}: {hit.why}" for hit in hits if hit.verified is None))
+    wrong = [f"{hit.mode} at {hit.context_tokens} tokens: {hit.why}" for hit in hits if hit.verified is False]
+    unplaced = [f"{mode} not measured: {why}" for mode, why in baseline_runs["unplaced"].items()]
+    value = served / len(hits) if hits else None
+    how = ", ".join(f"{mode} {words.partition(':')[0]}" for mode, words in baseline_runs["placement"].items()
+                    if mode not in baseline_runs["unplaced"])
+    verdict(f"G2 hits served from the placed tier ({served} of {len(hits)}; {how})"
+            + (f"; {wrong[0]}" if wrong else ""), "placed_tier_verified", value, unit="%",
+            valid=not (unknown or unplaced), invalid_reason="; ".join(unplaced + unknown[:2]))
 
 
 def test_disk_hit_ttft_is_a_fraction_of_recompute_at_the_longest_context(gate_context, baseline_runs, record,
                                                                            verdict):
     longest = max(gate_context.config.g2.contexts)
+    label = f"G2 cold disk hit TTFT / recompute TTFT at {longest} tokens"
+    if "disk-cold" in baseline_runs["unplaced"]:
+        verdict(label, "disk_hit_ttft_vs_recompute", None, unit="%", valid=False,
+                invalid_reason=f"no disk hit measured: {baseline_runs['unplaced']['disk-cold']}",
+                context={"context_tokens": longest})
+        return
     disk_rounds = baseline_runs["ttft"][("disk-cold", longest)]
     recompute_rounds = baseline_runs["ttft"][("recompute", longest)]
     disk, recompute = statistics.median(disk_rounds), statistics.median(recompute_rounds)
     ratio, interval = ratio_ci(disk_rounds, recompute_rounds)
+    disk_hits = [h for h in baseline_runs["hits"] if h.mode == "disk-cold" and h.context_tokens == longest]
+    doubts = [f"round {h.round}: {h.why}" for h in disk_hits if h.verified is not True]
+    if "page cache NOT dropped" in baseline_runs["placement"]["disk-cold"]:
+        doubts.insert(0, f"the disk hits may be warm: {baseline_runs['placement']['disk-cold']}")
     record("disk_hit_ttft_vs_recompute", ratio, context_tokens=longest, disk_ms=disk * 1e3, recompute_ms=recompute * 1e3,
-           interval=list(interval))
-    verdict(f"G2 cold disk hit TTFT / recompute TTFT at {longest} tokens ({disk * 1e3:.0f} / {recompute * 1e3:.0f} ms)",
-            "disk_hit_ttft_vs_recompute", ratio, unit="%", interval=interval, context={"context_tokens": longest})
+           interval=list(interval), recompute_from=baseline_runs["recompute_from"])
+    verdict(f"{label} ({disk * 1e3:.0f} / {recompute * 1e3:.0f} ms)", "disk_hit_ttft_vs_recompute", ratio, unit="%",
+            interval=interval, valid=not doubts, invalid_reason="; ".join(doubts[:2]),
+            context={"context_tokens": longest})
 
 
 def test_cold_disk_read_bandwidth_reaches_fio(gate_context, cold_read_pairs, record, verdict):
     """The tier's cold-read GB/s over fio's on the same storage, in alternating rounds: the ratio of
     their medians with a paired bootstrap interval. G1's fio figure (another minute) is shown beside."""
+    if cold_read_pairs is None:
+        engine = gate_context.config.targets.candidate.engine
+        verdict("G2 cold-read KV bandwidth / fio's, side by side", "cold_read_vs_fio", None, unit="%", valid=False,
+                invalid_reason=f"the candidate ({engine}) does not export its disk tier's read bytes and seconds; "
+                "only kvgate's own server does (kvgate_cache_bytes_read_total, kvgate_cache_load_latency_seconds{tier=\"disk\"})")
+        return
     pairs, fio_job = cold_read_pairs
     for pair in pairs:
         record("cold_read_pair", pair.ratio, **pair.context("tier"))

@@ -50,7 +50,7 @@ class ControlRound:
 
 
 def _prompt(tokens: int, max_tokens: int, tag: str, endpoint) -> WorkloadRequest:
-    sizer = sizer_for("kvgate-byte-v1" if endpoint.admin else None)
+    sizer = sizer_for(endpoint.tokenizer)
     text = sizer.text(tokens - 8, f"g2/no-reuse/{tag}")     # its own seed: no prefix shared with any other
     return WorkloadRequest(tag, tag, 0, ({"role": "user", "content": text},), max_tokens, tokens)
 

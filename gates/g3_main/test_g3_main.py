@@ -61,7 +61,7 @@ def sweep(gate_context, endpoints):
         pytest.skip("G3 needs a baseline and a candidate endpoint")
     config = gate_context.config.g3
     embedded = endpoints["candidate"].admin
-    workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if embedded else None),
+    workload = build_workload(config.workload, sizer_for(endpoints["candidate"].tokenizer),
                               seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
     roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints]
     closed = config.replay == "closed_loop"

@@ -40,9 +40,8 @@ def control(gate_context, endpoints):
     missing = [role for role in ROLES if role not in endpoints]
     if missing:
         pytest.skip(f"the no-reuse control needs a candidate and a baseline endpoint; none for {missing}")
-    embedded = endpoints["candidate"].admin
     run_id = str(gate_context.store.run_info().get("run_id", "run"))
-    workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if embedded else None),
+    workload = build_workload(config.workload, sizer_for(endpoints["candidate"].tokenizer),
                               seed=run_seed(f"{run_id}/no-reuse"))
     duration = config.duration_s if config.duration_s is not None else g3.duration_s
     warmup = config.warmup_s if config.warmup_s is not None else g3.warmup_s

@@ -28,7 +28,7 @@ def windows(gate_context, endpoints):
     if candidate is None:
         pytest.skip("G4 needs a candidate endpoint")
     config = gate_context.config.g4   # a fault schedule needs the embedded candidate: the config checks it
-    workload = build_workload(config.workload, sizer_for("kvgate-byte-v1" if candidate.admin else None), seed=4)
+    workload = build_workload(config.workload, sizer_for(candidate.tokenizer), seed=4)
     store = gate_context.store
     planned = max(1, round(config.duration_s / config.window_s))
 
