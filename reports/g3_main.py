@@ -165,3 +165,20 @@ def step_tables(rows: GateRows) -> list[dict]:
 def g3_plots(rows: GateRows) -> list[str]:
     level = level_of(rows.measurements)
     return judged_plots(rows, level) + figure_plots(rows, level) + distribution_plots(rows, level)
+
+
+def hit_ratio_warnings(rows: GateRows) -> list[str]:
+    """A line per candidate step whose hit ratio G3 recorded as far below what its workload allows
+    (hit_ratio_bound); the baseline's and the recompute reference's are below it by design, never warned of."""
+    level = level_of(rows.measurements)
+    found = []
+    for row in rows.measurements:
+        context = row.get("context") or {}
+        at = number(context.get(level.key))
+        candidate = str(context.get("target", "")).startswith("candidate")
+        if row.get("metric") != "hit_ratio_bound" or not context.get("far_below") or at is None or not candidate:
+            continue
+        found.append(f"{context.get('target')} at {level.label(at)}: hit ratio {100 * float(context['measured']):.1f}%, "
+                     f"far below the {100 * float(row['value']):.1f}% its workload allows (an infinite cache over one "
+                     f"primed pass): its tiers, or its engine's prefix matching, lose reuse the workload has")
+    return found

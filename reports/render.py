@@ -210,6 +210,9 @@ TABLERS: dict[str, Callable[[GateRows], list[dict]]] = {
     "g4": g4_soak.fault_tables,
 }
 
+# lines a reviewer should not miss, shown at the top of the gate's section
+WARNERS: dict[str, Callable[[GateRows], list[str]]] = {"g3": g3_main.hit_ratio_warnings}
+
 
 # ---------------------------------------------------------------- index.html
 
@@ -282,7 +285,8 @@ def render_html(results: dict, run_dir: Path, rendered_at: float) -> str:
     for gate in results["gates"]:
         rows = gate_rows(gate, store, predictions)
         gates.append({**gate, "plots": [Markup(p) for p in PLOTTERS[gate["gate"]](rows)],
-                      "tables": TABLERS.get(gate["gate"], lambda r: [])(rows)})
+                      "tables": TABLERS.get(gate["gate"], lambda r: [])(rows),
+                      "warnings": WARNERS.get(gate["gate"], lambda r: [])(rows)})
     run = results["run"]
     started = run.get("started_at")
     page = env.get_template("index.html.j2").render(

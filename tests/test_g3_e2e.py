@@ -49,6 +49,12 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     assert targets == {"baseline", "candidate", "recompute"}
     hits = {m["context"]["target"]: m["value"] for m in store.measurements("g3") if m["metric"] == "hit_ratio"}
     assert hits["recompute"] == 0 and hits["candidate"] > 0          # the candidate really reused KV
+    # beside each hit ratio, the one the workload allows (an infinite cache over one primed pass)
+    bounds = [m for m in store.measurements("g3") if m["metric"] == "hit_ratio_bound"]
+    assert {m["context"]["target"] for m in bounds} == {"baseline", "candidate", "recompute"}
+    assert all(0 < m["value"] <= 1 and m["context"]["measured"] == hits[m["context"]["target"]] for m in bounds)
+    far = {m["context"]["target"]: m["context"]["far_below"] for m in bounds}
+    assert far["recompute"] is True                                  # recompute reuses nothing: far below
     primed = {m["context"]["target"]: m for m in store.measurements("g3") if m["metric"] == "prime_requests"}
     assert {t: (m["value"], m["context"]["errors"]) for t, m in primed.items()} == {
         t: (6, 0) for t in ("baseline", "candidate", "recompute")}     # every target saw the same first turns
@@ -75,7 +81,8 @@ def test_g3_routes_over_two_candidate_nodes_on_a_shared_pool_and_reports_cross_n
     shares = [m for m in measured if m["metric"] == "hit_tier_share"]        # per step, summed over the nodes
     candidate = [m for m in shares if m["context"]["target"] == "candidate"]
     assert {m["context"]["tier"] for m in candidate} == {"device", "host", "disk", "remote"}
-    assert sum(m["context"]["hit_blocks"] for m in candidate) == candidate[0]["context"]["step_hit_blocks"] > 0
+    assert sum(m["context"]["hits"] for m in candidate) == candidate[0]["context"]["step_hits"] > 0
+    assert {m["context"]["counted_in"] for m in shares} == {"blocks"}
     assert abs(sum(m["value"] for m in candidate) - 1) < 1e-9
     assert [(m["context"]["tier"], m["value"]) for m in shares if m["context"]["target"] == "baseline"] == \
         [("device", 1.0)]                                                    # the baseline has its device tier only

@@ -269,3 +269,19 @@ def test_g3_step_table_lists_each_steps_recorded_figures_and_why_a_step_was_inva
     assert first[:3] == ["c=2", "baseline", "294.9"] and first[-3:] == ["12.9%", "0.0%", "yes"]
     assert second[1:3] == ["candidate", "38.1"] and second[-1] == "NO: client saturated"
     assert table["statuses"] == ["", "inconclusive"]
+
+
+def test_a_candidates_hit_ratio_far_below_its_workloads_bound_is_a_warning_at_the_top_of_g3(tmp_path):
+    from reports.render import render_run
+
+    store = RunStore(tmp_path)
+    store.write_run_info({"run_id": "r", "gates": ["g3"]})
+    store.set_status("g3", "passed", "")
+    for target, measured, far in (("candidate", 0.41, True), ("baseline", 0.12, True), ("candidate", 0.93, False)):
+        store.record("g3", "figures", "hit_ratio_bound", 0.966, target=target, measured=measured, far_below=far,
+                     far_below_points=0.2, concurrency=4 if measured != 0.93 else 8)
+    render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    assert page.count('<div class="warnings">') == 1
+    assert "candidate at c=4: hit ratio 41.0%, far below the 96.6% its workload allows" in page
+    assert "baseline at c=4" not in page and "c=8: hit ratio" not in page      # the baseline's is by design

@@ -94,6 +94,7 @@ class SweepSettings:
     # difference is its row's `hit_blocks_by_tier` (None: not read)
     tier_hits: Optional[Callable[[Target], Optional[dict]]] = None
     send_once: bool = False                # a concurrency step sends each request at most once (never cycles)
+    tier_unit: str = "blocks"              # what `tier_hits` counts (kvgate's servers: blocks; an adapter: tokens)
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
@@ -300,6 +301,7 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
             summary = summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped)
             summary["hit_blocks_by_tier"] = tier_difference(hits_before, settings.tier_hits(target)) \
                 if settings.tier_hits else None
+            summary["tier_unit"] = settings.tier_unit
             if step.max_requests is not None and len(records) >= step.max_requests and not summary["valid"]:
                 summary["invalid_reasons"] += (f"; its {step.max_requests} requests, each sent once, ran out after "
                                                f"{run.ended_at - run.started_at:.1f} s (a workload with more of them "
@@ -337,7 +339,8 @@ def step_line(summary: dict) -> str:
     return (f"{summary.get('requests', 0)} requests, errors {100 * (errors or 0):.1f}%, "
             f"TTFT p50 {format_ms(ttft)}, "
             f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}"
-            + (", " + tier_line(summary["hit_blocks_by_tier"]) if summary.get("hit_blocks_by_tier") is not None else ""))
+            + (", " + tier_line(summary["hit_blocks_by_tier"], summary.get("tier_unit", "blocks"))
+               if summary.get("hit_blocks_by_tier") is not None else ""))
 
 
 def _not_run(reason: str, settings: SweepSettings) -> dict:

@@ -61,12 +61,12 @@ def tier_shares(hits: Mapping[str, float]) -> dict[str, Optional[float]]:
     return {tier: (blocks / total if total else None) for tier, blocks in hits.items()}
 
 
-def tier_line(hits: Optional[Mapping[str, float]]) -> str:
+def tier_line(hits: Optional[Mapping[str, float]], unit: str = "blocks") -> str:
     """'hits by tier: device 12%, host 0%, disk 3%, remote 85% of 1,234 blocks' ('' without a reading)."""
     if hits is None:
         return ""
     total = sum(hits.values())
     if not total:
-        return "hits by tier: no hit blocks"
+        return f"hits by tier: no hit {unit}"
     shares = ", ".join(f"{tier} {100 * share:.0f}%" for tier, share in tier_shares(hits).items())
-    return f"hits by tier: {shares} of {total:,.0f} blocks"
+    return f"hits by tier: {shares} of {total:,.0f} {unit}"

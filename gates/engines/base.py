@@ -181,6 +181,16 @@ class EngineAdapter:
             raise Unavailable(self.engine, "tier_accounting", self._why("tier_accounting"))
         return tier_hits(self.metric_maps, before, after)
 
+    def hit_totals(self) -> Optional[dict[str, float]]:
+        """Hit tokens per tier since the engine started (its counters' growth from zero); None without tier
+        accounting or when the page cannot be read (a sweep reads this before and after each step)."""
+        if not self.metric_maps or not self.metrics_url:
+            return None
+        try:
+            return dict(self.tier_hits(Scrape({}), self.scrape()).tiers)
+        except (MetricsError, Unavailable):
+            return None
+
     def reported_tiers(self) -> tuple[str, ...]:
         """The tiers this engine's metrics may attribute hits to, over the maps of its versions (a folded name
         covers several); which a scrape gives is in its TierHits."""

@@ -56,7 +56,7 @@ def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> d
 
 
 @pytest.fixture(scope="module")
-def sweep(gate_context, endpoints):
+def sweep(gate_context, endpoints, adapters):
     if "baseline" not in endpoints or "candidate" not in endpoints:
         pytest.skip("G3 needs a baseline and a candidate endpoint")
     config = gate_context.config.g3
@@ -74,19 +74,56 @@ def sweep(gate_context, endpoints):
                              on_live=lambda step: gate_context.store.set_progress("g3", step.line(), kind="live"),
                              predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
                                                                         config.levels if closed else ()),
-                             tier_hits=target_tier_hits if embedded else None)
+                             tier_hits=target_tier_hits if embedded else _adapter_totals(adapters),
+                             tier_unit="blocks" if embedded else "tokens")
     targets = [endpoints[r].target(r) for r in roles]
     primer_users = min(config.levels) if closed else settings.rate_users
     primed = prime_targets(targets, workload, primer_users, settings.out_dir,
                            on_step=settings.on_step) if config.prime else []
     frame = run_sweep(targets, workload, settings)
-    steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime)}
+    steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime), "embedded": embedded,
+             "hit_ratio_bound": _workload_bound(gate_context.config, workload)}
     for row in frame.to_dict("records"):
         records = read_records(Path(row["step_dir"]) / "records")
         in_window = [r for r in records if r["sent_at"] >= row["window_start"]]  # the summary's window
         steps[(row["target"], row["level"])] = {"summary": row, "records": [r for r in in_window if r["ok"]],
-                                                "slo_latencies": slo_latencies(in_window)}
+                                                "all_records": records, "slo_latencies": slo_latencies(in_window)}
     return steps
+
+
+FAR_BELOW_BOUND = 0.2      # a hit ratio this far below what the workload allows is a warning in the report
+
+
+def endpoints_embedded(sweep) -> bool:
+    return sweep["embedded"]
+
+
+def _hit_ratio(summary: dict, tiers, records: list[dict], tokens: bool) -> tuple:
+    """A step's hit ratio and where it comes from: the responses' cached tokens, else (an engine that returns none)
+    the tier accounting's hit tokens over the step's prompt tokens."""
+    if summary["hit_ratio"] is not None:
+        return summary["hit_ratio"], "usage.prompt_tokens_details.cached_tokens"
+    prompt = sum(r.get("prompt_tokens") or 0 for r in records if r["ok"])
+    if tiers is None or not tokens or not prompt:
+        return None, "neither cached tokens in the responses nor tier accounting"
+    return sum(tiers.values()) / prompt, "the engine's tier accounting (its /metrics) over the step's prompt tokens"
+
+
+def _workload_bound(config, workload):
+    """The hit ratio the workload allows: its prompts' blocks an infinite cache would serve, primed as G3 primes
+    (one pass, in G3's order; gates/sizing/g3_inputs.py); None when it cannot be worked out."""
+    from gates.sizing.g3_inputs import g3_replays
+    from gates.sizing.targets import target_inputs
+
+    try:
+        return g3_replays(config.g3, workload, target_inputs(config)[0]).hits["candidate"]["infinite_cache_bound"]
+    except Exception:  # the bound is context for the report: never a reason for G3 to fail
+        return None
+
+
+def _adapter_totals(adapters):
+    """An external target's hit tokens per tier so far, from its engine's tier accounting (None without one)."""
+    return lambda target: adapters[target.name].hit_totals() if target.name in adapters else None
 
 
 def _levels(sweep) -> dict:
@@ -140,11 +177,17 @@ def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
         record("output_tokens_per_s", s["output_tokens_per_s"], "tokens/s", target=role, **at)
         record("requests_per_s", s["requests_per_s"], "req/s", target=role, **at)
         record("error_rate", s["error_rate"], target=role, **at)
-        record("hit_ratio", s["hit_ratio"], target=role, **at)
         tiers = s.get("hit_blocks_by_tier")
+        hit_ratio, source = _hit_ratio(s, tiers, step["all_records"], tokens=not endpoints_embedded(sweep))
+        record("hit_ratio", hit_ratio, target=role, source=source, **at)
+        unit = "blocks" if endpoints_embedded(sweep) else "tokens"
         for tier, share in tier_shares(tiers or {}).items():  # the pool's share (tier "remote") among them
-            record("hit_tier_share", share, target=role, tier=tier, hit_blocks=tiers[tier],
-                   step_hit_blocks=sum(tiers.values()), **at)
+            record("hit_tier_share", share, target=role, tier=tier, hits=tiers[tier], step_hits=sum(tiers.values()),
+                   counted_in=unit, **at)
+        bound = sweep["hit_ratio_bound"]
+        if bound is not None and hit_ratio is not None:
+            record("hit_ratio_bound", bound, target=role, measured=hit_ratio,
+                   far_below=bound - hit_ratio > FAR_BELOW_BOUND, far_below_points=FAR_BELOW_BOUND, **at)
         # where the step's raw records are and the measured window's start: the report draws its distributions
         record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], window_start=s["window_start"],
                records_dir=os.path.relpath(Path(s["step_dir"]) / "records", gate_context.store.root), **at)
