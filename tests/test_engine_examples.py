@@ -185,6 +185,10 @@ def test_kvgate_serve_generic_tells_tiers_apart_from_its_block_counters(tmp_path
     # kvgate_cache_hits_total{tier="disk"} 0 -> 5 blocks x 256; computed 1522 -> 1643, reused 1280 -> 2560
     assert dict(hits.tiers) == {"device": 0, "host": 0, "disk": 1280} and hits.prompt_tokens == 121 + 1280
     assert hits.verifies("disk")[0] is True
-    # no admin route: host and disk are placed by pressure; (16384 + 262144) x 1.25 = 348160 -> 22 x 16384
-    disk = plan_placement(adapter, "disk", 16384, block_size=256)
+    # no admin route: host and disk are placed by pressure. Fillers: the small preset's 16384-token context
+    # less 32 output tokens, in whole blocks: 16352 // 256 * 256 = 16128.
+    # host: 16384 x 1.25 = 20480 -> 2 fillers; disk: (16384 + 262144) x 1.25 = 348160 -> 21.6 -> 22 fillers
+    host = plan_placement(adapter, "host", 16384 - 32, block_size=256, prefix_tokens=8192)
+    disk = plan_placement(adapter, "disk", 16384 - 32, block_size=256)
+    assert host.route is None and host.pressure.filler_tokens == 16128 and host.pressure.fillers == 2
     assert disk.route is None and disk.pressure.fillers == 22 and disk.cold
