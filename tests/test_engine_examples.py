@@ -130,6 +130,8 @@ def test_vllm_mooncake_resets_the_store_with_the_device_and_has_no_disk_tier(tmp
     assert adapter.ability("clear_lower_tiers").how == \
         "POST http://127.0.0.1:8000/reset_prefix_cache?reset_external=true"
     after = parse_metrics((METRICS / "vllm_0.33.0_lmcache_0.5.6_after.prom").read_text())
+    # "host" is the store: clearing the device leaves the prefix there; there is no disk tier to place in
+    assert plan_placement(adapter, "host", 60000, scrape=after).route.steps == ("clear_device_cache",)
     assert not plan_placement(adapter, "disk", 60000, scrape=after).possible
 
 
