@@ -31,7 +31,8 @@ def add_plan(commands) -> None:
     plan.add_argument("--profile", choices=["quick", "full"], help="defaults under the config (default: quick)")
     plan.add_argument("--from", dest="from_run", type=Path, metavar="RUN_DIR",
                       help="a run directory whose G1/G2/G3 figures the plan uses")
-    plan.add_argument("--calibration", type=Path, metavar="FILE", help="constants written by --calibrate")
+    plan.add_argument("--calibration", type=Path, metavar="FILE", help="constants written by --calibrate "
+                      "(default: the config's sizing.calibration)")
     plan.add_argument("--calibrate", type=Path, metavar="RUN_DIR",
                       help="fit the constants to a run and write them (--out), then stop")
     plan.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION,
@@ -62,7 +63,8 @@ def run_plan(args: argparse.Namespace) -> int:
               + "".join(f"\n  note: {note}" for note in fitted.notes))
         return 0
     store = _run_dir(args.from_run, "--from") if args.from_run is not None else None
-    calibration = Calibration.load(args.calibration) if args.calibration is not None else None
+    given = args.calibration if args.calibration is not None else config.sizing.calibration   # the flag wins
+    calibration = Calibration.load(given) if given is not None else None
     plan = make_plan(config, store, calibration)
     print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else render_text(plan))
     return 0
