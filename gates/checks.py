@@ -60,8 +60,10 @@ G1_CHECKS = (
 )
 
 # the no-reuse controls (g2.no_reuse, g3.no_reuse): prompts sharing no prefix, tiered candidate beside the
-# baseline; what offload costs when nothing comes back (gates/no_reuse.py)
-NO_REUSE_CHECKS = tuple(Check(metric, meaning, "lower", "%", default=_at_most(metric, 0.05)) for metric, meaning in (
+# baseline; what offload costs when nothing comes back (gates/no_reuse.py). No default rule: the full profile
+# holds them to 5% (a joint test's steps are long enough to resolve that); the quick profile's few pairs and
+# 14-s steps swing +-15-50% on a small machine, so there they are measured and shown, not judged
+NO_REUSE_CHECKS = tuple(Check(metric, meaning, "lower", "%") for metric, meaning in (
     ("no_reuse_ttft_cost", "tiered TTFT p50 over the baseline's − 1 on prompts that share no prefix, side by side"),
     ("no_reuse_throughput_cost", "1 − tiered output throughput over the baseline's on prompts that share no prefix, "
      "side by side")))

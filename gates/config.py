@@ -553,6 +553,34 @@ class TargetSizing(StrictModel):
         return None
 
 
+COUNT_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+class RooflineConfig(StrictModel):
+    """A recompute curve from FLOPs before any G2 has measured one (gates/sizing/timing.py RecomputeCurve.roofline):
+    prefill of n tokens = (2·params·n + 2·layers·n²·attention_dim) ÷ the device's achievable FLOP/s."""
+
+    device_tflops: Float = Field(gt=0, description="the device's achievable dense TFLOP/s (peak x utilisation)")
+    params: Float = Field(gt=0, description="the model's parameter count: 8.03e9, or 8.03B (K, M, B, T)")
+    attention_dim: Int = Field(ge=1, description="attention heads x head dim (4096 for Llama-3.1-8B)")
+    layers: Optional[Int] = Field(default=None, ge=1, description="layers (default: the KV layout's)")
+    overhead_s: Float = Field(default=0.0, ge=0, description="fixed seconds per request (HTTP, tokenizing)")
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        """"8B", "70.6B", "3e6" (YAML reads an exponent without a sign as text) as a number; anything else as given."""
+        if not isinstance(value, str):
+            return value
+        text, scale = value.strip(), 1.0
+        if text[-1:].upper() in COUNT_SUFFIXES:
+            text, scale = text[:-1], COUNT_SUFFIXES[text[-1].upper()]
+        try:
+            return float(text) * scale
+        except ValueError:
+            raise ValueError(f"expected a parameter count (8.03e9, 8B), found {value!r}") from None
+
+
 class SizingConfig(StrictModel):
     """The sizing model in `kvgate run` (gates/sizing/): where its constants come from before the run has
     measured them, its tolerances (informational: it never passes or fails a gate), and what it needs of
@@ -564,6 +592,8 @@ class SizingConfig(StrictModel):
     calibration: Optional[Path] = Field(default=None, description=(
         "constants fitted to an earlier run on this machine (`kvgate plan --calibrate RUN_DIR`): G2's and G3's "
         "figures are predicted before G2 runs; without it, from G2's own measurements onward"))
+    roofline: Optional[RooflineConfig] = Field(default=None, description=(
+        "a FLOPs roofline standing in for the recompute curve where no run or calibration gives one"))
     runs: Int = Field(default=5, ge=1, le=100, description=(
         "G3 runs simulated per level, each with its own draw of the machine's step noise (a calibrated "
         "jitter): the figure is their median, its interval spans theirs"))
@@ -622,6 +652,11 @@ class GatesConfig(StrictModel):
 
 _MULTI_ROUND = {"kind": "multi_round_qa", "users": 16, "rounds": 4, "system_prompt_tokens": 256,
                 "document_tokens": 1536, "question_tokens": 32, "answer_tokens": 64, "output_tokens": 16}
+
+# the no-reuse controls: offload may cost at most 5% in TTFT p50 and throughput (judged in the full profile only:
+# gates/checks.py NO_REUSE_CHECKS says why)
+_NO_REUSE_THRESHOLDS = ({"metric": "no_reuse_ttft_cost", "op": "<=", "value": 0.05},
+                        {"metric": "no_reuse_throughput_cost", "op": "<=", "value": 0.05})
 
 # the vendor's model-load and checkpoint claims: loader >= 0.8 of fio, 6.2-9.3x over NFS ("R9"); checkpoint
 # write >= 0.7 of fio, 1.9x over the baseline ("R1"); the speedups run only with a baseline path
@@ -689,16 +724,17 @@ PROFILES: dict[str, dict] = {
         "g2": {"contexts": [8192, 32768, 131072], "rounds": 5,
                "model_load": {"size": "141GB", "shard_size": "5GB"},
                "checkpoint": {"ranks": 8, "parameters": "32B", "thread_count": 4},
+               "no_reuse": {"pairs": 30},
                "thresholds": [
             {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
-            *_G2_STORAGE_THRESHOLDS,
+            *_G2_STORAGE_THRESHOLDS, *_NO_REUSE_THRESHOLDS,
         ]},
         "g3": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "levels": [4, 8, 16, 32, 64],
                "duration_s": 600, "warmup_s": 60, "min_requests": 100, "thresholds": [
                    {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
                    {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
-                   {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40},
+                   {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}, *_NO_REUSE_THRESHOLDS,
                ]},
         "g4": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "duration_s": FULL_SOAK_S,
                "window_s": 300, "warmup_s": 900, "concurrency": 32, "faults": [

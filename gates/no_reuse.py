@@ -24,3 +24,10 @@ def reuse_found(requests: Iterable[tuple[str, int, int]]) -> str:
     target, cached, prompt = max(reused, key=lambda row: row[1])
     return (f"{len(reused)} of {len(rows)} control requests were served partly from a cache (the {target} "
             f"cached {cached} of {prompt} tokens): its prompts shared a prefix, or came back")
+
+
+def unjudged_reason(gate: str, metric: str) -> str:
+    """Why a control's figure is shown but not judged when no threshold names it (the quick profile)."""
+    return (f"no threshold for it in {gate}.thresholds: the quick profile shows the no-reuse control without judging "
+            f"it (its few pairs and short steps swing more than 5% on a small machine); the full profile judges it, "
+            f"as does {{metric: {metric}, op: '<=', value: 0.05}} in {gate}.thresholds")

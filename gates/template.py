@@ -111,7 +111,8 @@ g2:
     enabled: true
     context_tokens: 2048
     max_tokens: 32
-    pairs: 8                      # alternating pairs; judged: no_reuse_ttft_cost, no_reuse_throughput_cost (<= 5%)
+    pairs: 8                      # alternating pairs: no_reuse_ttft_cost, no_reuse_throughput_cost (judged when
+                                  # in thresholds, as the full profile has them: <= 5%)
   thresholds:
     - {metric: cold_read_vs_fio, op: ">=", value: 0.8}            # cold disk KV read vs fio, side by side
     - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context
@@ -143,7 +144,8 @@ g3:
   prime: true                     # send each target every session's first turn (a trace: its warm-up) first
   no_reuse:                       # the no-reuse control: prompts that share no prefix, one level, unprimed
     enabled: true
-    level: 4                      # its concurrency; judged: no_reuse_ttft_cost, no_reuse_throughput_cost (<= 5%)
+    level: 4                      # its concurrency: no_reuse_ttft_cost, no_reuse_throughput_cost (judged when
+                                  # in thresholds, as the full profile has them: <= 5%)
     duration_s: 14                # per target (default: duration_s)
     warmup_s: 4
     # workload: {kind: random, requests: 1000, input_tokens: {distribution: uniform, min: 512, max: 2048}}
@@ -225,5 +227,7 @@ sizing:
   #   pool_capacity: 1TiB             # the shared pool under the candidate's nodes (targets.candidate_nodes)
   #   pool_gbps: 5.0                  # what a node loads from the pool at (default: kvgate pool-bench on loopback)
   #   max_running: 256                # requests an engine runs at once (vLLM --max-num-seqs)
+  # A recompute curve from FLOPs where no run or calibration gives one (a plan before any test):
+  # roofline: {device_tflops: 400, params: 8.03B, attention_dim: 4096}   # achievable TFLOP/s, heads x head dim
 """
 TEMPLATE += _claims_section()

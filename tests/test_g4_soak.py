@@ -333,6 +333,10 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
     verdicts = {v["metric"]: v for v in store.verdicts("g4")}
     assert verdicts["faults_handled_fraction"]["status"] == "PASS", verdicts["faults_handled_fraction"]["reason"]
     assert verdicts["probe_identical_fraction"]["status"] == "PASS"
+    # which tier served the soak's hits: the faults' probes were loaded from disk, so the disk served some
+    shares = {m["context"]["tier"]: m for m in store.measurements("g4") if m["metric"] == "hit_tier_share"}
+    assert {"device", "host", "disk"} <= set(shares) and shares["disk"]["context"]["hits"] > 0
+    assert abs(sum(m["value"] for m in shares.values()) - 1) < 1e-9 and shares["disk"]["context"]["counted_in"] == "blocks"
     assert verdicts["error_rate"]["status"] == "PASS"
     left_out = {m["context"]["window"] for m in store.measurements("g4") if m["metric"] == "drift_excluded_window"}
     assert {int(f["at_s"] // SOAK["g4"]["window_s"]) for f in FAULTS} <= left_out   # each fault's own window

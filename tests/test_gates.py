@@ -197,7 +197,7 @@ def test_out_pointing_at_an_existing_file_or_another_run_is_exit_2(tmp_path, cap
     taken = tmp_path / "taken"
     taken.write_text("not a run directory")
     code, err = _run_cli(capsys, "g1", "--out", taken)
-    assert code == 2 and f"--out: expected a new or empty directory for the run, found an existing file" in err
+    assert code == 2 and "--out: expected a new or empty directory for the run, found an existing file" in err
     other = tmp_path / "other-run"
     other.mkdir()
     (other / "run.json").write_text("{}")

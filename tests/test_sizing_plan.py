@@ -10,6 +10,7 @@ import pytest
 from gates.cli import main
 from gates.config import load_config
 from gates.sizing.plan import make_plan
+from kvcore.settings import ConfigError
 from kvcore.claims import claims_table, run_claims
 from kvcore.rundata import RunStore
 from tests.test_sizing_timing import _recorded_run
@@ -105,3 +106,38 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     assert claims["speedup_over_recompute"]["predicted"] == pytest.approx(1 / g2["value"])
     accuracy = {a["label"]: a for a in sizing["accuracy"]}
     assert "within 5" in accuracy["hit ratio error"]["text"] and "within 15%" in accuracy["TTFT / throughput MAPE"]["text"]
+
+
+def test_a_runs_own_constants_come_first_and_an_earlier_calibration_fills_what_it_has_not_measured():
+    from gates.sizing.calibration import Calibration
+    from gates.sizing.queueing import DecodeCost
+    from gates.sizing.timing import RecomputeCurve
+
+    own = Calibration(curve=RecomputeCurve(0.01, 2e-4, 1e-8), tier_efficiency={"disk": 0.83}, source="this run")
+    earlier = Calibration(curve=RecomputeCurve(0.02, 3e-4, 0.0), decode=DecodeCost(0.0063, 0.0022), jitter=0.3,
+                          tier_efficiency={"disk": 0.5}, source="/tmp/earlier")
+    filled = own.filled_from(earlier)
+    assert filled.curve == own.curve and filled.tier_efficiency == {"disk": 0.83}     # measured here: kept
+    assert filled.decode == earlier.decode and filled.jitter == 0.3                   # not measured yet: taken
+    assert filled.notes[-1] == "decode, jitter from /tmp/earlier (this run has not measured them)"
+    assert earlier.filled_from(earlier) is earlier                                    # nothing to fill
+
+
+def test_a_flops_roofline_stands_in_for_the_recompute_curve_before_any_run(tmp_path):
+    from gates.sizing.timing import RecomputeCurve
+
+    path = tmp_path / "gates.yaml"
+    path.write_text("sizing:\n  roofline: {device_tflops: 0.05, params: 3e6, attention_dim: 256}\n")
+    plan = make_plan(load_config(path))
+    # (2 x 3e6 x n + 2 x 4 layers x n^2 x 256) / 5e10 FLOP/s: 3.73 s at n = 8192 (the small preset has 4 layers)
+    curve = RecomputeCurve.roofline(3e6, 4, 256, 0.05e12)
+    assert curve.compute(8192) == pytest.approx((2 * 3e6 * 8192 + 2 * 4 * 8192 ** 2 * 256) / 5e10)
+    g2 = {p.metric: p for p in plan.predictions if p.gate == "g2"}
+    assert "disk_hit_ttft_vs_recompute" in g2 and g2["disk_hit_ttft_vs_recompute"].status in ("PASS", "FAIL")
+    assert any(note.startswith("recompute from sizing.roofline (roofline: 3e+06 params, 4 layers") for note in plan.notes)
+    path.write_text("sizing:\n  roofline: {device_tflops: 0.05, params: eight, attention_dim: 256}\n")
+    with pytest.raises(ConfigError, match=r"sizing.roofline.params: .*expected a parameter count \(8.03e9, 8B\), "
+                                          r"found 'eight'"):
+        load_config(path)
+    path.write_text("sizing:\n  roofline: {device_tflops: 0.05, params: 8.03B, attention_dim: 4096}\n")
+    assert load_config(path).sizing.roofline.params == pytest.approx(8.03e9)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
@@ -63,6 +63,16 @@ def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
     return build_adapter(spec_from_endpoint(getattr(config.targets, endpoint.role)))
 
 
+def hit_reader(endpoint: Any, adapter: EngineAdapter) -> tuple[Callable[[], Optional[dict]], str]:
+    """How a gate reads a target's hits per tier so far, and what they count: an embedded target's kvgate
+    counters summed over its nodes (blocks), else its engine's tier accounting (tokens; None without one)."""
+    if endpoint.admin:
+        from workloads.tier_hits import read_tier_hits
+
+        return (lambda: read_tier_hits(endpoint.node_roots)), "blocks"
+    return adapter.hit_totals, "tokens"
+
+
 def _step(step: Any, root: str, api_key: Optional[str]):
     """A configured step; an HTTP call to the endpoint's own server carries its API key (to another host, never)."""
     if step.command is not None:
@@ -79,5 +89,5 @@ def _origin(url: str) -> tuple:
 
 __all__ = ["ABILITIES", "CONTROLS", "ENGINES", "TIERS", "Ability", "Capacity", "CommandStep", "Control", "ControlError",
            "EngineAdapter", "EngineSpec", "HttpStep", "MetricMap", "MetricsError", "Scrape", "Series", "StepResult",
-           "TierHits", "Unavailable", "build_adapter", "embedded_spec", "endpoint_adapter", "parse_metrics",
-           "spec_from_endpoint"]
+           "TierHits", "Unavailable", "build_adapter", "embedded_spec", "endpoint_adapter", "hit_reader",
+           "parse_metrics", "spec_from_endpoint"]

@@ -11,8 +11,9 @@ baseline first in odd ones, so neither side always follows the other's store), a
 - `no_reuse_throughput_cost`: 1 minus the candidate's median per-request output rate (output
   tokens ÷ E2E) over the baseline's (+0.03: 3% fewer tokens per second).
 
-Both at most 5% by default. Every request's cached tokens are checked (gates/no_reuse.py): the
-control holds only when neither side reused anything, so a cost near zero cannot come from hits.
+Both at most 5% in the full profile (shown, not judged, in the quick one: gates/checks.py says why).
+Every request's cached tokens are checked (gates/no_reuse.py): the control holds only when neither
+side reused anything, so a cost near zero cannot come from hits.
 Works on any candidate: it needs no admin route, only the two endpoints.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gates.no_reuse import reuse_found
+from gates.no_reuse import reuse_found, unjudged_reason
 from gates.stats import ratio_ci
 from workloads.client import StreamingClient
 from workloads.datasets import sizer_for
@@ -103,6 +104,7 @@ def test_offload_costs_little_in_ttft_when_nothing_is_reused(gate_context, contr
     verdict(f"G2 no-reuse control: tiered TTFT p50 / baseline's − 1 at {config.context_tokens} tokens "
             f"({len(candidate)} pairs of unique prompts)", "no_reuse_ttft_cost", ratio - 1.0, unit="%",
             interval=(lo - 1.0, hi - 1.0), valid=not reused, invalid_reason=reused,
+            unjudged_reason=unjudged_reason("g2", "no_reuse_ttft_cost"),
             context={"context_tokens": config.context_tokens})
 
 
@@ -115,4 +117,6 @@ def test_offload_costs_little_in_throughput_when_nothing_is_reused(gate_context,
            context_tokens=config.context_tokens, max_tokens=config.max_tokens)
     verdict(f"G2 no-reuse control: 1 − tiered output rate / baseline's ({config.max_tokens} output tokens per "
             "request)", "no_reuse_throughput_cost", 1.0 - ratio, unit="%", interval=(1.0 - hi, 1.0 - lo),
-            valid=not reused, invalid_reason=reused, context={"context_tokens": config.context_tokens})
+            valid=not reused, invalid_reason=reused,
+            unjudged_reason=unjudged_reason("g2", "no_reuse_throughput_cost"),
+            context={"context_tokens": config.context_tokens})

@@ -34,13 +34,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gates.engines import hit_reader
 from gates.fleet import fleet_sizing
 from gates.g3_main.analysis import Ladder, level_figures, run_seed, slo_latencies, sustained_rate_gain
 from kvcore.predictions import prediction_for
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.sweep import SweepSettings, describe_replay, prime_targets, run_sweep
-from workloads.tier_hits import POOL_TIER, read_tier_hits, target_tier_hits, tier_shares
+from workloads.tier_hits import POOL_TIER, read_tier_hits, tier_shares
 
 
 def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> dict[tuple[str, int], float]:
@@ -64,6 +65,7 @@ def sweep(gate_context, endpoints, adapters):
     workload = build_workload(config.workload, sizer_for(endpoints["candidate"].tokenizer),
                               seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
     roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints]
+    readers = {role: hit_reader(endpoints[role], adapters[role]) for role in roles}
     closed = config.replay == "closed_loop"
     settings = SweepSettings(levels=tuple(config.levels) if closed else (),
                              multipliers=() if closed else tuple(config.levels),
@@ -74,8 +76,8 @@ def sweep(gate_context, endpoints, adapters):
                              on_live=lambda step: gate_context.store.set_progress("g3", step.line(), kind="live"),
                              predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
                                                                         config.levels if closed else ()),
-                             tier_hits=target_tier_hits if embedded else _adapter_totals(adapters),
-                             tier_unit="blocks" if embedded else "tokens")
+                             tier_hits=lambda target: readers[target.name][0](),
+                             tier_unit=readers["candidate"][1])
     targets = [endpoints[r].target(r) for r in roles]
     primer_users = min(config.levels) if closed else settings.rate_users
     primed = prime_targets(targets, workload, primer_users, settings.out_dir,
@@ -119,11 +121,6 @@ def _workload_bound(config, workload):
         return g3_replays(config.g3, workload, target_inputs(config)[0]).hits["candidate"]["infinite_cache_bound"]
     except Exception:  # the bound is context for the report: never a reason for G3 to fail
         return None
-
-
-def _adapter_totals(adapters):
-    """An external target's hit tokens per tier so far, from its engine's tier accounting (None without one)."""
-    return lambda target: adapters[target.name].hit_totals() if target.name in adapters else None
 
 
 def _levels(sweep) -> dict:

@@ -9,7 +9,8 @@ disks as serving) and never gets to load one; the control judges what that costs
 - `no_reuse_throughput_cost` = −(G3's throughput gain): 1 − the candidate's output tokens/s over the
   baseline's;
 
-with G3's own intervals (gates/g3_main/analysis.py level_figures), at most 5% by default. Each
+with G3's own intervals (gates/g3_main/analysis.py level_figures), at most 5% in the full profile
+(shown, not judged, in the quick one: gates/checks.py says why). Each
 request is sent at most once (a step that runs out of requests ends early and is invalid, saying
 so); every request's cached tokens are checked too (gates/no_reuse.py), so a cost near zero cannot
 come from hits.
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from gates.g3_main.analysis import level_figures, run_seed
-from gates.no_reuse import reuse_found
+from gates.no_reuse import reuse_found, unjudged_reason
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.sweep import SweepSettings, run_sweep
@@ -83,6 +84,7 @@ def test_offload_costs_little_in_ttft_under_load_when_nothing_is_reused(gate_con
     record("no_reuse_ttft_cost", cost, "%", interval=_negated(figures.ttft_interval), concurrency=level)
     verdict(f"G3 no-reuse control: tiered TTFT p50 / baseline's − 1 at c={level}", "no_reuse_ttft_cost", cost,
             unit="%", interval=_negated(figures.ttft_interval), valid=valid, invalid_reason=reasons,
+            unjudged_reason=unjudged_reason("g3", "no_reuse_ttft_cost"),
             context={"concurrency": level})
 
 
@@ -97,4 +99,5 @@ def test_offload_costs_little_in_throughput_under_load_when_nothing_is_reused(ga
     record("no_reuse_throughput_cost", cost, "%", interval=_negated(figures.throughput_interval), concurrency=level)
     verdict(f"G3 no-reuse control: 1 − tiered output throughput / baseline's at c={level}",
             "no_reuse_throughput_cost", cost, unit="%", interval=_negated(figures.throughput_interval), valid=valid,
-            invalid_reason=reasons, context={"concurrency": level})
+            invalid_reason=reasons,
+            unjudged_reason=unjudged_reason("g3", "no_reuse_throughput_cost"), context={"concurrency": level})

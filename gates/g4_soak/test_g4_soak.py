@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import pytest
 
+from gates.engines import hit_reader
 from gates.g4_soak.analysis import drift, excluded_window_rows, fault_facts, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
 from workloads.errors import describe_errors, merge_error_summaries
+from workloads.tier_hits import tier_difference, tier_shares
 
 
 @pytest.fixture(scope="module")
-def windows(gate_context, endpoints):
+def soak_run(gate_context, endpoints, adapters):
+    """The soak's windows, and the candidate's hits per tier over it (None without tier accounting)."""
     candidate = endpoints.get("candidate")
     if candidate is None:
         pytest.skip("G4 needs a candidate endpoint")
@@ -42,7 +45,25 @@ def windows(gate_context, endpoints):
 
     soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
                 SoakSettings(config.duration_s, config.window_s, config.concurrency), config.faults)
-    return soak.run(on_window=on_window, on_live=lambda live: store.set_progress("g4", live.line(), kind="live"))
+    read_hits, unit = hit_reader(candidate, adapters["candidate"])
+    before = read_hits()
+    rows = soak.run(on_window=on_window, on_live=lambda live: store.set_progress("g4", live.line(), kind="live"))
+    return rows, (tier_difference(before, read_hits()), unit)
+
+
+@pytest.fixture(scope="module")
+def windows(soak_run):
+    return soak_run[0]
+
+
+def test_hits_by_tier_over_the_soak(soak_run, record):
+    """Which tier served the candidate's hits over the soak (this run of it: a resumed soak counts from the resume)."""
+    hits, unit = soak_run[1]
+    if hits is None:
+        pytest.skip("the candidate's engine has no tier accounting to read its hits by tier from")
+    for tier, share in tier_shares(hits).items():
+        record("hit_tier_share", share, target="candidate", tier=tier, hits=hits[tier], soak_hits=sum(hits.values()),
+               counted_in=unit)
 
 
 @pytest.fixture(scope="module")

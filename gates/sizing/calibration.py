@@ -86,6 +86,19 @@ class Calibration:
                               "found none")
         return TimingModel(chosen, self.tiers(tiers), kv_bytes_per_token, block_size, self.fixed_overhead_s)
 
+    def filled_from(self, earlier: "Calibration") -> "Calibration":
+        """These constants, with what this run has not fitted yet taken from an `earlier` calibration (a run's
+        own G2 gives the curve and the tiers' costs before its G3 gives a decode cost and step noise); the
+        notes say which constants came from where."""
+        taken = [name for name in ("curve", "fixed_overhead_s", "decode", "jitter", "checkpoint_efficiency",
+                                   "service_start_s") if getattr(self, name) is None and getattr(earlier, name) is not None]
+        taken += [name for name in ("tier_efficiency", "tier_overhead_s", "loader_efficiency")
+                  if not getattr(self, name) and getattr(earlier, name)]
+        if not taken:
+            return self
+        note = f"{', '.join(taken)} from {earlier.source or 'the configured calibration'} (this run has not measured them)"
+        return replace(self, **{name: getattr(earlier, name) for name in taken}, notes=(*self.notes, note))
+
     @property
     def best_loader_efficiency(self) -> Optional[float]:
         return max(self.loader_efficiency.values()) if self.loader_efficiency else None

@@ -20,13 +20,16 @@ PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model pred
 def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
     """The plan made before `gate` (recorded under "before <gate>"), or None and why not."""
     try:
-        calibration = None
-        if store.status("g2") is None and config.sizing.calibration is not None:
+        configured = None
+        if config.sizing.calibration is not None:
             from .calibration import Calibration
 
-            calibration = Calibration.load(config.sizing.calibration)
+            configured = Calibration.load(config.sizing.calibration)
         measured = any(store.status(g) is not None for g in ("g1", "g2", "g3", "g4"))
-        plan = make_plan(config, store if measured else None, calibration, config.sizing, in_run=True)
+        # before G2 the file's constants; after it, the run's own first and the file's for the rest (G3's decode)
+        calibration = configured if store.status("g2") is None else None
+        plan = make_plan(config, store if measured else None, calibration, config.sizing, in_run=True,
+                         fill_from=configured)
     except Exception as error:  # the sizing model must never stop a run: say why it said nothing
         return None, f"no plan before {gate.upper()}: {type(error).__name__}: {error}"
     store.add_predictions(f"before {gate}", [p.to_dict() for p in plan.predictions if p.gate == gate])

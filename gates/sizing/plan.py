@@ -44,7 +44,7 @@ from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .g3_figures import predict_g3, predict_rate_ladder
 from .queueing import DecodeCost, EngineModel
 from .targets import target_inputs
-from .timing import TierBandwidths, checkpoint_seconds, cold_read_vs_fio, model_load_seconds, predict_g2
+from .timing import RecomputeCurve, TierBandwidths, checkpoint_seconds, cold_read_vs_fio, model_load_seconds, predict_g2
 
 @dataclass(frozen=True)
 class Prediction:
@@ -107,10 +107,11 @@ def _spec_disk_gbps(config) -> Optional[float]:
 
 
 def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
-              tolerances=None, in_run: bool = False) -> Plan:
+              tolerances=None, in_run: bool = False, fill_from: Optional[Calibration] = None) -> Plan:
     """The plan for `config` (a GatesConfig); `store`: a run whose G1/G2 figures refine it; `calibration`:
-    fitted constants (default: fitted from `store` when given); `in_run`: made by `kvgate run` before a
-    gate (its figures are compared later, so no comparison now)."""
+    fitted constants (default: fitted from `store` when given); `fill_from`: an earlier calibration whose
+    constants stand in for those `calibration` lacks (a run's G3 decode cost before its G3 ran);
+    `in_run`: made by `kvgate run` before a gate (its figures are compared later, so no comparison now)."""
     plan = Plan()
     inputs, notes = target_inputs(config)
     plan.notes.extend(notes)
@@ -135,11 +136,15 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
         from .calibration import calibrate
 
         calibration = calibrate(store.root, kv_bytes_per_token=shape.bytes_per_token)
+    if fill_from is not None:
+        calibration = fill_from if calibration is None else calibration.filled_from(fill_from)
+    if (calibration is None or calibration.curve is None) and config.sizing.roofline is not None:
+        calibration = _with_roofline(calibration or Calibration(), config.sizing.roofline, shape.layers)
     if calibration is not None:
         plan.notes.extend(calibration.notes)
     if calibration is None or calibration.curve is None:
-        plan.notes.append("no TTFT figures: they need a recompute curve, from a run's G2 (--from RUN_DIR) or a "
-                          "calibration file (--calibration FILE)")
+        plan.notes.append("no TTFT figures: they need a recompute curve, from a run's G2 (--from RUN_DIR), a "
+                          "calibration file (--calibration FILE) or a FLOPs roofline (sizing.roofline)")
     else:
         tiers = calibration.tiers(tiers)
         timing = calibration.timing_model(tiers, shape.bytes_per_token, inputs.block_tokens)
@@ -173,6 +178,14 @@ def _g3_workload(config, inputs, seed: int = 0):
     from workloads.datasets import build_workload, sizer_for
 
     return build_workload(config.g3.workload, sizer_for("kvgate-byte-v1" if inputs.embedded else None), seed)
+
+
+def _with_roofline(calibration: Calibration, roofline, layers: int) -> Calibration:
+    """`calibration` with the configured FLOPs roofline as its recompute curve (timing.RecomputeCurve.roofline)."""
+    curve = RecomputeCurve.roofline(roofline.params, roofline.layers or layers, roofline.attention_dim,
+                                    roofline.device_tflops * 1e12, roofline.overhead_s)
+    return replace(calibration, curve=curve, notes=(*calibration.notes, f"recompute from sizing.roofline ({curve.source}): "
+                                                    "no run has measured this engine's prefill yet"))
 
 
 def decode_from_curve(curve, requests) -> DecodeCost:
