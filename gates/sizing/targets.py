@@ -106,6 +106,10 @@ def target_inputs(config) -> tuple[TargetInputs, list[str]]:
                          f"it at start-up): the embedded device tier ({embedded.device_capacity_blocks} blocks) stands in")
         if given is None or given.block_size is None:
             notes.append(f"sizing.target.block_size is not given: {EXTERNAL_BLOCK_TOKENS} tokens (vLLM's default)")
+        if given is None or (given.host_capacity is None and given.disk_capacity is None):
+            notes.append("targets.kind is external and sizing.target gives no host_capacity or disk_capacity: the "
+                         "candidate is modelled as its device tier alone, like the baseline, so G3 is predicted to "
+                         "gain nothing; give the candidate's tiers for a prediction that means something")
         if nodes > 1 and (given is None or given.pool_capacity is None):
             notes.append(f"the candidate has {nodes} nodes and sizing.target.pool_capacity is not given: modelled "
                          "without a shared pool (each node its own tiers)")
