@@ -301,3 +301,36 @@ def test_placement_by_pressure_reads_the_device_capacity_from_one_metrics_page(r
     assert (placement.pressure.capacity_tokens, placement.pressure.fillers) == (1435776, 55)
     assert placement.cold                                    # cache_dir: the page cache is dropped after
     assert recorder.seen() == [("GET", "/metrics", None)]
+
+
+# -- reading a target's hits per tier over its nodes ------------------------------------------------------
+
+def test_an_external_two_node_candidates_hits_are_summed_over_each_nodes_own_metrics(tmp_path):
+    import yaml
+
+    from gates.config import load_config
+    from gates.engines import endpoint_adapter, hit_reader
+    from gates.targets import external_endpoints
+
+    nodes = [Recorder(), Recorder()]
+    try:
+        # two real pages kvgate serve wrote: one node served 5 blocks from host; the other 5 from host, 5 from disk
+        for node, page in zip(nodes, ("kvgate_tiered_host_hit.prom", "kvgate_tiered_disk_hit.prom")):
+            node.answers[("GET", "/metrics")] = (200, (DATA / page).read_text())
+        series = {tier: {"metric": "kvgate_cache_hits_total", "labels": {"tier": tier}, "scale": 256}
+                  for tier in ("device", "host", "disk")}
+        endpoint = {"model": "kvgate-small", "engine": "generic", "metric_map": series}
+        path = tmp_path / "gates.yaml"
+        path.write_text(yaml.safe_dump({"targets": {
+            "kind": "external", "candidate": {**endpoint, "url": f"{nodes[0].root}/v1"},
+            "baseline": {**endpoint, "url": f"{nodes[0].root}/v1"}, "candidate_nodes": [f"{nodes[1].root}/v1"]}}))
+        config = load_config(path)
+        candidate = external_endpoints(config)["candidate"]
+        read, unit = hit_reader(candidate, endpoint_adapter(config, candidate), config)
+        assert unit == "tokens" and read() == {"device": 0.0, "host": 10 * 256.0, "disk": 5 * 256.0}
+        assert [call["path"] for node in nodes for call in node.calls] == ["/metrics", "/metrics"]   # each node once
+        nodes[1].answers[("GET", "/metrics")] = (503, "down")
+        assert read() is None                      # a node that cannot be read gives no figure, not half of one
+    finally:
+        for node in nodes:
+            node.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
@@ -63,14 +64,29 @@ def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
     return build_adapter(spec_from_endpoint(getattr(config.targets, endpoint.role)))
 
 
-def hit_reader(endpoint: Any, adapter: EngineAdapter) -> tuple[Callable[[], Optional[dict]], str]:
+def hit_reader(endpoint: Any, adapter: EngineAdapter, config: Any = None) -> tuple[Callable[[], Optional[dict]], str]:
     """How a gate reads a target's hits per tier so far, and what they count: an embedded target's kvgate
-    counters summed over its nodes (blocks), else its engine's tier accounting (tokens; None without one)."""
+    counters summed over its nodes (blocks), else its engine's tier accounting (tokens; None without one),
+    summed over an external target's nodes (`targets.candidate_nodes`: each node's own /metrics, the
+    endpoint's engine settings) when `config` is given."""
     if endpoint.admin:
         from workloads.tier_hits import read_tier_hits
 
         return (lambda: read_tier_hits(endpoint.node_roots)), "blocks"
-    return adapter.hit_totals, "tokens"
+    roots = endpoint.node_roots
+    if len(roots) < 2 or config is None:
+        return adapter.hit_totals, "tokens"
+    spec = spec_from_endpoint(getattr(config.targets, endpoint.role))
+    nodes = [adapter, *(build_adapter(replace(spec, server_root=root, metrics_url=None)) for root in roots[1:])]
+
+    def read() -> Optional[dict]:
+        totals = [node.hit_totals() for node in nodes]
+        if any(total is None for total in totals):       # a node that cannot be read: no figure, not a partial one
+            return None
+        return {tier: sum(total.get(tier, 0.0) for total in totals) for tier in dict.fromkeys(
+            tier for total in totals for tier in total)}
+
+    return read, "tokens"
 
 
 def _step(step: Any, root: str, api_key: Optional[str]):

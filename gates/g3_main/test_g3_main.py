@@ -65,7 +65,7 @@ def sweep(gate_context, endpoints, adapters):
     workload = build_workload(config.workload, sizer_for(endpoints["candidate"].tokenizer),
                               seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
     roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints]
-    readers = {role: hit_reader(endpoints[role], adapters[role]) for role in roles}
+    readers = {role: hit_reader(endpoints[role], adapters[role], gate_context.config) for role in roles}
     closed = config.replay == "closed_loop"
     settings = SweepSettings(levels=tuple(config.levels) if closed else (),
                              multipliers=() if closed else tuple(config.levels),

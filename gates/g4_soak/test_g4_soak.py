@@ -45,7 +45,7 @@ def soak_run(gate_context, endpoints, adapters):
 
     soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
                 SoakSettings(config.duration_s, config.window_s, config.concurrency), config.faults)
-    read_hits, unit = hit_reader(candidate, adapters["candidate"])
+    read_hits, unit = hit_reader(candidate, adapters["candidate"], gate_context.config)
     before = read_hits()
     rows = soak.run(on_window=on_window, on_live=lambda live: store.set_progress("g4", live.line(), kind="live"))
     return rows, (tier_difference(before, read_hits()), unit)
