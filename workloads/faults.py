@@ -198,8 +198,27 @@ def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = 
     if kind == "swap" and donor is None:
         raise AdminError("swap: the prompt has no second disk block to take bytes from")
     done = damage_block(kind, Path(victim["path"]), donor)
-    admin.evict(("device", "host"))
+    evict_until_on_disk_only(admin, victim["key"], prompt, messages)
     return {**done, "block_index": victim["index"], "key": victim["key"]}
+
+
+def evict_until_on_disk_only(admin: AdminClient, key: str, prompt: Optional[str] = None,
+                             messages: Optional[list] = None, timeout_s: float = 5.0) -> None:
+    """Evict the upper tiers until block `key` is held by the disk alone. A block that a request in flight
+    has pinned (a load under way) is not evicted, and the next request would then be served its
+    undamaged upper-tier copy; so the eviction is repeated until the pin is gone (AdminError after
+    `timeout_s`, naming the tiers that still hold it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        admin.evict(("device", "host"))
+        held = next((b["tiers"] for b in admin.locate(prompt, messages) if b["key"] == key), ["disk"])
+        upper = [tier for tier in held if tier in ("device", "host")]   # a pool copy is read after the disk
+        if not upper:
+            return
+        if time.monotonic() >= deadline:
+            raise AdminError(f"block {key} stayed in {', '.join(upper)} for {timeout_s:g} s of evictions "
+                             "(pinned by requests in flight)")
+        time.sleep(0.05)
 
 
 # -- processes ----------------------------------------------------------------------------------
