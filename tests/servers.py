@@ -120,6 +120,19 @@ def started_server(workdir: Path, api_key: Optional[str] = None, **options):
     assert code in TEARDOWN_EXIT_CODES, f"kvgate serve exit code {code} after SIGTERM:\n{server.log()}"
 
 
+def started_pool_nodes(workdirs, pool_url: str):
+    """Fixture body: tiered `kvgate serve --admin` nodes, each with its own disk directory, sharing the pool at
+    `pool_url` (`--remote URL`); healthy, and stopped at teardown."""
+    nodes = [ServerProcess(workdir, admin=True, extra_args=("--remote", pool_url)) for workdir in workdirs]
+    try:
+        for node in nodes:
+            node.wait_healthy()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
 # -- asking a server, and the recompute oracle ----------------------------------------
 
 TINY_MODEL = "kvgate-tiny"

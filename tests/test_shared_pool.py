@@ -19,7 +19,7 @@ import pytest
 from cache_impl import integrity
 from cache_impl.config import RemoteTierConfig
 from cache_impl.tiers.remote import open_store
-from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, started_server
+from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, started_pool_nodes, started_server
 from workloads.faults import AdminClient, counter
 from workloads.stores import MooncakePool, RedisServer
 
@@ -47,22 +47,13 @@ def oracle(tmp_path_factory):
         yield Oracle(server)
 
 
-def _node(workdir, url: str) -> ServerProcess:
-    """A tiered node with its own disk directory, on the pool at `url` (given as `kvgate serve --remote URL`)."""
-    return ServerProcess(workdir, admin=True, extra_args=("--remote", url))
 
 
 @pytest.fixture(scope="module")
 def nodes(pool, tmp_path_factory):
     backend, started = pool
-    pair = [_node(tmp_path_factory.mktemp(f"{backend}-node-{name}"), started.url) for name in ("a", "b")]
-    try:
-        for node in pair:
-            node.wait_healthy()
-        yield pair
-    finally:
-        for node in pair:
-            node.stop()
+    yield from started_pool_nodes([tmp_path_factory.mktemp(f"{backend}-node-{name}") for name in ("a", "b")],
+                                  started.url)
 
 
 def test_a_prefix_computed_on_node_a_is_a_hit_on_node_b(nodes, oracle, pool):

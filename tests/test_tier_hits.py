@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.servers import ServerProcess, ask, distinct_prompt
+from tests.servers import ServerProcess, ask, distinct_prompt, started_pool_nodes
 from workloads.faults import AdminClient
 from workloads.load import Target
 from workloads.requests import Workload, WorkloadRequest
@@ -26,15 +26,7 @@ def nodes(tmp_path_factory):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed (.ci/run installs it; see the README)")
     with RedisServer(tmp_path_factory.mktemp("pool")) as pool:
-        pair = [ServerProcess(tmp_path_factory.mktemp(f"node-{name}"), admin=True, extra_args=("--remote", pool.url))
-                for name in ("a", "b")]
-        try:
-            for node in pair:
-                node.wait_healthy()
-            yield pair
-        finally:
-            for node in pair:
-                node.stop()
+        yield from started_pool_nodes([tmp_path_factory.mktemp(f"node-{name}") for name in ("a", "b")], pool.url)
 
 
 def _stored_on(node, prompt: str) -> None:
