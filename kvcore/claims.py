@@ -17,6 +17,7 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
+from .predictions import made_before
 from .rundata import RunStore
 from .settings import Float, StrictModel
 
@@ -110,8 +111,8 @@ def claims_table(store: RunStore, claims: list[Claim]) -> list[dict]:
     for claim in claims:
         status = store.status(claim.gate)
         measured = _figure([m for m in store.measurements(claim.gate) if m.get("metric") == claim.metric], claim)
-        predicted = _figure([p for p in predictions if p.get("stage") == f"before {claim.gate}"
-                             and p.get("metric") == claim.metric], claim)
+        predicted = _figure([p for p in made_before(predictions, claim.gate) if p.get("metric") == claim.metric],
+                            claim)
         rows.append(judge_claim(claim, measured, predicted, None if status is None else status.get("status")))
     return rows
 

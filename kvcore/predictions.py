@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional
 
+from .rundata import finite_number
+
 CONTEXT_KEYS = ("concurrency", "multiplier", "context_tokens", "target")
 IN_POINTS = ("hit_ratio", "ttft_p50_reduction", "throughput_gain", "sustained_rate_gain", "cold_read_vs_fio",
              "cross_node_hit_ratio")
@@ -56,17 +58,12 @@ def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
     """What a verdict or measurement `row` shows of its prediction, or None when it has none:
     {"predicted", "predicted_status", "error", "error_text"}."""
     prediction = prediction_for(row, predictions)
-    value, measured = _number(prediction.get("value")) if prediction else None, _number(row.get("value"))
+    value, measured = finite_number(prediction.get("value")) if prediction else None, finite_number(row.get("value"))
     if value is None or measured is None:
         return None
     err, text = error(str(row.get("metric")), value, measured)
     return {"predicted": value, "predicted_status": str(prediction.get("status") or ""), "error": err,
             "error_text": text}
-
-
-def _number(value) -> Optional[float]:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
 
 
 def beside_text(shown: dict, unit: str) -> str:

@@ -25,6 +25,7 @@ never the reason text): `concurrency` (a G3 level), `multiplier` (a G3 rate mult
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +37,12 @@ from .settings import ConfigError
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 STATUSES = (PASS, FAIL, INCONCLUSIVE)
 GATES = ("g1", "g2", "g3", "g4")
+
+
+def finite_number(value: Any) -> Optional[float]:
+    """A stored figure as a float when it is a finite number (not a bool, None, NaN or text); else None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 PROGRESS_KINDS = ("step", "live")
 GATE_TITLES = {"g1": "G1 arrival acceptance", "g2": "G2 single-node baseline", "g3": "G3 main gate",
                "g4": "G4 stability"}

@@ -16,10 +16,10 @@ Rows read (written by gates/g2_baseline/test_g2_model_load.py and test_g2_checkp
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any, Iterable, Optional
 
+from kvcore.rundata import finite_number
 from workloads.loaders import READS_WITH_O_DIRECT
 
 from . import plots
@@ -32,13 +32,8 @@ def _rows(measurements: Iterable[dict], metric: str) -> list[dict]:
     return [m for m in measurements if m.get("metric") == metric]
 
 
-def _number(value: Any) -> Optional[float]:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
-
-
 def _median(values: Iterable[Any]) -> Optional[float]:
-    numbers = [n for n in (_number(v) for v in values) if n is not None]
+    numbers = [n for n in (finite_number(v) for v in values) if n is not None]
     return statistics.median(numbers) if numbers else None
 
 
@@ -55,7 +50,7 @@ def _percent(value: Optional[float]) -> str:
 
 
 def _gigabytes(value: Any) -> str:
-    number = _number(value)
+    number = finite_number(value)
     return "" if number is None else f"{number / 1e9:.2f} GB"
 
 
@@ -73,7 +68,7 @@ def _under_test(rows: list[dict]) -> list[dict]:
 def _warm(loader_row: Optional[dict]) -> str:
     """The loader's one warm load (files in the page cache), apart from the judged cold ones."""
     context = (loader_row or {}).get("context") or {}
-    gbps = _number(context.get("warm_gbps"))
+    gbps = finite_number(context.get("warm_gbps"))
     if gbps is None:
         return "none (reads with O_DIRECT)" if context.get("loader") in READS_WITH_O_DIRECT else ""
     return _gbps(gbps) + (" (read the device: O_DIRECT)" if context.get("warm_read_device") else "")
@@ -91,9 +86,9 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
             contexts = [r.get("context") or {} for r in rounds]
             ratio = ratios.get(loader)
             interval = (ratio.get("context") or {}).get("interval") if ratio else None
-            ratio_text = _percent(_number(ratio.get("value"))) if ratio else ""
+            ratio_text = _percent(finite_number(ratio.get("value"))) if ratio else ""
             if interval and len(interval) == 2:
-                ratio_text += f" [{_percent(_number(interval[0]))}, {_percent(_number(interval[1]))}]"
+                ratio_text += f" [{_percent(finite_number(interval[0]))}, {_percent(finite_number(interval[1]))}]"
             rows.append([loader, _gbps(_median(r.get("value") for r in rounds)),
                          _gbps(_median(c.get("fio_gbps") for c in contexts)), ratio_text,
                          *(_seconds(_median((c.get("phases") or {}).get(p) for c in contexts)) for p in LOAD_PHASES),
@@ -112,8 +107,8 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
         for loader, rounds in _by(starts, "loader").items():
             contexts = [r.get("context") or {} for r in rounds]
             weights = [c.get("weights") or {} for c in contexts]
-            gbps = _median((_number(w.get("nbytes", w.get("bytes"))) or 0) / w["seconds"] / 1e9 for w in weights
-                           if _number(w.get("seconds")))
+            gbps = _median((finite_number(w.get("nbytes", w.get("bytes"))) or 0) / w["seconds"] / 1e9 for w in weights
+                           if finite_number(w.get("seconds")))
             rows.append([loader, *(_seconds(_median((c.get("phases") or {}).get(p) for c in contexts))
                                    for p in SERVICE_PHASES),
                          _seconds(_median(r.get("value") for r in rounds)), _gbps(gbps), str(len(rounds))])
@@ -137,13 +132,13 @@ def checkpoint_tables(measurements: list[dict]) -> list[dict]:
         rows = []
         for r in rounds:
             c = r.get("context") or {}
-            ranks = ", ".join(_seconds(_number(s)) for s in c.get("rank_seconds") or [])
-            tail = ([_gbps(_number(c.get("fio_gbps"))), _percent(_number(c.get("ratio")))] if metric.endswith("save_round")
+            ranks = ", ".join(_seconds(finite_number(s)) for s in c.get("rank_seconds") or [])
+            tail = ([_gbps(finite_number(c.get("fio_gbps"))), _percent(finite_number(c.get("ratio")))] if metric.endswith("save_round")
                     else ["yes" if c.get("equal") else "NO", "yes" if c.get("cold") else "no"])
             rows.append([str(c.get("storage", "under test")),
                          f"{c.get('round', '')}{' (warm-up, not judged)' if c.get('warmup') else ''}",
-                         _seconds(_number(c.get("slowest_s"))), ranks, _gigabytes(c.get("bytes")),
-                         _gbps(_number(r.get("value"))), *tail])
+                         _seconds(finite_number(c.get("slowest_s"))), ranks, _gigabytes(c.get("bytes")),
+                         _gbps(finite_number(r.get("value"))), *tail])
         tables.append({"title": title, "columns": ["storage", "round", "slowest rank s", "each rank s", "bytes",
                                                    "GB/s", *extra], "rows": rows})
     return tables

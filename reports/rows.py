@@ -5,13 +5,13 @@ Rows are located by their `context` keys (kvcore.rundata names them), never by t
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvcore.rules import Band, Rule, Threshold, stored_rule
-from kvcore.rundata import RunStore
+from kvcore.predictions import made_before
+from kvcore.rundata import RunStore, finite_number as number
 
 Points = list[tuple[float, float]]
 
@@ -32,13 +32,8 @@ class GateRows:
 def gate_rows(gate: dict, store: RunStore, predictions: list[dict]) -> GateRows:
     """A gate's rows from its results entry and the run's predictions."""
     name = gate["gate"]
-    made_before = [p for p in predictions if p.get("gate") == name and p.get("stage") == f"before {name}"]
-    return GateRows(name, gate["verdicts"], gate["measurements"], gate["unjudged"], made_before, store)
-
-
-def number(value: Any) -> Optional[float]:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
+    return GateRows(name, gate["verdicts"], gate["measurements"], gate["unjudged"], made_before(predictions, name),
+                    store)
 
 
 def interval(value: Any) -> Optional[tuple[float, float]]:
