@@ -1,0 +1,95 @@
+"""The anytime-valid interval G2's pairs and G3's blocks are judged with, and the sampling loop that stops when it decides."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gates.sequential import (TAU2, decides, log_ratio_sequence, sample_until_decided, t_confidence_sequence)
+
+
+def _martingale(values, mu, tau2=TAU2):
+    """Lai's mixture martingale at a candidate mean, computed from its definition (not the closed form)."""
+    y = np.asarray(values, dtype=float) - mu
+    n, t, q = y.size, y.sum() ** 2, np.sum(y ** 2)
+    return (1 + n * tau2) ** -0.5 * (1 - tau2 * t / ((1 + n * tau2) * q)) ** (-n / 2)
+
+
+def test_the_interval_ends_are_where_the_martingale_reaches_one_over_alpha():
+    values = [0.3, 0.1, 0.25, 0.4, 0.2, 0.35]
+    _, (lo, hi) = t_confidence_sequence(values)
+    assert math.isclose(_martingale(values, lo), 20.0, rel_tol=1e-6)
+    assert math.isclose(_martingale(values, hi), 20.0, rel_tol=1e-6)
+    assert _martingale(values, (lo + hi) / 2) < 20.0
+
+
+def test_one_or_two_values_bound_nothing_and_three_do():
+    assert t_confidence_sequence([1.0])[1] == (-math.inf, math.inf)
+    assert t_confidence_sequence([1.0, 1.2])[1] == (-math.inf, math.inf)
+    lo, hi = t_confidence_sequence([1.0, 1.1, 1.2])[1]
+    assert math.isfinite(lo) and math.isfinite(hi) and lo < 1.1 < hi
+
+
+def test_looking_after_every_value_misses_the_mean_at_most_alpha_of_the_time():
+    """Ville's inequality: over 1,000 null sequences of 40 values, each looked at after every value from the
+    third on, the share that ever excluded the true mean stays within 5% (a fixed-n t interval looked at
+    this way misses far more often)."""
+    rng = np.random.default_rng(7)
+    data = rng.normal(2.0, 3.0, size=(1000, 40))
+    ever_missed, fixed_missed = 0, 0
+    from scipy import stats
+    for row in data:
+        missed = fixed = False
+        for n in range(3, 41):
+            lo, hi = t_confidence_sequence(row[:n])[1]
+            missed |= not lo <= 2.0 <= hi
+            half = stats.t.ppf(0.975, n - 1) * row[:n].std(ddof=1) / math.sqrt(n)
+            fixed |= abs(row[:n].mean() - 2.0) > half
+        ever_missed += missed
+        fixed_missed += fixed
+    assert ever_missed / 1000 <= 0.05
+    assert fixed_missed / 1000 > 0.15      # why the fixed-n interval is not used when sampling stops on a decision
+
+
+def test_a_ratio_sequence_is_the_geometric_mean_with_exp_ends():
+    ratio, (lo, hi) = log_ratio_sequence([2.0, 2.2, 1.8, 2.1], [1.0, 1.0, 1.0, 1.0])
+    assert math.isclose(ratio, math.exp(np.mean(np.log([2.0, 2.2, 1.8, 2.1]))))
+    assert lo < ratio < hi
+    with pytest.raises(ValueError, match="positive"):
+        log_ratio_sequence([1.0, -1.0, 1.0], [1.0, 1.0, 1.0])
+
+
+def test_an_interval_decides_a_threshold_only_wholly_on_one_side_and_a_band_by_its_minimum():
+    rule = {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25}
+    assert decides(rule, (0.3, 0.5)) and decides(rule, (0.0, 0.2))
+    assert not decides(rule, (0.2, 0.3)) and not decides(rule, None)
+    band = {"metric": "throughput_gain", "min": 0.29, "max": 0.40}
+    assert decides(band, (0.5, 3.0)) and decides(band, (0.0, 0.1)) and decides(band, (0.3, 0.45))
+    assert not decides(band, (0.2, 0.35))
+
+
+def test_sampling_stops_when_decided_at_the_most_allowed_or_when_the_budget_is_spent():
+    rule = {"metric": "x", "op": ">=", "value": 0.8}
+    values = []
+    now = [0.0]
+
+    def take(i):
+        values.append(0.5 + 0.01 * (i % 2))
+        now[0] += 10.0
+
+    def interval():
+        ratio, bounds = log_ratio_sequence(values, [1.0] * len(values)) if len(values) >= 2 else (None, None)
+        return bounds
+
+    stop = sample_until_decided(take, interval, [rule], minimum=3, maximum=20, budget_s=1e9, clock=lambda: now[0])
+    assert stop.decided and stop.pairs == 3 and stop.why == "decided after 3 pairs"
+    values.clear()
+    straddling = lambda: (0.7, 0.9)
+    stop = sample_until_decided(take, straddling, [rule], minimum=3, maximum=5, budget_s=1e9, clock=lambda: now[0])
+    assert not stop.decided and stop.pairs == 5 and "most allowed" in stop.why
+    stop = sample_until_decided(take, straddling, [rule], minimum=3, maximum=50, budget_s=35, clock=lambda: now[0])
+    assert not stop.decided and stop.pairs == 4 and "time budget" in stop.why
+    stop = sample_until_decided(take, straddling, [], minimum=3, maximum=50, budget_s=35)
+    assert stop.pairs == 3 and not stop.decided
