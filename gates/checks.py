@@ -106,6 +106,10 @@ G3_CHECKS = (
     Check("sustained_rate_gain", "gain in the highest trace-rate multiplier sustained within g3.ttft_slo_ms "
           "(replay: rate_multipliers)", "in band", "%",
           default={"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}),
+    # per level, not over the sweep: errors only under the highest load must not average away over the lower
+    # levels; the candidate's alone (the baseline's errors make its steps invalid, g3.max_error_share)
+    Check("error_rate", "candidate's failed requests / its measured requests, per level", "lower", "%",
+          default=_at_most("error_rate", 0.01)),
     *NO_REUSE_CHECKS,            # g3.no_reuse: one closed-loop level
 )
 

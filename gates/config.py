@@ -396,6 +396,8 @@ class G3Config(StrictModel):
     duration_s: Float = Field(gt=0)
     warmup_s: Float = Field(ge=0)
     min_requests: Int = Field(default=10, ge=1)
+    max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
+        "a step (and a no-reuse control step) whose measured requests failed more than this share is invalid"))
     prime: bool = Field(default=True, description="send each target every session's first turn (a trace: its "
                         "warm-up requests) before the sweep")
     no_reuse: G3NoReuseConfig = Field(default_factory=G3NoReuseConfig)
@@ -476,6 +478,8 @@ class G4Config(StrictModel):
                             "(caches filling, memory ramping); errors and probes count from the start")
     drift_tolerance: Float = Field(default=0.05, gt=0, lt=1, description=(
         "the largest change over the soak, as a fraction of the level, that a windowed trend may show"))
+    max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
+        "a window whose requests failed more than this share is invalid: left out of the drift checks"))
     faults: list[FaultSpec] = Field(default_factory=list, description="the fault schedule (embedded candidate)")
     thresholds: list[RuleField]
 

@@ -62,6 +62,58 @@ def test_stream_errors_and_streams_without_done_are_reported():
     assert measure_stream([(0.1, ": keep-alive comment"), (0.2, "")], sent=0.0).ttft_s is None
 
 
+# (a chunk with one field of the wrong type, the field the error must name, what was found)
+BAD_FIELDS = [
+    ({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3,
+                               "prompt_tokens_details": {"cached_tokens": "64"}}},
+     "usage.prompt_tokens_details.cached_tokens", "'64' (str)"),
+    ({"choices": [], "usage": {"prompt_tokens": 1.5, "completion_tokens": 3}}, "usage.prompt_tokens", "1.5 (float)"),
+    ({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": True}}, "usage.completion_tokens",
+     "True (bool)"),
+    ({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": -2}}, "usage.completion_tokens", "-2 (int)"),
+    ({"choices": [], "usage": ["prompt_tokens", 100]}, "usage", "(list)"),
+    ({"choices": [], "usage": {"prompt_tokens": 1, "prompt_tokens_details": 7}}, "usage.prompt_tokens_details",
+     "7 (int)"),
+    ({"choices": "hello"}, "choices", "'hello' (str)"),
+    ({"choices": ["hello"]}, "choices[0]", "'hello' (str)"),
+    ({"choices": [{"delta": "hello"}]}, "choices[0].delta", "'hello' (str)"),
+    ({"choices": [{"delta": {"content": ["a", "b"]}}]}, "choices[0].delta.content", "['a', 'b'] (list)"),
+    ({"choices": [{"text": 42}]}, "choices[0].text", "42 (int)"),
+    ({"choices": [{"delta": {"content": "a"}, "finish_reason": 1}]}, "choices[0].finish_reason", "1 (int)"),
+]
+
+
+@pytest.mark.parametrize("chunk, field, found", BAD_FIELDS, ids=[f for _, f, _ in BAD_FIELDS])
+def test_a_field_of_the_wrong_type_makes_the_request_a_bad_response_naming_the_field(chunk, field, found):
+    lines = [(0.1, _data(_chat("Hi"))), (0.2, _data(chunk)), (0.3, _data(USAGE)), (0.4, "data: [DONE]")]
+    m = measure_stream(lines, sent=0.0)
+    assert m.error_type == "bad_response"
+    assert m.error.startswith(f"{field}: expected ") and found in m.error
+    assert m.done                          # read on to its end: the connection stays usable
+
+
+def test_a_bad_response_record_is_an_error_and_good_fields_still_read_as_before():
+    from workloads.client import _apply
+
+    record = RequestRecord("r", "s", 0, "t", 1.0, 1.0, 0.0)
+    bad = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1,
+                                    "prompt_tokens_details": {"cached_tokens": "64"}}}
+    _apply(record, measure_stream([(0.1, _data(_chat("x"))), (0.2, _data(bad)), (0.3, "data: [DONE]")], sent=0.0))
+    assert not record.ok and record.error_type == "bad_response"
+    assert "cached_tokens: expected a count" in record.error_message
+    nulls = {"choices": [{"delta": {"content": None}, "finish_reason": None}],
+             "usage": {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": None}}
+    m = measure_stream([(0.1, _data(_chat("x"))), (0.2, _data(nulls)), (0.3, "data: [DONE]")], sent=0.0)
+    assert m.error is None and m.cached_tokens is None and m.prompt_tokens == 9   # null is "not said", not wrong
+
+
+def test_a_chunk_that_is_not_an_object_and_an_error_given_as_a_string_are_stream_errors_not_tracebacks():
+    m = measure_stream([(0.1, _data([1, 2])), (0.2, "data: [DONE]")], sent=0.0)
+    assert m.error_type == "bad_response" and m.error.startswith("SSE data: expected a JSON object")
+    m = measure_stream([(0.1, _data({"error": "overloaded"})), (0.2, "data: [DONE]")], sent=0.0)
+    assert m.error_type == "stream_error" and m.error == "overloaded"
+
+
 def test_records_are_appended_as_they_complete_and_a_torn_last_line_is_skipped(tmp_path):
     writer = RecordWriter(tmp_path, "w0")
     for i in range(3):

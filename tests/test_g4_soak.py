@@ -93,7 +93,7 @@ def test_the_issue_soak_with_its_fault_windows_left_out_passes_the_throughput_dr
     result, verdict = _judged(windows, faults)
     assert verdict.status == "PASS", verdict.reason
     assert (result.windows, result.excluded) == (25, 5)
-    assert "5 windows of warm-up or faults left out" in verdict.reason and "Mann-Kendall p=" in verdict.reason
+    assert "5 windows of warm-up, faults or errors left out" in verdict.reason and "Mann-Kendall p=" in verdict.reason
     assert 0 <= result.fraction < 0.02                        # a decline below 2% of the level: no drift to speak of
 
 
@@ -341,7 +341,7 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
     left_out = {m["context"]["window"] for m in store.measurements("g4") if m["metric"] == "drift_excluded_window"}
     assert {int(f["at_s"] // SOAK["g4"]["window_s"]) for f in FAULTS} <= left_out   # each fault's own window
     assert 0 in left_out                                                           # the warm-up's window
-    assert f"{len(left_out)} windows of warm-up or faults left out" in verdicts["throughput_drift_fraction"]["reason"]
+    assert f"{len(left_out)} windows of warm-up, faults or errors left out" in verdicts["throughput_drift_fraction"]["reason"]
     html = (run_dir / "index.html").read_text()
     assert "served whole from cache again after" in html and "flip_byte" in html and ">faults<" in html
     assert "windows left out of the drift checks" in html
@@ -356,6 +356,34 @@ def test_windows_starting_within_the_warm_up_are_left_out_with_the_reason():
     assert "warm-up (the soak's first 15 s, g4.warmup_s)" in rows[0]["reason"]
     assert drift(windows, "output_tokens_per_s", "decreasing", excluded=touched).windows == 3
 
+
+
+def test_windows_whose_requests_failed_beyond_the_error_share_are_left_out_of_the_drift_with_their_errors():
+    """A window where 43% of requests failed measures the failures: left out, with the errors by type and a sample."""
+    failures = {"http_500": {"count": 30, "example": "internal error"}, "http_400": {"count": 13, "example": "bad"}}
+    windows = [{"index": i, "start_s": 10.0 * i, "requests": 100, "errors": 0, "errors_by_type": {},
+                "output_tokens_per_s": 100.0} for i in range(6)]
+    windows[2].update(errors=43, errors_by_type=failures, output_tokens_per_s=57.0)
+    windows[4].update(errors=1, errors_by_type={"timeout": {"count": 1, "example": "timed out"}})  # 1%: allowed
+    touched = windows_touched(windows, [], 10.0, max_error_share=0.01)
+    assert sorted(touched) == [2]
+    row, = excluded_window_rows(windows, touched, 10.0)
+    assert row["kind"] == "errors"
+    assert row["reason"].startswith("43 of 100 requests failed (43.0% > 1% allowed, g4.max_error_share): "
+                                    "30 http_500 (e.g. 'internal error'), 13 http_400")
+    assert drift(windows, "output_tokens_per_s", "decreasing", excluded=touched).windows == 5
+    assert windows_touched(windows, [], 10.0) == {}          # no share given: nothing judged by errors
+
+
+def test_the_error_shares_are_fractions_and_a_bad_one_names_its_field(tmp_path):
+    for gate, value, message in (("g3", 1.5, "g3.max_error_share: expected a value < 1"),
+                                 ("g4", -0.1, "g4.max_error_share: expected a value >= 0"),
+                                 ("g3", "many", "g3.max_error_share: expected a number, found 'many'")):
+        path = tmp_path / f"{gate}.yaml"
+        path.write_text(yaml.safe_dump({gate: {"max_error_share": value}}))
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+            load_config(path)
+    assert load_config(None).g3.max_error_share == 0.01 and load_config(None).g4.max_error_share == 0.01
 
 
 def test_each_soak_window_is_said_in_one_line_for_the_console():

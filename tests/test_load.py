@@ -156,6 +156,35 @@ def test_a_step_is_invalid_with_too_few_requests_a_saturated_client_or_disagreei
     assert "token counts disagree" in summarize_step(skewed, [], 0.0, 30.0, settings)["invalid_reasons"]
 
 
+def _failed(sent_at, error_type, message):
+    return {"sent_at": sent_at, "ok": False, "error_type": error_type, "error_message": message, "ttft_s": None,
+            "e2e_s": None, "tpot_s": None, "itl_s": [], "completion_tokens": None, "content_chunks": 0,
+            "prompt_tokens": None, "cached_tokens": None, "tokens_from_usage": False}
+
+
+def test_a_step_whose_errors_pass_the_error_share_is_invalid_with_its_errors_by_type_and_a_sample():
+    """The issue's hostile server: 500 to every 3rd request, 400 to every 7th (43% failed) was a valid step."""
+    records = []
+    for i in range(1, 43):
+        if i % 3 == 0:
+            records.append(_failed(i, "http_500", "internal_error: boom"))
+        elif i % 7 == 0:
+            records.append(_failed(i, "http_400", "bad_request: no"))
+        else:
+            records.append(_record(i, 0.1, 0.5))
+    settings = SweepSettings(warmup_s=0, min_duration_s=5, min_requests=5)
+    summary = summarize_step(records, [], 0.0, 60.0, settings)
+    assert summary["error_rate"] == pytest.approx(18 / 42) and not summary["valid"]
+    reasons = summary["invalid_reasons"]
+    assert reasons.startswith("18 of 42 measured requests failed (42.9% > 1% allowed)")
+    assert "errors: 14 http_500 (e.g. 'internal_error: boom'), 4 http_400 (e.g. 'bad_request: no')" in reasons
+    one_in_a_hundred = [_record(i, 0.1, 0.5) for i in range(99)] + [_failed(100, "timeout", "timed out")]
+    assert summarize_step(one_in_a_hundred, [], 0.0, 120.0, settings)["valid"]          # 1%: allowed
+    strict = SweepSettings(warmup_s=0, min_duration_s=5, min_requests=5, max_error_share=0.0)
+    assert "1 of 100 measured requests failed" in summarize_step(one_in_a_hundred, [], 0.0, 120.0, strict)[
+        "invalid_reasons"]
+
+
 def test_paced_sessions_arrive_as_a_poisson_process_at_the_requested_rate():
     from workloads.sweep import paced
 

@@ -37,6 +37,8 @@ from kvcore.files import read_jsonl
 
 from .errors import CONNECTION_ERRORS
 from .requests import WorkloadRequest
+from .target_json import BadResponse, json_object, optional_count, optional_list, optional_object, optional_text, \
+    required_list, required_text
 
 
 @dataclass
@@ -86,32 +88,73 @@ class StreamMetrics:
     finish_reason: Optional[str]
     done: bool
     error: Optional[str]
+    error_type: Optional[str] = None   # "stream_error" (an error chunk, unparseable data) or "bad_response"
     text: str = ""
 
 
-def _chunk_text(payload: dict) -> str:
-    """Generated text in a completions or chat chunk ("" for role-only, empty or usage-only chunks)."""
-    text = ""
-    for choice in payload.get("choices") or []:
-        delta = choice.get("delta")
-        piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+@dataclass(frozen=True)
+class _Chunk:
+    """What one SSE chunk says, its fields type-checked (`workloads.target_json`)."""
+
+    text: str
+    finish_reason: Optional[str]
+    usage: Optional["_Usage"]
+    error: Optional[str]
+
+
+@dataclass(frozen=True)
+class _Usage:
+    prompt_tokens: Optional[int]
+    completion_tokens: Optional[int]
+    cached_tokens: Optional[int]
+
+
+def _read_chunk(payload: object) -> _Chunk:
+    """A chunk's generated text ("" for role-only, empty or usage-only chunks), finish reason, usage and error.
+
+    BadResponse (naming the field) when a field has the wrong type: choices, delta, content / text,
+    finish_reason, usage's counts and cached tokens.
+    """
+    payload = json_object(payload, "SSE data")
+    choices = optional_list(payload, "choices", "choices")
+    error = payload.get("error")
+    if error is not None and not choices:
+        message = error.get("message", error) if isinstance(error, dict) else error
+        return _Chunk("", None, None, str(message)[:300])
+    text, finish = "", None
+    for i, choice in enumerate(choices or []):
+        where = f"choices[{i}]"
+        json_object(choice, where)
+        delta = optional_object(choice, "delta", f"{where}.delta")
+        piece = (optional_text(delta, "content", f"{where}.delta.content") if delta is not None
+                 else optional_text(choice, "text", f"{where}.text"))
         text += piece or ""
-    return text
+        finish = finish or optional_text(choice, "finish_reason", f"{where}.finish_reason")
+    return _Chunk(text, finish, _read_usage(payload), None)
 
 
-def _chunk_finish(payload: dict) -> Optional[str]:
-    for choice in payload.get("choices") or []:
-        if choice.get("finish_reason"):
-            return choice["finish_reason"]
-    return None
+def _read_usage(payload: dict) -> Optional[_Usage]:
+    usage = optional_object(payload, "usage", "usage")
+    if not usage:
+        return None
+    details = optional_object(usage, "prompt_tokens_details", "usage.prompt_tokens_details")
+    return _Usage(optional_count(usage, "prompt_tokens", "usage.prompt_tokens"),
+                  optional_count(usage, "completion_tokens", "usage.completion_tokens"),
+                  optional_count(details, "cached_tokens", "usage.prompt_tokens_details.cached_tokens"))
 
 
 def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMetrics:
-    """Figures from SSE lines, each with the monotonic time it arrived; `sent` is when the request left."""
+    """Figures from SSE lines, each with the monotonic time it arrived; `sent` is when the request left.
+
+    A chunk with a field of the wrong type makes the stream a `bad_response` (its first such field
+    named in `error`); an error chunk or unparseable data a `stream_error`. Either way the stream is
+    read on to its end, so the connection can be reused.
+    """
     content_times: list[float] = []
     pieces: list[str] = []
     last_time = sent
-    usage, finish, done, error = None, None, False, None
+    usage: Optional[_Usage] = None
+    finish, done, error, error_type = None, False, None, None
     for arrived, line in lines:
         line = line.strip()
         if not line.startswith("data:"):
@@ -122,31 +165,32 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
             done = True
             break
         try:
-            payload = json.loads(data)
+            chunk = _read_chunk(json.loads(data))
+        except BadResponse as bad:
+            if error_type != "bad_response":
+                error, error_type = str(bad)[:300], "bad_response"
+            continue
         except ValueError:
-            error = f"unparseable SSE data: {data[:80]!r}"
+            error, error_type = error or f"unparseable SSE data: {data[:80]!r}", error_type or "stream_error"
             continue
-        if "error" in payload and not payload.get("choices"):
-            error = str(payload["error"].get("message", payload["error"]))[:300]
+        if chunk.error is not None:
+            error, error_type = error or chunk.error, error_type or "stream_error"
             continue
-        piece = _chunk_text(payload)
-        if piece:
+        if chunk.text:
             content_times.append(arrived)
-            pieces.append(piece)
-        finish = _chunk_finish(payload) or finish
-        if payload.get("usage"):
-            usage = payload["usage"]
+            pieces.append(chunk.text)
+        finish = chunk.finish_reason or finish
+        usage = chunk.usage or usage
     ttft = content_times[0] - sent if content_times else None
     e2e = (content_times[-1] if content_times else last_time) - sent
     itl = [b - a for a, b in zip(content_times, content_times[1:])]
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    completion = usage.get("completion_tokens") if usage else len(content_times)
+    completion = usage.completion_tokens if usage else len(content_times)
     tpot = (e2e - ttft) / (completion - 1) if ttft is not None and completion and completion > 1 else None
     return StreamMetrics(
         ttft_s=ttft, e2e_s=e2e, itl_s=itl, tpot_s=tpot, content_chunks=len(content_times),
-        prompt_tokens=usage.get("prompt_tokens") if usage else None, completion_tokens=completion,
-        cached_tokens=details.get("cached_tokens"), tokens_from_usage=usage is not None,
-        finish_reason=finish, done=done, error=error, text="".join(pieces),
+        prompt_tokens=usage.prompt_tokens if usage else None, completion_tokens=completion,
+        cached_tokens=usage.cached_tokens if usage else None, tokens_from_usage=usage is not None,
+        finish_reason=finish, done=done, error=error, error_type=error_type, text="".join(pieces),
     )
 
 
@@ -246,9 +290,16 @@ class StreamingClient:
         if response.status >= 400:
             raise TargetError(f"http_{response.status}", _error_message(body))
         try:
-            return [str(model["id"]) for model in json.loads(body)["data"]]
-        except (ValueError, KeyError, TypeError):
-            raise TargetError("read", f"GET /models: expected an OpenAI model list, found {body[:120]!r}") from None
+            listing = json_object(json.loads(body), "GET /models")
+        except ValueError:   # BadResponse among them
+            raise TargetError("bad_response", f"GET /models: expected an OpenAI model list (JSON), found "
+                              f"{body[:120]!r}") from None
+        try:
+            models = required_list(listing, "data", "GET /models: data")
+            return [required_text(json_object(m, f"GET /models: data[{i}]"), "id", f"GET /models: data[{i}].id")
+                    for i, m in enumerate(models)]
+        except BadResponse as bad:
+            raise TargetError("bad_response", str(bad)) from None
 
     def _request(self, method: str, path: str, body: Optional[bytes]):
         """Send the request; (monotonic send time, response). A stale keep-alive connection is replaced once."""
@@ -331,7 +382,7 @@ def _apply(record: RequestRecord, m: StreamMetrics) -> None:
     record.prompt_tokens, record.completion_tokens, record.cached_tokens = m.prompt_tokens, m.completion_tokens, m.cached_tokens
     record.content_chunks, record.tokens_from_usage, record.finish_reason = m.content_chunks, m.tokens_from_usage, m.finish_reason
     if m.error:
-        _failed(record, "stream_error", m.error)
+        _failed(record, m.error_type or "stream_error", m.error)
     elif not m.done:
         _failed(record, "incomplete_stream", "the stream ended without data: [DONE]")
     else:

@@ -4,7 +4,9 @@ A record's `error_type` is set by the streaming client (`workloads.client`):
 
 - `connection_refused`, `connection_reset`, `timeout`: the target did not answer (CONNECTION_ERRORS);
 - `http_<status>`: it answered with an error status (the message starts with the error's code);
-- `read`, `stream_error`, `incomplete_stream`: the answer broke off or was malformed.
+- `read`, `stream_error`, `incomplete_stream`: the answer broke off or was malformed;
+- `bad_response`: a field of the answer had the wrong type (`workloads.target_json`; the message names
+  the field, what was expected and what was found).
 
 `DeadTargetDetector` watches the outcomes of a load process: a run of connection errors with
 no answered request between them (`StopRule`: so many in a row, or for so long) means the

@@ -5,7 +5,8 @@ after the warm-up (`warmup_s` from the step's start). Percentiles come from
 the raw per-request figures of those requests; throughput is their output
 tokens (and count) divided by the time from the window's start to the last
 completion. A step is invalid, with its reasons listed, when it ran shorter
-than `min_duration_s`, completed fewer than `min_requests`, its client was
+than `min_duration_s`, completed fewer than `min_requests`, more than `max_error_share` of its
+measured requests failed (a step of failures is not a measurement of the target), its client was
 saturated (CPU or event-loop lag), or client and server token counts disagree.
 An invalid step's reasons end with its errors by type, each with a sample message
 (`workloads.errors`), counted over the whole step, warm-up included.
@@ -83,6 +84,7 @@ class SweepSettings:
     workers: int = 0
     max_client_cpu_percent: float = 90.0
     max_loop_lag_s: float = 0.05
+    max_error_share: float = 0.01          # a step whose measured requests failed more than this is invalid
     stop_rule: Optional[StopRule] = field(default_factory=StopRule)  # None: a step always runs to its end
     out_dir: Path = field(default_factory=lambda: Path("reports/runs/sweep"))
     on_step: Optional[Callable[[str], None]] = None   # told one line as each step starts and ends (progress)
@@ -133,12 +135,22 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
     summary["hit_ratio"] = (sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported)
                             if reported else None)
     errors = summarize_errors(records)
-    reasons = ([stopped] if stopped else []) + _invalid_reasons(ok, samples, window_start, step_end, settings)
+    reasons = ([stopped] if stopped else []) + _error_share_reasons(measured, settings) \
+        + _invalid_reasons(ok, samples, window_start, step_end, settings)
     if reasons and errors:
         reasons.append("errors: " + describe_errors(errors))
     summary.update(valid=not reasons, invalid_reasons="; ".join(reasons), errors_by_type=errors,
                    stopped_reason=stopped)
     return summary
+
+
+def _error_share_reasons(measured: list[dict], settings: SweepSettings) -> list[str]:
+    """The step's failed share of its measured requests, when above `max_error_share` (its errors by type follow)."""
+    failed = sum(not r["ok"] for r in measured)
+    if not measured or failed <= settings.max_error_share * len(measured):
+        return []
+    return [f"{failed} of {len(measured)} measured requests failed ({100 * failed / len(measured):.1f}% > "
+            f"{100 * settings.max_error_share:g}% allowed): not a measurement of the target"]
 
 
 def _invalid_reasons(ok: list[dict], samples: list[dict], start: float, end: float,

@@ -40,6 +40,7 @@ from gates.g3_main.analysis import Ladder, level_figures, run_seed, slo_latencie
 from kvcore.predictions import prediction_for
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
+from workloads.errors import describe_errors
 from workloads.sweep import SweepSettings, describe_replay, prime_targets, run_sweep
 from workloads.tier_hits import POOL_TIER, read_tier_hits, tier_shares
 
@@ -71,7 +72,8 @@ def sweep(gate_context, endpoints, adapters):
                              multipliers=() if closed else tuple(config.levels),
                              duration_s=config.duration_s, warmup_s=config.warmup_s,
                              min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
-                             min_requests=config.min_requests, out_dir=gate_context.store.raw_dir("g3") / "sweep",
+                             min_requests=config.min_requests, max_error_share=config.max_error_share,
+                             out_dir=gate_context.store.raw_dir("g3") / "sweep",
                              on_step=lambda text: gate_context.store.set_progress("g3", text),
                              on_live=lambda step: gate_context.store.set_progress("g3", step.line(), kind="live"),
                              predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
@@ -208,6 +210,22 @@ def test_throughput_gain_at_each_level(sweep, gate_context, record, verdict, lev
     verdict(f"G3 throughput gain at c={level}", "throughput_gain", figures.throughput_gain, unit="%",
             interval=figures.throughput_interval, valid=figures.valid, invalid_reason=figures.invalid_reason,
             context={"concurrency": level})
+
+
+def test_candidate_error_rate_at_each_level(sweep, gate_context, verdict, level):
+    """The candidate's failed share of its measured requests at each level (gates/checks.py says why per level).
+
+    Judged whatever made the step invalid (a step of failures is invalid for its latency figures and
+    a FAIL here: INCONCLUSIVE never hides a 40% error rate); INCONCLUSIVE only when it measured nothing.
+    """
+    summary = _step(sweep, "candidate", level)["summary"]
+    failed = summary["requests"] - summary["completed"]
+    kinds = f"; the step's errors, warm-up included: {describe_errors(summary['errors_by_type'])}" \
+        if summary["errors_by_type"] else ""
+    verdict(f"G3 candidate error rate at {_label(gate_context, level)} ({failed} of {summary['requests']} measured "
+            f"requests failed{kinds})", "error_rate", summary["error_rate"], unit="%",
+            valid=summary["error_rate"] is not None, invalid_reason=summary["invalid_reasons"] or "no measured request",
+            context={**_at(gate_context, level), "target": "candidate"})
 
 
 def test_sustained_rate_gain(sweep, gate_context, record, verdict):

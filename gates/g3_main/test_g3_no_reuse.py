@@ -48,6 +48,7 @@ def control(gate_context, endpoints):
     warmup = config.warmup_s if config.warmup_s is not None else g3.warmup_s
     settings = SweepSettings(levels=(config.level,), duration_s=duration, warmup_s=warmup,
                              min_duration_s=max(1.0, (duration - warmup) * 0.5), min_requests=g3.min_requests,
+                             max_error_share=g3.max_error_share,
                              out_dir=gate_context.store.raw_dir("g3") / "no-reuse", send_once=True,
                              on_step=lambda text: gate_context.store.set_progress("g3", f"no-reuse control: {text}"),
                              on_live=lambda step: gate_context.store.set_progress(

@@ -1,6 +1,7 @@
 """G4's judged figures from the soak's rows: which windows the injected faults touched, and drift.
 
-Drift is judged on the windows the faults left alone, after the warm-up (`g4.warmup_s`: the
+Drift is judged on the windows the faults left alone, whose requests did not fail more than
+`g4.max_error_share` (a window of failures measures the failures), after the warm-up (`g4.warmup_s`: the
 windows starting within it hold caches filling and memory ramping up, not the system's course). A window overlapping a fault's span, from
 its injection to the end of its effect (the damage done, or the I/O fault disarmed after
 `duration_s`) plus its recovery (`recovered_after_s`, or the whole recovery timeout when the probe
@@ -54,6 +55,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from gates.stats import mann_kendall, sen_slope_ci
+from workloads.errors import describe_errors
 
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0  # FaultSchedule's, for rows written before they carried their own
 WORSE = ("increasing", "decreasing")
@@ -107,15 +109,43 @@ class WarmUp:
         return f"warm-up (the soak's first {self.end_s:g} s, g4.warmup_s)"
 
 
+@dataclass(frozen=True)
+class FailedRequests:
+    """A window whose requests failed more than `g4.max_error_share`: a window of failures is not a measurement
+    of the system's course (its TTFT and throughput are the failures'); the error-rate check judges them."""
+
+    failed: int
+    requests: int
+    max_share: float
+    errors: str                      # by type, each with a sample (workloads.errors.describe_errors)
+    kind: str = "errors"
+
+    def describe(self) -> str:
+        return (f"{self.failed} of {self.requests} requests failed ({100 * self.failed / self.requests:.1f}% > "
+                f"{100 * self.max_share:g}% allowed, g4.max_error_share)" + (f": {self.errors}" if self.errors else ""))
+
+
+def failed_requests(window: dict, max_share: float) -> Optional[FailedRequests]:
+    """The window's failures when more than `max_share` of its requests failed, else None."""
+    requests, failed = int(window.get("requests") or 0), int(window.get("errors") or 0)
+    if not requests or failed <= max_share * requests:
+        return None
+    return FailedRequests(failed, requests, max_share, describe_errors(window.get("errors_by_type") or {}))
+
+
 def windows_touched(windows: Sequence[dict], rows: Sequence[dict], window_s: float,
-                    warmup_s: float = 0.0) -> dict[int, list]:
-    """The index of each window left out of the trends: those starting within the warm-up, and those
-    overlapping a fault's span, each with what it overlaps (a WarmUp or FaultSpans)."""
+                    warmup_s: float = 0.0, max_error_share: Optional[float] = None) -> dict[int, list]:
+    """The index of each window left out of the trends: those starting within the warm-up, those whose
+    requests failed more than `max_error_share` (None: none judged so), and those overlapping a fault's
+    span, each with why (a WarmUp, FailedRequests or FaultSpans)."""
     spans = [fault_span(row) for row in rows]
     touched: dict[int, list] = {}
     for window in windows:
         if float(window["start_s"]) < warmup_s:
             touched[int(window["index"])] = [WarmUp(warmup_s)]
+        failed = None if max_error_share is None else failed_requests(window, max_error_share)
+        if failed is not None:
+            touched.setdefault(int(window["index"]), []).append(failed)
     for window in windows:
         start = float(window["start_s"])
         hits = [span for span in spans if start <= span.end_s and span.start_s < start + window_s]
@@ -169,7 +199,7 @@ class Drift:
     def words(self, unit: str = "") -> str:
         """What the figure rests on, for the verdict's label (`unit`: the windowed figure's)."""
         plural = "s" if self.excluded != 1 else ""
-        left_out = f"; {self.excluded} window{plural} of warm-up or faults left out" if self.excluded else ""
+        left_out = f"; {self.excluded} window{plural} of warm-up, faults or errors left out" if self.excluded else ""
         head = f"Theil-Sen over {self.windows} windows{left_out}"
         if self.p_value is None:
             return head

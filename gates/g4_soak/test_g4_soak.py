@@ -74,10 +74,10 @@ def faults(gate_context, windows) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fault_windows(gate_context, windows, faults) -> dict[int, list]:
-    """The windows of the warm-up and those the faults touched (left out of the drift checks), each recorded
-    with why."""
+    """The windows of the warm-up, those whose requests failed more than g4.max_error_share and those the faults
+    touched (left out of the drift checks), each recorded with why."""
     config = gate_context.config.g4
-    touched = windows_touched(windows, faults, config.window_s, config.warmup_s)
+    touched = windows_touched(windows, faults, config.window_s, config.warmup_s, config.max_error_share)
     for row in excluded_window_rows(windows, touched, config.window_s):
         gate_context.store.record("g4", "windows left out of the drift checks", "drift_excluded_window",
                                   row["window_start_s"], "s", **row)
