@@ -163,6 +163,21 @@ def test_text_that_is_not_an_exposition_is_an_error():
         parse_metrics('vllm:prefix_cache_hits_total{engine="0" 12\n')
 
 
+@pytest.mark.parametrize("text", ['kvgate_cache_hits_total{tier="disk"} lots\n', "{}\n", "a\x00 1\n"],
+                         ids=["value", "no-name", "bad-name"])
+def test_a_hostile_metrics_page_is_a_metrics_error_never_a_traceback(text):
+    with pytest.raises(MetricsError, match="not Prometheus text exposition"):
+        parse_metrics(text)
+
+
+def test_a_hit_counter_that_is_not_a_finite_number_is_an_error_naming_the_series():
+    before = parse_metrics('kvgate_cache_hits_total{tier="disk"} 1\n')
+    after = parse_metrics('kvgate_cache_hits_total{tier="disk"} NaN\n')
+    with pytest.raises(MetricsError, match=r'kvgate_cache_hits_total\{tier="disk"\}: expected a finite counter, '
+                                           r"found 1 -> nan"):
+        Series("kvgate_cache_hits_total", {"tier": "disk"}).growth(before, after)
+
+
 def test_maps_of_every_engine_name_only_known_tiers():
     for maps in (vllm_maps(None), vllm_maps("lmcache"), vllm_maps("mooncake"), sglang_maps(None)):
         assert all(m.tiers for m in maps)

@@ -1,7 +1,11 @@
 """Locust drives workloads through the streaming client against the real embedded server."""
 
+import itertools
+import json
+import threading
 from collections import defaultdict
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -183,6 +187,62 @@ def test_a_step_whose_errors_pass_the_error_share_is_invalid_with_its_errors_by_
     strict = SweepSettings(warmup_s=0, min_duration_s=5, min_requests=5, max_error_share=0.0)
     assert "1 of 100 measured requests failed" in summarize_step(one_in_a_hundred, [], 0.0, 120.0, strict)[
         "invalid_reasons"]
+
+
+class _HostileHandler(BaseHTTPRequestHandler):
+    """500 to every 3rd request, 400 to every 7th, a string cached_tokens in every 5th stream, else a good stream."""
+
+    protocol_version = "HTTP/1.1"
+    served = itertools.count(1)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        n = next(self.served)
+        if n % 3 == 0 or n % 7 == 0:
+            status = 500 if n % 3 == 0 else 400
+            self._send(status, "application/json", json.dumps({"error": {"code": f"e{status}", "message": "no"}}))
+            return
+        cached = "64" if n % 5 == 0 else 64
+        chunks = [{"choices": [{"index": 0, "delta": {"content": "x"}}]} for _ in range(4)]
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 4,
+                                                "prompt_tokens_details": {"cached_tokens": cached}}})
+        self._send(200, "text/event-stream", "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n")
+
+    def _send(self, status, kind, body):
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hostile_target():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HostileHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Target("hostile", f"http://127.0.0.1:{server.server_address[1]}/v1", "m")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_sweep_against_a_hostile_server_over_http_does_not_crash_and_its_step_is_invalid(hostile_target, tmp_path):
+    settings = SweepSettings(levels=(2,), duration_s=4, warmup_s=0.5, min_duration_s=1, min_requests=3,
+                             out_dir=tmp_path, stop_rule=None)
+    row = run_sweep([hostile_target], _workload(sessions=4, turns=2), settings).iloc[0]
+    records = read_records(tmp_path / "hostile" / "c2" / "records")
+    kinds = {r["error_type"] for r in records if not r["ok"]}
+    assert {"http_500", "http_400", "bad_response"} <= kinds          # the path ran: every hostile answer seen
+    assert not row["valid"] and "measured requests failed" in row["invalid_reasons"]
+    assert "bad_response (e.g. 'usage.prompt_tokens_details.cached_tokens: expected a count" in row["invalid_reasons"]
+    assert all(isinstance(r["cached_tokens"], int) for r in records if r["ok"])
+    assert row["hit_ratio"] == pytest.approx(0.64)                  # from the good answers alone
 
 
 def test_paced_sessions_arrive_as_a_poisson_process_at_the_requested_rate():

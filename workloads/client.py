@@ -290,14 +290,13 @@ class StreamingClient:
         if response.status >= 400:
             raise TargetError(f"http_{response.status}", _error_message(body))
         try:
-            listing = json_object(json.loads(body), "GET /models")
+            listing = json_object(json.loads(body), "the answer")
         except ValueError:   # BadResponse among them
-            raise TargetError("bad_response", f"GET /models: expected an OpenAI model list (JSON), found "
+            raise TargetError("bad_response", f"expected an OpenAI model list (a JSON object), found "
                               f"{body[:120]!r}") from None
         try:
-            models = required_list(listing, "data", "GET /models: data")
-            return [required_text(json_object(m, f"GET /models: data[{i}]"), "id", f"GET /models: data[{i}].id")
-                    for i, m in enumerate(models)]
+            models = required_list(listing, "data", "data")
+            return [required_text(json_object(m, f"data[{i}]"), "id", f"data[{i}].id") for i, m in enumerate(models)]
         except BadResponse as bad:
             raise TargetError("bad_response", str(bad)) from None
 

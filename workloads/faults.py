@@ -32,6 +32,7 @@ from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from cache_impl.faultpoints import KINDS as IO_FAULTS
 
 from .processes import die_with_parent
+from .target_json import BadResponse, json_object, optional_count, optional_text, required_list, required_text
 
 BLOCK_FAULTS = ("flip_byte", "truncate", "delete", "swap")
 PROCESS_FAULTS = ("kill_restart",)
@@ -126,12 +127,24 @@ class AdminClient:
                 payload = response.read()
         except urllib.error.HTTPError as error:
             raise AdminError(f"{method} {path}: HTTP {error.code}: {error.read().decode(errors='replace')}") from None
-        return payload.decode() if path == "/metrics" else json.loads(payload)
+        if path == "/metrics":
+            return payload.decode(errors="replace")
+        try:
+            return json_object(json.loads(payload), f"{method} {path}")
+        except ValueError as error:   # not JSON, or not an object (BadResponse)
+            raise AdminError(f"{method} {path}: expected a JSON object, found {payload[:120]!r}"
+                             if not isinstance(error, BadResponse) else str(error)) from None
 
     def locate(self, prompt: Optional[str] = None, messages: Optional[list] = None) -> list[dict]:
-        """The prompt's full blocks in order: key, tiers holding it, and its disk file."""
+        """The prompt's full blocks in order: key, tiers holding it, and its disk file (each field type-checked:
+        AdminError naming the field otherwise)."""
         body = {"prompt": prompt} if prompt is not None else {"messages": list(messages or [])}
-        return self._call("POST", "/admin/cache/locate", body)["blocks"]
+        answer = self._call("POST", "/admin/cache/locate", body)
+        try:
+            return [_located_block(block, f"POST /admin/cache/locate: blocks[{i}]")
+                    for i, block in enumerate(required_list(answer, "blocks", "POST /admin/cache/locate: blocks"))]
+        except BadResponse as bad:
+            raise AdminError(str(bad)) from None
 
     def evict(self, tiers=("device", "host")) -> dict:
         return self._call("POST", "/admin/cache/evict", {"tiers": list(tiers)})
@@ -154,12 +167,28 @@ class AdminClient:
         return self._call("GET", "/health")
 
     def metrics(self) -> dict[tuple, float]:
-        """Every sample of /metrics as {(name, (label, value), ...): value}."""
+        """Every sample of /metrics as {(name, (label, value), ...): value} (AdminError when it is not Prometheus text)."""
         samples = {}
-        for family in text_string_to_metric_families(self._call("GET", "/metrics")):
-            for sample in family.samples:
-                samples[(sample.name, *sorted(sample.labels.items()))] = sample.value
+        try:
+            for family in text_string_to_metric_families(self._call("GET", "/metrics")):
+                for sample in family.samples:
+                    samples[(sample.name, *sorted(sample.labels.items()))] = sample.value
+        except (ValueError, TypeError, IndexError, KeyError) as error:
+            raise AdminError(f"GET /metrics: expected Prometheus text exposition, found a line it cannot parse "
+                             f"({type(error).__name__}: {error})") from None
         return samples
+
+
+def _located_block(block: object, field: str) -> dict:
+    """One block of /admin/cache/locate's answer, its fields type-checked."""
+    block = json_object(block, field)
+    tiers = required_list(block, "tiers", f"{field}.tiers")
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, str):
+            raise BadResponse(f"{field}.tiers[{i}]", "a tier name (a string)", tier)
+    index = optional_count(block, "index", f"{field}.index")
+    return {**block, "key": required_text(block, "key", f"{field}.key"), "tiers": tiers,
+            "path": optional_text(block, "path", f"{field}.path"), "index": index}
 
 
 def counter(samples: dict[tuple, float], name: str, **labels: str) -> float:

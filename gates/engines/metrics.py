@@ -67,8 +67,8 @@ def parse_metrics(text: str) -> Scrape:
             families.add(family.name)
             for sample in family.samples:
                 samples[(sample.name, *sorted(sample.labels.items()))] = sample.value
-    except ValueError as error:
-        raise MetricsError(f"not Prometheus text exposition: {error}") from None
+    except (ValueError, TypeError, IndexError, KeyError) as error:  # whatever the parser trips on: never a traceback
+        raise MetricsError(f"not Prometheus text exposition: {type(error).__name__}: {error}") from None
     return Scrape(samples, families=frozenset(families))
 
 
@@ -93,6 +93,8 @@ class Series:
         if now is None:
             return None
         was = before.total(self.name, self.labels, self.combine) or 0.0
+        if not (math.isfinite(now) and math.isfinite(was)):
+            raise MetricsError(f"{self.describe()}: expected a finite counter, found {was:g} -> {now:g}")
         if now < was:
             raise MetricsError(f"{self.describe()} went down between the scrapes ({was:g} -> {now:g}): the "
                                f"engine restarted or reset its counters in between")
