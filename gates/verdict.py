@@ -107,7 +107,8 @@ def judge(gate: str, check: str, label: str, value: Optional[float], rule: Union
     def verdict(status: str, reason: str, note: str = "") -> Verdict:
         return Verdict(gate=gate, check=check, metric=rule.metric, status=status, reason=_one_line(reason),
                        value=value, unit=unit, rule=rule.to_dict(), interval=interval, note=note,
-                       context=dict(context or {}))
+                       context=dict(context or {}), valid=valid,
+                       invalid_reason="" if valid else _one_line(invalid_reason or "no reason given"))
 
     invalid = f" (invalid step: {invalid_reason or 'no reason given'})" if not valid else ""
     if value is None:

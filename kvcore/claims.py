@@ -5,7 +5,9 @@ A claim names the run-store figure that tests it (`metric`, in `gate`), how that
 (`read`: one measurement, or the lowest / highest over a gate's levels, or 1/x of it, e.g. a speed-up
 over recompute is 1 / (disk-hit TTFT ÷ recompute TTFT)) and what the vendor promised: a band
 `{min, max}` or a bound `{min}`. Met when the measured figure reaches the claim's lower edge (a figure
-above a band is met, with a note: better than promised); not met below it. Torch-free: it reads run data.
+above a band is met, with a note: better than promised); not met below it. The measured figure comes
+from the gate's judged verdicts only (PASS or FAIL, kvcore.judged): an INCONCLUSIVE one, invalid or
+undecided, leaves the claim "not measured (invalid: <reason>)". Torch-free: it reads run data.
 
 The defaults are the seed playbook's figures, with its source labels.
 """
@@ -17,6 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
+from .judged import first_not_judged, judged, judged_rows, verdicts_of
 from .predictions import made_before
 from .rundata import RunStore
 from .settings import Float, StrictModel
@@ -85,12 +88,15 @@ def _figure(rows: list[dict], claim: Claim) -> Optional[float]:
 
 
 def judge_claim(claim: Claim, measured: Optional[float], predicted: Optional[float] = None,
-                gate_status: Optional[str] = None) -> dict:
-    """One row of the claims table."""
+                gate_status: Optional[str] = None, not_judged: Optional[str] = None) -> dict:
+    """One row of the claims table. `not_judged`: why the gate's verdicts of the claim's figure give no measured
+    figure ("invalid: <reason>", kvcore.judged), said as the row's note."""
     row = {"id": claim.id, "claim": claim.label, "source": claim.source, "unit": claim.unit,
            "min": claim.min, "max": claim.max, "predicted": predicted, "measured": measured, "note": ""}
     if measured is None:
         gate = claim.gate.upper()
+        if not_judged:
+            return {**row, "verdict": NOT_MEASURED, "note": f"{gate} {claim.metric}: {not_judged}"}
         if gate_status in (None, "not run"):
             why = f"{gate} did not run" + (f"; it needs {claim.needs}" if claim.needs else "")
         else:
@@ -110,11 +116,31 @@ def claims_table(store: RunStore, claims: list[Claim]) -> list[dict]:
     rows = []
     for claim in claims:
         status = store.status(claim.gate)
-        measured = _figure([m for m in store.measurements(claim.gate) if m.get("metric") == claim.metric], claim)
+        measured, not_judged = _measured(store, claim)
         predicted = _figure([p for p in made_before(predictions, claim.gate) if p.get("metric") == claim.metric],
                             claim)
-        rows.append(judge_claim(claim, measured, predicted, None if status is None else status.get("status")))
+        rows.append(judge_claim(claim, measured, predicted, None if status is None else status.get("status"),
+                                not_judged))
     return rows
+
+
+def _measured(store: RunStore, claim: Claim) -> tuple[Optional[float], Optional[str]]:
+    """The claim's figure from the gate's judged verdicts only (kvcore.judged), or None and why not.
+
+    A figure read over the gate's levels (min, max, median) needs every level judged: the lowest of the
+    levels that were judged says nothing of one that was invalid. A context figure (GB/s beside a ratio)
+    is read from the measurements at a judged verdict's place."""
+    verdicts = verdicts_of(store.verdicts(claim.gate), claim.metric)
+    if not verdicts:
+        return None, None
+    if claim.read in ("min", "max", "median") and not all(judged(v) for v in verdicts):
+        return None, first_not_judged(verdicts)
+    if _CONTEXT_FIELD.get(claim.metric) and claim.unit == "GB/s":
+        rows = judged_rows([m for m in store.measurements(claim.gate) if m.get("metric") == claim.metric], verdicts)
+    else:
+        rows = [v for v in verdicts if judged(v)]
+    figure = _figure(rows, claim)
+    return figure, None if figure is not None else first_not_judged(verdicts)
 
 
 def run_claims(store: RunStore) -> list[Claim]:

@@ -11,6 +11,9 @@ lines, results.json and the sizing section:
   measured is +3.0 points; a relative error of a reduction near 100% would magnify noise);
 - every other figure (TTFTs, throughputs, G2's TTFT ratio) as a relative error,
   (predicted − measured) / measured, whose mean over a run is the model's MAPE.
+
+Only a judged figure has an error (kvcore.judged): a verdict that was INCONCLUSIVE, and a measurement of
+an invalid step, are shown beside their prediction but not compared (`measurement_not_judged`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional
 
+from .judged import judged, not_judged_reason
 from .rundata import finite_number
 
 CONTEXT_KEYS = ("concurrency", "multiplier", "context_tokens", "target")
@@ -56,19 +60,26 @@ def error(metric: str, predicted: float, measured: float) -> tuple[float, str]:
 
 def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
     """What a verdict or measurement `row` shows of its prediction, or None when it has none:
-    {"predicted", "predicted_status", "error", "error_text"}."""
+    {"predicted", "predicted_status", "error", "error_text"}. A verdict whose figure was not judged
+    (INCONCLUSIVE: invalid or undecided, kvcore.judged) shows its prediction with no error: error None,
+    error_text saying why it is not compared."""
     prediction = prediction_for(row, predictions)
     value, measured = finite_number(prediction.get("value")) if prediction else None, finite_number(row.get("value"))
-    if value is None or measured is None:
+    if value is None:
+        return None
+    shown = {"predicted": value, "predicted_status": str(prediction.get("status") or "")}
+    if "status" in row and not judged(row):
+        return {**shown, "error": None, "error_text": f"not compared ({not_judged_reason(row)})"}
+    if measured is None:
         return None
     err, text = error(str(row.get("metric")), value, measured)
-    return {"predicted": value, "predicted_status": str(prediction.get("status") or ""), "error": err,
-            "error_text": text}
+    return {**shown, "error": err, "error_text": text}
 
 
 def beside_text(shown: dict, unit: str) -> str:
-    """`beside`'s figures in words: "predicted 84.9% (PASS), error +2.2 points"."""
+    """`beside`'s figures in words: "predicted 84.9% (PASS), error +2.2 points" (or "…, not compared (invalid: …)")."""
     from .claims import format_figure
 
     status = f" ({shown['predicted_status']})" if shown.get("predicted_status") else ""
-    return f"predicted {format_figure(shown['predicted'], unit)}{status}, error {shown['error_text']}"
+    error_words = f"error {shown['error_text']}" if shown.get("error") is not None else shown["error_text"]
+    return f"predicted {format_figure(shown['predicted'], unit)}{status}, {error_words}"

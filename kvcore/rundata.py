@@ -63,6 +63,8 @@ class Verdict:
     interval: Optional[tuple[float, float]] = None
     note: str = ""
     context: dict = field(default_factory=dict)
+    valid: bool = True              # False: the figure came from an invalid step (INCONCLUSIVE, `invalid_reason`)
+    invalid_reason: str = ""
 
     def to_dict(self) -> dict:
         row: dict[str, Any] = {"gate": self.gate, "check": self.check, "metric": self.metric,
@@ -75,6 +77,8 @@ class Verdict:
             row["note"] = self.note
         if self.context:
             row["context"] = dict(self.context)
+        if not self.valid:   # written only when invalid: a row without it is valid (kvcore.judged)
+            row["valid"], row["invalid_reason"] = False, self.invalid_reason
         return row
 
     @classmethod
@@ -83,7 +87,8 @@ class Verdict:
         return cls(gate=data["gate"], check=data["check"], metric=data["metric"], status=data["status"],
                    reason=data["reason"], value=data.get("value"), unit=data.get("unit", ""),
                    rule=dict(data.get("rule", {})), interval=None if interval is None else tuple(interval),
-                   note=data.get("note", ""), context=dict(data.get("context") or {}))
+                   note=data.get("note", ""), context=dict(data.get("context") or {}),
+                   valid=bool(data.get("valid", True)), invalid_reason=str(data.get("invalid_reason") or ""))
 
 
 @dataclass(frozen=True)

@@ -155,11 +155,19 @@ def step_tables(rows: GateRows) -> list[dict]:
         valid = figures.get("step_valid") or {}
         reasons = str((valid.get("context") or {}).get("reasons") or "")
         ok = valid.get("value")
-        table.append([level.label(at), target, *cells, "yes" if ok else f"NO: {reasons}" if valid else ""])
+        table.append([level.label(at), target, *cells, _due_sent_finished(valid.get("context") or {}),
+                      "yes" if ok else f"NO: {reasons}" if valid else ""])
         statuses.append("" if ok or not valid else "inconclusive")
     return [{"title": f"Each step: figures from its measured window, by {level.words} and target",
-             "columns": [level.words, "target", *(name for _, name in STEP_COLUMNS), "valid"], "rows": table,
-             "statuses": statuses, "text_columns": [0, 1, len(STEP_COLUMNS) + 2]}]
+             "columns": [level.words, "target", *(name for _, name in STEP_COLUMNS), "due / sent / finished",
+                         "valid"], "rows": table,
+             "statuses": statuses, "text_columns": [0, 1, len(STEP_COLUMNS) + 2, len(STEP_COLUMNS) + 3]}]
+
+
+def _due_sent_finished(context: dict) -> str:
+    """"107 / 98 / 91": the window's requests due, sent and finished ("" for a run that did not count them)."""
+    counts = [number(context.get(key)) for key in ("due", "sent", "finished")]
+    return "" if None in counts else " / ".join(f"{count:,.0f}" for count in counts)
 
 
 def g3_plots(rows: GateRows) -> list[str]:

@@ -1,13 +1,27 @@
-"""The claims sheet on recorded run data: each vendor figure met, not met, or not measured with the reason."""
+"""The claims sheet on recorded run data: each vendor figure met, not met, or not measured with the reason;
+figures come from judged verdicts only (PASS / FAIL), never from an INCONCLUSIVE one."""
 
 from __future__ import annotations
 
+from gates.verdict import judge
 from kvcore.rundata import RunStore
 from kvcore.claims import DEFAULT_CLAIMS, MET, NOT_MEASURED, NOT_MET, Claim, claims_table
+
+RULES = {"ttft_p50_reduction": {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
+         "throughput_gain": {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
+         "disk_hit_ttft_vs_recompute": {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
+         "cold_read_vs_fio": {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
+         "checkpoint_write_vs_fio": {"metric": "checkpoint_write_vs_fio", "op": ">=", "value": 0.7}}
 
 
 def _claims() -> list[Claim]:
     return [Claim(**c) for c in DEFAULT_CLAIMS]
+
+
+def _judged(store, gate, metric, value, context=None, **options):
+    """A verdict as a gate stores it (gates.verdict.judge), and the measurement beside it."""
+    store.record(gate, metric, metric, value, **(context or {}), **options.pop("measured", {}))
+    store.add_verdict(judge(gate, metric, metric, value, RULES[metric], unit="%", context=context, **options))
 
 
 def test_recorded_figures_meet_miss_or_cannot_test_each_claim(tmp_path):
@@ -15,11 +29,11 @@ def test_recorded_figures_meet_miss_or_cannot_test_each_claim(tmp_path):
     for gate in ("g2", "g3"):
         store.set_status(gate, "passed")
     for level, reduction, gain in ((2, 0.86, 2.04), (4, 0.29, 0.31), (8, 0.96, 3.44)):
-        store.record("g3", "ttft", "ttft_p50_reduction", reduction, concurrency=level)
-        store.record("g3", "tput", "throughput_gain", gain, concurrency=level)
-    store.record("g2", "disk", "disk_hit_ttft_vs_recompute", 0.075, context_tokens=8192)
-    store.record("g2", "cold", "cold_read_vs_fio", 0.93, tier_gbps=1.21, fio_gbps=1.3)
-    store.record("g2", "ckpt", "checkpoint_write_vs_fio", 0.76, save_gbps=1.28, fio_gbps=1.69)
+        _judged(store, "g3", "ttft_p50_reduction", reduction, {"concurrency": level})
+        _judged(store, "g3", "throughput_gain", gain, {"concurrency": level})
+    _judged(store, "g2", "disk_hit_ttft_vs_recompute", 0.075, {"context_tokens": 8192})
+    _judged(store, "g2", "cold_read_vs_fio", 0.93, measured={"tier_gbps": 1.21, "fio_gbps": 1.3})
+    _judged(store, "g2", "checkpoint_write_vs_fio", 0.76, measured={"save_gbps": 1.28, "fio_gbps": 1.69})
     # the sizing model's figures predicted before G3 ran (and one made before another gate, which must not count)
     store.add_predictions("before g3", [{"gate": "g3", "metric": "throughput_gain", "value": v, "context": {"concurrency": c}}
                                         for c, v in ((2, 0.41), (4, 0.35), (8, 0.52))])
@@ -42,8 +56,32 @@ def test_recorded_figures_meet_miss_or_cannot_test_each_claim(tmp_path):
 def test_a_figure_above_the_band_is_met_with_a_note_and_a_gate_not_run_is_said(tmp_path):
     store = RunStore(tmp_path)
     store.set_status("g3", "passed")
-    store.record("g3", "tput", "throughput_gain", 2.1, concurrency=2)
+    _judged(store, "g3", "throughput_gain", 2.1, {"concurrency": 2})
     rows = {row["id"]: row for row in claims_table(store, _claims())}
     assert rows["throughput_gain"]["verdict"] == MET and "better than promised" in rows["throughput_gain"]["note"]
     assert rows["speedup_over_recompute"]["verdict"] == NOT_MEASURED
     assert rows["speedup_over_recompute"]["note"].startswith("G2 did not run")
+
+
+def test_with_every_g3_verdict_inconclusive_the_claims_are_not_measured_and_say_the_invalid_reason(tmp_path):
+    """The issue's run: all four G3 verdicts INCONCLUSIVE, yet the sheet printed "met" at 40.7% and 29.2%."""
+    store = RunStore(tmp_path)
+    store.set_status("g3", "inconclusive")
+    lag = "candidate: client saturated: event-loop lag 212 ms > 50 ms"
+    for level, reduction, gain in ((2, 0.407, 0.292), (8, 0.52, 0.41)):
+        _judged(store, "g3", "ttft_p50_reduction", reduction, {"concurrency": level}, valid=False, invalid_reason=lag)
+        _judged(store, "g3", "throughput_gain", gain, {"concurrency": level}, valid=False, invalid_reason=lag)
+    rows = {row["id"]: row for row in claims_table(store, _claims())}
+    for claim in ("ttft_p50_reduction", "throughput_gain"):
+        assert rows[claim]["verdict"] == NOT_MEASURED and rows[claim]["measured"] is None
+        assert rows[claim]["note"] == f"G3 {claim}: invalid: {lag}"
+
+
+def test_a_level_not_judged_leaves_a_lowest_level_claim_not_measured_and_an_undecided_interval_says_so(tmp_path):
+    store = RunStore(tmp_path)
+    store.set_status("g3", "inconclusive")
+    _judged(store, "g3", "ttft_p50_reduction", 0.30, {"concurrency": 2})                       # PASS
+    _judged(store, "g3", "ttft_p50_reduction", 0.27, {"concurrency": 8}, interval=(0.2, 0.33))  # straddles 25%
+    rows = {row["id"]: row for row in claims_table(store, _claims())}
+    row = rows["ttft_p50_reduction"]                 # the minimum over the levels cannot be known: c=8 undecided
+    assert row["verdict"] == NOT_MEASURED and "inconclusive: its interval straddles the rule" in row["note"]

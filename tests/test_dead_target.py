@@ -76,6 +76,7 @@ def test_an_invalid_step_summarises_its_errors_by_type_with_a_sample_message():
                + [_failed("http_400", "context_length_exceeded: the prompt has 9000 tokens") for _ in range(3)])
     summary = summarize_step(records, [], 0.0, 30.0, SweepSettings(warmup_s=0, min_duration_s=5, min_requests=10))
     assert summary["invalid_reasons"] == (
+        "415 of 415 measured requests failed (100.0% > 1% allowed): not a measurement of the target; "
         "0 completed requests < minimum 10; errors: 412 connection_refused (e.g. 'Connection refused'), "
         "3 http_400 (e.g. 'context_length_exceeded: the prompt has 9000 tokens')")
     assert summary["errors_by_type"]["http_400"]["count"] == 3
@@ -89,7 +90,8 @@ def test_the_error_summary_reaches_the_g3_verdict_reason_named_by_target():
     figures = level_figures({"summary": {**dead, "target": "baseline"}, "records": []},
                             {"summary": {**dead, "target": "candidate"}, "records": []})
     assert not figures.valid
-    assert figures.invalid_reason.startswith("baseline: 0 completed requests < minimum 10; "
+    assert figures.invalid_reason.startswith("baseline: 5 of 5 measured requests failed (100.0% > 1% allowed): not a "
+                                             "measurement of the target; 0 completed requests < minimum 10; "
                                              "errors: 5 connection_refused (e.g. 'Connection refused'); candidate: ")
 
 

@@ -86,3 +86,47 @@ def test_the_console_line_of_a_verdict_shows_its_prediction(tmp_path):
     runner = GateRunner(load_config(), tmp_path, "r", ["g3"], False, Console(file=out, width=200))
     assert runner._print_new_verdicts("g3", 0) == 1
     assert "90.2% ≥ 25% → PASS  (predicted 87.9% (PASS), error -2.3 points)" in out.getvalue()
+
+
+def test_an_inconclusive_verdict_shows_its_prediction_but_no_error(tmp_path):
+    """An invalid step's figure measures the failure, not the model: no error, and the report says why."""
+    from reports.render import render_run
+
+    store = _store(tmp_path)
+    store.add_verdict({"gate": "g3", "check": "reduction[c2]", "metric": "ttft_p50_reduction", "status": "INCONCLUSIVE",
+                       "reason": "…", "value": 0.407, "unit": "%", "context": {"concurrency": 2}, "valid": False,
+                       "invalid_reason": "candidate: 43 of 100 measured requests failed"})
+    store.add_verdict({"gate": "g3", "check": "reduction[c4]", "metric": "ttft_p50_reduction", "status": "INCONCLUSIVE",
+                       "reason": "…", "value": 0.30, "interval": [0.2, 0.4], "unit": "%",
+                       "context": {"concurrency": 4}})
+    invalid, undecided = store.verdicts("g3")
+    shown = beside(invalid, store.predictions())
+    assert shown["predicted"] == 0.849 and shown["error"] is None
+    assert shown["error_text"] == "not compared (invalid: candidate: 43 of 100 measured requests failed)"
+    assert beside(undecided, store.predictions())["error_text"] == \
+        "not compared (inconclusive: its interval straddles the rule)"
+    assert beside_text(shown, "%") == ("predicted 84.9% (PASS), not compared (invalid: candidate: 43 of 100 "
+                                       "measured requests failed)")
+    render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    assert "not compared (invalid: candidate: 43 of 100 measured requests failed)" in page
+    assert "error not compared" not in page
+
+
+def test_a_measurement_of_an_invalid_step_or_of_an_unjudged_verdict_is_not_a_judged_figure():
+    from kvcore.judged import measurement_not_judged
+
+    steps = [{"metric": "step_valid", "value": False, "context": {"target": "candidate", "concurrency": 8,
+                                                                   "reasons": "client saturated: CPU p90 99% > 90%"}},
+             {"metric": "step_valid", "value": True, "context": {"target": "candidate", "concurrency": 2}}]
+    hits_8 = {"metric": "hit_ratio", "value": 0.9, "context": {"target": "candidate", "concurrency": 8}}
+    hits_2 = {"metric": "hit_ratio", "value": 0.9, "context": {"target": "candidate", "concurrency": 2}}
+    assert measurement_not_judged(hits_8, [], steps) == "invalid: client saturated: CPU p90 99% > 90%"
+    assert measurement_not_judged(hits_2, [], steps) is None
+    reduction = {"metric": "ttft_p50_reduction", "value": 0.3, "context": {"concurrency": 8}}   # both targets' steps
+    assert measurement_not_judged(reduction, [], steps).startswith("invalid: client saturated")
+    verdict = {"metric": "disk_hit_ttft_vs_recompute", "status": "INCONCLUSIVE", "value": 0.2, "valid": False,
+               "invalid_reason": "too few rounds", "context": {"context_tokens": 8192}}
+    g2 = {"metric": "disk_hit_ttft_vs_recompute", "value": 0.2, "context": {"context_tokens": 8192}}
+    assert measurement_not_judged(g2, [verdict], []) == "invalid: too few rounds"
+    assert measurement_not_judged(g2, [{**verdict, "status": "PASS", "valid": True}], []) is None

@@ -13,7 +13,7 @@ from cache_impl.config import ConfigError
 from gates.cli import main
 from gates.client_bench import _peak_concurrency, _process
 from gates.config import load_config
-from gates.g3_main.analysis import Ladder, sustained_rate_gain
+from gates.g3_main.analysis import Ladder, due_latencies, goodput, sustained_rate_gain
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.client import read_records
 from workloads.datasets import ByteSizer, build_workload
@@ -142,6 +142,40 @@ def test_a_rate_multiplier_step_replays_its_part_open_loop(reference, tmp_path):
     assert row["completed"] == 12 and row["users"] == 4
 
 
+def test_every_request_due_in_an_open_loop_step_counts_never_sent_and_unfinished_ones_too(tmp_path):
+    """A target too slow for the trace's rate: due requests that never went out, and those still in flight
+    when the step ended, are counted (the issue's 1x replay recorded 53 of 107), and meet no objective."""
+    port = free_port()
+    command = [sys.executable, "-m", "workloads.reference_server", "--port", str(port), "--ttft-ms", "9000",
+               "--itl-ms", "5", "--tokens", "4"]
+    with _process(command, port, "/health"):
+        slow = Target("slow", f"http://127.0.0.1:{port}/v1", "reference")
+        settings = SweepSettings(levels=(), multipliers=(1,), rate_users=2, duration_s=2, warmup_s=0,
+                                 min_duration_s=0, min_requests=1, out_dir=tmp_path / "sweep", stop_rule=None)
+        row = run_sweep([slow], _trace(tmp_path), settings).iloc[0]
+    # arrivals every 250 ms: 0 .. 2.0 s are due within the 2-s step (9 of 12); 2 users hold one each for 9 s
+    assert (row["due"], row["sent"], row["finished"]) == (9, 2, 0)
+    assert (row["not_sent"], row["unfinished"]) == (7, 2)
+    latencies = due_latencies([], row.to_dict())
+    assert len(latencies) == 9 and goodput(list(latencies), slo_s=1.0) == 0.0
+
+
+def test_the_due_counts_take_the_window_s_unanswered_requests_by_when_they_were_sent_or_due():
+    from workloads.sweep import summarize_step
+
+    done = [{"sent_at": 10.0 + i, "ok": True, "ttft_s": 0.1, "e2e_s": 0.2, "tpot_s": 0.1, "itl_s": [0.1],
+             "completion_tokens": 2, "content_chunks": 2, "prompt_tokens": 10, "cached_tokens": 0,
+             "tokens_from_usage": True, "client_wait_s": 0.0} for i in range(5)]
+    unanswered = [{"request_id": "a", "scheduled_at": 12.0, "sent_at": None, "state": "not_sent"},
+                  {"request_id": "b", "scheduled_at": 3.0, "sent_at": None, "state": "not_sent"},   # warm-up
+                  {"request_id": "c", "scheduled_at": 13.0, "sent_at": 14.5, "state": "unfinished"}]
+    summary = summarize_step(done, [], 5.0, 20.0, SweepSettings(warmup_s=4.0, min_duration_s=1, min_requests=1),
+                             unanswered=unanswered)
+    assert (summary["due"], summary["sent"], summary["finished"]) == (7, 6, 5)
+    latencies = due_latencies([0.1] * 5, summary)
+    assert goodput(list(latencies), slo_s=0.5) == pytest.approx(5 / 7)                   # met ÷ due
+
+
 # --------------------------------------------------------------------------- sustained rate
 
 
@@ -176,6 +210,15 @@ def test_sustained_rate_gain_is_inconclusive_on_an_invalid_step_or_a_baseline_th
     assert not ended.valid and "baseline: the 2x step was invalid (client saturated)" in ended.invalid_reason
     nothing = sustained_rate_gain(_ladder((1, slow, True)), _ladder((1, fast, True)), slo_s=1.0)
     assert nothing.gain is None and "not even the lowest multiplier" in nothing.invalid_reason
+    assert "its TTFT p90 at 1x was 5000 ms > 1000 ms (goodput 0% of 20 due requests" in nothing.invalid_reason
+
+
+def test_a_lowest_step_invalid_for_client_lag_is_said_as_such_never_blamed_on_the_objective():
+    fast = [0.1] * 20
+    lagged = Ladder(((1, False, "client saturated: event-loop lag 180 ms > 50 ms", tuple(fast)),))
+    figures = sustained_rate_gain(lagged, _ladder((1, fast, True)), slo_s=1.0)
+    assert not figures.valid and figures.gain is None
+    assert figures.invalid_reason == "baseline: the 1x step was invalid (client saturated: event-loop lag 180 ms > 50 ms)"
 
 
 # --------------------------------------------------------------------------- config

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -47,6 +47,9 @@ class LoadRun:
     returncode: int
     log: str
     stopped: Optional[dict] = None   # the first load process that judged the target dead: {"reason", "at", ...}
+    # due requests with no record: {"request_id", "scheduled_at", "sent_at" (None: never sent), "state":
+    # "not_sent" | "unfinished"} (workloads/locustfile.py says when a request is due)
+    unanswered: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,13 +84,15 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
         raise FileExistsError(f"{records_dir}: already holds records of another run; use a fresh directory")
     save_workload(workload, out_dir / "workload.json")
     per_worker = None if max_requests is None else -(-max_requests // max(1, workers))
-    settings = {"workload_path": str(out_dir / "workload.json"), "records_dir": str(records_dir),
+    run_time_s = max(1, round(duration_s))
+    settings = {"run_time_s": run_time_s, "workload_path": str(out_dir / "workload.json"),
+                "records_dir": str(records_dir),
                 "target": asdict(target), "workers": max(1, workers), "max_requests_per_worker": per_worker,
                 "sample_interval_s": sample_interval_s, "stop_rule": asdict(stop_rule) if stop_rule else None}
     (out_dir / "load.json").write_text(json.dumps(settings, indent=1))
     env = {**os.environ, "KVGATE_LOAD_CONFIG": str(out_dir / "load.json")}
     base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--loglevel", "WARNING"]
-    main = base + ["--headless", "-u", str(users), "-r", str(users), "-t", f"{max(1, round(duration_s))}s",
+    main = base + ["--headless", "-u", str(users), "-r", str(users), "-t", f"{run_time_s}s",
                    "--stop-timeout", "5", "--only-summary", "--exit-code-on-error", "0", "--host", target.url]
     log_path = out_dir / "locust.log"
     started = time.time()
@@ -104,7 +109,16 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
         else:
             returncode = _run_distributed(main, base, workers, env, log, duration_s, tell, progress_every_s)
     stops = sorted(read_jsonl(records_dir, "stop-*.jsonl"), key=lambda row: row["at"])
-    return LoadRun(records_dir, started, time.time(), returncode, log_path.read_text(), stops[0] if stops else None)
+    return LoadRun(records_dir, started, time.time(), returncode, log_path.read_text(), stops[0] if stops else None,
+                   read_unanswered(records_dir))
+
+
+def read_unanswered(records_dir: Path) -> list[dict]:
+    """Every load process's due requests that have no record (never sent, or unfinished when the run ended)."""
+    rows = []
+    for path in sorted(records_dir.glob("due-*.json")):
+        rows.extend(json.loads(path.read_text()))
+    return rows
 
 
 def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], None], every_s: float) -> int:

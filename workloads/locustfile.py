@@ -5,6 +5,12 @@ standalone or as master + workers. Its settings come from the JSON file named
 by KVGATE_LOAD_CONFIG. Figures come from our per-request records (appended as
 each request completes), never from locust's rounded statistics; locust
 provides users, spawning, run time and distribution.
+
+Every due request is accounted for: a request with an arrival time (open loop) is due when that
+time falls within the run (`run_time_s`); one that is past it is never sent. When the run stops,
+each process writes `due-<worker>.json`: the due requests it never sent (all users busy, or late)
+and those it sent that never finished, each with when it was due (`workloads.load.read_unanswered`).
+A later turn of a session has no arrival time: it is due once sent (its previous turn answered).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from workloads.routing import Router
 SETTINGS = json.loads(Path(os.environ["KVGATE_LOAD_CONFIG"]).read_text())
 WORKLOAD = load_workload(SETTINGS["workload_path"])
 RECORDS = Path(SETTINGS["records_dir"])
-_state = {"start": time.time(), "sent": 0, "done": 0, "worker": "local", "next": None}
+_state = {"start": time.time(), "sent": 0, "done": 0, "worker": "local", "next": None, "mine": []}
 ROUTERS: dict[str, Router] = {}  # one router per process, shared by its users (round-robin across all of them)
 
 
@@ -50,6 +56,7 @@ def _on_test_start(environment, **_):
     # worker i takes sessions i, i + count, i + 2*count, ... cycling when a run outlasts the workload
     mine = list(range(index, len(WORKLOAD.sessions), count)) or [0]
     _state["next"] = itertools.cycle(mine)
+    _state.update(mine=mine, in_flight={}, finished=set())
     # interleaved: sessions wait in a round-robin queue; a user takes the first one's next turn and
     # puts the session back at the end once the turn is answered
     _state.update(ready=collections.deque(mine), turn=dict.fromkeys(mine, 0))
@@ -71,6 +78,22 @@ def _sample_client_load(environment) -> None:
             lag = time.perf_counter() - before - SETTINGS.get("sample_interval_s", 1.0)
             out.write(json.dumps({"t": time.time(), "cpu_percent": process.cpu_percent(None),
                                   "loop_lag_s": max(0.0, lag)}) + "\n")
+
+
+@events.test_stop.add_listener
+def _on_test_stop(environment, **_):
+    """Once the users are stopped: this process's due requests that were never sent or never finished."""
+    if isinstance(environment.runner, MasterRunner) or "writer" not in _state:
+        return
+    horizon = SETTINGS.get("run_time_s")
+    not_sent = [{"request_id": r.request_id, "scheduled_at": _state["start"] + r.arrival_s, "sent_at": None,
+                 "state": "not_sent"}
+                for i in _state["mine"] for r in WORKLOAD.sessions[i]
+                if r.arrival_s is not None and (horizon is None or r.arrival_s <= horizon)
+                and r.request_id not in _state["in_flight"] and r.request_id not in _state["finished"]]
+    unfinished = [{"request_id": request_id, "scheduled_at": scheduled, "sent_at": sent, "state": "unfinished"}
+                  for request_id, (scheduled, sent) in _state["in_flight"].items()]
+    (RECORDS / f"due-{_state['worker']}.json").write_text(json.dumps(not_sent + unfinished))
 
 
 class WorkloadUser(User):
@@ -115,15 +138,21 @@ class WorkloadUser(User):
         limit = SETTINGS.get("max_requests_per_worker")
         if limit is not None and _state["sent"] >= limit:
             raise StopUser()
+        horizon = SETTINGS.get("run_time_s")
+        if request.arrival_s is not None and horizon is not None and request.arrival_s > horizon:
+            raise StopUser()  # due after the run's end: not part of it (and nor are the later arrivals)
         _state["sent"] += 1  # counted before waiting for its arrival, so users asleep meanwhile stop at the budget
         scheduled = time.time()
         if request.arrival_s is not None:
             scheduled = _state["start"] + request.arrival_s
             gevent.sleep(max(0.0, scheduled - time.time()))
         node = self.router.pick(request)
+        _state["in_flight"][request.request_id] = (scheduled, time.time())
         record = self.clients[node].send(request, scheduled_at=scheduled)
         record.node = self.node_urls[node]
         _state["writer"].write(record)
+        del _state["in_flight"][request.request_id]
+        _state["finished"].add(request.request_id)
         _state["done"] += 1
         _stop_if_dead(self.environment, record)
         if limit is not None and _state["done"] >= limit:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -112,10 +112,12 @@ def read_client_samples(directory: Path) -> list[dict]:
 
 
 def summarize_step(records: list[dict], samples: list[dict], step_start: float, step_end: float,
-                   settings: SweepSettings, stopped: Optional[str] = None) -> dict:
+                   settings: SweepSettings, stopped: Optional[str] = None, unanswered: Sequence[dict] = ()) -> dict:
     """Figures and validity of one step from its raw records and client samples.
 
     `stopped`: why the step ended early (its target stopped answering), the first invalid reason.
+    `unanswered`: the due requests with no record (`LoadRun.unanswered`); with the records they give the
+    window's `due`, `sent` and `finished` counts (every due request counts: `unanswered_in_window`).
     """
     window_start = step_start + settings.warmup_s
     measured = [r for r in records if r["sent_at"] >= window_start]
@@ -125,7 +127,8 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
     out_tokens = sum(r["completion_tokens"] or 0 for r in ok)
     summary = {"window_start": window_start, "requests": len(measured), "completed": len(ok), "window_s": span,
                "requests_per_s": len(ok) / span, "output_tokens_per_s": out_tokens / span,
-               "error_rate": 1 - len(ok) / len(measured) if measured else None}
+               "error_rate": 1 - len(ok) / len(measured) if measured else None,
+               **due_counts(measured, unanswered_in_window(unanswered, window_start))}
     for metric in ("ttft_s", "tpot_s", "e2e_s"):
         for p, value in percentiles([r[metric] for r in ok if r[metric] is not None]).items():
             summary[f"{metric[:-2]}_p{p}_s"] = value
@@ -142,6 +145,20 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
     summary.update(valid=not reasons, invalid_reasons="; ".join(reasons), errors_by_type=errors,
                    stopped_reason=stopped)
     return summary
+
+
+def unanswered_in_window(unanswered: Sequence[dict], window_start: float) -> list[dict]:
+    """The due requests without a record that belong to the measured window: sent in it (unfinished at the
+    step's end), or never sent and due in it."""
+    return [u for u in unanswered
+            if (u["sent_at"] if u.get("sent_at") is not None else u["scheduled_at"]) >= window_start]
+
+
+def due_counts(measured: list[dict], unanswered: list[dict]) -> dict:
+    """The window's requests due, sent and finished (answered, or failed with an answer), and the difference."""
+    not_sent = sum(u.get("state") == "not_sent" for u in unanswered)
+    return {"due": len(measured) + len(unanswered), "sent": len(measured) + len(unanswered) - not_sent,
+            "finished": len(measured), "not_sent": not_sent, "unfinished": len(unanswered) - not_sent}
 
 
 def _error_share_reasons(measured: list[dict], settings: SweepSettings) -> list[str]:
@@ -310,7 +327,7 @@ def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings
             stopped = run.stopped["reason"] if run.stopped else None
             if stopped:
                 dead[target.name] = f"not run: at {step.dir_name}, {stopped}"
-            summary = summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped)
+            summary = summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped, run.unanswered)
             summary["hit_blocks_by_tier"] = tier_difference(hits_before, settings.tier_hits(target)) \
                 if settings.tier_hits else None
             summary["tier_unit"] = settings.tier_unit

@@ -89,6 +89,18 @@ def slo_latencies(records: list[dict]) -> list[float]:
     return [r["client_wait_s"] + r["ttft_s"] if r["ok"] and r["ttft_s"] is not None else math.inf for r in records]
 
 
+def due_latencies(slo_latencies_of_records: list[float], summary: dict) -> tuple[float, ...]:
+    """A step's SLO latencies over every request due in its window: a due request that was never sent, or
+    still unfinished at the step's end, has no first token and never meets the objective (infinity)."""
+    missing = max(0, int(summary.get("due") or 0) - int(summary.get("finished") or 0))
+    return tuple(slo_latencies_of_records) + (math.inf,) * missing
+
+
+def goodput(latencies: list[float], slo_s: float) -> Optional[float]:
+    """The share of due requests that met the objective (met ÷ due); None with none due."""
+    return sum(latency <= slo_s for latency in latencies) / len(latencies) if latencies else None
+
+
 def _slo_percentile(latencies: np.ndarray, axis=None):
     """The SLO percentile as an observed value (no interpolation: a failure's infinity stays infinite, never NaN)."""
     return np.percentile(latencies, SLO_PERCENTILE, axis=axis, method="higher")
@@ -101,15 +113,28 @@ class Ladder:
     steps: tuple[tuple[float, bool, str, tuple[float, ...]], ...]
 
     def sustained(self, slo_s: float) -> tuple[Optional[float], str]:
-        """The highest multiplier up to which every step was valid and met the SLO, and why the ladder ended."""
+        """The highest multiplier up to which every step was valid and met the SLO, and why the ladder ended:
+        an invalid step's own reasons ("" when it ended on a valid step that missed the objective)."""
         best = None
         for multiplier, valid, reasons, latencies in self.steps:
             if not valid:
-                return best, f"the {multiplier:g}x step was invalid ({reasons})"
+                return best, f"the {multiplier:g}x step was invalid ({reasons or 'no reason given'})"
             if not latencies or _slo_percentile(np.asarray(latencies, dtype=float)) > slo_s:
                 return best, ""
             best = multiplier
         return best, ""
+
+    def missed_lowest(self, slo_s: float) -> str:
+        """How the lowest step, valid, missed the objective: its SLO percentile and goodput, in words."""
+        multiplier, _, _, latencies = self.steps[0]
+        if not latencies:
+            return f"no request was due in its {multiplier:g}x step"
+        p = float(_slo_percentile(np.asarray(latencies, dtype=float)))
+        met = goodput(list(latencies), slo_s)
+        never = sum(math.isinf(latency) for latency in latencies)
+        late = "no first token (failed, never sent or unfinished)" if math.isinf(p) else f"{p * 1e3:.0f} ms"
+        return (f"its TTFT p{SLO_PERCENTILE} at {multiplier:g}x was {late} > {slo_s * 1e3:g} ms (goodput "
+                f"{100 * met:.0f}% of {len(latencies)} due requests, {never} without a first token)")
 
     def resampled(self, slo_s: float, rng: np.random.Generator, resamples: int) -> np.ndarray:
         """The highest sustained multiplier (NaN: none) in each of `resamples` resamples of every step's requests."""
@@ -152,7 +177,10 @@ def sustained_rate_gain(baseline: Ladder, candidate: Ladder, slo_s: float, resam
     c_best, c_reason = candidate.sustained(slo_s)
     reasons = [f"{role}: {why}" for role, why in (("baseline", b_reason), ("candidate", c_reason)) if why]
     if b_best is None:
-        reasons.append("baseline: not even the lowest multiplier met the TTFT objective (lower it)")
+        if not b_reason:  # a valid lowest step that missed the objective (an invalid one said why above)
+            reasons.append(f"baseline: not even the lowest multiplier met the TTFT objective: "
+                           f"{baseline.missed_lowest(slo_s)}; a lower multiplier or a looser g3.ttft_slo_ms "
+                           "would measure it")
         return SustainedFigures(b_best, c_best, None, None, False, "; ".join(reasons))
     gain = (c_best or 0.0) / b_best - 1.0
     rng = np.random.default_rng(seed)

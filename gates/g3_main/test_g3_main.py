@@ -36,7 +36,8 @@ import pytest
 
 from gates.engines import hit_reader
 from gates.fleet import fleet_sizing
-from gates.g3_main.analysis import Ladder, level_figures, run_seed, slo_latencies, sustained_rate_gain
+from gates.g3_main.analysis import (Ladder, due_latencies, goodput, level_figures, run_seed, slo_latencies,
+                                    sustained_rate_gain)
 from kvcore.predictions import prediction_for
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
@@ -187,9 +188,11 @@ def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
         if bound is not None and hit_ratio is not None:
             record("hit_ratio_bound", bound, target=role, measured=hit_ratio,
                    far_below=bound - hit_ratio > FAR_BELOW_BOUND, far_below_points=FAR_BELOW_BOUND, **at)
-        # where the step's raw records are and the measured window's start: the report draws its distributions
+        # where the step's raw records are and its measured window's start (the report draws its distributions),
+        # and its requests due / sent / finished (every due request counts)
         record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], window_start=s["window_start"],
-               records_dir=os.path.relpath(Path(s["step_dir"]) / "records", gate_context.store.root), **at)
+               records_dir=os.path.relpath(Path(s["step_dir"]) / "records", gate_context.store.root),
+               due=s.get("due"), sent=s.get("sent"), finished=s.get("finished"), **at)
     assert _levels(sweep), "the sweep produced no steps"
 
 
@@ -233,11 +236,18 @@ def test_sustained_rate_gain(sweep, gate_context, record, verdict):
     config = gate_context.config.g3
     if _closed_loop(gate_context):
         pytest.skip("replay: closed_loop judges throughput_gain at each concurrency")
-    ladders = {role: Ladder(tuple((m, bool(s["summary"]["valid"]), s["summary"]["invalid_reasons"],
-                                   tuple(s["slo_latencies"])) for m in config.levels
-                                  for s in [_step(sweep, role, m)]))
-               for role in ("baseline", "candidate")}
-    figures = sustained_rate_gain(ladders["baseline"], ladders["candidate"], config.ttft_slo_ms / 1e3)
+    slo_s = config.ttft_slo_ms / 1e3
+    ladders = {}
+    for role in ("baseline", "candidate"):
+        steps = []
+        for m in config.levels:
+            s = _step(sweep, role, m)
+            latencies = due_latencies(s["slo_latencies"], s["summary"])   # every due request counts
+            record("goodput", goodput(latencies, slo_s), "%", target=role, multiplier=m, ttft_slo_ms=config.ttft_slo_ms,
+                   due=s["summary"]["due"], sent=s["summary"]["sent"], finished=s["summary"]["finished"])
+            steps.append((m, bool(s["summary"]["valid"]), s["summary"]["invalid_reasons"], latencies))
+        ladders[role] = Ladder(tuple(steps))
+    figures = sustained_rate_gain(ladders["baseline"], ladders["candidate"], slo_s)
     for role, best in (("baseline", figures.baseline), ("candidate", figures.candidate)):
         record("sustained_multiplier", best, "x", target=role, ttft_slo_ms=config.ttft_slo_ms,
                censored=best == max(config.levels))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from kvcore.claims import format_figure
+from kvcore.judged import measurement_not_judged
 from kvcore.predictions import IN_MAPE, error as prediction_error, same_place
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
@@ -358,13 +359,14 @@ HIT_RATIO_POINTS = 0.05
 FIGURE_MAPE = 0.15
 
 
-def _measured(rows: list[dict], prediction: Prediction) -> Optional[float]:
-    """The last of the gate's measurement `rows` of the prediction's figure (kvcore.predictions.same_place)."""
+def _measured(rows: list[dict], prediction: Prediction) -> Optional[dict]:
+    """The last of the gate's measurement `rows` of the prediction's figure (kvcore.predictions.same_place),
+    when it holds a number."""
     wanted = prediction.to_dict()
     for row in reversed(rows):
         if same_place(wanted, row):
             value = row.get("value")
-            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            return row if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return None
 
 
@@ -372,18 +374,26 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
     """Each prediction beside what the run measured, its error, and the model's accuracy by its tolerances
     (as the BLIS simulator judges itself): hit ratios, reductions and gains as differences in points;
     TTFTs, throughputs and G2's TTFT ratio as relative errors, whose mean (MAPE) is held to its limit."""
-    rows, measurements = [], {}
+    rows, measurements, verdicts, not_compared = [], {}, {}, 0
     for prediction in plan.predictions:
-        if prediction.gate not in measurements:          # each gate's measurements read once
+        if prediction.gate not in measurements:          # each gate's rows read once
             measurements[prediction.gate] = store.measurements(prediction.gate)
-        measured = _measured(measurements[prediction.gate], prediction)
-        if measured is None or prediction.value is None:
+            verdicts[prediction.gate] = store.verdicts(prediction.gate)
+        found = _measured(measurements[prediction.gate], prediction)
+        if found is None or prediction.value is None:
             continue
+        if measurement_not_judged(found, verdicts[prediction.gate], measurements[prediction.gate]):
+            not_compared += 1                            # an invalid step's figure: no error (kvcore.judged)
+            continue
+        measured = float(found["value"])
         error, text = prediction_error(prediction.metric, prediction.value, measured)
         rows.append({"gate": prediction.gate, "metric": prediction.metric, "label": prediction.label,
                      "context": dict(prediction.context), "unit": prediction.unit, "predicted": prediction.value,
                      "measured": measured, "error": error, "error_text": text})
     plan.comparison = rows
+    if not_compared:
+        plan.notes.append(f"{not_compared} predicted figures not compared: measured in invalid steps or judged "
+                          "INCONCLUSIVE (their errors would measure the failure, not the model)")
     hits = [abs(r["error"]) for r in rows if r["metric"] == "hit_ratio"]
     figures = [abs(r["error"]) for r in rows if r["metric"] in IN_MAPE]
     points = getattr(tolerances, "hit_ratio_points", HIT_RATIO_POINTS)
