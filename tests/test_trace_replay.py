@@ -274,3 +274,23 @@ def test_rate_multipliers_on_a_trace_load(tmp_path):
                                             "replay": "rate_multipliers", "levels": [0.5, 1, 2],
                                             "ttft_slo_ms": 500})).g3
     assert (g3.replay, g3.levels, g3.ttft_slo_ms) == ("rate_multipliers", [0.5, 1, 2], 500)
+
+
+def test_the_hit_ratio_bound_is_each_levels_own_part_of_the_trace(tmp_path):
+    """The first part's requests share a prefix, the second's share nothing: one figure for both was wrong."""
+    from gates.g3_main.test_g3_main import _workload_bound
+
+    shared = [{"timestamp": 250 * i, "input_length": 1024, "output_length": 4, "hash_ids": [1, 100 + i]}
+              for i in range(6)]
+    unique = [{"timestamp": 250 * i, "input_length": 1024, "output_length": 4, "hash_ids": [200 + i, 300 + i]}
+              for i in range(6, 12)]
+    trace = write_trace(tmp_path, shared + unique)
+    config = load_config(_gates_yaml(tmp_path, {"workload": {"kind": "trace", "path": str(trace)}, "levels": [1, 3],
+                                                "prime": False}))
+    workload = build_workload(config.g3.workload, BYTES, seed=0)
+    bounds = _workload_bound(config, workload)
+    assert set(bounds) == {1, 3}
+    assert bounds[1] > 0.3 and bounds[3] == 0.0          # the second part reuses nothing of its own or the first's
+    closed = load_config(_gates_yaml(tmp_path, {"levels": [1, 3]}))    # a workload, not a trace: one pass per level
+    same = _workload_bound(closed, build_workload(closed.g3.workload, BYTES, seed=0))
+    assert set(same) == {1, 3} and same[1] == same[3]

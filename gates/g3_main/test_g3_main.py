@@ -114,16 +114,18 @@ def _hit_ratio(summary: dict, tiers, records: list[dict], tokens: bool) -> tuple
     return sum(tiers.values()) / prompt, "the engine's tier accounting (its /metrics) over the step's prompt tokens"
 
 
-def _workload_bound(config, workload):
-    """The hit ratio the workload allows: its prompts' blocks an infinite cache would serve, primed as G3 primes
-    (one pass, in G3's order; gates/sizing/g3_inputs.py); None when it cannot be worked out."""
+def _workload_bound(config, workload) -> dict:
+    """Per level, the hit ratio its requests allow: the blocks of its prompts an infinite cache would serve,
+    primed as G3 primes, in G3's order (gates/sizing/g3_inputs.py). A trace's level replays its own part, so
+    each level has its own bound; a closed loop over a workload replays the same pass at every level, so the
+    same bound is right at each. Empty when it cannot be worked out."""
     from gates.sizing.g3_inputs import g3_replays
     from gates.sizing.targets import target_inputs
 
     try:
-        return g3_replays(config.g3, workload, target_inputs(config)[0]).hits["candidate"]["infinite_cache_bound"]
+        return dict(g3_replays(config.g3, workload, target_inputs(config)[0]).hits["candidate"]["bound_per_level"])
     except Exception:  # the bound is context for the report: never a reason for G3 to fail
-        return None
+        return {}
 
 
 def _levels(sweep) -> dict:
@@ -184,7 +186,7 @@ def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
         for tier, share in tier_shares(tiers or {}).items():  # the pool's share (tier "remote") among them
             record("hit_tier_share", share, target=role, tier=tier, hits=tiers[tier], step_hits=sum(tiers.values()),
                    counted_in=unit, **at)
-        bound = sweep["hit_ratio_bound"]
+        bound = sweep["hit_ratio_bound"].get(level)     # this level's own part of the workload
         if bound is not None and hit_ratio is not None:
             record("hit_ratio_bound", bound, target=role, measured=hit_ratio,
                    far_below=bound - hit_ratio > FAR_BELOW_BOUND, far_below_points=FAR_BELOW_BOUND, **at)

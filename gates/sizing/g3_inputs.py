@@ -55,7 +55,8 @@ class G3Replays:
     """Per target, per level: its TargetReplay; the hit figures per target; the arrivals of rate steps."""
 
     replays: dict                   # role -> {level: TargetReplay}
-    hits: dict                      # role -> {"per_tier", "overall", "infinite_cache_bound", "pool_share", "per_level"}
+    hits: dict                      # role -> {"per_tier", "overall", "infinite_cache_bound", "pool_share", "per_level",
+    #                                            "bound_per_level": the infinite cache's bound over each level's part}
     arrivals_s: dict                # multiplier -> arrival seconds of its part's requests
 
 
@@ -104,20 +105,23 @@ def g3_replays(g3, workload: Workload, inputs: TargetInputs) -> G3Replays:
         routed = route(replayed, nodes, inputs.routing)
         result = replay(flat, capacities[role], warmup=warm,
                         nodes=[n for part in routed for n in part] if nodes > 1 else None)
-        per_level, start = {}, 0
+        per_level, bounds, start = {}, {}, 0
         measured = [(s, r) for s, r in zip(replayed, routed) if s.level is not None]
         for segment, segment_nodes in measured:
             end = start + len(segment.requests)
             per_level[segment.level] = TargetReplay(
                 _served(segment.requests, result, start, end, inputs.block_tokens, tokenizer),
                 segment_nodes if nodes > 1 else None, nodes)
+            bounds[segment.level] = _bound(result, start, end)
             start = end
         hits[role] = _hit_figures(result, measured)
         hits[role]["per_level"] = {level: _token_hit_ratio(replay.requests) for level, replay in per_level.items()}
-        if not workload.trace:  # one pass replayed for every level
+        if not workload.trace:  # one pass replayed for every level: the same figures (and bound) at each
             last = segments[-1].level
             per_level = {level: per_level[last] for level in g3.levels}
             hits[role]["per_level"] = {level: hits[role]["per_level"][last] for level in g3.levels}
+            bounds = {level: bounds[last] for level in g3.levels}
+        hits[role]["bound_per_level"] = bounds
         replays[role] = per_level
     arrivals = {m: a for s in segments for m, a in s.arrivals_s.items()}
     return G3Replays(replays, hits, arrivals)
@@ -135,6 +139,13 @@ def _token_hit_ratio(requests: Sequence[ServedRequest]) -> float:
     """G3's hit ratio: cached tokens ÷ prompt tokens (a prompt's tail beyond its last whole block is never cached)."""
     prompt = sum(r.prompt_tokens for r in requests)
     return sum(sum(r.cached.values()) for r in requests) / prompt if prompt else 0.0
+
+
+def _bound(result: ReplayResult, start: int, end: int) -> float:
+    """The infinite cache's bound over counted requests [start, end): a level's own part of the replay
+    (each part starts from what the earlier ones stored, as G3's steps do)."""
+    prompt = sum(result.prompt_blocks[start:end])
+    return sum(result.seen_blocks[start:end]) / prompt if prompt else 0.0
 
 
 def _hit_figures(result: ReplayResult, measured: list) -> dict:
