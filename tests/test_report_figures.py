@@ -263,11 +263,11 @@ def test_g3_step_table_lists_each_steps_recorded_figures_and_why_a_step_was_inva
         store.record("g3", "sweep", "hit_ratio", hits, target=target, concurrency=2)
         store.record("g3", "sweep", "error_rate", 0.0, target=target, concurrency=2)
         store.record("g3", "sweep", "step_valid", valid, target=target, reasons="" if valid else "client saturated",
-                     concurrency=2)
+                     concurrency=2, due=107, sent=98 if valid else 107, finished=91 if valid else 107)
     [table] = g3_main.step_tables(rows_of(store, "g3"))
     first, second = table["rows"]
-    assert first[:3] == ["c=2", "baseline", "294.9"] and first[-3:] == ["12.9%", "0.0%", "yes"]
-    assert second[1:3] == ["candidate", "38.1"] and second[-1] == "NO: client saturated"
+    assert first[:3] == ["c=2", "baseline", "294.9"] and first[-4:] == ["12.9%", "0.0%", "107 / 98 / 91", "yes"]
+    assert second[1:3] == ["candidate", "38.1"] and second[-2:] == ["107 / 107 / 107", "NO: client saturated"]
     assert table["statuses"] == ["", "inconclusive"]
 
 

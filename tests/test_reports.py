@@ -491,6 +491,9 @@ def test_a_rate_multiplier_sweep_is_plotted_by_its_multipliers(tmp_path):
 def test_the_claims_table_opens_the_report_with_promised_measured_and_verdict(tmp_path):
     store = build_run(tmp_path, gates=("g1", "g2"), g2_ttft=False)
     store.record("g2", "disk", "disk_hit_ttft_vs_recompute", 0.075, context_tokens=8192)
+    store.add_verdict(verdict("g2", "disk", "PASS", "G2 disk-hit TTFT: 7.5% ≤ 25% → PASS", 0.075, "%",
+                              {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
+                              context={"context_tokens": 8192}))        # a claim takes judged verdicts only
     results = render_run(tmp_path)
     page = (tmp_path / "index.html").read_text()
     claims = page[page.index('<section class="claims"'):page.index("</section>", page.index('<section class="claims"'))]
