@@ -141,6 +141,7 @@ g3:
   duration_s: 26
   warmup_s: 6
   min_requests: 10
+  max_error_share: 0.01           # a step whose measured requests failed more than this is invalid
   prime: true                     # send each target every session's first turn (a trace: its warm-up) first
   no_reuse:                       # the no-reuse control: prompts that share no prefix, one level, unprimed
     enabled: true
@@ -153,6 +154,7 @@ g3:
     - {metric: ttft_p50_reduction, op: ">=", value: 0.25}
     - {metric: throughput_gain, min: 0.29, max: 0.40}   # below: FAIL; above: PASS with a note
     - {metric: sustained_rate_gain, min: 0.29, max: 0.40}   # rate_multipliers: in place of throughput_gain
+    # error_rate (the candidate's failed share, per level) is judged by its default, <= 0.01
 
 g4:
   workload:
@@ -173,6 +175,7 @@ g4:
                                   # profile's soak; null: duration_s, as two minutes tell gross growth only)
   drift_tolerance: 0.25           # largest trend over the soak (fraction of the level) in TTFT p99, throughput,
                                   # memory; two minutes tell gross drift only (full profile: 0.05)
+  max_error_share: 0.01           # a window whose requests failed more than this is left out of the drift checks
   faults:                         # injected into the embedded candidate during the soak ([] for none)
     # stored-block faults (flip_byte, truncate, delete, swap) damage a disk block of the first probe's
     # prompt; I/O faults (read_error, write_error, disk_full, slow_disk + delay_ms) stay armed duration_s

@@ -35,14 +35,18 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     code, run_dir = g3_run
     store = RunStore(run_dir)
     verdicts = {v["metric"]: v for v in store.verdicts("g3")}
-    assert set(verdicts) == {"ttft_p50_reduction", "throughput_gain"}
+    assert set(verdicts) == {"ttft_p50_reduction", "throughput_gain", "error_rate"}
+    # the candidate's errors judged at each level, valid however the step went (the embedded pair fails none)
+    assert verdicts["error_rate"]["status"] == "PASS" and verdicts["error_rate"]["value"] == 0.0
+    assert verdicts["error_rate"]["context"] == {"concurrency": 3, "target": "candidate"}
     # the quick profile shows the no-reuse control without judging it, and says why
     unjudged = {u["metric"]: u["reason"] for u in store.unjudged("g3")}
     assert set(unjudged) == {"no_reuse_ttft_cost", "no_reuse_throughput_cost"}
     assert all("the full profile judges it" in reason for reason in unjudged.values())
     sweep = [v for v in verdicts.values() if not v["metric"].startswith("no_reuse")]
     assert all(v["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "c=3" in v["reason"] for v in sweep)
-    assert all(v.get("interval") or v["status"] == "INCONCLUSIVE" for v in verdicts.values())
+    assert all(v.get("interval") or v["status"] == "INCONCLUSIVE" for v in verdicts.values() if v is not
+               verdicts["error_rate"])                            # a share of failed requests has no interval
     # the no-reuse control ran at its own level on both targets, and nothing in it was reused
     control = [m for m in store.measurements("g3") if m["metric"] == "no_reuse_ttft_p50_ms"]
     assert {m["context"]["target"] for m in control} == {"baseline", "candidate"}
