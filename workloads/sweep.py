@@ -362,10 +362,14 @@ def _live_teller(settings: SweepSettings, number: int, steps: int, step: "_Step"
 
 
 def step_line(summary: dict) -> str:
-    """A step's figures in one line: requests, errors, TTFT p50, throughput, hit ratio."""
+    """A step's figures in one line: requests (and the due ones that never finished), errors, TTFT p50,
+    throughput, hit ratio."""
     ttft, hits = summary.get("ttft_p50_s"), summary.get("hit_ratio")
     errors = summary.get("error_rate")
-    return (f"{summary.get('requests', 0)} requests, errors {100 * (errors or 0):.1f}%, "
+    due, finished = summary.get("due"), summary.get("finished")
+    missing = (f" ({due} due, {summary.get('sent')} sent, {finished} finished)"
+               if due is not None and finished is not None and due != finished else "")
+    return (f"{summary.get('requests', 0)} requests{missing}, errors {100 * (errors or 0):.1f}%, "
             f"TTFT p50 {format_ms(ttft)}, "
             f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}"
             + (", " + tier_line(summary["hit_blocks_by_tier"], summary.get("tier_unit", "blocks"))
