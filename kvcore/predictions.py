@@ -77,7 +77,8 @@ def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
 
 
 def beside_text(shown: dict, unit: str) -> str:
-    """`beside`'s figures in words: "predicted 84.9% (PASS), error +2.2 points" (or "…, not compared (invalid: …)")."""
+    """`beside`'s figures in words: "predicted 84.9% (PASS), error +2.2 points" (or "…, not compared (invalid:
+    …)")."""
     from .claims import format_figure
 
     status = f" ({shown['predicted_status']})" if shown.get("predicted_status") else ""
