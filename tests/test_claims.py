@@ -18,8 +18,8 @@ def test_recorded_figures_meet_miss_or_cannot_test_each_claim(tmp_path):
         store.record("g3", "ttft", "ttft_p50_reduction", reduction, concurrency=level)
         store.record("g3", "tput", "throughput_gain", gain, concurrency=level)
     store.record("g2", "disk", "disk_hit_ttft_vs_recompute", 0.075, context_tokens=8192)
-    store.record("g2", "cold", "cold_read_vs_fio", 0.93, tier_gbps=1.21, fio_gbps=1.3)
-    store.record("g2", "ckpt", "checkpoint_write_vs_fio", 0.76, save_gbps=1.28, fio_gbps=1.69)
+    store.record("g2", "cold", "cold_read_vs_storage_best", 0.93, tier_gbps=1.21, fio_gbps=1.3)
+    store.record("g2", "ckpt", "checkpoint_write_vs_storage_best", 0.76, save_gbps=1.28, fio_gbps=1.69)
     # the sizing model's figures predicted before G3 ran (and one made before another gate, which must not count)
     store.add_predictions("before g3", [{"gate": "g3", "metric": "throughput_gain", "value": v, "context": {"concurrency": c}}
                                         for c, v in ((2, 0.41), (4, 0.35), (8, 0.52))])

@@ -15,7 +15,7 @@ from workloads.client import StreamingClient
 from workloads.faults import AdminClient
 from workloads.requests import WorkloadRequest
 
-RULE = {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8}
+RULE = {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8}
 # what one fio job gave on this disk within minutes (GB/s): a single one of them decides nothing
 STORAGE = [1.3, 3.5, 2.1, 1.6, 2.9]
 # one 256-token block of the tiny preset's float32 KV: 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes

@@ -100,9 +100,9 @@ def test_the_external_path_gives_the_embedded_paths_verdicts(runs):
         assert verdicts["disk_hit_ttft_vs_recompute"]["value"] is not None
         assert "may be warm" not in verdicts["disk_hit_ttft_vs_recompute"]["reason"]
     # the cold-read ratio needs kvgate's own disk counters: said, not skipped
-    assert external["cold_read_vs_fio"]["status"] == "INCONCLUSIVE"
-    assert "does not export its disk tier's read bytes" in external["cold_read_vs_fio"]["reason"]
-    assert embedded["cold_read_vs_fio"]["value"] is not None
+    assert external["cold_read_vs_storage_best"]["status"] == "INCONCLUSIVE"
+    assert "does not export its disk tier's read bytes" in external["cold_read_vs_storage_best"]["reason"]
+    assert embedded["cold_read_vs_storage_best"]["value"] is not None
 
 
 def test_hits_nothing_can_check_are_inconclusive_naming_what_was_missing(runs):
