@@ -234,7 +234,7 @@ class FioRegions:
     def _size_regions(self, nbytes: float) -> None:
         block = self.shape.bs_bytes
         requests = max(1, math.ceil(nbytes / block))
-        self.numjobs = min(self.shape.numjobs, requests)
+        self.numjobs = self.shape.numjobs          # the shape's parallelism, whatever the bytes: at least as many
         self.region = math.ceil(requests / self.numjobs) * self.numjobs * block
 
     def layout_job(self) -> FioJob:
@@ -272,7 +272,8 @@ class FioFilesRead:
     safe), one file after another (`file_service_type=sequential`), with the pages dropped first
     (`invalidate=1`, and direct I/O when the shape reads direct). One job reads each file whole (no
     `--size`: fio would split it evenly and refuse a shorter last shard); n jobs read a 1/n slice of
-    each file each (`--size` and `--offset_increment` as percentages), so every byte is read once. A
+    each file each (`--size` and `--offset_increment` as percentages: no byte twice; a slice that starts
+    mid-request loses that one request). A
     request larger than the smallest file's slice is halved until it fits (else fio reads nothing).
     """
 
