@@ -13,12 +13,15 @@ from kvcore.rundata import RunStore
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 
+# the storage sweep cut to one read and one write point (the sweep itself: tests/test_fio_sweep.py)
+TINY_SWEEP = {"read_bs": ["1M"], "iodepths": [4], "numjobs": [1], "modes": ["direct"], "ioengines": ["libaio"],
+              "write_bs": ["1M"], "write_numjobs": [1], "write_modes": ["buffered"], "size": "16M", "runtime_s": 1}
 SMALL = {
     "profile": "quick",
     "targets": {"embedded": {"preset": "tiny", "max_running": 2, "device_capacity_blocks": 16,
                              "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
     "inventory": {"min_cpu_cores": 1, "min_memory_gib": 1},
-    "fio": {"size": "32M", "runtime_s": 1, "verify_size": "8M"},
+    "fio": {"size": "32M", "runtime_s": 1, "verify_size": "8M", "sweep": TINY_SWEEP},
     "g2": {"contexts": [600, 1100], "rounds": 1,
            "model_load": {"size": "24MiB", "shard_size": "8MiB"},
            "checkpoint": {"parameters": 1_500_000},            # 21 MB of state at 14 bytes per parameter
