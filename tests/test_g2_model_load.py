@@ -29,10 +29,10 @@ def checkpoints(tmp_path_factory):
     prepared.close()
 
 
-@needs_fio
 RULE = {"metric": "model_load_vs_storage_best", "op": ">=", "value": 0.8}
 
 
+@needs_fio
 def test_each_loader_alternates_with_the_best_job_on_the_same_files_and_every_load_is_checked(checkpoints):
     prepared, _, said = checkpoints
     assert any("writing the random checkpoint" in line for line in said)      # progress while it was written

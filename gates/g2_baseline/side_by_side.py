@@ -238,10 +238,9 @@ class FioRegions:
         self.region = math.ceil(requests / self.numjobs) * self.numjobs * block
 
     def layout_job(self) -> FioJob:
-        """Every round's region written (and fsync'd) once, before the first read."""
+        """Every round's region written (buffered, any size, and fsync'd) once, before the first read."""
         return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(FIO_BLOCK),
-                      size=str(self.rounds * self.region), direct=self.shape.direct, ioengine="psync",
-                      extra=("--end_fsync=1",))
+                      size=str(self.rounds * self.region), direct=False, ioengine="psync", extra=("--end_fsync=1",))
 
     def read_job(self, index: int) -> FioJob:
         """The read of region `index` in `shape`, each job a slice of it."""
@@ -274,7 +273,8 @@ class FioFilesRead:
     `--size`: fio would split it evenly and refuse a shorter last shard); n jobs read a 1/n slice of
     each file each (`--size` and `--offset_increment` as percentages: no byte twice; a slice that starts
     mid-request loses that one request). A
-    request larger than the smallest file's slice is halved until it fits (else fio reads nothing).
+    request is halved until the smallest file's slice holds 8 of them (a larger one reads little or
+    nothing of a small file: fio reads whole requests only).
     """
 
     files: Sequence[Path]
@@ -297,8 +297,8 @@ class FioFilesRead:
             share = f"{100 / self.shape.numjobs:g}%"
             slices = (f"--size={share}", f"--offset_increment={share}")
         smallest = min(f.stat().st_size for f in files) // self.shape.numjobs
-        while bs > 4096 and bs > smallest:      # a request no larger than the smallest slice, or fio reads nothing
-            bs //= 2
+        while bs > 4096 and 8 * bs > smallest:  # 8 requests in the smallest slice at least: a slice's last
+            bs //= 2                             # partial request (not read) stays small
         return FioJob(name=self.name, directory=directory, rw="read", bs=str(bs), size=None,
                       direct=self.shape.direct, ioengine=self.shape.ioengine, iodepth=self.shape.iodepth,
                       numjobs=self.shape.numjobs,

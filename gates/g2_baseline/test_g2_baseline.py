@@ -245,7 +245,7 @@ def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_r
     subject = "A/A: the best job" if run.aa else "G2 cold-read KV bandwidth"
     if run.aa:
         lo, hi = judged.interval or (0.0, math.inf)
-        record("g2_aa_false_decision", not lo <= 1.0 <= hi, metric=METRIC, value_ratio=judged.value,
+        record("g2_aa_false_decision", not lo <= 1.0 <= hi, of=METRIC, ratio=judged.value,
                interval=[lo, hi], pairs=judged.pairs, stopping=run.stopping.to_dict())
     diagnostic = f"; {judged.diagnostic()}" if judged.diagnostic() else ""
     verdict(f"{subject} / the storage's best read ({run.best.describe()}), side by side ({judged.describe()}"
