@@ -149,6 +149,9 @@ def test_fio_reads_a_fresh_region_each_round_in_the_given_shape(tmp_path):
     assert best.region == 64 << 20
     assert {"--bs=16M", "--ioengine=io_uring", "--iodepth=32", "--numjobs=4", f"--size={16 << 20}"} <= set(
         best.read_job(0).argv())
+    written = best.region_write_job(2).argv()        # write_each_round: region 2 alone, just before its read
+    assert {"--rw=write", f"--size={64 << 20}", f"--offset={2 * (64 << 20)}", f"--filesize={5 * (64 << 20)}",
+            "--end_fsync=1", "--direct=0"} <= set(written)
 
 
 # -- real rounds -------------------------------------------------------------------------------
@@ -186,7 +189,7 @@ def test_real_pairs_read_the_disk_tier_each_round_and_the_best_job_beside_it(ser
 
     tier = TierColdLoad(admin, client, request_for)
     best_shape = FioShape(True, "libaio", 8, 2, "256k")
-    with FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, shape=best_shape, name="best") as best, \
+    with FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, shape=best_shape, name="best", write_each_round=True) as best, \
             FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, shape=own_pattern(True, 4), name="own") as own:
         pairs, stopping = measure_pairs(tier, best, Pairing(min=MIN_PAIRS, max=MIN_PAIRS, budget_s=600), [RULE],
                                         same_pattern=own)

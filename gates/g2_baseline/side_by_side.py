@@ -207,10 +207,13 @@ class FioRegions:
     in `shape` (the storage's best job, or the tier's own pattern for the diagnostic leg).
 
     The region is the first round's byte count rounded up to whole requests of `shape.bs` over its jobs
-    (at least as many bytes as the tier read); the file holds `rounds` regions, written once before
-    the first read (not timed), and round i reads region i, so no round reads what an earlier one
-    brought into a cache. Each job reads its own slice of the region (`offset_increment`). Use as a
-    context manager: the file goes away at the end.
+    (at least as many bytes as the tier read); the file holds `rounds` regions and round i reads region
+    i, so no round reads what an earlier one brought into a cache. Each job reads its own slice of the
+    region (`offset_increment`). The regions are written (buffered, fsync'd, not timed) all before the
+    first read, or with `write_each_round` each just before its read, as G2's tier stores its prefixes
+    just before it loads them: a virtual machine's host may cache recent writes, and the yardstick
+    must not read older data than the subject does. Use as a context manager: the file goes away at
+    the end.
     """
 
     directory: Path
@@ -219,6 +222,7 @@ class FioRegions:
     name: str = "g2-cold-read"
     region: int = 0
     numjobs: int = 1
+    write_each_round: bool = False
 
     @property
     def path(self) -> Path:
@@ -227,7 +231,10 @@ class FioRegions:
     def __call__(self, index: int, nbytes: float) -> Reading:
         if not self.region:
             self._size_regions(nbytes)
-            run_fio(self.layout_job())
+            if not self.write_each_round:
+                run_fio(self.layout_job())
+        if self.write_each_round:
+            run_fio(self.region_write_job(index % self.rounds))
         job = self.read_job(index % self.rounds)
         return _moved(run_fio(job), job, "read", index)
 
@@ -239,8 +246,15 @@ class FioRegions:
 
     def layout_job(self) -> FioJob:
         """Every round's region written (buffered, any size, and fsync'd) once, before the first read."""
-        return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(FIO_BLOCK),
+        return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(min(FIO_BLOCK, self.region)),
                       size=str(self.rounds * self.region), direct=False, ioengine="psync", extra=("--end_fsync=1",))
+
+    def region_write_job(self, index: int) -> FioJob:
+        """Region `index` written (buffered, fsync'd) just before its read (`write_each_round`)."""
+        return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(min(FIO_BLOCK, self.region)),
+                      size=str(self.region), direct=False, ioengine="psync",
+                      extra=(f"--filename={self.path.name}", f"--filesize={self.rounds * self.region}",
+                             f"--offset={index * self.region}", "--end_fsync=1"))
 
     def read_job(self, index: int) -> FioJob:
         """The read of region `index` in `shape`, each job a slice of it."""

@@ -133,10 +133,11 @@ def cold_read_pairs(gate_context, endpoints):
                         prefixes=config.g2.cold_read_prefixes)
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
     rounds = WARMUP_PAIRS + pairing.max
-    best_side = FioRegions(directory, rounds, best.read, name="g2-best-read")
+    # every fio region written just before its read, as the tier stores its prefixes just before loading them
+    best_side = FioRegions(directory, rounds, best.read, name="g2-best-read", write_each_round=True)
     own_side = FioRegions(directory, rounds, own_pattern(embedded.disk_io_mode == "direct",
                                                          embedded.disk_read_workers, config.fio.ioengine),
-                          name="g2-own-pattern")
+                          name="g2-own-pattern", write_each_round=True)
     rule = config.rule("g2", METRIC)
 
     def said(pair: Pair) -> None:
@@ -149,7 +150,8 @@ def cold_read_pairs(gate_context, endpoints):
                 stack.enter_context(side)
             subject, same_pattern = tier, own_side
             if config.aa:                  # A/A: the best job against itself, as many bytes as the tier's load
-                aa_side = stack.enter_context(FioRegions(directory, rounds, best.read, name="g2-aa-read"))
+                aa_side = stack.enter_context(FioRegions(directory, rounds, best.read, name="g2-aa-read",
+                                                         write_each_round=True))
                 nbytes = tier(0).nbytes
                 subject, same_pattern = (lambda i: aa_side(i, nbytes)), None
             pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],

@@ -17,7 +17,7 @@ From G2 (one request at a time, so nothing queues and every TTFT is one request'
 - **disk tier efficiency**: G2's `cold_read_vs_storage_best`, the tier's cold-read GB/s over the storage's best read
   job's, side by side; the disk rows above subtract loads at that measured tier GB/s, so `overhead_disk` is what a
   disk hit costs beyond its reads (opening, planning, verifying).
-- **loader efficiency** per loader (`model_load_loader`: loader GB/s ÷ fio's, side by side),
+- **loader efficiency** per loader (`model_load_loader`: loader GB/s ÷ the storage's best read job's, side by side),
   **checkpoint efficiency** (`checkpoint_write_vs_storage_best`), **service start** (the median of
   `service_load` minus its weights' load seconds).
 

@@ -207,7 +207,7 @@ def _g2(plan: Plan, config, timing, tiers: TierBandwidths) -> None:
         {"context_tokens": longest.context_tokens}))
     if tiers.disk_gbps is not None:
         plan.predictions.append(Prediction(
-            "g2", "cold_read_vs_storage_best", cold_read_vs_storage_best(tiers), "%", "G2 cold-read KV bandwidth / fio's",
+            "g2", "cold_read_vs_storage_best", cold_read_vs_storage_best(tiers), "%", "G2 cold-read KV bandwidth / the storage's best read",
             "the disk tier's efficiency (calibrated, else 1)"))
 
 

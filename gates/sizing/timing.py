@@ -266,7 +266,7 @@ def predict_g2(model: TimingModel, contexts: Sequence[int],
 
 
 def cold_read_vs_storage_best(tiers: TierBandwidths) -> float:
-    """G2's cold-read ratio: the disk tier's bytes over its read seconds, ÷ fio's GB/s on the same storage.
+    """G2's cold-read ratio: the disk tier's bytes over its read seconds, ÷ the storage's best read job's GB/s.
     Bytes over read time is bandwidth alone, so this is the disk tier's efficiency (the hit overhead
     lies outside the reads the check times)."""
     return tiers.efficiency.get("disk", 1.0)
