@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
-from gates.g2_baseline.side_by_side import FioRegions, Reading
+from gates.g2_baseline.side_by_side import FioRegions
 from gates.sequential import METHOD, log_ratio_sequence
 from workloads.fio import FioJob, run_fio
 from workloads.fio_sweep import SweepGrid, run_storage_sweep
