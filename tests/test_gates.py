@@ -323,3 +323,14 @@ def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path):
     assert 70_553_706_496 * 14 * 0.999 < spec.total_bytes < 70_553_706_496 * 14 * 1.001
     # the profile's parameter count is replaced, not merged with a preset
     assert load_config(_config_file(tmp_path, {"g2": {"checkpoint": {"parameters": 1000}}})).g2.checkpoint.parameters == 1000
+
+
+def test_the_g2_control_configs_load_as_a_short_g2_and_the_serial_one_reads_with_one_worker():
+    root = Path(__file__).resolve().parent.parent / "examples" / "controls"
+    serial, default = load_config(root / "g2-serial-read.yaml"), load_config(root / "g2-cold-read.yaml")
+    assert serial.targets.embedded.disk_read_workers == 1
+    assert default.targets.embedded.disk_read_workers == load_config(None).targets.embedded.disk_read_workers
+    for config in (serial, default):
+        g2 = config.g2
+        assert not (g2.model_load.enabled or g2.checkpoint.enabled or g2.no_reuse.enabled)
+        assert config.rule("g2", "cold_read_vs_storage_best").value == 0.8
