@@ -35,13 +35,15 @@ class StorageBest:
         return f"{shape.describe()}: {gbps:.2f} GB/s in {self.source}"
 
 
-def record_sweep(store, gate: str, check: str, sweep: Sweep) -> None:
-    """Every point (raw JSON in the gate's raw dir) and the winners, as run-store rows of `gate`."""
-    raw = store.raw_dir(gate)
-    for index, point in enumerate(sweep.points):
-        name = f"fio-sweep-{index:02d}-{point.kind}.json"
-        (raw / name).write_text(json.dumps(point.result.raw, indent=1))
-        store.record(gate, check, POINT, point.gbps, "GB/s", index=index, raw=name, **point.context())
+def record_point(store, gate: str, check: str, point: SweepPoint, index: int) -> None:
+    """One sweep point as a run-store row of `gate`, its raw fio JSON in the gate's raw dir."""
+    name = f"fio-sweep-{index:02d}-{point.kind}.json"
+    (store.raw_dir(gate) / name).write_text(json.dumps(point.result.raw, indent=1))
+    store.record(gate, check, POINT, point.gbps, "GB/s", index=index, raw=name, **point.context())
+
+
+def record_winners(store, gate: str, check: str, sweep: Sweep) -> None:
+    """The fastest read and write of the sweep, with the winning job's shape, as rows of `gate`."""
     for metric, kind in ((BEST_READ, "read"), (BEST_WRITE, "write")):
         best = sweep.best(kind)
         if best is not None:
@@ -50,15 +52,17 @@ def record_sweep(store, gate: str, check: str, sweep: Sweep) -> None:
 
 
 def sweep_storage(config, store, gate: str, check: str) -> Sweep:
-    """Run `config.fio.sweep` on `config.storage.path` with live progress, recorded under `gate`."""
+    """Run `config.fio.sweep` on `config.storage.path` with live progress, each point recorded under `gate`
+    as it comes (a crash loses nothing already measured), then the winners."""
     directory = config.storage.path.resolve() / SWEEP_DIR
 
-    def progress(point: SweepPoint, done: int, total: int) -> None:
+    def on_point(point: SweepPoint, done: int, total: int) -> None:
+        record_point(store, gate, check, point, done - 1)
         store.set_progress(gate, f"storage sweep: point {done} / {total}, {point.kind} {point.shape.describe()}: "
                                  f"{point.gbps:.2f} GB/s")
 
-    sweep = run_storage_sweep(config.fio.sweep.grid(), directory, on_point=progress)
-    record_sweep(store, gate, check, sweep)
+    sweep = run_storage_sweep(config.fio.sweep.grid(), directory, on_point=on_point)
+    record_winners(store, gate, check, sweep)
     return sweep
 
 
