@@ -98,3 +98,12 @@ def test_pool_bench_measures_both_backends_and_a_cross_node_hit(tmp_path):
         assert bandwidth["tier_vs_plain"] == pytest.approx(bandwidth["plain_rounds_s"][0] / bandwidth["tier_rounds_s"][0])
         assert cross["cached_tokens"] == 1024           # node B reused every block node A computed, from the pool
         assert cross["node_b_speedup"] == pytest.approx(cross["recompute_ttft_ms"] / cross["node_b_ttft_ms"])
+
+
+@pytest.mark.parametrize("interval, mark", [([0.92, 1.3], "meets target"), ([0.4, 0.85], "BELOW TARGET"),
+                                            ([0.5, 1.4], "not decided"), (None, "not decided")])
+def test_cache_bench_says_a_disk_figure_meets_its_target_only_when_its_interval_clears_it(interval, mark):
+    from gates.cache_bench import _headline
+
+    figures = {"disk_vs_storage_best": 0.95, "disk": {"direct": {"interval": interval}}}
+    assert f"(target >= 0.9: {mark}" in _headline(figures, "disk_vs_storage_best")
