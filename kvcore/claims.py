@@ -57,7 +57,7 @@ DEFAULT_CLAIMS: tuple[dict, ...] = (
     _claim("speedup_over_recompute", "a cache hit 8.6–20× faster than recompute", "seed playbook", "g2",
            "disk_hit_ttft_vs_recompute", read="inverse", unit="×", min=8.6, max=20.0),
     _claim("cold_read_gbps", "cold-read bandwidth 0.98 → 5.23 GB/s with parallel reads", "seed playbook",
-           "g2", "cold_read_vs_fio", read="last", unit="GB/s", min=5.23,
+           "g2", "cold_read_vs_storage_best", read="last", unit="GB/s", min=5.23,
            needs="the disk tier's cold load (an embedded candidate)"),
     _claim("model_load_speedup", "model loading 1399 → 150 s (70B) and 691 → 112 s (32B) against NFS: 6.2–9.3×",
            "R9 measured, DeepSeek 32B/70B", "g2", "model_load_speedup_vs_baseline", unit="×", min=6.2, max=9.3,
@@ -65,11 +65,11 @@ DEFAULT_CLAIMS: tuple[dict, ...] = (
     _claim("checkpoint_speedup", "checkpoint save 178 → 94 s: 1.9×", "R1 measured, 8-GPU 32B LoRA job", "g2",
            "checkpoint_speedup_vs_baseline", unit="×", min=1.9, needs="a baseline storage path (g2.checkpoint.baseline_path)"),
     _claim("checkpoint_write_gbps", "checkpoint sustained write 3.26 → 6.40 GB/s", "R1 measured, 8-GPU 32B LoRA job",
-           "g2", "checkpoint_write_vs_fio", unit="GB/s", min=6.40, needs="checkpoint saves (g2.checkpoint)"),
+           "g2", "checkpoint_write_vs_storage_best", unit="GB/s", min=6.40, needs="checkpoint saves (g2.checkpoint)"),
 )
 
 # claims whose figure is a measurement's context field, not its value (absolute GB/s beside a ratio)
-_CONTEXT_FIELD = {"cold_read_vs_fio": "tier_gbps", "checkpoint_write_vs_fio": "save_gbps"}
+_CONTEXT_FIELD = {"cold_read_vs_storage_best": "tier_gbps", "checkpoint_write_vs_storage_best": "save_gbps"}
 
 
 def _figure(rows: list[dict], claim: Claim) -> Optional[float]:

@@ -25,7 +25,7 @@ from .judged import judged, not_judged_reason
 from .rundata import finite_number
 
 CONTEXT_KEYS = ("concurrency", "multiplier", "context_tokens", "target")
-IN_POINTS = ("hit_ratio", "ttft_p50_reduction", "throughput_gain", "sustained_rate_gain", "cold_read_vs_fio",
+IN_POINTS = ("hit_ratio", "ttft_p50_reduction", "throughput_gain", "sustained_rate_gain", "cold_read_vs_storage_best",
              "cross_node_hit_ratio")
 IN_MAPE = ("ttft_p50_ms", "output_tokens_per_s", "disk_hit_ttft_vs_recompute")
 

@@ -3,7 +3,7 @@ rounds side by side with fio, and each judged ratio with its 95% interval beside
 the sizing model's prediction (made before G2 ran) where there is one.
 
 Rows read (gates/g2_baseline): `ttft_ms` (context mode, context_tokens), `cold_read_pair` (context
-round, tier_gbps, fio_gbps); the verdicts' value, interval and rule.
+round, tier_gbps or aa_gbps (A/A), fio_gbps (the best job), same_pattern_gbps); the verdicts' value, interval and rule.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ def cold_read_plots(rows: GateRows) -> list[str]:
     pairs = [m.get("context") or {} for m in rows.measurements if m.get("metric") == "cold_read_pair"]
     if not pairs:
         return []
+    legs = (("tier", "disk tier cold load"), ("aa", "A/A: the best job"), ("fio", "the storage's best read job"),
+            ("same_pattern", "fio in the tier's own pattern (diagnostic)"))
     sides = [plots.Series(name, [(p.get("round"), p.get(f"{side}_gbps")) for p in pairs])
-             for side, name in (("tier", "disk tier cold load"), ("fio", "fio, same storage"))]
-    return [plots.line_chart(sides, "G2 cold-read bandwidth, alternating rounds", "round", "GB/s")]
+             for side, name in legs if any(p.get(f"{side}_gbps") is not None for p in pairs)]
+    return [plots.line_chart(sides, "G2 cold-read bandwidth, sequential pairs", "round", "GB/s")]
 
 
 def judged_ratio_plots(rows: GateRows) -> list[str]:

@@ -1,5 +1,5 @@
 """G2's model-load and checkpoint figures as the report draws them: a table per loader and per round
-with its phases, and bar charts against fio's line. Reads only the measurements' rows (the suites'
+with its phases, and bar charts against the storage's best job's line. Reads only the measurements' rows (the suites'
 metrics and their `context` keys, kvcore.rundata), never reason strings.
 
 Rows read (written by gates/g2_baseline/test_g2_model_load.py and test_g2_checkpoint.py):
@@ -97,8 +97,8 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
                          f"{sum(1 for c in contexts if c.get('cold'))} / {len(contexts)}",
                          f"{sum(1 for c in contexts if c.get('identical'))} / {len(contexts)}",
                          _warm(ratio)])
-        tables.append({"title": "Model load: cold rounds per loader (medians), beside fio reading the same files",
-                       "columns": ["loader", "GB/s", "fio GB/s", "loader / fio", *(f"{p} s" for p in LOAD_PHASES),
+        tables.append({"title": "Model load: cold rounds per loader (medians), beside the storage's best read job reading the same files",
+                       "columns": ["loader", "GB/s", "best job GB/s", "loader / best", *(f"{p} s" for p in LOAD_PHASES),
                                    "total s", "bytes", "cold rounds", "identical rounds", "warm GB/s"],
                        "rows": rows})
     starts = _rows(measurements, "service_load")
@@ -123,8 +123,8 @@ def checkpoint_tables(measurements: list[dict]) -> list[dict]:
     """Every save beside fio's write, every cold restore: round by round, with each rank's seconds."""
     tables = []
     for metric, title, extra in (
-            ("checkpoint_save_round", "Checkpoint save: each round, beside fio writing as many bytes",
-             ("fio GB/s", "save / fio")),
+            ("checkpoint_save_round", "Checkpoint save: each round, beside the storage's best fsync'd write job writing as many bytes",
+             ("best job GB/s", "save / best")),
             ("checkpoint_restore_round", "Checkpoint restore: each round, pages dropped first", ("equal", "cold"))):
         rounds = _rows(measurements, metric)
         if not rounds:
@@ -154,7 +154,7 @@ def storage_plots(measurements: list[dict]) -> list[str]:
                           _median((r.get("context") or {}).get("fio_gbps") for r in rounds))
                 for loader, rounds in _by(loads, "loader").items()]
         charts.append(plots.bar_chart(bars, "G2 model load: cold GB/s per loader (medians)", "GB/s",
-                                      reference_label="fio, same files"))
+                                      reference_label="the best read job, same files"))
     saves = _under_test(_rows(measurements, "checkpoint_save_round"))
     restores = _under_test(_rows(measurements, "checkpoint_restore_round"))
     if saves or restores:
@@ -162,5 +162,5 @@ def storage_plots(measurements: list[dict]) -> list[str]:
                            (r.get("context") or {}).get("fio_gbps")) for r in saves]
                 + [plots.Bar(f"restore {(r.get('context') or {}).get('round')}", r.get("value")) for r in restores])
         charts.append(plots.bar_chart(bars, "G2 checkpoint: save and cold restore GB/s per round", "GB/s",
-                                      reference_label="fio sequential write"))
+                                      reference_label="the best fsync'd write job"))
     return charts

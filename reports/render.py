@@ -26,7 +26,7 @@ from kvcore.claims import claim_text, claims_table, format_figure, run_claims
 from kvcore.predictions import beside
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
-from . import g1_arrival, g2_cache, g2_storage, g3_main, g4_soak, plots
+from . import g1_arrival, g2_cache, g2_storage, g3_main, g4_soak, plots, storage_yardstick
 from .environment import environment_tables
 from .rows import GateRows, gate_rows, number
 
@@ -204,8 +204,9 @@ PLOTTERS: dict[str, Callable[[GateRows], list[str]]] = {
     "g4": g4_soak.window_plots,
 }
 TABLERS: dict[str, Callable[[GateRows], list[dict]]] = {
-    "g1": g1_arrival.spec_table,
-    "g2": lambda rows: g2_storage.model_load_tables(rows.measurements) + g2_storage.checkpoint_tables(rows.measurements),
+    "g1": lambda rows: g1_arrival.spec_table(rows) + storage_yardstick.sweep_tables(rows.measurements),
+    "g2": lambda rows: (storage_yardstick.pairs_tables(rows.measurements) + g2_storage.model_load_tables(rows.measurements)
+                        + g2_storage.checkpoint_tables(rows.measurements) + storage_yardstick.sweep_tables(rows.measurements)),
     "g3": g3_main.step_tables,
     "g4": g4_soak.fault_tables,
 }

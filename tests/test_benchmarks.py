@@ -20,19 +20,23 @@ def _run_json(*args: str) -> dict:
 
 
 @needs_fio
-def test_cache_bench_json_reports_the_headline_ratios_from_its_raw_figures(tmp_path):
-    figures = _run_json("cache-bench", "--dir", str(tmp_path), "--prefix-mib", "16", "--rounds", "2",
-                        "--read-workers", "2", "--block-mib", "4", "--indexed-blocks", "20000")
+def test_cache_bench_json_reports_the_headline_ratios_against_the_storages_best_from_its_raw_figures(tmp_path):
+    figures = _run_json("cache-bench", "--dir", str(tmp_path), "--prefix-mib", "16", "--rounds", "3",
+                        "--read-workers", "2", "--block-mib", "4", "--indexed-blocks", "20000", "--sweep-mib", "32")
     disk, host, lookup = figures["disk"], figures["host"], figures["lookup"]
     assert disk["prefix_bytes"] == 16 * 2**20 and disk["block_bytes"] == 4 * 2**20
+    assert disk["best"]["points"] >= 10 and disk["best"]["sweep_gbps"] > 0   # the quick sweep found the best job
     for mode in ("direct", "buffered_cold"):
         d = disk[mode]
-        assert len(d["tier_rounds_gbps"]) == len(d["fio_rounds_gbps"]) == 2
-        assert d["ratio_rounds"] == pytest.approx([t / f for t, f in zip(d["tier_rounds_gbps"], d["fio_rounds_gbps"])])
-        assert d["ratio"] == pytest.approx(sum(d["ratio_rounds"]) / 2)       # the median of two rounds
-    assert figures["disk_vs_fio"] == disk["direct"]["ratio"]
-    assert figures["disk_buffered_cold_vs_fio"] == disk["buffered_cold"]["ratio"]
-    assert figures["targets"]["disk_vs_fio"] == figures["targets"]["disk_buffered_cold_vs_fio"] == ">= 0.9"
+        assert len(d["tier_rounds_gbps"]) == len(d["best_rounds_gbps"]) == len(d["fio_same_pattern_rounds_gbps"]) == 3
+        ratios = [t / b for t, b in zip(d["tier_rounds_gbps"], d["best_rounds_gbps"])]
+        assert d["ratio_rounds"] == pytest.approx(ratios)                     # divided by the best job, round by round
+        assert d["ratio"] == pytest.approx((ratios[0] * ratios[1] * ratios[2]) ** (1 / 3))   # their geometric mean
+        assert d["interval"][0] <= d["ratio"] <= d["interval"][1]
+        assert f"--bs={disk['best']['bs']}" in d["best_job"] and f"--numjobs={disk['best']['numjobs']}" in d["best_job"]
+    assert figures["disk_vs_storage_best"] == disk["direct"]["ratio"]
+    assert figures["disk_buffered_cold_vs_storage_best"] == disk["buffered_cold"]["ratio"]
+    assert figures["targets"]["disk_vs_storage_best"] == ">= 0.9"
     assert host["ratio_rounds"] == pytest.approx([t / m for t, m in zip(host["tier_rounds_gbps"],
                                                                           host["memcpy_rounds_gbps"])])
     assert figures["host_vs_memcpy"] == host["ratio"]
@@ -94,3 +98,12 @@ def test_pool_bench_measures_both_backends_and_a_cross_node_hit(tmp_path):
         assert bandwidth["tier_vs_plain"] == pytest.approx(bandwidth["plain_rounds_s"][0] / bandwidth["tier_rounds_s"][0])
         assert cross["cached_tokens"] == 1024           # node B reused every block node A computed, from the pool
         assert cross["node_b_speedup"] == pytest.approx(cross["recompute_ttft_ms"] / cross["node_b_ttft_ms"])
+
+
+@pytest.mark.parametrize("interval, mark", [([0.92, 1.3], "meets target"), ([0.4, 0.85], "BELOW TARGET"),
+                                            ([0.5, 1.4], "not decided"), (None, "not decided")])
+def test_cache_bench_says_a_disk_figure_meets_its_target_only_when_its_interval_clears_it(interval, mark):
+    from gates.cache_bench import _headline
+
+    figures = {"disk_vs_storage_best": 0.95, "disk": {"direct": {"interval": interval}}}
+    assert f"(target >= 0.9: {mark}" in _headline(figures, "disk_vs_storage_best")

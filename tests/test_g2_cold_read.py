@@ -1,21 +1,24 @@
-"""G2's cold read judged side by side: hand-made pairs through the verdict, and real rounds of a tiny
-embedded server's disk tier alternating with real fio on the same directory."""
+"""G2's cold read judged side by side with the storage's best: hand-made pairs through the verdict, the
+sequential stopping, and real rounds of a tiny embedded server's disk tier alternating with real fio on
+the same directory."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
 
-from gates.g2_baseline.cold_read import (MIN_PAIRS, Pair, FioRegions, Reading, TierColdLoad, disk_counters,
-                                         measure_pairs, paired_ratio)
+from gates.g2_baseline.cold_read import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, TierColdLoad,
+                                         disk_counters, measure_pairs, own_pattern, paired_ratio)
+from workloads.fio_sweep import FioShape
 from gates.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
 from workloads.client import StreamingClient
 from workloads.faults import AdminClient
 from workloads.requests import WorkloadRequest
 
-RULE = {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8}
+RULE = {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8}
 # what one fio job gave on this disk within minutes (GB/s): a single one of them decides nothing
 STORAGE = [1.3, 3.5, 2.1, 1.6, 2.9]
 # one 256-token block of the tiny preset's float32 KV: 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes
@@ -52,43 +55,103 @@ def test_pairs_straddling_the_threshold_are_inconclusive():
     assert verdict.interval[0] < 0.8 < verdict.interval[1] and "straddles" in verdict.reason
 
 
-def test_fewer_than_five_pairs_are_never_judged():
-    verdict = _judge(_pairs([0.95, 0.95, 0.95, 0.95]))
+def test_fewer_than_three_pairs_are_never_judged():
+    verdict = _judge(_pairs([0.95, 0.95]))
     assert verdict.status == INCONCLUSIVE
-    assert f"4 side-by-side pairs, at least {MIN_PAIRS} needed" in verdict.reason
+    assert f"2 side-by-side pairs, at least {MIN_PAIRS} needed" in verdict.reason
     assert _judge([]).status == INCONCLUSIVE
 
 
-def test_the_pairs_alternate_the_tier_and_fio_and_fio_reads_as_many_bytes_as_the_tier():
+def test_the_judged_ratio_divides_by_the_best_job_not_by_fio_in_the_tiers_own_pattern():
+    # a serial tier: as fast as fio at its own queue depth 1, half of what the storage's best job reads
+    gb = 1e9
+    swings = [1.0, 1.2, 0.9, 1.1, 1.0]            # the storage's seconds per GB, round by round
+    pairs = [Pair(i, Reading(gb, 1.0), Reading(gb, 0.5 * s), Reading(gb, s)) for i, s in enumerate(swings)]
+    judged = paired_ratio(pairs)
+    verdict = judge("g2", "cold read", "G2 cold read", judged.value, RULE, **judged.verdict_options())
+    assert verdict.status == FAIL, verdict.reason
+    assert judged.value == pytest.approx(0.5 * math.prod(swings) ** (1 / len(swings)))   # geometric mean of s / 2
+    assert judged.interval[1] < 0.8                                  # the best job decides it
+    assert judged.same_pattern_ratio == pytest.approx(2 * judged.value)   # at its own pattern ~1: shown only
+    assert "diagnostic, not judged" in judged.diagnostic()
+
+
+def test_the_pairs_alternate_the_tier_the_best_job_and_fio_in_the_tiers_pattern_on_as_many_bytes():
     calls = []
 
     def tier(i):
         calls.append(("tier", i))
         return Reading(1000 + i, 1.0)
 
-    def fio(i, nbytes):
-        calls.append(("fio", i, nbytes))
+    def best(i, nbytes):
+        calls.append(("best", i, nbytes))
         return Reading(nbytes, 0.5)
 
-    pairs = measure_pairs(tier, fio, 2, warmup=1)
-    assert calls == [("tier", 0), ("fio", 0, 1000), ("tier", 1), ("fio", 1, 1001), ("tier", 2), ("fio", 2, 1002)]
-    assert [p.round for p in pairs] == [1, 2]            # the warm-up pair is measured, not kept
-    assert [p.ratio for p in pairs] == [0.5, 0.5]
+    def own(i, nbytes):
+        calls.append(("own", i, nbytes))
+        return Reading(nbytes, 1.0)
+
+    pairs, stopping = measure_pairs(tier, best, Pairing(min=3, max=3, budget_s=60), [RULE], warmup=1,
+                                    same_pattern=own)
+    assert calls[:6] == [("tier", 0), ("best", 0, 1000), ("own", 0, 1000), ("tier", 1), ("best", 1, 1001),
+                         ("own", 1, 1001)]
+    assert [p.round for p in pairs] == [1, 2, 3]            # the warm-up pair is measured, not kept
+    assert [p.ratio for p in pairs] == [0.5, 0.5, 0.5]
     assert pairs[1].context("tier") == {"round": 2, "tier_gbps": 1.002e-06, "fio_gbps": 2.004e-06, "tier_bytes": 1002,
-                                  "tier_seconds": 1.0, "fio_bytes": 1002, "fio_seconds": 0.5}
+                                        "tier_seconds": 1.0, "fio_bytes": 1002, "fio_seconds": 0.5,
+                                        "same_pattern_gbps": 1.002e-06, "same_pattern_ratio": 1.0}
+    assert stopping.pairs == 3 and stopping.decided      # 0.5 every pair: below 0.8 with no doubt
 
 
-def test_fio_reads_a_fresh_region_each_round_in_the_tiers_io_mode_and_parallelism(tmp_path):
-    direct = FioRegions(tmp_path, rounds=5, direct=True, parallel=16, region=32 << 20)
+def _steady(ratios):
+    """A subject whose pair i reads at ratios[i % len] of a steady best job."""
+    taken = []
+
+    def subject(i):
+        taken.append(i)
+        return Reading(1e9 * ratios[i % len(ratios)], 1.0)
+
+    return subject, (lambda i, nbytes: Reading(1e9, 1.0)), taken
+
+
+def test_sampling_stops_at_the_minimum_once_the_interval_clears_the_rule():
+    subject, best, taken = _steady([0.95, 0.97, 0.96, 0.94])
+    pairs, stopping = measure_pairs(subject, best, Pairing(min=4, max=20, budget_s=600), [RULE])
+    assert stopping.decided and stopping.pairs == 4 == len(pairs) == len(taken)
+    verdict = judge("g2", "cold read", "G2", paired_ratio(pairs, stopping).value, RULE,
+                    **paired_ratio(pairs, stopping).verdict_options())
+    assert verdict.status == PASS, verdict.reason
+    assert "decided after 4 pairs" in paired_ratio(pairs, stopping).describe()
+
+
+def test_sampling_runs_to_the_maximum_when_the_ratio_sits_on_the_threshold():
+    subject, best, taken = _steady([0.7, 0.9, 0.75, 0.88])
+    pairs, stopping = measure_pairs(subject, best, Pairing(min=3, max=9, budget_s=600), [RULE])
+    assert not stopping.decided and stopping.pairs == 9 == len(taken)
+    assert "the most allowed" in stopping.why
+    judged = paired_ratio(pairs, stopping)
+    assert judge("g2", "cold read", "G2", judged.value, RULE, **judged.verdict_options()).status == INCONCLUSIVE
+
+
+def test_fio_reads_a_fresh_region_each_round_in_the_given_shape(tmp_path):
+    direct = FioRegions(tmp_path, rounds=5, shape=own_pattern(True, 16), region=32 << 20)
     argv = direct.read_job(3).argv()
     assert {"--rw=read", "--bs=1048576", "--direct=1", "--ioengine=libaio", "--iodepth=16", "--numjobs=1",
             f"--size={32 << 20}", f"--offset={3 * (32 << 20)}", f"--filesize={5 * (32 << 20)}"} <= set(argv)
-    buffered = FioRegions(tmp_path, rounds=5, direct=False, parallel=16)
+    buffered = FioRegions(tmp_path, rounds=5, shape=own_pattern(False, 16))
     buffered._size_regions(30e6)  # 29 requests of 1 MiB: 16 jobs of 2 MiB each
     argv = buffered.read_job(1).argv()
     assert buffered.region == 32 << 20
     assert {"--direct=0", "--ioengine=psync", "--numjobs=16", f"--size={2 << 20}", f"--offset={32 << 20}",
             f"--offset_increment={2 << 20}"} <= set(argv)
+    best = FioRegions(tmp_path, rounds=5, shape=FioShape(True, "io_uring", 32, 4, "16M"))
+    best._size_regions(30e6)      # at least as many bytes: 4 jobs of one 16 MiB request each
+    assert best.region == 64 << 20
+    assert {"--bs=16M", "--ioengine=io_uring", "--iodepth=32", "--numjobs=4", f"--size={16 << 20}"} <= set(
+        best.read_job(0).argv())
+    written = best.region_write_job(2).argv()        # write_each_round: region 2 alone, just before its read
+    assert {"--rw=write", f"--size={64 << 20}", f"--offset={2 * (64 << 20)}", f"--filesize={5 * (64 << 20)}",
+            "--end_fsync=1", "--direct=0"} <= set(written)
 
 
 # -- real rounds -------------------------------------------------------------------------------
@@ -116,7 +179,7 @@ def _four_block_request(tag: str) -> WorkloadRequest:
 
 
 @needs_fio
-def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, client, tmp_path):
+def test_real_pairs_read_the_disk_tier_each_round_and_the_best_job_beside_it(server, client, tmp_path):
     admin = AdminClient(server.base_url)
     moved = []
 
@@ -125,20 +188,25 @@ def test_real_pairs_read_the_disk_tier_each_round_and_fio_beside_it(server, clie
         return _four_block_request(f"cold-{i}")
 
     tier = TierColdLoad(admin, client, request_for)
-    with FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, direct=True, parallel=4) as fio:
-        pairs = measure_pairs(tier, fio, MIN_PAIRS)
-        assert fio.path.exists()
-    assert not (tmp_path / "fio").exists()                   # its file and the directory it made are gone
-    assert [p.round for p in pairs] == list(range(MIN_PAIRS))
+    best_shape = FioShape(True, "libaio", 8, 2, "256k")
+    with FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, shape=best_shape, name="best", write_each_round=True) as best, \
+            FioRegions(tmp_path / "fio", rounds=MIN_PAIRS, shape=own_pattern(True, 4), name="own") as own:
+        pairs, stopping = measure_pairs(tier, best, Pairing(min=MIN_PAIRS, max=MIN_PAIRS, budget_s=600), [RULE],
+                                        same_pattern=own)
+        assert best.path.exists() and own.path.exists()
+    assert not (tmp_path / "fio").exists()                   # their files and the directory they made are gone
+    assert [p.round for p in pairs] == list(range(MIN_PAIRS)) and stopping.pairs == MIN_PAIRS
     for pair in pairs:
-        assert pair.subject.gbps > 0 and pair.fio.gbps > 0
+        assert pair.subject.gbps > 0 and pair.fio.gbps > 0 and pair.same_pattern.gbps > 0
         assert pair.subject.nbytes == 4 * TINY_BLOCK_BYTES       # 4 tiny-preset blocks, all from the disk tier
-        assert pair.fio.nbytes == 1 << 20                     # the same bytes, in whole 1 MiB requests
+        assert pair.fio.nbytes == 512 << 10                   # at least the same bytes: 2 jobs x one 256 KiB request
+        assert pair.same_pattern.nbytes == 1 << 20            # the tier's pattern: whole 1 MiB requests
     final = disk_counters(admin).nbytes
     # the server's disk bytes read moved by each round's cold load, not before it
     assert [b - a for a, b in zip(moved, moved[1:] + [final])] == [4 * TINY_BLOCK_BYTES] * MIN_PAIRS
-    judged = paired_ratio(pairs)
+    judged = paired_ratio(pairs, stopping)
     assert judged.valid and judged.value > 0 and judged.interval[0] <= judged.value <= judged.interval[1]
+    assert judged.same_pattern_ratio > 0
 
 
 @needs_fio

@@ -10,7 +10,7 @@ import pytest
 
 from gates.g2_baseline.model_load import (RANDOM_DIR, best_loader, measure_loaders, measure_speedup, median_phases,
                                           prepare_checkpoints)
-from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape
+from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape, Pairing
 from workloads.safetensors_dir import CheckpointFormatError
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
@@ -29,22 +29,28 @@ def checkpoints(tmp_path_factory):
     prepared.close()
 
 
+RULE = {"metric": "model_load_vs_storage_best", "op": ">=", "value": 0.8}
+
+
 @needs_fio
-def test_each_loader_alternates_with_fio_on_the_same_files_and_every_load_is_checked(checkpoints):
+def test_each_loader_alternates_with_the_best_job_on_the_same_files_and_every_load_is_checked(checkpoints):
     prepared, _, said = checkpoints
     assert any("writing the random checkpoint" in line for line in said)      # progress while it was written
     rounds = []
-    figures = measure_loaders(prepared.under_test, ["safetensors", "runai_streamer"], MIN_PAIRS, 4,
-                              FioShape(direct=True, ioengine="libaio", iodepth=4), said.append, rounds.append)
+    best = FioShape(direct=True, ioengine="libaio", iodepth=4, numjobs=2, bs="4M")    # the storage's best job
+    figures = measure_loaders(prepared.under_test, ["safetensors", "runai_streamer"],
+                              Pairing(MIN_PAIRS, MIN_PAIRS, 600), [RULE], 4, best, said.append, rounds.append)
     assert [(r.loader, r.pair.round) for r in rounds] == [(loader, i) for i in range(MIN_PAIRS)
                                                          for loader in ("safetensors", "runai_streamer")]
     for r in rounds:
         assert r.identical and r.summary["nbytes"] == prepared.under_test.tensor_bytes
-        assert r.pair.fio.nbytes > 0.9 * prepared.under_test.tensor_bytes      # fio read the same files
+        assert r.pair.fio.nbytes > 0.9 * prepared.under_test.tensor_bytes      # fio read the same files, once
+        assert r.pair.fio.nbytes <= prepared.under_test.tensor_bytes + 2**20
         assert r.summary["cold"], r.summary          # pages dropped before each load: the device was read
         assert set(r.context()["phases"]) == {"open", "read", "deserialize", "copy"}
     judged = {loader: f.judged for loader, f in figures.items()}
     assert all(j.valid and j.value > 0 and j.interval[0] <= j.value <= j.interval[1] for j in judged.values())
+    assert all(j.stopping is not None and j.stopping.pairs == MIN_PAIRS for j in judged.values())
     assert best_loader(figures).judged.value == max(j.value for j in judged.values())
     assert median_phases(figures["safetensors"])["copy"] > 0
     # a warm load apart: safetensors (mmap) is served by the page cache; the Run:ai streamer reads with

@@ -27,7 +27,12 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"contextz": [1024]}}, "g2.contextz: unknown field"),
     ({"g2": {"contexts": "many"}}, "g2.contexts: expected a list, found 'many'"),
     ({"g2": {"contexts": []}}, "g2.contexts"),
-    ({"g2": {"cold_read_pairs": 3}}, "g2.cold_read_pairs: expected a value >= 5, found 3"),
+    ({"g2": {"cold_read_pairs": 2}}, "g2.cold_read_pairs.min: expected a value >= 3, found 2"),
+    ({"g2": {"cold_read_pairs": {"min": 6, "max": 4}}}, "g2.cold_read_pairs.max: expected at least min (6), found 4"),
+    ({"g2": {"model_load": {"rounds": {"budget_s": 0}}}}, "g2.model_load.rounds.budget_s: expected a value > 0"),
+    ({"fio": {"sweep": {"iodepths": [4, 4]}}}, "fio.sweep.iodepths: expected each value once, found [4] repeated"),
+    ({"fio": {"sweep": {"ioengines": ["posixaio"]}}}, "fio.sweep.ioengines[0]"),
+    ({"fio": {"sweep": {"size": "8M"}}}, "fio.sweep.size: expected at least the largest request size"),
     ({"g3": {"levels": [2, "four"]}}, "g3.levels[1]: expected a finite number, found 'four'"),
     ({"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
      "g1.thresholds[0]: expected keys {metric, op, value} (threshold) or {metric, min, max} (band), "
@@ -50,9 +55,9 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
                             {"metric": "throughput_gian", "min": 1, "max": 2}]}},
      "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, error_rate, no_reuse_ttft_cost, no_reuse_throughput_cost, found 'throughput_gian'"),
-    ({"g2": {"thresholds": [{"metric": "cold_read_vs_fio", "op": ">=", "value": 0.8},
-                            {"metric": "cold_read_vs_fio", "op": ">=", "value": 0.7}]}},
-     "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_fio' again (first at [0])"),
+    ({"g2": {"thresholds": [{"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
+                            {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.7}]}},
+     "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_storage_best' again (first at [0])"),
     ({"g1": {"thresholds": [{"metric": "cpu_cores", "op": ">=", "value": 2}]}},
      "g1.thresholds[0].metric: expected one of seq_read_gbps"),
     # values that cannot be meant (1.6)
@@ -97,7 +102,8 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"model_load": {"loaders": ["safetensor"]}}}, "g2.model_load.loaders[0]: expected one of"),
     ({"g2": {"model_load": {"loaders": ["safetensors", "safetensors"]}}},
      "g2.model_load.loaders: expected each loader once, found ['safetensors'] repeated"),
-    ({"g2": {"model_load": {"rounds": 3}}}, "g2.model_load.rounds: expected a value >= 5, found 3"),
+    ({"g2": {"model_load": {"rounds": 2}}}, "g2.model_load.rounds.min: expected a value >= 3, found 2"),
+    ({"g2": {"checkpoint": {"rounds": {"min": 2}}}}, "g2.checkpoint.rounds.min: expected a value >= 3, found 2"),
     ({"g2": {"model_load": {"size": "1XB"}}}, "g2.model_load.size: expected a byte size"),
     ({"g2": {"model_load": {"launch": "vllm serve m"}}},
      "g2.model_load: launch and health_url: expected both (the start command and the URL that answers when it is "
@@ -317,3 +323,14 @@ def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path):
     assert 70_553_706_496 * 14 * 0.999 < spec.total_bytes < 70_553_706_496 * 14 * 1.001
     # the profile's parameter count is replaced, not merged with a preset
     assert load_config(_config_file(tmp_path, {"g2": {"checkpoint": {"parameters": 1000}}})).g2.checkpoint.parameters == 1000
+
+
+def test_the_g2_control_configs_load_as_a_short_g2_and_the_serial_one_reads_with_one_worker():
+    root = Path(__file__).resolve().parent.parent / "examples" / "controls"
+    serial, default = load_config(root / "g2-serial-read.yaml"), load_config(root / "g2-cold-read.yaml")
+    assert serial.targets.embedded.disk_read_workers == 1
+    assert default.targets.embedded.disk_read_workers == load_config(None).targets.embedded.disk_read_workers
+    for config in (serial, default):
+        g2 = config.g2
+        assert not (g2.model_load.enabled or g2.checkpoint.enabled or g2.no_reuse.enabled)
+        assert config.rule("g2", "cold_read_vs_storage_best").value == 0.8

@@ -361,12 +361,13 @@ def test_index_html_plots_g2_cold_read_pairs_round_by_round_and_lists_each_pair(
     render_run(tmp_path)
     page = (tmp_path / "index.html").read_text()
     g2 = page[page.index('id="g2"'):page.index('id="g3"')]
-    assert g2.count("<svg") == 1 and "G2 cold-read bandwidth, alternating rounds" in g2
-    assert "disk tier cold load" in g2 and "fio, same storage" in g2
+    assert g2.count("<svg") == 1 and "G2 cold-read bandwidth, sequential pairs" in g2
+    assert "disk tier cold load" in g2 and "the storage's best read job" in g2
+    assert "own pattern" not in g2                          # no same-pattern leg recorded: no such line drawn
     assert g2.count("cold_read_pair") == 3 and "round=2, tier_gbps=0.9, fio_gbps=1.3" in g2
 
 
-def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_against_fio(tmp_path):
+def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_against_the_best_job(tmp_path):
     store = build_run(tmp_path, gates=("g1", "g2"), g2_ttft=False)
     for i in range(5):
         for loader, gbps, fio in (("safetensors", 0.6, 1.5), ("runai_streamer", 1.3, 1.45)):
@@ -400,8 +401,8 @@ def test_g2_model_load_and_checkpoint_figures_are_tables_with_phases_and_bars_ag
     assert "Checkpoint save: each round" in g2 and "0.500, 0.510" in g2 and ">79.0%<" in g2
     assert g2.count("(warm-up, not judged)") == 1
     assert "Checkpoint restore: each round" in g2 and ">yes<" in g2
-    assert "G2 model load: cold GB/s per loader (medians)" in g2 and "fio, same files" in g2
-    assert "G2 checkpoint: save and cold restore GB/s per round" in g2 and "fio sequential write" in g2
+    assert "G2 model load: cold GB/s per loader (medians)" in g2 and "the best read job, same files" in g2
+    assert "G2 checkpoint: save and cold restore GB/s per round" in g2 and "the best fsync'd write job" in g2
 
 
 def test_user_controlled_strings_are_escaped_in_html_and_svg(run_dir):
@@ -504,3 +505,23 @@ def test_the_claims_table_opens_the_report_with_promised_measured_and_verdict(tm
     assert "G3 did not run" in claims and "not measured" in claims
     row = next(r for r in results["claims"] if r["id"] == "speedup_over_recompute")
     assert row["verdict"] == "met" and abs(row["measured"] - 1 / 0.075) < 1e-9
+
+
+def test_the_storage_sweep_and_g2s_sequential_pairs_are_tables_with_the_best_job_and_why_sampling_stopped(tmp_path):
+    store = build_run(tmp_path, gates=("g1", "g2"), g2_ttft=False)
+    shape = {"direct": True, "ioengine": "io_uring", "iodepth": 32, "numjobs": 4, "bs": "16M"}
+    for i, gbps in enumerate([0.7, 1.9, 1.2]):
+        store.record("g1", "storage_sweep", "storage_sweep_point", gbps, "GB/s", index=i, kind="read",
+                     raw=f"fio-sweep-{i:02d}-read.json", **{**shape, "iodepth": [1, 32, 4][i]})
+    store.record("g1", "storage_sweep", "storage_best_read_gbps", 1.9, "GB/s", kind="read", **shape)
+    store.record("g2", "cold read", "cold_read_vs_storage_best", 0.42, "%", pairs=7, interval=[0.3, 0.6],
+                 stopping={"pairs": 7, "decided": True, "why": "decided after 7 pairs"}, best=shape,
+                 best_source="G1's sweep", same_pattern_ratio=0.98, aa=False)
+    render_run(tmp_path)
+    page = (tmp_path / "index.html").read_text()
+    g1 = page[page.index('id="g1"'):page.index('id="g2"')]
+    g2 = page[page.index('id="g2"'):page.index('id="g3"')]
+    assert "Storage sweep: every point" in g1 and "fio-sweep-01-read.json" in g1 and g1.count(">best<") == 1
+    table = g2[g2.index("sequential pairs (Lai"):]
+    assert "decided after 7 pairs" in table and "[0.30, 0.60]" in table and ">0.98<" in table
+    assert "direct, io_uring, iodepth 32, 4 jobs, 16M" in table

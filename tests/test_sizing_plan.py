@@ -39,7 +39,7 @@ def test_a_plan_from_a_run_predicts_g2_judges_it_and_sets_it_beside_the_measurem
     plan = make_plan(load_config(None, "quick"), store)
     g2 = {p.metric: p for p in plan.predictions if p.gate == "g2"}
     assert g2["disk_hit_ttft_vs_recompute"].status == "PASS" and "≤ 25%" in g2["disk_hit_ttft_vs_recompute"].reason
-    assert g2["cold_read_vs_fio"].value == pytest.approx(0.8)             # the run's measured tier efficiency
+    assert g2["cold_read_vs_storage_best"].value == pytest.approx(0.8)             # the run's measured tier efficiency
     # G3 per level from the replayed hits and the fitted decode cost, each judged by G3's rules
     g3 = [p for p in plan.predictions if p.metric == "ttft_p50_reduction"]
     assert [p.context["concurrency"] for p in g3] == [2, 4, 8] and all(p.status for p in g3)

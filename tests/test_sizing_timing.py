@@ -10,7 +10,7 @@ import pytest
 from gates.sizing.calibration import Calibration, calibrate
 from gates.sizing.g3_figures import predict_g3, summarize
 from gates.sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
-from gates.sizing.timing import (RecomputeCurve, TierBandwidths, TimingModel, checkpoint_seconds, cold_read_vs_fio,
+from gates.sizing.timing import (RecomputeCurve, TierBandwidths, TimingModel, checkpoint_seconds, cold_read_vs_storage_best,
                                  model_load_seconds, predict_g2)
 from kvcore.files import append_jsonl
 from kvcore.rundata import RunStore
@@ -109,8 +109,8 @@ def test_g2_predictions_by_hand():
     disk = 0.02 + 1024 * 4096 / 1e9 + 2e-4 + 1e-8 * (1024 ** 2 - 1023 ** 2)
     assert g2.recompute_s == pytest.approx(recompute, rel=1e-12)
     assert g2.disk_hit_vs_recompute == pytest.approx(disk / recompute, rel=1e-12)
-    assert cold_read_vs_fio(TierBandwidths(disk_gbps=1.0, efficiency={"disk": 0.82})) == 0.82
-    assert cold_read_vs_fio(TierBandwidths(disk_gbps=1.0)) == 1.0
+    assert cold_read_vs_storage_best(TierBandwidths(disk_gbps=1.0, efficiency={"disk": 0.82})) == 0.82
+    assert cold_read_vs_storage_best(TierBandwidths(disk_gbps=1.0)) == 1.0
 
 
 def test_the_disk_bandwidth_comes_from_g1s_fio(tmp_path):
@@ -217,10 +217,10 @@ def _recorded_run(root, with_g3=True):
             store.record("g2", "test_ttft", "ttft_ms", seconds * 1e3, "ms", mode=mode, context_tokens=context)
     for i in range(8):
         store.record("g2", "test_cold", "cold_read_pair", 0.8, round=i, tier_bytes=2 * 7936 * KV, tier_gbps=1.2)
-    store.record("g2", "test_cold", "cold_read_vs_fio", 0.8, tier_gbps=TIER_GBPS, fio_gbps=1.5)
+    store.record("g2", "test_cold", "cold_read_vs_storage_best", 0.8, tier_gbps=TIER_GBPS, fio_gbps=1.5)
     store.record("g2", "test_load", "model_load_loader", 0.9, "%", loader="safetensors", loader_gbps=1.35)
     store.record("g2", "test_load", "model_load_loader", 0.6, "%", loader="runai_streamer", loader_gbps=0.9)
-    store.record("g2", "test_ckpt", "checkpoint_write_vs_fio", 0.75, "%")
+    store.record("g2", "test_ckpt", "checkpoint_write_vs_storage_best", 0.75, "%")
     for start in (3.0, 3.2, 3.4):
         store.record("g2", "test_service", "service_load", start + 0.05, "s", loader="safetensors",
                      weights={"seconds": 0.05})

@@ -1,17 +1,20 @@
-"""G2's cold-read bandwidth, side by side with fio: alternating rounds, judged as a ratio of medians.
+"""G2's cold-read bandwidth, side by side with the storage's best: sequential pairs, anytime-valid.
 
 This storage swings 2-3x between minutes (one fio job gave 1.3-3.5 GB/s on one disk), so a ratio
 whose two sides ran minutes apart is a draw. Each round is a *pair*, measured back to back:
 
 1. the tier: fresh prefixes (`g2.cold_read_prefixes`) are stored, placed on disk only (the upper
-   tiers evicted, the disk tier's pages dropped) and loaded once each; its bandwidth is the server's own disk bytes read over
-   disk load seconds, both as that one request moved them;
-2. fio: a sequential read of a fresh region of one laid-out file on the same storage, as many
-   bytes as the tier read, in the tier's I/O mode (direct when the tier reads with O_DIRECT) and
-   with its parallelism (queue depth = the tier's read workers).
+   tiers evicted, the disk tier's pages dropped) and loaded once each; its bandwidth is the server's own
+   disk bytes read over disk load seconds, both as that one request moved them;
+2. the storage's best read job (G1's sweep, gates/storage_best.py): a sequential read of a fresh region
+   of one laid-out file on the same storage, at least as many bytes as the tier read, in the winning
+   block size, I/O mode, engine, queue depth and jobs: the judged yardstick;
+3. fio in the tier's own pattern (its I/O mode, 1 MiB requests, queue depth = its read workers): a
+   diagnostic ("at its own parallelism the tier reaches X of fio"), recorded and shown, never judged.
 
-Pairs, their judged ratio and fio's side are gates/g2_baseline/side_by_side.py's; this module is
-the tier's side. Fewer than MIN_PAIRS pairs is never judged (the config refuses such a count).
+Pairs are taken until the interval decides (`g2.cold_read_pairs`: min, max, budget_s). In A/A mode
+(`aa`) the best job stands on both sides: the interval must hold 1.0. Pairs, their judged ratio and
+fio's sides are gates/g2_baseline/side_by_side.py's; this module is the tier's side.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from workloads.client import StreamingClient
 from workloads.faults import AdminClient, per_tier
 from workloads.requests import WorkloadRequest
 
-from .side_by_side import MIN_PAIRS, FioRegions, Pair, Reading, SideBySideError, measure_pairs, paired_ratio
+from .side_by_side import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, SideBySideError, measure_pairs,
+                           own_pattern, paired_ratio)
 
-__all__ = ["MIN_PAIRS", "WARMUP_PAIRS", "ColdReadError", "FioRegions", "Pair", "Reading", "TierColdLoad",
-           "disk_counters", "measure_pairs", "paired_ratio"]
+__all__ = ["MIN_PAIRS", "WARMUP_PAIRS", "METRIC", "ColdReadError", "FioRegions", "Pair", "Pairing", "Reading",
+           "TierColdLoad", "disk_counters", "measure_pairs", "own_pattern", "paired_ratio"]
+
+METRIC = "cold_read_vs_storage_best"
 
 WARMUP_PAIRS = 1  # the first pair meets a server whose read path is cold (threads, buffers): not judged
 

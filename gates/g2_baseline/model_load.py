@@ -1,14 +1,16 @@
 """G2's model service loading: a real safetensors checkpoint on the storage under test, read cold by
-each loader, each load beside fio reading the very same files (gates/g2_baseline/side_by_side.py).
+each loader, each load beside the storage's best read job (G1's sweep) reading the very same files
+(gates/g2_baseline/side_by_side.py).
 
 A vendor's "1399 → 150 s" is a service start, so two figures are kept apart: the loaders' own GB/s
-(what the storage gives a loader, judged against fio: `model_load_vs_fio`), and a server's start
-timed from outside per loader (workloads/service_load.py), phase by phase.
+(what the storage gives a loader, judged against the storage's best: `model_load_vs_storage_best`),
+and a server's start timed from outside per loader (workloads/service_load.py), phase by phase.
 
 Rounds alternate: in round i every loader loads once (pages dropped first, `cold` checked from the
-process's own device reads), each followed by fio reading the same files; so each loader's ratio is
-a paired one, and all loaders met the same minutes of the disk. With `baseline_path`, the best
-loader then alternates between the two storages for the speedup.
+process's own device reads), each followed by the best job reading the same files; so each loader's
+ratio is a paired one, and all loaders met the same minutes of the disk. Rounds are taken until the
+best loader's anytime-valid interval decides the rule (g2.model_load.rounds: min, max, budget_s).
+With `baseline_path`, the best loader then alternates between the two storages for the speedup.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from kvcore.files import drop_cached_pages
 from kvcore.settings import parse_size
 from workloads.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
 
-from .side_by_side import FioFilesRead, FioShape, Pair, PairedRatio, Reading, paired_ratio
+from gates.sequential import Stopping, sample_until_decided
+
+from .side_by_side import FioFilesRead, FioShape, Pair, PairedRatio, Pairing, Reading, paired_ratio
 
 Progress = Callable[[str], None]
 RANDOM_DIR = "model-load"        # under storage.path (and baseline_path): the random checkpoint, removed at the end
@@ -55,10 +59,11 @@ class LoaderFigures:
     loader: str
     rounds: list[LoaderRound] = field(default_factory=list)
     warm: Optional[dict] = None      # one load with the files in the page cache: LoadResult.summary()
+    stopping: Optional[Stopping] = None
 
     @property
     def judged(self) -> PairedRatio:
-        return paired_ratio([r.pair for r in self.rounds])
+        return paired_ratio([r.pair for r in self.rounds], self.stopping)
 
     @property
     def identical(self) -> int:
@@ -137,18 +142,20 @@ def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinatio
     return result.summary(), mismatch
 
 
-def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], rounds: int, parallel: int, shape: FioShape,
-                    progress: Progress, on_round: Callable[[LoaderRound], None]) -> dict[str, LoaderFigures]:
-    """`rounds` rounds; in each, every loader's cold load and then fio's read of the same files."""
+def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pairing, rules: list, parallel: int,
+                    shape: FioShape, progress: Progress, on_round: Callable[[LoaderRound], None]) -> dict[str, LoaderFigures]:
+    """Rounds until the best loader's interval decides `rules` (or `pairing`'s max or budget); in each, every
+    loader's cold load and then the best read job (`shape`) reading the same files."""
     from workloads.loaders import allocate_destinations
 
     fio = FioFilesRead(checkpoint.files, shape)
     figures = {loader: LoaderFigures(loader) for loader in loaders}
     destinations = allocate_destinations(checkpoint, device())    # the model's parameters, placed once
-    for index in range(rounds):
+
+    def one_round(index: int) -> None:
         for loader in loaders:
-            progress(f"model load: round {index + 1} / {rounds}, {loader} "
-                     f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then fio on the same files)")
+            progress(f"model load: round {index + 1} (at most {pairing.max}), {loader} "
+                     f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then the storage's best job on the same files)")
             for tensor in destinations.values():
                 tensor.zero_()       # what the last load left must not pass this one's check
             summary, mismatch = cold_load(checkpoint, loader, parallel, destinations)
@@ -157,6 +164,14 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], rounds: int,
                                  mismatch)
             figures[loader].rounds.append(round_)
             on_round(round_)
+
+    def best_interval():
+        best = best_loader(figures)
+        return best.judged.interval if best is not None else None
+
+    stopping = sample_until_decided(one_round, best_interval, rules, pairing.min, pairing.max, pairing.budget_s)
+    for f in figures.values():
+        f.stopping = stopping
     from workloads.loaders import READS_WITH_O_DIRECT
 
     for loader in loaders:       # warm: straight after a load, pages left in place; reported apart, not judged

@@ -1,19 +1,24 @@
-"""A figure judged against fio on the same storage, measured side by side: alternating rounds.
+"""A figure judged against the storage's best on the same storage, measured side by side: sequential pairs.
 
 This storage swings 2-3x between minutes, so a ratio whose two sides ran minutes apart is a draw.
 Each round is a *pair* measured back to back: the subject (the disk tier's cold load, a model
-loader, a checkpoint save) and then fio moving as many bytes on the same storage. The verdict takes
-the ratio of the medians (subject / fio) with a bootstrap interval that resamples whole pairs
-(gates.stats.ratio_ci(paired=True)), so INCONCLUSIVE when the interval straddles the threshold.
-Fewer than MIN_PAIRS pairs is never judged.
+loader, a checkpoint save) and then the storage's best job (G1's sweep: gates/storage_best.py)
+moving at least as many bytes on the same storage; optionally a third, diagnostic leg: fio in the
+subject's own pattern (its I/O mode and parallelism), recorded and shown, never judged. The yardstick
+is the storage's best, never fio restricted to the subject's habits: a subject that reads too
+serially must show as slow.
 
-fio's sides, one per kind of subject:
-- `FioRegions`: a fresh region of one file, written just before it is read, in the disk tier's I/O
-  mode and parallelism (G2's cold read);
-- `FioFilesRead`: a sequential read of the very files the subject read (a model's shards), read only,
-  in G1's sequential-read shape;
-- `FioFreshWrite`: a sequential write of a fresh file, fsync'd before it counts as done, in the
-  subject's I/O mode and streams (a checkpoint save: buffered, a job per rank).
+Pairs are taken until the interval decides the rule, or `max` pairs, or the time budget
+(gates.sequential.sample_until_decided). The figure is the geometric mean of the pairs' ratios
+and its interval Lai's anytime-valid t confidence sequence over their logs
+(gates.sequential.log_ratio_sequence), so looking after every pair does not inflate the error
+rate; the record says how many pairs decided it and why sampling stopped. Fewer than MIN_PAIRS
+pairs is never judged.
+
+fio's sides, one per kind of subject, each in a given `FioShape` (the best job's, or the subject's own):
+- `FioRegions`: a fresh region of one file, laid out before the first pair (G2's cold read);
+- `FioFilesRead`: a sequential read of the very files the subject read (a model's shards), read only;
+- `FioFreshWrite`: a sequential write of a fresh file, fsync'd before it counts as done (a checkpoint save).
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from gates.stats import ratio_ci
+from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Stopping, log_ratio_sequence, sample_until_decided
 from workloads.fio import FioJob, FioResult, run_fio
+from workloads.fio_sweep import FioShape
 
-MIN_PAIRS = 5
-FIO_BLOCK = 1 << 20   # the sequential jobs' request size, as G1's (1 MiB)
+MIN_PAIRS = MIN_PAIRS_FOR_AN_INTERVAL
+FIO_BLOCK = 1 << 20   # the same-pattern jobs' request size (1 MiB)
 
 
 class SideBySideError(RuntimeError):
@@ -49,11 +55,13 @@ class Reading:
 
 @dataclass(frozen=True)
 class Pair:
-    """One round: the subject's reading and fio's right after it."""
+    """One round: the subject's reading, the best job's right after it, and optionally fio in the subject's
+    own pattern (a diagnostic, never judged)."""
 
     round: int
     subject: Reading
     fio: Reading
+    same_pattern: Optional[Reading] = None
 
     @property
     def ratio(self) -> float:
@@ -61,9 +69,13 @@ class Pair:
 
     def context(self, subject: str) -> dict:
         """Everything the report shows of the pair, the subject's figures under `subject`_… keys."""
-        return {"round": self.round, f"{subject}_gbps": four(self.subject.gbps), "fio_gbps": four(self.fio.gbps),
-                f"{subject}_bytes": int(self.subject.nbytes), f"{subject}_seconds": four(self.subject.seconds),
-                "fio_bytes": int(self.fio.nbytes), "fio_seconds": four(self.fio.seconds)}
+        context = {"round": self.round, f"{subject}_gbps": four(self.subject.gbps), "fio_gbps": four(self.fio.gbps),
+                   f"{subject}_bytes": int(self.subject.nbytes), f"{subject}_seconds": four(self.subject.seconds),
+                   "fio_bytes": int(self.fio.nbytes), "fio_seconds": four(self.fio.seconds)}
+        if self.same_pattern is not None:
+            context.update(same_pattern_gbps=four(self.same_pattern.gbps),
+                           same_pattern_ratio=four(self.subject.gbps / self.same_pattern.gbps))
+        return context
 
 
 def four(number: float) -> float:
@@ -73,23 +85,33 @@ def four(number: float) -> float:
 
 @dataclass(frozen=True)
 class PairedRatio:
-    """The judged figure: the subject's median GB/s over fio's, its interval, and whether it may be judged."""
+    """The judged figure: the geometric mean of the pairs' subject / best ratios, its anytime-valid interval,
+    the sides' medians, the diagnostic same-pattern ratio, and how sampling stopped."""
 
     value: Optional[float]
     interval: Optional[tuple[float, float]]
     pairs: int
     subject_gbps: Optional[float] = None
     fio_gbps: Optional[float] = None
+    same_pattern_ratio: Optional[float] = None
+    stopping: Optional[Stopping] = None
 
     @property
     def valid(self) -> bool:
         return self.pairs >= MIN_PAIRS
 
     def describe(self) -> str:
-        """"5 pairs, medians 1.17 / 2.15 GB/s" (subject / fio), for the verdict's label."""
+        """"7 pairs (decided after 7 pairs), medians 1.17 / 2.15 GB/s" (subject / best), for the verdict's label."""
         if not self.pairs:
             return "no pairs"
-        return f"{self.pairs} pairs, medians {self.subject_gbps:.2f} / {self.fio_gbps:.2f} GB/s"
+        why = f" ({self.stopping.why})" if self.stopping is not None else ""
+        return f"{self.pairs} pairs{why}, medians {self.subject_gbps:.2f} / {self.fio_gbps:.2f} GB/s"
+
+    def diagnostic(self) -> str:
+        """"at its own parallelism the subject reaches 0.97 of fio" when the same-pattern leg ran, else ""."""
+        if self.same_pattern_ratio is None:
+            return ""
+        return f"at its own pattern it reaches {self.same_pattern_ratio:.2f} of fio (diagnostic, not judged)"
 
     def verdict_options(self) -> dict:
         """Keyword arguments for gates.verdict.judge (and the `verdict` fixture)."""
@@ -98,28 +120,65 @@ class PairedRatio:
             options["invalid_reason"] = f"{self.pairs} side-by-side pairs, at least {MIN_PAIRS} needed"
         return options
 
+    def record_context(self) -> dict:
+        """What the judged figure's run-store row carries besides its value."""
+        return {"pairs": self.pairs, "interval": list(self.interval or ()), "subject_gbps": self.subject_gbps,
+                "fio_gbps": self.fio_gbps, "same_pattern_ratio": self.same_pattern_ratio,
+                "interval_method": METHOD, **({"stopping": self.stopping.to_dict()} if self.stopping else {})}
 
-def paired_ratio(pairs: Sequence[Pair]) -> PairedRatio:
-    """The ratio of medians of the pairs' GB/s with its paired bootstrap 95% interval."""
+
+def paired_ratio(pairs: Sequence[Pair], stopping: Optional[Stopping] = None) -> PairedRatio:
+    """The geometric mean of the pairs' ratios with its anytime-valid 95% interval (none below MIN_PAIRS)."""
     if not pairs:
-        return PairedRatio(None, None, 0)
+        return PairedRatio(None, None, 0, stopping=stopping)
     subject, fio = [p.subject.gbps for p in pairs], [p.fio.gbps for p in pairs]
-    value, interval = ratio_ci(subject, fio, paired=True)
-    return PairedRatio(value, interval, len(pairs), subject_gbps=statistics.median(subject),
-                       fio_gbps=statistics.median(fio))
+    value, interval = log_ratio_sequence(subject, fio)
+    same = [p for p in pairs if p.same_pattern is not None]
+    diagnostic = (log_ratio_sequence([p.subject.gbps for p in same], [p.same_pattern.gbps for p in same])[0]
+                  if same else None)
+    return PairedRatio(value, interval if len(pairs) >= MIN_PAIRS else None, len(pairs),
+                       subject_gbps=statistics.median(subject), fio_gbps=statistics.median(fio),
+                       same_pattern_ratio=diagnostic, stopping=stopping)
 
 
-def measure_pairs(subject_round: Callable[[int], Reading], fio_round: Callable[[int, float], Reading],
-                  rounds: int, warmup: int = 0) -> list[Pair]:
-    """`warmup` pairs left out, then `rounds` pairs, alternating: the subject, then fio moving as many
-    bytes (round indices count the warm-up ones: each round moves fresh data)."""
-    pairs = []
-    for index in range(warmup + rounds):
-        subject = subject_round(index)
-        pair = Pair(index, subject, fio_round(index, subject.nbytes))
-        if index >= warmup:
-            pairs.append(pair)
-    return pairs
+@dataclass(frozen=True)
+class Pairing:
+    """How many pairs a sequential measurement takes: at least `min`, at most `max`, none started after `budget_s`."""
+
+    min: int = 5
+    max: int = 12
+    budget_s: float = 120.0
+
+
+Round = Callable[[int], Reading]
+FioRound = Callable[[int, float], Reading]
+
+
+def measure_pairs(subject_round: Round, fio_round: FioRound, pairing: Pairing, rules: Sequence = (),
+                  warmup: int = 0, same_pattern: Optional[FioRound] = None,
+                  on_pair: Callable[[Pair], None] = lambda pair: None) -> tuple[list[Pair], Stopping]:
+    """`warmup` pairs left out, then pairs until the interval decides every rule (gates.sequential), each
+    the subject, then fio moving as many bytes, then (optional) fio in the subject's own pattern. Round
+    indices count the warm-up ones: each round moves fresh data. `pairing` has min, max and budget_s."""
+    for index in range(warmup):
+        _pair(index, subject_round, fio_round, same_pattern)
+    pairs: list[Pair] = []
+
+    def take_one(i: int) -> None:
+        pairs.append(_pair(warmup + i, subject_round, fio_round, same_pattern))
+        on_pair(pairs[-1])
+
+    def interval_now():
+        return paired_ratio(pairs).interval
+
+    stopping = sample_until_decided(take_one, interval_now, list(rules), pairing.min, pairing.max, pairing.budget_s)
+    return pairs, stopping
+
+
+def _pair(index: int, subject_round: Round, fio_round: FioRound, same_pattern: Optional[FioRound]) -> Pair:
+    subject = subject_round(index)
+    best = fio_round(index, subject.nbytes)
+    return Pair(index, subject, best, same_pattern(index, subject.nbytes) if same_pattern is not None else None)
 
 
 def _moved(result: FioResult, job: FioJob, direction: str, index: int) -> Reading:
@@ -133,28 +192,37 @@ def _moved(result: FioResult, job: FioJob, direction: str, index: int) -> Readin
 # -- fio's sides -------------------------------------------------------------------------------
 
 
+def own_pattern(direct: bool, parallel: int, ioengine: str = "libaio") -> FioShape:
+    """fio in the disk tier's own pattern (the diagnostic leg): 1 MiB requests in its I/O mode with its
+    parallelism. Direct: one job with `parallel` requests in flight; buffered: libaio completes each
+    buffered read before taking the next, so `parallel` psync jobs, as the tier's read threads."""
+    if direct:
+        return FioShape(True, ioengine, parallel, 1, str(FIO_BLOCK))
+    return FioShape(False, "psync", 1, parallel, str(FIO_BLOCK))
+
+
 @dataclass
 class FioRegions:
-    """fio's side of the disk tier's cold read: sequential reads of fresh regions of one file in `directory`.
+    """fio's side of the disk tier's cold read: sequential reads of fresh regions of one file in `directory`,
+    in `shape` (the storage's best job, or the tier's own pattern for the diagnostic leg).
 
-    The region is the first round's byte count rounded up to whole 1 MiB requests (per job); the
-    file holds `rounds` regions, written once before the first read (not timed), and round i reads
-    region i, so no round reads what an earlier one brought into a cache. (Writing each region just
-    before its read, as the tier's side stores its prefixes just before loading them, gave 3 PASS in
-    5 runs here against 4 in 5 this way: no steadier.) Direct: one job with
-    `parallel` requests in flight (`ioengine`, G1's). Buffered: libaio completes each buffered read
-    before taking the next, so up to `parallel` psync jobs read a slice of the region each, as the
-    tier's read threads do. Use as a context manager: the file goes away at the end.
+    The region is the first round's byte count rounded up to whole requests of `shape.bs` over its jobs
+    (at least as many bytes as the tier read); the file holds `rounds` regions and round i reads region
+    i, so no round reads what an earlier one brought into a cache. Each job reads its own slice of the
+    region (`offset_increment`). The regions are written (buffered, fsync'd, not timed) all before the
+    first read, or with `write_each_round` each just before its read, as G2's tier stores its prefixes
+    just before it loads them: a virtual machine's host may cache recent writes, and the yardstick
+    must not read older data than the subject does. Use as a context manager: the file goes away at
+    the end.
     """
 
     directory: Path
     rounds: int
-    direct: bool
-    parallel: int
-    ioengine: str = "libaio"
+    shape: FioShape = field(default_factory=FioShape)
     name: str = "g2-cold-read"
     region: int = 0
     numjobs: int = 1
+    write_each_round: bool = False
 
     @property
     def path(self) -> Path:
@@ -163,27 +231,37 @@ class FioRegions:
     def __call__(self, index: int, nbytes: float) -> Reading:
         if not self.region:
             self._size_regions(nbytes)
-            run_fio(self.layout_job())
-        job = self.read_job(index)
+            if not self.write_each_round:
+                run_fio(self.layout_job())
+        if self.write_each_round:
+            run_fio(self.region_write_job(index % self.rounds))
+        job = self.read_job(index % self.rounds)
         return _moved(run_fio(job), job, "read", index)
 
     def _size_regions(self, nbytes: float) -> None:
-        requests = max(1, math.ceil(nbytes / FIO_BLOCK))
-        self.numjobs = 1 if self.direct else min(self.parallel, requests)
-        self.region = math.ceil(requests / self.numjobs) * self.numjobs * FIO_BLOCK
+        block = self.shape.bs_bytes
+        requests = max(1, math.ceil(nbytes / block))
+        self.numjobs = self.shape.numjobs          # the shape's parallelism, whatever the bytes: at least as many
+        self.region = math.ceil(requests / self.numjobs) * self.numjobs * block
 
     def layout_job(self) -> FioJob:
-        """Every round's region written (and fsync'd) once, before the first read."""
-        return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(FIO_BLOCK),
-                      size=str(self.rounds * self.region), direct=self.direct, ioengine="psync",
-                      extra=("--end_fsync=1",))
+        """Every round's region written (buffered, any size, and fsync'd) once, before the first read."""
+        return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(min(FIO_BLOCK, self.region)),
+                      size=str(self.rounds * self.region), direct=False, ioengine="psync", extra=("--end_fsync=1",))
+
+    def region_write_job(self, index: int) -> FioJob:
+        """Region `index` written (buffered, fsync'd) just before its read (`write_each_round`)."""
+        return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(min(FIO_BLOCK, self.region)),
+                      size=str(self.region), direct=False, ioengine="psync",
+                      extra=(f"--filename={self.path.name}", f"--filesize={self.rounds * self.region}",
+                             f"--offset={index * self.region}", "--end_fsync=1"))
 
     def read_job(self, index: int) -> FioJob:
-        """The read of region `index`: G1's sequential read (1 MiB), in the tier's I/O mode and parallelism."""
+        """The read of region `index` in `shape`, each job a slice of it."""
         per_job = self.region // self.numjobs
-        return FioJob(name=self.name, directory=self.directory, rw="read", bs=str(FIO_BLOCK), size=str(per_job),
-                      direct=self.direct, ioengine=self.ioengine if self.direct else "psync",
-                      iodepth=self.parallel if self.direct else 1, numjobs=self.numjobs,
+        return FioJob(name=self.name, directory=self.directory, rw="read", bs=self.shape.bs, size=str(per_job),
+                      direct=self.shape.direct, ioengine=self.shape.ioengine, iodepth=self.shape.iodepth,
+                      numjobs=self.numjobs,
                       extra=(f"--filename={self.path.name}", f"--filesize={self.rounds * self.region}",
                              f"--offset={index * self.region}", f"--offset_increment={per_job}"))
 
@@ -198,29 +276,19 @@ class FioRegions:
             self.directory.rmdir()
 
 
-@dataclass(frozen=True)
-class FioShape:
-    """How G1 runs its sequential jobs (gates.yaml `fio:`): I/O mode, engine, queue depth, jobs."""
-
-    direct: bool = True
-    ioengine: str = "libaio"
-    iodepth: int = 16
-    numjobs: int = 1
-
-    def describe(self) -> str:
-        return (f"{'direct' if self.direct else 'buffered'}, {self.ioengine}, iodepth {self.iodepth}, "
-                f"{self.numjobs} job{'s' if self.numjobs > 1 else ''}, 1 MiB requests")
-
-
 @dataclass
 class FioFilesRead:
-    """fio's side of a loader: a sequential read of the same files the loader read, in G1's shape.
+    """fio's side of a loader: a sequential read of the same files the loader read, in `shape` (the
+    storage's best read job).
 
     Read only (`--readonly`: fio never writes or extends them, so an existing model directory is
-    safe), each file whole (no `--size`: fio would split it evenly and refuse a shorter last shard),
-    one file after another (`file_service_type=sequential`), with the pages dropped first
-    (`invalidate=1`, and direct I/O when G1 reads direct). Both sides read the same bytes of the
-    same files, minutes apart at most: the fairest comparison there is.
+    safe), one file after another (`file_service_type=sequential`), with the pages dropped first
+    (`invalidate=1`, and direct I/O when the shape reads direct). One job reads each file whole (no
+    `--size`: fio would split it evenly and refuse a shorter last shard); n jobs read a 1/n slice of
+    each file each (`--size` and `--offset_increment` as percentages: no byte twice; a slice that starts
+    mid-request loses that one request). A
+    request is halved until the smallest file's slice holds 8 of them (a larger one reads little or
+    nothing of a small file: fio reads whole requests only).
     """
 
     files: Sequence[Path]
@@ -238,16 +306,24 @@ class FioFilesRead:
             raise SideBySideError(f"fio read: expected files to read, found {len(files)} holding {total} bytes")
         directory = files[0].parent
         names = ":".join(str(f.relative_to(directory)) if f.parent == directory else str(f) for f in files)
-        return FioJob(name=self.name, directory=directory, rw="read", bs=str(FIO_BLOCK), size=None,
+        slices, bs = (), self.shape.bs_bytes
+        if self.shape.numjobs > 1:
+            share = f"{100 / self.shape.numjobs:g}%"
+            slices = (f"--size={share}", f"--offset_increment={share}")
+        smallest = min(f.stat().st_size for f in files) // self.shape.numjobs
+        while bs > 4096 and 8 * bs > smallest:  # 8 requests in the smallest slice at least: a slice's last
+            bs //= 2                             # partial request (not read) stays small
+        return FioJob(name=self.name, directory=directory, rw="read", bs=str(bs), size=None,
                       direct=self.shape.direct, ioengine=self.shape.ioengine, iodepth=self.shape.iodepth,
-                      extra=(f"--filename={names}", "--file_service_type=sequential", "--readonly"))
+                      numjobs=self.shape.numjobs,
+                      extra=(f"--filename={names}", "--file_service_type=sequential", "--readonly", *slices))
 
 
 @dataclass
 class FioFreshWrite:
-    """fio's side of a checkpoint save: a sequential write of a fresh file of as many bytes, in `shape`
-    (the subject's I/O mode and streams), fsync'd at the end (`end_fsync=1`: a save counts as done once it is on the device, so
-    fio's does too), the file removed after each round."""
+    """fio's side of a checkpoint save: a sequential write of a fresh file of at least as many bytes, in
+    `shape` (the storage's best fsync'd write job), fsync'd at the end (`end_fsync=1`: a save counts as
+    done once it is on the device, so fio's does too), the files removed after each round."""
 
     directory: Path
     shape: FioShape = field(default_factory=FioShape)
@@ -263,7 +339,8 @@ class FioFreshWrite:
                 path.unlink(missing_ok=True)
 
     def job(self, index: int, nbytes: float) -> FioJob:
-        per_job = math.ceil(max(1.0, nbytes) / FIO_BLOCK / self.shape.numjobs) * FIO_BLOCK
-        return FioJob(name=f"{self.name}-{index}", directory=self.directory, rw="write", bs=str(FIO_BLOCK),
+        block = self.shape.bs_bytes
+        per_job = math.ceil(max(1.0, nbytes) / block / self.shape.numjobs) * block
+        return FioJob(name=f"{self.name}-{index}", directory=self.directory, rw="write", bs=self.shape.bs,
                       size=str(per_job), direct=self.shape.direct, ioengine=self.shape.ioengine,
                       iodepth=self.shape.iodepth, numjobs=self.shape.numjobs, extra=("--end_fsync=1",))

@@ -1,8 +1,8 @@
 """G2 model service loading on the storage under test (g2.model_load; gates/g2_baseline/model_load.py).
 
 A safetensors checkpoint (an existing model, read only, or a random one written here) is loaded cold
-by each loader in alternating rounds beside fio reading the same files; the best loader's ratio is
-judged, every load is checked tensor by tensor, and with a baseline path the best loader's speedup
+by each loader in alternating rounds beside the storage's best read job (G1's sweep) reading the same
+files, until the best loader's anytime-valid interval decides; the best loader's ratio is judged, every load is checked tensor by tensor, and with a baseline path the best loader's speedup
 over it is judged too. Then a server is started per loader and timed to its first token: the embedded
 `kvgate serve --weights`, or the external engine's own `launch` command.
 """
@@ -17,12 +17,13 @@ import pytest
 
 from gates.g2_baseline.model_load import (best_loader, measure_loaders, measure_speedup, median_phases,
                                           prepare_checkpoints)
-from gates.g2_baseline.side_by_side import FioShape
+from gates.storage_best import storage_best
 from workloads.load import free_port
 from workloads.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from workloads.service_load import ServiceStartError, time_service_start
 
-SERVICE_DIR = "model-load-service"   # under storage.path: the embedded model's exported weights
+SERVICE_DIR = "model-load-service"
+METRIC = "model_load_vs_storage_best"   # under storage.path: the embedded model's exported weights
 
 
 def _settings(gate_context):
@@ -63,48 +64,52 @@ def available_loaders(gate_context, checkpoints):
 
 @pytest.fixture(scope="module")
 def loader_figures(gate_context, checkpoints, available_loaders):
-    settings, fio = gate_context.config.g2.model_load, gate_context.config.fio
-    store = gate_context.store
+    """Every loader's cold rounds, each beside the storage's best read job (G1's sweep) reading the same files."""
+    settings, store = gate_context.config.g2.model_load, gate_context.store
+    best = storage_best(gate_context.config, store)
+    rule = gate_context.config.rule("g2", METRIC)
 
     def on_round(round_) -> None:
         store.record("g2", "model_load_rounds", "model_load_round", round_.pair.subject.gbps, "GB/s",
                      **round_.context())
 
-    figures = measure_loaders(checkpoints.under_test, available_loaders, settings.rounds, settings.parallel,
-                              FioShape(fio.direct, fio.ioengine, fio.iodepth, fio.numjobs),
+    figures = measure_loaders(checkpoints.under_test, available_loaders, settings.rounds.pairing(),
+                              [rule] if rule else [], settings.parallel, best.read,
                               lambda text: store.set_progress("g2", text), on_round)
     for loader, f in figures.items():
         judged = f.judged
         warm = f.warm or {}
         store.record("g2", "model_load_rounds", "model_load_loader", judged.value, "%", loader=loader,
-                     loader_gbps=judged.subject_gbps, fio_gbps=judged.fio_gbps, interval=list(judged.interval or ()),
-                     pairs=judged.pairs, cold_rounds=f.cold, identical_rounds=f.identical,
-                     phases=median_phases(f), warm_gbps=warm.get("gbps"), warm_read_device=warm.get("cold"))
-    return figures
+                     loader_gbps=judged.subject_gbps, **judged.record_context(), cold_rounds=f.cold,
+                     identical_rounds=f.identical, phases=median_phases(f), warm_gbps=warm.get("gbps"),
+                     warm_read_device=warm.get("cold"), best=best.read.to_dict(), best_source=best.source)
+    return figures, best
 
 
-def test_the_best_loader_reads_the_checkpoint_near_fio(gate_context, checkpoints, loader_figures, record, verdict):
-    best = best_loader(loader_figures)
+def test_the_best_loader_reads_the_checkpoint_near_the_storages_best(gate_context, checkpoints, loader_figures,
+                                                                      record, verdict):
+    figures, storage = loader_figures
+    best = best_loader(figures)
     if best is None:
         pytest.fail("G2 model load: no loader gave a side-by-side ratio", pytrace=False)
     judged = best.judged
-    others = ", ".join(f"{f.loader} {100 * f.judged.value:.0f}%" for f in loader_figures.values()
+    others = ", ".join(f"{f.loader} {100 * f.judged.value:.0f}%" for f in figures.values()
                        if f is not best and f.judged.value is not None)
     cold = ("" if best.cold == len(best.rounds) else
             f"; only {best.cold} of {len(best.rounds)} rounds read the device (the rest came from a cache)")
     options = judged.verdict_options()
     if best.cold < len(best.rounds):
         options.update(valid=False, invalid_reason=f"{len(best.rounds) - best.cold} rounds were not cold")
-    record("model_load_vs_fio", judged.value, "%", loader=best.loader, interval=list(judged.interval or ()),
-           loader_gbps=judged.subject_gbps, fio_gbps=judged.fio_gbps)
+    record(METRIC, judged.value, "%", loader=best.loader, **judged.record_context(), loader_gbps=judged.subject_gbps,
+           best=storage.read.to_dict(), best_source=storage.source)
     size = checkpoints.under_test.tensor_bytes / 1e9
-    verdict(f"G2 model load: {best.loader} / fio reading the same {size:.2f} GB cold, side by side "
-            f"({judged.describe()}{'; others: ' + others if others else ''}{cold})", "model_load_vs_fio",
+    verdict(f"G2 model load: {best.loader} / the storage's best read ({storage.describe()}) of the same {size:.2f} GB "
+            f"cold, side by side ({judged.describe()}{'; others: ' + others if others else ''}{cold})", METRIC,
             judged.value, context={"loader": best.loader}, **options)
 
 
 def test_every_load_gave_the_tensors_that_were_written(loader_figures, record, verdict):
-    rounds = [r for f in loader_figures.values() for r in f.rounds]
+    rounds = [r for f in loader_figures[0].values() for r in f.rounds]
     identical = sum(r.identical for r in rounds)
     first_bad = next((r.mismatch for r in rounds if not r.identical), "")
     record("model_load_identical", identical / len(rounds), "%", loads=len(rounds))
@@ -118,7 +123,7 @@ def test_speedup_over_the_baseline_storage(gate_context, checkpoints, loader_fig
     label = "G2 model load: speedup over the baseline storage, same loader"
     if checkpoints.baseline is None:
         not_run(label, "model_load_speedup_vs_baseline", "needs a baseline storage path (g2.model_load.baseline_path)")
-    best = best_loader(loader_figures)
+    best = best_loader(loader_figures[0])
     store = gate_context.store
 
     def on_round(storage: str, index: int, summary: dict) -> None:
@@ -126,7 +131,7 @@ def test_speedup_over_the_baseline_storage(gate_context, checkpoints, loader_fig
                      "GB/s", loader=best.loader, round=index, storage=storage, seconds=summary["seconds"],
                      bytes=summary["nbytes"], cold=summary["cold"], phases=summary["phases"])
 
-    speedup = measure_speedup(checkpoints, best.loader, settings.rounds, settings.parallel,
+    speedup = measure_speedup(checkpoints, best.loader, settings.rounds.min, settings.parallel,
                               lambda text: store.set_progress("g2", text), on_round)
     record("model_load_speedup_vs_baseline", speedup.value, "×", loader=best.loader, interval=list(speedup.interval),
            under_test_s=statistics.median(speedup.under_test_s), baseline_s=statistics.median(speedup.baseline_s))

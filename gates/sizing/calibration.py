@@ -14,11 +14,11 @@ From G2 (one request at a time, so nothing queues and every TTFT is one request'
   three). The hits pin the curve's slope at each context, which the recompute rows alone (three
   noisy points for three coefficients) leave loose; a full hit's row uses the one-token pass.
   With no hit rows, the recompute rows alone (`RecomputeCurve.fit`).
-- **disk tier efficiency**: G2's `cold_read_vs_fio`, the tier's cold-read GB/s over fio's side by
-  side; the disk rows above subtract loads at that measured tier GB/s, so `overhead_disk` is what a
+- **disk tier efficiency**: G2's `cold_read_vs_storage_best`, the tier's cold-read GB/s over the storage's best read
+  job's, side by side; the disk rows above subtract loads at that measured tier GB/s, so `overhead_disk` is what a
   disk hit costs beyond its reads (opening, planning, verifying).
-- **loader efficiency** per loader (`model_load_loader`: loader GB/s ÷ fio's, side by side),
-  **checkpoint efficiency** (`checkpoint_write_vs_fio`), **service start** (the median of
+- **loader efficiency** per loader (`model_load_loader`: loader GB/s ÷ the storage's best read job's, side by side),
+  **checkpoint efficiency** (`checkpoint_write_vs_storage_best`), **service start** (the median of
   `service_load` minus its weights' load seconds).
 
 From G3's raw records (closed loop, per level), the **decode step cost**: a decode step of b sequences
@@ -335,13 +335,13 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
                     notes: list[str]) -> tuple[Optional[RecomputeCurve], Optional[float], dict, dict, Optional[float]]:
     """(curve, fixed overhead, tier efficiency, tier overhead, disk GB/s the loads were taken at) from G2."""
     efficiency, overhead = {}, {}
-    cold = store.latest("g2", "cold_read_vs_fio")
+    cold = store.latest("g2", "cold_read_vs_storage_best")
     disk_gbps = None
     if cold is not None and cold.get("value"):
         efficiency["disk"] = float(cold["value"])
         disk_gbps = (cold.get("context") or {}).get("tier_gbps")
     if disk_gbps is None:
-        g1 = store.latest("g1", "seq_read_gbps")
+        g1 = store.latest("g1", "storage_best_read_gbps") or store.latest("g1", "seq_read_gbps")
         disk_gbps = float(g1["value"]) if g1 is not None and g1.get("value") else None
     share = store.latest("g2", "cached_fraction_min")
     if share is not None and share.get("value") is not None and share["value"] < 1.0:
@@ -368,7 +368,7 @@ def _storage_constants(store: RunStore) -> tuple[dict, Optional[float], Optional
     for m in store.measurements("g2"):
         if m["metric"] == "model_load_loader" and m.get("value"):
             loaders[(m.get("context") or {}).get("loader", "?")] = float(m["value"])
-    checkpoint = store.latest("g2", "checkpoint_write_vs_fio")
+    checkpoint = store.latest("g2", "checkpoint_write_vs_storage_best")
     starts = [m["value"] - m["context"]["weights"]["seconds"] for m in store.measurements("g2")
               if m["metric"] == "service_load" and m.get("value") is not None
               and ((m.get("context") or {}).get("weights") or {}).get("seconds") is not None]

@@ -45,7 +45,7 @@ from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .g3_figures import predict_g3, predict_rate_ladder
 from .queueing import DecodeCost, EngineModel
 from .targets import target_inputs
-from .timing import RecomputeCurve, TierBandwidths, checkpoint_seconds, cold_read_vs_fio, model_load_seconds, predict_g2
+from .timing import RecomputeCurve, TierBandwidths, checkpoint_seconds, cold_read_vs_storage_best, model_load_seconds, predict_g2
 
 @dataclass(frozen=True)
 class Prediction:
@@ -208,7 +208,7 @@ def _g2(plan: Plan, config, timing, tiers: TierBandwidths) -> None:
         {"context_tokens": longest.context_tokens}))
     if tiers.disk_gbps is not None:
         plan.predictions.append(Prediction(
-            "g2", "cold_read_vs_fio", cold_read_vs_fio(tiers), "%", "G2 cold-read KV bandwidth / fio's",
+            "g2", "cold_read_vs_storage_best", cold_read_vs_storage_best(tiers), "%", "G2 cold-read KV bandwidth / the storage's best read",
             "the disk tier's efficiency (calibrated, else 1)"))
 
 
@@ -306,7 +306,7 @@ def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optiona
                                                                     efficiency),
                                         "basis": f"{load.size} at {tiers.disk_gbps:.2f} GB/s × {efficiency:.2f}"}
     checkpoint = config.g2.checkpoint
-    measured = store.latest("g2", "checkpoint_write_vs_fio") if store is not None else None
+    measured = store.latest("g2", "checkpoint_write_vs_storage_best") if store is not None else None
     if checkpoint.enabled and measured is not None and calibration is not None and calibration.checkpoint_efficiency:
         nbytes = checkpoint.spec().total_bytes
         fio = float((measured.get("context") or {}).get("fio_gbps") or 0)

@@ -191,8 +191,9 @@ class TierBandwidths:
 
     @classmethod
     def from_run(cls, store: RunStore, **settings) -> "TierBandwidths":
-        """The disk tier's raw GB/s from G1's fio sequential read when the run has it, else `disk_gbps`."""
-        g1 = store.latest("g1", "seq_read_gbps")
+        """The disk tier's raw GB/s from G1's storage sweep (the storage's best read, what G2's cold-read ratio
+        divides by) when the run has it, else G1's fio sequential read, else `disk_gbps`."""
+        g1 = store.latest("g1", "storage_best_read_gbps") or store.latest("g1", "seq_read_gbps")
         if g1 is not None and g1.get("value"):
             settings["disk_gbps"] = float(g1["value"])
         return cls(**settings)
@@ -254,7 +255,7 @@ def predict_g2(model: TimingModel, contexts: Sequence[int],
     """G2's TTFTs per context, the way its suite measures them: a prompt of context − shortfall tokens,
     every whole block of it cached (the suite's hits reuse all of them), from host or from disk.
     G2's judged ratio is the last one's (the longest context) `disk_hit_vs_recompute`; its cold-read
-    ratio is predicted by `cold_read_vs_fio`."""
+    ratio is predicted by `cold_read_vs_storage_best`."""
     predictions = []
     for i, context in enumerate(sorted(contexts)):
         prompt = check_tokens(f"g2.contexts[{i}]", context, prompt_shortfall + 1) - prompt_shortfall
@@ -264,8 +265,8 @@ def predict_g2(model: TimingModel, contexts: Sequence[int],
     return predictions
 
 
-def cold_read_vs_fio(tiers: TierBandwidths) -> float:
-    """G2's cold-read ratio: the disk tier's bytes over its read seconds, ÷ fio's GB/s on the same storage.
+def cold_read_vs_storage_best(tiers: TierBandwidths) -> float:
+    """G2's cold-read ratio: the disk tier's bytes over its read seconds, ÷ the storage's best read job's GB/s.
     Bytes over read time is bandwidth alone, so this is the disk tier's efficiency (the hit overhead
     lies outside the reads the check times)."""
     return tiers.efficiency.get("disk", 1.0)
@@ -290,10 +291,9 @@ def model_load_seconds(nbytes: float, read_gbps: float, loader_efficiency: float
 
 def checkpoint_seconds(nbytes: float, write_gbps: float, efficiency: float = 1.0) -> float:
     """Seconds to save a checkpoint of `nbytes` to storage writing at `write_gbps` (fio's sequential write),
-    with the saver's measured share of fio (G2's `checkpoint_write_vs_fio`, side by side).
+    with the saver's measured share of fio (G2's `checkpoint_write_vs_storage_best`, side by side).
 
     The efficiency is a share of the fio job it was measured beside, so `write_gbps` must be that
-    job's shape: G2's checkpoint compares with buffered, fsync'd psync writes, a job per rank, which
-    on one disk here gave 0.59 GB/s where G1's direct libaio write gave 1.76; G1's figure times that
-    efficiency would predict a save 3x too fast. (The model load's fio side has G1's shape.)"""
+    job's figure: G2's checkpoint compares with the storage's best fsync'd write job (G1's sweep), run
+    again beside each save; its figure there (`fio_gbps`), not G1's matrix, is the one to scale."""
     return transfer_seconds(nbytes, write_gbps, efficiency)

@@ -1,0 +1,99 @@
+"""`kvgate cache-bench` (a): the disk tier's cold load against the storage's best, side by side.
+
+The yardstick is the storage's own best (DESIGN.md): a quick sweep of sequential reads on the bench's
+directory first (`BENCH_GRID`, workloads/fio_sweep.py; reads only), then, per I/O mode of the tier
+(O_DIRECT; buffered with each block's pages dropped), `rounds` rounds alternating the tier's cold load
+of the whole prefix, the best job reading a fresh region of at least as many bytes (judged), and two
+diagnostics: fio in the tier's own pattern (1 MiB, its I/O mode, a job per read worker) and fio
+reading one file per block, the tier's own layout. The ratio is the geometric mean of the rounds'
+ratios with Lai's anytime-valid interval (gates.sequential.log_ratio_sequence); the tier's read path
+is what it is: this module measures it, it does not move the yardstick to meet it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Callable, Optional
+
+from gates.g2_baseline.side_by_side import FioRegions
+from gates.sequential import METHOD, log_ratio_sequence
+from workloads.fio import FioJob, run_fio
+from workloads.fio_sweep import SweepGrid, run_storage_sweep
+
+MODES = (("direct", True), ("buffered_cold", False))
+# reads only: request size, queue depth, jobs, engine and mode; ~20 points of at most 1 s
+BENCH_GRID = SweepGrid(read_bs=("1M", "16M"), iodepths=(4, 32), numjobs=(1, 4), write_bs=(), size="512M",
+                       runtime_s=1.0)
+
+
+def _interval(ours: list[float], best: list[float]) -> tuple[float, Optional[list[float]]]:
+    """Geometric mean of the rounds' ratios and its anytime-valid interval (None while unbounded)."""
+    value, (lo, hi) = log_ratio_sequence(ours, best)
+    return value, ([lo, hi] if lo > 0 and math.isfinite(hi) else None)
+
+
+def _same_pattern_job(fio_dir: Path, mode: str, direct: bool, workers: int, prefix_mib: int) -> FioJob:
+    """fio in the tier's own pattern: 1 MiB sequential reads in its I/O mode, a psync job per read worker."""
+    return FioJob(name=f"seqread-{mode}", directory=fio_dir, rw="read", bs="1M",
+                  size=f"{max(1, prefix_mib // workers)}M", direct=direct, numjobs=workers)
+
+
+def _same_layout_job(fio_dir: Path, mode: str, direct: bool, workers: int, block_bytes: int,
+                     n_blocks: int) -> FioJob:
+    """fio reading one whole file per block, files the size of the tier's block files."""
+    file_bytes = block_bytes + 8192  # header + payload, rounded up generously
+    per_job = max(1, n_blocks // workers)
+    return FioJob(
+        name=f"blockfiles-{mode}", directory=fio_dir, rw="read", bs=str(file_bytes), size=str(per_job * file_bytes),
+        direct=direct, numjobs=workers,
+        extra=(f"--nrfiles={per_job}", f"--filesize={file_bytes}", "--file_service_type=sequential"),
+    )
+
+
+def bench_disk_against_the_best(directory: Path, nbytes: int, block_bytes: int, n_blocks: int, workers: int,
+                                prefix_mib: int, rounds: int, tier_load: Callable[[str], float],
+                                grid: SweepGrid = BENCH_GRID) -> dict:
+    """The sweep, then per mode `rounds` rounds: `tier_load(io_mode)` (seconds for `nbytes`), the best job,
+    the same-pattern and same-layout diagnostics."""
+    fio_dir = directory / "fio"
+    sweep = run_storage_sweep(grid, directory / "sweep")
+    best = sweep.best("read")
+    results = {"best": {**best.shape.to_dict(), "sweep_gbps": best.gbps, "points": len(sweep.points),
+                        "notes": sweep.notes, "describe": best.shape.describe()}}
+    with FioRegions(fio_dir, rounds=len(MODES) * rounds, shape=best.shape, name="best-read") as best_side:
+        for m, (mode, direct) in enumerate(MODES):
+            own = _same_pattern_job(fio_dir, mode, direct, workers, prefix_mib)
+            layout = _same_layout_job(fio_dir, mode, direct, workers, block_bytes, n_blocks)
+            run_fio(own), run_fio(layout)  # lay out fio's files before anything is timed
+            tier_bw, best_bw, own_bw, layout_bw = [], [], [], []
+            for r in range(rounds):
+                tier_bw.append(nbytes / tier_load("direct" if direct else "buffered"))
+                best_bw.append(best_side(m * rounds + r, nbytes).gbps * 1e9)
+                own_bw.append(run_fio(own).read_bw_bytes)
+                layout_bw.append(run_fio(layout).read_bw_bytes)
+            for path in fio_dir.glob("seqread-*"):
+                path.unlink(missing_ok=True)
+            for path in fio_dir.glob("blockfiles-*"):
+                path.unlink(missing_ok=True)
+            ratio, interval = _interval(tier_bw, best_bw)
+            results[mode] = {
+                "tier_gbps": statistics.median(tier_bw) / 1e9, "best_gbps": statistics.median(best_bw) / 1e9,
+                "ratio": ratio, "interval": interval, "interval_method": METHOD,
+                "ratio_rounds": [t / b for t, b in zip(tier_bw, best_bw)],
+                "fio_same_pattern_gbps": statistics.median(own_bw) / 1e9,
+                "ratio_same_pattern": _interval(tier_bw, own_bw)[0],
+                "fio_same_layout_gbps": statistics.median(layout_bw) / 1e9,
+                "ratio_same_layout": _interval(tier_bw, layout_bw)[0],
+                "tier_rounds_gbps": [b / 1e9 for b in tier_bw], "best_rounds_gbps": [b / 1e9 for b in best_bw],
+                "fio_same_pattern_rounds_gbps": [b / 1e9 for b in own_bw],
+                "fio_same_layout_rounds_gbps": [b / 1e9 for b in layout_bw],
+                "best_job": " ".join(best_side.read_job(m * rounds).argv()[3:12]),
+                "fio_same_pattern_job": " ".join(own.argv()[3:11]),
+                "fio_same_layout_job": " ".join(layout.argv()[3:11] + list(layout.extra)),
+            }
+    if fio_dir.is_dir() and not any(fio_dir.iterdir()):
+        os.rmdir(fio_dir)
+    return results

@@ -1,0 +1,89 @@
+"""The storage's best sequential read and fsync'd write, found once per run and read by the gates after.
+
+G1 runs the sweep (`fio.sweep`, workloads/fio_sweep.py) on `storage.path` and records every point
+(`storage_sweep_point`, its raw fio JSON in the gate's raw dir) and the two winners
+(`storage_best_read_gbps`, `storage_best_write_gbps`, their context the winning job's shape).
+G2 reads those records from the run store (`storage_best`); when G1 did not run in this run
+(`kvgate run g2`), G2 runs the sweep itself first, records it under g2 and says so. The figures
+themselves never divide a G2 ratio: G2 runs the winning shape again beside each of its subjects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from workloads.fio_sweep import FioShape, Sweep, SweepPoint, run_storage_sweep
+
+BEST_READ, BEST_WRITE, POINT = "storage_best_read_gbps", "storage_best_write_gbps", "storage_sweep_point"
+SWEEP_DIR = "fio-sweep"       # under storage.path
+
+
+@dataclass(frozen=True)
+class StorageBest:
+    """The winning read and write shapes, their sweep figures, and where they come from."""
+
+    read: FioShape
+    write: FioShape
+    read_gbps: float
+    write_gbps: float
+    source: str          # "G1's sweep" or "G2's own sweep (G1 did not run in this run)"
+
+    def describe(self, kind: str = "read") -> str:
+        shape, gbps = (self.read, self.read_gbps) if kind == "read" else (self.write, self.write_gbps)
+        return f"{shape.describe()}: {gbps:.2f} GB/s in {self.source}"
+
+
+def record_point(store, gate: str, check: str, point: SweepPoint, index: int) -> None:
+    """One sweep point as a run-store row of `gate`, its raw fio JSON in the gate's raw dir."""
+    name = f"fio-sweep-{index:02d}-{point.kind}.json"
+    (store.raw_dir(gate) / name).write_text(json.dumps(point.result.raw, indent=1))
+    store.record(gate, check, POINT, point.gbps, "GB/s", index=index, raw=name, **point.context())
+
+
+def record_winners(store, gate: str, check: str, sweep: Sweep) -> None:
+    """The fastest read and write of the sweep, with the winning job's shape, as rows of `gate`."""
+    for metric, kind in ((BEST_READ, "read"), (BEST_WRITE, "write")):
+        best = sweep.best(kind)
+        if best is not None:
+            store.record(gate, check, metric, best.gbps, "GB/s", points=sum(p.kind == kind for p in sweep.points),
+                         notes=sweep.notes, **best.context())
+
+
+def sweep_storage(config, store, gate: str, check: str) -> Sweep:
+    """Run `config.fio.sweep` on `config.storage.path` with live progress, each point recorded under `gate`
+    as it comes (a crash loses nothing already measured), then the winners."""
+    directory = config.storage.path.resolve() / SWEEP_DIR
+
+    def on_point(point: SweepPoint, done: int, total: int) -> None:
+        record_point(store, gate, check, point, done - 1)
+        store.set_progress(gate, f"storage sweep: point {done} / {total}, {point.kind} {point.shape.describe()}: "
+                                 f"{point.gbps:.2f} GB/s")
+
+    sweep = run_storage_sweep(config.fio.sweep.grid(), directory, on_point=on_point)
+    record_winners(store, gate, check, sweep)
+    return sweep
+
+
+def _recorded(store, gate: str, source: str) -> Optional[StorageBest]:
+    read, write = store.latest(gate, BEST_READ), store.latest(gate, BEST_WRITE)
+    if read is None or write is None:
+        return None
+    return StorageBest(FioShape.from_dict(read["context"]), FioShape.from_dict(write["context"]),
+                       float(read["value"]), float(write["value"]), source)
+
+
+def storage_best(config, store, gate: str = "g2") -> StorageBest:
+    """G1's winners in this run; else `gate`'s own, swept now when it has none yet (and said so)."""
+    found = _recorded(store, "g1", "G1's sweep")
+    if found is not None:
+        return found
+    source = f"{gate.upper()}'s own sweep (G1 did not run in this run)"
+    found = _recorded(store, gate, source)
+    if found is None:
+        sweep_storage(config, store, gate, "storage_sweep")
+        found = _recorded(store, gate, source)
+    if found is None:
+        raise RuntimeError("the storage sweep gave no read or no write point (fio.sweep)")
+    return found

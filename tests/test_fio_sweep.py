@@ -1,0 +1,83 @@
+"""The storage sweep: its job grid, a real short sweep with real fio, the best pick, and the run store's
+copy of it that G2 reads (or sweeps itself when G1 did not run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from gates.config import FioSweepConfig
+from gates.storage_best import BEST_READ, BEST_WRITE, POINT, storage_best
+from kvcore.rundata import RunStore
+from workloads.fio_sweep import FioShape, SweepGrid, best_point, read_job, run_storage_sweep, write_job
+
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
+TINY = SweepGrid(read_bs=("1M",), iodepths=(1, 4), numjobs=(1, 2), modes=("direct", "buffered"),
+                 ioengines=("libaio",), write_bs=("1M",), write_numjobs=(2,), write_modes=("buffered",),
+                 size="8M", runtime_s=1)
+ONE_EACH = SweepGrid(read_bs=("1M",), iodepths=(4,), numjobs=(1,), modes=("direct",), ioengines=("libaio",),
+                     write_bs=("1M",), write_numjobs=(1,), write_modes=("buffered",), size="8M", runtime_s=1)
+
+
+def test_the_grid_holds_every_direct_point_and_buffered_reads_as_psync_jobs_at_depth_one():
+    shapes = TINY.read_shapes(["libaio"])
+    direct = [s for s in shapes if s.direct]
+    buffered = [s for s in shapes if not s.direct]
+    assert len(direct) == 2 * 2                     # depth x jobs
+    assert {(s.bs, s.iodepth, s.numjobs) for s in direct} == {("1M", d, j) for d in (1, 4) for j in (1, 2)}
+    assert {(s.ioengine, s.iodepth) for s in buffered} == {("psync", 1)} and len(buffered) == 2
+    assert TINY.write_shapes() == [FioShape(False, "psync", 1, 2, "1M")]
+    assert len(SweepGrid().read_shapes(["libaio", "io_uring"])) == 3 * 2 * 4 * 2 + 3 * 2
+
+
+def test_each_read_point_reads_its_slice_of_one_file_once_and_each_write_is_fsyncd(tmp_path):
+    argv = read_job(tmp_path, TINY, FioShape(True, "libaio", 4, 2, "1M")).argv()
+    assert {"--rw=read", "--numjobs=2", f"--size={4 << 20}", f"--offset_increment={4 << 20}", "--runtime=1",
+            "--invalidate=1"} <= set(argv)
+    assert "--time_based" not in argv                # a second pass of a buffered read would be the page cache's
+    argv = write_job(tmp_path, TINY, FioShape(False, "psync", 1, 2, "1M"), 3).argv()
+    assert {"--rw=write", "--end_fsync=1", "--numjobs=2", f"--size={4 << 20}", "--direct=0"} <= set(argv)
+
+
+def test_the_config_gives_the_grid_it_validated():
+    grid = FioSweepConfig(read_bs=["1M"], iodepths=[8], numjobs=[1], size="64M", runtime_s=2).grid()
+    assert grid.read_bs == ("1M",) and grid.iodepths == (8,) and grid.size == "64M" and grid.runtime_s == 2
+
+
+@needs_fio
+def test_a_real_sweep_runs_every_point_keeps_them_all_and_picks_the_fastest(tmp_path):
+    seen = []
+    sweep = run_storage_sweep(TINY, tmp_path / "sweep", on_point=lambda point, done, total: seen.append((done, total)))
+    expected = len(TINY.read_shapes(["libaio"])) + len(TINY.write_shapes())
+    assert len(sweep.points) == expected and seen[-1] == (expected, expected)
+    for point in sweep.points:
+        assert point.gbps > 0 and point.result.error == 0
+        assert point.result.raw["jobs"]                        # fio's own JSON, parsed
+    reads = [p for p in sweep.points if p.kind == "read"]
+    assert sweep.best("read") is max(reads, key=lambda p: p.gbps)
+    assert sweep.best("write").kind == "write" and best_point([], "read") is None
+    assert list((tmp_path / "sweep").iterdir()) == []          # laid-out and written files removed
+
+
+@needs_fio
+def test_g2_reads_g1s_best_from_the_run_store_and_sweeps_itself_when_g1_did_not_run(tmp_path):
+    config = SimpleNamespace(storage=SimpleNamespace(path=tmp_path / "storage"),
+                             fio=SimpleNamespace(sweep=SimpleNamespace(grid=lambda: ONE_EACH)))
+    store = RunStore(tmp_path / "run")
+    alone = storage_best(config, store)                       # no G1 rows: G2 sweeps, records and says so
+    assert "G2's own sweep (G1 did not run" in alone.source
+    points = [m for m in store.measurements("g2") if m["metric"] == POINT]
+    assert len(points) == 2 and {m["context"]["kind"] for m in points} == {"read", "write"}
+    assert all((store.raw_dir("g2") / m["context"]["raw"]).is_file() for m in points)
+    assert json.loads((store.raw_dir("g2") / points[0]["context"]["raw"]).read_text())["jobs"]
+    assert max(m["value"] for m in points if m["context"]["kind"] == "read") == store.latest("g2", BEST_READ)["value"]
+    assert storage_best(config, store) == alone                # the second module of G2 reads it, no second sweep
+    assert len([m for m in store.measurements("g2") if m["metric"] == POINT]) == len(points)
+    best = FioShape(True, "io_uring", 32, 4, "16M")
+    store.record("g1", "storage_sweep", BEST_READ, 5.2, "GB/s", kind="read", **best.to_dict())
+    store.record("g1", "storage_sweep", BEST_WRITE, 2.1, "GB/s", kind="write", **FioShape(False, "psync", 1, 4).to_dict())
+    found = storage_best(config, store)                        # G1 ran: its winners, whatever G2 measured
+    assert found.read == best and found.read_gbps == 5.2 and found.source == "G1's sweep"
