@@ -16,7 +16,7 @@ from gates.cli import main
 from gates.config import load_config
 from gates.selftest import CONTROLS, controls_for
 from gates.selftest.controls import G3_SETTINGS, Server, gates_yaml, g3_run_seconds
-from gates.selftest.expectations import ClaimNotMet, MustNotPass, MustPass
+from gates.selftest.expectations import ClaimNotMet, MustNotPass, MustPass, invalid_steps
 from gates.selftest.runner import ControlResult, ServerStartError, start_server, stop_server
 from workloads.client import StreamingClient
 from workloads.requests import WorkloadRequest
@@ -233,9 +233,17 @@ def test_a_controls_line_says_what_it_got_what_it_should_have_got_and_ok_or_wron
     results = _results(_verdict("ttft_p50_reduction", "PASS", 0.312, (0.252, 0.414)))
     finding = MustNotPass(("ttft_p50_reduction",)).check(results)
     line = ControlResult("a-aa-mock", "A/A", [finding]).line()
-    assert line == ("a-aa-mock: got ttft_p50_reduction c=2: PASS +31.2% [25.2%, 41.4%] | expected no PASS of "
+    assert line == ("a-aa-mock: got ttft_p50_reduction c=2: PASS 31.2% [25.2%, 41.4%] | expected no PASS of "
                     "ttft_p50_reduction | WRONG: 1 PASS: ttft_p50_reduction c=2")
     assert not ControlResult("x", "x", []).ok                            # nothing judged is never OK
+    results["gates"][0]["measurements"] = [
+        {"metric": "step_valid", "value": True, "context": {"target": "baseline", "concurrency": 2, "reasons": ""}},
+        {"metric": "step_valid", "value": False, "context": {"target": "candidate", "concurrency": 2,
+                                                             "reasons": "client saturated"}}]
+    steps = invalid_steps(results)
+    assert steps == [{"step": "candidate c=2", "reasons": "client saturated"}]
+    shown = ControlResult("a-aa-mock", "A/A", [finding], invalid_steps=steps).line()
+    assert "PASS 31.2% [25.2%, 41.4%] (invalid steps: candidate c=2) | expected" in shown
     crashed = ControlResult("x", "x", [MustPass("m").check(_results(_verdict("m", "PASS")))], exit_code=2,
                             problem="the gate run did not complete (exit 2)")
     assert not crashed.ok and crashed.line().endswith("WRONG: the gate run did not complete (exit 2)")

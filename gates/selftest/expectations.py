@@ -29,8 +29,17 @@ class Finding:
         return not self.problem
 
     def got(self) -> list[str]:
-        """Each row in words: 'ttft_p50_reduction c=2: FAIL +1.7% [1.2%, 2.1%]' or 'claim x: met 49.6%'."""
+        """Each row in words: 'ttft_p50_reduction c=2: FAIL 1.7% [1.2%, 2.1%]' or 'claim x: met 49.6%'."""
         return [format_claim(r) if self.kind == "claim" else format_verdict(r) for r in self.rows]
+
+
+def invalid_steps(results: dict) -> list[dict]:
+    """The G3 steps the run recorded as invalid (`step_valid` false), each {"step": "candidate c=2", "reasons": …}:
+    a verdict that is INCONCLUSIVE for one of them may rest on the machine (a saturated client), not the control."""
+    rows = [m for gate in results.get("gates") or [] for m in gate.get("measurements") or []
+            if m.get("metric") == "step_valid" and m.get("value") is False]
+    return [{"step": f"{(m.get('context') or {}).get('target')}{_level(m.get('context') or {})}",
+             "reasons": (m.get("context") or {}).get("reasons", "")} for m in rows]
 
 
 def verdict_rows(results: dict) -> list[dict]:
@@ -114,20 +123,23 @@ def _missing(metrics: list[str]) -> str:
 
 def _where(verdict: dict) -> str:
     """'ttft_p50_reduction c=2': a verdict's metric and its level, from its typed context."""
-    context = verdict.get("context") or {}
-    level = (f" c={context['concurrency']}" if "concurrency" in context else
-             f" {context['multiplier']:g}x" if "multiplier" in context else "")
-    return f"{verdict.get('metric')}{level}"
+    return f"{verdict.get('metric')}{_level(verdict.get('context') or {})}"
+
+
+def _level(context: dict) -> str:
+    """' c=2' or ' 1.5x' from a row's typed context ('' when it names no level)."""
+    return (f" c={context['concurrency']}" if "concurrency" in context else
+            f" {context['multiplier']:g}x" if "multiplier" in context else "")
 
 
 def format_verdict(verdict: dict) -> str:
-    """'ttft_p50_reduction c=2: FAIL 1.7% [1.2, 2.1]' (the value and interval in the verdict's unit)."""
+    """'ttft_p50_reduction c=2: FAIL 1.7% [1.2%, 2.1%]' (the value and interval in the verdict's unit)."""
     value, interval, unit = verdict.get("value"), verdict.get("interval"), verdict.get("unit") or ""
     text = f"{_where(verdict)}: {verdict.get('status')}"
     if value is not None:
         text += " " + _number(value, unit)
     if interval:
-        text += f" [{_number(interval[0], unit, sign=False)}, {_number(interval[1], unit, sign=False)}]"
+        text += f" [{_number(interval[0], unit)}, {_number(interval[1], unit)}]"
     return text
 
 
@@ -137,7 +149,7 @@ def format_claim(claim: dict) -> str:
     return f"claim {claim.get('id')}: {claim.get('verdict')}" + (f" {measured}" if measured else "")
 
 
-def _number(value: float, unit: str, sign: bool = True) -> str:
+def _number(value: float, unit: str) -> str:
     if unit == "%":
-        return f"{100 * value:{'+' if sign else ''}.1f}%"
+        return f"{100 * value:.1f}%"
     return f"{value:.3g}{unit if unit in ('×', 'x') else (' ' + unit if unit else '')}"

@@ -24,7 +24,7 @@ from workloads.load import free_port
 from workloads.processes import die_with_parent
 
 from .controls import Control, Server, g3_run_seconds, gates_yaml
-from .expectations import Finding
+from .expectations import Finding, invalid_steps
 
 START_TIMEOUT_S = {"mock": 30.0, "serve": 180.0}
 GATE_TIMEOUT_S = {"quick": 900.0, "full": 3600.0}
@@ -46,6 +46,7 @@ class ControlResult:
     problem: str = ""            # the run itself went wrong (a server did not start, the gate wrote no results)
     seconds: float = 0.0
     run_dir: str = ""
+    invalid_steps: list[dict] = field(default_factory=list)   # the run's invalid G3 steps (expectations.py)
 
     @property
     def ok(self) -> bool:
@@ -59,11 +60,14 @@ class ControlResult:
         expected = "; ".join(f.expected for f in self.findings) or "-"
         why = [self.problem] if self.problem else [f.problem for f in self.findings if f.problem]
         verdict = "OK" if self.ok else "WRONG: " + "; ".join(why)
-        return f"{self.key}: got {self.got()} | expected {expected} | {verdict}"
+        invalid = ", ".join(step["step"] for step in self.invalid_steps)
+        return f"{self.key}: got {self.got()}" + (f" (invalid steps: {invalid})" if invalid else "") + \
+            f" | expected {expected} | {verdict}"
 
     def to_dict(self) -> dict:
         return {"control": self.key, "title": self.title, "ok": self.ok, "problem": self.problem,
                 "exit_code": self.exit_code, "seconds": round(self.seconds, 1), "run_dir": self.run_dir,
+                "invalid_steps": self.invalid_steps,
                 "expectations": [{"expected": f.expected, "ok": f.ok, "problem": f.problem, "rows": list(f.rows)}
                                  for f in self.findings]}
 
@@ -177,6 +181,7 @@ def _judge(control: Control, result: ControlResult, directory: Path) -> None:
     if results_path.exists():
         results = json.loads(results_path.read_text())
         result.findings = [expectation.check(results) for expectation in control.expectations]
+        result.invalid_steps = invalid_steps(results)
 
 
 @dataclass
