@@ -215,7 +215,8 @@ def test_a_renamed_metric_is_read_under_its_former_name_and_the_new_name_wins():
 
 def test_must_pass_needs_every_level_to_pass():
     rule = MustPass("ttft_p50_reduction")
-    assert rule.check(_results(_verdict("ttft_p50_reduction", "PASS"), _verdict("ttft_p50_reduction", "PASS", level=4))).ok
+    assert rule.check(_results(_verdict("ttft_p50_reduction", "PASS"),
+                               _verdict("ttft_p50_reduction", "PASS", level=4))).ok
     found = rule.check(_results(_verdict("ttft_p50_reduction", "PASS"),
                                 _verdict("ttft_p50_reduction", "INCONCLUSIVE", level=4)))
     assert found.problem == "ttft_p50_reduction c=4 INCONCLUSIVE"

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="reference", help="the model id it serves (default: %(default)s)")
     parser.add_argument("--ttft-ms", type=float, default=100.0)
     parser.add_argument("--itl-ms", type=float, default=50.0)
-    parser.add_argument("--tokens", type=int, default=10, help="output tokens (at most; a request's max_tokens caps it)")
+    parser.add_argument("--tokens", type=int, default=10, help="output tokens (a request's max_tokens caps them)")
     parser.add_argument("--ttft-end-ms", type=float, help="the TTFT drifts linearly to this over --drift-s of uptime")
     parser.add_argument("--drift-s", type=float, default=0.0, help="seconds of uptime the drift takes")
     parser.add_argument("--fast-above-inflight", type=int, metavar="N",
@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--error-status", type=int, default=500, help="the status of --error-fraction's failures")
     parser.add_argument("--usage-token-offset", type=int, default=0,
                         help="usage.completion_tokens = streamed tokens + this (nonzero: client and server disagree)")
-    parser.add_argument("--cached-tokens", type=int, help="usage.prompt_tokens_details.cached_tokens (capped at the prompt)")
+    parser.add_argument("--cached-tokens", type=int,
+                        help="usage.prompt_tokens_details.cached_tokens (capped at the prompt's tokens)")
     parser.add_argument("--cached-tokens-as-string", action="store_true",
                         help="send cached_tokens as a string, a field of the wrong type")
     return parser

@@ -104,6 +104,10 @@ CONTROLS: tuple[Control, ...] = (
     Control("f-known-good", "a true gain: candidate TTFT half the baseline's, throughput +50%", ("g3",),
             (MustPass("ttft_p50_reduction"), MustPass("throughput_gain")),
             **_pair(_mock(*BASELINE_TIMING), _mock(*FAST_TIMING))),
+    Control("g-wrong-type", "a faster candidate whose usage.prompt_tokens_details.cached_tokens is a string",
+            ("g3",), (NOT_COMPARED,), full_only=True,
+            **_pair(_mock(*BASELINE_TIMING),
+                    _mock(*FAST_TIMING, "--cached-tokens", "64", "--cached-tokens-as-string"))),
 )
 
 

@@ -135,7 +135,7 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def run_gates(control: Control, config_path: Path, run_dir: Path, log: Path, timeout_s: float) -> int:
-    """`kvgate run <gates> --config … --out …` in a subprocess (this interpreter); its exit code (124: timed out)."""
+    """`kvgate run <gates> --config … --out …` as a subprocess of this interpreter; its exit code (124: timeout)."""
     command = [sys.executable, "-m", "gates.cli", "run", *control.gates, "--config", str(config_path),
                "--out", str(run_dir)]
     with log.open("wb") as output:
