@@ -16,7 +16,7 @@ from gates.cli import main
 from gates.config import load_config
 from gates.selftest import CONTROLS, controls_for
 from gates.selftest.controls import G3_SETTINGS, Server, gates_yaml, g3_run_seconds
-from gates.selftest.expectations import ClaimNotMet, MustNotPass, MustPass, invalid_steps
+from gates.selftest.expectations import ClaimNotMet, MustNotPass, MustPass, format_verdict, invalid_steps
 from gates.selftest.runner import ControlResult, ServerStartError, start_server, stop_server
 from workloads.client import StreamingClient
 from workloads.requests import WorkloadRequest
@@ -237,6 +237,8 @@ def test_a_controls_line_says_what_it_got_what_it_should_have_got_and_ok_or_wron
     assert line == ("a-aa-mock: got ttft_p50_reduction c=2: PASS 31.2% [25.2%, 41.4%] | expected no PASS of "
                     "ttft_p50_reduction | WRONG: 1 PASS: ttft_p50_reduction c=2")
     assert not ControlResult("x", "x", []).ok                            # nothing judged is never OK
+    assert format_verdict(_verdict("throughput_gain", "FAIL", -1e-5, (-0.12, 0.14))) == (
+        "throughput_gain c=2: FAIL 0.0% [-12.0%, 14.0%]")
     results["gates"][0]["measurements"] = [
         {"metric": "step_valid", "value": True, "context": {"target": "baseline", "concurrency": 2, "reasons": ""}},
         {"metric": "step_valid", "value": False, "context": {"target": "candidate", "concurrency": 2,

@@ -151,5 +151,5 @@ def format_claim(claim: dict) -> str:
 
 def _number(value: float, unit: str) -> str:
     if unit == "%":
-        return f"{100 * value:.1f}%"
+        return f"{100 * value:.1f}%".replace("-0.0%", "0.0%")   # -0.00001 is 0.0%, not -0.0%
     return f"{value:.3g}{unit if unit in ('×', 'x') else (' ' + unit if unit else '')}"

@@ -80,7 +80,6 @@ class Started:
     url: str
     model: str
     tokenizer: Optional[str]
-    log: Path
 
 
 def _command(server: Server, port: int, profile: str, directory: Path) -> list[str]:
@@ -105,11 +104,12 @@ def start_server(name: str, server: Server, profile: str, directory: Path) -> St
         try:
             models = client.served_models()
             if models:
-                return Started(process, url, models[0], SERVE_TOKENIZER if server.kind == "serve" else None, log)
+                return Started(process, url, models[0], SERVE_TOKENIZER if server.kind == "serve" else None)
         except TargetError:
-            time.sleep(0.3)
+            pass
         finally:
             client.close()
+        time.sleep(0.3)
     exited = process.poll()
     stop_server(process)
     what = (f"exited ({exited}) before it listed a model" if exited is not None
