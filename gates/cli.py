@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan(commands)
     _add_client_bench(commands)
     _add_pool_bench(commands)
+    _add_selftest(commands)
     return parser
 
 
@@ -488,6 +489,46 @@ def _client_bench(args: argparse.Namespace) -> int:
     ))
     print(json.dumps(figures, indent=2) if args.json else format_client_report(figures))
     return 0
+
+
+def _add_selftest(commands) -> None:
+    selftest = commands.add_parser(
+        "selftest", help="run known-bad and known-null candidates through the real gates (negative controls)",
+        description="Each control (A/A, a serial-read tier, a failing candidate, one better only in invalid steps, "
+                    "a drifting server, a known-good pair) runs the real gate and prints the verdicts it got beside "
+                    "what it should have got. Exit 0: every control behaved; 1: one did not; 2: usage error.",
+    )
+    selftest.add_argument("--full", action="store_true",
+                          help="more levels, longer steps, the kvgate-serve A/A and the direct-I/O tier")
+    selftest.add_argument("--json", action="store_true", help="print selftest.json instead of one line per control")
+    selftest.add_argument("--out", type=Path, help="where each control's run goes (default: reports/runs/"
+                                                   "selftest-<time>)")
+    selftest.add_argument("--control", action="append", default=[], metavar="KEY",
+                          help="run only this control (repeatable), e.g. a-aa-mock")
+    selftest.set_defaults(handler=_selftest)
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from .selftest import controls_for, run_selftest
+
+    try:
+        controls = controls_for(args.full, tuple(args.control))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    out = args.out or Path("reports/runs") / time.strftime("selftest-%Y%m%d-%H%M%S")
+    profile = "full" if args.full else "quick"
+    if not args.json:
+        print(f"kvgate selftest {profile}: {len(controls)} controls -> {out}", flush=True)
+    suite = run_selftest(controls, profile, out,
+                         on_result=(lambda result: None) if args.json else lambda result: print(result.line(),
+                                                                                                  flush=True))
+    if args.json:
+        print(json.dumps(suite.to_dict(), indent=2))
+    else:
+        wrong = [r.key for r in suite.results if not r.ok]
+        print(f"selftest: {len(suite.results) - len(wrong)} of {len(suite.results)} controls behaved"
+              + (f"; WRONG: {', '.join(wrong)}" if wrong else "") + f" ({suite.seconds:.0f} s); {out / 'selftest.json'}")
+    return 0 if suite.ok else 1
 
 
 def _cache_bench(args: argparse.Namespace) -> int:

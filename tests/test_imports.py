@@ -30,7 +30,7 @@ def _imports_torch(code: str, cwd: Path) -> bool:
                                     "gates.sizing.plan",
                                     "gates.engines", "gates.engines.kvgate", "gates.engines.vllm",
                                     "gates.engines.sglang", "gates.engines.generic", "gates.engines.placement",
-                                    "gates.engines.settings"])
+                                    "gates.engines.settings", "gates.selftest", "workloads.reference_server"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not _imports_torch(f"import {module}", tmp_path)
 

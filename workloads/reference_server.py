@@ -1,11 +1,13 @@
-"""A trivial OpenAI-style streaming server with fixed timing, to measure the load engine itself.
+"""An OpenAI-style streaming server with controlled timing, to measure the load engine and to test the gates.
 
-It answers POST /v1/chat/completions and /v1/completions with `tokens`
-content chunks: the first after `ttft_ms`, then one every `itl_ms`, then the
-finish chunk, a usage chunk and `data: [DONE]`. Plain asyncio, HTTP/1.1 with
-keep-alive and chunked encoding, so that it costs as little as possible and
-whatever latency a client adds above `ttft_ms` is the client's (or the
-machine's). Run: `python -m workloads.reference_server --port 8010`.
+It answers GET /v1/models (one model, `--model`), GET /health, and POST /v1/chat/completions and
+/v1/completions with as many content chunks as the request's max_tokens allows (at most `tokens`):
+the first after the TTFT, then one every ITL, then the finish chunk, a usage chunk and
+`data: [DONE]`. Plain asyncio, HTTP/1.1 with keep-alive and chunked encoding, so that it costs as
+little as possible and whatever latency a client adds above the TTFT is the client's (or the
+machine's). What it does with each request (drifting latency, an error schedule, usage that lies
+or has a field of the wrong type) is a `workloads.server_behaviour.Behaviour`, from the flags; with
+none it is the plain fixed-timing reference. Run: `python -m workloads.reference_server --port 8010`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
+from http import HTTPStatus
+
+from .server_behaviour import Behaviour, parse_every, prompt_tokens_of
 
 
 class ReferenceServer:
-    def __init__(self, ttft_ms: float, itl_ms: float, tokens: int) -> None:
-        self.ttft_s, self.itl_s, self.tokens = ttft_ms / 1000, itl_ms / 1000, tokens
+    def __init__(self, behaviour: Behaviour, model: str = "reference") -> None:
+        self.behaviour, self.model = behaviour, model
+        self.started = time.monotonic()
+        self.requests = 0       # completion requests so far (the error schedule's numbering)
+        self.in_flight = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -25,51 +34,81 @@ class ReferenceServer:
                 request = await _read_request(reader)
                 if request is None:
                     break
-                path, _ = request
+                method, path, body = request
                 if path.endswith("/health"):
-                    await self._plain(writer, b'{"status":"ok"}')
+                    await _plain(writer, 200, {"status": "ok"})
+                elif method == "GET" and path.endswith("/models"):
+                    await _plain(writer, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
                 else:
-                    await self._stream(writer, chat=path.endswith("/chat/completions"))
+                    await self._complete(writer, _json_body(body), chat=path.endswith("/chat/completions"))
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
 
-    async def _plain(self, writer: asyncio.StreamWriter, body: bytes) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
-        await writer.drain()
+    async def _complete(self, writer: asyncio.StreamWriter, body: dict, chat: bool) -> None:
+        self.requests += 1
+        status = self.behaviour.error_status(self.requests)
+        if status is not None:
+            await _plain(writer, status, {"error": {"message": f"scheduled error for request {self.requests}",
+                                                    "type": "server_error" if status >= 500 else "invalid_request",
+                                                    "code": HTTPStatus(status).phrase.lower().replace(" ", "_")}})
+            return
+        self.in_flight += 1
+        try:
+            ttft_s = self.behaviour.ttft_s(time.monotonic() - self.started, self.in_flight)
+            await self._stream(writer, body, chat, ttft_s)
+        finally:
+            self.in_flight -= 1
 
-    async def _stream(self, writer: asyncio.StreamWriter, chat: bool) -> None:
+    async def _stream(self, writer: asyncio.StreamWriter, body: dict, chat: bool, ttft_s: float) -> None:
+        max_tokens = body.get("max_tokens")
+        tokens = min(self.behaviour.tokens, max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 \
+            else self.behaviour.tokens
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await asyncio.sleep(self.ttft_s)
-        for i in range(self.tokens):
+        await asyncio.sleep(ttft_s)
+        for i in range(tokens):
             if i:
-                await asyncio.sleep(self.itl_s)
+                await asyncio.sleep(self.behaviour.itl_ms / 1000)
             choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
             await _event(writer, {"choices": [choice]})
         done = {"index": 0, "delta": {}, "finish_reason": "length"} if chat else {"index": 0, "text": "",
                                                                                    "finish_reason": "length"}
         await _event(writer, {"choices": [done]})
-        await _event(writer, {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": self.tokens,
-                                                       "total_tokens": self.tokens + 1}})
+        await _event(writer, {"choices": [], "usage": self.behaviour.usage(prompt_tokens_of(body), tokens)})
         writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await writer.drain()
 
 
 async def _read_request(reader: asyncio.StreamReader):
+    """(method, path, body) of the next request on the connection, or None at its end."""
     head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
     if not head:
         return None
     lines = head.decode("latin-1").split("\r\n")
-    _, path, _ = lines[0].split(" ", 2)
+    method, path, _ = lines[0].split(" ", 2)
     length = 0
     for line in lines[1:]:
         name, _, value = line.partition(":")
         if name.strip().lower() == "content-length":
             length = int(value)
     body = await reader.readexactly(length) if length else b""
-    return path, body
+    return method, path, body
+
+
+def _json_body(body: bytes) -> dict:
+    try:
+        parsed = json.loads(body) if body else {}
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+async def _plain(writer: asyncio.StreamWriter, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
 
 
 def _chunk(data: bytes) -> bytes:
@@ -87,16 +126,49 @@ async def serve(host: str, port: int, server: ReferenceServer) -> None:
         await listener.serve_forever()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8010)
+    parser.add_argument("--model", default="reference", help="the model id it serves (default: %(default)s)")
     parser.add_argument("--ttft-ms", type=float, default=100.0)
     parser.add_argument("--itl-ms", type=float, default=50.0)
-    parser.add_argument("--tokens", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=10, help="output tokens (a request's max_tokens caps them)")
+    parser.add_argument("--ttft-end-ms", type=float, help="the TTFT drifts linearly to this over --drift-s of uptime")
+    parser.add_argument("--drift-s", type=float, default=0.0, help="seconds of uptime the drift takes")
+    parser.add_argument("--fast-above-inflight", type=int, metavar="N",
+                        help="with --fast-ttft-ms: that TTFT while more than N requests are in flight")
+    parser.add_argument("--fast-ttft-ms", type=float)
+    parser.add_argument("--error-every", type=parse_every, default=(), metavar="N:STATUS,...",
+                        help="every N-th request answered with STATUS, e.g. 3:500,7:400 (the first that divides wins)")
+    parser.add_argument("--error-fraction", type=float, default=0.0, help="this share of requests fails, spread evenly")
+    parser.add_argument("--error-status", type=int, default=500, help="the status of --error-fraction's failures")
+    parser.add_argument("--usage-token-offset", type=int, default=0,
+                        help="usage.completion_tokens = streamed tokens + this (nonzero: client and server disagree)")
+    parser.add_argument("--cached-tokens", type=int,
+                        help="usage.prompt_tokens_details.cached_tokens (capped at the prompt's tokens)")
+    parser.add_argument("--cached-tokens-as-string", action="store_true",
+                        help="send cached_tokens as a string, a field of the wrong type")
+    return parser
+
+
+def behaviour_from(args: argparse.Namespace) -> Behaviour:
+    return Behaviour(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, tokens=args.tokens, ttft_end_ms=args.ttft_end_ms,
+                     drift_s=args.drift_s, fast_above_inflight=args.fast_above_inflight,
+                     fast_ttft_ms=args.fast_ttft_ms, every=args.error_every, fraction=args.error_fraction,
+                     fraction_status=args.error_status, usage_token_offset=args.usage_token_offset,
+                     cached_tokens=args.cached_tokens, cached_tokens_as_string=args.cached_tokens_as_string)
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     try:
-        asyncio.run(serve(args.host, args.port, ReferenceServer(args.ttft_ms, args.itl_ms, args.tokens)))
+        behaviour = behaviour_from(args)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        asyncio.run(serve(args.host, args.port, ReferenceServer(behaviour, args.model)))
     except KeyboardInterrupt:
         pass
 

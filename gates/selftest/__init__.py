@@ -1,0 +1,13 @@
+"""`kvgate selftest`: known-bad and known-null candidates through the real gates (issue 22 §4).
+
+Each control (`controls.py`) starts what it needs (mock OpenAI servers with a controlled behaviour,
+`workloads/reference_server.py`; `kvgate serve`; or the embedded targets), runs the real gate as
+`kvgate run` would, and says which verdicts it got against what it should have got
+(`expectations.py`): nothing in the A/A, serial-read, failing, invalid-only and drifting controls may
+PASS, and the known-good pair must. `runner.py` runs them and writes `selftest.json`.
+"""
+
+from .controls import CONTROLS, Control, controls_for
+from .runner import ControlResult, Selftest, run_selftest
+
+__all__ = ["CONTROLS", "Control", "ControlResult", "Selftest", "controls_for", "run_selftest"]
