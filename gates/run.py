@@ -24,6 +24,7 @@ from typing import Optional
 import yaml
 from rich.console import Console
 
+from kvcore.aa import false_decision_line
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from workloads.fio import FioError, fio_version
@@ -299,6 +300,9 @@ class GateRunner:
         style = STATUS_STYLE.get(status, "bold")
         self.console.print(f"[{style}]{GATE_TITLES[gate]}: {status.upper()}[/{style}]  "
                            f"({time.time() - started:.0f} s) {reason}")
+        aa_line = false_decision_line(self.store.measurements(gate))
+        if aa_line:
+            self.console.print(f"  {aa_line}", highlight=False)
         return status
 
     def _print_plain(self, gate: str, steps: list[dict]) -> None:

@@ -24,9 +24,10 @@ import pytest
 
 from gates.g3_main.analysis import level_figures, run_seed
 from gates.no_reuse import reuse_found, unjudged_reason
+from workloads.blocks import run_sweep, step_measured_records
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
-from workloads.sweep import SweepSettings, run_sweep
+from workloads.sweep import SweepSettings
 
 ROLES = ("baseline", "candidate")
 
@@ -55,8 +56,8 @@ def control(gate_context, endpoints):
     frame = run_sweep([endpoints[role].target(role) for role in ROLES], workload, settings)
     steps = {}
     for row in frame.to_dict("records"):
-        records = read_records(Path(row["step_dir"]) / "records")
-        in_window = [r for r in records if r["sent_at"] >= row["window_start"]]
+        records = [r for block in row["blocks"] for r in read_records(Path(block["step_dir"]) / "records")]
+        in_window = step_measured_records(row)
         steps[row["target"]] = {"summary": row, "records": [r for r in in_window if r["ok"]], "all": records}
     return steps
 
