@@ -145,8 +145,8 @@ g3:
   warmup_s: 2                     # left out of each block, from its first request
   min_blocks: 3                   # blocks per target per level, at least (>= 3)
   max_blocks: 5                   # at most
-  level_budget_s: 75              # no further pair starts after this many seconds at a level (optional)
-  min_requests: 5                 # completed requests a block needs to be valid
+  level_budget_s: 70              # no further pair starts after this many seconds at a level (optional)
+  min_requests: 3                 # completed requests a block needs to be valid
   prime: true                     # send each target every session's first turn (a trace: its warm-up) first
   no_reuse:                       # the no-reuse control: prompts that share no prefix, one level, unprimed
     enabled: true

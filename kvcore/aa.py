@@ -1,6 +1,6 @@
 """A/A runs (`kvgate run g3 --aa`): the candidate against itself, and the harness's own false decisions.
 
-G3 records one `g3_aa_false_decision` measurement per judged check (per level: TTFT p50 reduction,
+G3 records one `g3_aa_false_decision` measurement per judged check (`judged`, per level: TTFT p50 reduction,
 throughput gain): value 1 when the check's interval excluded the null (0 reduction, 0 gain), where
 nothing differs, else 0, with its context (metric, level, interval). The console and the report say
 them in one line, from these rows.

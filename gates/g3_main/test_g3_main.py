@@ -253,7 +253,7 @@ def test_aa_counts_the_intervals_that_excluded_the_null(sweep, gate_context, rec
                                            _step(sweep, "candidate", level)["summary"]))
         for metric in metrics:
             interval = figures.interval_of(metric)
-            record(AA_FALSE_DECISION, int(excludes_null(interval)), metric=metric, interval=interval,
+            record(AA_FALSE_DECISION, int(excludes_null(interval)), judged=metric, interval=interval,
                    value_measured=figures.value_of(metric), method=figures.method, **_at(gate_context, level))
     line = false_decision_line(gate_context.store.measurements("g3"))
     gate_context.store.set_progress("g3", line)

@@ -39,6 +39,9 @@ def control(gate_context, endpoints):
     config = g3.no_reuse
     if not config.enabled:
         pytest.skip("g3.no_reuse.enabled is false")
+    if gate_context.config.aa:
+        pytest.skip("A/A run: the control weighs offload against none, and the candidate against itself has no "
+                    "other side (its second step would also reuse the first's prompts)")
     missing = [role for role in ROLES if role not in endpoints]
     if missing:
         pytest.skip(f"the no-reuse control needs a candidate and a baseline endpoint; none for {missing}")
