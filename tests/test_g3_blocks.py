@@ -4,6 +4,7 @@ until it decides, the warm-up from each block's first request, and real sweeps a
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,3 +201,28 @@ def test_one_server_as_both_sides_gives_an_interval_that_covers_zero(servers, tm
     assert figures.valid and figures.pairs == 3, figures.invalid_reason
     assert not excludes_null(figures.ttft_interval), figures
     assert rows["baseline"]["sampling"]["pairs"] == 3
+
+
+def test_a_trace_pair_replays_the_same_sub_part_and_is_measured_on_the_same_requests(servers, tmp_path):
+    from tests.traces import write_trace
+    from workloads.datasets import ByteSizer, build_workload
+
+    rows = [{"timestamp": 100 * i, "input_length": 256, "output_length": 4, "hash_ids": [1, 100 + i]}
+            for i in range(200)]
+    workload = build_workload({"kind": "trace", "path": str(write_trace(tmp_path, rows)), "length_scale": 0.25},
+                              ByteSizer(), seed=0)
+    settings = SweepSettings(levels=(2,), duration_s=5, warmup_s=0.5, min_duration_s=0, min_requests=1,
+                             out_dir=tmp_path / "sweep", min_blocks=2, max_blocks=2, max_client_cpu_percent=100.0,
+                             max_loop_lag_s=5.0)
+    found = {r["target"]: r for r in run_sweep(servers, workload, settings).to_dict("records")}
+    for pair in range(2):
+        blocks = [next(b for b in found[role]["blocks"] if b["block"] == pair) for role in ROLES]
+        sent = [{r["request_id"] for r in read_records(Path(b["step_dir"]) / "records")}
+                for b in blocks]
+        part = {f"trace-{i}" for i in range(100 * pair, 100 * pair + 100)}    # pair k replays sub-part k
+        assert all(f"trace-{100 * pair}" in ids and ids <= part for ids in sent)
+        measured = [{r["request_id"] for r in step_measured_records({"blocks": [b]})} for b in blocks]
+        assert measured[0] == measured[1] and measured[0]          # both judged on the same requests
+        kept = [{r["request_id"] for r in read_records(Path(b["step_dir"]) / "records")
+                 if r["sent_at"] >= b["window_start"]} for b in blocks]
+        assert [len(k - measured[0]) for k in kept] == [b["left_out"] for b in blocks]   # the others counted

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from gates.g3_main.analysis import LevelFigures
 from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, log_ratio_sequence, sample_until_decided
 from workloads.blocks import LevelSampling
 
@@ -29,15 +30,10 @@ JUDGED_PER_LEVEL = {True: ("ttft_p50_reduction", "throughput_gain"), False: ("tt
 
 
 @dataclass(frozen=True)
-class PairFigures:
-    """A level's judged figures over its block pairs, how many pairs gave them, and the interval's method."""
+class PairFigures(LevelFigures):
+    """A level's judged figures (as `LevelFigures`) over its block pairs: how many pairs gave them, how many
+    were left out and why, and the interval's method."""
 
-    ttft_reduction: Optional[float]
-    ttft_interval: Optional[tuple[float, float]]
-    throughput_gain: Optional[float]
-    throughput_interval: Optional[tuple[float, float]]
-    valid: bool
-    invalid_reason: str
     pairs: int                      # pairs that gave the figures
     left_out: int                   # pairs left out: a block invalid (or without a figure)
     left_out_reasons: str = ""
