@@ -226,3 +226,33 @@ def test_a_trace_pair_replays_the_same_sub_part_and_is_measured_on_the_same_requ
         kept = [{r["request_id"] for r in read_records(Path(b["step_dir"]) / "records")
                  if r["sent_at"] >= b["window_start"]} for b in blocks]
         assert [len(k - measured[0]) for k in kept] == [b["left_out"] for b in blocks]   # the others counted
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("g3, message", [
+    ({"max_blocks": 2}, "g3.max_blocks: expected at least min_blocks (3), found 2"),
+    ({"min_blocks": 2}, "g3.min_blocks: expected a value >= 3, found 2"),
+    ({"level_budget_s": 0}, "g3.level_budget_s: expected a value > 0.0, found 0"),
+])
+def test_the_block_fields_are_validated_naming_the_field(tmp_path, g3, message):
+    import yaml
+
+    from gates.config import load_config
+    from kvcore.settings import ConfigError
+
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({"g3": g3}))
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "gates.yaml")
+    assert str(error.value) == message
+
+
+def test_kvgate_run_aa_sets_the_config_field_the_suites_read():
+    from gates.cli import build_parser
+    from gates.config import load_config
+
+    args = build_parser().parse_args(["run", "g3", "--aa"])
+    assert args.aa and not build_parser().parse_args(["run", "g3"]).aa
+    quick = load_config(None, "quick")
+    assert quick.aa is False and (quick.g3.min_blocks, quick.g3.max_blocks) == (3, 5)

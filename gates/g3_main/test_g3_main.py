@@ -69,14 +69,14 @@ def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> d
 
 @pytest.fixture(scope="module")
 def sweep(gate_context, endpoints, adapters):
-    if "baseline" not in endpoints or "candidate" not in endpoints:
-        pytest.skip("G3 needs a baseline and a candidate endpoint")
+    aa = gate_context.config.aa
+    if "candidate" not in endpoints or ("baseline" not in endpoints and not aa):
+        pytest.skip("G3 needs a baseline and a candidate endpoint (an A/A run: a candidate)")
     config = gate_context.config.g3
     embedded = endpoints["candidate"].admin
     workload = build_workload(config.workload, sizer_for(endpoints["candidate"].tokenizer),
                               seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
-    aa = gate_context.config.aa
-    roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints and not (aa and r == "recompute")]
+    roles = ["baseline", "candidate"] + (["recompute"] if "recompute" in endpoints and not aa else [])
     serving = {role: "candidate" if aa else role for role in roles}   # A/A: the candidate serves the baseline role
     readers = {role: hit_reader(endpoints[serving[role]], adapters[serving[role]], gate_context.config)
                for role in roles}
