@@ -114,6 +114,10 @@ def test_the_aa_line_counts_the_intervals_that_excluded_zero():
     rows = [{"metric": AA_FALSE_DECISION, "value": v} for v in (0, 1, 0, 0, 0, 0)] + [{"metric": "other", "value": 1}]
     assert false_decision_line(rows).startswith("A/A: 1 of 6 intervals excluded 0")
     assert false_decision_line([{"metric": "ttft_p50_ms", "value": 3}]) is None
+    unmeasured = [{"metric": AA_FALSE_DECISION, "value": v} for v in (None, 0, None)]   # None: no interval
+    assert false_decision_line(unmeasured) == (
+        "A/A: 0 of 1 intervals excluded 0 (the candidate against itself: each one that did is a false decision of "
+        "the harness); 2 of 3 checks had no interval (too few valid block pairs)")
 
 
 # ---------------------------------------------------------------------------- the stopping rule

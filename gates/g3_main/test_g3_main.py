@@ -45,7 +45,7 @@ import pytest
 from gates.engines import hit_reader
 from gates.fleet import fleet_sizing
 from gates.g3_main.analysis import Ladder, run_seed, slo_latencies, sustained_rate_gain
-from gates.g3_main.blocks import excludes_null, level_pairs, level_sampler, pair_figures
+from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_pairs, level_sampler, pair_figures
 from kvcore.aa import AA_FALSE_DECISION, false_decision_line
 from kvcore.predictions import prediction_for
 from workloads.blocks import run_sweep, step_measured_records
@@ -247,14 +247,14 @@ def test_aa_counts_the_intervals_that_excluded_the_null(sweep, gate_context, rec
     """A/A: per judged check, whether its interval excluded 0 where nothing differs (a false decision)."""
     if not sweep["aa"]:
         pytest.skip("not an A/A run (aa: false)")
-    metrics = ("ttft_p50_reduction", "throughput_gain") if _closed_loop(gate_context) else ("ttft_p50_reduction",)
     for level in gate_context.config.g3.levels:
         figures = pair_figures(level_pairs(_step(sweep, "baseline", level)["summary"],
                                            _step(sweep, "candidate", level)["summary"]))
-        for metric in metrics:
+        for metric in JUDGED_PER_LEVEL[_closed_loop(gate_context)]:
             interval = figures.interval_of(metric)
-            record(AA_FALSE_DECISION, int(excludes_null(interval)), judged=metric, interval=interval,
-                   value_measured=figures.value_of(metric), method=figures.method, **_at(gate_context, level))
+            record(AA_FALSE_DECISION, None if interval is None else int(excludes_null(interval)), judged=metric,
+                   interval=interval, value_measured=figures.value_of(metric), method=figures.method,
+                   **_at(gate_context, level))
     line = false_decision_line(gate_context.store.measurements("g3"))
     gate_context.store.set_progress("g3", line)
     assert line is not None
