@@ -142,7 +142,7 @@ class _Sweep:
             if any(t.name in self.dead for t in self.targets):
                 raise _TargetDied(next(self.dead[t.name] for t in self.targets if t.name in self.dead))
 
-        sampling = self._sampling(step, take_pair, pairs, bool(dead_before))
+        sampling = self._sampling(step, take_pair, pairs, any(t.name in dead_before for t in self.targets))
         if self.settings.max_blocks > 1:
             self.say(f"step {number} / {len(self.steps)}, {step.label}: {sampling['why']}")
         return [self._step_row(step, target, blocks[target.name], sampling, dead_before.get(target.name))
