@@ -94,6 +94,9 @@ def _add_run(commands) -> None:
     run.add_argument("--trace", type=Path, metavar="FILE",
                      help="the trace file (JSONL) of a trace workload (g3/g4.workload.kind: trace)")
     run.add_argument("--continue-on-fail", action="store_true", help="run the later gates after a failure")
+    run.add_argument("--aa", action="store_true",
+                     help="A/A: run the candidate against itself (G3's baseline role is the candidate) and report "
+                          "how many intervals excluded the null: the harness's own false decisions")
     run.add_argument("--resume", type=Path, metavar="RUN_DIR",
                      help="continue a run whose harness was killed (its config and completed soak windows are kept)")
     run.set_defaults(handler=_run)
@@ -119,6 +122,8 @@ def _run(args: argparse.Namespace) -> int:
         if not (args.resume / "run.json").exists() or not (args.resume / "config.yaml").exists():
             raise ConfigError(f"--resume: expected a run directory with run.json and config.yaml, found {args.resume}")
     config = load_config(args.resume / "config.yaml" if args.resume else args.config, args.profile, args.trace)
+    if args.aa:
+        config = config.model_copy(update={"aa": True})
     known = available_gates()
     gates = args.gates or (["g4"] if args.resume else known)
     missing = [g for g in gates if g not in known]

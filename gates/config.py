@@ -486,11 +486,18 @@ class G3Config(StrictModel):
     ttft_slo_ms: Optional[Float] = Field(
         default=None, gt=0, description="rate_multipliers: a target sustains a rate while its TTFT p90 (from the "
         "scheduled arrival) is within this")
-    duration_s: Float = Field(gt=0)
-    warmup_s: Float = Field(ge=0)
-    min_requests: Int = Field(default=10, ge=1)
+    duration_s: Float = Field(gt=0, description="seconds per block (each level runs blocks of baseline and "
+                              "candidate in turn, ABBA...)")
+    warmup_s: Float = Field(ge=0, description="seconds of a block left out, from its first request sent")
+    min_blocks: Int = Field(default=3, ge=3, description="blocks per target per level, at least (an interval over "
+                            "block pairs needs 3)")
+    max_blocks: Int = Field(default=5, description="blocks per target per level at most, while the interval has "
+                            "not decided every rule of the level")
+    level_budget_s: Optional[Float] = Field(default=None, gt=0, description="seconds a level may take before no "
+                                            "further block pair starts (default: no limit)")
+    min_requests: Int = Field(default=10, ge=1, description="completed requests a block needs to be valid")
     max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
-        "a step (and a no-reuse control step) whose measured requests failed more than this share is invalid"))
+        "a block (and a no-reuse control step) whose measured requests failed more than this share is invalid"))
     prime: bool = Field(default=True, description="send each target every session's first turn (a trace: its "
                         "warm-up requests) before the sweep")
     no_reuse: G3NoReuseConfig = Field(default_factory=G3NoReuseConfig)
@@ -506,6 +513,12 @@ class G3Config(StrictModel):
         if control.workload.get("kind") != "random":
             raise ValueError("no_reuse.workload.kind: expected random (prompts that share no prefix), found "
                              f"{control.workload.get('kind')!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _blocks_in_order(self) -> "G3Config":
+        if self.max_blocks < self.min_blocks:
+            raise ValueError(f"max_blocks: expected at least min_blocks ({self.min_blocks}), found {self.max_blocks}")
         return self
 
     @model_validator(mode="after")
@@ -703,8 +716,9 @@ class SizingConfig(StrictModel):
 class GatesConfig(StrictModel):
     profile: Literal["quick", "full"] = "quick"
     aa: bool = Field(default=False, description=(
-        "A/A mode (`kvgate run --aa`): the candidate against itself (G2: the storage's best job on both sides of "
-        "each pair); the run reports the harness's own false decisions"))
+        "A/A mode (`kvgate run --aa`): the candidate against itself, so nothing differs (G2: the storage's best "
+        "job on both sides of each pair); the run reports how many intervals excluded the null (the harness's own "
+        "false decisions)"))
     targets: TargetsConfig = Field(default_factory=TargetsConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     inventory: InventoryConfig = Field(default_factory=InventoryConfig)
@@ -797,9 +811,14 @@ PROFILES: dict[str, dict] = {
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
             *_G2_STORAGE_THRESHOLDS,
         ]},
-        # 26 s steps (3 levels x 3 targets): G2 measures model loading and checkpoints too, within 10 minutes
+        # per level 3-5 pairs of 8-s blocks (baseline, candidate, ABBA...; each 11-13 s with locust's start) and
+        # one recompute block; no pair starts after 70 s at a level (3 pairs take 70-80 s): G3 measured 382 s
+        # with priming and the no-reuse control; G2 measures model loading and checkpoints too, within 10 minutes.
+        # 3 requests a block: the baseline completes 3-7 in a block at c=4-8 here (the pairs' interval holds
+        # the noise of a p50 of few)
         # the no-reuse control: one 14-s step per target at c=4
-        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 26, "warmup_s": 6,
+        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 8, "warmup_s": 2,
+               "min_blocks": 3, "max_blocks": 5, "level_budget_s": 70, "min_requests": 3,
                "no_reuse": {"duration_s": 14, "warmup_s": 4}, "thresholds": [
             {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
             {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
@@ -840,7 +859,8 @@ PROFILES: dict[str, dict] = {
             *_G2_STORAGE_THRESHOLDS, *_NO_REUSE_THRESHOLDS,
         ]},
         "g3": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "levels": [4, 8, 16, 32, 64],
-               "duration_s": 600, "warmup_s": 60, "min_requests": 100, "thresholds": [
+               "duration_s": 150, "warmup_s": 30, "min_blocks": 3, "max_blocks": 8, "level_budget_s": 3600,
+               "min_requests": 50, "thresholds": [
                    {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
                    {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
                    {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}, *_NO_REUSE_THRESHOLDS,

@@ -24,6 +24,7 @@ from typing import Optional
 import yaml
 from rich.console import Console
 
+from kvcore.aa import false_decision_line
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from workloads.fio import FioError, fio_version
@@ -176,6 +177,9 @@ class GateRunner:
         self.store.write_run_info(info)
         self.console.print(f"[bold]kvgate run[/bold] {self.run_id}  profile {self.config.profile}  "
                            f"gates {' '.join(self.gates)}  → {self.run_dir}")
+        if self.config.aa:
+            self.console.print("  A/A: G3's baseline role is the candidate itself; each interval that excludes 0 "
+                               "is a false decision of the harness")
         try:
             servers, endpoints = self._targets(info)
         except ServerStartError as error:  # said at once, as a pre-flight failure is
@@ -299,6 +303,9 @@ class GateRunner:
         style = STATUS_STYLE.get(status, "bold")
         self.console.print(f"[{style}]{GATE_TITLES[gate]}: {status.upper()}[/{style}]  "
                            f"({time.time() - started:.0f} s) {reason}")
+        aa_line = false_decision_line(self.store.measurements(gate))
+        if aa_line:
+            self.console.print(f"  {aa_line}", highlight=False)
         return status
 
     def _print_plain(self, gate: str, steps: list[dict]) -> None:

@@ -8,6 +8,7 @@ TEMPLATE = """\
 # quick: the embedded default, all gates in minutes on a small machine.
 # full: a real joint test (G4 soaks for 72 hours).
 profile: quick
+aa: false                         # A/A (kvgate run --aa): G3's candidate against itself, counting false decisions
 
 targets:
   # embedded: kvgate starts its own servers (recompute, device-only baseline, tiered candidate).
@@ -153,10 +154,15 @@ g3:
   replay: closed_loop             # closed_loop: levels are concurrencies | rate_multipliers (traces)
   levels: [2, 4, 8]               # concurrency sweep (rate_multipliers: e.g. [1, 2, 4])
   # ttft_slo_ms: 2000             # rate_multipliers: the TTFT objective a sustained rate meets
-  duration_s: 26
-  warmup_s: 6
-  min_requests: 10
-  max_error_share: 0.01           # a step whose measured requests failed more than this is invalid
+  # each level: pairs of short blocks, baseline and candidate in turn (ABBA...), until the interval over
+  # the pairs decides every rule of the level (anytime-valid), or max_blocks, or level_budget_s
+  duration_s: 8                   # seconds per block
+  warmup_s: 2                     # left out of each block, from its first request
+  min_blocks: 3                   # blocks per target per level, at least (>= 3)
+  max_blocks: 5                   # at most
+  level_budget_s: 70              # no further pair starts after this many seconds at a level (optional)
+  min_requests: 3                 # completed requests a block needs to be valid
+  max_error_share: 0.01           # a block whose measured requests failed more than this is invalid
   prime: true                     # send each target every session's first turn (a trace: its warm-up) first
   no_reuse:                       # the no-reuse control: prompts that share no prefix, one level, unprimed
     enabled: true

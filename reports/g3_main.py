@@ -1,14 +1,19 @@
 """G3 as the report draws it: each target's figures by level with the sizing model's prediction beside
-them, each judged figure with its 95% bootstrap interval against its accepted band, and the TTFT and
-E2E distributions of every step (an empirical CDF per target, a panel per level).
+them, each judged figure with its interval against its accepted band, and the TTFT and E2E
+distributions of every step (an empirical CDF per target, a panel per level). Per level, how its
+block pairs were sampled: blocks run, decided after N blocks or why not, the interval and its method
+(`sampling_tables`), and each block (`block_tables`). An A/A run opens the section with its count
+of intervals that excluded 0 (kvcore.aa).
 
 A level is a concurrency (closed loop) or a rate multiplier (`multiplier` in the rows' context).
 Predictions are those made before G3 ran (stage "before g3"), matched by metric, target and level.
 
 The distributions come from the raw per-request records of each step: the `step_valid` row of a
-(target, level) says where they are (`records_dir`, relative to the run directory) and when the
-measured window began (`window_start`); a CDF holds exactly the window's completed requests that G3
-judged. A run recorded before those keys existed is read from the sweep's directory layout
+(target, level) says where each of its blocks' records are (`blocks`: `records_dir`, relative to the
+run directory, when its measured window began, `window_start`, and a trace pair's requests left out,
+`left_out_ids`); a CDF holds exactly the windows' completed requests that G3 pooled. A run of one
+step per target records `records_dir` and `window_start` on the row itself. A run recorded before
+those keys existed is read from the sweep's directory layout
 (gates/g3/raw/sweep/<target>/<c|x><level>/records), every completed request of the step, and the
 panel says that its warm-up is included.
 """
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvcore.aa import false_decision_line
 from workloads.client import read_records
 
 from . import plots
@@ -98,15 +105,25 @@ def step_records(rows: GateRows, level: Level) -> dict[tuple[str, float], tuple[
         if row.get("metric") != "step_valid" or at is None or "target" not in context:
             continue
         target = str(context["target"])
-        recorded, start = context.get("records_dir"), number(context.get("window_start"))
-        directory = (rows.store.root / recorded if recorded
-                     else rows.store.gate_dir("g3") / "raw" / "sweep" / target / f"{STEP_PREFIX[level.key]}{at:g}"
-                     / "records")
-        records = [r for r in read_records(Path(directory)) if r.get("ok")]
-        if start is not None:
-            records = [r for r in records if (number(r.get("sent_at")) or 0.0) >= start]
-        steps[(target, at)] = (records, start is None)
+        blocks = context.get("blocks")
+        if not isinstance(blocks, list):   # one step per target: its window on the row itself
+            recorded = context.get("records_dir")
+            blocks = [{"records_dir": recorded or str(rows.store.gate_dir("g3").relative_to(rows.store.root) / "raw"
+                                                      / "sweep" / target / f"{STEP_PREFIX[level.key]}{at:g}" / "records"),
+                       "window_start": context.get("window_start")}]
+        found = [_window_records(rows.store.root / str(block.get("records_dir")), block) for block in blocks
+                 if isinstance(block, dict)]
+        steps[(target, at)] = ([r for records in found for r in records],
+                               any(number(block.get("window_start")) is None for block in blocks))
     return steps
+
+
+def _window_records(directory: Path, block: dict) -> list[dict]:
+    """A block's completed requests in its measured window (all of them when it recorded no window)."""
+    start = number(block.get("window_start"))
+    left_out = set(block.get("left_out_ids") or ())
+    return [r for r in read_records(directory) if r.get("ok") and r.get("request_id") not in left_out
+            and (start is None or (number(r.get("sent_at")) or 0.0) >= start)]
 
 
 def distribution_plots(rows: GateRows, level: Level) -> list[str]:
@@ -168,6 +185,69 @@ def _due_sent_finished(context: dict) -> str:
     """"107 / 98 / 91": the window's requests due, sent and finished ("" for a run that did not count them)."""
     counts = [number(context.get(key)) for key in ("due", "sent", "finished")]
     return "" if None in counts else " / ".join(f"{count:,.0f}" for count in counts)
+
+
+SAMPLED = ("ttft_p50_reduction", "throughput_gain")
+
+
+def sampling_tables(rows: GateRows) -> list[dict]:
+    """Per level and judged figure: blocks run per target, pairs used and left out, decided after N blocks or
+    why not, the figure and its interval (the method in the title), from the verdicts' context."""
+    level = level_of(rows.measurements)
+    found = sorted((v for v in rows.verdicts if v.get("metric") in SAMPLED
+                    and "blocks" in (v.get("context") or {}) and number(v["context"].get(level.key)) is not None),
+                   key=lambda v: (v["context"][level.key], str(v["metric"])))
+    if not found:
+        return []
+    table, statuses = [], []
+    for v in found:
+        context = v["context"]
+        value, ends = number(v.get("value")), interval(v.get("interval"))
+        figure = "" if value is None else f"{100 * value:.1f}%"
+        if ends is not None:
+            figure += f" [{100 * ends[0]:.1f}, {100 * ends[1]:.1f}]"
+        table.append([level.label(context[level.key]), metric_words(str(v["metric"]), "%"), str(context["blocks"]),
+                      f"{context.get('pairs_used', '')} used, {context.get('pairs_left_out', 0)} left out",
+                      str(context.get("stopped") or ""), figure, str(v.get("status") or "")])
+        statuses.append({"PASS": "", "FAIL": "failed"}.get(str(v.get("status")), "inconclusive"))
+    method = next((str(v["context"]["method"]) for v in found if v["context"].get("method")), "")
+    return [{"title": f"Block pairs per level: how many decided each verdict. Interval: {method}",
+             "columns": [level.words, "figure", "blocks per target", "pairs", "sampling", "figure [interval]",
+                         "verdict"], "rows": table, "statuses": statuses, "text_columns": [0, 1, 3, 4, 5, 6]}]
+
+
+def block_tables(rows: GateRows) -> list[dict]:
+    """Each block as it ran (`g3_block` rows): level, target, pair and its place in the pair (ABBA...), start,
+    TTFT p50, output tokens/s, requests, valid."""
+    level = level_of(rows.measurements)
+    blocks = sorted((m for m in rows.measurements if m.get("metric") == "g3_block"),
+                    key=lambda m: (m["context"].get(level.key) or 0, m["context"].get("started_at") or 0))
+    if not blocks:
+        return []
+    first = min(number(m["context"].get("started_at")) or 0.0 for m in blocks)
+    table = []
+    for m in blocks:
+        c = m["context"]
+        ttft, tput = number(c.get("ttft_p50_ms")), number(c.get("output_tokens_per_s"))
+        table.append([level.label(c[level.key]), str(c.get("target")), f"{int(c.get('block', 0)) + 1}",
+                      "first" if c.get("position") == 0 else "second",
+                      f"{(number(c.get('started_at')) or first) - first:.0f}",
+                      "" if ttft is None else f"{ttft:,.1f}", "" if tput is None else f"{tput:,.1f}",
+                      str(c.get("requests", "")), "yes" if c.get("valid") else f"NO: {c.get('reasons') or ''}"])
+    return [{"title": "Each block: baseline and candidate in turn (pair k: baseline first for even k, ABBA...)",
+             "columns": [level.words, "target", "pair", "in pair", "start s", "TTFT p50 ms", "tokens/s",
+                         "requests", "valid"], "rows": table, "text_columns": [0, 1, 3, 8]}]
+
+
+def g3_tables(rows: GateRows) -> list[dict]:
+    """G3's tables: the sampling per level, each (target, level) pooled over its blocks, each block."""
+    return sampling_tables(rows) + step_tables(rows) + block_tables(rows)
+
+
+def g3_warnings(rows: GateRows) -> list[str]:
+    """Lines at the top of G3's section: an A/A run's false decisions, then hit ratios far below the bound."""
+    aa = false_decision_line(rows.measurements)
+    return ([aa] if aa else []) + hit_ratio_warnings(rows)
 
 
 def g3_plots(rows: GateRows) -> list[str]:

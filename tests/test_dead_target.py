@@ -9,11 +9,12 @@ import pytest
 
 from gates.g3_main.analysis import level_figures
 from tests.servers import free_port
+from workloads.blocks import run_sweep
 from workloads.client import Backoff, StreamingClient, read_records
 from workloads.errors import DeadTargetDetector, StopRule, describe_errors, summarize_errors
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, run_sweep, summarize_step
+from workloads.sweep import SweepSettings, summarize_step
 
 
 def _workload(sessions: int = 4) -> Workload:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from gates.cli import main
+from gates.sequential import METHOD
 from kvcore.rundata import RunStore
 
 SHORT_G3 = {
@@ -45,6 +46,14 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     assert all("the full profile judges it" in reason for reason in unjudged.values())
     sweep = [v for v in verdicts.values() if not v["metric"].startswith("no_reuse")]
     assert all(v["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "c=3" in v["reason"] for v in sweep)
+    # judged from alternating block pairs: at least 3 per target, the recompute reference one; the verdict says
+    # how many blocks and why sampling stopped, and the interval's method
+    blocks = [m["context"] for m in store.measurements("g3") if m["metric"] == "g3_block"]
+    per_target = {t: sum(b["target"] == t for b in blocks) for t in ("baseline", "candidate", "recompute")}
+    assert per_target["baseline"] == per_target["candidate"] >= 3 and per_target["recompute"] == 1
+    assert all(v["context"]["blocks"] == per_target["baseline"] and v["context"]["method"] == METHOD
+               and f"over {per_target['baseline']} blocks per target" in v["reason"]
+               for v in sweep if v is not verdicts["error_rate"])
     assert all(v.get("interval") or v["status"] == "INCONCLUSIVE" for v in verdicts.values() if v is not
                verdicts["error_rate"])                            # a share of failed requests has no interval
     # the no-reuse control ran at its own level on both targets, and nothing in it was reused

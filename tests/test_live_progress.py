@@ -15,11 +15,12 @@ from gates.g4_soak.soak import LiveWindow, WindowFeed
 from gates.run import plain_progress_lines
 from kvcore.files import JsonlTail, append_jsonl
 from kvcore.rundata import RunStore
+from workloads.blocks import run_sweep
 from workloads.client import read_records
 from workloads.live import LiveFigures, LiveStep
 from workloads.load import Target, free_port, run_load
 from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, prime_targets, run_sweep
+from workloads.sweep import SweepSettings, prime_targets
 
 
 def _workload(sessions: int = 6) -> Workload:

@@ -10,10 +10,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tests.servers import started_server
+from workloads.blocks import run_sweep
 from workloads.client import StreamingClient, read_records
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, prime_targets, read_client_samples, run_sweep, summarize_step
+from workloads.sweep import SweepSettings, prime_targets, read_client_samples, summarize_step
 
 SYSTEM = "You answer questions about the document. " * 12
 

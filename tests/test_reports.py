@@ -525,3 +525,30 @@ def test_the_storage_sweep_and_g2s_sequential_pairs_are_tables_with_the_best_job
     table = g2[g2.index("sequential pairs (Lai"):]
     assert "decided after 7 pairs" in table and "[0.30, 0.60]" in table and ">0.98<" in table
     assert "direct, io_uring, iodepth 32, 4 jobs, 16M" in table
+
+
+def test_g3s_section_shows_the_block_sampling_each_block_and_the_aa_count(tmp_path):
+    from kvcore.aa import AA_FALSE_DECISION
+    from kvcore.rundata import Verdict
+
+    store = RunStore(tmp_path)
+    store.write_run_info({"run_id": "r", "gates": ["g3"], "started_at": 1.7e9})
+    about = {"concurrency": 2, "blocks": 4, "decided": False, "pairs_used": 3, "pairs_left_out": 1,
+             "stopped": "not decided after 4 pairs (the most allowed)", "method": "Lai's t confidence sequence"}
+    store.add_verdict(Verdict("g3", "c2", "ttft_p50_reduction", "INCONCLUSIVE", "straddles", 0.24, "%",
+                              {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25}, (0.1, 0.4), context=about))
+    for k, (target, position) in enumerate([("baseline", 0), ("candidate", 1), ("candidate", 0), ("baseline", 1)]):
+        store.record("g3", "sweep", "g3_block", 100.0 + k, "ms", target=target, block=k // 2, position=position,
+                     started_at=1000.0 + 10 * k, ttft_p50_ms=100.0 + k, output_tokens_per_s=50.0, requests=9,
+                     valid=k != 3, reasons="" if k != 3 else "client saturated", concurrency=2)
+    for value in (0, 1):
+        store.record("g3", "aa", AA_FALSE_DECISION, value, judged="ttft_p50_reduction", concurrency=2)
+    store.set_status("g3", "inconclusive", "straddles")
+    render_run(tmp_path)
+    g3 = (tmp_path / "index.html").read_text()
+    g3 = g3[g3.index('id="g3"'):]
+    assert "A/A: 1 of 2 intervals excluded 0" in g3
+    assert "Block pairs per level" in g3 and "Lai&#39;s t confidence sequence" in g3
+    assert "not decided after 4 pairs (the most allowed)" in g3 and "3 used, 1 left out" in g3
+    assert "24.0% [10.0, 40.0]" in g3
+    assert "Each block: baseline and candidate in turn" in g3 and "NO: client saturated" in g3

@@ -11,11 +11,12 @@ import shutil
 import pytest
 
 from tests.servers import ServerProcess, ask, distinct_prompt, started_pool_nodes
+from workloads.blocks import run_sweep
 from workloads.faults import AdminClient
 from workloads.load import Target
 from workloads.requests import Workload, WorkloadRequest
 from workloads.stores import RedisServer
-from workloads.sweep import SweepSettings, run_sweep
+from workloads.sweep import SweepSettings
 from workloads.tier_hits import read_tier_hits, target_tier_hits, tier_difference, tier_line, tier_shares
 
 BLOCKS = 5   # distinct_prompt's 1,400 characters: 5 whole 256-token blocks

@@ -15,10 +15,11 @@ from gates.client_bench import _peak_concurrency, _process
 from gates.config import load_config
 from gates.g3_main.analysis import Ladder, due_latencies, goodput, sustained_rate_gain
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
+from workloads.blocks import run_sweep
 from workloads.client import read_records
 from workloads.datasets import ByteSizer, build_workload
 from workloads.load import Target, free_port
-from workloads.sweep import SweepSettings, _steps, describe_replay, first_turns, primer, run_sweep
+from workloads.sweep import SweepSettings, describe_replay, first_turns, plan_steps, primer
 
 BYTES = ByteSizer()
 
@@ -78,7 +79,7 @@ def test_on_the_real_trace_the_primed_requests_are_disjoint_from_the_measured_on
 
 def test_closed_loop_levels_replay_their_own_part_in_order_with_their_own_number_of_users(tmp_path):
     workload = _trace(tmp_path, warmup_requests=2)
-    steps = _steps(workload, SweepSettings(levels=(2, 4)))
+    steps = plan_steps(workload, SweepSettings(levels=(2, 4)))
     assert [(s.kind, s.users, s.max_requests) for s in steps] == [("concurrency", 2, 5), ("concurrency", 4, 5)]
     ids = [[r.request_id for r in s.workload.requests] for s in steps]
     assert ids == [[f"trace-{i}" for i in range(2, 7)], [f"trace-{i}" for i in range(7, 12)]]
@@ -87,7 +88,7 @@ def test_closed_loop_levels_replay_their_own_part_in_order_with_their_own_number
 
 def test_rate_multipliers_scale_the_trace_arrival_times_of_their_part(tmp_path):
     workload = _trace(tmp_path)
-    steps = _steps(workload, SweepSettings(levels=(), multipliers=(1, 2, 4), rate_users=8))
+    steps = plan_steps(workload, SweepSettings(levels=(), multipliers=(1, 2, 4), rate_users=8))
     assert [(s.kind, s.value, s.users, s.max_requests) for s in steps] == [
         ("multiplier", 1, 8, 4), ("multiplier", 2, 8, 4), ("multiplier", 4, 8, 4)]
     for step in steps:                          # each part's gaps are the trace's 250 ms, divided by m
@@ -99,7 +100,7 @@ def test_rate_multipliers_need_a_trace(tmp_path):
     rounds = build_workload({"kind": "random", "requests": 4, "input_tokens": {"distribution": "fixed", "mean": 8},
                              "output_tokens": {"distribution": "fixed", "mean": 2}}, BYTES, seed=0)
     with pytest.raises(ValueError, match="rate multipliers replay a trace's arrival times"):
-        _steps(rounds, SweepSettings(levels=(), multipliers=(1,)))
+        plan_steps(rounds, SweepSettings(levels=(), multipliers=(1,)))
 
 
 def test_the_replay_sentence_says_which_replay_ran(tmp_path):

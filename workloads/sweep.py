@@ -1,7 +1,11 @@
-"""Concurrency sweeps: steps of (target, concurrency) run with locust, summarised from raw records.
+"""Concurrency sweeps: what a sweep is (its settings and steps), and a step's summary from raw records.
 
-Window rule: a request belongs to a step's measured window when it was sent
-after the warm-up (`warmup_s` from the step's start). Percentiles come from
+`workloads.blocks.run_sweep` runs it: each step as alternating blocks of the two targets side by
+side (ABBA...), one locust process per block; here is what every block and step shares.
+
+Window rule: a request belongs to a block's measured window when it was sent
+after the warm-up (`warmup_s` from the block's first request; `summarize_step`'s
+`step_start`). Percentiles come from
 the raw per-request figures of those requests; throughput is their output
 tokens (and count) divided by the time from the window's start to the last
 completion. A step is invalid, with its reasons listed, when it ran shorter
@@ -51,22 +55,20 @@ its measured window, beside the sizing model's prediction for the step when ther
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
-import pandas as pd
 
 from kvcore.files import read_jsonl
 
 from .client import read_records
 from .errors import StopRule, describe_errors, summarize_errors
-from .live import LiveFigures, LiveStep, format_ms, step_name
-from .load import LoadProgress, Target, run_load
+from .live import LiveStep, format_ms
+from .load import Target, run_load
 from .requests import Workload
-from .tier_hits import tier_difference, tier_line
+from .tier_hits import tier_line
 
 PERCENTILES = (50, 90, 99)
 
@@ -97,6 +99,13 @@ class SweepSettings:
     tier_hits: Optional[Callable[[Target], Optional[dict]]] = None
     send_once: bool = False                # a concurrency step sends each request at most once (never cycles)
     tier_unit: str = "blocks"              # what `tier_hits` counts (kvgate's servers: blocks; an adapter: tokens)
+    # blocks (workloads.blocks): a step runs as pairs of blocks of the two targets side by side, ABBA...
+    min_blocks: int = 1                    # blocks per target per step, at least
+    max_blocks: int = 1                    # at most (a trace step's part is cut into this many sub-parts)
+    level_budget_s: Optional[float] = None  # seconds a step may take before no further pair starts (None: no limit)
+    # told a workloads.blocks.LevelSampling: takes the step's pairs, says how many and why it stopped
+    # ({"pairs", "decided", "why"}); None: `min_blocks` pairs (workloads.blocks.fixed_pairs)
+    sample_level: Optional[Callable[[Any], dict]] = None
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
@@ -129,14 +138,7 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
                "requests_per_s": len(ok) / span, "output_tokens_per_s": out_tokens / span,
                "error_rate": 1 - len(ok) / len(measured) if measured else None,
                **due_counts(measured, unanswered_in_window(unanswered, window_start))}
-    for metric in ("ttft_s", "tpot_s", "e2e_s"):
-        for p, value in percentiles([r[metric] for r in ok if r[metric] is not None]).items():
-            summary[f"{metric[:-2]}_p{p}_s"] = value
-    for p, value in percentiles([gap for r in ok for gap in r["itl_s"]]).items():
-        summary[f"itl_p{p}_s"] = value
-    reported = [r for r in ok if r["cached_tokens"] is not None and r["prompt_tokens"]]
-    summary["hit_ratio"] = (sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported)
-                            if reported else None)
+    summary.update(request_figures(ok))
     errors = summarize_errors(records)
     reasons = ([stopped] if stopped else []) + _error_share_reasons(measured, settings) \
         + _invalid_reasons(ok, samples, window_start, step_end, settings)
@@ -154,6 +156,9 @@ def unanswered_in_window(unanswered: Sequence[dict], window_start: float) -> lis
             if (u["sent_at"] if u.get("sent_at") is not None else u["scheduled_at"]) >= window_start]
 
 
+DUE_COUNTS = ("due", "sent", "finished", "not_sent", "unfinished")
+
+
 def due_counts(measured: list[dict], unanswered: list[dict]) -> dict:
     """The window's requests due, sent and finished (answered, or failed with an answer), and the difference."""
     not_sent = sum(u.get("state") == "not_sent" for u in unanswered)
@@ -168,6 +173,20 @@ def _error_share_reasons(measured: list[dict], settings: SweepSettings) -> list[
         return []
     return [f"{failed} of {len(measured)} measured requests failed ({100 * failed / len(measured):.1f}% > "
             f"{100 * settings.max_error_share:g}% allowed): not a measurement of the target"]
+
+
+def request_figures(ok: list[dict]) -> dict:
+    """Percentiles of TTFT, TPOT, E2E and ITL, and the hit ratio, from completed requests' raw records."""
+    figures = {}
+    for metric in ("ttft_s", "tpot_s", "e2e_s"):
+        for p, value in percentiles([r[metric] for r in ok if r[metric] is not None]).items():
+            figures[f"{metric[:-2]}_p{p}_s"] = value
+    for p, value in percentiles([gap for r in ok for gap in r["itl_s"]]).items():
+        figures[f"itl_p{p}_s"] = value
+    reported = [r for r in ok if r["cached_tokens"] is not None and r["prompt_tokens"]]
+    figures["hit_ratio"] = (sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported)
+                            if reported else None)
+    return figures
 
 
 def _invalid_reasons(ok: list[dict], samples: list[dict], start: float, end: float,
@@ -293,74 +312,6 @@ def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir
     return rows
 
 
-def run_sweep(targets: list[Target], workload: Workload, settings: SweepSettings) -> pd.DataFrame:
-    """Every step (concurrency level, request rate, trace rate multiplier) × target as one locust run.
-
-    One row per step; the raw records stay in out_dir. A rate or multiplier step runs `rate_users`
-    users, enough that requests wait in the client only when the target falls behind (then the
-    step shows client wait, and is flagged when the client itself saturates). A trace's steps each
-    replay their own part of it once (see the module's docstring).
-    """
-    rows, dead = [], {}  # dead: target name -> why its later steps are not run
-    steps = _steps(workload, settings)
-    say = settings.on_step or (lambda text: None)
-    for number, step in enumerate(steps, 1):
-        for target in targets:
-            step_dir = settings.out_dir / target.name / step.dir_name
-            row = {"target": target.name, "replay": step.kind, "level": step.value,
-                   "concurrency": step.users if step.kind == "concurrency" else None,
-                   "rate_per_s": step.value if step.kind == "rate" else None,
-                   "multiplier": step.value if step.kind == "multiplier" else None, "users": step.users,
-                   "offered_requests": step.max_requests, "step_dir": str(step_dir), "not_run": False}
-            if target.name in dead:
-                rows.append({**row, **_not_run(dead[target.name], settings)})
-                continue
-            where = step_name(number, len(steps), step.label, target.name)
-            say(f"{where}: running for {settings.duration_s:g} s")
-            hits_before = settings.tier_hits(target) if settings.tier_hits else None
-            run = run_load(step.workload, target, step.users, settings.duration_s, step_dir,
-                           workers=settings.workers, max_requests=step.max_requests, stop_rule=settings.stop_rule,
-                           on_progress=_live_teller(settings, number, len(steps), step, target.name),
-                           progress_every_s=settings.live_every_s)
-            records = read_records(run.records_dir)
-            samples = read_client_samples(run.records_dir)
-            stopped = run.stopped["reason"] if run.stopped else None
-            if stopped:
-                dead[target.name] = f"not run: at {step.dir_name}, {stopped}"
-            summary = summarize_step(records, samples, run.started_at, run.ended_at, settings, stopped, run.unanswered)
-            summary["hit_blocks_by_tier"] = tier_difference(hits_before, settings.tier_hits(target)) \
-                if settings.tier_hits else None
-            summary["tier_unit"] = settings.tier_unit
-            if step.max_requests is not None and len(records) >= step.max_requests and not summary["valid"]:
-                summary["invalid_reasons"] += (f"; its {step.max_requests} requests, each sent once, ran out after "
-                                               f"{run.ended_at - run.started_at:.1f} s (a workload with more of them "
-                                               "(a trace: a larger limit), or a shorter duration)")
-            rows.append({**row, "locust_exit_code": run.returncode,
-                         "client_wait_p99_s": _p99([r["client_wait_s"] for r in records]), **summary})
-            say(f"{where}: done, {step_line(summary)}")
-    return pd.DataFrame(rows)
-
-
-def _live_teller(settings: SweepSettings, number: int, steps: int, step: "_Step",
-                 target: str) -> Optional[Callable[[LoadProgress], None]]:
-    """What tells `settings.on_live` a running step's figures: its measured window's requests so far."""
-    if settings.on_live is None:
-        return None
-    figures: Optional[LiveFigures] = None
-    predicted = settings.predicted_ttft_p50_s.get((target, step.value)) if step.kind == "concurrency" else None
-
-    def tell(progress: LoadProgress) -> None:
-        nonlocal figures
-        if figures is None:   # the window starts after the warm-up, as in the step's summary
-            figures = LiveFigures(since=progress.started_at + settings.warmup_s)
-        figures.add(progress.new_records)
-        settings.on_live(LiveStep(number, steps, step.label, target, progress.elapsed_s, settings.duration_s,
-                                  progress.elapsed_s < settings.warmup_s, figures.requests, figures.errors,
-                                  figures.ttft_s(50), predicted))
-
-    return tell
-
-
 def step_line(summary: dict) -> str:
     """A step's figures in one line: requests (and the due ones that never finished), errors, TTFT p50,
     throughput, hit ratio."""
@@ -376,20 +327,19 @@ def step_line(summary: dict) -> str:
                if summary.get("hit_blocks_by_tier") is not None else ""))
 
 
-def _not_run(reason: str, settings: SweepSettings) -> dict:
-    """The summary of a step the sweep did not run: no requests, invalid, and why."""
-    now = time.time()
-    return {**summarize_step([], [], now, now, settings), "locust_exit_code": None, "client_wait_p99_s": None,
-            "valid": False, "invalid_reasons": reason, "not_run": True}
-
-
 @dataclass(frozen=True)
-class _Step:
+class Step:
+    """One step of a sweep: what it offers and what each of its block pairs replays (`parts[k]`, pair k).
+
+    A trace step's part is cut into `max_blocks` sub-parts, each sent once (`part_requests`); any other
+    step replays its whole workload in every block."""
+
     kind: str                       # "concurrency" | "rate" | "multiplier"
     value: float
-    workload: Workload
+    workload: Workload              # the step's whole part (a trace), or the workload
     users: int
     max_requests: Optional[int]     # a trace part: sent once, never cycled
+    parts: tuple[Workload, ...] = ()   # per block pair (empty: `workload` in every pair)
 
     @property
     def dir_name(self) -> str:
@@ -402,8 +352,15 @@ class _Step:
         return {"concurrency": f"c={self.value:g}", "rate": f"{self.value:g} req/s",
                 "multiplier": f"×{self.value:g}"}[self.kind]
 
+    def pair_part(self, pair: int) -> tuple[Workload, Optional[int]]:
+        """What pair `pair` replays, and how many requests it sends at most (None: until the block ends)."""
+        if not self.parts:
+            return self.workload, self.max_requests
+        part = self.parts[pair % len(self.parts)]
+        return part, len(part.sessions)
 
-def _steps(workload: Workload, settings: SweepSettings) -> list[_Step]:
+
+def plan_steps(workload: Workload, settings: SweepSettings) -> list[Step]:
     """The steps of a sweep, in order: levels, then rates, then multipliers (traces only)."""
     if settings.multipliers and not workload.trace:
         raise ValueError("rate multipliers replay a trace's arrival times; this workload is not a trace")
@@ -413,18 +370,22 @@ def _steps(workload: Workload, settings: SweepSettings) -> list[_Step]:
     steps = []
     for i, (kind, value) in enumerate(plan):
         if kind == "rate":
-            steps.append(_Step(kind, value, paced(parts[i] if parts else workload, value, settings.duration_s),
-                               settings.rate_users, None))
+            steps.append(Step(kind, value, paced(parts[i] if parts else workload, value, settings.duration_s),
+                              settings.rate_users, None))
         elif kind == "multiplier":
-            steps.append(_Step(kind, value, rate_multiplied(parts[i], value), settings.rate_users,
-                               len(parts[i].sessions)))
+            steps.append(Step(kind, value, rate_multiplied(parts[i], value), settings.rate_users,
+                              len(parts[i].sessions), _pair_parts(parts[i], settings, lambda p: rate_multiplied(p, value))))
         elif parts:
-            steps.append(_Step(kind, value, closed_loop(parts[i]), int(value), len(parts[i].sessions)))
+            steps.append(Step(kind, value, closed_loop(parts[i]), int(value), len(parts[i].sessions),
+                              _pair_parts(parts[i], settings, closed_loop)))
         else:
             once = sum(len(session) for session in workload.sessions) if settings.send_once else None
-            steps.append(_Step(kind, value, workload, int(value), once))
+            steps.append(Step(kind, value, workload, int(value), once))
     return steps
 
 
-def _p99(values: list[float]) -> Optional[float]:
-    return float(np.percentile(values, 99)) if values else None
+def _pair_parts(part: Workload, settings: SweepSettings, replay: Callable[[Workload], Workload]) -> tuple:
+    """A trace step's part cut into one sub-part per block pair (`max_blocks`), each replayed as the step is."""
+    if settings.max_blocks <= 1:
+        return ()
+    return tuple(replay(sub) for sub in trace_parts(part, settings.max_blocks))

@@ -56,7 +56,9 @@ class LevelFigures:
 
 
 def level_figures(baseline: dict, candidate: dict) -> LevelFigures:
-    """TTFT p50 reduction (requests) and throughput gain (windows), with bootstrap intervals.
+    """TTFT p50 reduction (requests) and throughput gain (windows) of two one-shot steps, with bootstrap intervals
+    (the no-reuse control's and the sizing model's simulated steps; G3's sweep judges block pairs instead,
+    gates/g3_main/blocks.py: resampling requests within one step each leaves the drift between them out).
 
     `baseline` and `candidate` are steps: {"summary": sweep row, "records": measured ok records}.
     An invalid step's reasons (its errors by type among them) reach the verdict, each named by its target.

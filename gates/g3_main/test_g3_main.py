@@ -1,10 +1,18 @@
 """G3 main gate: under a concurrency sweep the tiered candidate beats the baseline by the promised margin.
 
-Baseline and candidate (and the recompute reference when there is one) run the
-same workload, same seed, step by step; per level the TTFT p50 reduction and
-the throughput gain are judged with 95% bootstrap intervals (requests for
-TTFT, 2-second windows for throughput). A step that was invalid (client
-saturated, too few requests, too short) makes its verdicts INCONCLUSIVE.
+Baseline and candidate run the same workload, same seed, at each level as pairs of short blocks in
+turn, ABBA... (workloads/blocks.py), at least `min_blocks` per target; the recompute reference
+(when there is one) runs one block per level beside them, shown, never judged side by side. Per
+level the TTFT p50 reduction and the throughput gain are judged from the pairs' ratios with an
+anytime-valid interval over the pairs (gates/g3_main/blocks.py), and blocks are added until that
+interval decides every rule of the level, or `max_blocks`, or `level_budget_s`: the verdict says
+how many blocks decided it and why sampling stopped. A pair with an invalid block (client
+saturated, too few requests, too short) is left out; a level without 3 valid pairs is INCONCLUSIVE.
+Each block is recorded as `g3_block`.
+
+A/A (`aa: true`, `kvgate run g3 --aa`): the baseline role is the candidate itself (the same server,
+no recompute reference); each judged interval that excludes 0 is recorded as a false decision
+(`g3_aa_false_decision`): a PASS there is exactly the false PASS the mode exists to count.
 
 With `prime` on (the default) every target is first sent the first turn of
 each session once, so prefixes return as they do in service: the baseline
@@ -36,13 +44,15 @@ import pytest
 
 from gates.engines import hit_reader
 from gates.fleet import fleet_sizing
-from gates.g3_main.analysis import (Ladder, due_latencies, goodput, level_figures, run_seed, slo_latencies,
-                                    sustained_rate_gain)
+from gates.g3_main.analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
+from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_pairs, level_sampler, pair_figures
+from kvcore.aa import AA_FALSE_DECISION, false_decision_line
 from kvcore.predictions import prediction_for
+from workloads.blocks import run_sweep, step_measured_records
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.errors import describe_errors
-from workloads.sweep import SweepSettings, describe_replay, prime_targets, run_sweep
+from workloads.sweep import SweepSettings, describe_replay, prime_targets
 from workloads.tier_hits import POOL_TIER, read_tier_hits, tier_shares
 
 
@@ -60,14 +70,17 @@ def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> d
 
 @pytest.fixture(scope="module")
 def sweep(gate_context, endpoints, adapters):
-    if "baseline" not in endpoints or "candidate" not in endpoints:
-        pytest.skip("G3 needs a baseline and a candidate endpoint")
+    aa = gate_context.config.aa
+    if "candidate" not in endpoints or ("baseline" not in endpoints and not aa):
+        pytest.skip("G3 needs a baseline and a candidate endpoint (an A/A run: a candidate)")
     config = gate_context.config.g3
     embedded = endpoints["candidate"].admin
     workload = build_workload(config.workload, sizer_for(endpoints["candidate"].tokenizer),
                               seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
-    roles = [r for r in ("baseline", "candidate", "recompute") if r in endpoints]
-    readers = {role: hit_reader(endpoints[role], adapters[role], gate_context.config) for role in roles}
+    roles = ["baseline", "candidate"] + (["recompute"] if "recompute" in endpoints and not aa else [])
+    serving = {role: "candidate" if aa else role for role in roles}   # A/A: the candidate serves the baseline role
+    readers = {role: hit_reader(endpoints[serving[role]], adapters[serving[role]], gate_context.config)
+               for role in roles}
     closed = config.replay == "closed_loop"
     settings = SweepSettings(levels=tuple(config.levels) if closed else (),
                              multipliers=() if closed else tuple(config.levels),
@@ -75,22 +88,26 @@ def sweep(gate_context, endpoints, adapters):
                              min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
                              min_requests=config.min_requests, max_error_share=config.max_error_share,
                              out_dir=gate_context.store.raw_dir("g3") / "sweep",
+                             min_blocks=config.min_blocks, max_blocks=config.max_blocks,
+                             level_budget_s=config.level_budget_s,
+                             sample_level=level_sampler(gate_context.rule, closed),
                              on_step=lambda text: gate_context.store.set_progress("g3", text),
                              on_live=lambda step: gate_context.store.set_progress("g3", step.line(), kind="live"),
                              predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
                                                                         config.levels if closed else ()),
                              tier_hits=lambda target: readers[target.name][0](),
                              tier_unit=readers["candidate"][1])
-    targets = [endpoints[r].target(r) for r in roles]
+    targets = {role: endpoints[serving[role]].target(role) for role in roles}
     primer_users = min(config.levels) if closed else settings.rate_users
-    primed = prime_targets(targets, workload, primer_users, settings.out_dir,
-                           on_step=settings.on_step) if config.prime else []
-    frame = run_sweep(targets, workload, settings)
+    primed = prime_targets([targets[role] for role in roles if not (aa and role == "baseline")], workload,
+                           primer_users, settings.out_dir, on_step=settings.on_step) if config.prime else []
+    frame = run_sweep([targets["baseline"], targets["candidate"]], workload, settings,
+                      references=[targets[role] for role in roles if role == "recompute"])
     steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime), "embedded": embedded,
-             "hit_ratio_bound": _workload_bound(gate_context.config, workload)}
+             "hit_ratio_bound": _workload_bound(gate_context.config, workload), "aa": aa}
     for row in frame.to_dict("records"):
-        records = read_records(Path(row["step_dir"]) / "records")
-        in_window = [r for r in records if r["sent_at"] >= row["window_start"]]  # the summary's window
+        in_window = step_measured_records(row)  # every block's window, as the pooled summary's
+        records = [r for block in row["blocks"] for r in read_records(Path(block["step_dir"]) / "records")]
         steps[(row["target"], row["level"])] = {"summary": row, "records": [r for r in in_window if r["ok"]],
                                                 "all_records": records, "slo_latencies": slo_latencies(in_window)}
     return steps
@@ -190,31 +207,62 @@ def test_sweep_figures_per_target_and_level(sweep, gate_context, record):
         if bound is not None and hit_ratio is not None:
             record("hit_ratio_bound", bound, target=role, measured=hit_ratio,
                    far_below=bound - hit_ratio > FAR_BELOW_BOUND, far_below_points=FAR_BELOW_BOUND, **at)
-        # where the step's raw records are and its measured window's start (the report draws its distributions),
-        # and its requests due / sent / finished (every due request counts)
-        record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], window_start=s["window_start"],
-               records_dir=os.path.relpath(Path(s["step_dir"]) / "records", gate_context.store.root),
+        # where each block's raw records are and its measured window's start: the report draws the distributions
+        blocks = [{"records_dir": os.path.relpath(Path(b["step_dir"]) / "records", gate_context.store.root),
+                   "window_start": b["window_start"], "left_out_ids": b["left_out_ids"]} for b in s["blocks"]]
+        record("step_valid", s["valid"], target=role, reasons=s["invalid_reasons"], blocks=blocks,
                due=s.get("due"), sent=s.get("sent"), finished=s.get("finished"), **at)
+        for b in s["blocks"]:
+            record("g3_block", None if b["ttft_p50_s"] is None else b["ttft_p50_s"] * 1e3, "ms", target=role,
+                   block=b["block"], position=b["position"], started_at=b["started_at"],
+                   first_sent_at=b["first_sent_at"], ttft_p50_ms=None if b["ttft_p50_s"] is None
+                   else b["ttft_p50_s"] * 1e3, output_tokens_per_s=b["output_tokens_per_s"], requests=b["requests"],
+                   valid=b["valid"], reasons=b["invalid_reasons"], left_out=b["left_out"], **at)
     assert _levels(sweep), "the sweep produced no steps"
 
 
+def _judge_pairs(sweep, gate_context, record, verdict, level, metric: str, words: str) -> None:
+    """Record and judge one figure of a level from its block pairs, saying how many blocks decided it and why
+    sampling stopped (the interval's method in the record and the verdict's context)."""
+    baseline = _step(sweep, "baseline", level)["summary"]
+    figures = pair_figures(level_pairs(baseline, _step(sweep, "candidate", level)["summary"]))
+    sampling = baseline["sampling"]
+    about = {**_at(gate_context, level), "blocks": sampling["pairs"], "decided": sampling["decided"],
+             "stopped": sampling["why"], "pairs_used": figures.pairs, "pairs_left_out": figures.left_out,
+             "left_out_reasons": figures.left_out_reasons, "method": figures.method}
+    value, interval = figures.value_of(metric), figures.interval_of(metric)
+    record(metric, value, interval=interval, **about)
+    verdict(f"G3 {words} at {_label(gate_context, level)} over {sampling['pairs']} blocks per target "
+            f"({sampling['why']})", metric, value, unit="%", interval=interval, valid=figures.valid,
+            invalid_reason=figures.invalid_reason, context=about)
+
+
 def test_ttft_p50_reduction_at_each_level(sweep, gate_context, record, verdict, level):
-    figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
-    record("ttft_p50_reduction", figures.ttft_reduction, interval=figures.ttft_interval, **_at(gate_context, level))
-    verdict(f"G3 TTFT p50 reduction at {_label(gate_context, level)}", "ttft_p50_reduction", figures.ttft_reduction,
-            unit="%", interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason,
-            context=_at(gate_context, level))
+    _judge_pairs(sweep, gate_context, record, verdict, level, "ttft_p50_reduction", "TTFT p50 reduction")
 
 
 def test_throughput_gain_at_each_level(sweep, gate_context, record, verdict, level):
     if not _closed_loop(gate_context):
         pytest.skip("replay: rate_multipliers offers both targets the same arrivals, so below saturation both serve "
                     "the offered rate: throughput is judged as sustained_rate_gain over the whole ladder")
-    figures = level_figures(_step(sweep, "baseline", level), _step(sweep, "candidate", level))
-    record("throughput_gain", figures.throughput_gain, concurrency=level, interval=figures.throughput_interval)
-    verdict(f"G3 throughput gain at c={level}", "throughput_gain", figures.throughput_gain, unit="%",
-            interval=figures.throughput_interval, valid=figures.valid, invalid_reason=figures.invalid_reason,
-            context={"concurrency": level})
+    _judge_pairs(sweep, gate_context, record, verdict, level, "throughput_gain", "throughput gain")
+
+
+def test_aa_counts_the_intervals_that_excluded_the_null(sweep, gate_context, record):
+    """A/A: per judged check, whether its interval excluded 0 where nothing differs (a false decision)."""
+    if not sweep["aa"]:
+        pytest.skip("not an A/A run (aa: false)")
+    for level in gate_context.config.g3.levels:
+        figures = pair_figures(level_pairs(_step(sweep, "baseline", level)["summary"],
+                                           _step(sweep, "candidate", level)["summary"]))
+        for metric in JUDGED_PER_LEVEL[_closed_loop(gate_context)]:
+            interval = figures.interval_of(metric)
+            record(AA_FALSE_DECISION, None if interval is None else int(excludes_null(interval)), judged=metric,
+                   interval=interval, value_measured=figures.value_of(metric), method=figures.method,
+                   **_at(gate_context, level))
+    line = false_decision_line(gate_context.store.measurements("g3"))
+    gate_context.store.set_progress("g3", line)
+    assert line is not None
 
 
 def test_candidate_error_rate_at_each_level(sweep, gate_context, verdict, level):

@@ -24,9 +24,10 @@ import pytest
 
 from gates.g3_main.analysis import level_figures, run_seed
 from gates.no_reuse import reuse_found, unjudged_reason
+from workloads.blocks import run_sweep, step_measured_records
 from workloads.client import read_records
 from workloads.datasets import build_workload, sizer_for
-from workloads.sweep import SweepSettings, run_sweep
+from workloads.sweep import SweepSettings
 
 ROLES = ("baseline", "candidate")
 
@@ -38,6 +39,9 @@ def control(gate_context, endpoints):
     config = g3.no_reuse
     if not config.enabled:
         pytest.skip("g3.no_reuse.enabled is false")
+    if gate_context.config.aa:
+        pytest.skip("A/A run: the control weighs offload against none, and the candidate against itself has no "
+                    "other side (its second step would also reuse the first's prompts)")
     missing = [role for role in ROLES if role not in endpoints]
     if missing:
         pytest.skip(f"the no-reuse control needs a candidate and a baseline endpoint; none for {missing}")
@@ -56,8 +60,8 @@ def control(gate_context, endpoints):
     frame = run_sweep([endpoints[role].target(role) for role in ROLES], workload, settings)
     steps = {}
     for row in frame.to_dict("records"):
-        records = read_records(Path(row["step_dir"]) / "records")
-        in_window = [r for r in records if r["sent_at"] >= row["window_start"]]
+        records = [r for block in row["blocks"] for r in read_records(Path(block["step_dir"]) / "records")]
+        in_window = step_measured_records(row)
         steps[row["target"]] = {"summary": row, "records": [r for r in in_window if r["ok"]], "all": records}
     return steps
 

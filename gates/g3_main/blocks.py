@@ -1,0 +1,97 @@
+"""G3's judged figures from alternating blocks: the pairs' ratios and their anytime-valid interval.
+
+Per level the baseline and the candidate ran pairs of short blocks back to back in ABBA order
+(workloads/blocks.py). Per pair k: the TTFT ratio = candidate block TTFT p50 / baseline block TTFT
+p50, the throughput ratio = candidate output tokens/s / baseline's. `ttft_p50_reduction` = 1 - the
+geometric mean TTFT ratio and `throughput_gain` = the geometric mean throughput ratio - 1, each with
+the anytime-valid interval of `gates.sequential.log_ratio_sequence` over the pairs (Lai's t
+confidence sequence on log ratios: `gates.sequential.METHOD`). The interval comes from the
+variation between pairs, so drift between the baseline's minute and the candidate's is inside it,
+and G3 may look after every pair and stop as soon as it decides (`level_sampler`).
+
+A pair with an invalid block is left out of the interval and counted; a level with fewer than
+`MIN_PAIRS_FOR_AN_INTERVAL` valid pairs has no interval and is INCONCLUSIVE, with the reason.
+Within-block request statistics stay for the figures and the tables (pooled per target and level).
+
+A/A (`aa: true`): the candidate against itself; an interval that excludes the null (0 reduction,
+0 gain) is a false decision of the harness (`excludes_null`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from gates.g3_main.analysis import LevelFigures
+from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, log_ratio_sequence, sample_until_decided
+from workloads.blocks import LevelSampling
+
+JUDGED_PER_LEVEL = {True: ("ttft_p50_reduction", "throughput_gain"), False: ("ttft_p50_reduction",)}
+
+
+@dataclass(frozen=True)
+class PairFigures(LevelFigures):
+    """A level's judged figures (as `LevelFigures`) over its block pairs: how many pairs gave them, how many
+    were left out and why, and the interval's method."""
+
+    pairs: int                      # pairs that gave the figures
+    left_out: int                   # pairs left out: a block invalid (or without a figure)
+    left_out_reasons: str = ""
+    method: str = METHOD
+
+    def interval_of(self, metric: str) -> Optional[tuple[float, float]]:
+        return {"ttft_p50_reduction": self.ttft_interval, "throughput_gain": self.throughput_interval}[metric]
+
+    def value_of(self, metric: str) -> Optional[float]:
+        return {"ttft_p50_reduction": self.ttft_reduction, "throughput_gain": self.throughput_gain}[metric]
+
+
+def level_pairs(baseline: dict, candidate: dict) -> list[tuple[dict, dict]]:
+    """(baseline block row, candidate block row) per pair, matched by block index, from two step rows."""
+    by_block = {row["block"]: row for row in candidate.get("blocks") or []}
+    return [(row, by_block[row["block"]]) for row in baseline.get("blocks") or [] if row["block"] in by_block]
+
+
+def _usable(block: dict) -> bool:
+    figures = (block.get("ttft_p50_s"), block.get("output_tokens_per_s"))
+    return bool(block.get("valid")) and all(isinstance(f, (int, float)) and f > 0 for f in figures)
+
+
+def pair_figures(pairs: list[tuple[dict, dict]]) -> PairFigures:
+    """The level's TTFT p50 reduction and throughput gain over its valid pairs, with anytime-valid intervals."""
+    usable = [(a, b) for a, b in pairs if _usable(a) and _usable(b)]
+    left_out = [(k, a, b) for k, (a, b) in enumerate(pairs) if not (_usable(a) and _usable(b))]
+    reasons = "; ".join(f"pair {k + 1}: " + ", ".join(f"{row['target']} block: {row.get('invalid_reasons') or 'no figure'}"
+                                                       for row in (a, b) if not _usable(row))
+                        for k, a, b in left_out)
+    if len(usable) < MIN_PAIRS_FOR_AN_INTERVAL:
+        why = (f"{len(usable)} valid block pairs of {len(pairs)} (an interval needs {MIN_PAIRS_FOR_AN_INTERVAL})"
+               + (f"; {reasons}" if reasons else ""))
+        return PairFigures(None, None, None, None, False, why, len(usable), len(left_out), reasons)
+    ttft, (t_lo, t_hi) = log_ratio_sequence([b["ttft_p50_s"] for _, b in usable], [a["ttft_p50_s"] for a, _ in usable])
+    tput, (g_lo, g_hi) = log_ratio_sequence([b["output_tokens_per_s"] for _, b in usable],
+                                            [a["output_tokens_per_s"] for a, _ in usable])
+    return PairFigures(1.0 - ttft, (1.0 - t_hi, 1.0 - t_lo), tput - 1.0, (g_lo - 1.0, g_hi - 1.0), True, "",
+                       len(usable), len(left_out), reasons)
+
+
+def level_sampler(rule_of: Callable[[str], Optional[object]], closed_loop: bool) -> Callable[[LevelSampling], dict]:
+    """A `SweepSettings.sample_level`: pairs until the interval decides every rule G3 judges at the level
+    (`gates.sequential.sample_until_decided`), or the most blocks, or the level's time budget."""
+    judged = [(metric, rule) for metric in JUDGED_PER_LEVEL[closed_loop] if (rule := rule_of(metric)) is not None]
+
+    def sample(sampling: LevelSampling) -> dict:
+        def intervals() -> list:
+            figures = pair_figures(sampling.pairs)
+            return [figures.interval_of(metric) for metric, _ in judged]
+
+        stopping = sample_until_decided(sampling.take_pair, intervals, [rule for _, rule in judged],
+                                        sampling.minimum, sampling.maximum, sampling.budget_s)
+        return stopping.to_dict()
+
+    return sample
+
+
+def excludes_null(interval: Optional[tuple[float, float]]) -> bool:
+    """Whether an interval of a reduction or a gain excludes 0 (in A/A: a false decision)."""
+    return interval is not None and (interval[0] > 0.0 or interval[1] < 0.0)

@@ -1,0 +1,262 @@
+"""G3 in alternating blocks: ABBA order, the interval from between block pairs (drift inside it), sampling
+until it decides, the warm-up from each block's first request, and real sweeps against reference servers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gates.client_bench import _process
+from gates.g3_main.analysis import level_figures
+from gates.g3_main.blocks import excludes_null, level_pairs, level_sampler, pair_figures
+from gates.verdict import judge
+from kvcore.aa import AA_FALSE_DECISION, false_decision_line
+from kvcore.rules import parse_rule
+from workloads.blocks import LevelSampling, block_order, run_sweep, step_measured_records
+from workloads.client import read_records
+from workloads.load import Target, free_port
+from workloads.requests import Workload, WorkloadRequest
+from workloads.sweep import SweepSettings
+
+REDUCTION = parse_rule({"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25})
+GAIN = parse_rule({"metric": "throughput_gain", "min": 0.29, "max": 0.40})
+ROLES = ("baseline", "candidate")
+
+
+def _block(role: str, pair: int, ttft_s: float, tokens_per_s: float, valid: bool = True) -> dict:
+    return {"target": role, "block": pair, "ttft_p50_s": ttft_s, "output_tokens_per_s": tokens_per_s,
+            "valid": valid, "invalid_reasons": "" if valid else "client saturated: CPU p90 99% > 90%"}
+
+
+def _pairs(rng, pairs: int, speedup: float = 1.0, drift_per_block: float = 0.0, noise: float = 0.03,
+           gain: float = 1.0) -> list[tuple[dict, dict]]:
+    """Synthetic block pairs in ABBA order: the block run i-th has latency 0.1 s x (1 + drift x i) (the
+    candidate's divided by `speedup`) and throughput 100 / (1 + drift x i) tokens/s (the candidate's times
+    `gain`), each with lognormal noise."""
+    found, slot = [], 0
+    for pair in range(pairs):
+        blocks = {}
+        for index in block_order(pair):
+            role = ROLES[index]
+            level = 1.0 + drift_per_block * slot
+            slot += 1
+            faster = speedup if role == "candidate" else 1.0
+            more = gain if role == "candidate" else 1.0
+            blocks[role] = _block(role, pair, 0.1 * level / faster * rng.lognormal(0, noise),
+                                  100.0 / level * more * rng.lognormal(0, noise))
+        found.append((blocks["baseline"], blocks["candidate"]))
+    return found
+
+
+def _one_shot_steps(rng, blocks_per_target: int, drift_per_block: float, requests_per_block: int = 20):
+    """The old G3: one step per target, the baseline's then the candidate's, each as long as its blocks
+    together, under the same linear drift; the interval resampled the steps' requests."""
+    steps = {}
+    for index, role in enumerate(ROLES):
+        records = []
+        for i in range(blocks_per_target * requests_per_block):
+            slot = index * blocks_per_target + i / requests_per_block
+            level = 1.0 + drift_per_block * slot
+            records.append({"sent_at": 1000.0 + slot * 10, "e2e_s": 0.5, "completion_tokens": 16,
+                            "ttft_s": float(0.1 * level * rng.lognormal(0, 0.1))})
+        steps[role] = {"summary": {"valid": True, "invalid_reasons": "", "target": role}, "records": records}
+    return steps["baseline"], steps["candidate"]
+
+
+# ---------------------------------------------------------------------------- the order
+
+
+def test_block_pairs_alternate_abba():
+    assert [block_order(k) for k in range(4)] == [(0, 1), (1, 0), (0, 1), (1, 0)]
+
+
+# ---------------------------------------------------------------------------- the interval under drift
+
+
+def test_an_aa_run_under_linear_drift_covers_zero_while_the_one_shot_request_bootstrap_excluded_it():
+    rng = np.random.default_rng(7)
+    runs, drift = 200, 0.05        # latency 1.45x higher by the run's end than at its start (10 blocks)
+    covered = [not excludes_null(pair_figures(_pairs(rng, 5, drift_per_block=drift)).ttft_interval)
+               for _ in range(runs)]
+    bootstrapped = 30                             # the old interval resamples requests: slower to compute
+    one_shot = [excludes_null(level_figures(*_one_shot_steps(rng, 5, drift)).ttft_interval)
+                for _ in range(bootstrapped)]
+    assert sum(covered) >= 0.95 * runs          # anytime-valid 95%: drift falls on both sides alike
+    assert sum(one_shot) >= 0.9 * bootstrapped  # the candidate's later minute read as a difference
+
+
+def test_a_pair_with_an_invalid_block_is_left_out_and_counted():
+    rng = np.random.default_rng(1)
+    pairs = _pairs(rng, 4, speedup=2.0)
+    pairs[2] = (_block("baseline", 2, 0.1, 100.0, valid=False), pairs[2][1])
+    figures = pair_figures(pairs)
+    assert (figures.pairs, figures.left_out, figures.valid) == (3, 1, True)
+    assert figures.left_out_reasons == "pair 3: baseline block: client saturated: CPU p90 99% > 90%"
+    assert figures.ttft_reduction == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_level_without_three_valid_pairs_is_inconclusive_with_the_reason():
+    rng = np.random.default_rng(2)
+    pairs = _pairs(rng, 3, speedup=2.0)
+    pairs[0] = (pairs[0][0], _block("candidate", 0, 0.05, 100.0, valid=False))
+    figures = pair_figures(pairs)
+    assert not figures.valid and figures.ttft_interval is None
+    assert figures.invalid_reason.startswith("2 valid block pairs of 3 (an interval needs 3); pair 1: candidate")
+    verdict = judge("g3", "c2", "G3 TTFT p50 reduction at c=2", figures.ttft_reduction, REDUCTION, unit="%",
+                    interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
+    assert verdict.status == "INCONCLUSIVE"
+
+
+def test_the_aa_line_counts_the_intervals_that_excluded_zero():
+    rows = [{"metric": AA_FALSE_DECISION, "value": v} for v in (0, 1, 0, 0, 0, 0)] + [{"metric": "other", "value": 1}]
+    assert false_decision_line(rows).startswith("A/A: 1 of 6 intervals excluded 0")
+    assert false_decision_line([{"metric": "ttft_p50_ms", "value": 3}]) is None
+    unmeasured = [{"metric": AA_FALSE_DECISION, "value": v} for v in (None, 0, None)]   # None: no interval
+    assert false_decision_line(unmeasured) == (
+        "A/A: 0 of 1 intervals excluded 0 (the candidate against itself: each one that did is a false decision of "
+        "the harness); 2 of 3 checks had no interval (too few valid block pairs)")
+
+
+# ---------------------------------------------------------------------------- the stopping rule
+
+
+def _sample(make_pair, rules: dict, minimum: int = 3, maximum: int = 5) -> tuple[dict, list]:
+    pairs: list = []
+    sampling = LevelSampling("concurrency", 2, lambda k: pairs.append(make_pair(k)), pairs, minimum, maximum, 1e9)
+    return level_sampler(rules.get, closed_loop=True)(sampling), pairs
+
+
+def test_sampling_stops_at_the_minimum_on_a_clear_difference():
+    rng = np.random.default_rng(3)
+    stopping, pairs = _sample(lambda k: _pairs(rng, 1, speedup=2.0, noise=0.02)[0],
+                              {"ttft_p50_reduction": REDUCTION})
+    assert stopping == {"pairs": 3, "decided": True, "why": "decided after 3 pairs"} and len(pairs) == 3
+
+
+def test_sampling_runs_to_the_most_blocks_when_the_figure_sits_on_the_threshold():
+    rng = np.random.default_rng(4)
+    stopping, pairs = _sample(lambda k: _pairs(rng, 1, speedup=1 / 0.75)[0], {"ttft_p50_reduction": REDUCTION})
+    assert stopping == {"pairs": 5, "decided": False, "why": "not decided after 5 pairs (the most allowed)"}
+    assert len(pairs) == 5
+
+
+def test_sampling_waits_for_every_rule_of_the_level():
+    rng = np.random.default_rng(5)   # TTFT clearly halved, throughput on the band's lower edge: not decided
+    stopping, _ = _sample(lambda k: _pairs(rng, 1, speedup=2.0, gain=1.29)[0],
+                          {"ttft_p50_reduction": REDUCTION, "throughput_gain": GAIN})
+    assert not stopping["decided"] and stopping["pairs"] == 5
+
+
+# ---------------------------------------------------------------------------- real sweeps
+
+
+def _workload(sessions: int = 6) -> Workload:
+    return Workload("blocks", tuple((WorkloadRequest(f"s{s}", f"s{s}", 0, ({"role": "user", "content": f"hi {s}"},),
+                                                     4, 4),) for s in range(sessions)))
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Two reference servers with fixed timing: TTFT 40 ms (the baseline) and 20 ms (the candidate)."""
+    ports = [free_port(), free_port()]
+    command = [sys.executable, "-m", "workloads.reference_server", "--itl-ms", "5", "--tokens", "4"]
+    with _process(command + ["--port", str(ports[0]), "--ttft-ms", "40"], ports[0], "/health"), \
+            _process(command + ["--port", str(ports[1]), "--ttft-ms", "20"], ports[1], "/health"):
+        yield [Target(role, f"http://127.0.0.1:{port}/v1", "reference") for role, port in zip(ROLES, ports)]
+
+
+def _settings(tmp_path, minimum: int, maximum: int) -> SweepSettings:
+    # the client's own saturation is not what these tests are about (the machine is shared): a block stays valid
+    return SweepSettings(levels=(2,), duration_s=3, warmup_s=0.5, min_duration_s=1, min_requests=3, out_dir=tmp_path,
+                         min_blocks=minimum, max_blocks=maximum, max_client_cpu_percent=100.0, max_loop_lag_s=5.0,
+                         sample_level=level_sampler({"ttft_p50_reduction": REDUCTION}.get, closed_loop=True))
+
+
+def test_a_known_good_pair_passes_in_abba_blocks_measured_from_each_blocks_first_request(servers, tmp_path):
+    settings = _settings(tmp_path, 3, 4)
+    rows = {r["target"]: r for r in run_sweep(servers, _workload(), settings).to_dict("records")}
+    baseline, candidate = rows["baseline"], rows["candidate"]
+    blocks = sorted(baseline["blocks"] + candidate["blocks"], key=lambda b: b["started_at"])
+    pairs = baseline["sampling"]["pairs"]
+    assert [b["target"] for b in blocks] == ["baseline", "candidate", "candidate", "baseline"] * (pairs // 2) + (
+        ["baseline", "candidate"] if pairs % 2 else [])
+    for block in blocks:             # the warm-up runs from the block's first request, not the process's start
+        records = read_records(tmp_path / block["target"] / ("c2" + (f"-block{block['block'] + 1}"
+                                                                     if block["block"] else "")) / "records")
+        assert block["first_sent_at"] == min(r["sent_at"] for r in records) > block["started_at"]
+        assert block["window_start"] == pytest.approx(block["first_sent_at"] + settings.warmup_s)
+        assert block["requests"] == sum(r["sent_at"] >= block["window_start"] for r in records)
+    assert len(step_measured_records(baseline)) == baseline["requests"] == sum(b["requests"] for b in baseline["blocks"])
+    figures = pair_figures(level_pairs(baseline, candidate))
+    verdict = judge("g3", "c2", "G3 TTFT p50 reduction at c=2", figures.ttft_reduction, REDUCTION, unit="%",
+                    interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
+    assert verdict.status == "PASS" and baseline["sampling"]["decided"], (verdict.reason, baseline["sampling"])
+    assert figures.ttft_interval[0] > 0.25 and figures.pairs == pairs
+
+
+def test_one_server_as_both_sides_gives_an_interval_that_covers_zero(servers, tmp_path):
+    one = servers[1]
+    pair = [Target("baseline", one.url, one.model), Target("candidate", one.url, one.model)]
+    rows = {r["target"]: r for r in run_sweep(pair, _workload(), _settings(tmp_path, 3, 3)).to_dict("records")}
+    figures = pair_figures(level_pairs(rows["baseline"], rows["candidate"]))
+    assert figures.valid and figures.pairs == 3, figures.invalid_reason
+    assert not excludes_null(figures.ttft_interval), figures
+    assert rows["baseline"]["sampling"]["pairs"] == 3
+
+
+def test_a_trace_pair_replays_the_same_sub_part_and_is_measured_on_the_same_requests(servers, tmp_path):
+    from tests.traces import write_trace
+    from workloads.datasets import ByteSizer, build_workload
+
+    rows = [{"timestamp": 100 * i, "input_length": 256, "output_length": 4, "hash_ids": [1, 100 + i]}
+            for i in range(200)]
+    workload = build_workload({"kind": "trace", "path": str(write_trace(tmp_path, rows)), "length_scale": 0.25},
+                              ByteSizer(), seed=0)
+    settings = SweepSettings(levels=(2,), duration_s=5, warmup_s=0.5, min_duration_s=0, min_requests=1,
+                             out_dir=tmp_path / "sweep", min_blocks=2, max_blocks=2, max_client_cpu_percent=100.0,
+                             max_loop_lag_s=5.0)
+    found = {r["target"]: r for r in run_sweep(servers, workload, settings).to_dict("records")}
+    for pair in range(2):
+        blocks = [next(b for b in found[role]["blocks"] if b["block"] == pair) for role in ROLES]
+        sent = [{r["request_id"] for r in read_records(Path(b["step_dir"]) / "records")}
+                for b in blocks]
+        part = {f"trace-{i}" for i in range(100 * pair, 100 * pair + 100)}    # pair k replays sub-part k
+        assert all(f"trace-{100 * pair}" in ids and ids <= part for ids in sent)
+        measured = [{r["request_id"] for r in step_measured_records({"blocks": [b]})} for b in blocks]
+        assert measured[0] == measured[1] and measured[0]          # both judged on the same requests
+        kept = [{r["request_id"] for r in read_records(Path(b["step_dir"]) / "records")
+                 if r["sent_at"] >= b["window_start"]} for b in blocks]
+        assert [len(k - measured[0]) for k in kept] == [b["left_out"] for b in blocks]   # the others counted
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("g3, message", [
+    ({"max_blocks": 2}, "g3.max_blocks: expected at least min_blocks (3), found 2"),
+    ({"min_blocks": 2}, "g3.min_blocks: expected a value >= 3, found 2"),
+    ({"level_budget_s": 0}, "g3.level_budget_s: expected a value > 0.0, found 0"),
+])
+def test_the_block_fields_are_validated_naming_the_field(tmp_path, g3, message):
+    import yaml
+
+    from gates.config import load_config
+    from kvcore.settings import ConfigError
+
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({"g3": g3}))
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "gates.yaml")
+    assert str(error.value) == message
+
+
+def test_kvgate_run_aa_sets_the_config_field_the_suites_read():
+    from gates.cli import build_parser
+    from gates.config import load_config
+
+    args = build_parser().parse_args(["run", "g3", "--aa"])
+    assert args.aa and not build_parser().parse_args(["run", "g3"]).aa
+    quick = load_config(None, "quick")
+    assert quick.aa is False and (quick.g3.min_blocks, quick.g3.max_blocks) == (3, 5)
