@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .expectations import ClaimNotMet, Expectation, MustNotPass, MustPass
+from .expectations import ClaimNotMet, Expectation, MustFail, MustNotPass, MustPass
 
 COMPARED = ("ttft_p50_reduction", "throughput_gain")   # G3's side-by-side verdicts at each level
 # G2's cold-read ratio against the storage's best (issue 22 §1; a run of today's G2 is read as cold_read_vs_fio)
@@ -26,8 +26,9 @@ TOKENS = 8
 
 # one place for the mocks' G3 settings (P2's blocks add g3.min_blocks / max_blocks / level_budget_s here)
 G3_SETTINGS: dict[str, dict] = {
-    "quick": {"levels": [2], "duration_s": 10, "warmup_s": 2, "min_requests": 10},
-    "full": {"levels": [2, 4], "duration_s": 30, "warmup_s": 4, "min_requests": 20},
+    "quick": {"levels": [2], "duration_s": 5, "warmup_s": 1, "min_requests": 8, "min_blocks": 3, "max_blocks": 4},
+    "full": {"levels": [2, 4], "duration_s": 20, "warmup_s": 3, "min_requests": 20, "min_blocks": 3,
+             "max_blocks": 6},
 }
 # G2 for the storage controls: the cold-read pairs only (model load, checkpoint and the no-reuse control off)
 G2_SETTINGS: dict[str, dict] = {
@@ -39,6 +40,7 @@ MOCK_WORKLOAD = {"kind": "multi_round_qa", "users": 8, "rounds": 4, "system_prom
 SERVE_WORKLOAD = {"kind": "multi_round_qa", "users": 8, "rounds": 4, "system_prompt_tokens": 256,
                   "document_tokens": 1536, "question_tokens": 32, "answer_tokens": 64, "output_tokens": 16}
 
+LOCUST_START_S = 3.0    # what a block's locust process takes to start sending, about, on a 2-core VM
 BASELINE_TIMING = ("--ttft-ms", "200", "--itl-ms", "20")
 FAST_TIMING = ("--ttft-ms", "100", "--itl-ms", "18")
 
@@ -94,7 +96,8 @@ CONTROLS: tuple[Control, ...] = (
     Control("b-direct-read", "a direct-I/O tier on storage where direct is the slow mode", ("g2",),
             (MustNotPass(COLD_READ),), embedded={"disk_io_mode": "direct"}, full_only=True),
     Control("c-failing", "a candidate failing 40% of its requests (HTTP 500), otherwise faster", ("g3",),
-            (NOT_COMPARED,), **_pair(_mock(*BASELINE_TIMING), _mock(*FAST_TIMING, "--error-fraction", "0.4"))),
+            (NOT_COMPARED, MustFail("error_rate")),
+            **_pair(_mock(*BASELINE_TIMING), _mock(*FAST_TIMING, "--error-fraction", "0.4"))),
     Control("d-invalid-only", "a candidate faster only in invalid steps (its usage miscounts the tokens)", ("g3",),
             (NOT_COMPARED, ClaimNotMet("ttft_p50_reduction"), ClaimNotMet("throughput_gain")),
             **_pair(_mock(*BASELINE_TIMING), _mock(*FAST_TIMING, "--usage-token-offset", "1"))),
@@ -123,10 +126,10 @@ def controls_for(full: bool, keys: tuple[str, ...] = ()) -> list[Control]:
 
 
 def g3_run_seconds(profile: str) -> float:
-    """About how long G3 runs at a profile's settings (two targets, each level's step): a drifting server
-    drifts over this, so its whole fall lies inside the run."""
+    """About how long G3 runs at a profile's settings (two targets, each level's blocks at most, each block's
+    locust start included): a drifting server drifts over this, so its whole fall lies inside the run."""
     g3 = G3_SETTINGS[profile]
-    return 2 * len(g3["levels"]) * g3["duration_s"] + 10
+    return 2 * len(g3["levels"]) * g3["max_blocks"] * (g3["duration_s"] + LOCUST_START_S) + 10
 
 
 def gates_yaml(control: Control, profile: str, storage: str, urls: dict[str, str], models: dict[str, str],

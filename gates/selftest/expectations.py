@@ -97,6 +97,24 @@ class MustPass:
 
 
 @dataclass(frozen=True)
+class MustFail:
+    """At least one verdict of `metric` must FAIL (e.g. the candidate's error rate at a level where it failed
+    requests: an INCONCLUSIVE must never hide it)."""
+
+    metric: str
+
+    def describe(self) -> str:
+        return f"a FAIL of {self.metric}"
+
+    def check(self, results: dict) -> Finding:
+        rows = judged(results, self.metric)
+        problem = _missing([self.metric] if not rows else []) or (
+            "" if any(v.get("status") == "FAIL" for v in rows)
+            else "none FAILED: " + ", ".join(f"{_where(v)} {v.get('status')}" for v in rows))
+        return Finding(self.describe(), tuple(rows), problem)
+
+
+@dataclass(frozen=True)
 class ClaimNotMet:
     """The claims sheet's row `claim_id` must not say "met" (not met, or not measured: invalid)."""
 
@@ -115,7 +133,7 @@ class ClaimNotMet:
         return Finding(self.describe(), rows, problem, "claim")
 
 
-Expectation = MustNotPass | MustPass | ClaimNotMet
+Expectation = MustNotPass | MustPass | MustFail | ClaimNotMet
 
 def _missing(metrics: list[str]) -> str:
     return "not judged: " + ", ".join(metrics) + " (the control proves nothing)" if metrics else ""
