@@ -784,9 +784,10 @@ _G2_STORAGE_THRESHOLDS = (
 PROFILES: dict[str, dict] = {
     "quick": {
         "inventory": {"min_cpu_cores": 1, "min_memory_gib": 1, "min_free_gib": 2},
-        # the storage sweep: 20 read and 4 write points of at most 1 s, ~35 s on a 2-core VM
+        # the storage sweep: 1 and 16 MiB reads at queue depth 32 (libaio, io_uring where there is one) and
+        # buffered, 1 and 4 jobs, and 4 fsync'd writes, each point at most 1 s (~25 s on a 2-core VM)
         "fio": {"size": "256M", "runtime_s": 4, "verify_size": "32M", "sweep": {
-            "read_bs": ["1M", "16M"], "iodepths": [4, 32], "numjobs": [1, 4], "write_bs": ["1M", "16M"],
+            "read_bs": ["1M", "16M"], "iodepths": [32], "numjobs": [1, 4], "write_bs": ["1M", "16M"],
             "write_numjobs": [4], "size": "512M", "runtime_s": 1}},
         "g1": {"thresholds": [
             {"metric": "seq_read_gbps", "op": ">=", "value": 0.1},
@@ -797,15 +798,15 @@ PROFILES: dict[str, dict] = {
         ]},
         # 8 pairs of 2 prefixes of 8k tokens (~62 MiB per side with the small preset): one prefix (~31 MiB)
         # left the tier's side noisy; more pairs narrow the median's interval over fio's swings
-        # model load: 1 GiB read by safetensors (engines' default) and the Run:ai streamer (the best loader
+        # model load: 512 MiB (4 shards) read by safetensors (engines' default) and the Run:ai streamer (the best loader
         # here); fastsafetensors, slower here, is the full profile's third (a minute of the quick budget is all
         # G2's model load and checkpoint get)
         # pairs are sequential: at least the minimum, then until the interval decides, the maximum or the budget
         "g2": {"contexts": [1024, 4096, 8192], "rounds": 2, "cold_read_prefixes": 2,
-               "cold_read_pairs": {"min": 5, "max": 14, "budget_s": 90},
-               "model_load": {"loaders": ["safetensors", "runai_streamer"],
-                              "rounds": {"min": 4, "max": 8, "budget_s": 45}},
-               "checkpoint": {"rounds": {"min": 4, "max": 8, "budget_s": 45}}, "no_reuse": {"pairs": 8},
+               "cold_read_pairs": {"min": 5, "max": 12, "budget_s": 75},
+               "model_load": {"loaders": ["safetensors", "runai_streamer"], "size": "512MiB", "shard_size": "128MiB",
+                              "rounds": {"min": 3, "max": 5, "budget_s": 30}},
+               "checkpoint": {"rounds": {"min": 3, "max": 6, "budget_s": 30}}, "no_reuse": {"pairs": 8},
                "thresholds": [
             {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
             {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
@@ -816,10 +817,10 @@ PROFILES: dict[str, dict] = {
         # with priming and the no-reuse control; G2 measures model loading and checkpoints too, within 10 minutes.
         # 3 requests a block: the baseline completes 3-7 in a block at c=4-8 here (the pairs' interval holds
         # the noise of a p50 of few)
-        # the no-reuse control: one 14-s step per target at c=4
-        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 8, "warmup_s": 2,
-               "min_blocks": 3, "max_blocks": 5, "level_budget_s": 70, "min_requests": 3,
-               "no_reuse": {"duration_s": 14, "warmup_s": 4}, "thresholds": [
+        # the no-reuse control: one 10-s step per target at c=4
+        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 7, "warmup_s": 2,
+               "min_blocks": 3, "max_blocks": 5, "level_budget_s": 60, "min_requests": 3,
+               "no_reuse": {"duration_s": 10, "warmup_s": 3}, "thresholds": [
             {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
             {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
             {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40},

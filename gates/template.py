@@ -75,7 +75,7 @@ fio:                              # G1 fio matrix: seq read/write 1 MiB, random 
   verify_size: 32M
   sweep:                          # G1's storage sweep: the storage's best read and fsync'd write, G2's yardstick
     read_bs: [1M, 16M]            # request sizes of the sequential read points
-    iodepths: [4, 32]             # queue depths of the direct read points (libaio, io_uring)
+    iodepths: [32]                 # queue depths of the direct read points (libaio, io_uring)
     numjobs: [1, 4]               # parallel jobs (buffered reads: psync jobs, depth 1)
     modes: [direct, buffered]     # buffered reads drop the pages first (invalidate=1)
     ioengines: [libaio, io_uring] # one the host lacks is probed and left out
@@ -98,18 +98,18 @@ g2:
   rounds: 2
   cold_read_pairs:                # pairs of the tier's cold load and the storage's best read job, until decided
     min: 5                        # always taken (at least 3); a plain number n: exactly n pairs
-    max: 14                       # the most when the interval does not decide
-    budget_s: 90                  # no pair started after this
+    max: 12                       # the most when the interval does not decide
+    budget_s: 75                  # no pair started after this
   cold_read_prefixes: 2           # fresh longest-context prefixes each tier round loads (more bytes per pair)
   model_load:                     # model service loading on the storage under test
     enabled: true
     # path: /models/DeepSeek-R1-Distill-Llama-70B   # an existing safetensors model (read only, never written)
-    size: 1GiB                    # without path: a random checkpoint this big is written under storage.path
-    shard_size: 256MiB
+    size: 512MiB                  # without path: a random checkpoint this big is written under storage.path
+    shard_size: 128MiB
     loaders: [safetensors, runai_streamer]   # each read cold beside the best read job on the same files
                                              # (also: fastsafetensors)
     parallel: 16                  # read threads of the streaming loaders
-    rounds: {min: 4, max: 8, budget_s: 45}   # until the best loader's interval decides
+    rounds: {min: 3, max: 5, budget_s: 30}   # until the best loader's interval decides
     # baseline_path: /mnt/nfs/kvgate   # the storage to compare with (e.g. NFS): the speedup check runs
     service: true                 # embedded: `kvgate serve --weights` per loader, process start to first token
     # launch: "vllm serve /models/x --load-format runai_streamer"   # external: the engine's own start,
@@ -120,7 +120,7 @@ g2:
     parameters: 20000000          # 280 MB of state; or 8B, 70B, 405B, 1T (MLPerf Storage), 32B, adapter
     bytes_per_parameter: 14       # bf16 weights + fp32 master weights + Adam's two moments
     thread_count: 1               # write threads per rank
-    rounds: {min: 4, max: 8, budget_s: 45}   # saves beside the best fsync'd write job (after two warm-ups)
+    rounds: {min: 3, max: 6, budget_s: 30}   # saves beside the best fsync'd write job (after two warm-ups)
     restores: 3                   # cold restores, checked bit for bit
     # baseline_path: /mnt/nfs/kvgate-ckpt
   no_reuse:                       # the no-reuse control: unique prompts, tiered candidate beside the baseline
@@ -156,11 +156,11 @@ g3:
   # ttft_slo_ms: 2000             # rate_multipliers: the TTFT objective a sustained rate meets
   # each level: pairs of short blocks, baseline and candidate in turn (ABBA...), until the interval over
   # the pairs decides every rule of the level (anytime-valid), or max_blocks, or level_budget_s
-  duration_s: 8                   # seconds per block
+  duration_s: 7                   # seconds per block
   warmup_s: 2                     # left out of each block, from its first request
   min_blocks: 3                   # blocks per target per level, at least (>= 3)
   max_blocks: 5                   # at most
-  level_budget_s: 70              # no further pair starts after this many seconds at a level (optional)
+  level_budget_s: 60              # no further pair starts after this many seconds at a level (optional)
   min_requests: 3                 # completed requests a block needs to be valid
   max_error_share: 0.01           # a block whose measured requests failed more than this is invalid
   prime: true                     # send each target every session's first turn (a trace: its warm-up) first
@@ -168,8 +168,8 @@ g3:
     enabled: true
     level: 4                      # its concurrency: no_reuse_ttft_cost, no_reuse_throughput_cost (judged when
                                   # in thresholds, as the full profile has them: <= 5%)
-    duration_s: 14                # per target (default: duration_s)
-    warmup_s: 4
+    duration_s: 10                # per target (default: duration_s)
+    warmup_s: 3
     # workload: {kind: random, requests: 1000, input_tokens: {distribution: uniform, min: 512, max: 2048}}
   thresholds:
     - {metric: ttft_p50_reduction, op: ">=", value: 0.25}
