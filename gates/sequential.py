@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from kvcore.rules import Band, Rule, parse_rule
+from kvcore.rules import Rule, parse_rule
 
 TAU2 = 10.0                 # the mixture's prior variance of the standardized effect (see the module's docstring)
 MIN_PAIRS_FOR_AN_INTERVAL = 3
@@ -80,11 +80,7 @@ def decides(rule: Rule | dict, interval: Optional[tuple[float, float]]) -> bool:
     decides (a threshold's value, a band's minimum; above a band's maximum still passes)."""
     if interval is None:
         return False
-    rule = parse_rule(rule)
-    lo, hi = interval
-    if isinstance(rule, Band):
-        return not (lo < rule.min <= hi)
-    return not rule.straddles(lo, hi)
+    return not parse_rule(rule).straddles(*interval)
 
 
 @dataclass(frozen=True)

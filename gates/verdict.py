@@ -126,7 +126,7 @@ def judge(gate: str, check: str, label: str, value: Optional[float], rule: Union
         return verdict(INCONCLUSIVE, f"{head} → INCONCLUSIVE{invalid}")
 
     if is_band:
-        if interval is not None and interval[0] < rule.min <= interval[1]:
+        if interval is not None and rule.straddles(*interval):
             return verdict(INCONCLUSIVE, f"{head} → INCONCLUSIVE (interval straddles the band's minimum)")
         if value < rule.min:
             return verdict(FAIL, f"{head} → FAIL")

@@ -83,6 +83,10 @@ class Band:
     def to_dict(self) -> dict:
         return {"metric": self.metric, "min": self.min, "max": self.max}
 
+    def straddles(self, lo: float, hi: float) -> bool:
+        """Whether [lo, hi] straddles the edge that decides, the minimum (straddling the maximum still passes)."""
+        return lo < self.min <= hi
+
     def text(self, number: Callable[[float], str] = str) -> str:
         return f"[{number(self.min)}, {number(self.max)}]"
 
