@@ -95,8 +95,9 @@ def _add_run(commands) -> None:
                      help="the trace file (JSONL) of a trace workload (g3/g4.workload.kind: trace)")
     run.add_argument("--continue-on-fail", action="store_true", help="run the later gates after a failure")
     run.add_argument("--aa", action="store_true",
-                     help="A/A: run the candidate against itself (G3's baseline role is the candidate) and report "
-                          "how many intervals excluded the null: the harness's own false decisions")
+                     help="A/A: each subject against itself (G3's baseline role is the candidate; G2's pairs put the "
+                          "storage's best job on both sides) and report how many intervals excluded the null: the "
+                          "harness's own false decisions")
     run.add_argument("--resume", type=Path, metavar="RUN_DIR",
                      help="continue a run whose harness was killed (its config and completed soak windows are kept)")
     run.set_defaults(handler=_run)

@@ -178,8 +178,9 @@ class GateRunner:
         self.console.print(f"[bold]kvgate run[/bold] {self.run_id}  profile {self.config.profile}  "
                            f"gates {' '.join(self.gates)}  → {self.run_dir}")
         if self.config.aa:
-            self.console.print("  A/A: G3's baseline role is the candidate itself; each interval that excludes 0 "
-                               "is a false decision of the harness")
+            self.console.print("  A/A: G3's baseline role is the candidate itself, G2's pairs put the storage's best "
+                               "job on both sides; each interval that excludes the null is a false decision of the "
+                               "harness")
         try:
             servers, endpoints = self._targets(info)
         except ServerStartError as error:  # said at once, as a pre-flight failure is

@@ -8,7 +8,7 @@ TEMPLATE = """\
 # quick: the embedded default, all gates in minutes on a small machine.
 # full: a real joint test (G4 soaks for 72 hours).
 profile: quick
-aa: false                         # A/A (kvgate run --aa): G3's candidate against itself, counting false decisions
+aa: false                         # A/A (kvgate run --aa): each subject against itself, counting false decisions
 
 targets:
   # embedded: kvgate starts its own servers (recompute, device-only baseline, tiered candidate).
@@ -98,9 +98,10 @@ g2:
   rounds: 2
   cold_read_pairs:                # pairs of the tier's cold load and the storage's best read job, until decided
     min: 5                        # always taken (at least 3); a plain number n: exactly n pairs
-    max: 12                       # the most when the interval does not decide
-    budget_s: 75                  # no pair started after this
-  cold_read_prefixes: 2           # fresh longest-context prefixes each tier round loads (more bytes per pair)
+    max: 24                       # the most when the interval does not decide
+    budget_s: 45                  # no pair started after this
+  cold_read_prefixes: 4           # longest-context prefixes each tier round loads cold (more bytes per pair)
+  cold_read_sets: 2               # prefix sets stored at the first pair; pair i reloads set i mod sets
   model_load:                     # model service loading on the storage under test
     enabled: true
     # path: /models/DeepSeek-R1-Distill-Llama-70B   # an existing safetensors model (read only, never written)

@@ -22,6 +22,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
 from kvcore.files import write_json, write_text_atomic
+from kvcore.aa import false_decision_line
 from kvcore.claims import claim_text, claims_table, format_figure, run_claims
 from kvcore.predictions import beside
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
@@ -212,7 +213,10 @@ TABLERS: dict[str, Callable[[GateRows], list[dict]]] = {
 }
 
 # lines a reviewer should not miss, shown at the top of the gate's section
-WARNERS: dict[str, Callable[[GateRows], list[str]]] = {"g3": g3_main.g3_warnings}
+WARNERS: dict[str, Callable[[GateRows], list[str]]] = {
+    "g2": lambda rows: [line for line in [false_decision_line(rows.measurements)] if line],   # an A/A run's count
+    "g3": g3_main.g3_warnings,
+}
 
 
 # ---------------------------------------------------------------- index.html

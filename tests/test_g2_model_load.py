@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gates.g2_baseline.model_load import (RANDOM_DIR, best_loader, measure_loaders, measure_speedup, median_phases,
-                                          prepare_checkpoints)
+from gates.g2_baseline.model_load import (RANDOM_DIR, WARMUP_ROUNDS, best_loader, measure_loaders, measure_speedup,
+                                          median_phases, prepare_checkpoints)
 from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape, Pairing
 from workloads.safetensors_dir import CheckpointFormatError
 
@@ -40,8 +40,12 @@ def test_each_loader_alternates_with_the_best_job_on_the_same_files_and_every_lo
     best = FioShape(direct=True, ioengine="libaio", iodepth=4, numjobs=2, bs="4M")    # the storage's best job
     figures = measure_loaders(prepared.under_test, ["safetensors", "runai_streamer"],
                               Pairing(MIN_PAIRS, MIN_PAIRS, 600), [RULE], 4, best, said.append, rounds.append)
-    assert [(r.loader, r.pair.round) for r in rounds] == [(loader, i) for i in range(MIN_PAIRS)
-                                                         for loader in ("safetensors", "runai_streamer")]
+    # one warm-up round (recorded, checked, not judged), then MIN_PAIRS judged ones
+    assert [(r.loader, r.pair.round, r.warmup) for r in rounds] == [
+        (loader, i, i < WARMUP_ROUNDS) for i in range(WARMUP_ROUNDS + MIN_PAIRS)
+        for loader in ("safetensors", "runai_streamer")]
+    assert all(len(f.rounds) == MIN_PAIRS and len(f.every_load) == WARMUP_ROUNDS + MIN_PAIRS
+               for f in figures.values())
     for r in rounds:
         assert r.identical and r.summary["nbytes"] == prepared.under_test.tensor_bytes
         assert r.pair.fio.nbytes > 0.9 * prepared.under_test.tensor_bytes      # fio read the same files, once

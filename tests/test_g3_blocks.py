@@ -3,6 +3,8 @@ until it decides, the warm-up from each block's first request, and real sweeps a
 
 from __future__ import annotations
 
+import math
+
 import sys
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from gates.client_bench import _process
 from gates.g3_main.analysis import level_figures
 from gates.g3_main.blocks import excludes_null, level_pairs, level_sampler, pair_figures
 from gates.verdict import judge
-from kvcore.aa import AA_FALSE_DECISION, false_decision_line
+from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_line, ratio_excludes_one
 from kvcore.rules import parse_rule
 from workloads.blocks import LevelSampling, block_order, run_sweep, step_measured_records
 from workloads.client import read_records
@@ -116,8 +118,11 @@ def test_the_aa_line_counts_the_intervals_that_excluded_zero():
     assert false_decision_line([{"metric": "ttft_p50_ms", "value": 3}]) is None
     unmeasured = [{"metric": AA_FALSE_DECISION, "value": v} for v in (None, 0, None)]   # None: no interval
     assert false_decision_line(unmeasured) == (
-        "A/A: 0 of 1 intervals excluded 0 (the candidate against itself: each one that did is a false decision of "
-        "the harness); 2 of 3 checks had no interval (too few valid block pairs)")
+        "A/A: 0 of 1 intervals excluded 0 (the subject against itself: each one that did is a false decision of "
+        "the harness); 2 of 3 checks had no interval (too few valid pairs)")
+    g2 = [{"metric": G2_AA_FALSE_DECISION, "value": v} for v in (0, 1, 0)]      # G2's ratios: the null is 1
+    assert false_decision_line(g2).startswith("A/A: 1 of 3 intervals excluded a ratio of 1")
+    assert [ratio_excludes_one(i) for i in ((0.9, 1.1), (1.02, 1.3), (0.5, math.inf), None)] == [0, 1, 0, None]
 
 
 # ---------------------------------------------------------------------------- the stopping rule

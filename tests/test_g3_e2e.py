@@ -74,8 +74,9 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     far = {m["context"]["target"]: m["context"]["far_below"] for m in bounds}
     assert far["recompute"] is True                                  # recompute reuses nothing: far below
     primed = {m["context"]["target"]: m for m in store.measurements("g3") if m["metric"] == "prime_requests"}
+    # the compared targets saw the same first turns; the recompute reference keeps nothing and is not primed
     assert {t: (m["value"], m["context"]["errors"]) for t, m in primed.items()} == {
-        t: (6, 0) for t in ("baseline", "candidate", "recompute")}     # every target saw the same first turns
+        t: (6, 0) for t in ("baseline", "candidate")}
     results = json.loads((run_dir / "results.json").read_text())
     assert code == (0 if results["overall"]["status"] == "passed" else 1)
     assert (run_dir / "index.html").read_text().count("<svg") >= 2

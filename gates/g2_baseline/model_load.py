@@ -27,10 +27,13 @@ from workloads.safetensors_dir import CheckpointFormatError, SafetensorsDir, rea
 
 from gates.sequential import Stopping, sample_until_decided
 
-from .side_by_side import FioFilesRead, FioShape, Pair, PairedRatio, Pairing, Reading, paired_ratio
+from .side_by_side import FioFilesRead, FioShape, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
 
 Progress = Callable[[str], None]
 RANDOM_DIR = "model-load"        # under storage.path (and baseline_path): the random checkpoint, removed at the end
+# the first round meets files just written and a read path not yet used (threads, buffers): recorded, not judged
+# (here its fio side read at 0.79 GB/s where the later ones read at 1.1-1.3)
+WARMUP_ROUNDS = 1
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class LoaderRound:
     summary: dict            # workloads.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
     identical: bool          # every tensor's checksum matched
     mismatch: str = ""       # what did not match, when not identical
+    warmup: bool = False     # one of the WARMUP_ROUNDS: recorded and checked, not judged
 
     def context(self) -> dict:
         s = self.summary
@@ -49,21 +53,27 @@ class LoaderRound:
                 "fio_gbps": self.pair.fio.gbps, "ratio": self.pair.ratio, "cold": s["cold"],
                 "device_read_bytes": s["device_read_bytes"], "identical": self.identical,
                 "phases": s["phases"], "folded": s["folded"], "storage": "under test",
-                **({"mismatch": self.mismatch} if self.mismatch else {})}
+                **({"mismatch": self.mismatch} if self.mismatch else {}), **({"warmup": True} if self.warmup else {})}
 
 
 @dataclass
 class LoaderFigures:
-    """Every round of one loader, and its side-by-side ratio."""
+    """Every round of one loader, and its side-by-side ratio (over the judged rounds; the warm-up ones apart)."""
 
     loader: str
     rounds: list[LoaderRound] = field(default_factory=list)
+    warmup_rounds: list[LoaderRound] = field(default_factory=list)
     warm: Optional[dict] = None      # one load with the files in the page cache: LoadResult.summary()
     stopping: Optional[Stopping] = None
 
     @property
     def judged(self) -> PairedRatio:
         return paired_ratio([r.pair for r in self.rounds], self.stopping)
+
+    @property
+    def every_load(self) -> list[LoaderRound]:
+        """The warm-up rounds and the judged ones: every load, each checked tensor by tensor."""
+        return self.warmup_rounds + self.rounds
 
     @property
     def identical(self) -> int:
@@ -144,32 +154,36 @@ def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinatio
 
 def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pairing, rules: list, parallel: int,
                     shape: FioShape, progress: Progress, on_round: Callable[[LoaderRound], None]) -> dict[str, LoaderFigures]:
-    """Rounds until the best loader's interval decides `rules` (or `pairing`'s max or budget); in each, every
-    loader's cold load and then the best read job (`shape`) reading the same files."""
+    """WARMUP_ROUNDS rounds, then rounds until the best loader's interval decides `rules` (or `pairing`'s max
+    or budget); in each, every loader's cold load and then the best read job (`shape`) reading the same files."""
     from workloads.loaders import allocate_destinations
 
     fio = FioFilesRead(checkpoint.files, shape)
     figures = {loader: LoaderFigures(loader) for loader in loaders}
     destinations = allocate_destinations(checkpoint, device())    # the model's parameters, placed once
 
-    def one_round(index: int) -> None:
+    def one_round(index: int, warmup: bool = False) -> None:
         for loader in loaders:
-            progress(f"model load: round {index + 1} (at most {pairing.max}), {loader} "
+            which = "warm-up round, not judged" if warmup else f"round {index - WARMUP_ROUNDS + 1} (at most {pairing.max})"
+            progress(f"model load: {which}, {loader} "
                      f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then the storage's best job on the same files)")
             for tensor in destinations.values():
                 tensor.zero_()       # what the last load left must not pass this one's check
             summary, mismatch = cold_load(checkpoint, loader, parallel, destinations)
             loaded = Reading(summary["nbytes"], summary["seconds"])
             round_ = LoaderRound(loader, Pair(index, loaded, fio(index, loaded.nbytes)), summary, not mismatch,
-                                 mismatch)
-            figures[loader].rounds.append(round_)
+                                 mismatch, warmup)
+            (figures[loader].warmup_rounds if warmup else figures[loader].rounds).append(round_)
             on_round(round_)
 
     def best_interval():
         best = best_loader(figures)
         return best.judged.interval if best is not None else None
 
-    stopping = sample_until_decided(one_round, best_interval, rules, pairing.min, pairing.max, pairing.budget_s)
+    for index in range(WARMUP_ROUNDS):
+        one_round(index, warmup=True)
+    stopping = sample_until_decided(lambda i: one_round(WARMUP_ROUNDS + i), best_interval, rules, pairing.min,
+                                    pairing.max, pairing.budget_s)
     for f in figures.values():
         f.stopping = stopping
     from workloads.loaders import READS_WITH_O_DIRECT
@@ -180,6 +194,21 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
         progress(f"model load: one warm load by {loader}")
         figures[loader].warm = warm_load(checkpoint, loader, parallel, destinations)
     return figures
+
+
+def measure_aa_reads(checkpoint: SafetensorsDir, pairing: Pairing, rules: list, shape: FioShape,
+                     progress: Progress) -> PairedRatio:
+    """A/A: the best read job (`shape`) on both sides of every pair, reading the checkpoint's files cold, with the
+    loaders' warm-up and sampling; nothing differs, so the interval must hold 1."""
+    first, second = FioFilesRead(checkpoint.files, shape, "g2-aa-first"), FioFilesRead(checkpoint.files, shape)
+
+    def said(pair: Pair) -> None:
+        progress(f"model load A/A: pair {pair.round} (at most {pairing.max}), the best job against itself: "
+                 f"{pair.ratio:.2f}")
+
+    pairs, stopping = measure_pairs(lambda index: first(index, 0.0), second, pairing, rules, warmup=WARMUP_ROUNDS,
+                                    on_pair=said)
+    return paired_ratio(pairs, stopping)
 
 
 def warm_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: dict) -> dict:

@@ -16,7 +16,7 @@ rate; the record says how many pairs decided it and why sampling stopped. Fewer 
 pairs is never judged.
 
 fio's sides, one per kind of subject, each in a given `FioShape` (the best job's, or the subject's own):
-- `FioRegions`: a fresh region of one file, laid out before the first pair (G2's cold read);
+- `FioRegions`: a region of one file laid out at the first pair, in turn (G2's cold read);
 - `FioFilesRead`: a sequential read of the very files the subject read (a model's shards), read only;
 - `FioFreshWrite`: a sequential write of a fresh file, fsync'd before it counts as done (a checkpoint save).
 """
@@ -120,6 +120,11 @@ class PairedRatio:
             options["invalid_reason"] = f"{self.pairs} side-by-side pairs, at least {MIN_PAIRS} needed"
         return options
 
+    def aa_context(self) -> dict:
+        """What an A/A row (kvcore.aa) carries: the ratio, its interval, the pairs and how sampling stopped."""
+        return {"ratio": self.value, "interval": list(self.interval or ()), "pairs": self.pairs,
+                **({"stopping": self.stopping.to_dict()} if self.stopping else {})}
+
     def record_context(self) -> dict:
         """What the judged figure's run-store row carries besides its value."""
         return {"pairs": self.pairs, "interval": list(self.interval or ()), "subject_gbps": self.subject_gbps,
@@ -203,17 +208,17 @@ def own_pattern(direct: bool, parallel: int, ioengine: str = "libaio") -> FioSha
 
 @dataclass
 class FioRegions:
-    """fio's side of the disk tier's cold read: sequential reads of fresh regions of one file in `directory`,
-    in `shape` (the storage's best job, or the tier's own pattern for the diagnostic leg).
+    """fio's side of the disk tier's cold read: sequential reads of regions of one file in `directory`, in
+    `shape` (the storage's best job, or the tier's own pattern for the diagnostic leg).
 
     The region is the first round's byte count rounded up to whole requests of `shape.bs` over its jobs
     (at least as many bytes as the tier read); the file holds `rounds` regions and round i reads region
-    i, so no round reads what an earlier one brought into a cache. Each job reads its own slice of the
-    region (`offset_increment`). The regions are written (buffered, fsync'd, not timed) all before the
-    first read, or with `write_each_round` each just before its read, as G2's tier stores its prefixes
-    just before it loads them: a virtual machine's host may cache recent writes, and the yardstick
-    must not read older data than the subject does. Use as a context manager: the file goes away at
-    the end.
+    i mod rounds, its pages dropped first (`invalidate=1`). Each job reads its own slice of the region
+    (`offset_increment`). The regions are written (buffered, fsync'd, not timed) once, at the first
+    round, as G2's tier stores its prefix sets at its first round and round i reloads set i mod sets:
+    both sides read data of the same age (a virtual machine's host may cache recent writes, so the
+    yardstick must not read older data than the subject does). Use as a context manager: the file goes
+    away at the end.
     """
 
     directory: Path
@@ -222,7 +227,6 @@ class FioRegions:
     name: str = "g2-cold-read"
     region: int = 0
     numjobs: int = 1
-    write_each_round: bool = False
 
     @property
     def path(self) -> Path:
@@ -231,10 +235,7 @@ class FioRegions:
     def __call__(self, index: int, nbytes: float) -> Reading:
         if not self.region:
             self._size_regions(nbytes)
-            if not self.write_each_round:
-                run_fio(self.layout_job())
-        if self.write_each_round:
-            run_fio(self.region_write_job(index % self.rounds))
+            run_fio(self.layout_job())
         job = self.read_job(index % self.rounds)
         return _moved(run_fio(job), job, "read", index)
 
@@ -248,13 +249,6 @@ class FioRegions:
         """Every round's region written (buffered, any size, and fsync'd) once, before the first read."""
         return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(min(FIO_BLOCK, self.region)),
                       size=str(self.rounds * self.region), direct=False, ioengine="psync", extra=("--end_fsync=1",))
-
-    def region_write_job(self, index: int) -> FioJob:
-        """Region `index` written (buffered, fsync'd) just before its read (`write_each_round`)."""
-        return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(min(FIO_BLOCK, self.region)),
-                      size=str(self.region), direct=False, ioengine="psync",
-                      extra=(f"--filename={self.path.name}", f"--filesize={self.rounds * self.region}",
-                             f"--offset={index * self.region}", "--end_fsync=1"))
 
     def read_job(self, index: int) -> FioJob:
         """The read of region `index` in `shape`, each job a slice of it."""

@@ -12,7 +12,6 @@ fio figure are shown beside it, never divide it.
 
 from __future__ import annotations
 
-import math
 import statistics
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, Fi
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
 from gates.sequential import Stopping
 from gates.stats import ratio_ci
+from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from gates.storage_best import StorageBest, storage_best
 from workloads.client import StreamingClient
 from workloads.datasets import sizer_for
@@ -130,14 +130,14 @@ def cold_read_pairs(gate_context, endpoints):
     client = StreamingClient(candidate.url, candidate.model, candidate.api, target="candidate")
     tier = TierColdLoad(AdminClient(candidate.server_root), client,
                         lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
-                        prefixes=config.g2.cold_read_prefixes)
+                        prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets)
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
-    rounds = WARMUP_PAIRS + pairing.max
-    # every fio region written just before its read, as the tier stores its prefixes just before loading them
-    best_side = FioRegions(directory, rounds, best.read, name="g2-best-read", write_each_round=True)
-    own_side = FioRegions(directory, rounds, own_pattern(embedded.disk_io_mode == "direct",
-                                                         embedded.disk_read_workers, config.fio.ioengine),
-                          name="g2-own-pattern", write_each_round=True)
+    # fio's regions laid out at the first pair and read in turn, as the tier stores its sets then and reloads them
+    sets = config.g2.cold_read_sets
+    best_side = FioRegions(directory, sets, best.read, name="g2-best-read")
+    own_side = FioRegions(directory, sets, own_pattern(embedded.disk_io_mode == "direct",
+                                                       embedded.disk_read_workers, config.fio.ioengine),
+                          name="g2-own-pattern")
     rule = config.rule("g2", METRIC)
 
     def said(pair: Pair) -> None:
@@ -150,8 +150,7 @@ def cold_read_pairs(gate_context, endpoints):
                 stack.enter_context(side)
             subject, same_pattern = tier, own_side
             if config.aa:                  # A/A: the best job against itself, as many bytes as the tier's load
-                aa_side = stack.enter_context(FioRegions(directory, rounds, best.read, name="g2-aa-read",
-                                                         write_each_round=True))
+                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read"))
                 nbytes = tier(0).nbytes
                 subject, same_pattern = (lambda i: aa_side(i, nbytes)), None
             pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],
@@ -246,9 +245,7 @@ def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_r
            same_pattern_job=run.own_job, aa=run.aa, g1_seq_read_gbps=None if g1 is None else g1["value"])
     subject = "A/A: the best job" if run.aa else "G2 cold-read KV bandwidth"
     if run.aa:
-        lo, hi = judged.interval or (0.0, math.inf)
-        record("g2_aa_false_decision", not lo <= 1.0 <= hi, of=METRIC, ratio=judged.value,
-               interval=[lo, hi], pairs=judged.pairs, stopping=run.stopping.to_dict())
+        record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context())
     diagnostic = f"; {judged.diagnostic()}" if judged.diagnostic() else ""
     verdict(f"{subject} / the storage's best read ({run.best.describe()}), side by side ({judged.describe()}"
             f"{diagnostic}{beside})", METRIC, judged.value, **judged.verdict_options())

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from gates.g2_baseline.side_by_side import FioFreshWrite, Pair, Reading, paired_ratio
+from gates.g2_baseline.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
 from gates.sequential import sample_until_decided
 from gates.stats import ratio_ci
 from gates.storage_best import storage_best
+from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from workloads.checkpoint import CheckpointError, CheckpointJob, RankFailure, spread
 
 CHECKPOINT_DIR = "checkpoint"      # under storage.path (and baseline_path): the rounds' checkpoints, removed after
@@ -131,6 +132,29 @@ def test_checkpoint_write_reaches_the_storages_best(gate_context, job, saves, re
     verdict(f"G2 checkpoint write / the storage's best fsync'd write ({best.describe('write')}), side by side "
             f"({spec.ranks} ranks, {spec.total_bytes / 1e9:.2f} GB of model + optimizer state per save, slowest "
             f"rank; {judged.describe()}{flag})", METRIC, judged.value, **judged.verdict_options())
+
+
+def test_aa_the_best_write_job_against_itself(gate_context, record):
+    """A/A (aa: true): the storage's best fsync'd write job on both sides of every pair, as many bytes as a save,
+    with the saves' warm-up and sampling; an interval that excludes 1 is a false decision of the harness."""
+    config, store = gate_context.config, gate_context.store
+    if not config.aa:
+        pytest.skip("not an A/A run (aa: false)")
+    settings, best = config.g2.checkpoint, storage_best(config, store)
+    nbytes, pairing, rule = settings.spec().total_bytes, settings.rounds.pairing(), config.rule("g2", METRIC)
+    directory = config.storage.path / "fio-checkpoint"
+    first, second = FioFreshWrite(directory, best.write, "g2-aa-first"), FioFreshWrite(directory, best.write)
+
+    def said(pair: Pair) -> None:
+        store.set_progress("g2", f"checkpoint A/A: pair {pair.round} (at most {pairing.max}), the best write job "
+                                 f"against itself: {pair.ratio:.2f}")
+
+    pairs, stopping = measure_pairs(lambda index: first(index, nbytes), second, pairing, [rule] if rule else [],
+                                    warmup=WARMUP_SAVES, on_pair=said)
+    judged = paired_ratio(pairs, stopping)
+    record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context(),
+           best=best.write.to_dict())
+    assert judged.pairs >= 1
 
 
 def test_restored_state_equals_the_saved_state(gate_context, job, saves, record, verdict):

@@ -15,9 +15,10 @@ import sys
 
 import pytest
 
-from gates.g2_baseline.model_load import (best_loader, measure_loaders, measure_speedup, median_phases,
-                                          prepare_checkpoints)
+from gates.g2_baseline.model_load import (best_loader, measure_aa_reads, measure_loaders, measure_speedup,
+                                          median_phases, prepare_checkpoints)
 from gates.storage_best import storage_best
+from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from workloads.load import free_port
 from workloads.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from workloads.service_load import ServiceStartError, time_service_start
@@ -108,8 +109,23 @@ def test_the_best_loader_reads_the_checkpoint_near_the_storages_best(gate_contex
             judged.value, context={"loader": best.loader}, **options)
 
 
+def test_aa_the_best_read_job_against_itself_on_the_same_files(gate_context, checkpoints, record):
+    """A/A (aa: true): the storage's best read job on both sides of every pair, on the checkpoint's files, sampled
+    as the loaders are; an interval that excludes 1 is a false decision of the harness (kvcore.aa)."""
+    config, store = gate_context.config, gate_context.store
+    if not config.aa:
+        pytest.skip("not an A/A run (aa: false)")
+    best = storage_best(config, store)
+    rule = config.rule("g2", METRIC)
+    judged = measure_aa_reads(checkpoints.under_test, config.g2.model_load.rounds.pairing(), [rule] if rule else [],
+                              best.read, lambda text: store.set_progress("g2", text))
+    record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context(),
+           best=best.read.to_dict())
+    assert judged.pairs >= 1
+
+
 def test_every_load_gave_the_tensors_that_were_written(loader_figures, record, verdict):
-    rounds = [r for f in loader_figures[0].values() for r in f.rounds]
+    rounds = [r for f in loader_figures[0].values() for r in f.every_load]
     identical = sum(r.identical for r in rounds)
     first_bad = next((r.mismatch for r in rounds if not r.identical), "")
     record("model_load_identical", identical / len(rounds), "%", loads=len(rounds))

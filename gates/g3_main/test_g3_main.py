@@ -14,9 +14,10 @@ A/A (`aa: true`, `kvgate run g3 --aa`): the baseline role is the candidate itsel
 no recompute reference); each judged interval that excludes 0 is recorded as a false decision
 (`g3_aa_false_decision`): a PASS there is exactly the false PASS the mode exists to count.
 
-With `prime` on (the default) every target is first sent the first turn of
-each session once, so prefixes return as they do in service: the baseline
-keeps what its device memory holds, the candidate what all its tiers hold.
+With `prime` on (the default) the baseline and the candidate are first sent
+the first turn of each session once, so prefixes return as they do in
+service: the baseline keeps what its device memory holds, the candidate what
+all its tiers hold (the recompute reference keeps nothing, and is not primed).
 A trace is primed with its warm-up requests instead, never a measured one.
 
 `g3.replay` says what a level is. closed_loop (the default, for traces too):
@@ -99,8 +100,11 @@ def sweep(gate_context, endpoints, adapters):
                              tier_unit=readers["candidate"][1])
     targets = {role: endpoints[serving[role]].target(role) for role in roles}
     primer_users = min(config.levels) if closed else settings.rate_users
-    primed = prime_targets([targets[role] for role in roles if not (aa and role == "baseline")], workload,
-                           primer_users, settings.out_dir, on_step=settings.on_step) if config.prime else []
+    # the recompute reference keeps no prefix (mode recompute), so priming it would only spend time; A/A: the
+    # candidate serves the baseline role too and is primed once
+    primed_roles = [role for role in roles if role != "recompute" and not (aa and role == "baseline")]
+    primed = prime_targets([targets[role] for role in primed_roles], workload, primer_users, settings.out_dir,
+                           on_step=settings.on_step) if config.prime else []
     frame = run_sweep([targets["baseline"], targets["candidate"]], workload, settings,
                       references=[targets[role] for role in roles if role == "recompute"])
     steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime), "embedded": embedded,
