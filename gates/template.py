@@ -110,7 +110,7 @@ g2:
     loaders: [safetensors, runai_streamer]   # each read cold beside the best read job on the same files
                                              # (also: fastsafetensors)
     parallel: 16                  # read threads of the streaming loaders
-    rounds: {min: 3, max: 5, budget_s: 30}   # until the best loader's interval decides
+    rounds: {min: 3, max: 12, budget_s: 30}  # after a warm-up round, until the best loader decides
     # baseline_path: /mnt/nfs/kvgate   # the storage to compare with (e.g. NFS): the speedup check runs
     service: true                 # embedded: `kvgate serve --weights` per loader, process start to first token
     # launch: "vllm serve /models/x --load-format runai_streamer"   # external: the engine's own start,
