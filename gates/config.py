@@ -801,8 +801,7 @@ PROFILES: dict[str, dict] = {
         ]},
         # cold read: pairs of 4 prefixes of 8k tokens (~124 MiB per side with the small preset; 2 prefixes left
         # the ratio's spread at 0.11 in logs), the 2 sets stored once: a pair reloads one (~2 s, where storing
-        # fresh prefixes each pair took 9 s), so the budget holds the 10-20 pairs that decide; fio reads in
-        # loads of one prefix's bytes as the tier loads them (one 124 MiB read beside four 31 MiB loads: 0.75)
+        # fresh prefixes each pair took 9 s), so the budget holds the 10-20 pairs that decide
         # model load: 512 MiB (4 shards) read by safetensors (engines' default) and the Run:ai streamer (the best loader
         # here); fastsafetensors, slower here, is the full profile's third (a minute of the quick budget is all
         # G2's model load and checkpoint get); a round of both loaders takes ~3 s here and the pairs' log ratios

@@ -211,18 +211,14 @@ class FioRegions:
     """fio's side of the disk tier's cold read: sequential reads of regions of one file in `directory`, in
     `shape` (the storage's best job, or the tier's own pattern for the diagnostic leg).
 
-    The subject's round is `loads` loads one after another (G2's tier loads its set's prefixes one
-    request at a time), so fio's is too: each load is one fio run reading as many bytes as one of the
-    subject's loads (its byte count over `loads`, rounded up to whole requests of `shape.bs` over its
-    jobs), and the round's reading is their bytes over their seconds together. A short read cannot
-    reach a long one's bandwidth whoever reads it, so the yardstick reads in the subject's unit of
-    work, with the storage's best parallelism. The file holds `rounds` regions of `loads` loads each
-    and round i reads region i mod rounds, its pages dropped first (`invalidate=1`); each job reads its
-    own slice of a load (`offset_increment`). The regions are written (buffered, fsync'd, not timed)
-    once, at the first round, as G2's tier stores its prefix sets at its first round and round i
-    reloads set i mod sets: both sides read data of the same age (a virtual machine's host may cache
-    recent writes, so the yardstick must not read older data than the subject does). Use as a context
-    manager: the file goes away at the end.
+    The region is the first round's byte count rounded up to whole requests of `shape.bs` over its jobs
+    (at least as many bytes as the tier read); the file holds `rounds` regions and round i reads region
+    i mod rounds, its pages dropped first (`invalidate=1`). Each job reads its own slice of the region
+    (`offset_increment`). The regions are written (buffered, fsync'd, not timed) once, at the first
+    round, as G2's tier stores its prefix sets at its first round and round i reloads set i mod sets:
+    both sides read data of the same age (a virtual machine's host may cache recent writes, so the
+    yardstick must not read older data than the subject does). Use as a context manager: the file goes
+    away at the end.
     """
 
     directory: Path
@@ -231,46 +227,37 @@ class FioRegions:
     name: str = "g2-cold-read"
     region: int = 0
     numjobs: int = 1
-    loads: int = 1
 
     @property
     def path(self) -> Path:
         return self.directory / f"{self.name}.0.0"   # fio's name for job 0's file 0
 
-    @property
-    def load_bytes(self) -> int:
-        return self.region // self.loads
-
     def __call__(self, index: int, nbytes: float) -> Reading:
         if not self.region:
             self._size_regions(nbytes)
             run_fio(self.layout_job())
-        readings = []
-        for load in range(self.loads):
-            job = self.read_job(index % self.rounds, load)
-            readings.append(_moved(run_fio(job), job, "read", index))
-        return Reading(sum(r.nbytes for r in readings), sum(r.seconds for r in readings))
+        job = self.read_job(index % self.rounds)
+        return _moved(run_fio(job), job, "read", index)
 
     def _size_regions(self, nbytes: float) -> None:
         block = self.shape.bs_bytes
-        requests = max(1, math.ceil(nbytes / self.loads / block))
+        requests = max(1, math.ceil(nbytes / block))
         self.numjobs = self.shape.numjobs          # the shape's parallelism, whatever the bytes: at least as many
-        self.region = self.loads * math.ceil(requests / self.numjobs) * self.numjobs * block
+        self.region = math.ceil(requests / self.numjobs) * self.numjobs * block
 
     def layout_job(self) -> FioJob:
         """Every round's region written (buffered, any size, and fsync'd) once, before the first read."""
         return FioJob(name=self.name, directory=self.directory, rw="write", bs=str(min(FIO_BLOCK, self.region)),
                       size=str(self.rounds * self.region), direct=False, ioengine="psync", extra=("--end_fsync=1",))
 
-    def read_job(self, index: int, load: int = 0) -> FioJob:
-        """The read of load `load` of region `index` in `shape`, each job a slice of it."""
-        per_job = self.load_bytes // self.numjobs
+    def read_job(self, index: int) -> FioJob:
+        """The read of region `index` in `shape`, each job a slice of it."""
+        per_job = self.region // self.numjobs
         return FioJob(name=self.name, directory=self.directory, rw="read", bs=self.shape.bs, size=str(per_job),
                       direct=self.shape.direct, ioengine=self.shape.ioengine, iodepth=self.shape.iodepth,
                       numjobs=self.numjobs,
                       extra=(f"--filename={self.path.name}", f"--filesize={self.rounds * self.region}",
-                             f"--offset={index * self.region + load * self.load_bytes}",
-                             f"--offset_increment={per_job}"))
+                             f"--offset={index * self.region}", f"--offset_increment={per_job}"))
 
     def __enter__(self) -> "FioRegions":
         self._created = not self.directory.exists()

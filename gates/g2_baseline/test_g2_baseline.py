@@ -133,12 +133,11 @@ def cold_read_pairs(gate_context, endpoints):
                         prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets)
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
     # fio's regions laid out at the first pair and read in turn, as the tier stores its sets then and reloads them
-    # in loads of one prefix each, as the tier loads its set one request at a time
-    sets, loads = config.g2.cold_read_sets, config.g2.cold_read_prefixes
-    best_side = FioRegions(directory, sets, best.read, name="g2-best-read", loads=loads)
+    sets = config.g2.cold_read_sets
+    best_side = FioRegions(directory, sets, best.read, name="g2-best-read")
     own_side = FioRegions(directory, sets, own_pattern(embedded.disk_io_mode == "direct",
                                                        embedded.disk_read_workers, config.fio.ioengine),
-                          name="g2-own-pattern", loads=loads)
+                          name="g2-own-pattern")
     rule = config.rule("g2", METRIC)
 
     def said(pair: Pair) -> None:
@@ -151,8 +150,7 @@ def cold_read_pairs(gate_context, endpoints):
                 stack.enter_context(side)
             subject, same_pattern = tier, own_side
             if config.aa:                  # A/A: the best job against itself, as many bytes as the tier's load
-                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read",
-                                                         loads=loads))
+                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read"))
                 nbytes = tier(0).nbytes
                 subject, same_pattern = (lambda i: aa_side(i, nbytes)), None
             pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],
