@@ -211,13 +211,9 @@ class FioRegions:
     """fio's side of the disk tier's cold read: sequential reads of regions of one file in `directory`, in
     `shape` (the storage's best job, or the tier's own pattern for the diagnostic leg).
 
-    The region is at least as many bytes as the tier's first round read and at least `min_bytes`, rounded
-    up to whole requests of `shape.bs` over its jobs. `min_bytes` for the judged yardstick is what G1's
-    sweep read per point when it found the best (`fio.sweep.size`): fio's own start (its jobs' threads,
-    opens, the first requests) is a share of a short run's time, so a 62 MiB run read at 0.6 of what the
-    same job streams over 512 MiB, and the storage's best is its streaming rate, not fio's at the
-    subject's size. The file holds `rounds` regions and round i reads region i mod rounds, its pages
-    dropped first (`invalidate=1`). Each job reads its own slice of the region
+    The region is the first round's byte count rounded up to whole requests of `shape.bs` over its jobs
+    (at least as many bytes as the tier read); the file holds `rounds` regions and round i reads region
+    i mod rounds, its pages dropped first (`invalidate=1`). Each job reads its own slice of the region
     (`offset_increment`). The regions are written (buffered, fsync'd, not timed) once, at the first
     round, as G2's tier stores its prefix sets at its first round and round i reloads set i mod sets:
     both sides read data of the same age (a virtual machine's host may cache recent writes, so the
@@ -231,7 +227,6 @@ class FioRegions:
     name: str = "g2-cold-read"
     region: int = 0
     numjobs: int = 1
-    min_bytes: int = 0
 
     @property
     def path(self) -> Path:
@@ -246,7 +241,7 @@ class FioRegions:
 
     def _size_regions(self, nbytes: float) -> None:
         block = self.shape.bs_bytes
-        requests = max(1, math.ceil(max(nbytes, self.min_bytes) / block))
+        requests = max(1, math.ceil(nbytes / block))
         self.numjobs = self.shape.numjobs          # the shape's parallelism, whatever the bytes: at least as many
         self.region = math.ceil(requests / self.numjobs) * self.numjobs * block
 
@@ -320,15 +315,13 @@ class FioFilesRead:
 
 @dataclass
 class FioFreshWrite:
-    """fio's side of a checkpoint save: a sequential write of a fresh file of at least as many bytes and at least
-    `min_bytes` (what G1's sweep wrote per point: the storage's streaming rate, as `FioRegions`), in `shape`
-    (the storage's best fsync'd write job), fsync'd at the end (`end_fsync=1`: a save counts as done once
-    it is on the device, so fio's does too), the files removed after each round."""
+    """fio's side of a checkpoint save: a sequential write of a fresh file of at least as many bytes, in
+    `shape` (the storage's best fsync'd write job), fsync'd at the end (`end_fsync=1`: a save counts as
+    done once it is on the device, so fio's does too), the files removed after each round."""
 
     directory: Path
     shape: FioShape = field(default_factory=FioShape)
     name: str = "g2-fresh-write"
-    min_bytes: int = 0
 
     def __call__(self, index: int, nbytes: float) -> Reading:
         job = self.job(index, nbytes)
@@ -341,7 +334,7 @@ class FioFreshWrite:
 
     def job(self, index: int, nbytes: float) -> FioJob:
         block = self.shape.bs_bytes
-        per_job = math.ceil(max(1.0, nbytes, self.min_bytes) / block / self.shape.numjobs) * block
+        per_job = math.ceil(max(1.0, nbytes) / block / self.shape.numjobs) * block
         return FioJob(name=f"{self.name}-{index}", directory=self.directory, rw="write", bs=self.shape.bs,
                       size=str(per_job), direct=self.shape.direct, ioengine=self.shape.ioengine,
                       iodepth=self.shape.iodepth, numjobs=self.shape.numjobs, extra=("--end_fsync=1",))

@@ -25,7 +25,6 @@ from gates.sequential import Stopping
 from gates.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from gates.storage_best import StorageBest, storage_best
-from kvcore.settings import parse_size
 from workloads.client import StreamingClient
 from workloads.datasets import sizer_for
 from workloads.faults import AdminClient
@@ -134,9 +133,8 @@ def cold_read_pairs(gate_context, endpoints):
                         prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets)
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
     # fio's regions laid out at the first pair and read in turn, as the tier stores its sets then and reloads them
-    # the judged yardstick streams at least what G1's sweep read per point (the storage's best is its streaming rate)
-    sets, streaming = config.g2.cold_read_sets, parse_size(config.fio.sweep.size)
-    best_side = FioRegions(directory, sets, best.read, name="g2-best-read", min_bytes=streaming)
+    sets = config.g2.cold_read_sets
+    best_side = FioRegions(directory, sets, best.read, name="g2-best-read")
     own_side = FioRegions(directory, sets, own_pattern(embedded.disk_io_mode == "direct",
                                                        embedded.disk_read_workers, config.fio.ioengine),
                           name="g2-own-pattern")
@@ -152,8 +150,7 @@ def cold_read_pairs(gate_context, endpoints):
                 stack.enter_context(side)
             subject, same_pattern = tier, own_side
             if config.aa:                  # A/A: the best job against itself, as many bytes as the tier's load
-                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read",
-                                                         min_bytes=streaming))
+                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read"))
                 nbytes = tier(0).nbytes
                 subject, same_pattern = (lambda i: aa_side(i, nbytes)), None
             pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],

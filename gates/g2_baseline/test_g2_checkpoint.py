@@ -22,7 +22,6 @@ from gates.sequential import sample_until_decided
 from gates.stats import ratio_ci
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
-from kvcore.settings import parse_size
 from workloads.checkpoint import CheckpointError, CheckpointJob, RankFailure, spread
 
 CHECKPOINT_DIR = "checkpoint"      # under storage.path (and baseline_path): the rounds' checkpoints, removed after
@@ -72,8 +71,7 @@ def saves(gate_context, job):
     settings, config = gate_context.config.g2.checkpoint, gate_context.config
     store, root = gate_context.store, config.storage.path / CHECKPOINT_DIR
     best = storage_best(config, store)
-    fio_side = FioFreshWrite(config.storage.path / "fio-checkpoint", best.write,
-                             min_bytes=parse_size(config.fio.sweep.size))   # the storage's streaming rate
+    fio_side = FioFreshWrite(config.storage.path / "fio-checkpoint", best.write)
     pairing, rule = settings.rounds.pairing(), config.rule("g2", METRIC)
     rounds, pairs, state = [], [], {"last": None}
 
@@ -145,9 +143,7 @@ def test_aa_the_best_write_job_against_itself(gate_context, record):
     settings, best = config.g2.checkpoint, storage_best(config, store)
     nbytes, pairing, rule = settings.spec().total_bytes, settings.rounds.pairing(), config.rule("g2", METRIC)
     directory = config.storage.path / "fio-checkpoint"
-    streaming = parse_size(config.fio.sweep.size)
-    first = FioFreshWrite(directory, best.write, "g2-aa-first", min_bytes=streaming)
-    second = FioFreshWrite(directory, best.write, min_bytes=streaming)
+    first, second = FioFreshWrite(directory, best.write, "g2-aa-first"), FioFreshWrite(directory, best.write)
 
     def said(pair: Pair) -> None:
         store.set_progress("g2", f"checkpoint A/A: pair {pair.round} (at most {pairing.max}), the best write job "
