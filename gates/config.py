@@ -789,7 +789,7 @@ PROFILES: dict[str, dict] = {
         "inventory": {"min_cpu_cores": 1, "min_memory_gib": 1, "min_free_gib": 2},
         # the storage sweep: 1 and 16 MiB reads at queue depth 32 (libaio, io_uring where there is one) and
         # buffered, 1 and 4 jobs, and 4 fsync'd writes, each point at most 1 s (~25 s on a 2-core VM)
-        "fio": {"size": "256M", "runtime_s": 4, "verify_size": "32M", "sweep": {
+        "fio": {"size": "256M", "runtime_s": 2, "verify_size": "32M", "sweep": {
             "read_bs": ["1M", "16M"], "iodepths": [32], "numjobs": [1, 4], "write_bs": ["1M", "16M"],
             "write_numjobs": [4], "size": "512M", "runtime_s": 1}},
         "g1": {"thresholds": [

@@ -66,7 +66,7 @@ inventory:                        # G1: what the order says; leave a key out to 
 
 fio:                              # G1 fio matrix: seq read/write 1 MiB, random read/write 4 KiB, mixed 70/30
   size: 256M
-  runtime_s: 4
+  runtime_s: 2
   iodepth: 16
   numjobs: 1
   direct: true
