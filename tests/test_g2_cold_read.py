@@ -149,6 +149,9 @@ def test_fio_reads_a_fresh_region_each_round_in_the_given_shape(tmp_path):
     assert best.region == 64 << 20
     assert {"--bs=16M", "--ioengine=io_uring", "--iodepth=32", "--numjobs=4", f"--size={16 << 20}"} <= set(
         best.read_job(0).argv())
+    floor = FioRegions(tmp_path, rounds=2, shape=FioShape(False, "psync", 1, 4, "1M"), min_bytes=128 << 20)
+    floor._size_regions(62e6)      # a short read shows fio's start: the yardstick reads at least min_bytes
+    assert floor.region == 128 << 20 and f"--size={32 << 20}" in floor.read_job(1).argv()
     laid_out = best.layout_job().argv()              # every region written once, at the first round
     assert {"--rw=write", f"--size={5 * (64 << 20)}", "--end_fsync=1", "--direct=0"} <= set(laid_out)
     assert f"--offset={(7 % 5) * (64 << 20)}" in best.read_job(7 % 5).argv()  # round 7 reads region 2

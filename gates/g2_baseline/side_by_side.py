@@ -34,6 +34,7 @@ from workloads.fio import FioJob, FioResult, run_fio
 from workloads.fio_sweep import FioShape
 
 MIN_PAIRS = MIN_PAIRS_FOR_AN_INTERVAL
+MIN_YARDSTICK_BYTES = 128 << 20   # the least a judged fio read moves (FioRegions: below it fio's start shows)
 FIO_BLOCK = 1 << 20   # the same-pattern jobs' request size (1 MiB)
 
 
@@ -211,11 +212,15 @@ class FioRegions:
     """fio's side of the disk tier's cold read: sequential reads of regions of one file in `directory`, in
     `shape` (the storage's best job, or the tier's own pattern for the diagnostic leg).
 
-    The region is the first round's byte count rounded up to whole requests of `shape.bs` over its jobs
-    (as many bytes as the tier read, no more: the same bytes, age and footprint on both sides, since a
-    cache below a virtual machine can hold one side's data and not the other's: 492 MiB regions beside
-    the tier's 124 MiB sets read at 1.6-2.0 and 0.75-0.9 GB/s in turn while the tier read steadily); the
-    file holds `rounds` regions and round i reads region i mod rounds, its pages dropped first
+    The region is the first round's byte count, at least `min_bytes`, rounded up to whole requests of
+    `shape.bs` over its jobs. Not much more than the tier read: the same bytes, age and footprint on
+    both sides, since a cache below a virtual machine can hold one side's data and not the other's
+    (492 MiB regions beside the tier's 124 MiB sets read at 1.6-2.0 and 0.75-0.9 GB/s in turn while the
+    tier read steadily). Not less than `min_bytes` (MIN_YARDSTICK_BYTES for G2's cold read): fio's own
+    start (its jobs' threads, opens, first requests) is a share of a short run, and the best job (4
+    buffered jobs) read 62 MiB at 0.63-0.83 GB/s, no faster than one job, where it read 124 MiB at
+    1.0-1.4: a tier reading with one worker then passed at 104% [82, 132] (the b-serial-read control).
+    The file holds `rounds` regions and round i reads region i mod rounds, its pages dropped first
     (`invalidate=1`). Each job reads its own slice of the region
     (`offset_increment`). The regions are written (buffered, fsync'd, not timed) once, at the first
     round, as G2's tier stores its prefix sets at its first round and round i reloads set i mod sets:
@@ -230,6 +235,7 @@ class FioRegions:
     name: str = "g2-cold-read"
     region: int = 0
     numjobs: int = 1
+    min_bytes: int = 0
 
     @property
     def path(self) -> Path:
@@ -244,7 +250,7 @@ class FioRegions:
 
     def _size_regions(self, nbytes: float) -> None:
         block = self.shape.bs_bytes
-        requests = max(1, math.ceil(nbytes / block))
+        requests = max(1, math.ceil(max(nbytes, self.min_bytes) / block))
         self.numjobs = self.shape.numjobs          # the shape's parallelism, whatever the bytes: at least as many
         self.region = math.ceil(requests / self.numjobs) * self.numjobs * block
 

@@ -21,6 +21,7 @@ import pytest
 from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
                                          measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
+from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES
 from gates.sequential import Stopping
 from gates.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
@@ -134,7 +135,7 @@ def cold_read_pairs(gate_context, endpoints):
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
     # fio's regions laid out at the first pair and read in turn, as the tier stores its sets then and reloads them
     sets = config.g2.cold_read_sets
-    best_side = FioRegions(directory, sets, best.read, name="g2-best-read")
+    best_side = FioRegions(directory, sets, best.read, name="g2-best-read", min_bytes=MIN_YARDSTICK_BYTES)
     own_side = FioRegions(directory, sets, own_pattern(embedded.disk_io_mode == "direct",
                                                        embedded.disk_read_workers, config.fio.ioengine),
                           name="g2-own-pattern")
@@ -150,7 +151,8 @@ def cold_read_pairs(gate_context, endpoints):
                 stack.enter_context(side)
             subject, same_pattern = tier, own_side
             if config.aa:                  # A/A: the best job against itself, as many bytes as the tier's load
-                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read"))
+                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read",
+                                                         min_bytes=MIN_YARDSTICK_BYTES))
                 nbytes = tier(0).nbytes
                 subject, same_pattern = (lambda i: aa_side(i, nbytes)), None
             pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],
