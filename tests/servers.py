@@ -34,6 +34,10 @@ ADMIN_TOKEN = secrets.token_urlsafe(24)
 # -- the server subprocess ---------------------------------------------------------
 
 
+# the storage sweep (fio.sweep) cut to one read and one write point, for runs whose G1/G2 sweep is not the subject
+TINY_SWEEP = {"read_bs": ["1M"], "iodepths": [4], "numjobs": [1], "modes": ["direct"], "ioengines": ["libaio"],
+              "write_bs": ["1M"], "write_numjobs": [1], "write_modes": ["buffered"], "size": "16M", "runtime_s": 1}
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -15,11 +15,10 @@ import yaml
 from gates.cli import main
 from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION
 from kvcore.rundata import RunStore
+from tests.servers import TINY_SWEEP
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 
-TINY_SWEEP = {"read_bs": ["1M"], "iodepths": [4], "numjobs": [1], "modes": ["direct"], "ioengines": ["libaio"],
-              "write_bs": ["1M"], "write_numjobs": [1], "write_modes": ["buffered"], "size": "16M", "runtime_s": 1}
 AA = {
     "profile": "quick",
     "targets": {"embedded": {"preset": "tiny", "max_running": 3, "device_capacity_blocks": 8,

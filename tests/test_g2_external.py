@@ -11,7 +11,7 @@ import yaml
 
 from gates.cli import main
 from kvcore.rundata import RunStore
-from tests.servers import ServerProcess, started_server
+from tests.servers import TINY_SWEEP, ServerProcess, started_server
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 
@@ -21,9 +21,6 @@ EMBEDDED = {"preset": "tiny", "max_running": 2, "device_capacity_blocks": DEVICE
             "host_capacity": f"{HOST_BLOCKS * BLOCK_BYTES // 2**20}MiB", "disk_capacity": "256MiB"}
 G2 = {"contexts": [600, 1100], "rounds": 1, "model_load": {"enabled": False}, "checkpoint": {"enabled": False},
       "no_reuse": {"enabled": False}}
-# G2 alone sweeps the storage itself (G1 did not run): one read and one write point here
-TINY_SWEEP = {"read_bs": ["1M"], "iodepths": [4], "numjobs": [1], "modes": ["direct"], "ioengines": ["libaio"],
-              "write_bs": ["1M"], "write_numjobs": [1], "write_modes": ["buffered"], "size": "16M", "runtime_s": 1}
 KVGATE_METRICS = {tier: {"metric": "kvgate_cache_hits_total", "labels": {"tier": tier}, "scale": 256}
                   for tier in ("device", "host", "disk", "remote")}
 

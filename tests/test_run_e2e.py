@@ -10,12 +10,10 @@ import yaml
 
 from gates.cli import main
 from kvcore.rundata import RunStore
+from tests.servers import TINY_SWEEP
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 
-# the storage sweep cut to one read and one write point (the sweep itself: tests/test_fio_sweep.py)
-TINY_SWEEP = {"read_bs": ["1M"], "iodepths": [4], "numjobs": [1], "modes": ["direct"], "ioengines": ["libaio"],
-              "write_bs": ["1M"], "write_numjobs": [1], "write_modes": ["buffered"], "size": "16M", "runtime_s": 1}
 SMALL = {
     "profile": "quick",
     "targets": {"embedded": {"preset": "tiny", "max_running": 2, "device_capacity_blocks": 16,
