@@ -30,9 +30,10 @@ class DiskTierConfig(StrictModel):
     capacity_bytes: int = Field(default=8 * 2**30, description="bytes of block files kept")
     min_free_bytes: int = Field(default=256 * 2**20, ge=0, description="room to leave free on the filesystem: "
                                 "below it, the tier evicts its oldest blocks before it writes")
-    read_workers: int = Field(default=4, ge=1, le=256, description="parallel block reads")
-    io_mode: Literal["buffered", "direct"] = Field(
-        default="buffered", description="buffered page-cache reads, or O_DIRECT"
+    read_workers: int = Field(default=16, ge=1, le=256, description="parallel block reads (the tier's queue depth: reads wait on the device, not the CPU)")
+    io_mode: Literal["buffered", "direct", "auto"] = Field(
+        default="buffered", description="buffered page-cache reads, O_DIRECT, or auto: whichever a start-up probe "
+        "on this storage, at this block size, finds faster"
     )
     cold_reads: bool = Field(
         default=False, description="drop a file's cached pages before reading it (posix_fadvise DONTNEED)"

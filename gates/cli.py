@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "Measure the disk tier against the storage's best (a quick fio sweep), the host tier against memcpy, and prefix lookup.",
                           "directory on the storage to measure (default: %(default)s)")
     bench.add_argument("--prefix-mib", type=_positive_int, default=256, help="size of the cached prefix (default: 256)")
-    bench.add_argument("--rounds", type=_positive_int, default=5, help="back-to-back rounds per comparison (default: 5)")
-    bench.add_argument("--read-workers", type=_positive_int, default=4, help="disk tier read threads (default: 4)")
+    bench.add_argument("--rounds", type=_positive_int, default=8,
+                       help="back-to-back rounds per comparison, their order alternating (default: 8)")
+    bench.add_argument("--read-workers", type=_positive_int, default=16,
+                       help="disk tier read threads, its queue depth (default: 16)")
     bench.add_argument("--block-mib", type=_positive_int, default=2,
                        help="the bench layout's block size in MiB (1: the small preset's; 64: near a 70B model's "
                             "80 MiB block) (default: 2)")

@@ -33,8 +33,18 @@ def test_cache_bench_json_reports_the_headline_ratios_against_the_storages_best_
         assert d["ratio_rounds"] == pytest.approx(ratios)                     # divided by the best job, round by round
         assert d["ratio"] == pytest.approx((ratios[0] * ratios[1] * ratios[2]) ** (1 / 3))   # their geometric mean
         assert d["interval"][0] <= d["ratio"] <= d["interval"][1]
-        assert f"--bs={disk['best']['bs']}" in d["best_job"] and f"--numjobs={disk['best']['numjobs']}" in d["best_job"]
-    assert figures["disk_vs_storage_best"] == disk["direct"]["ratio"]
+        by_shape = d["best_rounds_gbps_by_shape"]
+        assert set(by_shape) == set(disk["best"]["shapes"]) == {"direct", "buffered"}   # the grid has both modes
+        assert d["best_rounds_gbps"] == [max(r) for r in zip(*by_shape.values())]          # the faster, round by round
+        for name, shape in disk["best"]["shapes"].items():                                 # each its mode's winner
+            assert f"--bs={shape['bs']}" in d["best_jobs"][name] and f"--numjobs={shape['numjobs']}" in d["best_jobs"][name]
+            assert ("--direct=1" in d["best_jobs"][name]) == (name == "direct")
+    auto = disk["auto"]                                   # io_mode auto's start-up probe on the bench's storage
+    assert set(auto["gbps"]) == {"direct", "buffered"} and all(len(g) == 3 for g in auto["gbps"].values())
+    faster = max(auto["median_gbps"], key=auto["median_gbps"].get)
+    assert auto["chosen"] == {"direct": "direct", "buffered": "buffered_cold"}[faster] and auto["error"] is None
+    assert figures["disk_vs_storage_best"] == disk[auto["chosen"]]["ratio"]    # judged: the mode auto reads in
+    assert figures["disk_direct_vs_storage_best"] == disk["direct"]["ratio"]
     assert figures["disk_buffered_cold_vs_storage_best"] == disk["buffered_cold"]["ratio"]
     assert figures["targets"]["disk_vs_storage_best"] == ">= 0.9"
     assert host["ratio_rounds"] == pytest.approx([t / m for t, m in zip(host["tier_rounds_gbps"],
@@ -105,5 +115,5 @@ def test_pool_bench_measures_both_backends_and_a_cross_node_hit(tmp_path):
 def test_cache_bench_says_a_disk_figure_meets_its_target_only_when_its_interval_clears_it(interval, mark):
     from gates.cache_bench import _headline
 
-    figures = {"disk_vs_storage_best": 0.95, "disk": {"direct": {"interval": interval}}}
+    figures = {"disk_vs_storage_best": 0.95, "disk": {"auto": {"chosen": "direct"}, "direct": {"interval": interval}}}
     assert f"(target >= 0.9: {mark}" in _headline(figures, "disk_vs_storage_best")

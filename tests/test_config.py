@@ -16,7 +16,7 @@ from cache_impl.config import parse_size
         ({"host_capacity_bytes": "lots"}, "cache.host_capacity_bytes: expected a byte size"),
         ({"disk": {"capacity_bytes": "1GiB"}}, "cache.disk.path: expected a value (required), found nothing"),
         ({"disk": {"path": "/tmp/x", "read_workers": 0}}, "cache.disk.read_workers: expected a value >= 1, found 0"),
-        ({"disk": {"path": "/tmp/x", "io_mode": "mmap"}}, "cache.disk.io_mode: expected one of 'buffered' or 'direct', found 'mmap'"),
+        ({"disk": {"path": "/tmp/x", "io_mode": "mmap"}}, "cache.disk.io_mode: expected one of 'buffered', 'direct' or 'auto', found 'mmap'"),
         ({"disk": {"path": "/tmp/x", "cold_read": True}}, "cache.disk.cold_read: unknown field"),
     ],
 )
