@@ -167,7 +167,7 @@ def bench_disk(settings: BenchSettings, tokens: list[int], blocks: list[torch.Te
         for cache, _ in caches.values():
             cache.close()
     return {"prefix_bytes": nbytes, "block_bytes": settings.layout.block_nbytes,
-            "read_workers": settings.read_workers, "auto": {"chosen": _MODE_KEYS[probe.chosen], **probe.to_dict()},
+            "read_workers": settings.read_workers, "auto": {**probe.to_dict(), "chosen": _MODE_KEYS[probe.chosen]},
             **results}
 
 
