@@ -141,3 +141,16 @@ def test_a_cuda_destination_is_filled_through_a_pinned_staging_buffer(tmp_path, 
     assert all(torch.equal(v.cpu(), b) for v, b in zip(views, blocks))
     assert tier._scratch(pinned=True)[0].is_pinned()
     tier.close()
+
+
+def test_large_host_buffers_start_on_a_huge_page_and_keep_their_bytes_while_views_live():
+    from cache_impl.buffers import HUGE_PAGE
+
+    big = aligned_empty((4, HUGE_PAGE // 4), torch.float32, "cpu")             # 8 MiB: huge-page backed
+    assert big.data_ptr() % HUGE_PAGE == 0 and big.is_contiguous() and big.shape == (4, HUGE_PAGE // 4)
+    view = big[2]
+    del big                                                                     # the mapping lives on in the view
+    view.fill_(1.5)
+    assert float(view.sum()) == 1.5 * HUGE_PAGE // 4
+    small = aligned_empty((1024,), torch.float32, "cpu")                        # below 2 MiB: torch's allocator
+    assert small.data_ptr() % 4096 == 0

@@ -248,3 +248,13 @@ def test_size_beyond_free_space_raises_fio_error_mentioning_free_space(tmp_path)
         run_fio(job)
     assert "1000T x 2 jobs" in str(info.value)
     assert list(tmp_path.iterdir()) == []  # refused before fio laid anything out
+
+
+def test_fio_runs_with_glibcs_huge_page_tunable_added_to_the_users_own(monkeypatch):
+    from workloads.fio import FIO_MALLOC_TUNABLE, fio_environment
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0")
+    env = fio_environment()
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{FIO_MALLOC_TUNABLE}"   # theirs kept, ours wins
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert fio_environment()["GLIBC_TUNABLES"] == FIO_MALLOC_TUNABLE
