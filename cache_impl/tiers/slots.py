@@ -46,11 +46,23 @@ class SlotPool:
         self.delete(staged)
 
     def read_into(self, keys: Sequence[Key], outs: Sequence[torch.Tensor]) -> list[Optional[str]]:
-        for key, out in zip(keys, outs):
-            out.copy_(self.pool[self._slot_of[key]], non_blocking=True)
+        """Copy each key's slot into its out: one copy per run of consecutive slots whose outs follow one
+        another in one contiguous piece of memory (a prefix stored in order and loaded into one tensor
+        is one copy, not a copy per block: at 1 MiB blocks 256 copies ran at 0.84 of one)."""
+        slots = [self._slot_of[key] for key in keys]
+        for first, count in _runs(slots, outs):
+            self._copy_run(slots[first], count, outs[first])
         if self.pool.is_cuda or any(out.is_cuda for out in outs):
             torch.cuda.current_stream().synchronize()
         return [None] * len(keys)
+
+    def _copy_run(self, slot: int, count: int, first_out: torch.Tensor) -> None:
+        if count == 1:
+            first_out.copy_(self.pool[slot], non_blocking=True)
+            return
+        run = torch.empty(0, dtype=first_out.dtype, device=first_out.device)
+        run.set_(first_out.untyped_storage(), first_out.storage_offset(), (count, *first_out.shape))
+        run.copy_(self.pool[slot : slot + count], non_blocking=True)
 
     def view(self, key: Key) -> Optional[torch.Tensor]:
         slot = self._slot_of.get(key)
@@ -78,3 +90,21 @@ class SlotPool:
 
     def close(self) -> None:
         """The pool is freed with the object."""
+
+
+def _runs(slots: Sequence[int], outs: Sequence[torch.Tensor]) -> Iterator[tuple[int, int]]:
+    """(first index, length) of each run where slot i+1 follows slot i and out i+1 starts where out i
+    ends in the same storage, every out contiguous; a block on its own is a run of 1."""
+    first = 0
+    for i in range(1, len(slots) + 1):
+        if i < len(slots) and slots[i] == slots[i - 1] + 1 and _follows(outs[i - 1], outs[i]):
+            continue
+        yield first, i - first
+        first = i
+
+
+def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
+    return (before.is_contiguous() and after.is_contiguous() and before.dtype == after.dtype
+            and before.device == after.device
+            and before.untyped_storage().data_ptr() == after.untyped_storage().data_ptr()
+            and after.data_ptr() == before.data_ptr() + before.numel() * before.element_size())
