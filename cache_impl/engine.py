@@ -16,6 +16,7 @@ when all its blocks are cached, that pass is all that is computed.
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import logging
@@ -31,7 +32,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from .buffers import aligned_empty
 from .config import CacheConfig, ConfigError, StrictModel, format_validation_error, parse_size
 from .heap import HeapTrimmer
-from .keys import Fingerprint, KVLayout
+from .keys import Fingerprint, KVLayout, token_array
 from .kvbuffers import KVBuffers
 from .manager import TieredKVCache, resolve_device
 from .model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
@@ -146,6 +147,11 @@ class _Sequence:
     generated: int = 0
     decoder: Any = None
     generator: Optional[torch.Generator] = None
+    prompt_ids: array.array = field(default_factory=lambda: array.array("I"))  # the prompt as the cache reads it
+
+    def token_ids(self, n: int) -> array.array:
+        """The first n tokens as a uint32 array (the prompt's converted once, at the start)."""
+        return self.prompt_ids[:n] if n <= len(self.prompt_ids) else token_array(self.tokens[:n])
 
     @property
     def prompt_len(self) -> int:
@@ -322,7 +328,7 @@ class Engine:
         capacity = -(-total // self.block_size) * self.block_size  # whole blocks: loads copy block-shaped views
         buffer = self._kv_buffers.take(capacity)
         seq = _Sequence(request, list(request.prompt_tokens), buffer[:, :, :, :capacity], buffer,
-                        decoder=self.tokenizer.stream_decoder())
+                        decoder=self.tokenizer.stream_decoder(), prompt_ids=token_array(request.prompt_tokens))
         if request.temperature > 0:
             seed = request.seed if request.seed is not None else torch.seed()
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -339,7 +345,7 @@ class Engine:
         prompt may come from the cache)."""
         if self.cache is None:
             return
-        prefix = self.cache.load_into(seq.request.prompt_tokens, functools.partial(self._block_view, seq))
+        prefix = self.cache.load_into(seq.prompt_ids, functools.partial(self._block_view, seq))
         seq.computed = seq.cached_tokens = prefix.num_tokens
         seq.stored_blocks = seq.loaded_blocks = prefix.num_blocks
         self.counters["prompt_tokens_reused"] += seq.cached_tokens
@@ -353,7 +359,7 @@ class Engine:
         if self.cache is None or not seq.loaded_blocks:
             return
         n, seq.loaded_blocks = seq.loaded_blocks, 0
-        self.cache.promote(seq.tokens[: n * self.block_size], [self._block_view(seq, i) for i in range(n)])
+        self.cache.promote(seq.token_ids(n * self.block_size), [self._block_view(seq, i) for i in range(n)])
 
     def _prefill_one_chunk(self, seq: _Sequence) -> None:
         """One block-aligned chunk of the prompt; after the last one, the first token."""
@@ -435,7 +441,7 @@ class Engine:
         if full <= seq.stored_blocks:
             return
         blocks = [self._block_view(seq, i) for i in range(seq.stored_blocks, full)]
-        self.cache.store(seq.tokens[: full * self.block_size], blocks, first_block=seq.stored_blocks)
+        self.cache.store(seq.token_ids(full * self.block_size), blocks, first_block=seq.stored_blocks)
         seq.stored_blocks = full
 
     def _drop_cancelled(self) -> None:

@@ -97,14 +97,23 @@ class Fingerprint:
         return self.digest.hex()
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
-    """Token ids as little-endian uint32 bytes (array.array is the fastest path from a list)."""
-    if isinstance(tokens, np.ndarray):
-        return memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+def token_array(tokens: Sequence[int]) -> array.array:
+    """Token ids as the uint32 array `block_keys` reads without a copy (array.array("I") is the fastest
+    way from a Python list: ~14 ns a token, 1.4-2 ms for a 128k-token prompt, which is most of a lookup's
+    time when it is redone per call; an engine converts a prompt once and hands the cache this)."""
     ids = array.array("I", tokens)  # 4-byte unsigned on every supported platform; OverflowError outside uint32
     if sys.byteorder == "big":
         ids.byteswap()
-    return memoryview(ids).cast("B")
+    return ids
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
+    """Token ids as little-endian uint32 bytes: without a copy from a `token_array` or a uint32 ndarray."""
+    if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
+        return memoryview(tokens).cast("B")
+    if isinstance(tokens, np.ndarray):
+        return memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+    return memoryview(token_array(tokens)).cast("B")
 
 
 def block_keys(tokens: Sequence[int] | np.ndarray, fingerprint_digest: bytes, block_size: int) -> list[Key]:

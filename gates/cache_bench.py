@@ -7,7 +7,8 @@
     (gates/cache_bench_disk.py);
 (b) host tier: load of the same prefix from DRAM vs one plain torch copy of
     the same number of bytes;
-(c) longest-prefix lookup for a 128k-token prompt with 1M blocks indexed,
+(c) longest-prefix lookup for a 128k-token prompt with 1M blocks indexed (the prompt as the engine
+    hands it: a uint32 token array),
     computing the prompt's keys included, and the index's memory per block.
 
 Timings on shared machines are noisy, so each pair is measured back to back
@@ -33,7 +34,7 @@ import torch
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
 from cache_impl.buffers import aligned_empty
 from cache_impl.index import BlockIndex
-from cache_impl.keys import block_keys
+from cache_impl.keys import block_keys, token_array
 from kvcore.settings import ConfigError
 from workloads.fio_sweep import SweepGrid
 
@@ -46,7 +47,7 @@ _LAYER_BYTES = 256 * 1024
 TARGETS = {"disk_vs_storage_best": 0.9, "host_vs_memcpy": 0.8}
 # the tier's two I/O modes as the disk figures name them; `io_mode: auto` reads in the one its probe chose
 _MODE_KEYS = {"direct": "direct", "buffered": "buffered_cold"}
-LOOKUP_MS_TARGET = 5.0
+LOOKUP_MS_TARGET = 1.0
 
 
 def bench_layout(block_mib: int) -> KVLayout:
@@ -201,7 +202,8 @@ def bench_lookup(settings: BenchSettings) -> dict:
     layout = settings.layout
     fingerprint = Fingerprint("cache-bench", "cache-bench", layout)
     rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(0, 32000, settings.lookup_prompt_tokens)]
+    prompt_list = [int(t) for t in rng.integers(0, 32000, settings.lookup_prompt_tokens)]
+    prompt = token_array(prompt_list)  # as the engine hands a prompt to the cache (converted once per request)
     gc.collect()
     tracemalloc.start()
     index = BlockIndex()
@@ -214,15 +216,18 @@ def bench_lookup(settings: BenchSettings) -> dict:
     for key in block_keys(prompt, fingerprint.digest, layout.block_size):
         index.add(key, 1)
 
-    def lookup() -> int:
-        return len(index.longest_prefix(block_keys(prompt, fingerprint.digest, layout.block_size)))
+    def lookup(tokens) -> int:
+        return len(index.longest_prefix(block_keys(tokens, fingerprint.digest, layout.block_size)))
 
-    if lookup() != settings.lookup_prompt_tokens // layout.block_size:
-        raise RuntimeError("cache-bench: the prompt's blocks were not all found")
-    times = [_timed(lookup) for _ in range(30)]
+    for tokens in (prompt, prompt_list):
+        if lookup(tokens) != settings.lookup_prompt_tokens // layout.block_size:
+            raise RuntimeError("cache-bench: the prompt's blocks were not all found")
+    times = [_timed(lambda: lookup(prompt)) for _ in range(30)]
+    list_times = [_timed(lambda: lookup(prompt_list)) for _ in range(30)]
     return {
         "prompt_tokens": settings.lookup_prompt_tokens, "indexed_blocks": len(index),
         "lookup_ms_median": statistics.median(times) * 1e3, "lookup_ms_max": max(times) * 1e3,
+        "from_list_ms_median": statistics.median(list_times) * 1e3,
         "index_bytes_per_block": index_bytes / settings.indexed_blocks,
     }
 
@@ -323,7 +328,9 @@ def format_report(figures: dict) -> str:
         f"(c) longest-prefix lookup, {lookup['prompt_tokens'] // 1024}k-token prompt, "
         f"{lookup['indexed_blocks']:,} blocks indexed, keys computed",
         f"    lookup_ms = {figures['lookup_ms']:.2f} median, {lookup['lookup_ms_max']:.2f} max  "
-        f"(target <= {LOOKUP_MS_TARGET:g}: {_mark(figures['lookup_ms'] <= LOOKUP_MS_TARGET)})",
+        f"(target <= {LOOKUP_MS_TARGET:g}: {_mark(figures['lookup_ms'] <= LOOKUP_MS_TARGET)}), from the prompt's uint32 "
+        f"token array, as the engine hands it",
+        f"    from a Python list of ints instead (converted on every lookup): {lookup['from_list_ms_median']:.2f} ms median",
         f"    index memory {lookup['index_bytes_per_block']:.0f} bytes per block",
         "",
         "Disk ratios: geometric mean of back-to-back rounds with Lai's anytime-valid 95% interval; host: median of",

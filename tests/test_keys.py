@@ -78,3 +78,20 @@ def test_layout_rejects_bad_values_naming_the_field():
         KVLayout(2, 2, 0)
     with pytest.raises(ValueError, match=r"layout.dtype: expected one of .*found 'int7'"):
         KVLayout(2, 2, 8, "int7")
+
+
+def test_a_token_array_a_list_and_a_uint32_ndarray_give_the_same_keys():
+    import numpy as np
+
+    from cache_impl.keys import _token_bytes, block_keys, token_array
+
+    tokens = [(i * 7919) % 70000 for i in range(1000)]
+    digest = bytes(range(16))
+    ids = token_array(tokens)
+    assert block_keys(ids, digest, 16) == block_keys(tokens, digest, 16) == \
+        block_keys(np.asarray(tokens, dtype=np.uint32), digest, 16)
+    assert len(block_keys(ids, digest, 16)) == 1000 // 16
+    view = _token_bytes(ids)
+    assert view.obj is ids                                  # read in place, not converted again
+    with pytest.raises(OverflowError):
+        token_array([-1])
