@@ -3,7 +3,10 @@
 For each context length: TTFT with nothing cached (a `recompute`-mode engine),
 with the prefix in the host tier, and with it only on disk with its pages
 dropped (a cold read). Each round runs the three back to back; figures are
-medians over rounds, speed-ups the median of per-round ratios.
+medians over rounds, speed-ups the median of per-round ratios. Each request
+generates OUTPUT_TOKENS greedily, and a hit's tokens must be exactly those of
+the recompute of the same prompt (else the bench stops with an error): a hit
+that were fast but wrong would not count.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from cache_impl.engine import Engine, EngineConfig
 from cache_impl.tokenizer import ByteTokenizer
 
 TARGETS_AT_LONGEST = {"host_speedup": 20.0, "disk_speedup": 15.0}
+OUTPUT_TOKENS = 4
 
 
 @dataclass
@@ -34,11 +38,16 @@ def _prompt(length: int, seed: int) -> list[int]:
     return ByteTokenizer().encode("".join(chr(rng.randrange(32, 127)) for _ in range(length - 1)))
 
 
-def _ttft(engine: Engine, prompt: list[int], expect_cached: int) -> float:
-    result = engine.generate(prompt, max_tokens=1)
+def _ttft(engine: Engine, prompt: list[int], expect_cached: int, expect_tokens: list[int] | None = None,
+          what: str = "") -> tuple[float, list[int]]:
+    """TTFT of one greedy request and its tokens; RuntimeError unless it reused `expect_cached` tokens and,
+    when given, generated exactly `expect_tokens`."""
+    result = engine.generate(prompt, max_tokens=OUTPUT_TOKENS)
     if result.finish.cached_tokens != expect_cached:
         raise RuntimeError(f"engine-bench: expected {expect_cached} cached tokens, got {result.finish.cached_tokens}")
-    return result.ttft_s
+    if expect_tokens is not None and result.token_ids != expect_tokens:
+        raise RuntimeError(f"engine-bench: a {what} generated {result.token_ids}, the recompute {expect_tokens}")
+    return result.ttft_s, result.token_ids
 
 
 def _measure_context(recompute: Engine, tiered: Engine, length: int, rounds: int) -> dict:
@@ -48,20 +57,24 @@ def _measure_context(recompute: Engine, tiered: Engine, length: int, rounds: int
     tiered.generate(prompt, max_tokens=1)  # computes and stores the prefix
     cache.flush()
     times: dict[str, list[float]] = {"recompute": [], "host": [], "disk_cold": []}
+    compared = 0
     for _ in range(rounds):
-        times["recompute"].append(_ttft(recompute, prompt, 0))
+        ttft, reference = _ttft(recompute, prompt, 0)
+        times["recompute"].append(ttft)
         cache.evict("device")
-        times["host"].append(_ttft(tiered, prompt, cached))
+        times["host"].append(_ttft(tiered, prompt, cached, reference, "host hit")[0])
         cache.evict("device")
         cache.evict("host")
         cache.drop_page_cache()
-        times["disk_cold"].append(_ttft(tiered, prompt, cached))
+        times["disk_cold"].append(_ttft(tiered, prompt, cached, reference, "cold disk hit")[0])
         cache.flush()
+        compared += 2
     ratio = lambda name: statistics.median(r / t for r, t in zip(times["recompute"], times[name]))  # noqa: E731
     return {
         "context_tokens": length, "cached_tokens": cached,
         **{f"{name}_ttft_ms": statistics.median(values) * 1e3 for name, values in times.items()},
         "host_speedup": ratio("host"), "disk_speedup": ratio("disk_cold"),
+        "hits_identical_to_recompute": compared, "output_tokens": OUTPUT_TOKENS,
         "rounds_ms": {name: [v * 1e3 for v in values] for name, values in times.items()},
     }
 
@@ -108,4 +121,6 @@ def format_engine_report(figures: dict) -> str:
         verdict = "meets target" if value >= targets[name] else "BELOW TARGET"
         lines.append(f"{label} at the longest context: {value:.1f}x faster than recompute "
                      f"(target >= {targets[name]:.0f}x: {verdict})")
+    checked = sum(c["hits_identical_to_recompute"] for c in figures["contexts"])
+    lines.append(f"outputs: all {checked} hits generated exactly the recompute's {OUTPUT_TOKENS} tokens")
     return "\n".join(lines)

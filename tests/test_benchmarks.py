@@ -79,8 +79,23 @@ def test_engine_bench_reports_ttft_of_recompute_host_and_cold_disk_hits(tmp_path
         for name in ("recompute", "host", "disk_cold"):
             assert c[f"{name}_ttft_ms"] > 0
         assert c["host_speedup"] == pytest.approx(c["recompute_ttft_ms"] / c["host_ttft_ms"])
+        assert c["hits_identical_to_recompute"] == 2        # the host hit and the cold disk hit, each compared
     assert figures["disk_speedup_at_longest"] == long["disk_speedup"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_bench_stops_when_a_hit_generates_other_tokens_than_the_recompute():
+    from types import SimpleNamespace
+
+    from gates.engine_bench import _ttft
+
+    class Engine:
+        def generate(self, prompt, max_tokens):
+            return SimpleNamespace(finish=SimpleNamespace(cached_tokens=512), token_ids=[7, 7, 7, 9], ttft_s=0.01)
+
+    assert _ttft(Engine(), [1] * 600, 512, [7, 7, 7, 9], "host hit") == (0.01, [7, 7, 7, 9])
+    with pytest.raises(RuntimeError, match=r"a host hit generated \[7, 7, 7, 9\], the recompute \[7, 7, 7, 8\]"):
+        _ttft(Engine(), [1] * 600, 512, [7, 7, 7, 8], "host hit")
 
 
 def test_client_bench_compares_our_ttft_with_a_minimal_timer_and_holds_many_streams(tmp_path):
