@@ -14,7 +14,7 @@ from workloads.blocks import run_sweep
 from workloads.client import StreamingClient, read_records
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, prime_targets, read_client_samples, summarize_step
+from workloads.sweep import SweepSettings, paced, prime_targets, read_client_samples, summarize_step
 
 SYSTEM = "You answer questions about the document. " * 12
 
@@ -112,9 +112,21 @@ def test_a_sweep_returns_one_valid_row_per_level_and_target(target, tmp_path):
     assert said[0] == "step 1 / 2, c=1, embedded: running for 6 s" and said[1].startswith("step 1 / 2, c=1, embedded: done, ")
     assert "TTFT p50" in said[1] and "errors 0.0%" in said[1] and len(said) == 4
     assert list(frame["concurrency"]) == [1, 3] and list(frame["target"]) == ["embedded", "embedded"]
-    assert frame["valid"].all(), frame["invalid_reasons"].tolist()
-    assert (frame["ttft_p50_s"] > 0).all() and (frame["output_tokens_per_s"] > 0).all()
+    _valid_unless_the_machine_is_busy(frame)
+    assert (frame["completed"] > 0).all() and (frame["ttft_p50_s"] > 0).all() and (frame["output_tokens_per_s"] > 0).all()
     assert (frame["hit_ratio"] > 0).all() and (frame["error_rate"] == 0).all()
+
+
+# What a step on a busy machine may be refused for: too little measured, or a saturated client. A step is
+# valid exactly when it has no reason; no other reason (errors, token counts, usage) may appear here.
+LOAD_DEPENDENT = ("measured ", "completed requests < minimum", "client saturated: ")
+
+
+def _valid_unless_the_machine_is_busy(frame):
+    for valid, reasons in zip(frame["valid"], frame["invalid_reasons"]):
+        assert valid == (reasons == "")
+        assert all(reason.startswith(LOAD_DEPENDENT) or LOAD_DEPENDENT[1] in reason
+                   for reason in filter(None, reasons.split("; "))), reasons
 
 
 def test_priming_sends_each_first_turn_once_and_the_prefix_then_returns_as_a_hit(target, tmp_path):
@@ -262,8 +274,15 @@ def test_a_rate_step_runs_open_loop_and_reports_its_rate(target, tmp_path):
                              min_requests=3, out_dir=tmp_path)
     frame = run_sweep([target], _workload(sessions=4, turns=1), settings)
     row = frame.iloc[0]
-    assert row["rate_per_s"] == 4.0 and row["users"] == 4 and row["valid"], row["invalid_reasons"]
-    assert row["requests_per_s"] == pytest.approx(4.0, rel=0.5)
+    assert row["rate_per_s"] == 4.0 and row["users"] == 4
+    _valid_unless_the_machine_is_busy(frame)
+    # open loop: requests fall due on the step's Poisson schedule (seed 0: 10 arrivals in its 5 s window, a
+    # sparse stretch of a 4/s process), however fast the server answers; requests_per_s is what it answered
+    # and is the machine's to say. A late send can move a request across the window's start: a few either way.
+    scheduled = paced(_workload(sessions=4, turns=1), 4.0, 6).sessions
+    in_window = sum(1 <= session[0].arrival_s < 6 for session in scheduled)
+    assert abs(row["due"] - in_window) <= 3 and row["due"] == row["sent"] + row["not_sent"]
+    assert row["finished"] + row["unfinished"] == row["sent"] and row["completed"] > 0
 
 
 def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed(tmp_path):

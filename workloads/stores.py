@@ -110,6 +110,13 @@ class RedisServer(_Processes):
         return self
 
 
+# A get holds a lease on the value for this long; a transfer still running when it ends fails (LEASE_EXPIRED).
+# At 100 ms a get of a block on a busy machine (load average 6-8 on 2 cores) ran past it and a value
+# that was there read as a miss. Our removes are forced (cache_impl/tiers/remote.py), so nothing waits
+# on a lease: Mooncake's own default.
+LEASE_TTL_MS = 5000
+
+
 class MooncakePool(_Processes):
     def __init__(self, workdir: Optional[Path] = None, segment: str = "512MB") -> None:
         super().__init__(workdir)
@@ -138,7 +145,7 @@ class MooncakePool(_Processes):
         process, log = self.spawn("master", [
             _program("mooncake_master"), "-rpc_address=127.0.0.1", f"-rpc_port={self.master_port}",
             "-metrics_host=127.0.0.1", f"-metrics_port={self.metrics_port}",
-            "-enable_http_metadata_server=false", "-default_kv_lease_ttl=100"], loopback)
+            "-enable_http_metadata_server=false", f"-default_kv_lease_ttl={LEASE_TTL_MS}"], loopback)
         _wait_port(self.master_port, process, log, timeout_s)
         process, log = self.spawn("client", [
             _program("mooncake_client"), "-host=127.0.0.1", f"-port={self.client_port}",

@@ -116,12 +116,18 @@ class MooncakeStore:
             raise StoreUnavailable(f"mooncake: put returned {code}")
 
     def get(self, name: str) -> Optional[bytes]:
-        value = self._store.get(name)
-        if value:
-            return value
-        found = self._store.is_exist(name)
-        if found < 0:
-            raise StoreUnavailable(f"mooncake: is_exist returned {found}")
+        """The value, or None when the pool does not hold it. A get that returns nothing for a value the pool
+        holds (its read lease ran out mid-transfer, LEASE_EXPIRED, on a busy node) is tried once more before
+        the value counts as missing."""
+        for _ in range(2):
+            value = self._store.get(name)
+            if value:
+                return value
+            found = self._store.is_exist(name)
+            if found < 0:
+                raise StoreUnavailable(f"mooncake: is_exist returned {found}")
+            if found != 1:
+                return None
         return None
 
     def exists(self, names: Sequence[str]) -> list[bool]:
