@@ -132,3 +132,11 @@ def test_cache_bench_says_a_disk_figure_meets_its_target_only_when_its_interval_
 
     figures = {"disk_vs_storage_best": 0.95, "disk": {"auto": {"chosen": "direct"}, "direct": {"interval": interval}}}
     assert f"(target >= 0.9: {mark}" in _headline(figures, "disk_vs_storage_best")
+
+
+@pytest.mark.parametrize("interval, noted", [([1.5, 2.1], True), ([0.95, 1.3], False), (None, False)])
+def test_cache_bench_says_when_the_tier_beat_every_fio_job_beside_it(interval, noted):
+    from gates.cache_bench import _beyond_the_yardstick
+
+    lines = _beyond_the_yardstick({"interval": interval})
+    assert bool(lines) == noted and all("below what this storage can do" in line for line in lines)
