@@ -53,7 +53,10 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     transparent huge pages (madvise MADV_HUGEPAGE; the kernel may still give 4 KiB pages, e.g. when
     THP is off: the memory works the same, only slower to read into). As a flat uint8 tensor that
     keeps the mapping alive; the mapping is unmapped when the tensor's storage goes."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as error:  # said as torch's allocator says it
+        raise MemoryError(f"can't allocate memory: you tried to allocate {nbytes} bytes ({error.strerror})") from None
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     if hasattr(mmap, "MADV_HUGEPAGE"):

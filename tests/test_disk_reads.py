@@ -154,3 +154,8 @@ def test_large_host_buffers_start_on_a_huge_page_and_keep_their_bytes_while_view
     assert float(view.sum()) == 1.5 * HUGE_PAGE // 4
     small = aligned_empty((1024,), torch.float32, "cpu")                        # below 2 MiB: torch's allocator
     assert small.data_ptr() % 4096 == 0
+
+
+def test_a_huge_page_buffer_too_large_for_this_host_is_a_memory_error_that_says_so():
+    with pytest.raises(MemoryError, match="can't allocate memory: you tried to allocate"):
+        aligned_empty((2**62,), torch.uint8, "cpu")
