@@ -23,7 +23,7 @@ from typing import Callable, Optional
 from gates.g2_baseline.side_by_side import FioRegions
 from gates.sequential import METHOD, log_ratio_sequence
 from workloads.fio import FioJob, run_fio
-from workloads.fio_sweep import SweepGrid, SweepPoint, run_storage_sweep
+from workloads.fio_sweep import Sweep, SweepGrid, SweepPoint, best_point, run_storage_sweep
 
 MODES = (("direct", True), ("buffered_cold", False))
 # reads only: request size, queue depth, jobs, engine and mode; ~20 points of at most 1 s
@@ -55,12 +55,11 @@ def _same_layout_job(fio_dir: Path, mode: str, direct: bool, workers: int, block
     )
 
 
-def best_shapes(sweep) -> dict[str, SweepPoint]:
+def best_shapes(sweep: Sweep) -> dict[str, SweepPoint]:
     """The sweep's fastest direct read and its fastest buffered read (either may be absent from a grid)."""
-    reads = [p for p in sweep.points if p.kind == "read"]
-    return {mode: max(points, key=lambda p: p.gbps) for mode, points in
-            (("direct", [p for p in reads if p.shape.direct]), ("buffered", [p for p in reads if not p.shape.direct]))
-            if points}
+    picks = {mode: best_point([p for p in sweep.points if p.shape.direct == direct], "read")
+             for mode, direct in (("direct", True), ("buffered", False))}
+    return {mode: point for mode, point in picks.items() if point is not None}
 
 
 def bench_disk_against_the_best(directory: Path, nbytes: int, block_bytes: int, n_blocks: int, workers: int,

@@ -22,7 +22,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,8 +84,8 @@ def probe_io_mode(tier: "DiskTier", rounds: int = PROBE_ROUNDS) -> IoProbe:
         tier.io_mode = "buffered"
         for key in keys:
             tier.delete(key)
-    chosen = "direct" if statistics.median(gbps["direct"]) > statistics.median(gbps["buffered"]) else "buffered"
-    return IoProbe(chosen, n, n * tier.payload_nbytes, gbps, time.perf_counter() - started)
+    measured = IoProbe("buffered", n, n * tier.payload_nbytes, gbps, time.perf_counter() - started)
+    return replace(measured, chosen="direct" if measured.median("direct") > measured.median("buffered") else "buffered")
 
 
 def _cold_read_gbps(tier: "DiskTier", mode: str, keys: list[bytes], outs: torch.Tensor) -> float:
