@@ -23,7 +23,7 @@ from typing import Callable, Optional
 from gates.g2_baseline.side_by_side import FioRegions
 from gates.sequential import METHOD, log_ratio_sequence
 from workloads.fio import FioJob, run_fio
-from workloads.fio_sweep import Sweep, SweepGrid, SweepPoint, best_point, run_storage_sweep
+from workloads.fio_sweep import SweepGrid, run_storage_sweep
 
 MODES = (("direct", True), ("buffered_cold", False))
 # reads only: request size, queue depth, jobs, engine and mode; ~20 points of at most 1 s
@@ -55,13 +55,6 @@ def _same_layout_job(fio_dir: Path, mode: str, direct: bool, workers: int, block
     )
 
 
-def best_shapes(sweep: Sweep) -> dict[str, SweepPoint]:
-    """The sweep's fastest direct read and its fastest buffered read (either may be absent from a grid)."""
-    picks = {mode: best_point([p for p in sweep.points if p.shape.direct == direct], "read")
-             for mode, direct in (("direct", True), ("buffered", False))}
-    return {mode: point for mode, point in picks.items() if point is not None}
-
-
 def bench_disk_against_the_best(directory: Path, nbytes: int, block_bytes: int, n_blocks: int, workers: int,
                                 prefix_mib: int, rounds: int, tier_load: Callable[[str], float],
                                 grid: SweepGrid = BENCH_GRID) -> dict:
@@ -76,7 +69,7 @@ def bench_disk_against_the_best(directory: Path, nbytes: int, block_bytes: int, 
     behind (a cache below a virtual machine, the device's queue) falls on both sides alike."""
     fio_dir = directory / "fio"
     sweep = run_storage_sweep(grid, directory / "sweep")
-    bests = best_shapes(sweep)
+    bests = sweep.best_per_mode("read")
     overall = sweep.best("read")
     results = {"best": {**overall.shape.to_dict(), "sweep_gbps": overall.gbps, "points": len(sweep.points),
                         "notes": sweep.notes, "describe": overall.shape.describe(),

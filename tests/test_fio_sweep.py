@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from gates.config import FioSweepConfig
-from gates.storage_best import BEST_READ, BEST_WRITE, POINT, storage_best
+from gates.g2_baseline.side_by_side import Pair, Reading
+from gates.storage_best import BEST_READ, BEST_WRITE, POINT, record_winners, storage_best
 from kvcore.rundata import RunStore
-from workloads.fio_sweep import FioShape, SweepGrid, best_point, read_job, run_storage_sweep, write_job
+from workloads.fio_sweep import FioShape, Sweep, SweepGrid, best_point, read_job, run_storage_sweep, write_job
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 TINY = SweepGrid(read_bs=("1M",), iodepths=(1, 4), numjobs=(1, 2), modes=("direct", "buffered"),
@@ -59,6 +60,11 @@ def test_a_real_sweep_runs_every_point_keeps_them_all_and_picks_the_fastest(tmp_
     reads = [p for p in sweep.points if p.kind == "read"]
     assert sweep.best("read") is max(reads, key=lambda p: p.gbps)
     assert sweep.best("write").kind == "write" and best_point([], "read") is None
+    per_mode = sweep.best_per_mode("read")                     # each I/O mode's own winner
+    assert set(per_mode) == {"direct", "buffered"}
+    for mode, direct in (("direct", True), ("buffered", False)):
+        assert per_mode[mode] is max((p for p in reads if p.shape.direct == direct), key=lambda p: p.gbps)
+    assert set(sweep.best_per_mode("write")) == {"buffered"}   # the grid writes buffered only
     assert list((tmp_path / "sweep").iterdir()) == []          # laid-out and written files removed
 
 
@@ -81,3 +87,40 @@ def test_g2_reads_g1s_best_from_the_run_store_and_sweeps_itself_when_g1_did_not_
     store.record("g1", "storage_sweep", BEST_WRITE, 2.1, "GB/s", kind="write", **FioShape(False, "psync", 1, 4).to_dict())
     found = storage_best(config, store)                        # G1 ran: its winners, whatever G2 measured
     assert found.read == best and found.read_gbps == 5.2 and found.source == "G1's sweep"
+
+
+def test_each_modes_winner_is_recorded_and_both_run_beside_the_subject_the_faster_counted(tmp_path):
+    def point(kind, shape, gbps):
+        return SimpleNamespace(kind=kind, shape=shape, gbps=gbps, context=lambda: {"kind": kind, **shape.to_dict()})
+
+    direct, buffered = FioShape(True, "libaio", 32, 1, "16M"), FioShape(False, "psync", 1, 4, "16M")
+    sweep = Sweep([point("read", direct, 3.1), point("read", buffered, 2.5), point("write", buffered, 1.0)])
+    store = RunStore(tmp_path / "run")
+    record_winners(store, "g1", "storage_sweep", sweep)
+    config = SimpleNamespace(storage=SimpleNamespace(path=tmp_path / "storage"))
+    best = storage_best(config, store)
+    assert best.read == direct and best.per_mode("read") == {"direct": (direct, 3.1), "buffered": (buffered, 2.5)}
+    assert best.per_mode("write") == {"buffered": (buffered, 1.0)}
+    assert best.describe("read").endswith("2.50 GB/s, the faster each round, in G1's sweep")
+    assert " or " not in best.describe("write")                 # one mode: that job alone
+    assert best.context("read")["best_modes"]["buffered"]["sweep_gbps"] == 2.5
+
+    # the yardstick of a round: both modes' jobs run, the faster counted; odd rounds run them in reverse
+    ran = []
+    speeds = {0: {"direct": 0.5, "buffered": 2.0}, 1: {"direct": 3.0, "buffered": 1.0}}
+
+    def side(mode, shape):
+        def run(index, nbytes):
+            ran.append((index, mode))
+            return Reading(nbytes, nbytes / (speeds[index][mode] * 1e9))
+        return run
+
+    yardstick = best.best_of("read", side)
+    first, second = yardstick(0, 1e9), yardstick(1, 1e9)
+    assert ran == [(0, "direct"), (0, "buffered"), (1, "buffered"), (1, "direct")]
+    assert round(first.gbps, 6) == 2.0 and round(second.gbps, 6) == 3.0
+    assert yardstick.round_context(0) == {"best_direct_gbps": 0.5, "best_buffered_gbps": 2.0}
+    pairs = [Pair(i, Reading(1, 1), r) for i, r in enumerate((first, second))]
+    assert yardstick.describe_wins(pairs) == "the faster: direct in 1, buffered in 1 runs"
+    assert yardstick.describe_wins(pairs[:1]) == "the faster: direct in 0, buffered in 1 runs"
+    assert best.best_of("write", side).describe_wins(pairs) == ""   # one side: nothing to say

@@ -11,6 +11,7 @@ import pytest
 from gates.g2_baseline.model_load import (RANDOM_DIR, WARMUP_ROUNDS, best_loader, measure_loaders, measure_speedup,
                                           median_phases, prepare_checkpoints)
 from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape, Pairing
+from gates.storage_best import StorageBest
 from workloads.safetensors_dir import CheckpointFormatError
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
@@ -37,9 +38,21 @@ def test_each_loader_alternates_with_the_best_job_on_the_same_files_and_every_lo
     prepared, _, said = checkpoints
     assert any("writing the random checkpoint" in line for line in said)      # progress while it was written
     rounds = []
-    best = FioShape(direct=True, ioengine="libaio", iodepth=4, numjobs=2, bs="4M")    # the storage's best job
-    figures = measure_loaders(prepared.under_test, ["safetensors", "runai_streamer"],
-                              Pairing(MIN_PAIRS, MIN_PAIRS, 600), [RULE], 4, best, said.append, rounds.append)
+    direct = FioShape(direct=True, ioengine="libaio", iodepth=4, numjobs=2, bs="4M")    # each mode's best job
+    buffered = FioShape(direct=False, ioengine="psync", iodepth=1, numjobs=2, bs="4M")
+    best = StorageBest(direct, direct, 1.0, 1.0, "a test", reads={"direct": (direct, 1.0), "buffered": (buffered, 0.9)})
+    figures, yardstick = measure_loaders(prepared.under_test, ["safetensors", "runai_streamer"],
+                                         Pairing(MIN_PAIRS, MIN_PAIRS, 600), [RULE], 4, best, said.append,
+                                         rounds.append)
+    # both modes' best jobs ran after every load, and the faster one is the pair's yardstick
+    assert len(yardstick.runs) == len(rounds)
+    for r, (index, readings) in zip(rounds, yardstick.runs):
+        assert index == r.pair.round and set(readings) == {"direct", "buffered"}
+        assert r.pair.fio.gbps == max(reading.gbps for reading in readings.values())
+    wins = yardstick.describe_wins([r.pair for r in figures["safetensors"].rounds])
+    assert wins.startswith("the faster: direct in ") and wins.endswith(" runs")
+    counts = [int(word) for word in wins.replace(",", "").split() if word.isdigit()]
+    assert sum(counts) == 2 * MIN_PAIRS       # both loaders' judged rounds: each had its own best-of run
     # one warm-up round (recorded, checked, not judged), then MIN_PAIRS judged ones
     assert [(r.loader, r.pair.round, r.warmup) for r in rounds] == [
         (loader, i, i < WARMUP_ROUNDS) for i in range(WARMUP_ROUNDS + MIN_PAIRS)

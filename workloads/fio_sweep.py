@@ -124,6 +124,12 @@ class Sweep:
     def best(self, kind: Kind) -> Optional[SweepPoint]:
         return best_point(self.points, kind)
 
+    def best_per_mode(self, kind: Kind) -> dict[str, SweepPoint]:
+        """The fastest direct point and the fastest buffered one of `kind` (either may be absent from a grid)."""
+        picks = {mode: best_point([p for p in self.points if p.shape.direct == direct], kind)
+                 for mode, direct in (("direct", True), ("buffered", False))}
+        return {mode: point for mode, point in picks.items() if point is not None}
+
 
 def best_point(points: Iterable[SweepPoint], kind: Kind) -> Optional[SweepPoint]:
     """The fastest point of `kind` (reads: read GB/s; writes: write GB/s), None when there is none."""

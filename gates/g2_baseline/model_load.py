@@ -26,8 +26,9 @@ from kvcore.settings import parse_size
 from workloads.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
 
 from gates.sequential import Stopping, sample_until_decided
+from gates.storage_best import StorageBest
 
-from .side_by_side import FioFilesRead, FioShape, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
+from .side_by_side import FasterOf, FioFilesRead, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
 
 Progress = Callable[[str], None]
 RANDOM_DIR = "model-load"        # under storage.path (and baseline_path): the random checkpoint, removed at the end
@@ -153,12 +154,14 @@ def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinatio
 
 
 def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pairing, rules: list, parallel: int,
-                    shape: FioShape, progress: Progress, on_round: Callable[[LoaderRound], None]) -> dict[str, LoaderFigures]:
+                    best: StorageBest, progress: Progress, on_round: Callable[[LoaderRound], None],
+                    ) -> tuple[dict[str, LoaderFigures], FasterOf]:
     """WARMUP_ROUNDS rounds, then rounds until the best loader's interval decides `rules` (or `pairing`'s max
-    or budget); in each, every loader's cold load and then the best read job (`shape`) reading the same files."""
+    or budget); in each, every loader's cold load and then the storage's best read jobs (`best`, each mode's
+    winner, the faster counted) reading the same files. Returns the figures and the yardstick's runs."""
     from workloads.loaders import allocate_destinations
 
-    fio = FioFilesRead(checkpoint.files, shape)
+    fio = best.best_of("read", lambda mode, shape: FioFilesRead(checkpoint.files, shape, f"g2-files-read-{mode}"))
     figures = {loader: LoaderFigures(loader) for loader in loaders}
     destinations = allocate_destinations(checkpoint, device())    # the model's parameters, placed once
 
@@ -193,14 +196,16 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
             continue             # it reads the device whatever the page cache holds: a warm load is a cold one
         progress(f"model load: one warm load by {loader}")
         figures[loader].warm = warm_load(checkpoint, loader, parallel, destinations)
-    return figures
+    return figures, fio
 
 
-def measure_aa_reads(checkpoint: SafetensorsDir, pairing: Pairing, rules: list, shape: FioShape,
+def measure_aa_reads(checkpoint: SafetensorsDir, pairing: Pairing, rules: list, best: StorageBest,
                      progress: Progress) -> PairedRatio:
-    """A/A: the best read job (`shape`) on both sides of every pair, reading the checkpoint's files cold, with the
-    loaders' warm-up and sampling; nothing differs, so the interval must hold 1."""
-    first, second = FioFilesRead(checkpoint.files, shape, "g2-aa-first"), FioFilesRead(checkpoint.files, shape)
+    """A/A: the storage's best read jobs (`best`, the faster of each round) on both sides of every pair, reading
+    the checkpoint's files cold, with the loaders' warm-up and sampling; nothing differs, so the interval must
+    hold 1."""
+    first, second = (best.best_of("read", lambda mode, shape: FioFilesRead(checkpoint.files, shape, f"{name}-{mode}"))
+                     for name in ("g2-aa-first", "g2-files-read"))
 
     def said(pair: Pair) -> None:
         progress(f"model load A/A: pair {pair.round} (at most {pairing.max}), the best job against itself: "

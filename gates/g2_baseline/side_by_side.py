@@ -181,6 +181,43 @@ def measure_pairs(subject_round: Round, fio_round: FioRound, pairing: Pairing, r
     return pairs, stopping
 
 
+@dataclass
+class FasterOf:
+    """The storage's best side of a round: every side in `sides` (the sweep's winner of each I/O mode) run in
+    the round, the faster one's reading counted. Odd rounds run them in reverse order, so what one leaves
+    behind (a cache below a virtual machine, the device's queue) falls on each alike. `runs` keeps every
+    call's round and each side's reading (several subjects may share a round: G2's model loaders)."""
+
+    sides: dict[str, FioRound]
+    runs: list[tuple[int, dict[str, Reading]]] = field(default_factory=list)
+
+    def __call__(self, index: int, nbytes: float) -> Reading:
+        order = list(self.sides.items())
+        if index % 2:
+            order.reverse()
+        readings = {label: side(index, nbytes) for label, side in order}
+        self.runs.append((index, readings))
+        return readings[_faster(readings)]
+
+    def round_context(self, index: int) -> dict:
+        """Each side's GB/s in the last run of round `index` (`best_direct_gbps`, ...): for the pair's record."""
+        last = next((readings for i, readings in reversed(self.runs) if i == index), {})
+        return {f"best_{label}_gbps": four(r.gbps) for label, r in last.items()}
+
+    def describe_wins(self, pairs: Sequence[Pair]) -> str:
+        """"the faster: direct in 7, buffered in 5 runs" over the runs of `pairs`' rounds when more than one side
+        ran, else ""."""
+        if len(self.sides) < 2:
+            return ""
+        rounds = {p.round for p in pairs}
+        faster = [_faster(readings) for i, readings in self.runs if i in rounds]
+        return "the faster: " + ", ".join(f"{label} in {faster.count(label)}" for label in self.sides) + " runs"
+
+
+def _faster(readings: dict[str, Reading]) -> str:
+    return max(readings, key=lambda label: readings[label].gbps)
+
+
 def _pair(index: int, subject_round: Round, fio_round: FioRound, same_pattern: Optional[FioRound]) -> Pair:
     subject = subject_round(index)
     best = fio_round(index, subject.nbytes)

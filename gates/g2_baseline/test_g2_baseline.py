@@ -21,7 +21,7 @@ import pytest
 from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
                                          measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
-from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES
+from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
 from gates.sequential import Stopping
 from gates.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
@@ -105,6 +105,7 @@ class ColdReadRun:
     pairs: list[Pair]
     stopping: Stopping
     best: StorageBest
+    best_side: FasterOf
     best_job: str
     own_job: str
     aa: bool
@@ -135,7 +136,8 @@ def cold_read_pairs(gate_context, endpoints):
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
     # fio's regions laid out at the first pair and read in turn, as the tier stores its sets then and reloads them
     sets = config.g2.cold_read_sets
-    best_side = FioRegions(directory, sets, best.read, name="g2-best-read", min_bytes=MIN_YARDSTICK_BYTES)
+    best_side = best.best_of("read", lambda mode, shape: FioRegions(directory, sets, shape, name=f"g2-best-read-{mode}",
+                                                                   min_bytes=MIN_YARDSTICK_BYTES))
     own_side = FioRegions(directory, sets, own_pattern(embedded.disk_io_mode == "direct",
                                                        embedded.disk_read_workers, config.fio.ioengine),
                           name="g2-own-pattern")
@@ -147,22 +149,22 @@ def cold_read_pairs(gate_context, endpoints):
 
     try:
         with ExitStack() as stack:
-            for side in (best_side, own_side):
+            for side in (*best_side.sides.values(), own_side):
                 stack.enter_context(side)
             subject, same_pattern = tier, own_side
-            if config.aa:                  # A/A: the best job against itself, as many bytes as the tier's load
-                aa_side = stack.enter_context(FioRegions(directory, sets, best.read, name="g2-aa-read",
-                                                         min_bytes=MIN_YARDSTICK_BYTES))
+            if config.aa:                  # A/A: the best jobs against themselves, as many bytes as the tier's load
+                aa_side = best.best_of("read", lambda mode, shape: stack.enter_context(
+                    FioRegions(directory, sets, shape, name=f"g2-aa-read-{mode}", min_bytes=MIN_YARDSTICK_BYTES)))
                 nbytes = tier(0).nbytes
                 subject, same_pattern = (lambda i: aa_side(i, nbytes)), None
             pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],
                                             warmup=WARMUP_PAIRS, same_pattern=same_pattern, on_pair=said)
-            jobs = _job_text(best_side), _job_text(own_side)
+            jobs = "; ".join(_job_text(side) for side in best_side.sides.values()), _job_text(own_side)
     except ColdReadError as error:
         pytest.fail(f"G2 cold read: {error}", pytrace=False)
     finally:
         client.close()
-    return ColdReadRun(pairs, stopping, best, *jobs, aa=config.aa)
+    return ColdReadRun(pairs, stopping, best, best_side, *jobs, aa=config.aa)
 
 
 def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_context, baseline_runs, record, verdict):
@@ -238,16 +240,17 @@ def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_r
         return
     run = cold_read_pairs
     for pair in run.pairs:
-        record("cold_read_pair", pair.ratio, **pair.context("aa" if run.aa else "tier"), aa=run.aa)
+        record("cold_read_pair", pair.ratio, **pair.context("aa" if run.aa else "tier"),
+               **run.best_side.round_context(pair.round), aa=run.aa)
     judged = paired_ratio(run.pairs, run.stopping)
     g1 = gate_context.store.latest("g1", "seq_read_gbps")
     beside = f"; G1's fio matrix {g1['value']:.2f} GB/s, not used" if g1 is not None else ""
     record(METRIC, judged.value, "%", **judged.record_context(), tier_gbps=judged.subject_gbps,
-           best_job=run.best_job, best=run.best.read.to_dict(), best_source=run.best.source,
+           best_job=run.best_job, **run.best.context("read"),
            same_pattern_job=run.own_job, aa=run.aa, g1_seq_read_gbps=None if g1 is None else g1["value"])
     subject = "A/A: the best job" if run.aa else "G2 cold-read KV bandwidth"
     if run.aa:
         record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context())
-    diagnostic = f"; {judged.diagnostic()}" if judged.diagnostic() else ""
+    notes = "".join(f"; {note}" for note in (run.best_side.describe_wins(run.pairs), judged.diagnostic()) if note)
     verdict(f"{subject} / the storage's best read ({run.best.describe()}), side by side ({judged.describe()}"
-            f"{diagnostic}{beside})", METRIC, judged.value, **judged.verdict_options())
+            f"{notes}{beside})", METRIC, judged.value, **judged.verdict_options())

@@ -71,7 +71,8 @@ def saves(gate_context, job):
     settings, config = gate_context.config.g2.checkpoint, gate_context.config
     store, root = gate_context.store, config.storage.path / CHECKPOINT_DIR
     best = storage_best(config, store)
-    fio_side = FioFreshWrite(config.storage.path / "fio-checkpoint", best.write)
+    fio_side = best.best_of("write", lambda mode, shape: FioFreshWrite(config.storage.path / "fio-checkpoint", shape,
+                                                                      f"g2-fresh-write-{mode}"))
     pairing, rule = settings.rounds.pairing(), config.rule("g2", METRIC)
     rounds, pairs, state = [], [], {"last": None}
 
@@ -93,7 +94,8 @@ def saves(gate_context, job):
             pairs.append(pair)
         store.record("g2", "checkpoint_saves", "checkpoint_save_round", save.gbps, "GB/s", round=index,
                      slowest_s=save.seconds, rank_seconds=list(save.rank_seconds), bytes=save.nbytes,
-                     files=len(save.files), fio_gbps=fio_reading.gbps, ratio=pair.ratio, storage="under test",
+                     files=len(save.files), fio_gbps=fio_reading.gbps, **fio_side.round_context(index),
+                     ratio=pair.ratio, storage="under test",
                      **({"warmup": True} if warmup else {}))
         if state["last"] is not None:
             shutil.rmtree(state["last"], ignore_errors=True)
@@ -107,7 +109,8 @@ def saves(gate_context, job):
                                         [rule] if rule else [], pairing.min, pairing.max, pairing.budget_s)
     except _SaveFailed:
         pass
-    return {"rounds": rounds, "pairs": pairs, "last": state["last"], "stopping": stopping, "best": best}
+    return {"rounds": rounds, "pairs": pairs, "last": state["last"], "stopping": stopping, "best": best,
+            "yardstick": fio_side}
 
 
 def test_every_save_completed(saves, record, verdict):
@@ -127,11 +130,13 @@ def test_checkpoint_write_reaches_the_storages_best(gate_context, job, saves, re
     disagree = spread(seconds) if len(seconds) > 1 else 0.0
     flag = (f"; rounds disagree by {100 * disagree:.0f}% (MLPerf Storage asks for 5%)" if disagree > 0.05 else "")
     record(METRIC, judged.value, "%", **judged.record_context(), save_gbps=judged.subject_gbps,
-           rounds_spread=disagree, best=best.write.to_dict(), best_source=best.source)
+           rounds_spread=disagree, **best.context("write"))
     spec = job.spec
+    wins = saves["yardstick"].describe_wins(pairs)
     verdict(f"G2 checkpoint write / the storage's best fsync'd write ({best.describe('write')}), side by side "
             f"({spec.ranks} ranks, {spec.total_bytes / 1e9:.2f} GB of model + optimizer state per save, slowest "
-            f"rank; {judged.describe()}{flag})", METRIC, judged.value, **judged.verdict_options())
+            f"rank; {judged.describe()}{'; ' + wins if wins else ''}{flag})", METRIC, judged.value,
+            **judged.verdict_options())
 
 
 def test_aa_the_best_write_job_against_itself(gate_context, record):
@@ -143,7 +148,8 @@ def test_aa_the_best_write_job_against_itself(gate_context, record):
     settings, best = config.g2.checkpoint, storage_best(config, store)
     nbytes, pairing, rule = settings.spec().total_bytes, settings.rounds.pairing(), config.rule("g2", METRIC)
     directory = config.storage.path / "fio-checkpoint"
-    first, second = FioFreshWrite(directory, best.write, "g2-aa-first"), FioFreshWrite(directory, best.write)
+    first, second = (best.best_of("write", lambda mode, shape: FioFreshWrite(directory, shape, f"{name}-{mode}"))
+                     for name in ("g2-aa-first", "g2-fresh-write"))
 
     def said(pair: Pair) -> None:
         store.set_progress("g2", f"checkpoint A/A: pair {pair.round} (at most {pairing.max}), the best write job "
@@ -153,7 +159,7 @@ def test_aa_the_best_write_job_against_itself(gate_context, record):
                                     warmup=WARMUP_SAVES, on_pair=said)
     judged = paired_ratio(pairs, stopping)
     record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context(),
-           best=best.write.to_dict())
+           **best.context("write"))
     assert judged.pairs >= 1
 
 

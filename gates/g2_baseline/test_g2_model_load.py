@@ -74,22 +74,22 @@ def loader_figures(gate_context, checkpoints, available_loaders):
         store.record("g2", "model_load_rounds", "model_load_round", round_.pair.subject.gbps, "GB/s",
                      **round_.context())
 
-    figures = measure_loaders(checkpoints.under_test, available_loaders, settings.rounds.pairing(),
-                              [rule] if rule else [], settings.parallel, best.read,
-                              lambda text: store.set_progress("g2", text), on_round)
+    figures, yardstick = measure_loaders(checkpoints.under_test, available_loaders, settings.rounds.pairing(),
+                                         [rule] if rule else [], settings.parallel, best,
+                                         lambda text: store.set_progress("g2", text), on_round)
     for loader, f in figures.items():
         judged = f.judged
         warm = f.warm or {}
         store.record("g2", "model_load_rounds", "model_load_loader", judged.value, "%", loader=loader,
                      loader_gbps=judged.subject_gbps, **judged.record_context(), cold_rounds=f.cold,
                      identical_rounds=f.identical, phases=median_phases(f), warm_gbps=warm.get("gbps"),
-                     warm_read_device=warm.get("cold"), best=best.read.to_dict(), best_source=best.source)
-    return figures, best
+                     warm_read_device=warm.get("cold"), **best.context("read"))
+    return figures, best, yardstick
 
 
 def test_the_best_loader_reads_the_checkpoint_near_the_storages_best(gate_context, checkpoints, loader_figures,
                                                                       record, verdict):
-    figures, storage = loader_figures
+    figures, storage, yardstick = loader_figures
     best = best_loader(figures)
     if best is None:
         pytest.fail("G2 model load: no loader gave a side-by-side ratio", pytrace=False)
@@ -102,10 +102,12 @@ def test_the_best_loader_reads_the_checkpoint_near_the_storages_best(gate_contex
     if best.cold < len(best.rounds):
         options.update(valid=False, invalid_reason=f"{len(best.rounds) - best.cold} rounds were not cold")
     record(METRIC, judged.value, "%", loader=best.loader, **judged.record_context(), loader_gbps=judged.subject_gbps,
-           best=storage.read.to_dict(), best_source=storage.source)
+           **storage.context("read"))
     size = checkpoints.under_test.tensor_bytes / 1e9
+    wins = yardstick.describe_wins(best.rounds)
     verdict(f"G2 model load: {best.loader} / the storage's best read ({storage.describe()}) of the same {size:.2f} GB "
-            f"cold, side by side ({judged.describe()}{'; others: ' + others if others else ''}{cold})", METRIC,
+            f"cold, side by side ({judged.describe()}{'; ' + wins if wins else ''}"
+            f"{'; others: ' + others if others else ''}{cold})", METRIC,
             judged.value, context={"loader": best.loader}, **options)
 
 
@@ -118,9 +120,9 @@ def test_aa_the_best_read_job_against_itself_on_the_same_files(gate_context, che
     best = storage_best(config, store)
     rule = config.rule("g2", METRIC)
     judged = measure_aa_reads(checkpoints.under_test, config.g2.model_load.rounds.pairing(), [rule] if rule else [],
-                              best.read, lambda text: store.set_progress("g2", text))
+                              best, lambda text: store.set_progress("g2", text))
     record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context(),
-           best=best.read.to_dict())
+           **best.context("read"))
     assert judged.pairs >= 1
 
 
