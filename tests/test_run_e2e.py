@@ -41,7 +41,10 @@ def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("kvgate-run")
     # the model load compares with a baseline storage (here a directory on the same disk: no speed-up);
     # the checkpoint has none, so its speed-up check is not run
+    # both I/O modes in the sweep: G2's yardstick is each mode's winner, the faster of each round
     config = {**SMALL, "storage": {"path": str(work / "storage")},
+              "fio": {**SMALL["fio"], "sweep": {**TINY_SWEEP, "modes": ["direct", "buffered"],
+                                                "write_modes": ["direct", "buffered"]}},
               "g2": {**SMALL["g2"], "model_load": {**SMALL["g2"]["model_load"], "baseline_path": str(work / "nfs")}}}
     (work / "gates.yaml").write_text(yaml.safe_dump(config))
     code = main(["run", "g1", "g2", "--config", str(work / "gates.yaml"), "--out", str(work / "run")])
@@ -119,6 +122,9 @@ def test_g2_measures_every_loader_and_every_checkpoint_round_and_judges_them(run
     for metric in ("model_load_vs_storage_best", "checkpoint_write_vs_storage_best"):   # beside G1's best job
         figure = store.latest("g2", metric)["context"]
         assert figure["stopping"]["pairs"] == 5 and figure["best_source"] == "G1's sweep"
+        assert set(figure["best_modes"]) == {"direct", "buffered"}
+        reason = next(v["reason"] for v in store.verdicts("g2") if v["metric"] == metric)
+        assert "the faster each round" in reason and "the faster: direct in " in reason, reason
     # one disk on both sides: about 1x, far below the vendor's 6.2-9.3x band, and the reason says where from
     speedup = next(v for v in store.verdicts("g2") if v["metric"] == "model_load_speedup_vs_baseline")
     assert speedup["status"] in ("FAIL", "INCONCLUSIVE") and 0.2 < speedup["value"] < 5

@@ -169,7 +169,7 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
         for loader in loaders:
             which = "warm-up round, not judged" if warmup else f"round {index - WARMUP_ROUNDS + 1} (at most {pairing.max})"
             progress(f"model load: {which}, {loader} "
-                     f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then the storage's best job on the same files)")
+                     f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then the storage's best jobs on the same files)")
             for tensor in destinations.values():
                 tensor.zero_()       # what the last load left must not pass this one's check
             summary, mismatch = cold_load(checkpoint, loader, parallel, destinations)

@@ -104,7 +104,7 @@ def test_the_best_loader_reads_the_checkpoint_near_the_storages_best(gate_contex
     record(METRIC, judged.value, "%", loader=best.loader, **judged.record_context(), loader_gbps=judged.subject_gbps,
            **storage.context("read"))
     size = checkpoints.under_test.tensor_bytes / 1e9
-    wins = yardstick.describe_wins(best.rounds)
+    wins = yardstick.describe_wins([r.pair for r in best.rounds])
     verdict(f"G2 model load: {best.loader} / the storage's best read ({storage.describe()}) of the same {size:.2f} GB "
             f"cold, side by side ({judged.describe()}{'; ' + wins if wins else ''}"
             f"{'; others: ' + others if others else ''}{cold})", METRIC,
