@@ -20,7 +20,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Optional
 
-from gates.g2_baseline.side_by_side import FioRegions
+from gates.g2_baseline.side_by_side import FasterOf, FioRegions
 from gates.sequential import METHOD, log_ratio_sequence
 from workloads.fio import FioJob, run_fio
 from workloads.fio_sweep import SweepGrid, run_storage_sweep
@@ -87,12 +87,10 @@ def bench_disk_against_the_best(directory: Path, nbytes: int, block_bytes: int, 
             layout = _same_layout_job(fio_dir, mode, direct, workers, block_bytes, n_blocks)
             run_fio(own), run_fio(layout)  # lay out fio's files before anything is timed
             tier_bw, best_bw, own_bw, layout_bw = [], [], [], []
-            by_shape: dict[str, list[float]] = {name: [] for name in sides}
+            yardstick = FasterOf(sides)
 
             def best_jobs() -> None:
-                for name, side in sides.items():
-                    by_shape[name].append(side(0, nbytes).gbps * 1e9)
-                best_bw.append(max(figures[-1] for figures in by_shape.values()))
+                best_bw.append(yardstick(0, nbytes).gbps * 1e9)   # round 0: the best jobs in the sweep's order
 
             for r in range(rounds):
                 if r % 2:
@@ -102,6 +100,7 @@ def bench_disk_against_the_best(directory: Path, nbytes: int, block_bytes: int, 
                     best_jobs()
                 own_bw.append(run_fio(own).read_bw_bytes)
                 layout_bw.append(run_fio(layout).read_bw_bytes)
+            by_shape = {name: [readings[name].gbps * 1e9 for _, readings in yardstick.runs] for name in sides}
             for path in fio_dir.glob("seqread-*"):
                 path.unlink(missing_ok=True)
             for path in fio_dir.glob("blockfiles-*"):
