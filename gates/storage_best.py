@@ -40,12 +40,16 @@ class StorageBest:
     reads: dict[str, tuple[FioShape, float]] = field(default_factory=dict)
     writes: dict[str, tuple[FioShape, float]] = field(default_factory=dict)
 
+    def winner(self, kind: str = "read") -> tuple[FioShape, float]:
+        """The sweep's overall winning shape of `kind` and its GB/s."""
+        return (self.read, self.read_gbps) if kind == "read" else (self.write, self.write_gbps)
+
     def per_mode(self, kind: str = "read") -> dict[str, tuple[FioShape, float]]:
         """Each I/O mode's winning shape and its sweep GB/s (at least the overall winner)."""
         modes = self.reads if kind == "read" else self.writes
         if modes:
             return modes
-        shape, gbps = (self.read, self.read_gbps) if kind == "read" else (self.write, self.write_gbps)
+        shape, gbps = self.winner(kind)
         return {"direct" if shape.direct else "buffered": (shape, gbps)}
 
     def describe(self, kind: str = "read") -> str:
@@ -62,8 +66,7 @@ class StorageBest:
 
     def context(self, kind: str = "read") -> dict:
         """The yardstick as a record's context: the overall winner, each mode's winner, the source."""
-        shape = self.read if kind == "read" else self.write
-        return {"best": shape.to_dict(), "best_source": self.source,
+        return {"best": self.winner(kind)[0].to_dict(), "best_source": self.source,
                 "best_modes": {mode: {**s.to_dict(), "sweep_gbps": gbps} for mode, (s, gbps) in self.per_mode(kind).items()}}
 
 
