@@ -16,7 +16,7 @@ read at 3.14 GB/s in G1's sweep, read 0.53 GB/s (median) beside the tier's 124 M
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from workloads.fio_sweep import FioShape, Sweep, SweepPoint, run_storage_sweep
@@ -39,6 +39,31 @@ class StorageBest:
     # each mode's winner ("direct", "buffered") with its sweep GB/s; the overall winner alone when not recorded
     reads: dict[str, tuple[FioShape, float]] = field(default_factory=dict)
     writes: dict[str, tuple[FioShape, float]] = field(default_factory=dict)
+    # every point of the sweep: (kind, shape, GB/s), for `for_bytes`
+    points: tuple[tuple[str, FioShape, float], ...] = ()
+    streams: Optional[float] = None    # the bytes `for_bytes` chose the modes' picks for (None: the sweep's winners)
+
+    def for_bytes(self, nbytes: float) -> "StorageBest":
+        """The same, each I/O mode's pick the fastest sweep point that streams `nbytes` (`streams`): a job whose
+        queue holds more than half the bytes to move never settles into a stream, so what it gives is its
+        start, not the storage's rate. The sweep moves 512 MiB a point, the subjects less: G2's cold read
+        reads 128 MiB beside each tier load, and there the sweep's direct winner (libaio QD32 x 16 MiB, 512
+        MiB in flight: its 8 requests all sent at once) read 0.37-1.36 GB/s in 5 pairs while fio in the tier's
+        own pattern (libaio QD16 x 1 MiB, 16 MiB in flight) read 1.78-2.41. A mode with no such point keeps its
+        winner."""
+        if not self.points:
+            return self
+        return replace(self, reads=self._streaming("read", nbytes), writes=self._streaming("write", nbytes),
+                       streams=nbytes)
+
+    def _streaming(self, kind: str, nbytes: float) -> dict[str, tuple[FioShape, float]]:
+        picks = dict(self.per_mode(kind))
+        for mode in picks:
+            fitting = [(shape, gbps) for k, shape, gbps in self.points
+                       if k == kind and shape.direct == (mode == "direct") and in_flight(shape) <= nbytes / 2]
+            if fitting:
+                picks[mode] = max(fitting, key=lambda pick: pick[1])
+        return picks
 
     def winner(self, kind: str = "read") -> tuple[FioShape, float]:
         """The sweep's overall winning shape of `kind` and its GB/s."""
@@ -56,9 +81,11 @@ class StorageBest:
         """"direct, libaio, ... 16M requests: 3.14 GB/s, or buffered, ...: 2.50 GB/s, the faster each round, in
         G1's sweep" (one mode: that job alone)."""
         jobs = [f"{shape.describe()}: {gbps:.2f} GB/s" for shape, gbps in self.per_mode(kind).values()]
+        where = self.source if self.streams is None else f"{self.source}, of the jobs that stream " \
+                                                         f"{self.streams / 2**20:.0f} MiB"
         if len(jobs) == 1:
-            return f"{jobs[0]} in {self.source}"
-        return f"{' or '.join(jobs)}, the faster each round, in {self.source}"
+            return f"{jobs[0]} in {where}"
+        return f"{' or '.join(jobs)}, the faster each round, in {where}"
 
     def best_of(self, kind: str, side: Callable[[str, FioShape], FioRound]) -> FasterOf:
         """The yardstick of a round: `side(mode, shape)` for each mode's winner, the faster one counted."""
@@ -67,7 +94,13 @@ class StorageBest:
     def context(self, kind: str = "read") -> dict:
         """The yardstick as a record's context: the overall winner, each mode's winner, the source."""
         return {"best": self.winner(kind)[0].to_dict(), "best_source": self.source,
-                "best_modes": {mode: {**s.to_dict(), "sweep_gbps": gbps} for mode, (s, gbps) in self.per_mode(kind).items()}}
+                "best_modes": {mode: {**s.to_dict(), "sweep_gbps": gbps} for mode, (s, gbps) in self.per_mode(kind).items()},
+                **({"best_streams_bytes": self.streams} if self.streams is not None else {})}
+
+
+def in_flight(shape: FioShape) -> int:
+    """The bytes a job keeps in flight: its requests' size times its queue depth times its jobs."""
+    return shape.bs_bytes * shape.iodepth * shape.numjobs
 
 
 def record_point(store, gate: str, check: str, point: SweepPoint, index: int) -> None:
@@ -106,8 +139,10 @@ def _recorded(store, gate: str, source: str) -> Optional[StorageBest]:
     read, write = store.latest(gate, BEST_READ), store.latest(gate, BEST_WRITE)
     if read is None or write is None:
         return None
+    points = tuple((str(row["context"]["kind"]), FioShape.from_dict(row["context"]), float(row["value"]))
+                   for row in store.measurements(gate) if row["metric"] == POINT and row["value"] is not None)
     return StorageBest(FioShape.from_dict(read["context"]), FioShape.from_dict(write["context"]),
-                       float(read["value"]), float(write["value"]), source, _modes(read), _modes(write))
+                       float(read["value"]), float(write["value"]), source, _modes(read), _modes(write), points)
 
 
 def _modes(row: dict) -> dict[str, tuple[FioShape, float]]:

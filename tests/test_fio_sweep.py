@@ -39,8 +39,10 @@ def test_each_read_point_reads_its_slice_of_one_file_once_and_each_write_is_fsyn
     assert {"--rw=read", "--numjobs=2", f"--size={4 << 20}", f"--offset_increment={4 << 20}", "--runtime=1",
             "--invalidate=1"} <= set(argv)
     assert "--time_based" not in argv                # a second pass of a buffered read would be the page cache's
+    assert "--zero_buffers" in argv                  # a read's buffers touched before timing, as a reader's are
     argv = write_job(tmp_path, TINY, FioShape(False, "psync", 1, 2, "1M"), 3).argv()
     assert {"--rw=write", "--end_fsync=1", "--numjobs=2", f"--size={4 << 20}", "--direct=0"} <= set(argv)
+    assert "--zero_buffers" not in argv              # zeros would flatter a storage that compresses
 
 
 def test_the_config_gives_the_grid_it_validated():
@@ -124,3 +126,34 @@ def test_each_modes_winner_is_recorded_and_both_run_beside_the_subject_the_faste
     assert yardstick.describe_wins(pairs) == "the faster: direct in 1, buffered in 1 runs"
     assert yardstick.describe_wins(pairs[:1]) == "the faster: direct in 0, buffered in 1 runs"
     assert best.best_of("write", side).describe_wins(pairs) == ""   # one side: nothing to say
+
+
+def test_for_a_subjects_bytes_each_mode_runs_its_fastest_job_that_streams_them(tmp_path):
+    """A job with more than half the bytes to move in flight never streams: G2's 128 MiB regions are read by each
+    mode's fastest point whose queue holds at most 64 MiB; a mode with none keeps its winner."""
+    def point(kind, shape, gbps):
+        return SimpleNamespace(kind=kind, shape=shape, gbps=gbps, context=lambda: {"kind": kind, **shape.to_dict()})
+
+    deep = FioShape(True, "libaio", 32, 1, "16M")           # 512 MiB in flight
+    shallow, tiny = FioShape(True, "libaio", 32, 1, "1M"), FioShape(True, "libaio", 4, 1, "1M")   # 32 / 4 MiB
+    buffered = FioShape(False, "psync", 1, 4, "16M")       # 64 MiB
+    write = FioShape(True, "psync", 1, 4, "16M")
+    sweep = Sweep([point("read", deep, 3.1), point("read", shallow, 2.2), point("read", tiny, 1.0),
+                   point("read", buffered, 1.8), point("write", write, 2.0)])
+    store = RunStore(tmp_path / "run")
+    for i, p in enumerate(sweep.points):
+        store.record("g1", "storage_sweep", POINT, p.gbps, "GB/s", index=i, **p.context())
+    record_winners(store, "g1", "storage_sweep", sweep)
+    best = storage_best(SimpleNamespace(storage=SimpleNamespace(path=tmp_path)), store)
+    assert best.per_mode("read")["direct"] == (deep, 3.1) and len(best.points) == 5
+
+    region = best.for_bytes(128 << 20)
+    assert region.per_mode("read") == {"direct": (shallow, 2.2), "buffered": (buffered, 1.8)}
+    assert region.per_mode("write") == {"direct": (write, 2.0)}        # 64 MiB in flight: streams 128 MiB
+    assert region.read == deep                                        # the sweep's winner is still said as such
+    assert region.describe("read").endswith("in G1's sweep, of the jobs that stream 128 MiB")
+    assert region.context("read")["best_streams_bytes"] == 128 << 20
+    small = best.for_bytes(16 << 20)
+    assert small.per_mode("read") == {"direct": (tiny, 1.0), "buffered": (buffered, 1.8)}   # none fits: its winner
+    assert small.per_mode("write") == {"direct": (write, 2.0)}
+    assert best.for_bytes(4 << 30).per_mode("read")["direct"] == (deep, 3.1)   # 4 GiB: the winner streams it

@@ -11,6 +11,7 @@ import pytest
 
 from gates.g2_baseline.cold_read import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, TierColdLoad,
                                          disk_counters, measure_pairs, own_pattern, paired_ratio)
+from gates.g2_baseline.side_by_side import FasterOf, FasterOfDraws
 from workloads.fio_sweep import FioShape
 from gates.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
@@ -196,8 +197,9 @@ def test_real_pairs_reload_the_stored_sets_from_the_disk_tier_and_the_best_job_b
     best_shape = FioShape(True, "libaio", 8, 2, "256k")
     with FioRegions(tmp_path / "fio", rounds=2, shape=best_shape, name="best") as best, \
             FioRegions(tmp_path / "fio", rounds=2, shape=own_pattern(True, 4), name="own") as own:
-        pairs, stopping = measure_pairs(tier, best, Pairing(min=MIN_PAIRS, max=MIN_PAIRS, budget_s=600), [RULE],
-                                        same_pattern=own)
+        # equal draws: two loads a round (the yardstick of G2 runs two jobs), the faster counted
+        pairs, stopping = measure_pairs(FasterOfDraws(tier, 2), best,
+                                        Pairing(min=MIN_PAIRS, max=MIN_PAIRS, budget_s=600), [RULE], same_pattern=own)
         assert best.path.exists() and own.path.exists()
         assert best.path.stat().st_size == 2 * best.region   # two regions, laid out once, read in turn
     assert not (tmp_path / "fio").exists()                   # their files and the directory they made are gone
@@ -205,11 +207,14 @@ def test_real_pairs_reload_the_stored_sets_from_the_disk_tier_and_the_best_job_b
     assert asked == [0, 1]                                   # both sets stored at the first round, never again
     for pair in pairs:
         assert pair.subject.gbps > 0 and pair.fio.gbps > 0 and pair.same_pattern.gbps > 0
+        assert len(pair.subject_draws) == 2 and pair.subject == max(pair.subject_draws, key=lambda r: r.gbps)
+        assert pair.context("tier")["tier_draws_gbps"] == [float(f"{r.gbps:.4g}") for r in pair.subject_draws]
         assert pair.subject.nbytes == 4 * TINY_BLOCK_BYTES       # 4 tiny-preset blocks, all from the disk tier
         assert pair.fio.nbytes == 512 << 10                   # at least the same bytes: 2 jobs x one 256 KiB request
         assert pair.same_pattern.nbytes == 1 << 20            # the tier's pattern: whole 1 MiB requests
-    # every round's load read its set from disk again (evicted above it, pages dropped): a reload, not a hit above
-    assert moved == [4 * TINY_BLOCK_BYTES] * MIN_PAIRS
+    # every load read its set from disk again (evicted above it, pages dropped): a reload, not a hit above
+    assert moved == [4 * TINY_BLOCK_BYTES] * 2 * MIN_PAIRS
+    assert stored.loads == 2 * MIN_PAIRS                      # the draws took the two sets in turn
     judged = paired_ratio(pairs, stopping)
     assert judged.valid and judged.value > 0 and judged.interval[0] <= judged.value <= judged.interval[1]
     assert judged.same_pattern_ratio > 0
@@ -228,3 +233,38 @@ def test_a_round_of_several_prefixes_reads_them_all_from_the_disk_tier(server, c
     readings = [tier(0), tier(1), tier(2)]
     assert asked == [0, 1, 2, 3, 4, 5]                        # two sets of three, stored once
     assert [r.nbytes for r in readings] == [3 * 4 * TINY_BLOCK_BYTES] * 3
+
+
+# -- equal draws -------------------------------------------------------------------------------
+
+
+def test_a_round_of_equal_draws_runs_the_subject_as_often_as_asked_and_counts_the_faster():
+    speeds = iter([1.0, 3.0, 2.0, 0.5])
+    draws = FasterOfDraws(lambda index: Reading(1e9, 1 / next(speeds)), 2)
+    assert round(draws(0).gbps, 6) == 3.0 and [round(r.gbps, 6) for r in draws.last] == [1.0, 3.0]
+    assert round(draws(1).gbps, 6) == 2.0
+    with pytest.raises(ValueError, match="draws: expected an integer >= 1, found 0"):
+        FasterOfDraws(lambda index: Reading(1, 1), 0)
+
+
+def _stalling(rng, stall_share: float = 0.25, stall: float = 0.4):
+    """One run of a side on a storage that stalls now and then: 2 GB/s, or `stall` of it in `stall_share` of runs."""
+    def run(index: int, nbytes: float = 1e9) -> Reading:
+        gbps = 2.0 * (stall if rng.random() < stall_share else 1.0) * math.exp(rng.gauss(0, 0.05))
+        return Reading(nbytes, nbytes / (gbps * 1e9))
+    return run
+
+
+def test_a_subject_as_fast_as_the_storage_comes_out_at_one_only_with_as_many_draws_as_the_yardstick():
+    """A/A by simulation: the subject reads exactly as the storage does. Against the faster of two jobs a round, a
+    subject run once is judged slower than the storage (it meets a stall the yardstick's second job skips): its
+    interval excludes 1, a false decision. With two draws of its own, the interval holds 1."""
+    import random
+
+    rng = random.Random(7)
+    yardstick = FasterOf({"direct": _stalling(rng), "buffered": _stalling(rng)})
+    pairing = Pairing(min=400, max=400, budget_s=1e9)
+    single = paired_ratio(measure_pairs(_stalling(rng), yardstick, pairing)[0])
+    equal = paired_ratio(measure_pairs(FasterOfDraws(_stalling(rng), 2), yardstick, pairing)[0])
+    assert single.value < 0.9 and single.interval[1] < 1
+    assert 0.95 < equal.value < 1.05 and equal.interval[0] < 1 < equal.interval[1]

@@ -14,6 +14,10 @@ whose two sides ran minutes apart is a draw. Each round is a *pair*, measured ba
 3. fio in the tier's own pattern (its I/O mode, 1 MiB requests, queue depth = its read workers): a
    diagnostic ("at its own parallelism the tier reaches X of fio"), recorded and shown, never judged.
 
+The yardstick runs each I/O mode's fastest sweep job that streams the bytes fio moves (StorageBest.for_bytes)
+and counts the faster; the tier loads as many times a pair (side_by_side.FasterOfDraws), its faster load
+counted: equal draws from this storage's stalls on both sides.
+
 Pairs are taken until the interval decides (`g2.cold_read_pairs`: min, max, budget_s). In A/A mode
 (`aa`) the best job stands on both sides: the interval must hold 1.0. Pairs, their judged ratio and
 fio's sides are gates/g2_baseline/side_by_side.py's; this module is the tier's side.
@@ -55,9 +59,11 @@ def disk_counters(admin: AdminClient) -> Reading:
 
 @dataclass
 class TierColdLoad:
-    """The tier's side of round i: prefix set i mod `sets`, each of `prefixes` prefixes (set s is
+    """The tier's side of a round: the n-th call loads prefix set n mod `sets` (one call a round: round i's
+    set is i mod sets; with equal draws, side_by_side.FasterOfDraws, a round's draws take the next sets in
+    turn, so no draw re-reads what the one before it just read), each of `prefixes` prefixes (set s is
     `request_for(s * prefixes + j)`), loaded cold one after another; their bytes and load seconds
-    together are the round's reading (several prefixes: more bytes per pair, so a short stall of the
+    together are the reading (several prefixes: more bytes per pair, so a short stall of the
     disk moves the ratio less).
 
     Every set is stored once, at the first round (each prefix a miss: computed, then written behind to
@@ -74,11 +80,13 @@ class TierColdLoad:
     prefixes: int = 1
     sets: int = 1
     stored: list[list[WorkloadRequest]] = field(default_factory=list, init=False)
+    loads: int = field(default=0, init=False)
 
     def __call__(self, index: int) -> Reading:
         if not self.stored:
             self._store_every_set(index)
-        requests = self.stored[index % self.sets]
+        requests = self.stored[self.loads % self.sets]
+        self.loads += 1
         self.admin.evict(("device", "host"))
         self.admin.drop_page_cache()
         before = disk_counters(self.admin)

@@ -70,7 +70,7 @@ def saves(gate_context, job):
     until the interval decides (g2.checkpoint.rounds); the last complete checkpoint is kept for restores."""
     settings, config = gate_context.config.g2.checkpoint, gate_context.config
     store, root = gate_context.store, config.storage.path / CHECKPOINT_DIR
-    best = storage_best(config, store)
+    best = storage_best(config, store).for_bytes(job.spec.total_bytes)   # the fastest jobs that stream a save
     fio_side = best.best_of("write", lambda mode, shape: FioFreshWrite(config.storage.path / "fio-checkpoint", shape,
                                                                       f"g2-fresh-write-{mode}"))
     pairing, rule = settings.rounds.pairing(), config.rule("g2", METRIC)
@@ -145,7 +145,8 @@ def test_aa_the_best_write_job_against_itself(gate_context, record):
     config, store = gate_context.config, gate_context.store
     if not config.aa:
         pytest.skip("not an A/A run (aa: false)")
-    settings, best = config.g2.checkpoint, storage_best(config, store)
+    settings = config.g2.checkpoint
+    best = storage_best(config, store).for_bytes(settings.spec().total_bytes)
     nbytes, pairing, rule = settings.spec().total_bytes, settings.rounds.pairing(), config.rule("g2", METRIC)
     directory = config.storage.path / "fio-checkpoint"
     first, second = (best.best_of("write", lambda mode, shape: FioFreshWrite(directory, shape, f"{name}-{mode}"))

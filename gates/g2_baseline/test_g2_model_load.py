@@ -67,7 +67,8 @@ def available_loaders(gate_context, checkpoints):
 def loader_figures(gate_context, checkpoints, available_loaders):
     """Every loader's cold rounds, each beside the storage's best read job (G1's sweep) reading the same files."""
     settings, store = gate_context.config.g2.model_load, gate_context.store
-    best = storage_best(gate_context.config, store)
+    # each mode's fastest sweep job that streams the checkpoint's bytes
+    best = storage_best(gate_context.config, store).for_bytes(checkpoints.under_test.tensor_bytes)
     rule = gate_context.config.rule("g2", METRIC)
 
     def on_round(round_) -> None:
@@ -117,7 +118,7 @@ def test_aa_the_best_read_job_against_itself_on_the_same_files(gate_context, che
     config, store = gate_context.config, gate_context.store
     if not config.aa:
         pytest.skip("not an A/A run (aa: false)")
-    best = storage_best(config, store)
+    best = storage_best(config, store).for_bytes(checkpoints.under_test.tensor_bytes)
     rule = config.rule("g2", METRIC)
     judged = measure_aa_reads(checkpoints.under_test, config.g2.model_load.rounds.pairing(), [rule] if rule else [],
                               best, lambda text: store.set_progress("g2", text))
