@@ -137,15 +137,16 @@ def test_for_a_subjects_bytes_each_mode_runs_its_fastest_job_that_streams_them(t
     deep = FioShape(True, "libaio", 32, 1, "16M")           # 512 MiB in flight
     shallow, tiny = FioShape(True, "libaio", 32, 1, "1M"), FioShape(True, "libaio", 4, 1, "1M")   # 32 / 4 MiB
     buffered = FioShape(False, "psync", 1, 4, "16M")       # 64 MiB
+    between = FioShape(True, "libaio", 6, 1, "16M")         # 96 MiB: fits in 128, not in half of it
     write = FioShape(True, "psync", 1, 4, "16M")
     sweep = Sweep([point("read", deep, 3.1), point("read", shallow, 2.2), point("read", tiny, 1.0),
-                   point("read", buffered, 1.8), point("write", write, 2.0)])
+                   point("read", between, 2.5), point("read", buffered, 1.8), point("write", write, 2.0)])
     store = RunStore(tmp_path / "run")
     for i, p in enumerate(sweep.points):
         store.record("g1", "storage_sweep", POINT, p.gbps, "GB/s", index=i, **p.context())
     record_winners(store, "g1", "storage_sweep", sweep)
     best = storage_best(SimpleNamespace(storage=SimpleNamespace(path=tmp_path)), store)
-    assert best.per_mode("read")["direct"] == (deep, 3.1) and len(best.points) == 5
+    assert best.per_mode("read")["direct"] == (deep, 3.1) and len(best.points) == 6
 
     region = best.for_bytes(128 << 20)
     assert region.per_mode("read") == {"direct": (shallow, 2.2), "buffered": (buffered, 1.8)}

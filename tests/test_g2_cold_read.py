@@ -11,7 +11,7 @@ import pytest
 
 from gates.g2_baseline.cold_read import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, TierColdLoad,
                                          disk_counters, measure_pairs, own_pattern, paired_ratio)
-from gates.g2_baseline.side_by_side import FasterOf, FasterOfDraws
+from gates.g2_baseline.side_by_side import FasterOf
 from workloads.fio_sweep import FioShape
 from gates.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
@@ -198,8 +198,8 @@ def test_real_pairs_reload_the_stored_sets_from_the_disk_tier_and_the_best_job_b
     with FioRegions(tmp_path / "fio", rounds=2, shape=best_shape, name="best") as best, \
             FioRegions(tmp_path / "fio", rounds=2, shape=own_pattern(True, 4), name="own") as own:
         # equal draws: two loads a round (the yardstick of G2 runs two jobs), the faster counted
-        pairs, stopping = measure_pairs(FasterOfDraws(tier, 2), best,
-                                        Pairing(min=MIN_PAIRS, max=MIN_PAIRS, budget_s=600), [RULE], same_pattern=own)
+        pairs, stopping = measure_pairs(tier, best, Pairing(min=MIN_PAIRS, max=MIN_PAIRS, budget_s=600), [RULE],
+                                        same_pattern=own, draws=2)
         assert best.path.exists() and own.path.exists()
         assert best.path.stat().st_size == 2 * best.region   # two regions, laid out once, read in turn
     assert not (tmp_path / "fio").exists()                   # their files and the directory they made are gone
@@ -240,11 +240,14 @@ def test_a_round_of_several_prefixes_reads_them_all_from_the_disk_tier(server, c
 
 def test_a_round_of_equal_draws_runs_the_subject_as_often_as_asked_and_counts_the_faster():
     speeds = iter([1.0, 3.0, 2.0, 0.5])
-    draws = FasterOfDraws(lambda index: Reading(1e9, 1 / next(speeds)), 2)
-    assert round(draws(0).gbps, 6) == 3.0 and [round(r.gbps, 6) for r in draws.last] == [1.0, 3.0]
-    assert round(draws(1).gbps, 6) == 2.0
+    best = lambda index, nbytes: Reading(nbytes, nbytes / 1e9)   # noqa: E731  (1 GB/s)
+    pairs, _ = measure_pairs(lambda index: Reading(1e9, 1 / next(speeds)), best, Pairing(min=2, max=2, budget_s=60),
+                             draws=2)
+    assert [round(p.subject.gbps, 6) for p in pairs] == [3.0, 2.0]
+    assert [[round(r.gbps, 6) for r in p.subject_draws] for p in pairs] == [[1.0, 3.0], [2.0, 0.5]]
+    assert measure_pairs(lambda index: Reading(1e9, 1.0), best, Pairing(min=1, max=1))[0][0].subject_draws == ()
     with pytest.raises(ValueError, match="draws: expected an integer >= 1, found 0"):
-        FasterOfDraws(lambda index: Reading(1, 1), 0)
+        measure_pairs(lambda index: Reading(1, 1), best, Pairing(min=1, max=1), draws=0)
 
 
 def _stalling(rng, stall_share: float = 0.25, stall: float = 0.4):
@@ -265,6 +268,6 @@ def test_a_subject_as_fast_as_the_storage_comes_out_at_one_only_with_as_many_dra
     yardstick = FasterOf({"direct": _stalling(rng), "buffered": _stalling(rng)})
     pairing = Pairing(min=400, max=400, budget_s=1e9)
     single = paired_ratio(measure_pairs(_stalling(rng), yardstick, pairing)[0])
-    equal = paired_ratio(measure_pairs(FasterOfDraws(_stalling(rng), 2), yardstick, pairing)[0])
+    equal = paired_ratio(measure_pairs(_stalling(rng), yardstick, pairing, draws=2)[0])
     assert single.value < 0.9 and single.interval[1] < 1
     assert 0.95 < equal.value < 1.05 and equal.interval[0] < 1 < equal.interval[1]

@@ -15,8 +15,8 @@ whose two sides ran minutes apart is a draw. Each round is a *pair*, measured ba
    diagnostic ("at its own parallelism the tier reaches X of fio"), recorded and shown, never judged.
 
 The yardstick runs each I/O mode's fastest sweep job that streams the bytes fio moves (StorageBest.for_bytes)
-and counts the faster; the tier loads as many times a pair (side_by_side.FasterOfDraws), its faster load
-counted: equal draws from this storage's stalls on both sides.
+and counts the faster; the tier loads as many times a pair (side_by_side.measure_pairs(draws=...)), its faster
+load counted: equal draws from this storage's stalls on both sides.
 
 Pairs are taken until the interval decides (`g2.cold_read_pairs`: min, max, budget_s). In A/A mode
 (`aa`) the best job stands on both sides: the interval must hold 1.0. Pairs, their judged ratio and
@@ -60,8 +60,8 @@ def disk_counters(admin: AdminClient) -> Reading:
 @dataclass
 class TierColdLoad:
     """The tier's side of a round: the n-th call loads prefix set n mod `sets` (one call a round: round i's
-    set is i mod sets; with equal draws, side_by_side.FasterOfDraws, a round's draws take the next sets in
-    turn, so no draw re-reads what the one before it just read), each of `prefixes` prefixes (set s is
+    set is i mod sets; with equal draws, side_by_side.measure_pairs(draws=...), a round's draws take the next
+    sets in turn, so no draw re-reads what the one before it just read), each of `prefixes` prefixes (set s is
     `request_for(s * prefixes + j)`), loaded cold one after another; their bytes and load seconds
     together are the reading (several prefixes: more bytes per pair, so a short stall of the
     disk moves the ratio less).

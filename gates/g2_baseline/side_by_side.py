@@ -58,7 +58,7 @@ class Reading:
 class Pair:
     """One round: the subject's reading, the best job's right after it, and optionally fio in the subject's
     own pattern (a diagnostic, never judged). `subject_draws`: every run of the subject in the round when it
-    ran more than once (equal draws, `FasterOfDraws`), `subject` the faster of them."""
+    ran more than once (equal draws, `measure_pairs(draws=...)`), `subject` the faster of them."""
 
     round: int
     subject: Reading
@@ -166,17 +166,29 @@ FioRound = Callable[[int, float], Reading]
 
 def measure_pairs(subject_round: Round, fio_round: FioRound, pairing: Pairing, rules: Sequence = (),
                   warmup: int = 0, same_pattern: Optional[FioRound] = None,
-                  on_pair: Callable[[Pair], None] = lambda pair: None) -> tuple[list[Pair], Stopping]:
+                  on_pair: Callable[[Pair], None] = lambda pair: None, draws: int = 1,
+                  ) -> tuple[list[Pair], Stopping]:
     """`warmup` pairs left out, then pairs until the interval decides every rule (gates.sequential), each
-    the subject, then fio moving as many bytes, then (optional) fio in the subject's own pattern. Round
-    indices count the warm-up ones: each round moves fresh data. `pairing` has min, max and budget_s.
-    A `subject_round` that is a `FasterOfDraws` has its every draw kept in the pair."""
+    the subject (`draws` runs, the faster counted: equal draws, below), then fio moving as many bytes, then
+    (optional) fio in the subject's own pattern. Round indices count the warm-up ones: each round moves
+    fresh data. `pairing` has min, max and budget_s.
+
+    Equal draws: a yardstick that counts the faster of its jobs each round (`FasterOf`) draws `len(sides)`
+    times from this storage's noise, a subject run once draws once. Every job here stalls now and then (on
+    the development VM a direct 4 x 16 MiB read of 128 MiB ran at 0.57-0.77 GB/s in 4 of 16 runs, 1.74-2.10
+    in the rest); the faster of two runs misses a stall that a single run meets, so a subject run once is
+    judged against a luckier yardstick whatever its speed (by simulation, tests/test_g2_cold_read.py: a
+    subject exactly as fast as the storage came out at 0.83 [0.76, 0.91] of it over 400 pairs). With
+    `draws` = the yardstick's jobs an equal subject comes out at 1 (the A/A of this is the best jobs on
+    both sides)."""
+    if draws < 1:
+        raise ValueError(f"draws: expected an integer >= 1, found {draws}")
     for index in range(warmup):
-        _pair(index, subject_round, fio_round, same_pattern)
+        _pair(index, subject_round, fio_round, same_pattern, draws)
     pairs: list[Pair] = []
 
     def take_one(i: int) -> None:
-        pairs.append(_pair(warmup + i, subject_round, fio_round, same_pattern))
+        pairs.append(_pair(warmup + i, subject_round, fio_round, same_pattern, draws))
         on_pair(pairs[-1])
 
     def interval_now():
@@ -223,38 +235,13 @@ def _faster(readings: dict[str, Reading]) -> str:
     return max(readings, key=lambda label: readings[label].gbps)
 
 
-def _pair(index: int, subject_round: Round, fio_round: FioRound, same_pattern: Optional[FioRound]) -> Pair:
-    subject = subject_round(index)
-    draws = subject_round.last if isinstance(subject_round, FasterOfDraws) else ()
+def _pair(index: int, subject_round: Round, fio_round: FioRound, same_pattern: Optional[FioRound],
+          draws: int) -> Pair:
+    runs = tuple(subject_round(index) for _ in range(draws))
+    subject = max(runs, key=lambda reading: reading.gbps)
     best = fio_round(index, subject.nbytes)
     return Pair(index, subject, best, same_pattern(index, subject.nbytes) if same_pattern is not None else None,
-                draws)
-
-
-@dataclass
-class FasterOfDraws:
-    """The subject's side of a round with as many draws as the yardstick's: `round` run `draws` times, the
-    faster reading counted (`last` keeps them all).
-
-    The yardstick (`FasterOf`) counts the faster of its jobs each round, so it draws `len(sides)` times from
-    this storage's noise while a subject run once draws once. Every job here stalls now and then (on the
-    development VM a direct 4 x 16 MiB read of 128 MiB ran at 0.57-0.77 GB/s in 4 of 16 runs, 1.74-2.10 in
-    the rest); the faster of two runs misses a stall that a single run meets, so a subject run once is judged
-    against a luckier yardstick whatever its speed (by simulation, tests/test_g2_cold_read.py: a subject
-    exactly as fast as the storage came out at 0.83 [0.76, 0.91] of it over 400 pairs). Equal draws on both sides
-    make an equal subject come out at 1 (the A/A of this is the best jobs on both sides)."""
-
-    round: Round
-    draws: int = 1
-    last: tuple[Reading, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.draws < 1:
-            raise ValueError(f"draws: expected an integer >= 1, found {self.draws}")
-
-    def __call__(self, index: int) -> Reading:
-        self.last = tuple(self.round(index) for _ in range(self.draws))
-        return max(self.last, key=lambda reading: reading.gbps)
+                runs if draws > 1 else ())
 
 
 def _moved(result: FioResult, job: FioJob, direction: str, index: int) -> Reading:

@@ -21,7 +21,7 @@ import pytest
 from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
                                          measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
-from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES, FasterOf, FasterOfDraws
+from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
 from gates.sequential import Stopping
 from gates.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
@@ -134,38 +134,34 @@ def cold_read_pairs(gate_context, endpoints):
                         lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
                         prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets)
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
-    try:
-        nbytes = tier(0).nbytes          # stores every set, then one load (not judged): what each load moves
-    except ColdReadError as error:
-        client.close()
-        pytest.fail(f"G2 cold read: {error}", pytrace=False)
-    # the yardstick: each mode's fastest sweep job that streams what fio moves beside a load
-    best = best.for_bytes(max(nbytes, MIN_YARDSTICK_BYTES))
-    # fio's regions laid out at the first pair and read in turn, as the tier stores its sets then and reloads them
-    sets = config.g2.cold_read_sets
-    best_side = best.best_of("read", lambda mode, shape: FioRegions(directory, sets, shape, name=f"g2-best-read-{mode}",
-                                                                   min_bytes=MIN_YARDSTICK_BYTES))
-    own_side = FioRegions(directory, sets, own_pattern(embedded.disk_io_mode == "direct",
-                                                       embedded.disk_read_workers, config.fio.ioengine),
-                          name="g2-own-pattern")
-    rule = config.rule("g2", METRIC)
+    sets, rule = config.g2.cold_read_sets, config.rule("g2", METRIC)
 
     def said(pair: Pair) -> None:
         store.set_progress("g2", f"cold read: pair {pair.round} (at most {pairing.max}), "
                                  f"{pair.ratio:.2f} of the storage's best")
 
     try:
+        nbytes = tier(0).nbytes          # stores every set, then one load (not judged): what each load moves
+        # the yardstick: each mode's fastest sweep job that streams what fio moves beside a load
+        best = best.for_bytes(max(nbytes, MIN_YARDSTICK_BYTES))
+        # fio's regions laid out at the first pair and read in turn, as the tier stores its sets then and reloads them
+        best_side = best.best_of("read", lambda mode, shape: FioRegions(
+            directory, sets, shape, name=f"g2-best-read-{mode}", min_bytes=MIN_YARDSTICK_BYTES))
+        own_side = FioRegions(directory, sets, own_pattern(embedded.disk_io_mode == "direct",
+                                                           embedded.disk_read_workers, config.fio.ioengine),
+                              name="g2-own-pattern")
         with ExitStack() as stack:
             for side in (*best_side.sides.values(), own_side):
                 stack.enter_context(side)
             # equal draws: the tier loads as many times a pair as the yardstick runs jobs, the faster counted
-            subject, same_pattern = FasterOfDraws(tier, len(best_side.sides)), own_side
+            subject, same_pattern, draws = tier, own_side, len(best_side.sides)
             if config.aa:                  # A/A: the best jobs against themselves, as many bytes as the tier's load
                 aa_side = best.best_of("read", lambda mode, shape: stack.enter_context(
                     FioRegions(directory, sets, shape, name=f"g2-aa-read-{mode}", min_bytes=MIN_YARDSTICK_BYTES)))
-                subject, same_pattern = (lambda i: aa_side(i, nbytes)), None
+                subject, same_pattern, draws = (lambda i: aa_side(i, nbytes)), None, 1
             pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],
-                                            warmup=WARMUP_PAIRS, same_pattern=same_pattern, on_pair=said)
+                                            warmup=WARMUP_PAIRS, same_pattern=same_pattern, on_pair=said,
+                                            draws=draws)
             jobs = "; ".join(_job_text(side) for side in best_side.sides.values()), _job_text(own_side)
     except ColdReadError as error:
         pytest.fail(f"G2 cold read: {error}", pytrace=False)
@@ -258,8 +254,8 @@ def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_r
     subject = "A/A: the best job" if run.aa else "G2 cold-read KV bandwidth"
     if run.aa:
         record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context())
-    draws = len(run.best_side.sides)
-    equal = "" if run.aa or draws < 2 else f"each pair the faster of {draws} tier loads, as of {draws} jobs"
+    draws = max((len(pair.subject_draws) for pair in run.pairs), default=0)    # as the pairs ran (A/A: none)
+    equal = f"each pair the faster of {draws} tier loads, as of {draws} jobs" if draws > 1 else ""
     notes = "".join(f"; {note}" for note in (equal, run.best_side.describe_wins(run.pairs), judged.diagnostic())
                     if note)
     verdict(f"{subject} / the storage's best read ({run.best.describe()}), side by side ({judged.describe()}"

@@ -146,8 +146,8 @@ def test_aa_the_best_write_job_against_itself(gate_context, record):
     if not config.aa:
         pytest.skip("not an A/A run (aa: false)")
     settings = config.g2.checkpoint
-    best = storage_best(config, store).for_bytes(settings.spec().total_bytes)
     nbytes, pairing, rule = settings.spec().total_bytes, settings.rounds.pairing(), config.rule("g2", METRIC)
+    best = storage_best(config, store).for_bytes(nbytes)
     directory = config.storage.path / "fio-checkpoint"
     first, second = (best.best_of("write", lambda mode, shape: FioFreshWrite(directory, shape, f"{name}-{mode}"))
                      for name in ("g2-aa-first", "g2-fresh-write"))
