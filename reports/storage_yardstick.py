@@ -5,8 +5,8 @@ Rows read (kvcore.rundata measurements; gates/storage_best.py and gates/g2_basel
 - `storage_sweep_point` (value GB/s): context kind, direct, ioengine, iodepth, numjobs, bs, raw;
 - `storage_best_read_gbps` / `storage_best_write_gbps`: the winners, the same context;
 - `cold_read_vs_storage_best`, `model_load_vs_storage_best`, `checkpoint_write_vs_storage_best` (value: the
-  judged ratio): context pairs, interval, stopping {pairs, decided, why}, best (its shape), best_source,
-  same_pattern_ratio, aa.
+  judged ratio): context pairs, interval, stopping {pairs, decided, why}, best (the sweep's winner),
+  best_modes (each I/O mode's job as run beside the subject), best_source, same_pattern_ratio, aa.
 """
 
 from __future__ import annotations
@@ -24,6 +24,15 @@ def _shape(context: dict) -> str:
             f"{context.get('bs')}")
 
 
+def _jobs_run(context: dict) -> str:
+    """The yardstick's jobs as they ran beside the subject: each I/O mode's pick (`best_modes`, the faster
+    counted each round), else the sweep's one winner (`best`: rows written before the picks were recorded)."""
+    modes = context.get("best_modes") or {}
+    if modes:
+        return " or ".join(_shape(shape) for shape in modes.values())
+    return _shape(context.get("best") or {})
+
+
 def _number(value, digits: int = 2) -> str:
     number = finite_number(value)
     return "" if number is None else f"{number:.{digits}f}"
@@ -39,7 +48,8 @@ def sweep_tables(measurements: list[dict]) -> list[dict]:
     rows = [[str(c.get("kind", "")), _shape(c), _number(m.get("value")),
              "best" if m.get("value") == best.get(c.get("kind")) else "", str(c.get("raw", ""))]
             for m in points for c in [m.get("context") or {}]]
-    return [{"title": "Storage sweep: every point (the yardstick of G2's storage ratios is the best of each kind)",
+    return [{"title": "Storage sweep: every point (G2's yardstick: each I/O mode's fastest job that streams the bytes "
+                      "of its subject, the faster counted each round)",
              "columns": ["kind", "job", "GB/s", "", "raw fio JSON"], "rows": rows}]
 
 
@@ -54,10 +64,10 @@ def pairs_tables(measurements: list[dict]) -> list[dict]:
         interval = c.get("interval") or []
         bounds = f"[{_number(interval[0])}, {_number(interval[1])}]" if len(interval) == 2 else ""
         rows.append([str(m["metric"]) + (" (A/A)" if c.get("aa") else ""), _number(m.get("value")), bounds,
-                     str(c.get("pairs", "")), str(stopping.get("why", "")), _shape(c.get("best") or {}),
+                     str(c.get("pairs", "")), str(stopping.get("why", "")), _jobs_run(c),
                      str(c.get("best_source", "")), _number(c.get("same_pattern_ratio"))])
     if not rows:
         return []
     return [{"title": "G2 against the storage's best: sequential pairs (Lai's anytime-valid t confidence sequence)",
-             "columns": ["figure", "ratio", "95% interval", "pairs", "sampling stopped", "the best job", "found by",
+             "columns": ["figure", "ratio", "95% interval", "pairs", "sampling stopped", "the best jobs", "found by",
                          "at its own pattern (diagnostic)"], "rows": rows}]
