@@ -326,6 +326,12 @@ def _add_export_weights(commands) -> None:
     export.add_argument("--shard-mib", type=_positive_number, default=512,
                         help="shard size in MiB, fractions allowed (default: 512)")
     export.add_argument("--force", action="store_true", help="replace a checkpoint already in the directory")
+    export.add_argument("--format", choices=("kvgate", "hf"), default="kvgate",
+                        help="kvgate: shards for `kvgate serve --weights` (default); hf: a Hugging Face Llama "
+                             "directory (config, weights, the byte tokenizer and its chat template) that vLLM or "
+                             "transformers serve with the same outputs as kvgate serve")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="--format hf: the weights' dtype (default: float32, kvgate serve's)")
     export.set_defaults(handler=_export_weights)
 
 
@@ -337,6 +343,8 @@ def _export_weights(args: argparse.Namespace) -> int:
         raise ConfigError(f"--preset: expected one of {', '.join(PRESETS)}, found {args.preset!r}")
     if args.seed < 0:
         raise ConfigError(f"--seed: expected an integer >= 0, found {args.seed}")
+    if args.format == "hf":
+        return _export_hf(args)
     try:
         written = export_weights(args.dir, args.preset, args.seed, int(args.shard_mib * 2**20), args.force)
     except FileExistsError as error:
@@ -346,6 +354,21 @@ def _export_weights(args: argparse.Namespace) -> int:
                           f"({error.strerror or error})") from None
     print(f"wrote {args.dir}: preset {args.preset}, seed {args.seed}, {len(written.tensors)} tensors, "
           f"{written.tensor_bytes / 2**20:.2f} MiB in {len(written.files)} shard(s)")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from cache_impl.hf_export import export_hf
+
+    try:
+        export_hf(args.dir, args.preset, args.seed, args.dtype, args.force)
+    except FileExistsError as error:
+        raise ConfigError(f"dir: {error} (--force replaces it)") from None
+    except OSError as error:
+        raise ConfigError(f"dir: expected a directory kvgate can write, found {args.dir} refused "
+                          f"({error.strerror or error})") from None
+    print(f"wrote {args.dir}: preset {args.preset}, seed {args.seed}, {args.dtype}, as a Hugging Face Llama "
+          f"(served by vLLM: python -m vllm.entrypoints.openai.api_server --model {args.dir})")
     return 0
 
 

@@ -1,0 +1,68 @@
+"""The embedded model exported as a Hugging Face Llama directory (cache_impl/hf_export.py).
+
+That vLLM serving the export answers token for token what `kvgate serve` answers is proven against a live
+vLLM (tests/test_live_vllm.py); here, what the directory holds."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from cache_impl.hf_export import CHAT_TEMPLATE, export_hf, generatable_ids, llama_tensors
+from cache_impl.model import PRESETS, build_model
+from cache_impl.tokenizer import EOS, SPECIALS, ByteTokenizer, ChatMessage
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return export_hf(tmp_path_factory.mktemp("hf") / "kvgate-tiny", "tiny", 3)
+
+
+def test_the_tokenizer_gives_the_byte_tokenizers_ids_and_decodes_back(exported):
+    tokenizer = Tokenizer.from_file(str(exported / "tokenizer.json"))
+    text = "héllo wörld\n\ttabs €😀 \x00\x7f end"
+    encoded = tokenizer.encode(text)
+    assert encoded.ids == ByteTokenizer().encode(text)          # <|bos|> then the UTF-8 bytes
+    assert tokenizer.decode(encoded.ids) == text
+    assert {text: tokenizer.token_to_id(text) for text in SPECIALS} == SPECIALS
+
+
+def test_the_chat_template_renders_the_engines_prompt(exported):
+    import jinja2
+
+    config = json.loads((exported / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    rendered = jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    tokenizer = Tokenizer.from_file(str(exported / "tokenizer.json"))
+    expected = ByteTokenizer().apply_chat_template([ChatMessage(m["role"], m["content"]) for m in messages])
+    assert tokenizer.encode(rendered, add_special_tokens=False).ids == expected
+
+
+def test_the_weights_are_the_models_under_llamas_names_with_the_output_scale_folded(exported):
+    model = build_model("tiny", 3, torch.device("cpu"))
+    tensors = load_file(str(exported / "model.safetensors"))
+    assert set(tensors) == set(llama_tensors(model))
+    args = PRESETS["tiny"]
+    kv = args.n_kv_heads * args.head_dim
+    fused = model.layers[1].wqkv.weight
+    assert torch.equal(tensors["model.layers.1.self_attn.q_proj.weight"], fused[:args.dim])
+    assert torch.equal(tensors["model.layers.1.self_attn.v_proj.weight"], fused[args.dim + kv:])
+    assert torch.equal(tensors["model.layers.0.mlp.up_proj.weight"], model.layers[0].w13.weight[args.ffn_dim:])
+    assert torch.equal(tensors["lm_head.weight"], model.output.weight * args.logit_scale)
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["architectures"], config["num_key_value_heads"], config["head_dim"], config["eos_token_id"]) == \
+        (["LlamaForCausalLM"], args.n_kv_heads, args.head_dim, EOS)
+
+
+def test_the_generatable_ids_are_what_the_engine_samples_from():
+    ids = generatable_ids()
+    assert EOS in ids and 10 in ids and 0 not in ids and len(ids) == 97
+
+
+def test_an_existing_export_is_refused_unless_forced(exported):
+    with pytest.raises(FileExistsError, match="already holds"):
+        export_hf(exported, "tiny", 3)
+    assert export_hf(exported, "tiny", 4, overwrite=True) == exported
