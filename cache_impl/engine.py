@@ -120,6 +120,7 @@ class GenerationRequest:
     on_event: Callable[[TokenEvent | FinishEvent], None]
     temperature: float = 0.0
     seed: Optional[int] = None
+    ignore_eos: bool = False   # end-of-text is a token like any other: generate to max_tokens (benchmark clients)
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False  # set by the engine thread when the finish event is sent
 
@@ -414,7 +415,8 @@ class Engine:
         """Sample the next token from logits [1, vocab] and emit it; run `then` (after the token,
         before the finish, so a finished request's blocks are in the cache); finish when done."""
         token = self._sample(logits, seq)
-        stop = token == self.tokenizer.eos_id  # not counted: usage counts the tokens that were streamed
+        # not counted: usage counts the tokens that were streamed (with ignore_eos it is one of them, as vLLM's)
+        stop = token == self.tokenizer.eos_id and not seq.request.ignore_eos
         if not stop:
             seq.generated += 1
             self.counters["generation_tokens"] += 1

@@ -76,7 +76,7 @@ class _GenerationFields(BaseModel):
     stop: Union[None, str, list[str]] = None
     stop_token_ids: Optional[list[int]] = None
     min_tokens: Optional[int] = Field(default=None, ge=0)
-    ignore_eos: Optional[bool] = None
+    ignore_eos: Optional[bool] = None             # true: generate to max_tokens past end-of-text (vLLM's)
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, object]] = None
 
@@ -126,7 +126,6 @@ _UNSUPPORTED = {
     "stop": ((None, "", []), "the embedded engine stops only at its end-of-text token or max_tokens"),
     "stop_token_ids": ((None, []), "the embedded engine stops only at its end-of-text token or max_tokens"),
     "min_tokens": ((None, 0), "the embedded engine stops at its end-of-text token whenever it comes"),
-    "ignore_eos": ((None, False), "the embedded engine stops at its end-of-text token"),
     "logit_bias": ((None, {}), "the embedded engine applies no logit bias"),
     "response_format": ((None, {}, {"type": "text"}), "the embedded engine generates free text only"),
     "suffix": ((None, ""), "the embedded engine does not insert text"),

@@ -145,7 +145,8 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
                                 f"prompt has {len(tokens)} and max_tokens is {max_tokens}",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
         stream = _EventStream()
-        job = GenerationRequest(tokens, max_tokens, stream.push_threadsafe, body.temperature, body.seed)
+        job = GenerationRequest(tokens, max_tokens, stream.push_threadsafe, body.temperature, body.seed,
+                                ignore_eos=bool(body.ignore_eos))
         try:
             engine.submit(job)
         except ValueError as error:  # an empty prompt, or one that cannot fit

@@ -101,10 +101,23 @@ class Endpoint(StrictModel):
         "cache-control steps, each an HTTP call or a command; they replace the engine's own"))
     metric_map: Optional[MetricMapConfig] = Field(default=None, description="generic: per tier, its hit counters")
     tokenizer: Optional[str] = Field(default=None, description=(
-        "its tokenizer id when kvgate knows it (kvgate-byte-v1: a `kvgate serve`): prompts are sized in its tokens; "
-        "otherwise in words, an approximation"))
+        "how prompts are sized in its tokens: a tokenizer.json or the model's directory (loaded with Hugging Face "
+        "tokenizers), or kvgate-byte-v1 (a `kvgate serve`); none or another name: in words, an approximation"))
 
     _cache_dir = field_validator("cache_dir", mode="before")(lambda cls, v: _absolute_path(v))
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_loads(cls, value: Optional[str]) -> Optional[str]:
+        from workloads.datasets import TokenizerError, is_tokenizer_path, sizer_for
+
+        if value is None or not is_tokenizer_path(value):
+            return value
+        try:
+            sizer_for(value)
+        except TokenizerError as error:
+            raise ValueError(str(error)) from None
+        return str(Path(value).expanduser().resolve())
 
     @property
     def metrics_endpoint(self) -> str:

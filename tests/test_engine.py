@@ -258,3 +258,25 @@ def test_finished_requests_report_their_kv_to_the_heap_trimmer(engines):
     for length in (300, 700, 1100):
         engine.generate(_prompt(length, length), 4)
     assert engine._heap.trims == (3 if engine._heap.available else 0)
+
+
+def _finish_of(engine, request_fields: dict) -> tuple[list[int], str]:
+    events, done = [], threading.Event()
+
+    def on_event(event):
+        events.append(event)
+        if isinstance(event, FinishEvent):
+            done.set()
+
+    engine.submit(GenerationRequest(_prompt(9, 50), 6, on_event, **request_fields))
+    assert done.wait(60)
+    return [e.token_id for e in events[:-1]], events[-1].finish_reason
+
+
+def test_ignore_eos_generates_to_max_tokens_past_end_of_text(engines):
+    # benchmark clients (GuideLLM, vllm bench serve) send ignore_eos: true; vLLM then generates max_tokens tokens
+    engine = engines("recompute")
+    engine._allowed.fill_(float("-inf"))
+    engine._allowed[ByteTokenizer().eos_id] = 0.0       # this model's every next token is end-of-text
+    assert _finish_of(engine, {}) == ([], "stop")
+    assert _finish_of(engine, {"ignore_eos": True}) == ([ByteTokenizer().eos_id] * 6, "length")

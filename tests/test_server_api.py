@@ -296,7 +296,7 @@ BAD_REQUESTS = [
           (COMPLETIONS, {"prompt": "hi"}, "top_k", 5), (COMPLETIONS, {"prompt": "hi"}, "stop", "\n"),
           (CHAT, {"messages": HI}, "stop", ["a"]), (COMPLETIONS, {"prompt": "hi"}, "stop_token_ids", [1]),
           (COMPLETIONS, {"prompt": "hi"}, "suffix", "z"), (COMPLETIONS, {"prompt": "hi"}, "logit_bias", {"1": 5}),
-          (CHAT, {"messages": HI}, "min_tokens", 3), (COMPLETIONS, {"prompt": "hi"}, "ignore_eos", True),
+          (CHAT, {"messages": HI}, "min_tokens", 3), 
           (CHAT, {"messages": HI}, "response_format", {"type": "json_object"}),
           (CHAT, {"messages": HI}, "tools", [{"type": "function", "function": {"name": "f"}}]),
           (CHAT, {"messages": HI}, "tool_choice", "required"),
@@ -711,3 +711,11 @@ def test_sigterm_shuts_down_gracefully(sigterm_exit):
 def test_sigterm_exit_code_is_0(sigterm_exit):
     code, _, log = sigterm_exit
     assert code == 0, f"exit code {code}:\n{log}"
+
+
+def test_ignore_eos_from_benchmark_clients_is_served(http):
+    # GuideLLM and `vllm bench serve` send ignore_eos: true with every request (it was a 400 here)
+    response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 5, "ignore_eos": True,
+                                            "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 5

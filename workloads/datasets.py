@@ -143,9 +143,95 @@ class WordSizer:
         return re.findall(r"[^ ]* |[^ ]+$", text)
 
 
-def sizer_for(tokenizer_id: str | None) -> TextSizer:
-    """`ByteSizer` for kvgate's byte tokenizer, `WordSizer` (an approximation) for any other or unknown one."""
-    return ByteSizer() if tokenizer_id == BYTE_TOKENIZER_ID else WordSizer()
+class TokenizerSizer:
+    """Texts sized in a real tokenizer's tokens: a `tokenizer.json` (Hugging Face `tokenizers`), or a model
+    directory holding one (or, with `transformers` installed, any tokenizer it loads from the directory).
+
+    A text of n tokens is lowercase words encoded and cut after the n-th token (prompt tokens, the
+    tokenizer's added specials left out); at a cut between words, as here, BPE tokenizers count it again
+    as n tokens. `tokens` splits a text at its tokens' start offsets, so the pieces add up to the text.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._encode = _load_encoder(self.path)
+        self.name = f"tokenizer {self.path}"
+
+    def text(self, n_tokens: int, seed: int | str) -> str:
+        if n_tokens <= 0:
+            return ""
+        rng, text = _rng(seed), ""
+        while True:
+            words = rng.choices(WORDS, k=max(16, n_tokens))
+            text += "".join(w + " " for w in words)
+            starts = self._starts(text)
+            if len(starts) > n_tokens:
+                return text[: starts[n_tokens]]
+
+    def tokens(self, text: str) -> list[str]:
+        starts = self._starts(text)
+        if not starts:
+            return [text] if text else []
+        bounds = [0, *starts[1:], len(text)]
+        return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def _starts(self, text: str) -> list[int]:
+        return [start for start, _ in self._encode(text)]
+
+
+def _load_encoder(path: Path) -> Callable[[str], list[tuple[int, int]]]:
+    """text -> each token's (start, end) character offsets, by the tokenizer at `path`; TokenizerError when it
+    cannot be read."""
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if file.is_file():
+        try:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as error:          # the library raises plain Exceptions for a malformed file
+            raise TokenizerError(f"expected a tokenizer.json that Hugging Face tokenizers reads, found {file} "
+                                 f"refused ({str(error).splitlines()[0][:200]})") from None
+        return lambda text: tokenizer.encode(text, add_special_tokens=False).offsets
+    if path.is_dir():
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise TokenizerError(f"expected a tokenizer.json in {path} (or transformers installed, to load the "
+                                 "directory's tokenizer), found neither") from None
+        try:
+            slow = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as error:
+            raise TokenizerError(f"expected a tokenizer transformers loads from {path}, found it refused "
+                                 f"({str(error).splitlines()[0][:200]})") from None
+        return lambda text: slow(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    raise TokenizerError(f"expected a tokenizer.json or a model directory, found no such file or directory: {path}")
+
+
+class TokenizerError(ValueError):
+    """A target's tokenizer could not be loaded (the message says what was expected and found)."""
+
+
+def is_tokenizer_path(value: str) -> bool:
+    """Whether a target's `tokenizer` names a file or directory (else it is an id: kvgate-byte-v1, or a name
+    kvgate cannot load, sized in words)."""
+    return value.startswith(("/", "./", "../", "~")) or value.endswith(".json") or Path(value).expanduser().exists()
+
+
+_SIZERS: dict[str, TextSizer] = {}
+
+
+def sizer_for(tokenizer: str | None) -> TextSizer:
+    """The sizer of a target's `tokenizer`: `ByteSizer` for kvgate's byte tokenizer, `TokenizerSizer` for a
+    tokenizer file or model directory (loaded once; TokenizerError when it cannot be), `WordSizer` (an
+    approximation: one token per word) for none or an id kvgate cannot load."""
+    if tokenizer == BYTE_TOKENIZER_ID:
+        return ByteSizer()
+    if tokenizer is None or not is_tokenizer_path(tokenizer):
+        return WordSizer()
+    path = str(Path(tokenizer).expanduser().resolve())
+    if path not in _SIZERS:
+        _SIZERS[path] = TokenizerSizer(Path(path))
+    return _SIZERS[path]
 
 
 # --------------------------------------------------------------------------- specs
