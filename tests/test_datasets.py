@@ -13,7 +13,7 @@ from cache_impl.config import ConfigError
 from cache_impl.tokenizer import TOKENIZER_ID, ByteTokenizer
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.datasets import (
-    ByteSizer, LongDocQASpec, MultiRoundQASpec, RandomSpec, SharedPrefixSpec, TraceSpec, WordSizer,
+    ByteSizer, LongDocQASpec, MultiRoundQASpec, RandomSpec, SharedPrefixSpec, TokenizerError, TokenizerSizer, TraceSpec, WordSizer,
     build_workload, load_spec, reuse_summary, sizer_for,
 )
 from workloads.requests import Workload, WorkloadRequest
@@ -391,3 +391,39 @@ def test_example_specs_cover_every_kind_and_build_prompts_of_a_few_thousand_toke
         workload = build_workload(spec, BYTES, seed=0)
         assert workload.requests and max(r.prompt_tokens for r in workload.requests) <= 8192, path.name
     assert set(kinds) == {"multi_round_qa", "long_doc_qa", "shared_prefix", "random", "trace"}
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer(tmp_path_factory):
+    """A real BPE tokenizer.json (merges learned from kvgate's words), as a model directory ships it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([WORDS.text(400, i) for i in range(20)], trainer)
+    directory = tmp_path_factory.mktemp("model")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory, tokenizer
+
+
+def test_a_tokenizer_directory_sizes_texts_in_its_own_tokens(bpe_tokenizer):
+    directory, tokenizer = bpe_tokenizer
+    sizer = sizer_for(str(directory))
+    assert isinstance(sizer, TokenizerSizer)
+    for n in (1, 37, 500):
+        text = sizer.text(n, f"doc/{n}")
+        assert len(tokenizer.encode(text, add_special_tokens=False).ids) == n
+        pieces = sizer.tokens(text)
+        assert len(pieces) == n and "".join(pieces) == text
+    assert sizer.name == f"tokenizer {directory}"
+
+
+def test_a_tokenizer_that_cannot_be_read_is_an_error_naming_it(tmp_path):
+    with pytest.raises(TokenizerError, match="no such file or directory"):
+        sizer_for(str(tmp_path / "absent"))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizers reads"):
+        sizer_for(str(tmp_path))
+    assert isinstance(sizer_for("meta-llama/Llama-3.1-8B-Instruct"), WordSizer)    # an id: words, as before

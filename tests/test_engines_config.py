@@ -109,6 +109,8 @@ def test_a_generic_engines_steps_and_metric_map_come_from_the_config(tmp_path):
      "targets.candidate.metric_map.device[0].metric: expected a Prometheus sample name (letters, digits, _ and :), "
      "found 'not a name'"),
     ({"metrics_url": "10.0.0.6:8000/metrics"}, "targets.candidate.metrics_url: expected"),
+    ({"tokenizer": "/nonexistent/model"}, "targets.candidate.tokenizer: expected a tokenizer.json or a model "
+     "directory, found no such file or directory: /nonexistent/model"),
 ])
 def test_bad_engine_settings_name_the_field(tmp_path, candidate, message):
     with pytest.raises(ConfigError) as caught:
