@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from workloads.client import StreamingClient, TargetError
+from workloads.datasets import sizer_for
 from workloads.errors import CONNECTION_ERRORS, describe_error
 from workloads.requests import WorkloadRequest
 
@@ -38,9 +39,11 @@ class PreflightResult:
     served: list[str] = field(default_factory=list)
     ttft_s: Optional[float] = None
     seconds: float = 0.0
+    sizer: str = ""                  # how prompts are sized in its tokens (workloads.datasets.sizer_for)
 
     def line(self) -> str:
-        return f"{self.role} {self.url}: {self.problem or 'ok'}"
+        return f"{self.role} {self.url}: {self.problem or 'ok'}" + (f" (prompts sized: {self.sizer})"
+                                                                      if self.sizer and not self.problem else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,7 +56,7 @@ def _nodes(role: str, endpoint: Endpoint) -> list[tuple[str, str]]:
 
 def check_node(role: str, url: str, endpoint: Endpoint, timeout_s: float = TIMEOUT_S) -> PreflightResult:
     """The two calls against one node; the result says what happened."""
-    result = PreflightResult(role, url, endpoint.model)
+    result = PreflightResult(role, url, endpoint.model, sizer=sizer_description(endpoint.tokenizer))
     started = time.monotonic()
     api_key = os.environ.get(endpoint.api_key_env or "", "") or None
     client = StreamingClient(url, endpoint.model, endpoint.api, api_key, target=f"preflight-{role}",
@@ -65,6 +68,17 @@ def check_node(role: str, url: str, endpoint: Endpoint, timeout_s: float = TIMEO
         result.seconds = time.monotonic() - started
     result.ok = not result.problem
     return result
+
+
+def sizer_description(tokenizer: Optional[str]) -> str:
+    """How a target's prompts are sized, for the pre-flight line and the report."""
+    name = sizer_for(tokenizer).name
+    if name == "byte":
+        return "kvgate's byte tokenizer"
+    if name == "word":
+        return ("in words, an approximation (targets.<role>.tokenizer not given)" if tokenizer is None else
+                f"in words, an approximation ({tokenizer!r} is not a file kvgate can load)")
+    return name
 
 
 def _check(client: StreamingClient, result: PreflightResult) -> str:

@@ -97,6 +97,9 @@ def test_a_healthy_embedded_server_passes_with_its_first_token(embedded):
     assert [r.ok for r in results] == [True], results[0].problem
     assert results[0].served == [TINY_MODEL] and results[0].ttft_s > 0
     assert failure_message(results) == ""
+    # no tokenizer configured: the line and the report say the prompts were sized in words
+    assert results[0].line().endswith("(prompts sized: in words, an approximation (targets.<role>.tokenizer not "
+                                      "given))")
 
 
 def test_kvgate_run_g3_against_dead_external_urls_exits_2_naming_each_target(tmp_path):
