@@ -170,4 +170,8 @@ def adapters(gate_context: GateContext) -> dict:
     """Each endpoint's engine adapter (gates/engines/): how the gates control its cache and read its tiers' hits."""
     from gates.engines import endpoint_adapter
 
-    return {role: endpoint_adapter(gate_context.config, e) for role, e in gate_context.endpoints.items()}
+    built = {role: endpoint_adapter(gate_context.config, e) for role, e in gate_context.endpoints.items()}
+    for row in gate_context.store.preflight():          # what the pre-flight's probe found unavailable
+        if row.get("abilities") and row.get("role") in built:
+            built[row["role"]].restrict(row["abilities"])
+    return built

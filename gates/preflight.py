@@ -105,6 +105,29 @@ def run_preflight(endpoints: dict[str, Endpoint], timeout_s: float = TIMEOUT_S) 
         return list(pool.map(lambda node: check_node(*node, timeout_s=timeout_s), nodes))
 
 
+def probe_abilities(config, endpoints: dict[str, Endpoint]) -> dict[str, dict[str, dict]]:
+    """Each external role's engine abilities as the engine really allows them (gates.engines: EngineAdapter.probe;
+    the controls are called once, emptying caches before any gate measures), {role: {ability: {available, how}}}.
+    The gate suites' adapters take away what the probe found unavailable. The harness's own `kvgate serve`
+    processes are not probed: their admin routes are kvgate's, and only the suites hold their token."""
+    from gates.engines import endpoint_adapter
+
+    found = {}
+    for role, endpoint in endpoints.items():
+        if endpoint.admin:
+            continue
+        probed = endpoint_adapter(config, endpoint).probe()
+        found[role] = {name: {"available": a.available, "how": a.how} for name, a in probed.items()}
+    return found
+
+
+def ability_line(role: str, abilities: dict[str, dict]) -> str:
+    """"candidate abilities: clear_device_cache, tier_accounting; not: clear_lower_tiers (not applicable: …)"."""
+    have = [name for name, a in abilities.items() if a["available"]]
+    lack = [f"{name} ({a['how']})" for name, a in abilities.items() if not a["available"]]
+    return f"{role} abilities: {', '.join(have) or 'none'}" + (f"; not: {'; '.join(lack)}" if lack else "")
+
+
 def failure_message(results: list[PreflightResult]) -> str:
     """'pre-flight failed: baseline http://…/v1: connection refused; candidate …' ('' when all passed)."""
     failed = [r.line() for r in results if not r.ok]

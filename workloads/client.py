@@ -1,7 +1,10 @@
 """The streaming client: the one definition of TTFT, ITL, TPOT and E2E (vLLM's benchmark semantics).
 
 - TTFT: monotonic time from sending the request to the first SSE chunk that
-  carries generated text (a role-only or empty chunk does not count).
+  carries generated text (a role-only or empty chunk does not count). A stream
+  with no text at all (a token whose bytes do not decode yet, streamed by vLLM
+  as an empty content) takes its first token chunk: content or text present,
+  not the role's announcement.
 - ITL: each gap between consecutive content chunks.
 - TPOT: (E2E - TTFT) / (output tokens - 1).
 - E2E: from sending to the last chunk.
@@ -100,6 +103,7 @@ class _Chunk:
     finish_reason: Optional[str]
     usage: Optional["_Usage"]
     error: Optional[str]
+    token: bool = False          # carries a generated token, its text perhaps empty (not the role's announcement)
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def _read_chunk(payload: object) -> _Chunk:
     if error is not None and not choices:
         message = error.get("message", error) if isinstance(error, dict) else error
         return _Chunk("", None, None, str(message)[:300])
-    text, finish = "", None
+    text, finish, token = "", None, False
     for i, choice in enumerate(choices or []):
         where = f"choices[{i}]"
         json_object(choice, where)
@@ -129,8 +133,9 @@ def _read_chunk(payload: object) -> _Chunk:
         piece = (optional_text(delta, "content", f"{where}.delta.content") if delta is not None
                  else optional_text(choice, "text", f"{where}.text"))
         text += piece or ""
+        token = token or bool(piece) or (piece is not None and not (delta or {}).get("role"))
         finish = finish or optional_text(choice, "finish_reason", f"{where}.finish_reason")
-    return _Chunk(text, finish, _read_usage(payload), None)
+    return _Chunk(text, finish, _read_usage(payload), None, token)
 
 
 def _read_usage(payload: dict) -> Optional[_Usage]:
@@ -151,6 +156,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
     read on to its end, so the connection can be reused.
     """
     content_times: list[float] = []
+    first_token: Optional[float] = None
     pieces: list[str] = []
     last_time = sent
     usage: Optional[_Usage] = None
@@ -179,9 +185,12 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
         if chunk.text:
             content_times.append(arrived)
             pieces.append(chunk.text)
+        if chunk.token and first_token is None:
+            first_token = arrived
         finish = chunk.finish_reason or finish
         usage = chunk.usage or usage
-    ttft = content_times[0] - sent if content_times else None
+    first = content_times[0] if content_times else first_token
+    ttft = first - sent if first is not None else None
     e2e = (content_times[-1] if content_times else last_time) - sent
     itl = [b - a for a, b in zip(content_times, content_times[1:])]
     completion = usage.completion_tokens if usage else len(content_times)

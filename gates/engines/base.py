@@ -84,6 +84,8 @@ class EngineAdapter:
     capacity_from_metrics: Mapping[str, Callable[[Scrape], Optional[Capacity]]] = field(default_factory=dict)
     metrics_headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     timeout_s: float = 30.0
+    # the tiers the engine says it lacks, from its metrics ({tier: why}); None: it does not say
+    tiers_lacking: Optional[Callable[[Scrape], dict[str, str]]] = None
 
     # -- what it can do ---------------------------------------------------------------------
 
@@ -116,6 +118,44 @@ class EngineAdapter:
 
     def _why(self, name: str) -> str:
         return self.missing.get(name) or f"{self.engine} has no way to do it configured"
+
+    def absent_tiers(self, scrape: Optional[Scrape] = None) -> dict[str, str]:
+        """The tiers this engine, as its own metrics describe it, does not have, each with why (vLLM without
+        offloading or a connector keeps nothing below the device); {} when it does not say or cannot be read."""
+        if self.tiers_lacking is None or not self.metrics_url:
+            return {}
+        try:
+            return self.tiers_lacking(scrape if scrape is not None else self.scrape())
+        except MetricsError:
+            return {}
+
+    def probe(self) -> dict[str, Ability]:
+        """Every ability as the engine really allows it now: each available control is called once (they
+        empty caches: call it before measuring), and one that fails is unavailable with what happened (vLLM's
+        /reset_prefix_cache is a 404 without VLLM_SERVER_DEV_MODE=1); a control whose only tiers below the
+        device are ones the engine lacks is not applicable. `restrict` applies the result."""
+        found = self.abilities()
+        absent = self.absent_tiers()
+        for name in CONTROLS:
+            control = self.controls.get(name)
+            if control is None:
+                continue
+            below = [tier for tier in control.clears if tier != "device"]
+            if below and all(tier in absent for tier in below):
+                found[name] = Ability(name, False, "not applicable: " + "; ".join(absent[t] for t in below))
+                continue
+            try:
+                self._control(name)
+            except ControlError as error:
+                found[name] = Ability(name, False, f"probed: {error}")
+        return found
+
+    def restrict(self, probed: Mapping[str, Mapping]) -> None:
+        """Take away the controls a probe (`probe()`, as recorded: {name: {available, how}}) found unavailable."""
+        for name, ability in probed.items():
+            if name in self.controls and not ability.get("available", True):
+                self.controls = {k: v for k, v in self.controls.items() if k != name}
+                self.missing = {**self.missing, name: str(ability.get("how", "unavailable when probed"))}
 
     # -- cache control ------------------------------------------------------------------------
 
@@ -233,7 +273,8 @@ class EngineSpec:
 
 
 def assemble(spec: EngineSpec, name: str, controls: Mapping[str, Control], missing: Mapping[str, str],
-             metric_maps: tuple[MetricMap, ...], capacity_from_metrics: Optional[Mapping] = None) -> EngineAdapter:
+             metric_maps: tuple[MetricMap, ...], capacity_from_metrics: Optional[Mapping] = None,
+             tiers_lacking: Optional[Callable[[Scrape], dict[str, str]]] = None) -> EngineAdapter:
     """The adapter an engine builder describes, with what the config adds on top: configured steps
     replace the engine's, a local `cache_dir` gives the page-cache drop, configured capacities win."""
     controls, missing = dict(controls), dict(missing)
@@ -247,7 +288,7 @@ def assemble(spec: EngineSpec, name: str, controls: Mapping[str, Control], missi
     for tier in ("device", "host"):
         missing.setdefault(f"{tier}_kv_tokens", f"{name}: set {tier}_kv_tokens")
     return EngineAdapter(name, spec.metrics, controls, missing, metric_maps, spec.configured_capacities(),
-                         dict(capacity_from_metrics or {}), spec.bearer)
+                         dict(capacity_from_metrics or {}), spec.bearer, tiers_lacking=tiers_lacking)
 
 
 __all__ = ["ABILITIES", "CONTROLS", "Ability", "Capacity", "Control", "EngineAdapter", "EngineSpec", "Unavailable",

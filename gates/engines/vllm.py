@@ -78,14 +78,46 @@ def build(spec: EngineSpec) -> EngineAdapter:
     missing["host_kv_tokens"] = ("vllm: set host_kv_tokens (the CPU offload size is in bytes; the KV layout "
                                  "decides the tokens)")
     name = f"vllm+{spec.cache_layer}" if spec.cache_layer else "vllm"
-    return assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity})
+    return assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity},
+                    lambda scrape: tiers_lacking(scrape, spec.cache_layer))
+
+
+CONFIG_INFO = "vllm:cache_config_info"
+
+
+def _unset(value: Optional[str]) -> bool:
+    return value is None or value.strip() in ("", "None", "0", "0.0")
+
+
+def tiers_lacking(scrape: Scrape, cache_layer: Optional[str]) -> dict[str, str]:
+    """The tiers this vLLM does not have, by `vllm:cache_config_info` (and the configured cache_layer: a KV
+    connector's tiers are its own): no device reuse without prefix caching; nothing below the device without
+    native offloading (kv_offloading_size) or a connector. {} when the info gauge is not on the page."""
+    infos = scrape.label_values(CONFIG_INFO)
+    if not infos:
+        return {}
+    info, lacking = infos[0], {}
+    if info.get("enable_prefix_caching") == "False":
+        lacking["device"] = f"{CONFIG_INFO} enable_prefix_caching=False: vLLM reuses no prefix"
+    if cache_layer is None:
+        none_below = "no KV connector configured (targets.<role>.cache_layer)"
+        if _unset(info.get("kv_offloading_size")):
+            lacking["host"] = (f"{CONFIG_INFO} kv_offloading_size={info.get('kv_offloading_size')}: no CPU offloading, "
+                               f"and {none_below}")
+        lacking["disk"] = f"vLLM alone keeps no KV on disk: {none_below}"
+        lacking["remote"] = f"vLLM alone shares no KV pool: {none_below}"
+    return lacking
 
 
 def device_capacity(scrape: Scrape) -> Optional[Capacity]:
     """GPU KV tokens from `vllm:cache_config_info`: kv_cache_size_tokens where vLLM gives it, else
-    num_gpu_blocks x block_size (summed over engines: data-parallel engines each hold their own)."""
+    num_gpu_blocks x block_size (summed over engines: data-parallel engines each hold their own); 0 with
+    prefix caching off (vLLM then reuses nothing, whatever its KV pool holds while a request runs)."""
     total, how = 0, []
-    for labels in scrape.label_values("vllm:cache_config_info"):
+    infos = scrape.label_values(CONFIG_INFO)
+    if infos and all(labels.get("enable_prefix_caching") == "False" for labels in infos):
+        return Capacity(0, f"{CONFIG_INFO} enable_prefix_caching=False: no reusable KV")
+    for labels in infos:
         tokens = finite_label(labels, "kv_cache_size_tokens")
         if tokens:
             total += int(tokens)

@@ -59,6 +59,7 @@ class PlacedHits:
     client: StreamingClient
     placements: dict[str, Placement]                   # mode -> placement
     filler: Callable[[int, str], WorkloadRequest]      # (tokens, tag) -> a distinct filler prompt
+    absent: dict[str, str] = field(default_factory=dict)   # tier -> why the engine has none (its own metrics)
 
     @classmethod
     def plan(cls, adapter: EngineAdapter, client: StreamingClient, longest: int, block_size: int,
@@ -66,12 +67,20 @@ class PlacedHits:
         """Each tier's placement on this engine; fillers (by pressure) at most as long as the longest context."""
         placements = {mode: plan_placement(adapter, tier, max_filler_tokens=longest, block_size=block_size,
                                            prefix_tokens=longest) for mode, tier in PLACED.items()}
-        return cls(adapter, client, placements, filler)
+        return cls(adapter, client, placements, filler, adapter.absent_tiers())
+
+    def not_applicable(self, mode: str) -> str:
+        """Why `mode` does not apply to this engine: it has no such tier, by its own metrics ("" when it does or
+        does not say). Said, not judged."""
+        why = self.absent.get(PLACED[mode])
+        return f"not applicable: {self.adapter.engine} has no {PLACED[mode]} tier ({why})" if why else ""
 
     def unplaced(self, mode: str) -> str:
-        """Why `mode` cannot be measured on this engine ("" when it can)."""
+        """Why `mode` cannot be measured on this engine although it has the tier ("" when it can)."""
         placement = self.placements[mode]
-        return "" if placement.possible else f"{self.adapter.engine}: {placement.describe()}"
+        if self.not_applicable(mode) or placement.possible:
+            return ""
+        return f"{self.adapter.engine}: {placement.describe()}"
 
     def miss(self, request: WorkloadRequest) -> None:
         """The first ask: the engine computes and stores the prefix."""

@@ -66,7 +66,8 @@ def baseline_runs(gate_context, endpoints, adapters):
     results = {"ttft": {}, "hits": [], "recompute_from": "the recompute endpoint" if recompute else
                "the candidate's own miss (no recompute endpoint)",
                "placement": {mode: p.describe() for mode, p in placed.placements.items()},
-               "unplaced": {mode: placed.unplaced(mode) for mode in PLACED if placed.unplaced(mode)}}
+               "unplaced": {mode: placed.unplaced(mode) for mode in PLACED if placed.unplaced(mode)},
+               "not_applicable": {mode: placed.not_applicable(mode) for mode in PLACED if placed.not_applicable(mode)}}
     say = gate_context.store.set_progress
     try:
         for tokens in sorted(config.contexts):
@@ -85,7 +86,7 @@ def baseline_runs(gate_context, endpoints, adapters):
                 if recompute is None:
                     results["ttft"].setdefault(("recompute", tokens), []).append(record.ttft_s)
                 for mode in PLACED:
-                    if mode in results["unplaced"]:
+                    if mode in results["unplaced"] or mode in results["not_applicable"]:
                         continue
                     hit = placed.hit(mode, request, tokens, round_)
                     results["ttft"].setdefault((mode, tokens), []).append(hit.ttft_s)
@@ -170,7 +171,8 @@ def cold_read_pairs(gate_context, endpoints):
     return ColdReadRun(pairs, stopping, best, best_side, *jobs, aa=config.aa)
 
 
-def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_context, baseline_runs, record, verdict):
+def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_context, baseline_runs, record, verdict,
+                                                                     not_run):
     for (mode, tokens), values in sorted(baseline_runs["ttft"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for i, value in enumerate(values):
             record("ttft_round_ms", value * 1e3, "ms", mode=mode, context_tokens=tokens, round=i)
@@ -182,14 +184,27 @@ def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_conte
     shares = [(hit.hit_tokens or 0) / (hit.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS) for hit in hits
               if hit.prompt_tokens >= BLOCK_TOKENS]
     fraction = min(shares, default=None)
+    label = "G2 cache hits served whole (least cached share of a placed hit)" + _not_applicable_note(baseline_runs)
+    _unless_nothing_applies(baseline_runs, not_run, label, "cached_fraction_min")
     unplaced = "; ".join(f"{mode} not measured: {why}" for mode, why in baseline_runs["unplaced"].items())
     record("cached_fraction_min", fraction, hits=len(hits))
-    verdict("G2 cache hits served whole (least cached share of a placed hit)", "cached_fraction_min", fraction,
-            unit="%", valid=not unplaced, invalid_reason=unplaced)
+    verdict(label, "cached_fraction_min", fraction, unit="%", valid=not unplaced, invalid_reason=unplaced)
 
 
-def test_hits_were_served_from_the_placed_tier(gate_context, baseline_runs, record, verdict):
+def _not_applicable_note(baseline_runs) -> str:
+    """"; host-hit not applicable: ..." for the modes whose tier the candidate does not have."""
+    return "".join(f"; {mode} {why}" for mode, why in baseline_runs["not_applicable"].items())
+
+
+def _unless_nothing_applies(baseline_runs, not_run, label: str, metric: str) -> None:
+    """A check over the placed hits is not run (said, not judged) when no placed tier applies to the candidate."""
+    if len(baseline_runs["not_applicable"]) == len(PLACED):
+        not_run(label, metric, "; ".join(f"{mode}: {why}" for mode, why in baseline_runs["not_applicable"].items()))
+
+
+def test_hits_were_served_from_the_placed_tier(gate_context, baseline_runs, record, verdict, not_run):
     """Each hit against the engine's tier accounting: from the placed tier alone (or, INCONCLUSIVE, why not known)."""
+    _unless_nothing_applies(baseline_runs, not_run, "G2 hits served from the placed tier", "placed_tier_verified")
     hits = baseline_runs["hits"]
     for hit in hits:
         record("placed_hit", hit.verified, mode=hit.mode, tier=PLACED[hit.mode], context_tokens=hit.context_tokens,
@@ -202,14 +217,17 @@ def test_hits_were_served_from_the_placed_tier(gate_context, baseline_runs, reco
     how = ", ".join(f"{mode} {words.partition(':')[0]}" for mode, words in baseline_runs["placement"].items()
                     if mode not in baseline_runs["unplaced"])
     verdict(f"G2 hits served from the placed tier ({served} of {len(hits)}; {how})"
-            + (f"; {wrong[0]}" if wrong else ""), "placed_tier_verified", value, unit="%",
+            + (f"; {wrong[0]}" if wrong else "") + _not_applicable_note(baseline_runs), "placed_tier_verified", value,
+            unit="%",
             valid=not (unknown or unplaced), invalid_reason="; ".join(unplaced + unknown[:2]))
 
 
 def test_disk_hit_ttft_is_a_fraction_of_recompute_at_the_longest_context(gate_context, baseline_runs, record,
-                                                                           verdict):
+                                                                           verdict, not_run):
     longest = max(gate_context.config.g2.contexts)
     label = f"G2 cold disk hit TTFT / recompute TTFT at {longest} tokens"
+    if "disk-cold" in baseline_runs["not_applicable"]:
+        not_run(label, "disk_hit_ttft_vs_recompute", baseline_runs["not_applicable"]["disk-cold"])
     if "disk-cold" in baseline_runs["unplaced"]:
         verdict(label, "disk_hit_ttft_vs_recompute", None, unit="%", valid=False,
                 invalid_reason=f"no disk hit measured: {baseline_runs['unplaced']['disk-cold']}",
@@ -230,13 +248,18 @@ def test_disk_hit_ttft_is_a_fraction_of_recompute_at_the_longest_context(gate_co
             context={"context_tokens": longest})
 
 
-def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_read_pairs, record, verdict):
+def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_read_pairs, adapters, record, verdict,
+                                                            not_run):
     """The tier's cold-read GB/s over the storage's best read job's, in sequential pairs: the geometric mean
     of the pairs' ratios with its anytime-valid interval. The same-pattern fio is shown beside, never judged;
     so is G1's fio figure (another minute). A/A mode: the best job on both sides, its interval must hold 1."""
     if cold_read_pairs is None:
         engine = gate_context.config.targets.candidate.engine
-        verdict("G2 cold-read KV bandwidth / the storage's best read, side by side", METRIC, None, unit="%",
+        label = "G2 cold-read KV bandwidth / the storage's best read, side by side"
+        no_disk = adapters["candidate"].absent_tiers().get("disk")
+        if no_disk:
+            not_run(label, METRIC, f"not applicable: the candidate ({engine}) has no disk tier ({no_disk})")
+        verdict(label, METRIC, None, unit="%",
                 valid=False, invalid_reason=f"the candidate ({engine}) does not export its disk tier's read bytes "
                 "and seconds; only kvgate's own server does (kvgate_cache_bytes_read_total, "
                 "kvgate_cache_load_latency_seconds{tier=\"disk\"})")
