@@ -19,7 +19,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import yaml
 from rich.console import Console
@@ -38,6 +38,7 @@ from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_j
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
 GATES_DIR = Path(__file__).parent
 NEEDS_TARGETS = {"g2", "g3", "g4"}
+NOT_APPLICABLE = "not run: not applicable"   # an unjudged check's reason when the candidate lacks what it tests
 STATUS_STYLE = {"passed": "bold green", "failed": "bold red", "inconclusive": "bold yellow", "error": "bold red",
                 "not run": "dim"}
 
@@ -124,10 +125,12 @@ def environment_fingerprint(config: GatesConfig) -> dict:
     }
 
 
-def gate_status(verdicts: list[dict], pytest_exit_code: int, unjudged: int = 0) -> tuple[str, str]:
+def gate_status(verdicts: list[dict], pytest_exit_code: int, unjudged: Sequence[dict] = ()) -> tuple[str, str]:
     """A gate's outcome from its verdicts; a crash or a missing verdict is an error, never a pass.
 
-    Figures measured without a rule (`unjudged`) never count as passed checks; the summary says how many.
+    Figures measured without a rule (`unjudged`, their rows) never count as passed checks; the summary says how
+    many. A gate none of whose checks applies to the candidate (each not run as not applicable: a vLLM with no
+    tier below the device in G2) is "not run", saying why: it neither passes nor errs.
     """
     failed = [v for v in verdicts if v["status"] == "FAIL"]
     unsure = [v for v in verdicts if v["status"] == "INCONCLUSIVE"]
@@ -138,8 +141,11 @@ def gate_status(verdicts: list[dict], pytest_exit_code: int, unjudged: int = 0) 
     if pytest_exit_code not in (0, 1, 5) or (pytest_exit_code == 1 and not failed and not unsure):
         return "error", f"a check crashed outside its verdict (pytest exit {pytest_exit_code}): see pytest.log"
     if not verdicts:
+        reasons = [row.get("reason", "") for row in unjudged if row.get("reason", "").startswith(NOT_APPLICABLE)]
+        if reasons:     # the rest measured without a rule: nothing decides the gate
+            return "not run", f"no check applies to the candidate: {reasons[0].removeprefix('not run: ')}"
         return "error", "no check was judged"
-    not_judged = f"; {unjudged} measured, not judged" if unjudged else ""
+    not_judged = f"; {len(unjudged)} measured, not judged" if unjudged else ""
     return "passed", f"{len(verdicts)} checks passed{not_judged}"
 
 
@@ -308,7 +314,7 @@ class GateRunner:
                 time.sleep(0.5)
         self._print_plain(gate, steps.read_new())
         self._print_new_verdicts(gate, shown)
-        status, reason = gate_status(self.store.verdicts(gate), process.returncode, len(self.store.unjudged(gate)))
+        status, reason = gate_status(self.store.verdicts(gate), process.returncode, self.store.unjudged(gate))
         self.store.set_status(gate, status, reason, started_at=started, ended_at=time.time(),
                               pytest_exit_code=process.returncode)
         style = STATUS_STYLE.get(status, "bold")

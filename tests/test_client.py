@@ -55,7 +55,7 @@ def test_a_stream_whose_tokens_carry_no_text_takes_its_first_token_chunk_as_ttft
     lines = [(5.02, _data(_chat(role=True))), (5.40, _data(_chat("", finish="length"))), (5.41, _data(USAGE)),
              (5.42, "data: [DONE]")]
     m = measure_stream(lines, sent=5.0)
-    assert m.ttft_s == pytest.approx(0.40) and m.content_chunks == 0
+    assert m.ttft_s == pytest.approx(0.40) and m.content_chunks == 0 and m.token_chunks == 1
     lines = [(5.02, _data(_chat(role=True))), (5.41, _data(USAGE)), (5.42, "data: [DONE]")]
     assert measure_stream(lines, sent=5.0).ttft_s is None        # no token at all: no TTFT
 

@@ -168,6 +168,15 @@ def test_a_gates_outcome_follows_its_verdicts_and_a_crash_is_never_a_pass(verdic
     assert gate_status(verdicts, exit_code)[0] == status
 
 
+def test_a_gate_none_of_whose_checks_applies_is_not_run_saying_why_and_never_passes():
+    unjudged = [{"reason": "not run: not applicable: vllm has no disk tier (no KV connector)"},
+                {"reason": "no threshold for 'no_reuse_ttft_cost' in g2.thresholds and no default rule"}]
+    assert gate_status([], 0, unjudged) == ("not run", "no check applies to the candidate: not applicable: vllm "
+                                                       "has no disk tier (no KV connector)")
+    assert gate_status([], 0, unjudged[1:])[0] == "error"                # measured only: nothing was judged
+    assert gate_status(_verdicts("PASS"), 0, unjudged) == ("passed", "1 checks passed; 2 measured, not judged")
+
+
 class _ScriptedRunner(GateRunner):
     """The real orchestration with each gate's outcome scripted (unit test of the stop-loss order)."""
 

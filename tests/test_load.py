@@ -171,6 +171,11 @@ def test_a_step_is_invalid_with_too_few_requests_a_saturated_client_or_disagreei
     assert "client saturated: CPU" in busy["invalid_reasons"] and "event-loop lag" in busy["invalid_reasons"]
     skewed = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2) for i in range(10)]
     assert "token counts disagree" in summarize_step(skewed, [], 0.0, 30.0, settings)["invalid_reasons"]
+    batched = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2, token_chunks=2) for i in range(10)]
+    assert "token counts disagree" in summarize_step(batched, [], 0.0, 30.0, settings)["invalid_reasons"]
+    # vLLM: 4 tokens in 4 chunks, 2 of them empty (bytes not yet decoded); an OpenAI-style closing chunk: 5 chunks
+    textless = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2, token_chunks=4 + i % 2) for i in range(10)]
+    assert summarize_step(textless, [], 0.0, 30.0, settings)["valid"]
 
 
 def _failed(sent_at, error_type, message):

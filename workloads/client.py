@@ -67,6 +67,7 @@ class RequestRecord:
     completion_tokens: Optional[int] = None
     cached_tokens: Optional[int] = None
     content_chunks: int = 0
+    token_chunks: int = 0             # chunks carrying a token, its text perhaps empty (vLLM streams undecoded bytes so)
     tokens_from_usage: bool = False
     finish_reason: Optional[str] = None
     worker: str = ""
@@ -93,6 +94,7 @@ class StreamMetrics:
     error: Optional[str]
     error_type: Optional[str] = None   # "stream_error" (an error chunk, unparseable data) or "bad_response"
     text: str = ""
+    token_chunks: int = 0              # chunks carrying a token, text or not (not the role's announcement)
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
     """
     content_times: list[float] = []
     first_token: Optional[float] = None
+    token_chunks = 0
     pieces: list[str] = []
     last_time = sent
     usage: Optional[_Usage] = None
@@ -185,8 +188,9 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
         if chunk.text:
             content_times.append(arrived)
             pieces.append(chunk.text)
-        if chunk.token and first_token is None:
-            first_token = arrived
+        if chunk.token:
+            token_chunks += 1
+            first_token = arrived if first_token is None else first_token
         finish = chunk.finish_reason or finish
         usage = chunk.usage or usage
     first = content_times[0] if content_times else first_token
@@ -200,6 +204,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
         prompt_tokens=usage.prompt_tokens if usage else None, completion_tokens=completion,
         cached_tokens=usage.cached_tokens if usage else None, tokens_from_usage=usage is not None,
         finish_reason=finish, done=done, error=error, error_type=error_type, text="".join(pieces),
+        token_chunks=token_chunks,
     )
 
 
@@ -389,6 +394,7 @@ def _apply(record: RequestRecord, m: StreamMetrics) -> None:
     record.ttft_s, record.e2e_s, record.tpot_s, record.itl_s = m.ttft_s, m.e2e_s, m.tpot_s, m.itl_s
     record.prompt_tokens, record.completion_tokens, record.cached_tokens = m.prompt_tokens, m.completion_tokens, m.cached_tokens
     record.content_chunks, record.tokens_from_usage, record.finish_reason = m.content_chunks, m.tokens_from_usage, m.finish_reason
+    record.token_chunks = m.token_chunks
     if m.error:
         _failed(record, m.error_type or "stream_error", m.error)
     elif not m.done:

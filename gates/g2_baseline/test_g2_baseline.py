@@ -199,7 +199,8 @@ def _not_applicable_note(baseline_runs) -> str:
 def _unless_nothing_applies(baseline_runs, not_run, label: str, metric: str) -> None:
     """A check over the placed hits is not run (said, not judged) when no placed tier applies to the candidate."""
     if len(baseline_runs["not_applicable"]) == len(PLACED):
-        not_run(label, metric, "; ".join(f"{mode}: {why}" for mode, why in baseline_runs["not_applicable"].items()))
+        not_run(label, metric, "not applicable: " + "; ".join(
+            f"{mode}: {why.removeprefix('not applicable: ')}" for mode, why in baseline_runs["not_applicable"].items()))
 
 
 def test_hits_were_served_from_the_placed_tier(gate_context, baseline_runs, record, verdict, not_run):
