@@ -105,19 +105,30 @@ def run_preflight(endpoints: dict[str, Endpoint], timeout_s: float = TIMEOUT_S) 
         return list(pool.map(lambda node: check_node(*node, timeout_s=timeout_s), nodes))
 
 
-def probe_abilities(config, endpoints: dict[str, Endpoint]) -> dict[str, dict[str, dict]]:
-    """Each external role's engine abilities as the engine really allows them (gates.engines: EngineAdapter.probe;
-    the controls are called once, emptying caches before any gate measures), {role: {ability: {available, how}}}.
-    The gate suites' adapters take away what the probe found unavailable. The harness's own `kvgate serve`
-    processes are not probed: their admin routes are kvgate's, and only the suites hold their token."""
-    from gates.engines import endpoint_adapter
+def probe_engines(config, endpoints: dict[str, Endpoint]) -> dict[str, dict]:
+    """What each external role's engine really allows and has, {role: {"abilities": {ability: {available, how}},
+    "absent_tiers": {tier: why}, "device_kv_tokens": tokens or None, "device_kv_source": str}}: its controls
+    are called once (gates.engines: EngineAdapter.probe; they empty caches, before any gate measures), the
+    tiers it lacks and its reusable device KV read from its own metrics. The gate suites' adapters take away
+    what the probe found unavailable; the sizing model takes the tiers and capacities. The harness's own
+    `kvgate serve` processes are not probed: their admin routes are kvgate's, and only the suites hold their
+    token."""
+    from gates.engines import Unavailable, endpoint_adapter
+    from gates.engines.metrics import MetricsError
 
     found = {}
     for role, endpoint in endpoints.items():
         if endpoint.admin:
             continue
-        probed = endpoint_adapter(config, endpoint).probe()
-        found[role] = {name: {"available": a.available, "how": a.how} for name, a in probed.items()}
+        adapter = endpoint_adapter(config, endpoint)
+        probed = adapter.probe()
+        try:
+            device = adapter.device_kv_tokens()
+        except (Unavailable, MetricsError):
+            device = None
+        found[role] = {"abilities": {name: {"available": a.available, "how": a.how} for name, a in probed.items()},
+                       "absent_tiers": adapter.absent_tiers(), "device_kv_tokens": device and device.tokens,
+                       "device_kv_source": device.source if device else ""}
     return found
 
 

@@ -32,7 +32,7 @@ from workloads.inventory import collect_inventory
 from workloads.processes import die_with_parent
 
 from .config import GatesConfig
-from .preflight import ability_line, failure_message, probe_abilities, run_preflight
+from .preflight import ability_line, failure_message, probe_engines, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
@@ -233,11 +233,11 @@ class GateRunner:
         failed = failure_message(results)
         if not failed:      # what each engine really allows, before any gate relies on it
             with self.console.status("pre-flight: probing each engine's cache controls …"):
-                probed = probe_abilities(self.config, endpoints)
+                probed = probe_engines(self.config, endpoints)
             for row in rows:
                 if row["role"] in probed:
-                    row["abilities"] = probed[row["role"]]
-                    self.console.print(f"  [dim]{ability_line(row['role'], probed[row['role']])}[/dim]",
+                    row.update(probed[row["role"]])
+                    self.console.print(f"  [dim]{ability_line(row['role'], row['abilities'])}[/dim]",
                                        highlight=False)
         self.store.write_preflight(rows)
         return failed

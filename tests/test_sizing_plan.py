@@ -141,3 +141,43 @@ def test_a_flops_roofline_stands_in_for_the_recompute_curve_before_any_run(tmp_p
         load_config(path)
     path.write_text("sizing:\n  roofline: {device_tflops: 0.05, params: 8.03B, attention_dim: 4096}\n")
     assert load_config(path).sizing.roofline.params == pytest.approx(8.03e9)
+
+
+def test_an_external_plan_models_what_the_engines_said_at_pre_flight(tmp_path):
+    # a live vLLM pair (tests/test_live_vllm.py): the baseline without prefix caching, the candidate with 262,144
+    # tokens of device KV and no tier below it; the plan had predicted 0% G3 reduction and a G2 cold-read PASS
+    path = tmp_path / "gates.yaml"
+    path.write_text("targets:\n  kind: external\n"
+                    "  baseline: {url: 'http://127.0.0.1:1/v1', model: m, engine: vllm}\n"
+                    "  candidate: {url: 'http://127.0.0.1:2/v1', model: m, engine: vllm}\n"
+                    "sizing:\n  roofline: {device_tflops: 0.05, params: 3e6, attention_dim: 256}\n")
+    config = load_config(path, "quick")
+    said = {"baseline": {"device_kv_tokens": 0, "device_kv_source": "vllm:cache_config_info "
+                                                                       "enable_prefix_caching=False: no reusable KV",
+                         "absent_tiers": {"device": "enable_prefix_caching=False"}},
+            "candidate": {"device_kv_tokens": 262144, "device_kv_source": "vllm:cache_config_info "
+                                                                           "kv_cache_size_tokens 262144",
+                          "absent_tiers": {"host": "kv_offloading_size=None", "disk": "no connector"}}}
+    plan = make_plan(config, engines=said)
+    assert plan.figures["tiers"]["baseline"] == {"device": 0}
+    assert plan.figures["tiers"]["candidate"]["device"] == 262144
+    hits = plan.figures["g3_hit_ratio"]
+    assert hits["baseline"]["overall"] == 0 and hits["candidate"]["overall"] > 0.5
+    assert not [p for p in plan.predictions if p.metric in ("cold_read_vs_storage_best", "disk_hit_ttft_vs_recompute")]
+    assert any("no disk tier in the model" in note for note in plan.notes)
+    assert any(note.startswith("the baseline reuses no prefix") for note in plan.notes)
+    reduction = [p for p in plan.predictions if p.metric == "ttft_p50_reduction"]
+    assert reduction and all(p.value > 0.25 for p in reduction)        # it had predicted 0%
+    # without what the engines said: the old model, both sides the same device, no gain predicted
+    plain = make_plan(config).figures["g3_hit_ratio"]
+    assert plain["baseline"]["overall"] == pytest.approx(plain["candidate"]["overall"])
+
+
+def test_a_plan_from_a_run_without_g2_says_so(tmp_path, capsys):
+    store = RunStore(tmp_path)
+    store.write_run_info({"run_id": "g3-only", "gates": ["g3"]})
+    (tmp_path / "config.yaml").write_text("g3:\n  levels: [2]\n")
+    assert main(["plan", "--from", str(tmp_path), "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert "no recompute curve: this run has no G2 TTFTs (G2 did not run, or measured none)" in notes
+    assert not any("fewer than 3 context lengths" in note for note in notes)

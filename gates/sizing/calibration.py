@@ -358,7 +358,10 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
     if contexts >= 3:
         curve = RecomputeCurve.fit(recompute)
         return curve, curve.a, efficiency, overhead, disk_gbps
-    notes.append("no recompute curve: G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)")
+    if not rows:
+        notes.append("no recompute curve: this run has no G2 TTFTs (G2 did not run, or measured none)")
+    else:
+        notes.append("no recompute curve: G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)")
     return None, None, efficiency, overhead, disk_gbps
 
 

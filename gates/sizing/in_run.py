@@ -12,6 +12,7 @@ from typing import Optional
 from kvcore.rundata import RunStore
 
 from .plan import Plan, Prediction, compare, make_plan
+from .targets import engine_facts
 
 
 PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model predicts (plan.py)
@@ -29,7 +30,7 @@ def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]
         # before G2 the file's constants; after it, the run's own first and the file's for the rest (G3's decode)
         calibration = configured if store.status("g2") is None else None
         plan = make_plan(config, store if measured else None, calibration, config.sizing, in_run=True,
-                         fill_from=configured)
+                         fill_from=configured, engines=engine_facts(store.preflight()))
     except Exception as error:  # the sizing model must never stop a run: say why it said nothing
         return None, f"no plan before {gate.upper()}: {type(error).__name__}: {error}"
     store.add_predictions(f"before {gate}", [p.to_dict() for p in plan.predictions if p.gate == gate])

@@ -44,7 +44,7 @@ from .calibration import Calibration
 from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .g3_figures import predict_g3, predict_rate_ladder
 from .queueing import DecodeCost, EngineModel
-from .targets import target_inputs
+from .targets import engine_facts, target_inputs
 from .timing import RecomputeCurve, TierBandwidths, checkpoint_seconds, cold_read_vs_storage_best, model_load_seconds, predict_g2
 
 @dataclass(frozen=True)
@@ -108,13 +108,17 @@ def _spec_disk_gbps(config) -> Optional[float]:
 
 
 def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
-              tolerances=None, in_run: bool = False, fill_from: Optional[Calibration] = None) -> Plan:
+              tolerances=None, in_run: bool = False, fill_from: Optional[Calibration] = None,
+              engines: Optional[dict] = None) -> Plan:
     """The plan for `config` (a GatesConfig); `store`: a run whose G1/G2 figures refine it; `calibration`:
     fitted constants (default: fitted from `store` when given); `fill_from`: an earlier calibration whose
     constants stand in for those `calibration` lacks (a run's G3 decode cost before its G3 ran);
-    `in_run`: made by `kvgate run` before a gate (its figures are compared later, so no comparison now)."""
+    `in_run`: made by `kvgate run` before a gate (its figures are compared later, so no comparison now);
+    `engines`: what a run's pre-flight read from the external engines (default: `store`'s, when given)."""
     plan = Plan()
-    inputs, notes = target_inputs(config)
+    if engines is None and store is not None:
+        engines = engine_facts(store.preflight())
+    inputs, notes = target_inputs(config, engines)
     plan.notes.extend(notes)
     shape = inputs.shape
     capacities = inputs.capacities()
@@ -149,7 +153,7 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
     else:
         tiers = calibration.tiers(tiers)
         timing = calibration.timing_model(tiers, shape.bytes_per_token, inputs.block_tokens)
-        _g2(plan, config, timing, tiers)
+        _g2(plan, config, timing, tiers, inputs)
         decode = calibration.decode
         if decode is None:
             first = next(iter(g3.replays["candidate"].values()))
@@ -198,7 +202,11 @@ def decode_from_curve(curve, requests) -> DecodeCost:
     return DecodeCost(0.0, curve.b + 2.0 * curve.c * n)
 
 
-def _g2(plan: Plan, config, timing, tiers: TierBandwidths) -> None:
+def _g2(plan: Plan, config, timing, tiers: TierBandwidths, inputs) -> None:
+    if not inputs.embedded and inputs.disk_bytes <= 0:
+        plan.notes.append("G2's disk figures are not predicted: the candidate has no disk tier in the model (its "
+                          "engine has none, or sizing.target.disk_capacity is not given)")
+        return
     rows = predict_g2(timing, config.g2.contexts)
     longest = rows[-1]
     plan.predictions.append(Prediction(

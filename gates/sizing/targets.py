@@ -54,6 +54,7 @@ class TargetInputs:
     routing: str
     max_running: int
     embedded: bool
+    baseline_device_blocks: Optional[int] = None   # None: the candidate's device (the same engine, no offload)
 
     @property
     def block_nbytes(self) -> int:
@@ -71,8 +72,14 @@ class TargetInputs:
         cache = CacheConfig.from_dict({"block_size": self.block_tokens, "device_capacity_blocks": self.device_blocks,
                                        "host_capacity_bytes": self.host_bytes, "disk": disk, "remote": remote})
         pool = None if self.pool_bytes is None else pool_blocks(self.pool_bytes, self.block_nbytes)
+        baseline = self.device_blocks if self.baseline_device_blocks is None else self.baseline_device_blocks
         return {"candidate": tier_capacities(cache, self.block_nbytes, pool),
-                "baseline": [TierCapacity("device", self.device_blocks)]}
+                "baseline": [TierCapacity("device", baseline)]}
+
+
+def engine_facts(preflight: list[dict]) -> dict[str, dict]:
+    """What a run's pre-flight read from each external role's engine (preflight.json rows), by role."""
+    return {row["role"]: row for row in preflight if "absent_tiers" in row or "device_kv_tokens" in row}
 
 
 def pool_blocks(pool_bytes: int, block_nbytes: int) -> int:
@@ -81,9 +88,13 @@ def pool_blocks(pool_bytes: int, block_nbytes: int) -> int:
     return pool_bytes // (integrity.HEADER_BYTES + block_nbytes)
 
 
-def target_inputs(config) -> tuple[TargetInputs, list[str]]:
-    """The targets of `config` (a GatesConfig) as the plan models them, and notes on what stood in."""
+def target_inputs(config, engines: Optional[dict] = None) -> tuple[TargetInputs, list[str]]:
+    """The targets of `config` (a GatesConfig) as the plan models them, and notes on what stood in. `engines`:
+    what a run's pre-flight read from each external role's engine ({role: {"device_kv_tokens", "absent_tiers",
+    ...}}, gates.preflight.probe_engines): a capacity it says stands in for one the config does not give, and
+    a baseline that reuses nothing (vLLM with prefix caching off) is modelled so."""
     targets, notes = config.targets, []
+    engines = engines or {}
     given = config.sizing.target
     embedded = targets.embedded
     if targets.kind == "embedded":
@@ -101,9 +112,20 @@ def target_inputs(config) -> tuple[TargetInputs, list[str]]:
         if given is None or given.shape() is None:
             notes.append(f"targets.kind is external and sizing.target gives no KV layout (model_config or kv_layout): "
                          f"the embedded preset's ({embedded.preset}) stands in")
-        if given is None or given.device_kv_tokens is None:
+        said = engines.get("candidate", {}).get("device_kv_tokens")
+        if (given is None or given.device_kv_tokens is None) and said:
+            block = given.block_size if given is not None and given.block_size else EXTERNAL_BLOCK_TOKENS
+            inputs["device_blocks"] = max(1, said // block)
+            notes.append(f"the candidate's device KV: {said} tokens, as its engine says "
+                         f"({engines['candidate'].get('device_kv_source') or 'its metrics'})")
+        elif given is None or given.device_kv_tokens is None:
             notes.append("targets.kind is external and sizing.target.device_kv_tokens is not given (the engine prints "
                          f"it at start-up): the embedded device tier ({embedded.device_capacity_blocks} blocks) stands in")
+        baseline = engines.get("baseline", {})
+        if baseline.get("device_kv_tokens") == 0:
+            inputs["baseline_device_blocks"] = 0
+            notes.append(f"the baseline reuses no prefix, as its engine says ({baseline.get('device_kv_source')}): "
+                         "modelled with no cache at all")
         if given is None or given.block_size is None:
             notes.append(f"sizing.target.block_size is not given: {EXTERNAL_BLOCK_TOKENS} tokens (vLLM's default)")
         if given is None or (given.host_capacity is None and given.disk_capacity is None):
