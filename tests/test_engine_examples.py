@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cache_impl.hf_export import export_hf
 from gates.config import EmbeddedTargets, load_config
 from gates.engines import build_adapter, parse_metrics, spec_from_endpoint
 from gates.engines.placement import plan_placement
@@ -36,6 +37,10 @@ TABLE = {
         "engine": "vllm+mooncake", "baseline": "vllm",
         "clear_device_cache": ("device",), "clear_lower_tiers": ("device", "remote"), "drop_disk_page_cache": None,
         "device_kv_tokens": True, "host_kv_tokens": False, "tier_accounting": True},
+    "vllm-cpu.yaml": {               # claimed by the profile; the pre-flight's probe finds the lower clear not applicable
+        "engine": "vllm", "baseline": "vllm",
+        "clear_device_cache": ("device",), "clear_lower_tiers": ("device", "host"), "drop_disk_page_cache": None,
+        "device_kv_tokens": True, "host_kv_tokens": False, "tier_accounting": True},
     "kvgate-serve-generic.yaml": {
         "engine": "generic", "baseline": "generic",
         "clear_device_cache": None, "clear_lower_tiers": None, "drop_disk_page_cache": (),
@@ -46,6 +51,8 @@ TABLE = {
 def load(name: str, tmp_path: Path, monkeypatch):
     """The example loaded as `kvgate run --config` would, from a fresh directory (relative paths land there)."""
     monkeypatch.chdir(tmp_path)
+    if name == "vllm-cpu.yaml":                 # its tokenizer: the exported model's, made as the README says
+        export_hf(tmp_path / "kvgate-small-hf", "tiny", 0)
     return load_config(EXAMPLES / name)
 
 
