@@ -467,13 +467,18 @@ def test_the_report_shows_each_targets_pre_flight(tmp_path):
         {"role": "baseline", "url": "http://127.0.0.1:9/v1", "model": "m", "ok": False,
          "problem": "connection refused", "ttft_s": None},
         {"role": "candidate", "url": "http://127.0.0.1:8001/v1", "model": "m", "ok": True, "problem": "",
-         "ttft_s": 0.0421}])
+         "ttft_s": 0.0421, "sizer": "tokenizer /models/m",
+         "abilities": {"clear_device_cache": {"available": True, "how": "POST /reset_prefix_cache"},
+                       "clear_lower_tiers": {"available": False, "how": "not applicable: kv_offloading_size=None"}},
+         "absent_tiers": {"disk": "vLLM alone keeps no KV on disk"}}])
     results = render_run(tmp_path)
     page = (tmp_path / "index.html").read_text()
     start = page.index('<section class="preflight">')
     section = page[start:page.index("</section>", start)]
     assert "<td>baseline</td>" in section and "<td>connection refused</td>" in section
-    assert "<td>candidate</td>" in section and "42.1 ms" in section
+    assert "<td>candidate</td>" in section and "42.1 ms" in section and "<td>tokenizer /models/m</td>" in section
+    assert "no clear_lower_tiers: not applicable: kv_offloading_size=None" in section
+    assert "no disk tier: vLLM alone keeps no KV on disk" in section and "no clear_device_cache" not in section
     assert [row["role"] for row in results["preflight"]] == ["baseline", "candidate"]
 
 
