@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -344,32 +345,30 @@ def _export_weights(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise ConfigError(f"--seed: expected an integer >= 0, found {args.seed}")
     if args.format == "hf":
-        return _export_hf(args)
-    try:
+        from cache_impl.hf_export import export_hf
+
+        with _writing(args.dir):
+            export_hf(args.dir, args.preset, args.seed, args.dtype, args.force)
+        print(f"wrote {args.dir}: preset {args.preset}, seed {args.seed}, {args.dtype}, as a Hugging Face Llama "
+              f"(served by vLLM: python -m vllm.entrypoints.openai.api_server --model {args.dir})")
+        return 0
+    with _writing(args.dir):
         written = export_weights(args.dir, args.preset, args.seed, int(args.shard_mib * 2**20), args.force)
-    except FileExistsError as error:
-        raise ConfigError(f"dir: {error} (--force replaces it)") from None
-    except OSError as error:
-        raise ConfigError(f"dir: expected a directory kvgate can write, found {args.dir} refused "
-                          f"({error.strerror or error})") from None
     print(f"wrote {args.dir}: preset {args.preset}, seed {args.seed}, {len(written.tensors)} tensors, "
           f"{written.tensor_bytes / 2**20:.2f} MiB in {len(written.files)} shard(s)")
     return 0
 
 
-def _export_hf(args: argparse.Namespace) -> int:
-    from cache_impl.hf_export import export_hf
-
+@contextlib.contextmanager
+def _writing(directory: Path):
+    """An export's errors as configuration errors naming `dir`: one already there, one that cannot be written."""
     try:
-        export_hf(args.dir, args.preset, args.seed, args.dtype, args.force)
+        yield
     except FileExistsError as error:
         raise ConfigError(f"dir: {error} (--force replaces it)") from None
     except OSError as error:
-        raise ConfigError(f"dir: expected a directory kvgate can write, found {args.dir} refused "
+        raise ConfigError(f"dir: expected a directory kvgate can write, found {directory} refused "
                           f"({error.strerror or error})") from None
-    print(f"wrote {args.dir}: preset {args.preset}, seed {args.seed}, {args.dtype}, as a Hugging Face Llama "
-          f"(served by vLLM: python -m vllm.entrypoints.openai.api_server --model {args.dir})")
-    return 0
 
 
 def _add_scrub(commands) -> None:

@@ -66,3 +66,14 @@ def test_an_existing_export_is_refused_unless_forced(exported):
     with pytest.raises(FileExistsError, match="already holds"):
         export_hf(exported, "tiny", 3)
     assert export_hf(exported, "tiny", 4, overwrite=True) == exported
+
+
+def test_kvgate_export_weights_format_hf_writes_the_directory_and_refuses_to_overwrite_it(tmp_path, capsys):
+    from gates.cli import main
+
+    target = tmp_path / "hf"
+    assert main(["export-weights", str(target), "--format", "hf", "--preset", "tiny"]) == 0
+    assert json.loads((target / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    capsys.readouterr()
+    assert main(["export-weights", str(target), "--format", "hf", "--preset", "tiny"]) == 2
+    assert f"dir: {target} already holds an exported model (config.json" in capsys.readouterr().err
