@@ -9,7 +9,7 @@ header (cache_impl/auth.py): 401 without it, 403 with another.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
@@ -19,12 +19,48 @@ from .protocol import ApiError, ChatCompletionRequest, chat_tokens, parse_reques
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .manager import TieredKVCache
+
+
+class CacheOwner(Protocol):
+    """What the admin routes act on: a cache (None when there is none, `no_cache` says why) and the token ids of
+    a request body's prompt (the embedded engine; vLLM with kvgate's connector)."""
+
+    @property
+    def cache(self) -> Optional["TieredKVCache"]: ...
+
+    def no_cache(self) -> str: ...
+
+    def prompt_tokens(self, body: dict) -> list[int]: ...
+
+
+class EngineOwner:
+    """The embedded engine as the owner of the admin routes' cache."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    @property
+    def cache(self) -> Optional["TieredKVCache"]:
+        return self.engine.cache
+
+    def no_cache(self) -> str:
+        return f"mode {self.engine.config.mode} has no cache"
+
+    def prompt_tokens(self, body: dict) -> list[int]:
+        engine = self.engine
+        if isinstance(body.get("prompt"), str):
+            return engine.tokenizer.encode(body["prompt"])
+        if isinstance(body.get("messages"), list):
+            chat = parse_request(ChatCompletionRequest, {"model": engine.model_name, "messages": body["messages"]})
+            return chat_tokens(engine.tokenizer, chat.messages)
+        raise ApiError(400, "expected a JSON object with 'prompt' (a string) or 'messages' (a list)", param="prompt")
 
 # A fault outlives no soak (a day) and slows a read by at most a minute: 1e308 s is a typo, not a test.
 FAULT_LIMITS = {"duration_s": 86400, "delay_ms": 60000}
 
 
-def add_admin_routes(app: FastAPI, engine: "Engine", token: str, read_json: JsonBody) -> None:
+def add_admin_routes(app: FastAPI, owner: CacheOwner, token: str, read_json: JsonBody) -> None:
     """Add the admin routes to `app`, each refusing a request without `token`."""
 
     def require_token(request: Request) -> None:
@@ -39,9 +75,9 @@ def add_admin_routes(app: FastAPI, engine: "Engine", token: str, read_json: Json
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_token)])
 
     def cache():
-        if engine.cache is None:
-            raise ApiError(409, f"mode {engine.config.mode} has no cache", code="no_cache")
-        return engine.cache
+        if owner.cache is None:
+            raise ApiError(409, owner.no_cache(), code="no_cache")
+        return owner.cache
 
     @router.post("/cache/evict")
     async def evict(request: Request) -> dict:
@@ -70,14 +106,7 @@ def add_admin_routes(app: FastAPI, engine: "Engine", token: str, read_json: Json
     @router.post("/cache/locate")
     async def locate(request: Request) -> dict:
         body = await read_json(request)
-        if isinstance(body.get("prompt"), str):
-            tokens = engine.tokenizer.encode(body["prompt"])
-        elif isinstance(body.get("messages"), list):
-            chat = parse_request(ChatCompletionRequest, {"model": engine.model_name, "messages": body["messages"]})
-            tokens = chat_tokens(engine.tokenizer, chat.messages)
-        else:
-            raise ApiError(400, "expected a JSON object with 'prompt' (a string) or 'messages' (a list)",
-                           param="prompt")
+        tokens = owner.prompt_tokens(body)
         store = cache()
         disk = store.tier("disk") if "disk" in store.tiers else None
         blocks = [{"index": i, "key": key.hex(), "tiers": store.where(key),
@@ -86,9 +115,9 @@ def add_admin_routes(app: FastAPI, engine: "Engine", token: str, read_json: Json
         return {"prompt_tokens": len(tokens), "block_size": store.block_size, "blocks": blocks}
 
     def faults():
-        if engine.cache is None or "disk" not in engine.cache.tiers:
+        if owner.cache is None or "disk" not in owner.cache.tiers:
             raise ApiError(409, "no disk tier to inject faults into", code="no_disk_tier")
-        return engine.cache.faults
+        return owner.cache.faults
 
     @router.get("/faults")
     async def show_faults() -> dict:

@@ -89,7 +89,9 @@ class CacheConfig(StrictModel):
 
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=65536, description="tokens per block")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present, else the CPU")
-    device_capacity_blocks: int = Field(default=64, ge=1, description="slots in the device pool")
+    device_capacity_blocks: int = Field(default=64, ge=0, description="slots in the device pool; 0: no device "
+                                        "tier (an engine that keeps its own device KV, e.g. vLLM with kvgate's "
+                                        "connector, uses the cache for the tiers below it)")
     host_capacity_bytes: int = Field(default=2 * 2**30, description="DRAM tier size in bytes; 0 disables it")
     disk: Optional[DiskTierConfig] = Field(default=None, description="the disk tier; none when absent")
     remote: Optional[RemoteTierConfig] = Field(default=None, description="the shared pool; none when absent")

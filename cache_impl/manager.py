@@ -124,12 +124,13 @@ class TieredKVCache:
     def _build_levels(self) -> list[Level]:
         config, layout = self.config, self.layout
         through = config.write_policy == "write-through"
-        tiers: list[tuple[Tier, int, bool, bool, int]] = [  # tier, capacity (-1: its own), on store, behind, reserve
-            (DeviceTier(layout, config.device_capacity_blocks, self.device),
-             config.device_capacity_blocks * layout.block_nbytes, True, False, 0)]
+        tiers: list[tuple[Tier, int, bool, bool, int]] = []  # tier, capacity (-1: its own), on store, behind, reserve
+        if config.device_capacity_blocks:
+            tiers.append((DeviceTier(layout, config.device_capacity_blocks, self.device),
+                          config.device_capacity_blocks * layout.block_nbytes, True, False, 0))
         if config.host_capacity_bytes >= layout.block_nbytes:
             host = HostTier(layout, config.host_capacity_bytes, pin_memory=self.device.type == "cuda")
-            tiers.append((host, host.num_slots * layout.block_nbytes, through, False, 0))
+            tiers.append((host, host.num_slots * layout.block_nbytes, through or not tiers, False, 0))
         if config.disk is not None:
             disk = FaultInjectingTier(DiskTier(config.disk, self.fingerprint), self.faults)
             tiers.append((disk, config.disk.capacity_bytes, through, True, config.disk.min_free_bytes))
@@ -169,9 +170,13 @@ class TieredKVCache:
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
         """Longest locally indexed prefix of `tokens` and the best tier of each of its blocks (no side effects)."""
         keys = self.keys_for(tokens)
+        return PrefixMatch(keys, self.lookup_keys(keys), self.block_size)
+
+    def lookup_keys(self, keys: Sequence[Key]) -> list[str]:
+        """The best tier of each leading block of `keys` the cache holds (a chain of block keys, e.g. from
+        `keys_for` or another process that computed them with this cache's fingerprint)."""
         with self._lock:
-            masks = self.placement.prefix(keys)
-            return PrefixMatch(keys, [self.placement.best(m).name for m in masks], self.block_size)
+            return [self.placement.best(m).name for m in self.placement.prefix(list(keys))]
 
     def where(self, key: Key) -> list[str]:
         """Every tier that holds a readable copy of the block (the shared pool is not asked)."""
@@ -181,15 +186,18 @@ class TieredKVCache:
     # -- load ----------------------------------------------------------------
 
     def load_into(self, tokens: Sequence[int] | np.ndarray, out: BlockOut,
-                  max_blocks: int | None = None) -> LoadResult:
+                  max_blocks: int | None = None, first_block: int = 0) -> LoadResult:
         """Copy the longest cached prefix of `tokens` into `out(i)` for each block i, from the
         highest tier that holds each block.
 
         A block that fails verification is removed and counted, and the prefix ends before it.
         `out(i)` may be any tensor of the block's shape on any device (e.g. a view of the
         request's KV); blocks after the returned prefix may have been written too.
+        `first_block`: the caller holds blocks before it already (an engine's own prefix cache):
+        only blocks `first_block` .. `max_blocks` - 1 are read, and `out(j)` receives block
+        `first_block + j`, the returned keys and sources likewise.
         """
-        return self._load(tokens, max_blocks, lambda planned: out)
+        return self._load(tokens, max_blocks, lambda planned: out, first_block)
 
     def load(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> LoadedPrefix:
         """`load_into` fresh tensors on the cache's device; returns them with the prefix."""
@@ -203,9 +211,9 @@ class TieredKVCache:
         return LoadedPrefix(result.keys, result.sources, result.block_size, list(made[0][: result.num_blocks]))
 
     def _load(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None,
-              destination: Callable[[int], BlockOut]) -> LoadResult:
+              destination: Callable[[int], BlockOut], first_block: int = 0) -> LoadResult:
         """Plan (pinned), read into `destination(number of planned blocks)`, then commit what was good."""
-        keys = self.keys_for(tokens)[:max_blocks]
+        keys = self.keys_for(tokens)[first_block:max_blocks]
         plan = self._plan_load(keys)
         failures: dict[Key, tuple[Level, str]] = {}
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -44,6 +44,22 @@ class EngineCollector:
         yield finished
         if snap["cache"] is not None:
             yield from _cache_metrics(snap["cache"])
+
+
+class CacheCollector:
+    """A cache's own counters without an engine (kvgate's connector inside vLLM), plus the owner's counters
+    (`counters()`: {name: (help, {label tuple: value}, label names)}), one snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], dict], counters: Callable[[], dict]) -> None:
+        self.snapshot, self.counters = snapshot, counters
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _cache_metrics(self.snapshot())
+        for name, (help_text, values, labels) in sorted(self.counters().items()):
+            family = CounterMetricFamily(name, help_text, labels=list(labels))
+            for label_values, value in sorted(values.items()):
+                family.add_metric(list(label_values), value)
+            yield family
 
 
 def _cache_metrics(cache: dict) -> Iterator[Metric]:

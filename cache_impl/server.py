@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from .admin import add_admin_routes
+from .admin import EngineOwner, add_admin_routes
 from .auth import secret_matches
 from .engine import Engine, FinishEvent, GenerationRequest, QueueFullError, TokenEvent
 from .http_body import JsonBody
@@ -111,7 +111,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     if admin_token is not None:
-        add_admin_routes(app, engine, admin_token, read_json)
+        add_admin_routes(app, EngineOwner(engine), admin_token, read_json)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

