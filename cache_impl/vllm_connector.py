@@ -254,6 +254,11 @@ class KvgateConnector(KVConnectorBase_V1):
             self.book.finished(req_id)
         return KvgateMetadata(plan)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        failed = getattr(connector_output, "invalid_block_ids", None)
+        if failed:
+            self.book.load_failed(set(failed))
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         self.book.finished(request.request_id)
         return False, None  # saved blocks are copies already: vLLM may free its blocks now

@@ -221,6 +221,14 @@ class RequestBook:
             tracked.block_ids.extend(new_block_ids)
         self._save(req_id, tracked, computed + scheduled, plan)
 
+    def load_failed(self, block_ids: set[int]) -> None:
+        """The worker could not load these vLLM blocks (refused or gone): vLLM recomputes them, and they are saved
+        again from the first of them on."""
+        for tracked in self._tracked.values():
+            bad = next((i for i, b in enumerate(tracked.block_ids[: tracked.saved]) if b in block_ids), None)
+            if bad is not None:
+                tracked.saved = bad
+
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
         self._loads.pop(req_id, None)
