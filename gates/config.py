@@ -87,9 +87,10 @@ class Endpoint(StrictModel):
         "the engine serving it (gates/engines/): its cache controls and metric names. generic (default): kvgate "
         "assumes nothing; each control and the metric map come from this section"))
     cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
-        "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang)"))
+        "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang), kvgate "
+        "(vllm: kvgate's connector, cache_impl/vllm_connector.py)"))
     cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
-        "lmcache: its internal API server (clears the host tier)"))
+        "lmcache: its internal API server (clears the host tier); kvgate: the connector's sidecar (admin_port)"))
     metrics_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
         "the engine's Prometheus page (default: the URL without /v1, + /metrics)"))
     cache_dir: Optional[Path] = Field(default=None, description=(
@@ -128,9 +129,9 @@ class Endpoint(StrictModel):
         if self.cache_layer is not None and self.engine not in CACHE_LAYERS[self.cache_layer]:
             raise ValueError(f"cache_layer: expected {self.cache_layer} only with engine "
                              f"{' or '.join(CACHE_LAYERS[self.cache_layer])}, found engine {self.engine}")
-        if self.cache_layer_url is not None and self.cache_layer != "lmcache":
-            raise ValueError(f"cache_layer_url: expected only with cache_layer: lmcache (its internal API server), "
-                             f"found cache_layer {self.cache_layer}")
+        if self.cache_layer_url is not None and self.cache_layer not in ("lmcache", "kvgate"):
+            raise ValueError(f"cache_layer_url: expected only with cache_layer: lmcache (its internal API server) "
+                             f"or kvgate (the connector's sidecar), found cache_layer {self.cache_layer}")
         if self.metric_map is not None and self.engine != "generic":
             raise ValueError(f"metric_map: expected only with engine: generic ({self.engine}'s metric names are "
                              f"known), found engine {self.engine}")

@@ -81,8 +81,8 @@ def test_a_generic_engines_steps_and_metric_map_come_from_the_config(tmp_path):
     ({"engine": "sglang", "cache_layer": "lmcache"},
      "targets.candidate.cache_layer: expected lmcache only with engine vllm, found engine sglang"),
     ({"engine": "vllm", "cache_layer_url": "http://h:7000"},
-     "targets.candidate.cache_layer_url: expected only with cache_layer: lmcache (its internal API server), found "
-     "cache_layer None"),
+     "targets.candidate.cache_layer_url: expected only with cache_layer: lmcache (its internal API server) or kvgate "
+     "(the connector's sidecar), found cache_layer None"),
     ({"engine": "vllm", "metric_map": {"device": {"metric": "x_total"}}},
      "targets.candidate.metric_map: expected only with engine: generic (vllm's metric names are known), found engine "
      "vllm"),

@@ -359,3 +359,31 @@ def test_an_external_two_node_candidates_hits_are_summed_over_each_nodes_own_met
     finally:
         for node in nodes:
             node.close()
+
+
+def test_vllm_with_kvgates_connector_empties_its_host_tier_through_the_sidecar(recorder, monkeypatch):
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "side-token")
+    vllm = adapter("vllm", "http://127.0.0.1:9", cache_layer="kvgate", cache_layer_url=recorder.root)
+    vllm.clear_lower_tiers()
+    vllm.drop_disk_page_cache()
+    assert recorder.seen() == [("POST", "/admin/cache/flush", {}), ("POST", "/admin/cache/evict", {"tiers": ["host"]}),
+                               ("POST", "/admin/cache/drop-page-cache", {})]
+    assert all(call["headers"].get(ADMIN_TOKEN_HEADER) == "side-token" for call in recorder.calls)
+    assert vllm.engine == "vllm+kvgate" and vllm.ability("clear_lower_tiers").clears == ("host",)
+    assert vllm.ability("clear_device_cache").available                  # vLLM's own /reset_prefix_cache
+
+
+def test_vllm_with_kvgates_connector_says_what_its_controls_need(monkeypatch):
+    monkeypatch.delenv("KVGATE_ADMIN_TOKEN", raising=False)
+    no_url = adapter("vllm", "http://127.0.0.1:9", cache_layer="kvgate")
+    assert "set cache_layer_url to the connector's sidecar" in no_url.ability("clear_lower_tiers").how
+    no_token = adapter("vllm", "http://127.0.0.1:9", cache_layer="kvgate", cache_layer_url="http://127.0.0.1:9")
+    assert "$KVGATE_ADMIN_TOKEN" in no_token.ability("drop_disk_page_cache").how
+
+
+def test_the_tiers_kvgates_connector_lacks_come_from_its_sidecars_metrics(recorder):
+    recorder.answers[("GET", "/metrics")] = (200, 'kvgate_cache_capacity_bytes{tier="host"} 1024\n'
+                                                  'kvgate_cache_capacity_bytes{tier="disk"} 4096\n')
+    vllm = adapter("vllm", recorder.root, cache_layer="kvgate", cache_layer_url=recorder.root)
+    lacking = vllm.absent_tiers()
+    assert set(lacking) == {"remote"} and "no remote tier" in lacking["remote"]

@@ -14,7 +14,7 @@ from .metrics import TIER_NAMES, TIERS
 
 Tier = Literal[TIERS]
 ENGINES = ("kvgate", "vllm", "sglang", "generic")
-CACHE_LAYERS = {"lmcache": ("vllm",), "hicache": ("sglang",), "mooncake": ("vllm", "sglang")}
+CACHE_LAYERS = {"lmcache": ("vllm",), "hicache": ("sglang",), "mooncake": ("vllm", "sglang"), "kvgate": ("vllm",)}
 DEFAULT_CLEARS = {"clear_device_cache": ["device"], "clear_lower_tiers": ["host"], "drop_disk_page_cache": []}
 
 

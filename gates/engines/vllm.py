@@ -20,6 +20,7 @@ import json
 from typing import Optional
 
 from .base import Capacity, Control, EngineAdapter, EngineSpec, assemble
+from .kvgate_connector import connector_controls, connector_tiers_lacking
 from .lmcache import lmcache_controls, lmcache_map
 from .metrics import MetricMap, Scrape, Series, finite_label
 from .steps import HttpStep
@@ -36,7 +37,7 @@ def vllm_maps(cache_layer: Optional[str]) -> tuple[MetricMap, ...]:
     for source, tier in BY_SOURCE.items():
         by_source.setdefault(tier, []).append(Series("vllm:prompt_tokens_cached_by_source_total", {"source": source}))
     prompt = (Series("vllm:prompt_tokens_total"),)
-    connector_tier = {None: "host", "mooncake": "remote"}.get(cache_layer, "lower")
+    connector_tier = {None: "host", "mooncake": "remote"}.get(cache_layer, "lower")  # kvgate's: by source
     fallback = {"device": (Series("vllm:prefix_cache_hits_total"),),
                 connector_tier: (Series("vllm:external_prefix_cache_hits_total"),)}
     maps = (MetricMap({tier: tuple(series) for tier, series in by_source.items()}, prompt,
@@ -66,8 +67,8 @@ def build(spec: EngineSpec) -> EngineAdapter:
     controls = {"clear_device_cache": Control(HttpStep("POST", reset, None, spec.bearer, _success, DEV_MODE),
                                               ("device",))}
     missing = {}
-    if spec.cache_layer == "lmcache":
-        found = lmcache_controls(spec)
+    if spec.cache_layer in ("lmcache", "kvgate"):
+        found = (lmcache_controls if spec.cache_layer == "lmcache" else connector_controls)(spec)
         controls.update(found.controls)
         missing.update(found.missing)
     else:
@@ -78,8 +79,11 @@ def build(spec: EngineSpec) -> EngineAdapter:
     missing["host_kv_tokens"] = ("vllm: set host_kv_tokens (the CPU offload size is in bytes; the KV layout "
                                  "decides the tokens)")
     name = f"vllm+{spec.cache_layer}" if spec.cache_layer else "vllm"
-    return assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity},
-                    lambda scrape: tiers_lacking(scrape, spec.cache_layer))
+    def lacking(scrape: Scrape) -> dict[str, str]:
+        found = tiers_lacking(scrape, spec.cache_layer)
+        return {**found, **connector_tiers_lacking(spec)} if spec.cache_layer == "kvgate" else found
+
+    return assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity}, lacking)
 
 
 CONFIG_INFO = "vllm:cache_config_info"
