@@ -41,6 +41,10 @@ TABLE = {
         "engine": "vllm", "baseline": "vllm",
         "clear_device_cache": ("device",), "clear_lower_tiers": ("device", "host"), "drop_disk_page_cache": None,
         "device_kv_tokens": True, "host_kv_tokens": False, "tier_accounting": True},
+    "vllm-kvgate.yaml": {            # kvgate's connector: its sidecar empties the host tier and drops disk pages
+        "engine": "vllm+kvgate", "baseline": "vllm",
+        "clear_device_cache": ("device",), "clear_lower_tiers": ("host",), "drop_disk_page_cache": (),
+        "device_kv_tokens": True, "host_kv_tokens": False, "tier_accounting": True},
     "kvgate-serve-generic.yaml": {
         "engine": "generic", "baseline": "generic",
         "clear_device_cache": None, "clear_lower_tiers": None, "drop_disk_page_cache": (),
@@ -51,7 +55,7 @@ TABLE = {
 def load(name: str, tmp_path: Path, monkeypatch):
     """The example loaded as `kvgate run --config` would, from a fresh directory (relative paths land there)."""
     monkeypatch.chdir(tmp_path)
-    if name == "vllm-cpu.yaml":                 # its tokenizer: the exported model's, made as the README says
+    if name in ("vllm-cpu.yaml", "vllm-kvgate.yaml"):   # its tokenizer: the exported model's, as the README says
         export_hf(tmp_path / "kvgate-small-hf", "tiny", 0)
     return load_config(EXAMPLES / name)
 

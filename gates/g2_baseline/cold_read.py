@@ -79,6 +79,7 @@ class TierColdLoad:
     request_for: Callable[[int], WorkloadRequest]
     prefixes: int = 1
     sets: int = 1
+    clear_engine: Callable[[], object] = lambda: None   # an engine's own device cache above the cache (vLLM's)
     stored: list[list[WorkloadRequest]] = field(default_factory=list, init=False)
     loads: int = field(default=0, init=False)
 
@@ -88,6 +89,7 @@ class TierColdLoad:
         requests = self.stored[self.loads % self.sets]
         self.loads += 1
         self.admin.evict(("device", "host"))
+        self.clear_engine()
         self.admin.drop_page_cache()
         before = disk_counters(self.admin)
         for request in requests:

@@ -117,23 +117,27 @@ def _job_text(side: FioRegions) -> str:
 
 
 @pytest.fixture(scope="module")
-def cold_read_pairs(gate_context, endpoints):
+def cold_read_pairs(gate_context, endpoints, adapters):
     """Sequential pairs at the longest context: the tier's cold load of fresh prefixes, then the storage's best
     read job (G1's sweep) reading as many bytes of a fresh region, then fio in the tier's own pattern (a
-    diagnostic). A/A mode: the best job on both sides. None for a candidate that is not kvgate's own server:
-    the tier's side is its disk reads' bytes and seconds, which only kvgate's engine exports (the check
-    then says so, INCONCLUSIVE)."""
+    diagnostic). A/A mode: the best job on both sides. None for a candidate whose cache is not kvgate's: the
+    tier's side is its disk reads' bytes and seconds, which only kvgate's cache exports (its server, or its
+    connector's sidecar inside vLLM; the check then says so, INCONCLUSIVE)."""
     candidate, _ = _roles(endpoints)
-    if not candidate.admin:
+    settings = gate_context.config.targets.candidate if not candidate.admin else None
+    connector = settings is not None and settings.cache_layer == "kvgate" and settings.cache_layer_url
+    if not candidate.admin and not connector:
         return None
     config, embedded, store = gate_context.config, gate_context.config.targets.embedded, gate_context.store
     best = storage_best(config, store)
     run_id = store.run_info().get("run_id", "run")
     longest = max(config.g2.contexts)
     client = StreamingClient(candidate.url, candidate.model, candidate.api, target="candidate")
-    tier = TierColdLoad(AdminClient(candidate.server_root), client,
-                        lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
-                        prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets)
+    admin = AdminClient(settings.cache_layer_url.rstrip("/")) if connector else AdminClient(candidate.server_root)
+    clear_engine = adapters["candidate"].clear_device_cache if connector else (lambda: None)
+    tier = TierColdLoad(admin, client, lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
+                        prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets,
+                        clear_engine=clear_engine)
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
     sets, rule = config.g2.cold_read_sets, config.rule("g2", METRIC)
 
@@ -262,8 +266,9 @@ def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_r
             not_run(label, METRIC, f"not applicable: the candidate ({engine}) has no disk tier ({no_disk})")
         verdict(label, METRIC, None, unit="%",
                 valid=False, invalid_reason=f"the candidate ({engine}) does not export its disk tier's read bytes "
-                "and seconds; only kvgate's own server does (kvgate_cache_bytes_read_total, "
-                "kvgate_cache_load_latency_seconds{tier=\"disk\"})")
+                "and seconds; only kvgate's cache does (kvgate_cache_bytes_read_total, "
+                "kvgate_cache_load_latency_seconds{tier=\"disk\"}: its server, or its connector's sidecar in vLLM "
+                "with cache_layer: kvgate and cache_layer_url)")
         return
     run = cold_read_pairs
     for pair in run.pairs:
