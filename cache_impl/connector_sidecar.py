@@ -15,12 +15,13 @@ import os
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .admin import add_admin_routes
 from .http_body import JsonBody
+from .http_errors import add_error_handlers
 from .metrics_export import CacheCollector
 from .protocol import ApiError
 
@@ -71,14 +72,7 @@ def sidecar_app(owner: ConnectorOwner, token: str, counters: Callable[[], dict])
     registry = CollectorRegistry()
     registry.register(CacheCollector(owner.cache.snapshot, counters))
 
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        message = f"{error.detail}: {request.method} {request.url.path}"
-        return JSONResponse(ApiError(error.status_code, message).body(), status_code=error.status_code)
+    add_error_handlers(app, "kvgate.connector")
 
     @app.get("/health")
     async def health() -> dict:

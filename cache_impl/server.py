@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import time
 import uuid
@@ -27,9 +26,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException
 
 from .admin import EngineOwner, add_admin_routes
+from .http_errors import add_error_handlers
 from .auth import secret_matches
 from .engine import Engine, FinishEvent, GenerationRequest, QueueFullError, TokenEvent
 from .http_body import JsonBody
@@ -65,22 +64,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
 
     read_json = JsonBody(engine.config.max_request_bytes)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        """Routing's own answers (no such route, wrong method) in OpenAI's shape too."""
-        message = f"{error.detail}: {request.method} {request.url.path}"
-        return JSONResponse(ApiError(error.status_code, message).body(), status_code=error.status_code,
-                            headers=error.headers)
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, error: Exception) -> JSONResponse:
-        logging.getLogger("kvgate.server").exception("%s %s failed", request.method, request.url.path)
-        body = ApiError(500, f"internal server error ({type(error).__name__})", "server_error").body()
-        return JSONResponse(body, status_code=500)
+    add_error_handlers(app, "kvgate.server")
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
