@@ -193,3 +193,36 @@ def test_blocks_move_between_vllms_cuda_kv_and_the_cache():
     paged.gather([3], blocks)
     paged.scatter(blocks.cpu(), [0])
     assert all(torch.equal(t.select(1, 0), t.select(1, 3)) for t in layers.values())
+
+
+# -- the connector's sidecar ----------------------------------------------------------------------------------
+
+def test_the_sidecar_serves_kvgates_admin_routes_and_metrics_for_the_cache_and_answers_errors_as_openai(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from cache_impl.auth import ADMIN_TOKEN_HEADER
+    from cache_impl.connector_sidecar import ConnectorOwner, sidecar_app
+
+    settings = ConnectorSettings.from_extra_config({"host_capacity_bytes": "1MiB", "disk": {"path": str(tmp_path)}})
+    counters = {"kvgate_connector_saved_blocks": ("blocks stored", {(): 2.0}, ())}
+    with TieredKVCache(settings.cache_config(BS), Fingerprint("w", "t", LAYOUT)) as cache:
+        tokens = list(range(2 * BS))
+        cache.store(tokens, [torch.zeros(LAYOUT.block_shape) for _ in range(2)])
+        client = TestClient(sidecar_app(ConnectorOwner(cache, None), "tok", lambda: counters))
+        admin = {ADMIN_TOKEN_HEADER: "tok"}
+        missing = client.post("/admin/cache/evict", json={"tiers": ["host"]})
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_admin_token"
+        assert client.post("/admin/cache/evict", json={"tiers": ["host"]}, headers={ADMIN_TOKEN_HEADER: "x"}) \
+            .status_code == 403
+        assert client.post("/admin/cache/flush", headers=admin).json() == {"flushed": True}
+        assert client.post("/admin/cache/evict", json={"tiers": ["host"]}, headers=admin).json() == \
+            {"evicted": {"host": 2}}
+        located = client.post("/admin/cache/locate", json={"prompt_token_ids": tokens}, headers=admin).json()
+        assert [b["tiers"] for b in located["blocks"]] == [["disk"], ["disk"]]
+        text = client.post("/admin/cache/locate", json={"prompt": "abc"}, headers=admin)
+        assert text.status_code == 409 and "send prompt_token_ids" in text.json()["error"]["message"]
+        nowhere = client.get("/nope")
+        assert nowhere.status_code == 404 and "GET /nope" in nowhere.json()["error"]["message"]
+        metrics = client.get("/metrics").text
+        assert 'kvgate_cache_evictions_total{tier="host"} 2.0' in metrics
+        assert "kvgate_connector_saved_blocks_total 2.0" in metrics
