@@ -158,14 +158,25 @@ class KvgateConnector(KVConnectorBase_V1):
         app = sidecar_app(ConnectorOwner(self.cache, self.tokenizer), token, self.counters.families)
         self._sidecar = Sidecar(app, settings.admin_host, settings.admin_port)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def _step_plan(self) -> Optional[StepPlan]:
+        """This step's plan from the scheduler; None before the cache is open (nothing to move yet)."""
         metadata = self._get_connector_metadata()
-        cache, paged = self.cache, self.paged
-        if not isinstance(metadata, KvgateMetadata) or cache is None or paged is None:
+        if not isinstance(metadata, KvgateMetadata) or self.cache is None or self.paged is None:
+            return None
+        return metadata.plan
+
+    def _blocks(self, n: int) -> torch.Tensor:
+        """Room for `n` kvgate blocks beside vLLM's KV."""
+        layout = self.cache.layout
+        return torch.empty((n, *layout.block_shape), dtype=layout.torch_dtype, device=self.paged.device)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        plan = self._step_plan()
+        if plan is None:
             return
-        for run in metadata.plan.loads:
-            staging = torch.empty((run.num_blocks, *cache.layout.block_shape), dtype=cache.layout.torch_dtype,
-                                  device=paged.device)
+        cache, paged = self.cache, self.paged
+        for run in plan.loads:
+            staging = self._blocks(run.num_blocks)
             try:
                 result = cache.load_into(token_array(run.tokens), staging.__getitem__, max_blocks=run.end,
                                          first_block=run.first)
@@ -191,16 +202,14 @@ class KvgateConnector(KVConnectorBase_V1):
         return  # whole blocks are saved once every layer has its KV: wait_for_save
 
     def wait_for_save(self) -> None:
-        metadata = self._get_connector_metadata()
-        cache, paged = self.cache, self.paged
-        if not isinstance(metadata, KvgateMetadata) or cache is None or paged is None:
+        plan = self._step_plan()
+        if plan is None:
             return
-        for run in metadata.plan.saves:
-            blocks = torch.empty((run.num_blocks, *cache.layout.block_shape), dtype=cache.layout.torch_dtype,
-                                 device=paged.device)
-            paged.gather(run.block_ids, blocks)
-            stored = cache.store(token_array(run.tokens[: run.end * self.block_size]), list(blocks),
-                                 first_block=run.first)
+        for run in plan.saves:
+            blocks = self._blocks(run.num_blocks)
+            self.paged.gather(run.block_ids, blocks)
+            stored = self.cache.store(token_array(run.tokens[: run.end * self.block_size]), list(blocks),
+                                      first_block=run.first)
             self.counters.add("kvgate_connector_saved_blocks", (), stored)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
