@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from cache_impl.config import DEFAULT_BLOCK_SIZE
@@ -34,6 +34,23 @@ def kvgate_map(block_size: int) -> MetricMap:
     return MetricMap(tiers, prompt, present="kvgate_prompt_tokens_reused_total", source=SOURCE)
 
 
+def admin_controls(route: Callable[[str], str], headers: dict[str, str]) -> dict[str, Control]:
+    """The controls kvgate's admin routes give (`route(path)`: their URL; `headers`: the admin token's), each
+    flushing queued writes first: emptying the device or the host tier (evicted blocks are demoted, so they stay
+    below), dropping the disk tier's pages (the route, even with cache_dir on this host: it publishes queued disk
+    writes before dropping). `kvgate serve --admin`, and kvgate's connector's sidecar inside vLLM."""
+
+    def admin(path: str, body: Optional[dict] = None) -> HttpStep:
+        return HttpStep("POST", route(path), body if body is not None else {}, headers)
+
+    def flushed_evict(tier: str) -> Control:
+        return Control(StepChain((admin("/admin/cache/flush"), admin("/admin/cache/evict", {"tiers": [tier]}))),
+                       (tier,))
+
+    return {"clear_device_cache": flushed_evict("device"), "clear_lower_tiers": flushed_evict("host"),
+            "drop_disk_page_cache": Control(admin("/admin/cache/drop-page-cache"), ())}
+
+
 def build(spec: EngineSpec, admin_token: Optional[str] = None) -> EngineAdapter:
     """The adapter of a kvgate server; `admin_token` default: $KVGATE_ADMIN_TOKEN (where `kvgate run`
     puts the token of the servers it starts)."""
@@ -41,18 +58,7 @@ def build(spec: EngineSpec, admin_token: Optional[str] = None) -> EngineAdapter:
     block_size = spec.block_size or DEFAULT_BLOCK_SIZE
     controls, missing = {}, {}
     if token:
-        headers = {ADMIN_TOKEN_HEADER: token, **spec.bearer}
-
-        def admin(path: str, body: Optional[dict] = None) -> HttpStep:
-            return HttpStep("POST", spec.route(path), body if body is not None else {}, headers)
-
-        flush = admin("/admin/cache/flush")
-        controls["clear_device_cache"] = Control(StepChain((flush, admin("/admin/cache/evict", {"tiers": ["device"]}))),
-                                                 ("device",))
-        controls["clear_lower_tiers"] = Control(StepChain((flush, admin("/admin/cache/evict", {"tiers": ["host"]}))),
-                                                ("host",))
-        # the route, even with cache_dir on this host: it publishes queued disk writes before dropping
-        controls["drop_disk_page_cache"] = Control(admin("/admin/cache/drop-page-cache"), ())
+        controls = admin_controls(spec.route, {ADMIN_TOKEN_HEADER: token, **spec.bearer})
     else:
         why = (f"kvgate: the admin routes need the server's admin token in ${ADMIN_TOKEN_ENV} (and the server "
                f"started with --admin)")

@@ -16,10 +16,12 @@ from typing import Optional
 
 from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 
-from .base import Control, EngineSpec
+from .base import EngineSpec
+from .kvgate import admin_controls
 from .lmcache import LayerControls
 from .metrics import MetricsError, Scrape, parse_metrics
-from .steps import ControlError, HttpStep, StepChain, http_call
+from .steps import ControlError, http_call
+
 
 def connector_controls(spec: EngineSpec, admin_token: Optional[str] = None) -> LayerControls:
     """Emptying the connector's host tier (its blocks stay on disk) and dropping its disk files' pages."""
@@ -33,16 +35,8 @@ def connector_controls(spec: EngineSpec, admin_token: Optional[str] = None) -> L
     if why:
         return LayerControls(missing={"clear_lower_tiers": why, "drop_disk_page_cache": why})
     root = spec.cache_layer_url.rstrip("/")
-    headers = {ADMIN_TOKEN_HEADER: token}
-
-    def admin(path: str, body: Optional[dict] = None) -> HttpStep:
-        return HttpStep("POST", root + path, body if body is not None else {}, headers)
-
-    flush = admin("/admin/cache/flush")
-    return LayerControls({
-        "clear_lower_tiers": Control(StepChain((flush, admin("/admin/cache/evict", {"tiers": ["host"]}))), ("host",)),
-        "drop_disk_page_cache": Control(admin("/admin/cache/drop-page-cache"), ()),
-    })
+    found = admin_controls(lambda path: root + path, {ADMIN_TOKEN_HEADER: token})
+    return LayerControls({name: found[name] for name in ("clear_lower_tiers", "drop_disk_page_cache")})
 
 
 def connector_tiers_lacking(spec: EngineSpec) -> dict[str, str]:
