@@ -20,12 +20,12 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import xxhash
 from pydantic import Field, ValidationError, field_validator
 
-from kvcore.settings import ConfigError, StrictModel, format_validation_error
+from kvcore.settings import ConfigError, StrictModel, format_validation_error, parse_size
 
 from .config import CacheConfig, DiskTierConfig, RemoteTierConfig
 from .keys import Fingerprint, KVLayout, block_keys
@@ -42,7 +42,7 @@ class ConnectorSettings(StrictModel):
     host_capacity_bytes: int = Field(default=2 * 2**30, description="the host DRAM tier; 0: none")
     disk: Optional[DiskTierConfig] = Field(default=None, description="the disk tier; none when absent")
     remote: Optional[RemoteTierConfig] = Field(default=None, description="the shared pool; none when absent")
-    write_policy: str = Field(default="write-through", pattern="^(write-through|write-back)$")
+    write_policy: Literal["write-through", "write-back"] = "write-through"
     max_pending_write_bytes: int = Field(default=512 * 2**20, ge=0)
     admin_port: Optional[int] = Field(default=None, ge=1, le=65535, description=(
         "serve kvgate's admin routes (/admin/cache/*, /admin/faults) and /metrics on this port; none: no sidecar"))
@@ -54,12 +54,8 @@ class ConnectorSettings(StrictModel):
         "(for a model that is not a local directory, or to skip reading a large one)"))
     tenant_salt: str = Field(default="", description="isolates tenants that share a disk or pool")
 
-    @field_validator("host_capacity_bytes", "max_pending_write_bytes", mode="before")
-    @classmethod
-    def _sizes(cls, value: Any) -> Any:
-        from kvcore.settings import parse_size
-
-        return parse_size(value)
+    _parse_sizes = field_validator("host_capacity_bytes", "max_pending_write_bytes", mode="before")(
+        lambda cls, v: parse_size(v))
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> "ConnectorSettings":
