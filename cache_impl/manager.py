@@ -186,18 +186,21 @@ class TieredKVCache:
     # -- load ----------------------------------------------------------------
 
     def load_into(self, tokens: Sequence[int] | np.ndarray, out: BlockOut,
-                  max_blocks: int | None = None, first_block: int = 0) -> LoadResult:
+                  max_blocks: int | None = None) -> LoadResult:
         """Copy the longest cached prefix of `tokens` into `out(i)` for each block i, from the
         highest tier that holds each block.
 
         A block that fails verification is removed and counted, and the prefix ends before it.
         `out(i)` may be any tensor of the block's shape on any device (e.g. a view of the
         request's KV); blocks after the returned prefix may have been written too.
-        `first_block`: the caller holds blocks before it already (an engine's own prefix cache):
-        only blocks `first_block` .. `max_blocks` - 1 are read, and `out(j)` receives block
-        `first_block + j`, the returned keys and sources likewise.
         """
-        return self._load(tokens, max_blocks, lambda planned: out, first_block)
+        return self.load_keys_into(self.keys_for(tokens)[:max_blocks], out)
+
+    def load_keys_into(self, keys: Sequence[Key], out: BlockOut) -> LoadResult:
+        """`load_into` by block keys (a chain, as `keys_for` makes them, from any block of it on: an engine that
+        holds the blocks before it, or scopes its keys itself, e.g. by a request's cache salt): `out(j)`
+        receives the block of `keys[j]`."""
+        return self._load(list(keys), lambda planned: out)
 
     def load(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> LoadedPrefix:
         """`load_into` fresh tensors on the cache's device; returns them with the prefix."""
@@ -207,13 +210,11 @@ class TieredKVCache:
             made.append(aligned_empty((planned, *self.layout.block_shape), self.layout.torch_dtype, self.device))
             return made[0].__getitem__
 
-        result = self._load(tokens, max_blocks, fresh)
+        result = self._load(self.keys_for(tokens)[:max_blocks], fresh)
         return LoadedPrefix(result.keys, result.sources, result.block_size, list(made[0][: result.num_blocks]))
 
-    def _load(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None,
-              destination: Callable[[int], BlockOut], first_block: int = 0) -> LoadResult:
+    def _load(self, keys: list[Key], destination: Callable[[int], BlockOut]) -> LoadResult:
         """Plan (pinned), read into `destination(number of planned blocks)`, then commit what was good."""
-        keys = self.keys_for(tokens)[first_block:max_blocks]
         plan = self._plan_load(keys)
         failures: dict[Key, tuple[Level, str]] = {}
         try:
@@ -309,7 +310,10 @@ class TieredKVCache:
         Blocks already cached are only touched. Returns how many blocks were newly stored.
         Extra blocks beyond the prompt's full blocks are ignored.
         """
-        keys = self.keys_for(tokens)[first_block:]
+        return self.store_keys(self.keys_for(tokens)[first_block:], blocks)
+
+    def store_keys(self, keys: Sequence[Key], blocks: Sequence[torch.Tensor]) -> int:
+        """`store` by block keys (see `load_keys_into`): `blocks[j]` is the block of `keys[j]`."""
         self._wait_for_write_room()
         stored = 0
         for key, block in zip(keys, blocks):
