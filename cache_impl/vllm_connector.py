@@ -14,6 +14,8 @@ What each half does (the call order of vLLM's example_connector.py):
   notes the blocks to load; `get_external_cache_hit_sources` says which tier each came from, so vLLM's
   `vllm:prompt_tokens_cached_by_source_total{source="host"|"disk"|"p2p"}` counts them;
   `build_connector_meta` hands the worker this step's loads and the prompt blocks the step completes.
+- both: a request's keys are scoped by its `cache_salt` (`on_new_request`), as vLLM scopes its own prefix
+  cache, so requests with different salts (tenants) never share a block.
 - worker: `register_kv_caches` opens the cache (its fingerprint: the weight files, the tokenizer,
   vLLM's KV layout); `start_load_kv` loads verified blocks and copies them into vLLM's KV before the
   forward pass (synchronous); a block that fails verification or vanished is reported by
@@ -178,8 +180,8 @@ class KvgateConnector(KVConnectorBase_V1):
         for run in plan.loads:
             staging = self._blocks(run.num_blocks)
             try:
-                result = cache.load_into(token_array(run.tokens), staging.__getitem__, max_blocks=run.end,
-                                         first_block=run.first)
+                result = cache.load_keys_into(run.keys(cache.fingerprint.digest, self.block_size),
+                                              staging.__getitem__)
                 loaded = result.num_blocks
             except Exception:  # noqa: BLE001 - a failed read is a recompute, never a failed request
                 log.exception("kvgate connector: loading %d blocks for %s failed", run.num_blocks, run.req_id)
@@ -208,8 +210,7 @@ class KvgateConnector(KVConnectorBase_V1):
         for run in plan.saves:
             blocks = self._blocks(run.num_blocks)
             self.paged.gather(run.block_ids, blocks)
-            stored = self.cache.store(token_array(run.tokens[: run.end * self.block_size]), list(blocks),
-                                      first_block=run.first)
+            stored = self.cache.store_keys(run.keys(self.cache.fingerprint.digest, self.block_size), list(blocks))
             self.counters.add("kvgate_connector_saved_blocks", (), stored)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -232,11 +233,15 @@ class KvgateConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids or []
         if len(prompt) <= self.block_size:
             return 0, False
-        tiers = self.lookups.lookup(token_array(prompt[: (len(prompt) - 1) // self.block_size * self.block_size]))
+        tiers = self.lookups.lookup(token_array(prompt[: (len(prompt) - 1) // self.block_size * self.block_size]),
+                                    self.book.salt(request.request_id))
         if not tiers:
             return 0, False
         return self.book.loadable_tokens(request.request_id, len(prompt), Matched(len(tiers), tuple(tiers)),
                                          num_computed_tokens), False
+
+    def on_new_request(self, request: "Request") -> None:
+        self.book.salted(request.request_id, getattr(request, "cache_salt", None))
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.book.allocated(request.request_id, num_external_tokens)

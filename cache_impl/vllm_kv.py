@@ -6,7 +6,8 @@ copies between vLLM's paged KV and kvgate's blocks (`PagedKV`). vLLM itself is i
 connector module, so all of this is tested in kvgate's own environment.
 
 One kvgate block is one vLLM block (the cache's block size is vLLM's): kvgate block i of a prompt is
-the request's vLLM block `block_ids[i]`. A block holds, per attention layer, the bytes of that vLLM
+the request's vLLM block `block_ids[i]`. A request's keys are scoped by its `cache_salt` as vLLM scopes its
+own prefix cache (keys.salted_digest): requests with different salts never share a block. A block holds, per attention layer, the bytes of that vLLM
 block exactly as vLLM lays them out (the CPU backend's [heads, block, 2 x head_dim], FlashAttention's
 [2, block, heads, head_dim], ...), so loads and saves are plain copies; the layout's name is part of
 the fingerprint, so an instance with another layout never reads them.
@@ -28,7 +29,7 @@ from pydantic import Field, ValidationError, field_validator
 from kvcore.settings import ConfigError, StrictModel, format_validation_error, parse_size
 
 from .config import CacheConfig, DiskTierConfig, RemoteTierConfig
-from .keys import Fingerprint, KVLayout, block_keys
+from .keys import Fingerprint, Key, KVLayout, block_keys, salted_digest
 
 EXTRA = "kv_connector_extra_config"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -127,10 +128,16 @@ class BlockRun:
     first: int
     end: int
     block_ids: tuple[int, ...]
+    salt: str = ""
 
     @property
     def num_blocks(self) -> int:
         return self.end - self.first
+
+    def keys(self, fingerprint_digest: bytes, block_size: int) -> list[Key]:
+        """The keys of blocks `first` .. `end` - 1, scoped by the request's cache salt."""
+        tokens = self.tokens[: self.end * block_size]
+        return block_keys(tokens, salted_digest(fingerprint_digest, self.salt), block_size)[self.first:]
 
 
 @dataclass
@@ -146,6 +153,7 @@ class _Tracked:
     tokens: Sequence[int]
     block_ids: list[int]
     saved: int          # blocks 0 .. saved - 1 are in the cache already (loaded, hit, or saved)
+    salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,15 @@ class RequestBook:
         self._local: dict[str, int] = {}                 # req_id -> tokens vLLM holds itself, at the lookup
         self._loads: dict[str, tuple[int, int]] = {}     # req_id -> (first, end) blocks to load
         self._tracked: dict[str, _Tracked] = {}
+        self._salts: dict[str, str] = {}                 # req_id -> its cache salt (vLLM's cache_salt), when given
+
+    def salted(self, req_id: str, salt: Optional[str]) -> None:
+        """A new request's cache salt (none: ""): its blocks are keyed with it."""
+        if salt:
+            self._salts[req_id] = salt
+
+    def salt(self, req_id: str) -> str:
+        return self._salts.get(req_id, "")
 
     def loadable_tokens(self, req_id: str, prompt_len: int, matched: Matched, local_tokens: int) -> int:
         """Tokens to load beyond the `local_tokens` vLLM holds: the cached whole blocks, never the prompt's last
@@ -194,7 +211,8 @@ class RequestBook:
                     scheduled: int, plan: StepPlan) -> None:
         """A request scheduled for the first time: its load (if any) and the blocks this step completes."""
         matched = self._matched.pop(req_id, Matched(0, ()))
-        tracked = _Tracked(prompt, list(block_ids), min(matched.blocks, len(prompt) // self.block_size))
+        tracked = _Tracked(prompt, list(block_ids), min(matched.blocks, len(prompt) // self.block_size),
+                           self.salt(req_id))
         self._tracked[req_id] = tracked
         load = self._loads.pop(req_id, None)
         if load is not None and load[1] > load[0]:
@@ -230,6 +248,7 @@ class RequestBook:
         self._loads.pop(req_id, None)
         self._matched.pop(req_id, None)
         self._local.pop(req_id, None)
+        self._salts.pop(req_id, None)
 
     def _save(self, req_id: str, tracked: _Tracked, computed_after: int, plan: StepPlan) -> None:
         """The prompt's whole blocks computed by the end of this step that the cache does not hold yet."""
@@ -240,7 +259,7 @@ class RequestBook:
             tracked.saved = done
 
     def _run(self, req_id: str, tracked: _Tracked, first: int, end: int) -> BlockRun:
-        return BlockRun(req_id, tracked.tokens, first, end, tuple(tracked.block_ids[first:end]))
+        return BlockRun(req_id, tracked.tokens, first, end, tuple(tracked.block_ids[first:end]), tracked.salt)
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -406,11 +425,12 @@ class LookupClient:
         self._sock = sock
         return True
 
-    def lookup(self, tokens: Sequence[int]) -> Optional[list[str]]:
-        """The tier of each leading whole block of `tokens` the worker's cache holds; None when it cannot answer."""
+    def lookup(self, tokens: Sequence[int], salt: str = "") -> Optional[list[str]]:
+        """The tier of each leading whole block of `tokens` (keyed with the request's cache `salt`) the worker's
+        cache holds; None when it cannot answer."""
         if not self._connect():
             return None
-        keys = block_keys(tokens, self.digest, self.block_size)
+        keys = block_keys(tokens, salted_digest(self.digest, salt), self.block_size)
         try:
             self._sock.sendall(b"L" + struct.pack("<I", len(keys)) + b"".join(keys))
             (m,) = struct.unpack("<I", _recv_exact(self._sock, 4))

@@ -11,8 +11,8 @@ import torch
 from cache_impl.config import CacheConfig
 from cache_impl.keys import Fingerprint, KVLayout
 from cache_impl.manager import TieredKVCache
-from cache_impl.vllm_kv import ConnectorSettings, LookupClient, LookupServer, Matched, PagedKV, RequestBook, \
-    StepPlan, files_digest, instance_fingerprint, lookup_address
+from cache_impl.vllm_kv import BlockRun, ConnectorSettings, LookupClient, LookupServer, Matched, PagedKV, \
+    RequestBook, StepPlan, files_digest, instance_fingerprint, lookup_address
 from kvcore.settings import ConfigError
 
 BS = 4
@@ -174,15 +174,40 @@ def test_the_scheduler_asks_the_workers_cache_over_its_socket(tmp_path):
             client.close()
 
 
-def test_a_load_from_a_first_block_reads_only_the_blocks_after_it(tmp_path):
+def test_a_load_by_keys_from_a_first_block_reads_only_the_blocks_after_it(tmp_path):
     config = CacheConfig.from_dict({"block_size": BS, "device_capacity_blocks": 0, "host_capacity_bytes": "1MiB"})
     with TieredKVCache(config, Fingerprint("w", "t", LAYOUT)) as cache:
         tokens = list(range(3 * BS))
         cache.store(tokens, [torch.full(LAYOUT.block_shape, float(i)) for i in range(3)])
         out = torch.zeros((2, *LAYOUT.block_shape))
-        result = cache.load_into(tokens, out.__getitem__, max_blocks=3, first_block=1)
+        run = BlockRun("r", tokens, 1, 3, (7, 8))
+        result = cache.load_keys_into(run.keys(cache.fingerprint.digest, BS), out.__getitem__)
         assert result.num_blocks == 2 and result.sources == ["host", "host"]
         assert out[0].eq(1).all() and out[1].eq(2).all()
+
+
+def test_requests_with_another_cache_salt_never_share_blocks(tmp_path):
+    settings = ConnectorSettings.from_extra_config({"host_capacity_bytes": "1MiB"})
+    fingerprint = Fingerprint("w", "t", LAYOUT)
+    tokens = list(range(2 * BS + 1))
+    with TieredKVCache(settings.cache_config(BS), fingerprint) as cache:
+        salted = BlockRun("a", tokens, 0, 2, (1, 2), salt="tenant-a")
+        cache.store_keys(salted.keys(fingerprint.digest, BS), [torch.zeros(LAYOUT.block_shape)] * 2)
+        assert cache.lookup(tokens).num_blocks == 0                        # unsalted: nothing to share
+        address = lookup_address(f"salt-{os.getpid()}-{tmp_path.name}")
+        server = LookupServer(address, fingerprint.digest, BS, cache.lookup_keys)
+        client = LookupClient(address)
+        try:
+            assert client.lookup(tokens, "tenant-a") == ["host", "host"]
+            assert client.lookup(tokens, "tenant-b") == [] and client.lookup(tokens) == []
+        finally:
+            server.close()
+            client.close()
+    book, plan = RequestBook(BS), StepPlan()
+    book.salted("r", "tenant-a")
+    book.loadable_tokens("r", len(tokens), Matched(0, ()), 0)
+    book.new_request("r", tokens, [5, 6, 7], computed=0, scheduled=len(tokens), plan=plan)
+    assert [s.salt for s in plan.saves] == ["tenant-a"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
