@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cache_impl.auth import ADMIN_TOKEN_HEADER
-from gates.engines import Control, ControlError, EngineSpec, Unavailable, build_adapter
+from gates.engines import Control, ControlError, EngineSpec, Unavailable, build_adapter, parse_metrics
 from gates.engines import kvgate as kvgate_engine
 from gates.engines.steps import CommandStep, DropLocalPages, HttpStep
 
@@ -387,3 +387,14 @@ def test_the_tiers_kvgates_connector_lacks_come_from_its_sidecars_metrics(record
     vllm = adapter("vllm", recorder.root, cache_layer="kvgate", cache_layer_url=recorder.root)
     lacking = vllm.absent_tiers()
     assert set(lacking) == {"remote"} and "no remote tier" in lacking["remote"]
+
+
+def test_kvgates_connector_is_the_second_witness_of_vllms_hits_by_tier(recorder):
+    recorder.answers[("GET", "/metrics")] = (200, 'kvgate_cache_hits_total{tier="disk"} 3\n'
+                                                  'kvgate_connector_loaded_tokens_total{tier="disk"} 384\n')
+    witness = adapter("vllm", "http://127.0.0.1:9", cache_layer="kvgate", cache_layer_url=recorder.root).witness
+    assert witness.metrics_url == f"{recorder.root}/metrics"
+    hits = witness.tier_hits(parse_metrics(""), witness.scrape())
+    assert hits.tiers == {"host": 0.0, "disk": 384.0, "remote": 0.0}
+    assert adapter("vllm", "http://127.0.0.1:9", cache_layer="kvgate").witness is None
+    assert adapter("vllm", "http://127.0.0.1:9").witness is None

@@ -275,3 +275,13 @@ def test_the_responses_cached_tokens_are_set_beside_the_attributed_hits():
     assert hits.agrees_with(1280) is None
     assert hits.agrees_with(1536) == "the response says 1536 cached tokens, the metrics attribute 1280 (device 256, " \
                                      "host 1024)"
+
+
+def test_a_hit_is_witnessed_only_when_the_second_accounting_counts_the_same_tokens_from_the_tier():
+    vllm = TierHits({"device": 0.0, "host": 1024.0, "disk": 0.0})
+    assert vllm.witnessed("host", TierHits({"host": 1024.0}), "vllm+kvgate", "kvgate's connector") == \
+        (True, "1024 tokens from host (device 0, host 1024, disk 0); kvgate's connector counted the same")
+    verified, why = vllm.witnessed("host", TierHits({"host": 896.0, "disk": 128.0}), "vllm+kvgate", "the connector")
+    assert verified is False and why == "vllm+kvgate counted 1024 host tokens, the connector 896 (host 896, disk 128)"
+    wrong_tier = TierHits({"device": 1024.0, "host": 0.0})     # vLLM's own verdict stands when it already fails
+    assert wrong_tier.witnessed("host", TierHits({"host": 1024.0}), "v", "w")[0] is False

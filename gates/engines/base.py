@@ -86,6 +86,9 @@ class EngineAdapter:
     timeout_s: float = 30.0
     # the tiers the engine says it lacks, from its metrics ({tier: why}); None: it does not say
     tiers_lacking: Optional[Callable[[Scrape], dict[str, str]]] = None
+    # a second accounting of the same hits on its own page (a cache layer's own counters: kvgate's connector
+    # inside vLLM); a placed hit is verified only when both count it from the placed tier
+    witness: Optional["EngineAdapter"] = None
 
     # -- what it can do ---------------------------------------------------------------------
 

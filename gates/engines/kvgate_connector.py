@@ -6,7 +6,8 @@ the admin token ($KVGATE_ADMIN_TOKEN, as for `kvgate serve --admin`): POST /admi
 /admin/cache/evict {"tiers": ["host"]} (evicted blocks are demoted: they stay on disk),
 /admin/cache/drop-page-cache. Its /metrics has kvgate_cache_* per tier and kvgate_connector_loaded_tokens
 {tier}. vLLM counts the connector's hits by tier itself: the connector says where each loaded block comes
-from (`vllm:prompt_tokens_cached_by_source_total{source="host"|"disk"|"p2p"}`), so the vLLM maps read them.
+from (`vllm:prompt_tokens_cached_by_source_total{source="host"|"disk"|"p2p"}`), so the vLLM maps read them,
+and the connector's own count (`connector_witness`) is the second witness G2 checks each placed hit against.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Optional
 
 from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 
-from .base import EngineSpec
+from .base import EngineAdapter, EngineSpec
 from .kvgate import admin_controls
 from .lmcache import LayerControls
-from .metrics import MetricsError, Scrape, parse_metrics
+from .metrics import MetricMap, MetricsError, Scrape, Series, parse_metrics
 from .steps import ControlError, http_call
 
 
@@ -37,6 +38,20 @@ def connector_controls(spec: EngineSpec, admin_token: Optional[str] = None) -> L
     root = spec.cache_layer_url.rstrip("/")
     found = admin_controls(lambda path: root + path, {ADMIN_TOKEN_HEADER: token})
     return LayerControls({name: found[name] for name in ("clear_lower_tiers", "drop_disk_page_cache")})
+
+
+WITNESS_SOURCE = "kvgate cache_impl/vllm_connector.py (kvgate_connector_loaded_tokens_total{tier}, its sidecar)"
+
+
+def connector_witness(spec: EngineSpec) -> Optional[EngineAdapter]:
+    """The connector's own count of the tokens it loaded into vLLM, by tier, on its sidecar's /metrics: the second
+    witness of each hit vLLM's by-source counters attribute (None without cache_layer_url)."""
+    if not spec.cache_layer_url:
+        return None
+    loaded = MetricMap({tier: (Series("kvgate_connector_loaded_tokens_total", {"tier": tier}),)
+                        for tier in ("host", "disk", "remote")}, (),
+                       present="kvgate_cache_hits_total", source=WITNESS_SOURCE)
+    return EngineAdapter("kvgate's connector", spec.cache_layer_url.rstrip("/") + "/metrics", metric_maps=(loaded,))
 
 
 def connector_tiers_lacking(spec: EngineSpec) -> dict[str, str]:

@@ -193,6 +193,17 @@ class TierHits:
         return None, (f"the engine reports {self.tiers[folded]:g} tokens under '{folded}' "
                       f"({'/'.join(FOLDED[folded])} together), so {tier} cannot be told apart")
 
+    def witnessed(self, tier: str, witness: "TierHits", engine: str, by: str) -> tuple[Optional[bool], str]:
+        """`verifies(tier)`, then the same hits as a second accounting (`witness`, `by` names it: a cache layer's
+        own counters) counts them: False when the two give the tier different tokens."""
+        verified, why = self.verifies(tier)
+        if verified is not True:
+            return verified, why
+        mine, theirs = self.tiers.get(tier, 0.0), witness.tiers.get(tier, 0.0)
+        if mine != theirs:
+            return False, f"{engine} counted {mine:g} {tier} tokens, {by} {theirs:g} ({witness._said()})"
+        return True, f"{why}; {by} counted the same"
+
     def _said(self) -> str:
         ordered = sorted(self.tiers.items(), key=lambda item: TIER_NAMES.index(item[0]))
         return ", ".join(f"{name} {tokens:g}" for name, tokens in ordered) or "nothing reported"

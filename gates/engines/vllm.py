@@ -20,7 +20,7 @@ import json
 from typing import Optional
 
 from .base import Capacity, Control, EngineAdapter, EngineSpec, assemble
-from .kvgate_connector import connector_controls, connector_tiers_lacking
+from .kvgate_connector import connector_controls, connector_tiers_lacking, connector_witness
 from .lmcache import lmcache_controls, lmcache_map
 from .metrics import MetricMap, Scrape, Series, finite_label
 from .steps import HttpStep
@@ -83,7 +83,11 @@ def build(spec: EngineSpec) -> EngineAdapter:
         found = tiers_lacking(scrape, spec.cache_layer)
         return {**found, **connector_tiers_lacking(spec)} if spec.cache_layer == "kvgate" else found
 
-    return assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity}, lacking)
+    adapter = assemble(spec, name, controls, missing, vllm_maps(spec.cache_layer), {"device": device_capacity},
+                       lacking)
+    if spec.cache_layer == "kvgate":
+        adapter.witness = connector_witness(spec)
+    return adapter
 
 
 CONFIG_INFO = "vllm:cache_config_info"

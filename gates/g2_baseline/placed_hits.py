@@ -94,6 +94,7 @@ class PlacedHits:
         except (ControlError, Unavailable) as error:
             raise HitError(f"placing the prefix for {mode} at {tokens} tokens: {error}") from None
         before, why = self._scrape()
+        witness_before, witness_why = self._witness_scrape()
         record = self._send(request, f"{mode} at {tokens} tokens")
         after, why_after = self._scrape() if before is not None else (None, why)
         tier_tokens, verified, why = {}, None, why or why_after
@@ -102,8 +103,14 @@ class PlacedHits:
                 counted = self.adapter.tier_hits(before, after)
                 tier_tokens = dict(counted.tiers)
                 verified, why = counted.verifies(placement.tier)
+                witness = self.adapter.witness
+                if witness is not None and witness_before is None:
+                    verified, why = None, witness_why
+                elif witness is not None:
+                    seen = witness.tier_hits(witness_before, witness.scrape())
+                    verified, why = counted.witnessed(placement.tier, seen, self.adapter.engine, witness.engine)
             except (MetricsError, Unavailable, ValueError) as error:
-                why = str(error)
+                verified, why = None, str(error)
         return Hit(mode, tokens, round_, record.ttft_s, record.prompt_tokens or 0, record.cached_tokens,
                    tier_tokens, verified, why)
 
@@ -125,6 +132,17 @@ class PlacedHits:
             return self.adapter.scrape(), ""
         except (MetricsError, Unavailable) as error:
             return None, f"the metrics scrape failed: {error}"
+
+    def _witness_scrape(self):
+        """The second accounting's page now, or None and why not (none configured: ""; a failed scrape leaves
+        the hit unverified)."""
+        witness = self.adapter.witness
+        if witness is None:
+            return None, ""
+        try:
+            return witness.scrape(), ""
+        except (MetricsError, Unavailable) as error:
+            return None, f"{witness.engine}'s metrics scrape failed: {error}"
 
     def _send(self, request: WorkloadRequest, what: str):
         record = self.client.send(request)
