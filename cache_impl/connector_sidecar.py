@@ -4,7 +4,7 @@ vLLM serves its own API; the cache under it lives in vLLM's engine process, so t
 on its own loopback port (`admin_port` in the connector's extra config), what `kvgate serve --admin`
 serves for its cache: POST /admin/cache/{evict,flush,drop-page-cache,locate}, /admin/faults (behind
 the admin token, cache_impl/admin.py), GET /metrics (kvgate_cache_* per tier, and the connector's
-own counters) and GET /health. The gates reach it through the `vllm` engine profile with
+own counters, the process's memory) and GET /health. The gates reach it through the `vllm` engine profile with
 `cache_layer: kvgate` (gates/engines/kvgate_connector.py).
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 
 from .admin import add_admin_routes
 from .http_body import JsonBody
@@ -71,6 +71,7 @@ def sidecar_app(owner: ConnectorOwner, token: str, counters: Callable[[], dict])
     app = FastAPI(title="kvgate connector sidecar")
     registry = CollectorRegistry()
     registry.register(CacheCollector(owner.cache.snapshot, counters))
+    ProcessCollector(registry=registry)      # vLLM's worker process: its KV and the host tier live in it
 
     add_error_handlers(app, "kvgate.connector")
 

@@ -573,7 +573,7 @@ SCHEDULED_FAULTS = BLOCK_FAULTS + IO_FAULTS
 
 
 class FaultSpec(StrictModel):
-    """A fault injected into the candidate during the soak (embedded targets only).
+    """A fault injected into the candidate's cache during the soak (kvgate's: embedded, or its connector in vLLM).
 
     Stored-block faults damage a disk block of the first consistency probe's prompt and evict
     the upper tiers, so the next probe must load it; I/O faults are armed for `duration_s`.
@@ -603,7 +603,8 @@ class G4Config(StrictModel):
         "the largest change over the soak, as a fraction of the level, that a windowed trend may show"))
     max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
         "a window whose requests failed more than this share is invalid: left out of the drift checks"))
-    faults: list[FaultSpec] = Field(default_factory=list, description="the fault schedule (embedded candidate)")
+    faults: list[FaultSpec] = Field(default_factory=list, description=(
+        "the fault schedule (the embedded candidate, or vLLM with kvgate's connector)"))
     thresholds: list[RuleField]
 
     @property
@@ -762,10 +763,14 @@ class GatesConfig(StrictModel):
         return claims
 
     @model_validator(mode="after")
-    def _faults_need_the_embedded_candidate(self) -> "GatesConfig":
-        if self.g4.faults and self.targets.kind != "embedded":
-            raise ValueError("g4.faults: expected no fault schedule for targets.kind: external (faults are "
-                             f"injected through the embedded candidate's admin routes), found {len(self.g4.faults)}")
+    def _faults_need_kvgates_cache(self) -> "GatesConfig":
+        candidate = self.targets.candidate
+        connector = candidate is not None and candidate.cache_layer == "kvgate" and candidate.cache_layer_url
+        if self.g4.faults and self.targets.kind != "embedded" and not connector:
+            raise ValueError("g4.faults: expected no fault schedule for an external candidate without kvgate's "
+                             "cache (faults are injected through kvgate's admin routes: the embedded candidate's, or "
+                             "the sidecar of kvgate's connector in vLLM: targets.candidate.cache_layer: kvgate and "
+                             f"cache_layer_url), found {len(self.g4.faults)}")
         return self
 
     def rule(self, gate: str, metric: str) -> Optional[Rule]:

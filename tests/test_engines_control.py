@@ -398,3 +398,29 @@ def test_kvgates_connector_is_the_second_witness_of_vllms_hits_by_tier(recorder)
     assert hits.tiers == {"host": 0.0, "disk": 384.0, "remote": 0.0}
     assert adapter("vllm", "http://127.0.0.1:9", cache_layer="kvgate").witness is None
     assert adapter("vllm", "http://127.0.0.1:9").witness is None
+
+
+def test_kvgates_connector_in_vllm_is_reached_for_cold_reads_and_faults_through_its_sidecar(recorder):
+    from gates.engines.vllm import connector_cache_admin
+
+    recorder.answers[("POST", "/tokenize")] = (200, '{"tokens": [1, 2, 3], "count": 3}')
+    recorder.answers[("POST", "/reset_prefix_cache")] = (200, '{"success": true}')
+    cache = connector_cache_admin(EngineSpec("vllm", recorder.root, cache_layer="kvgate",
+                                             cache_layer_url="http://127.0.0.1:9/"), "kvgate-small")
+    assert cache.admin.server_root == "http://127.0.0.1:9"
+    assert cache.token_ids([{"role": "user", "content": "hi"}]) == [1, 2, 3]
+    cache.clear_engine()
+    assert recorder.seen() == [
+        ("POST", "/tokenize", {"model": "kvgate-small", "messages": [{"role": "user", "content": "hi"}],
+                               "add_generation_prompt": True}),
+        ("POST", "/reset_prefix_cache?reset_running_requests=true", None)]      # under load: preempts, then resets
+
+
+def test_a_vllm_without_tokenize_says_what_it_answered(recorder):
+    from gates.engines.vllm import connector_cache_admin
+
+    recorder.answers[("POST", "/tokenize")] = (404, '{"detail": "Not Found"}')
+    cache = connector_cache_admin(EngineSpec("vllm", recorder.root, cache_layer="kvgate",
+                                             cache_layer_url=recorder.root), "m")
+    with pytest.raises(ControlError, match=r"/tokenize: HTTP 404: expected \{\"tokens\": \[...\]\}, found"):
+        cache.token_ids([])

@@ -97,7 +97,11 @@ def _config_file(tmp_path: Path, data) -> Path:
      "unset"),
     ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m"},
                   "candidate": {"url": "http://h:8000/v1", "model": "m"}}, "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]}},
-     "g4.faults: expected no fault schedule for targets.kind: external"),
+     "g4.faults: expected no fault schedule for an external candidate without kvgate's cache"),
+    ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m"},
+                  "candidate": {"url": "http://h:8000/v1", "model": "m", "engine": "vllm", "cache_layer": "kvgate"}},
+      "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]}},
+     "g4.faults: expected no fault schedule for an external candidate without kvgate's cache"),
     # model load and checkpoint save
     ({"g2": {"model_load": {"loaders": ["safetensor"]}}}, "g2.model_load.loaders[0]: expected one of"),
     ({"g2": {"model_load": {"loaders": ["safetensors", "safetensors"]}}},
@@ -270,6 +274,15 @@ def test_an_external_config_does_not_inherit_the_profiles_fault_schedule(tmp_pat
     assert config.g4.faults == [] and load_config().g4.faults
 
 
+def test_a_fault_schedule_goes_to_kvgates_connector_in_vllm_through_its_sidecar(tmp_path):
+    faults = [{"kind": "flip_byte", "at_s": 12}, {"kind": "read_error", "at_s": 30, "duration_s": 5}]
+    config = load_config(_config_file(tmp_path, {"targets": {
+        "kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m", "engine": "vllm"},
+        "candidate": {"url": "http://h:2/v1", "model": "m", "engine": "vllm", "cache_layer": "kvgate",
+                      "cache_layer_url": "http://h:3"}}, "g4": {"faults": faults}}))
+    assert [f.kind for f in config.g4.faults] == ["flip_byte", "read_error"]
+
+
 def test_a_relative_storage_path_is_stored_absolute_so_every_gate_measures_the_same_directory(tmp_path,
                                                                                            monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -343,3 +356,18 @@ def test_the_g2_control_configs_load_as_a_short_g2_and_the_serial_one_reads_with
         g2 = config.g2
         assert not (g2.model_load.enabled or g2.checkpoint.enabled or g2.no_reuse.enabled)
         assert config.rule("g2", "cold_read_vs_storage_best").value == 0.8
+
+
+def test_kvgates_admin_routes_reach_the_embedded_candidate_and_the_connector_in_vllm_and_nothing_else(tmp_path):
+    from gates.engines import cache_admin
+    from gates.targets import Endpoint as RunEndpoint
+
+    targets = {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m", "engine": "vllm"},
+               "candidate": {"url": "http://h:2/v1", "model": "m", "engine": "vllm", "cache_layer": "kvgate",
+                             "cache_layer_url": "http://h:3"}}
+    connector = load_config(_config_file(tmp_path, {"targets": targets}))
+    candidate, baseline = RunEndpoint("candidate", "http://h:2/v1", "m"), RunEndpoint("baseline", "http://h:1/v1", "m")
+    assert cache_admin(connector, candidate).admin.server_root == "http://h:3"
+    assert cache_admin(connector, baseline) is None                      # vLLM alone: not kvgate's cache
+    embedded = RunEndpoint("candidate", "http://127.0.0.1:5/v1", "m", admin=True)
+    assert cache_admin(load_config(), embedded).admin.server_root == "http://127.0.0.1:5"

@@ -135,10 +135,14 @@ class AdminClient:
             raise AdminError(f"{method} {path}: expected a JSON object, found {payload[:120]!r}"
                              if not isinstance(error, BadResponse) else str(error)) from None
 
-    def locate(self, prompt: Optional[str] = None, messages: Optional[list] = None) -> list[dict]:
+    def locate(self, prompt: Optional[str] = None, messages: Optional[list] = None,
+               token_ids: Optional[list[int]] = None) -> list[dict]:
         """The prompt's full blocks in order: key, tiers holding it, and its disk file (each field type-checked:
-        AdminError naming the field otherwise)."""
-        body = {"prompt": prompt} if prompt is not None else {"messages": list(messages or [])}
+        AdminError naming the field otherwise). The prompt as text, chat messages, or its token ids."""
+        if token_ids is not None:
+            body = {"prompt_token_ids": list(token_ids)}
+        else:
+            body = {"prompt": prompt} if prompt is not None else {"messages": list(messages or [])}
         answer = self._call("POST", "/admin/cache/locate", body)
         try:
             return [_located_block(block, f"POST /admin/cache/locate: blocks[{i}]")
@@ -214,11 +218,12 @@ def detection_counts(samples: dict[tuple, float]) -> dict[str, float]:
 
 
 def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = None,
-                         messages: Optional[list] = None, block: int = -1) -> dict:
+                         messages: Optional[list] = None, block: int = -1,
+                         token_ids: Optional[list[int]] = None) -> dict:
     """Damage one stored disk block of a prompt (default: its last full block), then evict the upper
     tiers so the next request for the prompt must load it from disk."""
     admin.flush()
-    blocks = [b for b in admin.locate(prompt, messages) if "disk" in b["tiers"]]
+    blocks = [b for b in admin.locate(prompt, messages, token_ids) if "disk" in b["tiers"]]
     if not blocks:
         raise AdminError("the prompt has no block on the disk tier to damage")
     victim = blocks[block]
@@ -227,12 +232,13 @@ def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = 
     if kind == "swap" and donor is None:
         raise AdminError("swap: the prompt has no second disk block to take bytes from")
     done = damage_block(kind, Path(victim["path"]), donor)
-    evict_until_on_disk_only(admin, victim["key"], prompt, messages)
+    evict_until_on_disk_only(admin, victim["key"], prompt, messages, token_ids=token_ids)
     return {**done, "block_index": victim["index"], "key": victim["key"]}
 
 
 def evict_until_on_disk_only(admin: AdminClient, key: str, prompt: Optional[str] = None,
-                             messages: Optional[list] = None, timeout_s: float = 5.0) -> None:
+                             messages: Optional[list] = None, timeout_s: float = 5.0,
+                             token_ids: Optional[list[int]] = None) -> None:
     """Evict the upper tiers until block `key` is held by the disk alone. A block that a request in flight
     has pinned (a load under way) is not evicted, and the next request would then be served its
     undamaged upper-tier copy; so the eviction is repeated until the pin is gone (AdminError after
@@ -240,7 +246,7 @@ def evict_until_on_disk_only(admin: AdminClient, key: str, prompt: Optional[str]
     deadline = time.monotonic() + timeout_s
     while True:
         admin.evict(("device", "host"))
-        held = next((b["tiers"] for b in admin.locate(prompt, messages) if b["key"] == key), ["disk"])
+        held = next((b["tiers"] for b in admin.locate(prompt, messages, token_ids) if b["key"] == key), ["disk"])
         upper = [tier for tier in held if tier in ("device", "host")]   # a pool copy is read after the disk
         if not upper:
             return
@@ -248,6 +254,23 @@ def evict_until_on_disk_only(admin: AdminClient, key: str, prompt: Optional[str]
             raise AdminError(f"block {key} stayed in {', '.join(upper)} for {timeout_s:g} s of evictions "
                              "(pinned by requests in flight)")
         time.sleep(0.05)
+
+
+@dataclass
+class CacheAdmin:
+    """kvgate's admin routes over a candidate's cache (`kvgate serve --admin`'s, or the sidecar of kvgate's
+    connector inside vLLM), with what goes with them: what empties the engine's own device cache above that
+    cache, so that the next request loads from the cache (nothing for kvgate serve, whose device tier the admin
+    routes evict; vLLM's prefix cache for the connector), and how a chat prompt becomes the token ids the
+    routes locate (None: the routes apply the chat template themselves, as kvgate serve's do). G2's cold reads
+    and G4's faults act through it."""
+
+    admin: AdminClient
+    clear_engine: Callable[[], object] = lambda: None
+    chat_token_ids: Optional[Callable[[list], list[int]]] = None
+
+    def token_ids(self, messages: list) -> Optional[list[int]]:
+        return self.chat_token_ids(messages) if self.chat_token_ids is not None else None
 
 
 # -- processes ----------------------------------------------------------------------------------

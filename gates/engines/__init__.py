@@ -11,13 +11,16 @@ import importlib
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
 from .metrics import TIERS, MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics
 from .settings import ENGINES
 from .steps import CommandStep, ControlError, HttpStep, StepResult
+
+if TYPE_CHECKING:
+    from workloads.faults import CacheAdmin
 
 
 
@@ -64,6 +67,23 @@ def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
     return build_adapter(spec_from_endpoint(getattr(config.targets, endpoint.role)))
 
 
+def cache_admin(config: Any, endpoint: Any) -> Optional["CacheAdmin"]:
+    """kvgate's admin routes over an endpoint's cache (workloads.faults.CacheAdmin), where its cache is kvgate's: a
+    `kvgate serve --admin` the harness started, or vLLM with kvgate's connector and its sidecar
+    (`cache_layer: kvgate`, `cache_layer_url`); None for any other cache (its disk reads are not exported, faults
+    cannot be injected into it)."""
+    from workloads.faults import AdminClient, CacheAdmin
+
+    if endpoint.admin:
+        return CacheAdmin(AdminClient(endpoint.server_root))
+    settings = getattr(config.targets, endpoint.role)
+    if settings.engine == "vllm" and settings.cache_layer == "kvgate" and settings.cache_layer_url:
+        from .vllm import connector_cache_admin
+
+        return connector_cache_admin(spec_from_endpoint(settings), settings.model)
+    return None
+
+
 def hit_reader(endpoint: Any, adapter: EngineAdapter, config: Any = None) -> tuple[Callable[[], Optional[dict]], str]:
     """How a gate reads a target's hits per tier so far, and what they count: an embedded target's kvgate
     counters summed over its nodes (blocks), else its engine's tier accounting (tokens; None without one),
@@ -105,5 +125,5 @@ def _origin(url: str) -> tuple:
 
 __all__ = ["ABILITIES", "CONTROLS", "ENGINES", "TIERS", "Ability", "Capacity", "CommandStep", "Control", "ControlError",
            "EngineAdapter", "EngineSpec", "HttpStep", "MetricMap", "MetricsError", "Scrape", "Series", "StepResult",
-           "TierHits", "Unavailable", "build_adapter", "embedded_spec", "endpoint_adapter", "hit_reader",
-           "parse_metrics", "spec_from_endpoint"]
+           "TierHits", "Unavailable", "build_adapter", "cache_admin", "embedded_spec", "endpoint_adapter",
+           "hit_reader", "parse_metrics", "spec_from_endpoint"]

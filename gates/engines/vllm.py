@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from workloads.faults import AdminClient, CacheAdmin
+
 from .base import Capacity, Control, EngineAdapter, EngineSpec, assemble
 from .kvgate_connector import connector_controls, connector_tiers_lacking, connector_witness
 from .lmcache import lmcache_controls, lmcache_map
 from .metrics import MetricMap, Scrape, Series, finite_label
-from .steps import HttpStep
+from .steps import ControlError, HttpStep, http_call
 
 SOURCE = "vllm 0.33.0 vllm/v1/metrics/loggers.py"
 # CacheHitSource (vllm/v1/metrics/cache_hit_source.py) -> kvgate's tiers; p2p: another instance's KV
@@ -88,6 +90,29 @@ def build(spec: EngineSpec) -> EngineAdapter:
     if spec.cache_layer == "kvgate":
         adapter.witness = connector_witness(spec)
     return adapter
+
+
+def connector_cache_admin(spec: EngineSpec, model: str) -> CacheAdmin:
+    """kvgate's connector inside this vLLM as G2's cold reads and G4's faults reach it: the sidecar's admin routes
+    (`cache_layer_url`, the token in $KVGATE_ADMIN_TOKEN); vLLM's prefix cache emptied even under load
+    (`reset_running_requests=true`: running requests are preempted and resume, from the connector's tiers); a
+    chat prompt's token ids from vLLM's own /tokenize (its chat template, as the completion uses it)."""
+    reset = HttpStep("POST", f"{spec.route('/reset_prefix_cache')}?reset_running_requests=true", None, spec.bearer,
+                     _success, DEV_MODE)
+
+    def chat_token_ids(messages: list) -> list[int]:
+        status, text = http_call("POST", spec.route("/tokenize"), {"model": model, "messages": messages,
+                                                                   "add_generation_prompt": True}, spec.bearer)
+        try:
+            tokens = json.loads(text)["tokens"] if status == 200 else None
+        except (ValueError, KeyError, TypeError):
+            tokens = None
+        if not isinstance(tokens, list):
+            raise ControlError(f"POST {spec.route('/tokenize')}: HTTP {status}: expected {{\"tokens\": [...]}}, "
+                               f"found {text.strip()[:200]!r}")
+        return tokens
+
+    return CacheAdmin(AdminClient(spec.cache_layer_url.rstrip("/")), reset.run, chat_token_ids)
 
 
 CONFIG_INFO = "vllm:cache_config_info"

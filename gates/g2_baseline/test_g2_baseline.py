@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from gates.engines import cache_admin
 from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
                                          measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
@@ -28,7 +29,6 @@ from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from gates.storage_best import StorageBest, storage_best
 from workloads.client import StreamingClient
 from workloads.datasets import sizer_for
-from workloads.faults import AdminClient
 from workloads.requests import WorkloadRequest
 
 MODES = ("recompute", "host-hit", "disk-cold")
@@ -117,27 +117,24 @@ def _job_text(side: FioRegions) -> str:
 
 
 @pytest.fixture(scope="module")
-def cold_read_pairs(gate_context, endpoints, adapters):
+def cold_read_pairs(gate_context, endpoints):
     """Sequential pairs at the longest context: the tier's cold load of fresh prefixes, then the storage's best
     read job (G1's sweep) reading as many bytes of a fresh region, then fio in the tier's own pattern (a
     diagnostic). A/A mode: the best job on both sides. None for a candidate whose cache is not kvgate's: the
     tier's side is its disk reads' bytes and seconds, which only kvgate's cache exports (its server, or its
     connector's sidecar inside vLLM; the check then says so, INCONCLUSIVE)."""
     candidate, _ = _roles(endpoints)
-    settings = gate_context.config.targets.candidate if not candidate.admin else None
-    connector = settings is not None and settings.cache_layer == "kvgate" and settings.cache_layer_url
-    if not candidate.admin and not connector:
+    cache = cache_admin(gate_context.config, candidate)
+    if cache is None:
         return None
     config, embedded, store = gate_context.config, gate_context.config.targets.embedded, gate_context.store
     best = storage_best(config, store)
     run_id = store.run_info().get("run_id", "run")
     longest = max(config.g2.contexts)
     client = StreamingClient(candidate.url, candidate.model, candidate.api, target="candidate")
-    admin = AdminClient(settings.cache_layer_url.rstrip("/")) if connector else AdminClient(candidate.server_root)
-    clear_engine = adapters["candidate"].clear_device_cache if connector else (lambda: None)
-    tier = TierColdLoad(admin, client, lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
+    tier = TierColdLoad(cache.admin, client, lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
                         prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets,
-                        clear_engine=clear_engine)
+                        clear_engine=cache.clear_engine)
     pairing, directory = config.g2.cold_read_pairs, config.storage.path.resolve() / "fio"
     sets, rule = config.g2.cold_read_sets, config.rule("g2", METRIC)
 

@@ -22,7 +22,7 @@ from typing import Optional
 from gates.config import FaultSpec
 from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl
 from workloads.client import StreamingClient
-from workloads.faults import BLOCK_FAULTS, AdminClient, damage_prompt_blocks, detection_counts
+from workloads.faults import BLOCK_FAULTS, CacheAdmin, damage_prompt_blocks, detection_counts
 from workloads.load import Target
 from workloads.requests import WorkloadRequest
 
@@ -39,10 +39,11 @@ FRESH_WORDS = 160  # about 1,000 characters: several new blocks for a byte-level
 class FaultSchedule:
     """Runs the faults due in the rest of a soak in a background thread."""
 
-    def __init__(self, faults: list[FaultSpec], admin: AdminClient, target: Target, probe: WorkloadRequest,
+    def __init__(self, faults: list[FaultSpec], cache: CacheAdmin, target: Target, probe: WorkloadRequest,
                  expected: str, log_path: Path, recovery_timeout_s: float = 60.0) -> None:
         self.faults = sorted(faults, key=lambda f: f.at_s)
-        self.admin, self.target, self.probe, self.expected = admin, target, probe, expected
+        self.cache, self.admin = cache, cache.admin
+        self.target, self.probe, self.expected = target, probe, expected
         self.log_path, self.recovery_timeout_s = log_path, recovery_timeout_s
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -88,13 +89,16 @@ class FaultSchedule:
             whole = self._ask(client)                       # the probe served from cache before the fault
             before = detection_counts(self.admin.metrics())
             if fault.kind in BLOCK_FAULTS:
-                row["detail"] = damage_prompt_blocks(self.admin, fault.kind, messages=list(self.probe.messages))
+                messages = list(self.probe.messages)
+                row["detail"] = damage_prompt_blocks(self.admin, fault.kind, messages=messages,
+                                                     token_ids=self.cache.token_ids(messages))
                 fault_ends = time.time()
             else:
                 self.admin.arm(fault.kind, fault.duration_s, fault.delay_ms if fault.kind == "slow_disk" else None)
                 self.admin.evict(("device", "host"))        # the next loads go to the faulty disk
                 row["detail"] = {"duration_s": fault.duration_s}
                 fault_ends = time.time() + fault.duration_s
+            self.cache.clear_engine()                       # ... and not to the engine's own device cache
             row["ended_s"] = fault_ends - zero
             row["probe_during"] = self._ask(client)
             if fault.kind in WRITE_FAULTS:                  # new blocks to store, so the writes meet the fault

@@ -27,7 +27,7 @@ from gates.g4_soak.fault_schedule import FaultSchedule
 from kvcore.files import JsonlTail, append_jsonl, read_jsonl_file as read_jsonl, write_json
 from workloads.client import StreamingClient
 from workloads.errors import summarize_errors
-from workloads.faults import AdminClient, counter, per_tier
+from workloads.faults import AdminClient, CacheAdmin, counter, per_tier
 from workloads.live import LiveFigures
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
@@ -152,9 +152,11 @@ class WindowFeed:
 class Soak:
     """Runs (or resumes) a soak against one endpoint, appending a row per window."""
 
-    def __init__(self, raw_dir: Path, target: Target, server_root: str, workload: Workload,
+    def __init__(self, raw_dir: Path, target: Target, cache: CacheAdmin, workload: Workload,
                  settings: SoakSettings, faults: Sequence[FaultSpec] = ()) -> None:
-        self.raw_dir, self.target, self.server_root = raw_dir, target, server_root
+        """`cache`: where faults go, and whose /metrics give the cache's figures and its process's memory."""
+        self.raw_dir, self.target, self.cache = raw_dir, target, cache
+        self.server_root = cache.admin.server_root
         self.workload, self.settings, self.faults = workload, settings, list(faults)
         self.windows_path = raw_dir / "windows.jsonl"
         self.faults_path = raw_dir / "faults.jsonl"
@@ -199,7 +201,7 @@ class Soak:
         offset = (done[-1]["start_s"] + self.settings.window_s) if done else 0.0
         begin = time.time() + 3.0  # locust's start-up; windows begin once users are sending
         probes = [r for r in probe_requests(self.workload) if r.request_id in expected]
-        schedule = FaultSchedule(self.faults, AdminClient(self.server_root), self.target, probes[0],
+        schedule = FaultSchedule(self.faults, self.cache, self.target, probes[0],
                                  expected[probes[0].request_id], self.faults_path)
         schedule.start(begin, offset, begin + duration)
         feed = WindowFeed(segment / "records")

@@ -6,8 +6,8 @@ start (the check that catches corrupt KV served from a tier). Windows are
 appended as they complete, so a soak killed with the harness resumes with
 `kvgate run g4 --resume RUN_DIR` and loses no completed window.
 
-The configured fault schedule (g4.faults) is injected into the embedded
-candidate during the soak; each fault must be detected, must not change any
+The configured fault schedule (g4.faults) is injected into the candidate's
+cache during the soak (the embedded candidate, or vLLM with kvgate's connector); each fault must be detected, must not change any
 probe's answer, and the probe must be served from the cache again afterwards.
 """
 
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import pytest
 
-from gates.engines import hit_reader
+from gates.engines import cache_admin, hit_reader
 from gates.g4_soak.analysis import drift, excluded_window_rows, fault_facts, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.datasets import build_workload, sizer_for
 from workloads.errors import describe_errors, merge_error_summaries
+from workloads.faults import AdminClient, CacheAdmin
 from workloads.tier_hits import tier_difference, tier_shares
 
 
@@ -30,7 +31,7 @@ def soak_run(gate_context, endpoints, adapters):
     candidate = endpoints.get("candidate")
     if candidate is None:
         pytest.skip("G4 needs a candidate endpoint")
-    config = gate_context.config.g4   # a fault schedule needs the embedded candidate: the config checks it
+    config = gate_context.config.g4   # a fault schedule needs kvgate's cache: the config checks it
     workload = build_workload(config.workload, sizer_for(candidate.tokenizer), seed=4)
     store = gate_context.store
     planned = max(1, round(config.duration_s / config.window_s))
@@ -43,7 +44,10 @@ def soak_run(gate_context, endpoints, adapters):
                              window_start_s=row["start_s"], window=row["index"])
         store.set_progress("g4", window_line(row, planned))
 
-    soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), candidate.server_root, workload,
+    # where faults go and the cache's figures come from: kvgate's admin routes (kvgate serve's, or its connector's
+    # sidecar inside vLLM); for another cache, the engine's own page (its figures only: no faults, by the config)
+    cache = cache_admin(gate_context.config, candidate) or CacheAdmin(AdminClient(candidate.server_root))
+    soak = Soak(store.raw_dir("g4"), candidate.target("candidate"), cache, workload,
                 SoakSettings(config.duration_s, config.window_s, config.concurrency), config.faults)
     read_hits, unit = hit_reader(candidate, adapters["candidate"], gate_context.config)
     before = read_hits()
