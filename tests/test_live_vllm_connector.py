@@ -4,7 +4,8 @@ Each case proves its path ran by both counters, vLLM's own (`vllm:prompt_tokens_
 source) and the connector's (its sidecar's /metrics), and that vLLM's greedy answer is the answer of a vLLM
 without the connector that recomputes every prompt: after a host hit, a cold disk hit, a flipped byte in a
 block file (refused, recomputed, stored again), a full disk (nothing stored, nothing lost) and a restart of
-vLLM (its disk tier found warm). KVGATE_SKIP_LIVE_VLLM=1 skips the module.
+vLLM (its disk tier found warm); and requests with another cache_salt (another tenant) load none of a salt's
+blocks. KVGATE_SKIP_LIVE_VLLM=1 skips the module.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def _grew(before: dict, after: dict) -> dict:
     return {name: after[name] - before[name] for name in after if after[name] != before[name]}
 
 
-def complete(server: VllmServer, prompt: str) -> str:
+def complete(server: VllmServer, prompt: str, **extra) -> str:
     response = httpx.post(f"{server.url}/completions", timeout=300, trust_env=False, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0})
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra})
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
 
@@ -182,6 +183,21 @@ def test_a_full_disk_stores_nothing_there_and_loses_no_answer(connected):
     assert _grew(before, connected.counters()).get("vllm_host", 0) >= 8 * BLOCK
     located = connected.admin("POST", "/admin/cache/locate", {"prompt": prompt})
     assert not any("disk" in b["tiers"] for b in located["blocks"])
+
+
+def test_requests_with_another_cache_salt_get_none_of_its_blocks(connected):
+    prompt = _prompt(connected.model, "salted")
+    expected = complete(connected.recompute, prompt)
+    assert complete(connected.server, prompt, cache_salt="tenant-a") == expected
+    connected.reset_device()
+    before = connected.counters()
+    assert complete(connected.server, prompt, cache_salt="tenant-b") == expected
+    other = _grew(before, connected.counters())
+    assert not {"vllm_host", "vllm_disk", "loaded_host", "loaded_disk"} & set(other)   # nothing of tenant a's
+    connected.reset_device()
+    before = connected.counters()
+    assert complete(connected.server, prompt, cache_salt="tenant-a") == expected
+    assert _grew(before, connected.counters()).get("loaded_host", 0) >= 8 * BLOCK       # its own, from host
 
 
 def test_a_restarted_vllm_finds_its_disk_tier_warm(connected):
