@@ -10,19 +10,23 @@ blocks. KVGATE_SKIP_LIVE_VLLM=1 skips the module.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from cache_impl.auth import ADMIN_TOKEN_HEADER
 from cache_impl.hf_export import export_hf
 from gates.engines.metrics import parse_metrics
 from tests.live_vllm import SERVED_NAME, VllmServer, kvgate_connector_config, vllm_python
-from tests.servers import free_port
+from tests.servers import REPO, TINY_SWEEP, free_port
 from workloads.datasets import sizer_for
 
 pytestmark = [pytest.mark.live_vllm, pytest.mark.slow]
@@ -210,3 +214,42 @@ def test_a_restarted_vllm_finds_its_disk_tier_warm(connected):
     assert complete(connected.server, prompt) == expected
     warm = _grew(before, connected.counters())
     assert warm.get("vllm_disk", 0) >= 8 * BLOCK and warm["vllm_disk"] == warm.get("loaded_disk")
+
+
+def test_kvgate_run_gates_vllm_with_kvgates_connector_through_g2_and_g4_with_faults(connected, tmp_path):
+    """The gated run against vLLM alone (recomputing): G2's placed hits verified by both counters and its cold read
+    measured on the sidecar; G4's faults injected into the connector's disk tier, detected, answers unchanged."""
+    target = {"model": SERVED_NAME, "engine": "vllm", "tokenizer": str(connected.model)}
+    config = {
+        "profile": "quick",
+        "targets": {"kind": "external", "baseline": {"url": connected.recompute.url, **target},
+                    "candidate": {"url": connected.server.url, "cache_layer": "kvgate",
+                                  "cache_layer_url": connected.sidecar, **target}},
+        "storage": {"path": str(tmp_path / "storage")},
+        "fio": {"sweep": TINY_SWEEP},
+        "g2": {"contexts": [1024, 2048], "model_load": {"enabled": False}, "checkpoint": {"enabled": False},
+               "no_reuse": {"enabled": False}},
+        "g4": {"duration_s": 60, "faults": [{"kind": "flip_byte", "at_s": 15},
+                                            {"kind": "read_error", "at_s": 35, "duration_s": 5}]},
+    }
+    path = tmp_path / "gates.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "gates.cli", "run", "g2", "g4", "--config", str(path), "--out",
+                           str(out), "--continue-on-fail"], cwd=REPO, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "KVGATE_ADMIN_TOKEN": TOKEN})
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    gates = {gate["gate"]: gate for gate in json.loads((out / "results.json").read_text())["gates"]}
+    g2 = {v["metric"]: v for v in gates["g2"]["verdicts"]}
+    assert g2["placed_tier_verified"]["status"] == "PASS" and g2["placed_tier_verified"]["value"] == 1.0, g2
+    hits = [json.loads(line) for line in (out / "gates" / "g2" / "measurements.jsonl").read_text().splitlines()]
+    placed = [row for row in hits if row["metric"] == "placed_hit"]
+    assert placed and all("kvgate's connector counted the same" in row["context"]["why"] for row in placed)
+    cold = g2["cold_read_vs_storage_best"]           # measured on the sidecar's disk counters, judged either way
+    assert cold["value"] is not None and cold["status"] in ("PASS", "FAIL", "INCONCLUSIVE"), cold
+    g4 = {v["metric"]: v for v in gates["g4"]["verdicts"]}
+    assert g4["faults_handled_fraction"]["value"] == 1.0, g4["faults_handled_fraction"]
+    assert g4["probe_identical_fraction"]["value"] == 1.0, g4["probe_identical_fraction"]
+    faults = {row["kind"]: row for row in map(json.loads, (out / "gates" / "g4" / "raw" / "faults.jsonl")
+                                              .read_text().splitlines())}
+    assert faults["flip_byte"]["detected"]["corrupt_blocks"] >= 1 and faults["read_error"]["detected"]["read_errors"] >= 1
