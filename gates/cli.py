@@ -361,7 +361,11 @@ def _export_weights(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _writing(directory: Path):
-    """An export's errors as configuration errors naming `dir`: one already there, one that cannot be written."""
+    """An export's errors as configuration errors naming `dir`: not a directory, one already there, one that
+    cannot be written. The first is refused before the model is built."""
+    if directory.exists() and not directory.is_dir():
+        found = "a file" if directory.is_file() else "something other than a directory"
+        raise ConfigError(f"dir: expected a directory, found {found}: {directory}")
     try:
         yield
     except FileExistsError as error:

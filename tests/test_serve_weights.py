@@ -159,3 +159,16 @@ def test_a_preset_that_disagrees_with_the_weights_exits_2(weights):
     assert result.returncode == 2, result.stderr
     assert f"{weights}: expected weights of the preset small (as asked), found the preset tiny" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("export_format", ["kvgate", "hf"])
+def test_export_weights_to_a_path_that_is_a_file_says_a_directory_was_expected(tmp_path, export_format):
+    """Before: `--force` on a file said `[Errno 17] File exists ... (--force replaces it)`, which it does not."""
+    target = tmp_path / "weights.bin"
+    target.write_bytes(b"not a checkpoint")
+    result = subprocess.run([sys.executable, "-m", "gates.cli", "export-weights", str(target), "--preset", "tiny",
+                             "--format", export_format, "--force"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"kvgate export-weights: dir: expected a directory, found a file: {target}"
+    assert target.read_bytes() == b"not a checkpoint"
