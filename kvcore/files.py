@@ -39,13 +39,16 @@ def append_jsonl(path: Path, row: dict) -> None:
 
 
 def read_jsonl_file(path: Path) -> list[dict]:
-    """Every complete JSON line of a file ([] when absent); a torn last line (a crash mid-write) is skipped."""
+    """Every complete JSON line of a file ([] when absent); a bad line (torn by a crash mid-write, not JSON, not
+    UTF-8) is skipped."""
     if not Path(path).exists():
         return []
-    return _parsed(Path(path).read_text().splitlines())
+    return _parsed(Path(path).read_bytes().splitlines())
 
 
-def _parsed(lines: Iterable[str | bytes]) -> list[dict]:
+def _parsed(lines: Iterable[bytes]) -> list[dict]:
+    """The JSON value of each line; a line that does not parse, or whose bytes are not UTF-8, is skipped
+    (json.loads decodes bytes itself: a UnicodeDecodeError is a ValueError)."""
     rows = []
     for line in lines:
         try:

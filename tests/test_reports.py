@@ -569,3 +569,17 @@ def test_g3s_section_shows_the_block_sampling_each_block_and_the_aa_count(tmp_pa
     assert "not decided after 4 pairs (the most allowed)" in g3 and "3 used, 1 left out" in g3
     assert "24.0% [10.0, 40.0]" in g3
     assert "Each block: baseline and candidate in turn" in g3 and "NO: client saturated" in g3
+
+
+def test_kvgate_report_skips_a_jsonl_line_of_invalid_utf8_as_a_bad_line(run_dir, capsys):
+    """Before: bytes that are not UTF-8 in a run's JSONL ended `kvgate report` in a UnicodeDecodeError traceback."""
+    from gates.cli import main as kvgate
+
+    measurements = run_dir / "gates" / "g1" / "measurements.jsonl"
+    with open(measurements, "ab") as handle:
+        handle.write(b'{"gate": "g1", "check": "bad \xff\xfe bytes", "metric": "x", "value": 1}\n')
+    RunStore(run_dir).record("g1", "after the bad line", "seq_read_gbps", 7.0, "GB/s")
+    assert kvgate(["report", str(run_dir)]) == 0
+    assert "report: " in capsys.readouterr().out
+    checks = [m["check"] for m in RunStore(run_dir).measurements("g1")]
+    assert "after the bad line" in checks and "seq read" in checks and not any("bytes" in c for c in checks)
