@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies and error responses.
 
-Request models accept the fields kvgate uses and ignore other OpenAI fields
-(`user`, ...). A known field of the wrong type or out of the range vLLM
+Request models type every field OpenAI's API or vLLM's (`vllm/entrypoints/openai/*/protocol.py`)
+defines that clients send, as vLLM types it, also those kvgate ignores (`user: 5` is a 400 naming
+`user`); only fields neither defines are ignored. A known field of the wrong type or out of the range vLLM
 accepts (`vllm/sampling_params.py`: top_p in (0, 1], penalties in [-2, 2], ...)
 is a 400 that names it; so is a value the embedded engine cannot honour
 (`logprobs: true`, `n: 2`, a penalty, a stop string, tools), rather than an answer that
@@ -51,7 +52,8 @@ def expect_object(body: object) -> dict:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = False
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # ignored: the usage comes once, in the last chunk
 
 
 class _GenerationFields(BaseModel):
@@ -79,6 +81,15 @@ class _GenerationFields(BaseModel):
     ignore_eos: Optional[bool] = None             # true: generate to max_tokens past end-of-text (vLLM's)
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, object]] = None
+    use_beam_search: Optional[bool] = None
+    priority: Optional[int] = None
+    cache_salt: Optional[str] = None
+    # ignored whatever their value: they ask for nothing the embedded engine would do otherwise
+    user: Optional[str] = None
+    request_id: Optional[str] = None
+    include_stop_str_in_output: Optional[bool] = None  # no stop strings are taken
+    skip_special_tokens: Optional[bool] = None          # special tokens are never text here (vLLM: true)
+    spaces_between_special_tokens: Optional[bool] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -133,6 +144,10 @@ _UNSUPPORTED = {
     "tool_choice": ((None, "none", "auto"), "the embedded engine does not call tools"),
     "functions": ((None, []), "the embedded engine does not call functions"),
     "function_call": ((None, "none", "auto"), "the embedded engine does not call functions"),
+    "use_beam_search": ((None, False), "the embedded engine does not search beams"),
+    "priority": ((None, 0), "the embedded engine serves requests first come, first served"),
+    "cache_salt": ((None, ""), "the embedded engine does not scope its cache by a request's salt (kvgate's "
+                               "connector inside vLLM does)"),
 }
 _SAMPLING_ONLY = {"top_p", "top_k", "min_p"}
 

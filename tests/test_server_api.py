@@ -276,7 +276,17 @@ BAD_REQUESTS = [
           (COMPLETIONS, {"prompt": "hi"}, "echo", "yes"), (COMPLETIONS, {"prompt": "hi"}, "stop", 5),
           (COMPLETIONS, {"prompt": "hi"}, "suffix", 1), (COMPLETIONS, {"prompt": "hi"}, "logit_bias", [1]),
           (CHAT, {"messages": HI}, "tools", "all"), (CHAT, {"messages": HI}, "parallel_tool_calls", "yes"),
-          (CHAT, {"messages": HI}, "response_format", "json"))),
+          (CHAT, {"messages": HI}, "response_format", "json"),
+          # fields kvgate ignores, typed as vLLM types them (`user: 5` was served)
+          (COMPLETIONS, {"prompt": "hi"}, "user", 5), (CHAT, {"messages": HI}, "user", ["someone"]),
+          (COMPLETIONS, {"prompt": "hi"}, "use_beam_search", "no"), (CHAT, {"messages": HI}, "priority", "high"),
+          (COMPLETIONS, {"prompt": "hi"}, "include_stop_str_in_output", 3),
+          (CHAT, {"messages": HI}, "skip_special_tokens", "no"),
+          (COMPLETIONS, {"prompt": "hi"}, "spaces_between_special_tokens", 1),
+          (CHAT, {"messages": HI}, "request_id", 5), (COMPLETIONS, {"prompt": "hi"}, "cache_salt", 5))),
+    _case("stream-options-continuous-usage-stats-x", COMPLETIONS,
+          {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "x"}},
+          param="stream_options.continuous_usage_stats", code="invalid_type"),
     # a JSON value that is not an object
     *(_case(f"body-is-{raw.decode()}-{'chat' if path == CHAT else 'completions'}", path, raw)
       for raw in (b"null", b"1", b"1.5", b"true") for path in (COMPLETIONS, CHAT)),
@@ -300,7 +310,9 @@ BAD_REQUESTS = [
           (CHAT, {"messages": HI}, "response_format", {"type": "json_object"}),
           (CHAT, {"messages": HI}, "tools", [{"type": "function", "function": {"name": "f"}}]),
           (CHAT, {"messages": HI}, "tool_choice", "required"),
-          (CHAT, {"messages": HI}, "functions", [{"name": "f"}]))),
+          (CHAT, {"messages": HI}, "functions", [{"name": "f"}]),
+          (COMPLETIONS, {"prompt": "hi"}, "use_beam_search", True), (CHAT, {"messages": HI}, "priority", 1),
+          (CHAT, {"messages": HI}, "cache_salt", "tenant-a"))),
     _case("empty-prompt", COMPLETIONS, {"model": MODEL, "prompt": ""}, param="prompt"),
     _case("empty-prompt-in-a-list", COMPLETIONS, {"model": MODEL, "prompt": [""]}, param="prompt"),
     _case("no-such-route", "/v1/embeddings", {"model": MODEL, "input": "hi"}, status=404),
@@ -341,7 +353,10 @@ def test_values_that_ask_for_nothing_the_engine_lacks_are_accepted(http):
     neutral = {"top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
                "repetition_penalty": 1, "n": 1, "logprobs": None, "best_of": 1, "echo": False, "stop": [],
                "stop_token_ids": None, "suffix": "", "logit_bias": {}, "min_tokens": 0, "ignore_eos": False,
-               "response_format": {"type": "text"}, "user": "someone", "seed": 2**64 - 1}
+               "response_format": {"type": "text"}, "user": "someone", "seed": 2**64 - 1, "use_beam_search": False,
+               "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": True,
+               "priority": 0, "request_id": "r-1", "cache_salt": None,
+               "stream_options": {"include_usage": None, "continuous_usage_stats": False}}
     response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **neutral})
     assert response.status_code == 200, response.text
     no_tools = {"tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": None, "stop": None,
