@@ -9,7 +9,8 @@ Every client mistake gets a 4xx with OpenAI's error body, a body over
 `max_request_bytes` a 413 before it is read whole (cache_impl/http_body.py).
 Backpressure: when `max_waiting` requests already wait, a new one gets 429
 (OpenAI's rate-limit shape); clients retry. A client that disconnects
-mid-stream cancels its request, which frees its batch slot and KV.
+before its answer is complete, streamed or not, cancels its request, which
+frees its batch slot and KV.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import os
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Optional, TypeVar
 
 import psutil
 from fastapi import FastAPI, Request
@@ -36,6 +37,7 @@ from .metrics_export import EngineCollector
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, chat_tokens, parse_request
 
 DEFAULT_MAX_TOKENS = 16
+T = TypeVar("T")
 
 
 def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optional[str] = None,
@@ -143,15 +145,34 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
             return StreamingResponse(shape.sse(stream, job, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text, finish = await stream.collect()
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
+            answer = await _unless_disconnected(request, stream.collect())
+        finally:
+            job.cancelled.set()  # a no-op when finished; frees the slot when the client went away
+        if answer is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        text, finish = answer
         if finish.finish_reason == "error":
             raise ApiError(500, f"the engine failed: {finish.error}", "server_error")
         return shape.full(text, finish)
 
     return app
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
+    """`work`'s result, or None (`work` cancelled) as soon as the client disconnects, its body read: a
+    non-streamed answer is not waited for by anyone then (a streamed one is cancelled by its response)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    working, watching = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((working, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not working.done():
+            working.cancel()
+    return working.result() if working.done() and not working.cancelled() else None
 
 
 class _EventStream:

@@ -15,6 +15,7 @@ reported as skipped ("recorded only"), never counted as a passing check.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,15 +23,16 @@ from typing import Any, Callable, Optional
 import pytest
 
 from kvcore.rules import Rule, parse_rule
-from kvcore.rundata import RunStore, Unjudged
+from kvcore.rundata import Errored, RunStore, Unjudged
 
-from .checks import check_of
+from .checks import CHECKS, check_of
 from .config import GatesConfig, load_config
 from .targets import Endpoint, endpoints_from_json
 from .verdict import judge
 
 RUN_DIR = pytest.StashKey[Path]()
 JUDGED = pytest.StashKey[int]()   # verdicts stored by the test now running
+VERDICT_FAILED = pytest.StashKey[bool]()   # the test now running failed by its verdict (FAIL or INCONCLUSIVE)
 RECORDED_ONLY = "recorded only: this test stores figures and judges nothing"
 
 
@@ -116,6 +118,7 @@ def verdict(gate_context: GateContext, request: pytest.FixtureRequest) -> Callab
                        **options)
         gate_context.store.add_verdict(result)
         if result.status != "PASS":
+            request.config.stash[VERDICT_FAILED] = True
             pytest.fail(result.reason, pytrace=False)
         return result.to_dict()
 
@@ -149,15 +152,45 @@ def _number_or_none(value: Any) -> Optional[float]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """A gate test that passed without judging anything is reported as skipped (recorded only)."""
+    """A gate test that passed without judging anything is reported as skipped (recorded only); one that
+    erred outside its verdict is stored as errored."""
     if call.when == "setup":
         item.config.stash[JUDGED] = 0
+        item.config.stash[VERDICT_FAILED] = False
     outcome = yield
     report = outcome.get_result()
     in_gate = RUN_DIR in item.config.stash and "gate_context" in getattr(item, "fixturenames", ())
     if call.when == "call" and in_gate and report.passed and not item.config.stash.get(JUDGED, 0):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0, RECORDED_ONLY)
+    by_verdict = call.when == "call" and item.config.stash.get(VERDICT_FAILED, False)
+    gate = item.config.getoption("--kvgate-gate")
+    if in_gate and gate and report.failed and call.excinfo is not None and not by_verdict:
+        RunStore(item.config.stash[RUN_DIR]).add_error(
+            Errored(gate, item.name, call.when, error_reason(call.excinfo), named_metrics(item, gate)))
+
+
+def error_reason(excinfo: pytest.ExceptionInfo) -> str:
+    """The exception in one line: a pytest.fail's message as written, else "TypeName: message" (its first line)."""
+    error = excinfo.value
+    text = str(error.msg) if isinstance(error, pytest.fail.Exception) else f"{excinfo.typename}: {error}"
+    return next((line.strip() for line in text.splitlines() if line.strip()), excinfo.typename)
+
+
+def named_metrics(item: pytest.Item, gate: str) -> tuple[str, ...]:
+    """The gate's declared metrics a test's code names (a string in it, or a module global it reads holding one):
+    what it would have judged, had it not erred."""
+    function = getattr(item, "function", None)
+    if function is None:
+        return ()
+    named: set[str] = set()
+    codes = [function.__code__]
+    while codes:                       # the test's code and the functions defined inside it
+        code = codes.pop()
+        named.update(c for c in code.co_consts if isinstance(c, str))
+        named.update(v for v in map(function.__globals__.get, code.co_names) if isinstance(v, str))
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return tuple(c.metric for c in CHECKS[gate] if c.metric in named)
 
 
 @pytest.fixture(scope="session")

@@ -125,17 +125,23 @@ def environment_fingerprint(config: GatesConfig) -> dict:
     }
 
 
-def gate_status(verdicts: list[dict], pytest_exit_code: int, unjudged: Sequence[dict] = ()) -> tuple[str, str]:
+def gate_status(verdicts: list[dict], pytest_exit_code: int, unjudged: Sequence[dict] = (),
+                errors: Sequence[dict] = ()) -> tuple[str, str]:
     """A gate's outcome from its verdicts; a crash or a missing verdict is an error, never a pass.
 
-    Figures measured without a rule (`unjudged`, their rows) never count as passed checks; the summary says how
-    many. A gate none of whose checks applies to the candidate (each not run as not applicable: a vLLM with no
-    tier below the device in G2) is "not run", saying why: it neither passes nor errs.
+    A check that erred outside its verdict (`errors`, RunStore.errors rows) makes the gate "error" with the
+    first one's reason, unless a verdict failed. Figures measured without a rule (`unjudged`, their rows) never
+    count as passed checks; the summary says how many. A gate none of whose checks applies to the candidate
+    (each not run as not applicable: a vLLM with no tier below the device in G2) is "not run", saying why: it
+    neither passes nor errs.
     """
     failed = [v for v in verdicts if v["status"] == "FAIL"]
     unsure = [v for v in verdicts if v["status"] == "INCONCLUSIVE"]
     if failed:
         return "failed", failed[0]["reason"]
+    if errors:
+        more = f" ({len(errors)} checks errored)" if len(errors) > 1 else ""
+        return "error", f"{errors[0]['check']}: {errors[0]['reason']}{more}"
     if unsure:
         return "inconclusive", unsure[0]["reason"]
     if pytest_exit_code not in (0, 1, 5) or (pytest_exit_code == 1 and not failed and not unsure):
@@ -292,14 +298,18 @@ class GateRunner:
         for line in gate_lines(plan, gate) if plan is not None else [problem]:
             self.console.print(f"  [dim]{line}[/dim]", highlight=False)
 
+    def suite_path(self, gate: str) -> Path:
+        """The folder of the gate's pytest suite."""
+        return GATES_DIR / SUITES[gate]
+
     def _run_gate(self, gate: str) -> str:
         gate_dir = self.store.gate_dir(gate)
         gate_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pytest", str(GATES_DIR / SUITES[gate]), "-p", "no:cacheprovider",
+        command = [sys.executable, "-m", "pytest", str(self.suite_path(gate)), "-p", "no:cacheprovider",
                    "--rootdir", str(GATES_DIR.parent), "--kvgate-run-dir", str(self.run_dir.resolve()),
                    "--kvgate-gate", gate, "--junitxml", str((gate_dir / "junit.xml").resolve()), "-q", "-rN"]
         started = time.time()
-        shown = 0
+        shown = errored = 0
         running = f"{GATE_TITLES[gate]} running …"
         steps = self.store.progress_steps(gate)
         steps.read_new()   # the step lines of an earlier attempt (a resumed soak) were said then
@@ -308,13 +318,16 @@ class GateRunner:
                                        preexec_fn=die_with_parent, env=os.environ | self.suite_env)
             while process.poll() is None:
                 shown = self._print_new_verdicts(gate, shown)
+                errored = self._print_new_errors(gate, errored)
                 progress = self.store.progress(gate)
                 spinner.update(f"{running} {progress}" if progress else running)
                 self._print_plain(gate, steps.read_new())
                 time.sleep(0.5)
         self._print_plain(gate, steps.read_new())
         self._print_new_verdicts(gate, shown)
-        status, reason = gate_status(self.store.verdicts(gate), process.returncode, self.store.unjudged(gate))
+        self._print_new_errors(gate, errored)
+        status, reason = gate_status(self.store.verdicts(gate), process.returncode, self.store.unjudged(gate),
+                                     self.store.errors(gate))
         self.store.set_status(gate, status, reason, started_at=started, ended_at=time.time(),
                               pytest_exit_code=process.returncode)
         style = STATUS_STYLE.get(status, "bold")
@@ -341,6 +354,13 @@ class GateRunner:
             extra = f"  [dim]({beside_text(shown_beside, str(v.get('unit') or ''))})[/dim]" if shown_beside else ""
             self.console.print(f"  [{color}]{v['status']:<12}[/{color}] {v['reason']}{extra}", highlight=False)
         return len(verdicts)
+
+    def _print_new_errors(self, gate: str, shown: int) -> int:
+        """Each check the gate stored as errored since the last call, with its reason (as verdicts are shown)."""
+        errors = self.store.errors(gate)
+        for e in errors[shown:]:
+            self.console.print(f"  [red]{'ERROR':<12}[/red] {e['check']}: {e['reason']}", highlight=False)
+        return len(errors)
 
     def _render(self) -> None:
         from reports.render import render_run

@@ -88,25 +88,40 @@ def _figure(rows: list[dict], claim: Claim) -> Optional[float]:
 
 
 def judge_claim(claim: Claim, measured: Optional[float], predicted: Optional[float] = None,
-                gate_status: Optional[str] = None, not_judged: Optional[str] = None) -> dict:
-    """One row of the claims table. `not_judged`: why the gate's verdicts of the claim's figure give no measured
-    figure ("invalid: <reason>", kvcore.judged), said as the row's note."""
+                why_not: str = "") -> dict:
+    """One row of the claims table. `why_not`: why there is no measured figure (why_not_measured), the row's note."""
     row = {"id": claim.id, "claim": claim.label, "source": claim.source, "unit": claim.unit,
            "min": claim.min, "max": claim.max, "predicted": predicted, "measured": measured, "note": ""}
     if measured is None:
-        gate = claim.gate.upper()
-        if not_judged:
-            return {**row, "verdict": NOT_MEASURED, "note": f"{gate} {claim.metric}: {not_judged}"}
-        if gate_status in (None, "not run"):
-            why = f"{gate} did not run" + (f"; it needs {claim.needs}" if claim.needs else "")
-        else:
-            why = f"needs {claim.needs}" if claim.needs else f"{gate} measured no {claim.metric}"
-        return {**row, "verdict": NOT_MEASURED, "note": why}
+        return {**row, "verdict": NOT_MEASURED, "note": why_not or f"{claim.gate.upper()} measured no {claim.metric}"}
     if claim.min is not None and measured < claim.min:
         return {**row, "verdict": NOT_MET}
     if claim.max is not None and measured > claim.max:
         return {**row, "verdict": MET, "note": "above the claim: better than promised — check the measurement"}
     return {**row, "verdict": MET}
+
+
+def why_not_measured(store: RunStore, claim: Claim, not_judged: Optional[str]) -> str:
+    """Why the claim's figure is missing, from what the run stored, first match: its verdicts were not judged
+    ("invalid: <reason>"), the check that judges it erred (its reason), it was not judged or not run (the unjudged
+    row's reason: not applicable, no baseline path), the gate erred or did not run, else what the claim needs."""
+    gate = claim.gate.upper()
+    if not_judged:
+        return f"{gate} {claim.metric}: {not_judged}"
+    errored = next((e for e in store.errors(claim.gate) if claim.metric in e.get("metrics", ())), None)
+    if errored:
+        return f"{gate} {errored['check']} errored: {errored['reason']}"
+    unjudged = next((u for u in store.unjudged(claim.gate) if u.get("metric") == claim.metric), None)
+    if unjudged:
+        return f"{gate} {claim.metric}: {unjudged['reason']}"
+    status = store.status(claim.gate) or {}
+    if status.get("status") == "error":
+        return f"{gate} errored: {status.get('reason', '')}"
+    if status.get("status") in (None, "not run"):
+        if "pytest_exit_code" in status:      # its suite ran and judged nothing: no check applied
+            return f"{gate}: {status.get('reason', '')}"
+        return f"{gate} did not run" + (f"; it needs {claim.needs}" if claim.needs else "")
+    return f"needs {claim.needs}" if claim.needs else ""
 
 
 def claims_table(store: RunStore, claims: list[Claim]) -> list[dict]:
@@ -115,12 +130,11 @@ def claims_table(store: RunStore, claims: list[Claim]) -> list[dict]:
     predictions = store.predictions()
     rows = []
     for claim in claims:
-        status = store.status(claim.gate)
         measured, not_judged = _measured(store, claim)
         predicted = _figure([p for p in made_before(predictions, claim.gate) if p.get("metric") == claim.metric],
                             claim)
-        rows.append(judge_claim(claim, measured, predicted, None if status is None else status.get("status"),
-                                not_judged))
+        why_not = why_not_measured(store, claim, not_judged) if measured is None else ""
+        rows.append(judge_claim(claim, measured, predicted, why_not))
     return rows
 
 

@@ -8,6 +8,7 @@ Layout of `reports/runs/<run-id>/` (or `--out`)::
     gates/<gate>/measurements.jsonl   one Measurement per line, appended as measured
     gates/<gate>/verdicts.jsonl       one Verdict per line, appended as judged
     gates/<gate>/unjudged.jsonl       one Unjudged per line: a check measured with no rule to judge it
+    gates/<gate>/errors.jsonl         one Errored per line: a check that erred outside its verdict, with the reason
     gates/<gate>/status.json          the gate's outcome once it ended (or "not run")
     predictions.jsonl                 the sizing model's predicted figures, one per line, by stage ("before g3")
     sizing.json                       predicted beside measured with the errors, and the model's accuracy
@@ -108,6 +109,26 @@ class Unjudged:
         return {k: v for k, v in asdict(self).items() if v not in (None, "", {})} | {"reason": self.reason}
 
 
+@dataclass(frozen=True)
+class Errored:
+    """A check that erred outside its verdict: its setup (a fixture), its call or its teardown raised.
+
+    `reason` is the exception's one line (no traceback: that stays in pytest.log); `metrics` are the declared
+    metrics the check would have judged, as far as its code names them (the claims table says why one is
+    missing).
+    """
+
+    gate: str
+    check: str
+    phase: str                      # setup, call or teardown
+    reason: str
+    metrics: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"gate": self.gate, "check": self.check, "phase": self.phase, "reason": self.reason,
+                "metrics": list(self.metrics)}
+
+
 class RunStore:
     """Reads and appends the raw data of one run directory."""
 
@@ -137,6 +158,9 @@ class RunStore:
     def add_unjudged(self, unjudged: Unjudged) -> None:
         append_jsonl(self.gate_dir(unjudged.gate) / "unjudged.jsonl", {**unjudged.to_dict(), "t": time.time()})
 
+    def add_error(self, errored: Errored) -> None:
+        append_jsonl(self.gate_dir(errored.gate) / "errors.jsonl", {**errored.to_dict(), "t": time.time()})
+
     def measurements(self, gate: Optional[str] = None) -> list[dict]:
         return self._rows(gate, "measurements.jsonl")
 
@@ -145,6 +169,9 @@ class RunStore:
 
     def unjudged(self, gate: Optional[str] = None) -> list[dict]:
         return self._rows(gate, "unjudged.jsonl")
+
+    def errors(self, gate: Optional[str] = None) -> list[dict]:
+        return self._rows(gate, "errors.jsonl")
 
     def latest(self, gate: str, metric: str, check: Optional[str] = None) -> Optional[dict]:
         """The last measurement of a metric in a gate."""

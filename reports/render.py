@@ -70,8 +70,8 @@ def _gate_result(store: RunStore, gate: str, requested: bool, predictions: list[
     else:
         status, reason = "not run", "not run yet" if requested else "not requested"
     return {"gate": gate, "title": GATE_TITLES[gate], "status": status, "reason": reason, "requested": requested,
-            "status_record": record, "verdicts": verdicts, "unjudged": store.unjudged(gate),
-            "measurements": measurements}
+            "status_record": record, "verdicts": verdicts, "errors": store.errors(gate),
+            "unjudged": store.unjudged(gate), "measurements": measurements}
 
 
 def _progress(verdicts: list[dict], measurements: list[dict]) -> str:
@@ -165,6 +165,9 @@ def _verdict_suite(gate: dict, name: str) -> ET.Element:
         elif status != "PASS":
             ET.SubElement(case, "error", message=f"{status or 'no status'}: {reason}", type="verdict")
         ET.SubElement(case, "system-out").text = reason
+    for errored in gate["errors"]:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=str(errored.get("check", "check")), time="0")
+        ET.SubElement(case, "error", message=str(errored.get("reason", "")), type=str(errored.get("phase", "")))
     _outcome_case(suite, gate, classname)
     return _count(suite)
 
@@ -176,7 +179,7 @@ def _outcome_case(suite: ET.Element, gate: dict, classname: str) -> None:
     if status in ("not run", "running"):
         case = ET.SubElement(suite, "testcase", classname=classname, name=f"{gate['gate']} {status}", time="0")
         ET.SubElement(case, "skipped", message=reason)
-    elif status in PROBLEM and "FAIL" not in statuses:
+    elif status in PROBLEM and "FAIL" not in statuses and not gate["errors"]:   # errored checks are their cases
         case = ET.SubElement(suite, "testcase", classname=classname, name=f"{gate['gate']} outcome", time="0")
         ET.SubElement(case, "error" if status == "error" else "failure", message=reason, type=status)
     elif status == "inconclusive" and not statuses & {"FAIL", "INCONCLUSIVE"}:

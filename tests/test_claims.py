@@ -85,3 +85,24 @@ def test_a_level_not_judged_leaves_a_lowest_level_claim_not_measured_and_an_unde
     rows = {row["id"]: row for row in claims_table(store, _claims())}
     row = rows["ttft_p50_reduction"]                 # the minimum over the levels cannot be known: c=8 undecided
     assert row["verdict"] == NOT_MEASURED and "inconclusive: its interval straddles the rule" in row["note"]
+
+
+def test_a_claim_whose_check_did_not_apply_says_not_applicable_and_why_not_that_the_gate_did_not_run(tmp_path):
+    """G2 ran against a vLLM with no disk tier: no check applied, so the gate is "not run", yet it ran."""
+    from gates.run import gate_status
+    from kvcore.rundata import Unjudged
+
+    store = RunStore(tmp_path)
+    why = "not run: not applicable: the candidate (vllm) has no disk tier (no KV connector)"
+    store.add_unjudged(Unjudged("g2", "test_disk_hit", "disk_hit_ttft_vs_recompute", "G2 cold disk hit TTFT", why))
+    store.add_unjudged(Unjudged("g2", "test_cold_read", "cold_read_vs_storage_best", "G2 cold read", why))
+    status, reason = gate_status([], 0, store.unjudged("g2"))
+    store.set_status("g2", status, reason, pytest_exit_code=0)
+    rows = {row["id"]: row for row in claims_table(store, _claims())}
+    assert rows["speedup_over_recompute"]["note"] == f"G2 disk_hit_ttft_vs_recompute: {why}"
+    assert rows["cold_read_gbps"]["note"] == f"G2 cold_read_vs_storage_best: {why}"
+    # a claim whose check stored nothing: the gate's own reason, not "did not run"
+    assert rows["checkpoint_write_gbps"]["note"] == ("G2: no check applies to the candidate: not applicable: the "
+                                                     "candidate (vllm) has no disk tier (no KV connector)")
+    assert not any("did not run" in row["note"] for row in rows.values() if row["id"] not in (
+        "ttft_p50_reduction", "throughput_gain"))

@@ -68,6 +68,10 @@ def test_only_declared_checks_are_judged_and_unjudged_figures_are_listed(tmp_pat
     [unjudged] = store.unjudged("g1")
     assert unjudged["metric"] == "mixed_70_30_iops" and unjudged["value"] == 41000.0
     assert "no threshold for 'mixed_70_30_iops' in g1.thresholds" in unjudged["reason"]
+    # a verdict's own FAIL is not an error; judging an undeclared metric raised outside any verdict: it is
+    [errored] = store.errors("g1")
+    assert (errored["check"], errored["phase"]) == ("test_judges_an_undeclared_metric", "call")
+    assert "g1 judges no metric 'throughput_gian'" in errored["reason"] and "\n" not in errored["reason"]
 
 
 def test_every_metric_a_gate_suite_judges_is_declared():

@@ -697,6 +697,37 @@ def test_client_disconnect_mid_stream_frees_the_slot(http):
     assert metric_value(samples, "kvgate_requests_waiting") == 0
 
 
+def test_client_disconnect_before_a_non_streamed_answer_cancels_the_request(http, server):
+    """Before: a non-streamed request kept its slot after its client went, generating all its max_tokens."""
+    before = metrics(http)
+    body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 3000, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    sockets = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+    for sock in sockets:
+        sock.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 60
+    while metric_value(metrics(http), "kvgate_requests_running") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for sock in sockets:
+        sock.close()  # the clients give up before the answer
+
+    deadline = time.monotonic() + 120  # the requests would have finished by then: the counts tell which
+    while True:
+        samples = metrics(http)
+        if metric_value(samples, "kvgate_requests_running") == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_value(samples, name, **labels) - metric_value(before, name, **labels)
+
+    assert metric_value(samples, "kvgate_requests_running") == 0, "the disconnected requests still hold slots"
+    assert delta("kvgate_requests_finished_total", reason="cancelled") == 2
+    assert delta("kvgate_requests_finished_total", reason="length") == 0
+    assert delta("kvgate_generation_tokens_total") < 2 * 3000
+
+
 # -- shutdown ------------------------------------------------------------------------------------------
 
 
