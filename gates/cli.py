@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from cache_impl.config import ConfigError
+from kvcore.printable import printable
 from workloads.fio import FioError
 from workloads.safetensors_dir import CheckpointFormatError
 
@@ -168,7 +169,7 @@ def _report(args: argparse.Namespace) -> int:
         print(f"kvgate report: run_dir: expected a run directory with run.json, found {args.run_dir}", file=sys.stderr)
         return 2
     results = render_run(args.run_dir)
-    print(f"{results['overall']['status'].upper()}: {results['overall']['summary']}")
+    print(f"{results['overall']['status'].upper()}: {printable(results['overall']['summary'])}")
     print(f"report: {(args.run_dir / 'index.html').resolve()}")
     return 0
 
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (ConfigError, FioError, CheckpointFormatError) as error:
-        print(f"kvgate {args.command}: {error}", file=sys.stderr)
+        print(f"kvgate {args.command}: {printable(str(error))}", file=sys.stderr)
         return 2
 
 

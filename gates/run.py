@@ -25,6 +25,7 @@ import yaml
 from rich.console import Console
 
 from kvcore.aa import false_decision_line
+from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from workloads.fio import FioError, fio_version
@@ -32,6 +33,7 @@ from workloads.inventory import collect_inventory
 from workloads.processes import die_with_parent
 
 from .config import GatesConfig
+from .console import GateConsole, target_text
 from .preflight import ability_line, failure_message, probe_engines, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
@@ -171,7 +173,7 @@ class GateRunner:
         self.config, self.run_dir, self.run_id, self.gates = config, run_dir, run_id, gates
         self.continue_on_fail, self.resume = continue_on_fail, resume
         self.store = RunStore(run_dir)
-        self.console = console or Console()
+        self.console = console or GateConsole()
         self.suite_env: dict[str, str] = {}  # for the gate suites: the embedded servers' admin token
         self.last_plan = None                # the sizing model's latest plan (gates/sizing/in_run.py)
 
@@ -211,7 +213,7 @@ class GateRunner:
                 self.store.set_status(gate, "not run", problem)
         self._render()
         if problem:
-            print(f"kvgate run: {problem}", file=sys.stderr)
+            print(f"kvgate run: {printable(problem)}", file=sys.stderr)
             return 2
         return 0 if all(s == "passed" for s in statuses) else 1
 
@@ -235,7 +237,7 @@ class GateRunner:
         rows = [r.to_dict() for r in results]
         for r in results:
             mark = "[green]ok[/green]" if r.ok else "[red]FAILED[/red]"
-            self.console.print(f"  pre-flight {mark} {r.line()}", highlight=False)
+            self.console.print(f"  pre-flight {mark} {target_text(r.line())}", highlight=False)
         failed = failure_message(results)
         if not failed:      # what each engine really allows, before any gate relies on it
             with self.console.status("pre-flight: probing each engine's cache controls …"):
@@ -243,7 +245,7 @@ class GateRunner:
             for row in rows:
                 if row["role"] in probed:
                     row.update(probed[row["role"]])
-                    self.console.print(f"  [dim]{ability_line(row['role'], row['abilities'])}[/dim]",
+                    self.console.print(f"  [dim]{target_text(ability_line(row['role'], row['abilities']))}[/dim]",
                                        highlight=False)
         self.store.write_preflight(rows)
         return failed
@@ -320,7 +322,7 @@ class GateRunner:
                 shown = self._print_new_verdicts(gate, shown)
                 errored = self._print_new_errors(gate, errored)
                 progress = self.store.progress(gate)
-                spinner.update(f"{running} {progress}" if progress else running)
+                spinner.update(f"{running} {target_text(progress)}" if progress else running)
                 self._print_plain(gate, steps.read_new())
                 time.sleep(0.5)
         self._print_plain(gate, steps.read_new())
@@ -332,7 +334,7 @@ class GateRunner:
                               pytest_exit_code=process.returncode)
         style = STATUS_STYLE.get(status, "bold")
         self.console.print(f"[{style}]{GATE_TITLES[gate]}: {status.upper()}[/{style}]  "
-                           f"({time.time() - started:.0f} s) {reason}")
+                           f"({time.time() - started:.0f} s) {target_text(reason)}")
         aa_line = false_decision_line(self.store.measurements(gate))
         if aa_line:
             self.console.print(f"  {aa_line}", highlight=False)
@@ -340,7 +342,7 @@ class GateRunner:
 
     def _print_plain(self, gate: str, steps: list[dict]) -> None:
         for line in plain_progress_lines(GATE_TITLES[gate], steps, self.console.is_terminal):
-            print(line, flush=True)
+            print(printable(line), flush=True)
 
     def _print_new_verdicts(self, gate: str, shown: int) -> int:
         """Each verdict the gate wrote since the last call, with the sizing model's prediction beside it."""
@@ -352,14 +354,16 @@ class GateRunner:
             color = {"PASS": "green", "FAIL": "red", "INCONCLUSIVE": "yellow"}.get(v["status"], "white")
             shown_beside = beside(v, predictions)
             extra = f"  [dim]({beside_text(shown_beside, str(v.get('unit') or ''))})[/dim]" if shown_beside else ""
-            self.console.print(f"  [{color}]{v['status']:<12}[/{color}] {v['reason']}{extra}", highlight=False)
+            self.console.print(f"  [{color}]{v['status']:<12}[/{color}] {target_text(v['reason'])}{extra}",
+                               highlight=False)
         return len(verdicts)
 
     def _print_new_errors(self, gate: str, shown: int) -> int:
         """Each check the gate stored as errored since the last call, with its reason (as verdicts are shown)."""
         errors = self.store.errors(gate)
         for e in errors[shown:]:
-            self.console.print(f"  [red]{'ERROR':<12}[/red] {e['check']}: {e['reason']}", highlight=False)
+            self.console.print(f"  [red]{'ERROR':<12}[/red] {target_text(e['check'])}: {target_text(e['reason'])}",
+                               highlight=False)
         return len(errors)
 
     def _render(self) -> None:
@@ -368,5 +372,6 @@ class GateRunner:
         results = render_run(self.run_dir)
         overall = results["overall"]
         style = STATUS_STYLE.get(overall["status"], "bold")
-        self.console.print(f"[{style}]overall: {overall['status'].upper()}[/{style}]  {overall['summary']}")
+        self.console.print(f"[{style}]overall: {overall['status'].upper()}[/{style}]  "
+                           f"{target_text(overall['summary'])}")
         self.console.print(f"report: {(self.run_dir / 'index.html').resolve()}")

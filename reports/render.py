@@ -25,6 +25,7 @@ from kvcore.files import write_json, write_text_atomic
 from kvcore.aa import false_decision_line
 from kvcore.claims import claim_text, claims_table, format_figure, run_claims
 from kvcore.predictions import beside
+from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
 from . import g1_arrival, g2_cache, g2_storage, g3_main, g4_soak, plots, storage_yardstick
@@ -124,6 +125,10 @@ def junit_xml(store: RunStore, results: dict) -> str:
         root.set(key, str(sum(int(s.get(key, "0")) for s in root)))
     root.set("time", f"{sum(float(s.get('time', '0') or 0) for s in root):.3f}")
     ET.indent(root)
+    for element in root.iter():       # text from a target: a control character would leave XML that does not parse
+        element.attrib.update({key: printable(value) for key, value in element.attrib.items()})
+        element.text = element.text and printable(element.text)
+        element.tail = element.tail and printable(element.tail)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
@@ -304,7 +309,8 @@ def render_html(results: dict, run_dir: Path, rendered_at: float) -> str:
     )
     # Nothing in the page may look like a link out (a target URL in the environment, say):
     # an entity for the colon shows the same text and leaves no literal scheme in the file.
-    return page.replace("://", "&#58;//")
+    # A target's control characters and lone surrogates are shown as escapes (the latter UTF-8 cannot write).
+    return printable(page.replace("://", "&#58;//"))
 
 
 def render_run(run_dir: Path) -> dict:
