@@ -104,18 +104,20 @@ def judge_claim(claim: Claim, measured: Optional[float], predicted: Optional[flo
 def why_not_measured(store: RunStore, claim: Claim, not_judged: Optional[str]) -> str:
     """Why the claim's figure is missing, from what the run stored, first match: its verdicts were not judged
     ("invalid: <reason>"), the check that judges it erred (its reason), it was not judged or not run (the unjudged
-    row's reason: not applicable, no baseline path), the gate erred or did not run, else what the claim needs."""
+    row's reason: not applicable, no baseline path), the gate crashed storing no errored check, or did not run,
+    else what the claim needs (a check that erred is not taken for the cause of another claim's absence)."""
     gate = claim.gate.upper()
     if not_judged:
         return f"{gate} {claim.metric}: {not_judged}"
-    errored = next((e for e in store.errors(claim.gate) if claim.metric in e.get("metrics", ())), None)
+    errors = store.errors(claim.gate)
+    errored = next((e for e in errors if claim.metric in e.get("metrics", ())), None)
     if errored:
         return f"{gate} {errored['check']} errored: {errored['reason']}"
     unjudged = next((u for u in store.unjudged(claim.gate) if u.get("metric") == claim.metric), None)
     if unjudged:
         return f"{gate} {claim.metric}: {unjudged['reason']}"
     status = store.status(claim.gate) or {}
-    if status.get("status") == "error":
+    if status.get("status") == "error" and not errors:
         return f"{gate} errored: {status.get('reason', '')}"
     if status.get("status") in (None, "not run"):
         if "pytest_exit_code" in status:      # its suite ran and judged nothing: no check applied

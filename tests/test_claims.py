@@ -106,3 +106,22 @@ def test_a_claim_whose_check_did_not_apply_says_not_applicable_and_why_not_that_
                                                      "candidate (vllm) has no disk tier (no KV connector)")
     assert not any("did not run" in row["note"] for row in rows.values() if row["id"] not in (
         "ttft_p50_reduction", "throughput_gain"))
+
+
+def test_a_claim_names_the_check_that_errored_for_its_figure_and_only_that_one(tmp_path):
+    from kvcore.rundata import Errored
+
+    store = RunStore(tmp_path)
+    room = "G2 checkpoint: /mnt/small: expected room for 0.42 GB, found 0.07 GB free"
+    store.add_error(Errored("g2", "test_checkpoint_write", "setup", room, ("checkpoint_write_vs_storage_best",)))
+    store.set_status("g2", "error", f"test_checkpoint_write: {room}", pytest_exit_code=1)
+    rows = {row["id"]: row for row in claims_table(store, _claims())}
+    assert rows["checkpoint_write_gbps"]["note"] == f"G2 test_checkpoint_write errored: {room}"
+    # another claim of the gate is not blamed on that check: it says what it needs
+    assert rows["model_load_speedup"]["note"] == "needs a baseline storage path (g2.model_load.baseline_path)"
+    crashed = RunStore(tmp_path / "crashed")      # the suite crashed storing no errored check: the gate's reason
+    crashed.set_status("g2", "error", "a check crashed outside its verdict (pytest exit 2): see pytest.log",
+                       pytest_exit_code=2)
+    rows = {row["id"]: row for row in claims_table(crashed, _claims())}
+    assert rows["checkpoint_write_gbps"]["note"] == ("G2 errored: a check crashed outside its verdict (pytest exit 2): "
+                                                     "see pytest.log")
