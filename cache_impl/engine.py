@@ -57,6 +57,9 @@ class EngineConfig(StrictModel):
     load_format: LoadFormat = Field(default="safetensors", description="the loader of `weights`: safetensors "
                                     "(what engines do by default), runai_streamer or fastsafetensors")
     load_concurrency: int = Field(default=16, ge=1, le=256, description="the streaming loaders' read threads")
+    require_checksums: bool = Field(default=False, description="refuse `weights` without their checksum sidecar "
+                                    "and index (what verifies each tensor's bytes and finds every shard); "
+                                    "otherwise they are served with a warning on the start line")
     max_running: int = Field(default=8, ge=1, description="requests decoding at once")
     max_waiting: int = Field(default=64, ge=0, description="queued requests before new ones get 429")
     # The longest prompt a preset takes (16,384 tokens) is at most ~100 KiB of JSON (a byte token
@@ -197,7 +200,8 @@ class Engine:
         if config.weights is None:
             return seeded_weights(config.preset, config.seed, self.device)
         asked = config.preset if "preset" in config.model_fields_set else None
-        return load_weights(config.weights, asked, config.load_format, self.device, config.load_concurrency)
+        return load_weights(config.weights, asked, config.load_format, self.device, config.load_concurrency,
+                            config.require_checksums)
 
     # -- public ---------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from workloads.loaders import DEFAULT_CONCURRENCY, check_destinations, load_checkpoint, verify_loaded
-from workloads.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_safetensors_dir
+from workloads.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, SafetensorsDir,
+                                       read_safetensors_dir, write_safetensors_dir)
 
 from .model import PRESETS, ModelArgs, Transformer, build_model
 
@@ -48,17 +49,21 @@ class WeightsLoad:
     cold: Optional[bool] = None
     verify_seconds: float = 0.0
     verified_against: Optional[str] = None
+    missing: tuple[str, ...] = ()             # what verifies a load that the directory lacks (`unverifiable`)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        """One phrase for the start line."""
+        """One phrase for the start line; it says when the weights could not be verified."""
         if self.loader is None:
             return f"weights from {self.source} ({self.seconds:.2f} s)"
         phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.phases.items() if name not in self.folded)
+        lacking = " and no ".join(self.missing)
+        unverified = (f", not fully verified: {self.source} has no {lacking} (--require-checksums refuses it)"
+                      if self.missing else "")
         return (f"weights from {self.source} via {self.loader} ({self.nbytes / 2**20:.1f} MiB in {self.seconds:.2f} s: "
-                f"{phases} s{'' if self.cold else ', warm'})")
+                f"{phases} s{'' if self.cold else ', warm'}){unverified}")
 
 
 def model_tensors(model: Transformer) -> dict[str, torch.Tensor]:
@@ -111,11 +116,24 @@ def weights_preset(checkpoint: SafetensorsDir, asked: Optional[str]) -> str:
     return named
 
 
+def unverifiable(checkpoint: SafetensorsDir) -> tuple[str, ...]:
+    """What the checkpoint lacks of what verifies a load: the checksum sidecar (each tensor's bytes) and
+    the index (every shard there), by file name."""
+    lacking = {CHECKSUMS_NAME: checkpoint.checksums is None, INDEX_NAME: not (checkpoint.path / INDEX_NAME).is_file()}
+    return tuple(sorted(name for name, lacks in lacking.items() if lacks))
+
+
 def load_weights(directory: Path, asked_preset: Optional[str], loader: str, device: torch.device,
-                 concurrency: int = DEFAULT_CONCURRENCY) -> tuple[Transformer, WeightsLoad]:
+                 concurrency: int = DEFAULT_CONCURRENCY, require_checksums: bool = False,
+                 ) -> tuple[Transformer, WeightsLoad]:
     """The preset's model with its weights loaded from `directory` by `loader`; CheckpointFormatError when
-    the directory is malformed, does not match the preset, or a tensor's bytes differ from its checksum."""
+    the directory is malformed, does not match the preset, or a tensor's bytes differ from its checksum,
+    and, with `require_checksums`, before any tensor is read when it lacks its sidecar or index."""
     checkpoint = read_safetensors_dir(directory)
+    missing = unverifiable(checkpoint)
+    if missing and require_checksums:
+        raise CheckpointFormatError(f"--require-checksums: expected {checkpoint.path} to hold {CHECKSUMS_NAME} and "
+                                    f"{INDEX_NAME}, found no {' and no '.join(missing)}")
     preset = weights_preset(checkpoint, asked_preset)
     model = _empty_model(PRESETS[preset], device)
     destinations = model_tensors(model)
@@ -127,7 +145,8 @@ def load_weights(directory: Path, asked_preset: Optional[str], loader: str, devi
     model.setup_rope()
     finished_at = time.time()
     load = WeightsLoad(str(checkpoint.path), preset, result.seconds, finished_at, loader, result.nbytes,
-                       result.phases, result.folded, result.device_read_bytes, result.cold, verify_seconds, against)
+                       result.phases, result.folded, result.device_read_bytes, result.cold, verify_seconds, against,
+                       missing)
     return model, load
 
 

@@ -195,6 +195,9 @@ def _add_serve(commands) -> None:
                             "instead of making them from the seed")
     serve.add_argument("--load-format", choices=["safetensors", "runai_streamer", "fastsafetensors"],
                        help="the loader of --weights (default: safetensors, what engines do by default)")
+    serve.add_argument("--require-checksums", action="store_true",
+                       help="refuse --weights without their checksum sidecar and index (exit 2, naming what is "
+                            "missing); without it they are served with a warning on the start line")
     serve.add_argument("--config", type=Path, help="YAML file; its `engine:` section configures the engine")
     serve.add_argument("--api-key-env", default="KVGATE_API_KEY",
                        help="environment variable holding the API key clients must send, at least 16 printable "
@@ -228,6 +231,8 @@ def engine_settings(args: argparse.Namespace) -> dict:
         settings["weights"] = str(args.weights)
     if args.load_format is not None:
         settings["load_format"] = args.load_format
+    if args.require_checksums:
+        settings["require_checksums"] = True
     if args.cache_dir is not None:
         cache = dict(settings.get("cache") or {})
         cache["disk"] = {**(cache.get("disk") or {}), "path": str(args.cache_dir)}

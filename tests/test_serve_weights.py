@@ -22,7 +22,7 @@ from cache_impl.model import build_model
 from cache_impl.weights import export_weights
 from tests.servers import REPO, ServerProcess, ask, distinct_prompt, free_port, http_client
 from tests.test_model_weights import EACH_LOADER
-from workloads.safetensors_dir import INDEX_NAME, read_safetensors_dir, write_safetensors_dir
+from workloads.safetensors_dir import CHECKSUMS_NAME, INDEX_NAME, read_safetensors_dir, write_safetensors_dir
 
 PROMPT = distinct_prompt("weights from a directory", 600)
 
@@ -172,3 +172,40 @@ def test_export_weights_to_a_path_that_is_a_file_says_a_directory_was_expected(t
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == f"kvgate export-weights: dir: expected a directory, found a file: {target}"
     assert target.read_bytes() == b"not a checkpoint"
+
+
+def _without(weights: Path, tmp_path: Path, *names: str) -> Path:
+    copy = tmp_path / "without-{}".format("-".join(names))
+    shutil.copytree(weights, copy)
+    for name in names:
+        (copy / name).unlink()
+    return copy
+
+
+@pytest.mark.parametrize("missing", [[CHECKSUMS_NAME], [INDEX_NAME], [INDEX_NAME, CHECKSUMS_NAME]],
+                         ids=["no-sidecar", "no-index", "neither"])
+def test_weights_without_their_checksums_or_index_are_served_with_a_warning_on_the_start_line(weights, tmp_path,
+                                                                                              missing):
+    """Before: the server started with `verified_against: null` and said nothing."""
+    copy = _without(weights, tmp_path, *missing)
+    with serving(tmp_path, copy) as server:
+        loaded = health(server)["startup"]["weights"]
+        log = server.log()
+    assert loaded["missing"] == sorted(missing)
+    start_line = next(line for line in log.splitlines() if line.startswith("kvgate serve: kvgate-tiny, "))
+    assert f"not fully verified: {copy} has no {' and no '.join(sorted(missing))} (--require-checksums refuses " \
+           f"it)" in start_line, start_line
+
+
+def test_require_checksums_exits_2_naming_what_is_missing(weights, tmp_path):
+    copy = _without(weights, tmp_path, CHECKSUMS_NAME)
+    result = serve_exit("--weights", str(copy), "--require-checksums")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"kvgate serve: --require-checksums: expected {copy} to hold "
+                                     f"{CHECKSUMS_NAME} and {INDEX_NAME}, found no {CHECKSUMS_NAME}")
+
+
+def test_require_checksums_serves_a_complete_checkpoint_verified(weights, tmp_path):
+    with serving(tmp_path, weights, "--require-checksums") as server:
+        loaded = health(server)["startup"]["weights"]
+    assert loaded["verified_against"] == "the checksum sidecar" and loaded["missing"] == []
