@@ -227,6 +227,12 @@ class GateRunner:
             self.console.print(f"[dim]sizing model: no comparison ({type(error).__name__}: {error})[/dim]")
             return
         self.store.write_sizing(sizing)
+        from .sizing.plan import comparison_lines
+
+        if sizing["comparison"]:
+            self.console.print(f"[dim]sizing model: {'predicted':>57} {'measured':>9}  error[/dim]", highlight=False)
+        for line in comparison_lines(sizing["comparison"]):
+            self.console.print(f"  [dim]{line}[/dim]", highlight=False)
         for row in sizing["accuracy"]:
             self.console.print(f"[dim]sizing model: {row['label']} {row['text']}[/dim]", highlight=False)
 
@@ -247,8 +253,21 @@ class GateRunner:
                     row.update(probed[row["role"]])
                     self.console.print(f"  [dim]{target_text(ability_line(row['role'], row['abilities']))}[/dim]",
                                        highlight=False)
+            self._probe_machine(endpoints)
         self.store.write_preflight(rows)
         return failed
+
+    def _probe_machine(self, endpoints: dict[str, Endpoint]) -> None:
+        """This machine's speed at the embedded model's shapes, for the sizing model (gates/sizing/machine.py)."""
+        from .sizing.in_run import PREDICTED_GATES
+        from .sizing.machine import probe_line, probe_machine
+
+        if self.config.targets.kind != "embedded" or not set(PREDICTED_GATES) & set(self.gates):
+            return
+        with self.console.status("pre-flight: probing this machine for the sizing model …"):
+            probe = probe_machine(self.config.targets.embedded, endpoints)
+        self.store.write_machine_probe(probe)
+        self.console.print(f"  [dim]{probe_line(probe)}[/dim]", highlight=False)
 
     def _targets(self, info: dict) -> tuple[Optional[EmbeddedServers], dict[str, Endpoint]]:
         if not NEEDS_TARGETS & set(self.gates):

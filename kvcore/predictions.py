@@ -3,13 +3,13 @@
 The sizing model records its predictions in the run store (predictions.jsonl), each with the stage it
 was made at ("before g3": from the config and what the gates before G3 measured). A figure of a gate
 has a prediction when one made before that gate names the same metric and the same place (context
-keys: level, context length, target). One definition of the error, used by the console's verdict
+keys: level, context length, target, G2's mode). One definition of the error, used by the console's verdict
 lines, results.json and the sizing section:
 
 - fractions that are themselves differences or shares (hit ratios, reductions, gains, the cold-read
   ratio) are compared in points: predicted − measured (a 96.6% hit ratio predicted for 93.6%
   measured is +3.0 points; a relative error of a reduction near 100% would magnify noise);
-- every other figure (TTFTs, throughputs, G2's TTFT ratio) as a relative error,
+- every other figure (TTFTs, G2's by context length among them, throughputs, G2's TTFT ratio) as a relative error,
   (predicted − measured) / measured, whose mean over a run is the model's MAPE.
 
 Only a judged figure has an error (kvcore.judged): a verdict that was INCONCLUSIVE, and a measurement of
@@ -24,10 +24,10 @@ from typing import Iterable, Optional
 from .judged import judged, not_judged_reason
 from .rundata import finite_number
 
-CONTEXT_KEYS = ("concurrency", "multiplier", "context_tokens", "target")
+CONTEXT_KEYS = ("concurrency", "multiplier", "context_tokens", "target", "mode")
 IN_POINTS = ("hit_ratio", "ttft_p50_reduction", "throughput_gain", "sustained_rate_gain", "cold_read_vs_storage_best",
              "cross_node_hit_ratio")
-IN_MAPE = ("ttft_p50_ms", "output_tokens_per_s", "disk_hit_ttft_vs_recompute")
+IN_MAPE = ("ttft_p50_ms", "output_tokens_per_s", "disk_hit_ttft_vs_recompute", "ttft_ms")
 
 
 def same_place(prediction: dict, row: dict) -> bool:

@@ -250,6 +250,15 @@ class RunStore:
         path = self.root / "preflight.json"
         return json.loads(path.read_text()) if path.exists() else []
 
+    def write_machine_probe(self, figures: dict) -> None:
+        """What the pre-flight measured of this machine for the sizing model (gates/sizing/machine.py)."""
+        write_json(self.root / "machine_probe.json", figures)
+
+    def machine_probe(self) -> dict:
+        """machine_probe.json ({} when the run has none)."""
+        path = self.root / "machine_probe.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
     def _rows(self, gate: Optional[str], name: str) -> list[dict]:
         gates: Iterable[str] = [gate] if gate else GATES
         return [row for g in gates for row in read_jsonl_file(self.gate_dir(g) / name)]

@@ -72,6 +72,9 @@ def level_figures(baseline: dict, candidate: dict) -> LevelFigures:
     if not (b_ttft and c_ttft and b_windows and c_windows):
         return LevelFigures(None, None, None, None, False, "; ".join(reasons) or "no completed requests in a step")
     reduction, r_interval = reduction_ci(b_ttft, c_ttft)
+    if not any(b_windows):      # the baseline finished nothing inside a whole window: no gain over it to take
+        reasons.append("baseline: no output tokens in any whole throughput window (its requests outlast the step)")
+        return LevelFigures(reduction, r_interval, None, None, False, "; ".join(reasons))
     gain, g_interval = gain_ci(b_windows, c_windows, statistic=np.mean)
     return LevelFigures(reduction, r_interval, gain, g_interval, valid, "; ".join(reasons))
 

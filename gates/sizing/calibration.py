@@ -71,10 +71,12 @@ class Calibration:
     kv_bytes_per_token: Optional[int] = None
     source: str = ""
     notes: tuple[str, ...] = ()
+    host_gbps: Optional[float] = None       # the host tier's copy GB/s as measured (a machine probe's)
 
     def tiers(self, base: TierBandwidths) -> TierBandwidths:
-        """`base` with the fitted efficiencies and hit overheads laid over its own."""
-        return replace(base, efficiency={**base.efficiency, **self.tier_efficiency},
+        """`base` with the measured host copy GB/s, the fitted efficiencies and hit overheads over its own."""
+        return replace(base, host_gbps=self.host_gbps or base.host_gbps,
+                       efficiency={**base.efficiency, **self.tier_efficiency},
                        overhead_s={**base.overhead_s, **self.tier_overhead_s})
 
     def timing_model(self, tiers: TierBandwidths, kv_bytes_per_token: int, block_size: int = 256,
@@ -91,7 +93,8 @@ class Calibration:
         own G2 gives the curve and the tiers' costs before its G3 gives a decode cost and step noise); the
         notes say which constants came from where."""
         taken = [name for name in ("curve", "fixed_overhead_s", "decode", "jitter", "checkpoint_efficiency",
-                                   "service_start_s") if getattr(self, name) is None and getattr(earlier, name) is not None]
+                                   "service_start_s", "host_gbps")
+                 if getattr(self, name) is None and getattr(earlier, name) is not None]
         taken += [name for name in ("tier_efficiency", "tier_overhead_s", "loader_efficiency")
                   if not getattr(self, name) and getattr(earlier, name)]
         if not taken:
@@ -114,7 +117,7 @@ class Calibration:
                 "jitter": self.jitter,
                 "loader_efficiency": dict(self.loader_efficiency), "checkpoint_efficiency": self.checkpoint_efficiency,
                 "service_start_s": self.service_start_s, "kv_bytes_per_token": self.kv_bytes_per_token,
-                "notes": list(self.notes)}
+                "host_gbps": self.host_gbps, "notes": list(self.notes)}
 
     @classmethod
     def from_dict(cls, data: Any, root: str = "calibration") -> "Calibration":
@@ -164,7 +167,8 @@ class Calibration:
                    mapping("loader_efficiency", False),
                    number("checkpoint_efficiency", data.get("checkpoint_efficiency"), False),
                    number("service_start_s", data.get("service_start_s")), kv_bytes, str(data.get("source", "")),
-                   tuple(str(n) for n in data.get("notes") or ()))
+                   tuple(str(n) for n in data.get("notes") or ()),
+                   number("host_gbps", data.get("host_gbps"), False))
 
     def save(self, path: Path) -> None:
         write_json(Path(path), self.to_dict())
@@ -379,18 +383,21 @@ def _storage_constants(store: RunStore) -> tuple[dict, Optional[float], Optional
             statistics.median(starts) if starts else None)
 
 
-def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps: float = DEFAULT_HOST_GBPS,
+def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps: Optional[float] = None,
               block_size: int = 256, decode_target: str = "candidate") -> Calibration:
     """Fit every constant the run's recorded G2 and G3 data allow (the module's fits); notes say what
     could not be fitted and why. `kv_bytes_per_token` (the model's KV layout) is read from G2's
     cold-read rounds when not given; `host_gbps` is the host tier's copy bandwidth the hits' loads
-    are taken at."""
+    are taken at: when not given, the run's machine probe's host copy (machine_probe.json), else
+    timing.DEFAULT_HOST_GBPS (then not recorded as measured)."""
     store = RunStore(Path(run_dir))
     if not (store.root / "run.json").exists() and not (store.root / "gates").is_dir():
         raise ConfigError(f"run_dir: expected a run directory (run.json, gates/), found neither in {run_dir}")
     config_path = store.root / "config.yaml"
     config = (load_yaml_file(config_path, "run config") or {}) if config_path.exists() else {}
     notes: list[str] = []
+    measured_host = host_gbps or store.machine_probe().get("host_copy_gbps")
+    host_gbps = measured_host or DEFAULT_HOST_GBPS
     if kv_bytes_per_token is None:
         kv_bytes_per_token = _kv_bytes_from_cold_reads(store, config, block_size)
         if kv_bytes_per_token is None:
@@ -414,4 +421,4 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
             jitter = fit_jitter(levels, timing, decode, max_running, tier)
     loaders, checkpoint, service_start = _storage_constants(store)
     return Calibration(curve, fixed, efficiency, overhead, decode, jitter, loaders, checkpoint, service_start,
-                       kv_bytes_per_token, str(store.root), tuple(notes))
+                       kv_bytes_per_token, str(store.root), tuple(notes), measured_host)

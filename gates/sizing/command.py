@@ -4,8 +4,9 @@
     kvgate plan --calibrate RUN_DIR [--out FILE]
 
 `--from RUN_DIR` refines the plan with that run's figures (G1's fio, G2's recompute curve and hit
-costs, G3's decode cost: fitted by calibration.py); `--calibrate` fits those constants and writes them
-to a file that `--calibration` reads later, for a plan before any run on the machine under test.
+costs, G3's decode cost: fitted by calibration.py; its machine probe for what it did not measure);
+`--calibrate` fits those constants and writes them to a file that `--calibration` reads later, for a plan
+before any run on the machine under test.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from gates.config import load_config
 
     from .calibration import Calibration, calibrate
+    from .machine import run_probe_calibration
     from .plan import make_plan, render_text
     from .targets import target_inputs
 
@@ -65,6 +67,6 @@ def run_plan(args: argparse.Namespace) -> int:
     store = _run_dir(args.from_run, "--from") if args.from_run is not None else None
     given = args.calibration if args.calibration is not None else config.sizing.calibration   # the flag wins
     calibration = Calibration.load(given) if given is not None else None
-    plan = make_plan(config, store, calibration)
+    plan = make_plan(config, store, calibration, machine=run_probe_calibration(store) if store is not None else None)
     print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else render_text(plan))
     return 0

@@ -1,8 +1,10 @@
 """The sizing model inside `kvgate run`: before each gate, a plan from the config and what the gates before
 it measured (G1's fio feeds G2's figures; G2's recompute curve and hit costs feed G3's) is recorded in the
-run store and shown; at the end, each gate's figures predicted before it ran are set beside what it
-measured (sizing.json), with the model's accuracy by its own tolerances. Informational: a prediction never
-passes or fails a gate, and a plan that cannot be made is a note, never a stop.
+run store and shown; before any G2, against the embedded targets, the pre-flight's machine probe stands in
+for the curve, the decode cost and the host copy (machine.py: a calibration file still comes first); at the
+end, each gate's figures predicted before it ran are set beside what it measured (sizing.json), with the
+model's accuracy by its own tolerances. Informational: a prediction never passes or fails a gate, and a plan
+that cannot be made is a note, never a stop.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Optional
 
 from kvcore.rundata import RunStore
 
+from .machine import run_probe_calibration
 from .plan import Plan, Prediction, compare, make_plan
 from .targets import engine_facts
 
@@ -30,7 +33,8 @@ def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]
         # before G2 the file's constants; after it, the run's own first and the file's for the rest (G3's decode)
         calibration = configured if store.status("g2") is None else None
         plan = make_plan(config, store if measured else None, calibration, config.sizing, in_run=True,
-                         fill_from=configured, engines=engine_facts(store.preflight()))
+                         fill_from=configured, engines=engine_facts(store.preflight()),
+                         machine=run_probe_calibration(store))
     except Exception as error:  # the sizing model must never stop a run: say why it said nothing
         return None, f"no plan before {gate.upper()}: {type(error).__name__}: {error}"
     store.add_predictions(f"before {gate}", [p.to_dict() for p in plan.predictions if p.gate == gate])

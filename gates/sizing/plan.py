@@ -109,12 +109,14 @@ def _spec_disk_gbps(config) -> Optional[float]:
 
 def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
               tolerances=None, in_run: bool = False, fill_from: Optional[Calibration] = None,
-              engines: Optional[dict] = None) -> Plan:
+              engines: Optional[dict] = None, machine: Optional[Calibration] = None) -> Plan:
     """The plan for `config` (a GatesConfig); `store`: a run whose G1/G2 figures refine it; `calibration`:
     fitted constants (default: fitted from `store` when given); `fill_from`: an earlier calibration whose
     constants stand in for those `calibration` lacks (a run's G3 decode cost before its G3 ran);
     `in_run`: made by `kvgate run` before a gate (its figures are compared later, so no comparison now);
-    `engines`: what a run's pre-flight read from the external engines (default: `store`'s, when given)."""
+    `engines`: what a run's pre-flight read from the external engines (default: `store`'s, when given);
+    `machine`: the pre-flight's machine probe as constants (machine.py), last in line: what neither the
+    calibration, `fill_from` nor a configured roofline gives."""
     plan = Plan()
     if engines is None and store is not None:
         engines = engine_facts(store.preflight())
@@ -145,11 +147,14 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
         calibration = fill_from if calibration is None else calibration.filled_from(fill_from)
     if (calibration is None or calibration.curve is None) and config.sizing.roofline is not None:
         calibration = _with_roofline(calibration or Calibration(), config.sizing.roofline, shape.layers)
+    if machine is not None:
+        calibration = machine if calibration is None else _filled_from_machine(calibration, machine)
     if calibration is not None:
         plan.notes.extend(calibration.notes)
     if calibration is None or calibration.curve is None:
         plan.notes.append("no TTFT figures: they need a recompute curve, from a run's G2 (--from RUN_DIR), a "
-                          "calibration file (--calibration FILE) or a FLOPs roofline (sizing.roofline)")
+                          "calibration file (--calibration FILE), a FLOPs roofline (sizing.roofline) or the "
+                          "pre-flight's machine probe (kvgate run against the embedded targets)")
     else:
         tiers = calibration.tiers(tiers)
         timing = calibration.timing_model(tiers, shape.bytes_per_token, inputs.block_tokens)
@@ -162,9 +167,11 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
                               "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
                               "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
                               "prefill, which the curve does measure); a calibration from an earlier G3 gives both")
-        _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0),
-            inputs,
-            throughput=calibration.decode is not None)
+        try:
+            _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0),
+                inputs, throughput=calibration.decode is not None)
+        except ValueError as error:     # a simulation these costs cannot make must not take G2's figures with it
+            plan.notes.append(f"G3 not predicted: its simulation with these costs failed ({error})")
     _storage(plan, config, store, calibration, tiers)
     plan.predictions = [_judged(config, p) for p in plan.predictions]
     if store is not None and not in_run:
@@ -186,11 +193,21 @@ def _g3_workload(config, inputs, seed: int = 0):
 
 
 def _with_roofline(calibration: Calibration, roofline, layers: int) -> Calibration:
-    """`calibration` with the configured FLOPs roofline as its recompute curve (timing.RecomputeCurve.roofline)."""
+    """`calibration` with the configured FLOPs roofline as its recompute curve (timing.RecomputeCurve.roofline)
+    and, unless it has one, the roofline's overhead as its fixed overhead."""
     curve = RecomputeCurve.roofline(roofline.params, roofline.layers or layers, roofline.attention_dim,
                                     roofline.device_tflops * 1e12, roofline.overhead_s)
-    return replace(calibration, curve=curve, notes=(*calibration.notes, f"recompute from sizing.roofline ({curve.source}): "
-                                                    "no run has measured this engine's prefill yet"))
+    fixed = roofline.overhead_s if calibration.fixed_overhead_s is None else calibration.fixed_overhead_s
+    return replace(calibration, curve=curve, fixed_overhead_s=fixed,
+                   notes=(*calibration.notes, f"recompute from sizing.roofline ({curve.source}): "
+                                              "no run has measured this engine's prefill yet"))
+
+
+def _filled_from_machine(calibration: Calibration, machine: Calibration) -> Calibration:
+    """`calibration` with what it lacks taken from the machine probe's constants, and the probe's figures said
+    when any was taken."""
+    filled = calibration.filled_from(machine)
+    return filled if filled is calibration else replace(filled, notes=(*filled.notes, *machine.notes))
 
 
 def decode_from_curve(curve, requests) -> DecodeCost:
@@ -203,21 +220,37 @@ def decode_from_curve(curve, requests) -> DecodeCost:
 
 
 def _g2(plan: Plan, config, timing, tiers: TierBandwidths, inputs) -> None:
-    if not inputs.embedded and inputs.disk_bytes <= 0:
+    """G2's TTFT by context length for each mode the candidate has, its judged disk-hit ratio and cold-read ratio."""
+    rows = predict_g2(timing, config.g2.contexts)
+    disk = inputs.embedded or inputs.disk_bytes > 0
+    modes = {"recompute": (lambda row: row.recompute_s, "the recompute curve")}
+    if inputs.embedded or inputs.host_bytes > 0:
+        modes["host-hit"] = (lambda row: row.host_hit_s, f"every whole block from host at {tiers.host_gbps:.2f} GB/s")
+    if disk and tiers.disk_gbps is not None:
+        modes["disk-cold"] = (lambda row: row.disk_hit_s, f"every whole block from disk at "
+                                                          f"{tiers.effective_gbps('disk'):.2f} GB/s")
+    for row in rows:
+        for mode, (seconds, how) in modes.items():
+            plan.predictions.append(Prediction(
+                "g2", "ttft_ms", seconds(row) * 1e3, "ms", f"G2 TTFT {mode} at {row.context_tokens} tokens",
+                f"TTFT model: {how}", {"mode": mode, "context_tokens": row.context_tokens}))
+    if not disk:
         plan.notes.append("G2's disk figures are not predicted: the candidate has no disk tier in the model (its "
                           "engine has none, or sizing.target.disk_capacity is not given)")
         return
-    rows = predict_g2(timing, config.g2.contexts)
+    if tiers.disk_gbps is None:
+        plan.notes.append("G2's disk figures are not predicted: no disk GB/s (no G1 fio, no g1 seq_read_gbps "
+                          "threshold from the spec sheet)")
+        return
     longest = rows[-1]
     plan.predictions.append(Prediction(
         "g2", "disk_hit_ttft_vs_recompute", longest.disk_hit_vs_recompute, "%",
         f"G2 cold disk hit / recompute at {longest.context_tokens} tokens",
         f"TTFT model: disk hit {longest.disk_hit_s * 1e3:.0f} ms, recompute {longest.recompute_s * 1e3:.0f} ms",
         {"context_tokens": longest.context_tokens}))
-    if tiers.disk_gbps is not None:
-        plan.predictions.append(Prediction(
-            "g2", "cold_read_vs_storage_best", cold_read_vs_storage_best(tiers), "%", "G2 cold-read KV bandwidth / the storage's best read",
-            "the disk tier's efficiency (calibrated, else 1)"))
+    plan.predictions.append(Prediction(
+        "g2", "cold_read_vs_storage_best", cold_read_vs_storage_best(tiers), "%", "G2 cold-read KV bandwidth / the storage's best read",
+        "the disk tier's efficiency (calibrated, else 1)"))
 
 
 def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs, throughput: bool = True) -> None:
@@ -352,13 +385,17 @@ def render_text(plan: Plan) -> str:
             lines.append(f"  {label}: {figure['value']:.2f} s ({figure['basis']})")
     if plan.comparison:
         lines.append("  predicted vs measured:")
-        for row in plan.comparison:
-            lines.append(f"    {row['label']:<48} {format_figure(row['predicted'], row['unit']):>9} "
-                         f"{format_figure(row['measured'], row['unit']):>9}  {row['error_text']}")
+        lines += [f"    {line}" for line in comparison_lines(plan.comparison)]
         for row in plan.accuracy:
             lines.append(f"  sizing {row['label']}: {row['text']}")
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def comparison_lines(comparison: list[dict]) -> list[str]:
+    """One line per compared figure: label, predicted, measured, error (`compare`'s rows)."""
+    return [f"{row['label']:<48} {format_figure(row['predicted'], row['unit']):>9} "
+            f"{format_figure(row['measured'], row['unit']):>9}  {row['error_text']}" for row in comparison]
 
 
 # The model judges itself as the BLIS simulator does: hit ratios within 5 points, TTFT and throughput

@@ -132,7 +132,8 @@ class RecomputeCurve:
 
     @classmethod
     def roofline(cls, params: float, layers: int, dim: int, device_flops: float,
-                 overhead_s: float = 0.0) -> "RecomputeCurve":
+                 overhead_s: float = 0.0, attention_flops: Optional[float] = None,
+                 chunk_tokens: int = 0) -> "RecomputeCurve":
         """FLOPs of a prefill of n tokens ÷ the device's achievable FLOP/s.
 
         FLOPs = 2·params·n + 2·layers·n²·dim. The first term: each parameter takes part in one
@@ -141,13 +142,20 @@ class RecomputeCurve:
         computes its query against i keys (2·i·dim FLOPs) and mixes i values (2·i·dim); over the
         n(n+1)/2 causal pairs that is ≈ 2·n²·dim (Kaplan's 2·n_layer·n_ctx·d_attn per token, with n_ctx
         = n). `dim` is n_heads × head_dim (GQA shares keys, not the FLOPs); `device_flops` the
-        achievable rate (peak × a utilisation), not the peak.
+        achievable rate (peak × a utilisation), not the peak. `attention_flops`: the attention's own
+        rate when it differs (default `device_flops`). `chunk_tokens`: an engine that prefills in chunks
+        of T tokens, each masked against every key up to its end (kvgate's), computes n(n+T)/2 pairs,
+        adding 2·layers·dim·T·n attention FLOPs to the linear term.
         """
         flops = check_number("device_flops", device_flops)
-        per_token = 2.0 * check_number("params", params) / flops
-        per_token_squared = 2.0 * check_tokens("layers", layers, 1) * check_tokens("dim", dim, 1) / flops
-        return cls(check_number("overhead_s", overhead_s, allow_zero=True), per_token, per_token_squared,
-                   f"roofline: {params:.3g} params, {layers} layers, dim {dim}, {flops:.3g} FLOP/s")
+        attention = flops if attention_flops is None else check_number("attention_flops", attention_flops)
+        attention_per_pair = 2.0 * check_tokens("layers", layers, 1) * check_tokens("dim", dim, 1) / attention
+        per_token = (2.0 * check_number("params", params) / flops
+                     + attention_per_pair * check_tokens("chunk_tokens", chunk_tokens))
+        rates = f"{flops:.3g} FLOP/s" + ("" if attention_flops is None else f", attention {attention:.3g} FLOP/s")
+        chunks = f", {chunk_tokens}-token chunks" if chunk_tokens else ""
+        return cls(check_number("overhead_s", overhead_s, allow_zero=True), per_token, attention_per_pair,
+                   f"roofline: {params:.3g} params, {layers} layers, dim {dim}{chunks}, {rates}")
 
 
 @dataclass(frozen=True)
@@ -236,18 +244,19 @@ class TimingModel:
 
 @dataclass(frozen=True)
 class G2Prediction:
-    """G2 at one context length: recompute, a host hit and a cold disk hit of every whole block."""
+    """G2 at one context length: recompute, a host hit and a cold disk hit of every whole block (None when
+    the disk's GB/s is not known)."""
 
     context_tokens: int
     prompt_tokens: int
     cached_tokens: int
     recompute_s: float
     host_hit_s: float
-    disk_hit_s: float
+    disk_hit_s: Optional[float]
 
     @property
-    def disk_hit_vs_recompute(self) -> float:
-        return self.disk_hit_s / self.recompute_s
+    def disk_hit_vs_recompute(self) -> Optional[float]:
+        return None if self.disk_hit_s is None else self.disk_hit_s / self.recompute_s
 
 
 def predict_g2(model: TimingModel, contexts: Sequence[int],
@@ -260,8 +269,9 @@ def predict_g2(model: TimingModel, contexts: Sequence[int],
     for i, context in enumerate(sorted(contexts)):
         prompt = check_tokens(f"g2.contexts[{i}]", context, prompt_shortfall + 1) - prompt_shortfall
         cached = prompt // model.block_size * model.block_size
+        disk = model.ttft(prompt, {"disk": cached}) if model.tiers.disk_gbps is not None else None
         predictions.append(G2Prediction(context, prompt, cached, model.ttft(prompt),
-                                        model.ttft(prompt, {"host": cached}), model.ttft(prompt, {"disk": cached})))
+                                        model.ttft(prompt, {"host": cached}), disk))
     return predictions
 
 

@@ -1,0 +1,155 @@
+"""The sizing model before any G2, against kvgate's own engine: the pre-flight's machine probe (matmul and
+attention FLOP/s at the embedded model's shapes, its decode step, its host copy) becomes the recompute
+curve, the decode cost and the host tier's GB/s; a calibration file or the run's own G2 still come first;
+a real `kvgate run g2` shows G2 predicted beside measured."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from gates.cli import main
+from gates.config import load_config
+from gates.sizing.calibration import Calibration
+from gates.sizing.in_run import stage_plan
+from gates.sizing.machine import probe_calibration, run_machine_probe
+from gates.sizing.plan import make_plan
+from gates.sizing.queueing import DecodeCost
+from gates.sizing.timing import RecomputeCurve
+from kvcore.rundata import RunStore
+from tests.servers import TINY_SWEEP
+from tests.test_sizing_timing import _recorded_run
+
+OVERHEAD_S = 0.004         # a warm two-token request's first token (machine.warm_first_token_s)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(None, "quick")
+
+
+@pytest.fixture(scope="module")
+def probe(config):
+    """The real probe, on this machine, for the quick profile's embedded preset (and a warm first token)."""
+    return {**run_machine_probe(config.targets.embedded), "fixed_overhead_s": OVERHEAD_S}
+
+
+def _g2_ttfts(plan) -> dict[tuple[str, int], float]:
+    return {(p.context["mode"], p.context["context_tokens"]): p.value / 1e3 for p in plan.predictions
+            if p.gate == "g2" and p.metric == "ttft_ms"}
+
+
+def test_the_probe_measures_this_machine_at_the_embedded_models_own_shapes(config, probe):
+    from cache_impl.model import build_model
+    import torch
+
+    assert "error" not in probe and probe["preset"] == config.targets.embedded.preset
+    model = build_model(probe["preset"], 0, torch.device("cpu"))
+    # the weights a prompt token is multiplied by: every layer's matrices (not the embedding, not the head)
+    assert probe["matmul_params"] == sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
+    assert (probe["layers"], probe["attention_dim"]) == (model.args.n_layers, model.args.dim)
+    assert probe["matmul_flops"] > 0 and probe["attention_flops"] > 0 and probe["host_copy_gbps"] > 0
+    decode = probe["decode"]
+    assert decode["max_batch"] == config.targets.embedded.max_running and decode["batch_1_s"] > 0
+    assert decode["step_s"] >= 0 and decode["per_sequence_s"] >= 0
+
+
+def test_before_any_run_g2_is_predicted_from_the_probed_rates_and_twice_the_rate_halves_the_compute(config, probe):
+    machine = probe_calibration(probe)
+    plan = make_plan(config, machine=machine)
+    ttft = _g2_ttfts(plan)
+    contexts = sorted(config.g2.contexts)
+    assert set(ttft) == {(mode, c) for mode in ("recompute", "host-hit", "disk-cold") for c in contexts}
+    assert machine.fixed_overhead_s == OVERHEAD_S and machine.curve.a == OVERHEAD_S
+    # what the probe measured goes where a calibration's constants would
+    assert machine.decode == DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
+    assert machine.host_gbps == probe["host_copy_gbps"]
+    assert any(note.startswith(("machine probe (cpu", "machine probe (cuda")) for note in plan.notes)
+    # the prediction is derived from the probe: twice the FLOP/s, half the compute at every context
+    faster = {**probe, "matmul_flops": 2 * probe["matmul_flops"], "attention_flops": 2 * probe["attention_flops"]}
+    twice = _g2_ttfts(make_plan(config, machine=probe_calibration(faster)))
+    for context in contexts:
+        assert twice[("recompute", context)] - OVERHEAD_S == pytest.approx((ttft[("recompute", context)] - OVERHEAD_S) / 2)
+    # and from its host copy: twice the GB/s, half a host hit's load
+    host = probe_calibration({**probe, "host_copy_gbps": 2 * probe["host_copy_gbps"]})
+    quicker = _g2_ttfts(make_plan(config, machine=host))
+    longest = contexts[-1]
+    load = ttft[("host-hit", longest)] - quicker[("host-hit", longest)]
+    assert load > 0 and quicker[("recompute", longest)] == ttft[("recompute", longest)]
+    assert ttft[("host-hit", longest)] - 2 * load == pytest.approx(quicker[("host-hit", longest)] - load)
+    # with a decode cost measured, G3's throughput is predicted too
+    assert any(p.metric == "output_tokens_per_s" for p in plan.predictions)
+
+
+def test_a_failed_probe_leaves_the_plan_as_it_was(config):
+    assert probe_calibration({"error": "the machine probe exited 1: boom"}) is None
+    assert probe_calibration({}) is None
+    assert not make_plan(config, machine=None).predictions
+
+
+def test_a_calibration_file_and_the_runs_own_g2_come_before_the_probe(tmp_path, config, probe):
+    file = tmp_path / "calibration.json"
+    Calibration(curve=RecomputeCurve(0.05, 3e-4, 2e-8, "an earlier run"), fixed_overhead_s=0.05,
+                source="an earlier run").save(file)
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({"sizing": {"calibration": str(file)}}))
+    configured = load_config(tmp_path / "gates.yaml", "quick")
+    store = RunStore(tmp_path / "run")
+    store.write_machine_probe(probe)
+    plan, problem = stage_plan(configured, store, "g2")
+    assert problem == ""
+    recorded = {(r["context"]["mode"], r["context"]["context_tokens"]): r["value"] / 1e3
+                for r in store.predictions() if r["stage"] == "before g2" and r["metric"] == "ttft_ms"}
+    for context in configured.g2.contexts:          # the file's curve, not the probe's
+        assert recorded[("recompute", context)] == pytest.approx(RecomputeCurve(0.05, 3e-4, 2e-8).seconds(context - 4))
+    assert any("from the pre-flight's machine probe" in note and "curve" not in note.split(" from ")[0]
+               for note in plan.notes)          # the probe fills only what the file lacks (its decode, the host)
+
+    # after G2, the run's own fit of its G2 TTFTs; the probe gives what G3 has not measured yet (the decode)
+    run = _recorded_run(tmp_path / "recorded")
+    shutil.rmtree(run.raw_dir("g3"))
+    for gate in ("g1", "g2"):
+        run.set_status(gate, "passed")
+    run.write_machine_probe(probe)
+    plan, problem = stage_plan(config, run, "g3")
+    taken = next(note for note in plan.notes if note.endswith("(this run has not measured them)"))
+    assert taken.startswith("decode") and "curve" not in taken and "the pre-flight's machine probe" in taken
+
+
+# --------------------------------------------------------------------------- a real run
+
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
+SMALLEST = {"targets": {"embedded": {"preset": "tiny", "max_running": 2, "device_capacity_blocks": 16,
+                                     "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
+            "g2": {"contexts": [600, 1100], "rounds": 1, "model_load": {"enabled": False},
+                   "checkpoint": {"enabled": False}, "no_reuse": {"enabled": False}},
+            "fio": {"sweep": TINY_SWEEP}}
+
+
+@needs_fio
+def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_beside_measured(tmp_path, capsys):
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({**SMALLEST, "storage": {"path": str(tmp_path / "storage")}}))
+    code = main(["run", "g2", "--config", str(tmp_path / "gates.yaml"), "--out", str(tmp_path / "run")])
+    assert code in (0, 1)
+    store = RunStore(tmp_path / "run")
+    probe = store.machine_probe()
+    assert probe["preset"] == "tiny" and probe["matmul_flops"] > 0        # what the predictions rest on, recorded
+    assert 0 < probe["fixed_overhead_s"] < 1
+    before = [r for r in store.predictions() if r["stage"] == "before g2"]
+    assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
+        (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
+    sizing = json.loads((tmp_path / "run" / "sizing.json").read_text())
+    rows = {(r["metric"], r["context"].get("mode"), r["context"].get("context_tokens")): r
+            for r in sizing["comparison"] if r["gate"] == "g2"}
+    for context in (600, 1100):
+        row = rows[("ttft_ms", "recompute", context)]
+        measured = next(m["value"] for m in store.measurements("g2") if m["metric"] == "ttft_ms"
+                        and m["context"] == {**m["context"], "mode": "recompute", "context_tokens": context})
+        assert row["measured"] == measured and row["predicted"] > 0
+        assert row["error"] == pytest.approx((row["predicted"] - measured) / measured)
+    assert any(a["label"] == "TTFT / throughput MAPE" for a in sizing["accuracy"])
+    assert any(note.startswith("machine probe (") for note in sizing["notes"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "machine probe (" in out and "G2 TTFT recompute at 1100 tokens" in out
