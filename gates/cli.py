@@ -246,10 +246,10 @@ def engine_settings(args: argparse.Namespace) -> dict:
 
 
 def load_yaml_section(path: Path, section: str) -> dict:
-    from cache_impl.config import load_yaml_file
+    from kvcore.settings import load_yaml_mapping
 
-    data = load_yaml_file(path, str(path)) or {}
-    if not isinstance(data, dict) or not isinstance(data.get(section, {}), dict):
+    data = load_yaml_mapping(path, str(path))
+    if not isinstance(data.get(section, {}), dict):
         raise ConfigError(f"{path}: {section}: expected a mapping, found {type(data.get(section)).__name__}")
     return dict(data.get(section) or {})
 
@@ -399,8 +399,8 @@ def _add_scrub(commands) -> None:
 
 def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
     """The disk tier directories to scrub: --cache-dir, else from --config, else the serve default."""
-    from cache_impl.config import load_yaml_file
     from cache_impl.engine import EngineConfig
+    from kvcore.settings import load_yaml_mapping
 
     from .config import load_config
 
@@ -408,8 +408,7 @@ def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
         return list(args.cache_dir)
     if args.config is None:
         return [EngineConfig.from_dict({}).cache.disk.path]
-    data = load_yaml_file(args.config, str(args.config)) or {}
-    if isinstance(data, dict) and "engine" in data:
+    if "engine" in load_yaml_mapping(args.config, str(args.config)):
         engine = EngineConfig.from_dict(load_yaml_section(args.config, "engine"))
         if engine.cache.disk is None:
             raise ConfigError(f"{args.config}: engine.cache.disk: expected a disk tier to scrub, found none")

@@ -20,7 +20,8 @@ from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, Validat
 
 from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.rules import Rule, parse_rule
-from kvcore.settings import ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_file, parse_size
+from kvcore.settings import (ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_mapping,
+                             parse_size)
 from workloads.datasets import check_trace, load_spec
 from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
@@ -924,9 +925,7 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
     """
     data: Any = {}
     if path is not None:
-        data = load_yaml_file(path, str(path)) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
+        data = load_yaml_mapping(path, str(path))
     data = {key: value for key, value in data.items() if value is not None}  # an empty section: its defaults
     chosen = profile or data.get("profile") or "quick"
     if chosen not in PROFILES:

@@ -107,11 +107,15 @@ def format_validation_error(error: ValidationError, root: str) -> str:
 
 
 def load_yaml_file(path: Any, root: str) -> Any:
-    """Parsed YAML of a file; unreadable or malformed files raise ConfigError under `root`."""
+    """Parsed YAML of a file (None when it holds no document); unreadable or malformed files, a key given
+    twice and aliases that expand without bound (kvcore.yaml_loader) raise ConfigError under `root`.
+    Every YAML file kvgate reads is read here."""
     import yaml
 
+    from .yaml_loader import CheckedLoader, YamlRefused
+
     try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=CheckedLoader)
     except OSError as error:
         raise ConfigError(f"{root}: expected a readable YAML file, found {error.strerror or error} ({path})") from None
     except UnicodeDecodeError as error:
@@ -119,6 +123,25 @@ def load_yaml_file(path: Any, root: str) -> Any:
                           f"at offset {error.start} ({path})") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{root}: expected valid YAML, found {error}") from None
+    except YamlRefused as refused:
+        where = f"{root}: {field_path('', refused.loc)}" if refused.loc else root
+        raise ConfigError(f"{where}: {refused.message}") from None
+    except RecursionError:
+        raise ConfigError(f"{root}: expected YAML nested a few hundred levels deep at most, found deeper ({path})") \
+            from None
+
+
+def load_yaml_mapping(path: Any, root: str) -> dict:
+    """A settings file's top-level mapping; an empty file (or one of comments only) and any other
+    top-level value raise ConfigError: an empty file is as likely a truncated or wrong one as a wish for
+    the defaults, and leaving out the file says that wish plainly."""
+    data = load_yaml_file(path, root)
+    if data is None:
+        raise ConfigError(f"{root}: expected a mapping at the top level, found an empty file (no settings: "
+                          "leave out --config to run on the defaults)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{root}: expected a mapping at the top level, found {type(data).__name__}")
+    return data
 
 
 class StrictModel(BaseModel):
