@@ -32,6 +32,7 @@ import torch
 from . import integrity
 from .buffers import aligned_empty
 from .config import CacheConfig, ConfigError
+from .disk_room import DiskRoom
 from .faultpoints import FaultInjectingTier, FaultPoints
 from .keys import Fingerprint, Key, block_keys
 from .lru import LRUAccount
@@ -351,8 +352,9 @@ class TieredKVCache:
         return placed
 
     def _put(self, level: Level, key: Key, block: torch.Tensor) -> bool:
-        """Place a block on one level (making room first); False when it cannot fit now."""
+        """Place a block on one level (making room first); False, counted, when it cannot fit now."""
         if level.lru is not None and not self._make_room(level):
+            level.metrics.add("stores_refused")
             return False
         if level.writer is not None:
             if level.lru is not None:
@@ -467,17 +469,33 @@ class TieredKVCache:
 
     # -- metrics, start-up, shutdown -----------------------------------------
 
+    def disk_room(self) -> Optional[DiskRoom]:
+        """The disk tier's room now (what its filesystem leaves it); None without a disk tier."""
+        with self._lock:
+            return self._room(self._by_name.get("disk"))
+
+    def _room(self, level: Optional[Level]) -> Optional[DiskRoom]:
+        """The room on the filesystem beneath the disk level; None for any other level."""
+        if level is None or level.name != "disk" or self.config.disk is None:
+            return None
+        queued = level.writer.pending_bytes if level.writer is not None else 0
+        return DiskRoom(str(self.config.disk.path), level.lru.capacity_bytes, level.lru.used_bytes - queued,
+                        level.tier.free_bytes(), level.min_free_bytes, level.tier.stored_nbytes)
+
     def snapshot(self) -> dict:
-        """Per-tier counters, occupancy and state, plus index size and queued writes."""
+        """Per-tier counters, occupancy and state, plus index size and queued writes. A tier's capacity is
+        what it can really fill: the disk tier's, what its filesystem leaves it (`disk_room`)."""
         with self._lock:
             tiers = {}
             for level in self.levels:
                 lru = level.lru  # the shared pool's occupancy is the store's to report
+                room = self._room(level)
+                capacity = lru.capacity_bytes if lru is not None else 0
                 tiers[level.name] = {
                     **level.metrics.snapshot(),
                     "blocks": len(lru) if lru is not None else 0,
                     "used_bytes": lru.used_bytes if lru is not None else 0,
-                    "capacity_bytes": lru.capacity_bytes if lru is not None else 0,
+                    "capacity_bytes": room.usable_bytes if room is not None else capacity,
                     "pending_writes": len(level.writer) if level.writer is not None else 0,
                     "state": level.tier.snapshot(),
                 }

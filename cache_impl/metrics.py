@@ -12,6 +12,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 COUNTERS = (
     "hits", "misses", "bytes_read", "bytes_written", "blocks_written",
     "evictions", "evictions_for_space", "demotions", "corrupt_blocks", "write_errors", "read_errors",
+    "stores_refused",
 )
 
 

@@ -18,6 +18,8 @@ _TIER_COUNTERS = {
     "demotions": "evicted blocks moved to a lower tier",
     "read_errors": "block reads that failed with an I/O error",
     "write_errors": "block stores that failed (nothing was published)",
+    "stores_refused": "blocks the tier did not store for want of room it could make (nothing left to evict; on "
+                      "disk: the filesystem's free room below min_free_bytes)",
 }
 
 
@@ -75,7 +77,9 @@ def _cache_metrics(cache: dict) -> Iterator[Metric]:
         for reason, count in sorted(figures["corrupt_by_reason"].items()):
             corrupt.add_metric([tier, reason], count)
     yield corrupt
-    for name, help_text in (("used_bytes", "bytes held by the tier"), ("capacity_bytes", "the tier's capacity"),
+    for name, help_text in (("used_bytes", "bytes held by the tier"),
+                            ("capacity_bytes", "the tier's capacity (disk: what its filesystem leaves it, at most "
+                                               "the configured capacity)"),
                             ("blocks", "blocks held by the tier")):
         family = GaugeMetricFamily(f"kvgate_cache_{name}", help_text, labels=["tier"])
         for tier, figures in tiers.items():

@@ -310,8 +310,11 @@ def _serve(args: argparse.Namespace) -> int:
     engine = Engine(config)
     app = create_app(engine, api_key=api_key, admin_token=admin_token, imports_done=imports_done)
     remote = config.cache.remote
+    room = engine.cache.disk_room() if engine.cache is not None else None
+    if room is not None and room.warning():
+        print(f"kvgate serve: warning: {room.warning()}", file=sys.stderr, flush=True)
     print(f"kvgate serve: {engine.model_name}, {engine.weights_load.describe()}, mode {config.mode}, "
-          f"disk tier {config.cache.disk.path if config.mode == 'tiered' else 'off'}, "
+          f"disk tier {f'{room.path} ({room.describe()})' if room is not None else 'off'}, "
           f"shared pool {remote.backend if remote is not None and config.mode == 'tiered' else 'off'}, "
           f"http://{args.host}:{args.port}/v1", flush=True)
     # uvicorn drains on SIGTERM, then re-raises the signal to the previous handler: make that a clean exit.

@@ -46,6 +46,15 @@ def parse_size(value: Any) -> int:
     raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
 
 
+def format_size(nbytes: float) -> str:
+    """A byte count as people read it: "512 B", "64.0 MiB", "8.0 GiB" (powers of 1024)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
 _EXPECTATIONS = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
     "float_type": "a number", "float_parsing": "a number",

@@ -103,3 +103,18 @@ def test_the_tier_keeps_its_reserve_free_by_evicting_before_it_writes(small_fs):
     assert _free(small_fs) >= reserve - cache.tier("disk").stored_nbytes
     assert disk["blocks"] < (FS_MIB * 2**20 - reserve) // cache.tier("disk").stored_nbytes + 1
     cache.close()
+
+
+def test_a_block_the_tier_has_no_room_for_is_counted_as_refused_and_capacity_is_what_is_usable(small_fs):
+    """Before: such a block was dropped without a count, and capacity_bytes said the configured gigabyte."""
+    reserve = 16 * 2**20
+    cache = _cache(small_fs, min_free_bytes=reserve)
+    disk = cache.snapshot()["tiers"]["disk"]
+    assert disk["capacity_bytes"] == _free(small_fs) - reserve         # what the filesystem leaves, not 1 GiB
+    _fill(small_fs)                                                      # another writer takes every byte
+    _store_prompts(cache, 5)                                             # the device tier holds 2 of them
+    disk = cache.snapshot()["tiers"]["disk"]
+    assert disk["blocks"] == 0 and disk["write_errors"] == 0 and disk["capacity_bytes"] == 0
+    assert disk["stores_refused"] == 5 + 3             # each store, and the 3 blocks the device demoted on eviction
+    assert cache.disk_room().warning() is not None
+    cache.close()

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from kvcore.settings import format_size
+
 if TYPE_CHECKING:  # pandas is imported lazily: the CLI imports this module and should start fast
     import pandas as pd
 
@@ -352,14 +354,6 @@ def parse_size(text: str | int) -> int | None:
     return int(float(number) * 1024 ** " kmgtpe".index(unit.lower() or " "))
 
 
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def fio_version(fio_binary: str = "fio") -> str:
     """fio's version string; raises FioError when fio is not installed."""
     path = shutil.which(fio_binary)
@@ -399,8 +393,8 @@ def check_free_space(job: FioJob) -> None:
     free = shutil.disk_usage(job.directory).free
     if needed > free:
         raise FioError(
-            f"fio job {job.name!r} needs {_format_bytes(needed)} (size {job.size} x {job.numjobs} jobs) in "
-            f"{job.directory} but only {_format_bytes(free)} of free space is left there")
+            f"fio job {job.name!r} needs {format_size(needed)} (size {job.size} x {job.numjobs} jobs) in "
+            f"{job.directory} but only {format_size(free)} of free space is left there")
 
 
 # --------------------------------------------------------------------------- running

@@ -33,6 +33,7 @@ import torch
 
 from .. import blockfiles, buffers, integrity
 from ..config import DiskTierConfig
+from ..disk_room import check_reserve, filesystem_room
 from ..keys import Fingerprint, Key
 from .base import Discovered, cpu_bytes
 from .disk_probe import IoProbe, probe_io_mode
@@ -49,6 +50,8 @@ class DiskTier:
         self.stored_nbytes = integrity.file_nbytes(self.payload_nbytes)
         self.root = Path(config.path) / fingerprint.hex
         self._dir = blockfiles.BlockDir(self.root, create=True)
+        check_reserve(config.path, filesystem_room(self.root)[0], config.min_free_bytes, config.capacity_bytes,
+                      self.stored_nbytes)
         self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-disk-read")
         self._local = threading.local()
         self._padding = bytes(integrity.padded(self.payload_nbytes) - self.payload_nbytes)
@@ -238,8 +241,7 @@ class DiskTier:
 
     def free_bytes(self) -> int:
         """Bytes the filesystem beneath the tier still gives an unprivileged writer."""
-        fs = os.statvfs(self.root)
-        return fs.f_bavail * fs.f_frsize
+        return filesystem_room(self.root)[1]
 
     def snapshot(self) -> dict:
         """The I/O mode reads use, and, with `io_mode: auto`, the start-up probe that chose it."""
