@@ -68,6 +68,13 @@ def is_fingerprint_dir_name(name: str) -> bool:
     return _FINGERPRINT_DIR.fullmatch(name) is not None
 
 
+def is_tier_dir(path: Path) -> bool:
+    """Whether `path` is a disk tier's directory: it holds a fingerprint directory (not a link), which a tier
+    makes in its directory when it starts; a directory without one has never been a tier's."""
+    with os.scandir(path) as entries:
+        return any(is_fingerprint_dir_name(e.name) and e.is_dir(follow_symlinks=False) for e in entries)
+
+
 def parse_name(sub: str, name: str) -> tuple[str, Key | None]:
     """What a file called `name` in directory `sub` is to the tier: (BLOCK, key), (TEMP, None) or (SKIPPED, None)."""
     for kind, pattern in ((BLOCK, _BLOCK), (TEMP, _TEMP)):

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, ValidationError, field_validator
 
-from kvcore.settings import ConfigError, StrictModel, format_validation_error, load_yaml_file, parse_size
+from kvcore.settings import Count, ConfigError, StrictModel, format_validation_error, load_yaml_file, parse_size
 
 # 256 tokens per block: large enough that one block of a real model's KV is
 # a megabyte or more (large sequential I/O on the disk tier, few keys per
@@ -89,7 +89,7 @@ class CacheConfig(StrictModel):
 
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=65536, description="tokens per block")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present, else the CPU")
-    device_capacity_blocks: int = Field(default=64, ge=0, description="slots in the device pool; 0: no device "
+    device_capacity_blocks: Count = Field(default=64, ge=0, description="slots in the device pool; 0: no device "
                                         "tier (an engine that keeps its own device KV, e.g. vLLM with kvgate's "
                                         "connector, uses the cache for the tiers below it)")
     host_capacity_bytes: int = Field(default=2 * 2**30, description="DRAM tier size in bytes; 0 disables it")

@@ -30,7 +30,7 @@ import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .buffers import aligned_empty
-from .config import CacheConfig, ConfigError, StrictModel, format_validation_error, parse_size
+from .config import CacheConfig, ConfigError, Count, StrictModel, format_validation_error, parse_size
 from .heap import HeapTrimmer
 from .keys import Fingerprint, KVLayout, token_array
 from .kvbuffers import KVBuffers
@@ -60,8 +60,8 @@ class EngineConfig(StrictModel):
     require_checksums: bool = Field(default=False, description="refuse `weights` without their checksum sidecar "
                                     "and index (what verifies each tensor's bytes and finds every shard); "
                                     "otherwise they are served with a warning on the start line")
-    max_running: int = Field(default=8, ge=1, description="requests decoding at once")
-    max_waiting: int = Field(default=64, ge=0, description="queued requests before new ones get 429")
+    max_running: Count = Field(default=8, ge=1, description="requests decoding at once")
+    max_waiting: Count = Field(default=64, ge=0, description="queued requests before new ones get 429")
     # The longest prompt a preset takes (16,384 tokens) is at most ~100 KiB of JSON (a byte token
     # escaped as \u00XX is 6 bytes), chat framing included well under 1 MiB: 4 MiB refuses only
     # bodies no model here could take, before they are read and tokenized (HTTP 413).

@@ -421,6 +421,7 @@ def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
 
 
 def _scrub(args: argparse.Namespace) -> int:
+    from cache_impl import blockfiles
     from cache_impl.scrub import scrub
 
     found_bad = False
@@ -429,6 +430,10 @@ def _scrub(args: argparse.Namespace) -> int:
             found = "a file" if directory.exists() else "no such directory"
             print(f"kvgate scrub: --cache-dir: expected a disk tier directory, found {found}: {directory}",
                   file=sys.stderr)
+            return 2
+        if not blockfiles.is_tier_dir(directory):
+            print(f"kvgate scrub: --cache-dir: expected a disk tier's directory (a <fingerprint hex>/ directory of "
+                  f"block files in it, which a tier makes when it starts), found none in {directory}", file=sys.stderr)
             return 2
         summary = scrub(directory, remove=not args.dry_run)
         found_bad |= summary.bad > 0

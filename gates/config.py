@@ -20,12 +20,13 @@ from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, Validat
 
 from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.rules import Rule, parse_rule
-from kvcore.settings import (ConfigError, Float, Int, StrictModel, format_validation_error, load_yaml_mapping,
-                             parse_size)
+from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, Count, Float, Int, StrictModel,
+                             format_validation_error, load_yaml_mapping, parse_size)
 from workloads.datasets import check_trace, load_spec
 from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
 from workloads.loaders import LOADERS
+from workloads.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 
 from .checks import CHECKS, check_of, configurable_metrics
 from .fleet import fleet_defaults
@@ -73,7 +74,7 @@ def _absolute_path(value: Any) -> Any:
     return Path(value).absolute() if isinstance(value, (str, Path)) else value
 
 
-Positive = Annotated[Int, Field(ge=1)]
+Positive = Annotated[Count, Field(ge=1)]
 
 
 FULL_SOAK_S = 72 * 3600  # the full profile's soak: the memory growth of every soak is projected this far
@@ -162,8 +163,8 @@ class Endpoint(StrictModel):
 class EmbeddedTargets(StrictModel):
     preset: Literal["tiny", "small", "base"] = "small"
     seed: Int = Field(default=0, ge=0, le=2**63 - 1, description="weights seed")
-    max_running: Int = Field(default=8, ge=1)
-    device_capacity_blocks: Int = Field(default=64, ge=1, description="device tier of both cached modes")
+    max_running: Count = Field(default=8, ge=1)
+    device_capacity_blocks: Count = Field(default=64, ge=1, description="device tier of both cached modes")
     host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")
     disk_capacity: str = Field(default="8GiB", description="disk tier of the tiered mode (under storage.path)")
 
@@ -222,11 +223,12 @@ class StorageConfig(StrictModel):
 
 
 class InventoryConfig(StrictModel):
-    min_cpu_cores: Optional[Int] = Field(default=None, ge=1)
-    min_memory_gib: Optional[Float] = Field(default=None, gt=0)
-    min_free_gib: Optional[Float] = Field(default=None, gt=0, description="free space at storage.path")
-    min_gpus: Optional[Int] = Field(default=None, ge=0)
-    min_nics: Optional[Int] = Field(default=None, ge=0)
+    min_cpu_cores: Optional[Count] = Field(default=None, ge=1)
+    min_memory_gib: Optional[Float] = Field(default=None, gt=0, le=MAX_BYTES / 2**30)
+    min_free_gib: Optional[Float] = Field(default=None, gt=0, le=MAX_BYTES / 2**30, description="free space at "
+                                          "storage.path")
+    min_gpus: Optional[Count] = Field(default=None, ge=0)
+    min_nics: Optional[Count] = Field(default=None, ge=0)
     rdma_required: bool = False
 
 
@@ -298,8 +300,8 @@ class FioSweepConfig(StrictModel):
 class FioConfig(StrictModel):
     size: str = "256M"
     runtime_s: Float = Field(default=5.0, gt=0)
-    iodepth: Int = Field(default=16, ge=1)
-    numjobs: Int = Field(default=1, ge=1)
+    iodepth: Count = Field(default=16, ge=1)
+    numjobs: Count = Field(default=1, ge=1)
     direct: bool = True
     ioengine: str = Field(default="libaio", pattern=r"^[a-z][a-z0-9_]*$", description="an fio ioengine name")
     verify: bool = True
@@ -321,8 +323,8 @@ class PairsConfig(StrictModel):
     anytime-valid interval decides the rule, at most `max`, none started once `budget_s` has passed. A plain
     number n means exactly n pairs (min = max = n)."""
 
-    min: Int = Field(default=5, ge=3, description="pairs always taken (3: the fewest an interval is given for)")
-    max: Int = Field(default=12, ge=3, description="the most pairs taken when the interval does not decide")
+    min: Count = Field(default=5, ge=3, description="pairs always taken (3: the fewest an interval is given for)")
+    max: Count = Field(default=12, ge=3, description="the most pairs taken when the interval does not decide")
     budget_s: Float = Field(default=300.0, gt=0, description="seconds after which no pair is started")
 
     @model_validator(mode="before")
@@ -388,6 +390,17 @@ class ModelLoadConfig(StrictModel):
     _paths = field_validator("path", "baseline_path", mode="before")(lambda cls, v: _absolute_path(v))
     _argv = field_validator("launch", mode="before")(lambda cls, v: None if v is None else _command(v))
 
+    @field_validator("path")
+    @classmethod
+    def _a_checkpoint(cls, path: Optional[Path]) -> Optional[Path]:
+        """An existing safetensors checkpoint, its headers read now (workloads.safetensors_dir), not at G2."""
+        if path is not None:
+            try:
+                read_safetensors_dir(path)
+            except CheckpointFormatError as error:
+                raise ValueError(str(error)) from None
+        return path
+
     @field_validator("loaders")
     @classmethod
     def _each_once(cls, loaders: list[str]) -> list[str]:
@@ -404,13 +417,24 @@ class ModelLoadConfig(StrictModel):
         return self
 
 
+def _parameters(value: Any) -> Any:
+    """A checkpoint's parameters as given: a count in 1..MAX_COUNT, or a model size's name (STATE_PRESET_NAMES)."""
+    if value in STATE_PRESET_NAMES or (type(value) is int and 1 <= value <= MAX_COUNT):
+        return value
+    raise ValueError(f"expected a parameter count (an integer in 1..{MAX_COUNT}) or a model size "
+                     f"({', '.join(STATE_PRESET_NAMES)}), found {value!r}")
+
+
+Parameters = Annotated[Union[str, int], PlainValidator(_parameters)]
+
+
 class CheckpointConfig(StrictModel):
     """G2's checkpoint saving: torch.distributed.checkpoint with `ranks` gloo processes saving model +
     optimizer state, beside fio writing as many bytes; then restored cold."""
 
     enabled: bool = True
     ranks: Int = Field(default=2, ge=1, le=64, description="training ranks, one process each (gloo)")
-    parameters: Union[Literal[STATE_PRESET_NAMES], Annotated[Int, Field(ge=1)]] = Field(default=20_000_000,
+    parameters: Parameters = Field(default=20_000_000,
         description="parameters of the saved state: a count, or a model size of MLPerf Storage's checkpoint "
                     "workload (8B, 70B, 405B, 1T), 32B (the vendor's 8-rank job) or adapter (a LoRA adapter)")
     bytes_per_parameter: Float = Field(default=14.0, ge=2, le=64, description=(
@@ -419,7 +443,7 @@ class CheckpointConfig(StrictModel):
     rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
         "saves (after two warm-up saves), each beside the storage's best fsync'd write job writing as many bytes; "
         "taken until the interval decides"))
-    restores: Int = Field(default=3, ge=1, description="cold restores of the last save, each checked bit for bit")
+    restores: Count = Field(default=3, ge=1, description="cold restores of the last save, each checked bit for bit")
     baseline_path: Optional[Path] = Field(default=None, description=(
         "a directory on the baseline storage: the speedup of the storage under test over it. Unset: not run"))
 
@@ -438,16 +462,16 @@ class NoReuseConfig(StrictModel):
     comes back, unique prompts sent one at a time to the candidate and the baseline in alternating pairs."""
 
     enabled: bool = True
-    context_tokens: Int = Field(default=2048, ge=16, description="each control prompt's length in tokens")
-    max_tokens: Int = Field(default=32, ge=2, description="output tokens per control request")
-    pairs: Int = Field(default=10, ge=5, description="alternating candidate / baseline pairs")
+    context_tokens: ContextTokens = Field(default=2048, ge=16, description="each control prompt's length in tokens")
+    max_tokens: ContextTokens = Field(default=32, ge=2, description="output tokens per control request")
+    pairs: Count = Field(default=10, ge=5, description="alternating candidate / baseline pairs")
 
 
 class G2Config(StrictModel):
     _declared = _thresholds_of("g2")
 
-    contexts: list[Annotated[Int, Field(ge=2)]] = Field(min_length=1, description="context lengths in tokens")
-    rounds: Int = Field(default=2, ge=1)
+    contexts: list[Annotated[ContextTokens, Field(ge=2)]] = Field(min_length=1, description="context lengths in tokens")
+    rounds: Count = Field(default=2, ge=1)
     cold_read_pairs: PairsConfig = Field(default_factory=PairsConfig, description=(
         "alternating rounds of the tier's cold load and the storage's best read job (G1's sweep) on the same "
         "storage, taken until the interval decides; the cold-read ratio is judged on them"))
@@ -466,6 +490,8 @@ def _level(value: Any) -> Union[int, float]:
     """A G3 level as given: an int stays an int (a concurrency), a float a float (a multiplier)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"expected a finite number, found {value!r}")
+    if abs(value) > MAX_COUNT:
+        raise ValueError(f"expected a value <= {MAX_COUNT}, found {value!r}")
     return value
 
 
@@ -485,7 +511,7 @@ class G3NoReuseConfig(StrictModel):
     enabled: bool = True
     workload: dict = Field(default_factory=lambda: dict(NO_REUSE_WORKLOAD),
                            description="a workload with no shared prefixes (kind: random)")
-    level: Int = Field(default=4, ge=1, description="the concurrency the control runs at")
+    level: Count = Field(default=4, ge=1, description="the concurrency the control runs at")
     duration_s: Optional[Float] = Field(default=None, gt=0, description="seconds per target (default g3.duration_s)")
     warmup_s: Optional[Float] = Field(default=None, ge=0, description="warm-up left out (default g3.warmup_s)")
 
@@ -507,13 +533,13 @@ class G3Config(StrictModel):
     duration_s: Float = Field(gt=0, description="seconds per block (each level runs blocks of baseline and "
                               "candidate in turn, ABBA...)")
     warmup_s: Float = Field(ge=0, description="seconds of a block left out, from its first request sent")
-    min_blocks: Int = Field(default=3, ge=3, description="blocks per target per level, at least (an interval over "
+    min_blocks: Count = Field(default=3, ge=3, description="blocks per target per level, at least (an interval over "
                             "block pairs needs 3)")
-    max_blocks: Int = Field(default=5, description="blocks per target per level at most, while the interval has "
+    max_blocks: Count = Field(default=5, description="blocks per target per level at most, while the interval has "
                             "not decided every rule of the level")
     level_budget_s: Optional[Float] = Field(default=None, gt=0, description="seconds a level may take before no "
                                             "further block pair starts (default: no limit)")
-    min_requests: Int = Field(default=10, ge=1, description="completed requests a block needs to be valid")
+    min_requests: Count = Field(default=10, ge=1, description="completed requests a block needs to be valid")
     max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
         "a block (and a no-reuse control step) whose measured requests failed more than this share is invalid"))
     prime: bool = Field(default=True, description="send each target every session's first turn (a trace: its "
@@ -592,7 +618,7 @@ class G4Config(StrictModel):
     workload: dict
     duration_s: Float = Field(gt=0)
     window_s: Float = Field(ge=1, description="seconds per window (at least 1: a window is a sample of the load)")
-    concurrency: Int = Field(ge=1)
+    concurrency: Count = Field(ge=1)
     memory_growth_limit_mib: Float = Field(default=512, gt=0, description=(
         "the most server memory outside the cache pools may grow over memory_growth_horizon_s"))
     memory_growth_horizon_s: Optional[Float] = Field(default=FULL_SOAK_S, gt=0, description=(
@@ -643,14 +669,14 @@ class TargetSizing(StrictModel):
     kv_layout: Optional[dict] = Field(default=None, description=(
         "instead of model_config: {layers, dtype, kv_heads, head_dim} or, MLA, {layers, dtype, kv_lora_rank, "
         "qk_rope_head_dim}"))
-    block_size: Optional[Int] = Field(default=None, ge=1, description="tokens per KV block (vLLM 16, kvgate 256)")
-    device_kv_tokens: Optional[Int] = Field(default=None, ge=1, description=(
+    block_size: Optional[Count] = Field(default=None, ge=1, description="tokens per KV block (vLLM 16, kvgate 256)")
+    device_kv_tokens: Optional[Count] = Field(default=None, ge=1, description=(
         "tokens the device KV cache holds (vLLM: 'GPU KV cache size: N tokens'; SGLang: max_total_num_tokens)"))
     host_capacity: Optional[str] = Field(default=None, description="host DRAM tier bytes (0: none)")
     disk_capacity: Optional[str] = Field(default=None, description="disk tier bytes (0: none)")
     pool_capacity: Optional[str] = Field(default=None, description="the shared pool's bytes (its store's memory)")
     pool_gbps: Optional[Float] = Field(default=None, gt=0, description="GB/s a node loads from the pool at")
-    max_running: Optional[Int] = Field(default=None, ge=1, description=(
+    max_running: Optional[Count] = Field(default=None, ge=1, description=(
         "requests an engine runs at once (vLLM --max-num-seqs; default: targets.embedded.max_running)"))
 
     _sizes = field_validator("host_capacity", "disk_capacity", "pool_capacity", mode="before")(
@@ -690,9 +716,9 @@ class RooflineConfig(StrictModel):
     prefill of n tokens = (2·params·n + 2·layers·n²·attention_dim) ÷ the device's achievable FLOP/s."""
 
     device_tflops: Float = Field(gt=0, description="the device's achievable dense TFLOP/s (peak x utilisation)")
-    params: Float = Field(gt=0, description="the model's parameter count: 8.03e9, or 8.03B (K, M, B, T)")
-    attention_dim: Int = Field(ge=1, description="attention heads x head dim (4096 for Llama-3.1-8B)")
-    layers: Optional[Int] = Field(default=None, ge=1, description="layers (default: the KV layout's)")
+    params: Float = Field(gt=0, le=MAX_COUNT, description="the model's parameter count: 8.03e9, or 8.03B (K, M, B, T)")
+    attention_dim: Count = Field(ge=1, description="attention heads x head dim (4096 for Llama-3.1-8B)")
+    layers: Optional[Count] = Field(default=None, ge=1, description="layers (default: the KV layout's)")
     overhead_s: Float = Field(default=0.0, ge=0, description="fixed seconds per request (HTTP, tokenizing)")
 
     @field_validator("params", mode="before")

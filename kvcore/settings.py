@@ -12,12 +12,22 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 # YAML gives typed values: an integer field takes an integer (not true, 2.0 or "2"), a number field
 # a number (not true); models reject inf and nan.
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
+
+# What a run can mean: every byte size (parse_size) and every count (Count, check_count) of every settings
+# model is held to these, so a mistyped exponent is refused at load instead of running out of memory or time.
+MAX_BYTES = 2**60                  # 1 EiB: more than any memory, tier or storage a run meets
+MAX_BYTES_TEXT = "1 EiB"
+MAX_COUNT = 10**15                 # more than any count a run meets (parameters, tokens, blocks, requests)
+MAX_CONTEXT_TOKENS = 10_000_000    # one prompt: the longest context models serve (10M tokens)
+
+Count = Annotated[Int, Field(le=MAX_COUNT)]
+ContextTokens = Annotated[Int, Field(le=MAX_CONTEXT_TOKENS)]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -32,18 +42,31 @@ class ConfigError(ValueError):
 
 
 def parse_size(value: Any) -> int:
-    """Parse a byte size: an integer, or a string such as "512MiB" or "4GB"."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
-    if isinstance(value, int):
+    """Parse a byte size: an integer, or a string such as "512MiB" or "4GB"; at most MAX_BYTES."""
+    nbytes = None
+    if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"expected a byte size >= 0, found {value}")
-        return value
-    if isinstance(value, str):
+        nbytes = value
+    elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
+            nbytes = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if nbytes is None:
+        raise ValueError(f"expected a byte size (integer or string like '4GiB'), found {value!r}")
+    if nbytes > MAX_BYTES:
+        raise ValueError(f"expected a byte size of at most {MAX_BYTES_TEXT}, found {value!r}")
+    return int(nbytes)
+
+
+def check_count(value: Any, field: str, low: int = 1, high: int = MAX_COUNT) -> int:
+    """`value` as a count in [low, high] (a plain int, not a bool); ConfigError naming `field` otherwise.
+    The same bound as `Count` for figures read outside a settings model (a KV layout, a model's config.json)."""
+    if type(value) is not int or value < low:
+        raise ConfigError(f"{field}: expected an integer >= {low}, found {value!r}")
+    if value > high:
+        raise ConfigError(f"{field}: expected a value <= {high}, found {value}")
+    return value
 
 
 def format_size(nbytes: float) -> str:

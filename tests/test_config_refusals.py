@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cache_impl.config import ConfigError
+from cache_impl.config import CacheConfig, ConfigError
 from gates.config import load_config
 from kvcore.settings import load_yaml_file
 from tests.servers import REPO
@@ -44,6 +44,46 @@ def _refused(tmp_path: Path, data, message: str) -> None:
     done = _plan(path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr
+
+
+# -- 5. g2.contexts beyond what a run can mean -----------------------------------------------------------
+
+def test_an_absurd_context_is_refused_at_load_for_an_external_target_too(tmp_path):
+    external = {"kind": "external", "baseline": {"url": "http://127.0.0.1:9/v1", "model": "m"},
+                "candidate": {"url": "http://127.0.0.1:9/v1", "model": "m"}}
+    _refused(tmp_path, {"targets": external, "g2": {"contexts": [10**30]}},
+             "g2.contexts[0]: expected a value <= 10000000, found 1000000000000000000000000000000")
+
+
+# -- 6. workload sizes a run cannot mean ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, message", [
+    ("system_prompt_tokens", 10**9, "g3.workload.system_prompt_tokens: expected a value <= 10000000, found 1000000000"),
+    ("document_tokens", 10**9, "g3.workload.document_tokens: expected a value <= 10000000, found 1000000000"),
+    ("users", 10**9, "g3.workload: expected at most 1,000,000 requests (users × rounds), found 4,000,000,000"),
+    ("rounds", 10**6, "g3.workload: expected at most 1,000,000 requests (users × rounds), found 16,000,000"),
+])
+def test_a_workload_too_large_to_build_is_refused_before_it_is_built(tmp_path, field, value, message):
+    _refused(tmp_path, {"g3": {"workload": {**MULTI_ROUND, field: value}}}, message)
+
+
+def test_a_workload_whose_prompts_grow_past_any_context_or_sum_past_a_run_is_refused(tmp_path):
+    long_history = {**MULTI_ROUND, "users": 1, "rounds": 2000, "question_tokens": 10_000}
+    with pytest.raises(ConfigError, match=r"g3.workload: expected prompts of at most 10,000,000 tokens .* found "
+                                          r"20,129,728 tokens in the last round"):
+        load_config(_file(tmp_path, {"g3": {"workload": long_history}}))
+    many_long = {"kind": "long_doc_qa", "documents": 1000, "document_tokens": 2_000_000,
+                 "questions_per_document": 1, "question_tokens": 8, "output_tokens": 8}
+    with pytest.raises(ConfigError, match=r"g3.workload: expected at most 1,000,000,000 prompt tokens over all "
+                                          r"requests .* found 2,000,008,000"):
+        load_config(_file(tmp_path, {"g3": {"workload": many_long}}))
+
+
+def test_a_random_workloads_lengths_are_bounded_like_any_prompt(tmp_path):
+    spec = {"kind": "random", "requests": 10, "input_tokens": {"distribution": "fixed", "mean": 1e12},
+            "output_tokens": {"distribution": "fixed", "mean": 8}}
+    with pytest.raises(ConfigError, match=r"workload.input_tokens.mean: expected a value <= 10000000"):
+        load_spec(spec)
 
 
 # -- 7. one YAML loader, no alias bombs -------------------------------------------------------------------------
@@ -100,3 +140,50 @@ def test_a_key_given_twice_is_refused_naming_its_path_and_both_lines(tmp_path, t
     _refused(tmp_path, text, message)
 
 
+# -- 9. one checker for byte sizes and counts --------------------------------------------------------------
+
+@pytest.mark.parametrize("data, message", [
+    ({"sizing": {"target": {"disk_capacity": 10**30}}},
+     "sizing.target.disk_capacity: expected a byte size of at most 1 EiB, found 1000000000000000000000000000000"),
+    ({"sizing": {"target": {"disk_capacity": "1e30 bytes"}}},
+     "sizing.target.disk_capacity: expected a byte size (integer or string like '4GiB'), found '1e30 bytes'"),
+    ({"sizing": {"target": {"host_capacity": "2000000TiB"}}},
+     "sizing.target.host_capacity: expected a byte size of at most 1 EiB, found '2000000TiB'"),
+    ({"sizing": {"target": {"kv_layout": {"layers": 10**30, "dtype": "bf16", "kv_heads": 8, "head_dim": 128}}}},
+     "sizing.target.kv_layout.layers: expected a value <= 1000000000000000, found "
+     "1000000000000000000000000000000"),
+    ({"sizing": {"target": {"device_kv_tokens": 10**30}}},
+     "sizing.target.device_kv_tokens: expected a value <= 1000000000000000, found 1000000000000000000000000000000"),
+    ({"targets": {"embedded": {"disk_capacity": 10**30}}},
+     "targets.embedded.disk_capacity: expected a byte size of at most 1 EiB"),
+    ({"targets": {"embedded": {"device_capacity_blocks": 10**30}}},
+     "targets.embedded.device_capacity_blocks: expected a value <= 1000000000000000"),
+    ({"sizing": {"roofline": {"device_tflops": 900, "params": "1e30", "attention_dim": 4096}}},
+     "sizing.roofline.params: expected a value <= 1000000000000000"),
+])
+def test_every_byte_size_and_count_has_one_sane_upper_bound(tmp_path, data, message):
+    _refused(tmp_path, data, message)
+
+
+def test_the_caches_own_settings_share_the_bound():
+    with pytest.raises(ConfigError, match="cache.disk.capacity_bytes: expected a byte size of at most 1 EiB"):
+        CacheConfig.from_dict({"disk": {"path": "/tmp/x", "capacity_bytes": 10**30}})
+    with pytest.raises(ConfigError, match="cache.device_capacity_blocks: expected a value <= 1000000000000000"):
+        CacheConfig.from_dict({"device_capacity_blocks": 10**30})
+
+
+# -- 10. G2's model directory and checkpoint size --------------------------------------------------------------
+
+def test_a_model_load_path_that_is_not_a_checkpoint_directory_is_refused_at_load(tmp_path):
+    _refused(tmp_path, {"g2": {"model_load": {"path": "/nonexistent"}}},
+             "g2.model_load.path: /nonexistent: expected a checkpoint directory, found nothing")
+    (tmp_path / "empty-model").mkdir()
+    with pytest.raises(ConfigError, match=r"g2.model_load.path: .*empty-model: expected model.safetensors.index.json"):
+        load_config(_file(tmp_path, {"g2": {"model_load": {"path": str(tmp_path / "empty-model")}}}))
+
+
+def test_a_checkpoint_of_absurd_size_is_refused_at_load_with_one_line(tmp_path):
+    _refused(tmp_path, {"g2": {"checkpoint": {"parameters": 10**30}}},
+             "g2.checkpoint.parameters: expected a parameter count (an integer in 1..1000000000000000) or a model "
+             "size (8B, 32B, 70B, 405B, 1T, adapter), found 1000000000000000000000000000000")
+    assert load_config(_file(tmp_path, {"g2": {"checkpoint": {"parameters": "70B"}}})).g2.checkpoint.parameters == "70B"

@@ -331,7 +331,11 @@ def test_an_embedded_server_that_dies_at_start_is_said_at_once_with_its_reason(t
 
 
 
-def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path):
+def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path, monkeypatch):
+    from workloads.safetensors_dir import write_random_checkpoint
+
+    monkeypatch.chdir(tmp_path)               # models/m below is relative: read from here, stored absolute
+    write_random_checkpoint(tmp_path / "models" / "m", 1 << 20, shard_bytes=1 << 20)
     config = load_config(_config_file(tmp_path, {"g2": {
         "model_load": {"path": "models/m", "launch": "engine serve --port 9 'a b'",
                        "health_url": "http://127.0.0.1:9/health", "loaders": ["fastsafetensors"]},

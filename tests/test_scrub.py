@@ -1,6 +1,8 @@
 """`kvgate scrub`: every stored block verified, the bad ones removed, a summary printed."""
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -10,6 +12,7 @@ from cache_impl import blockfiles, integrity
 from cache_impl.scrub import scrub
 from gates.cli import main
 from tests.conftest import BLOCK, blocks_for, files_below, plant_links_and_strays
+from tests.servers import REPO
 from workloads.faults import damage_block
 
 
@@ -110,3 +113,23 @@ def test_a_missing_directory_or_a_bad_config_exits_2(tmp_path, capsys):
     config.write_text(yaml.safe_dump({"engine": {"cache": {"disk": {"path": str(tmp_path), "read_workers": 0}}}}))
     assert main(["scrub", "--config", str(config)]) == 2
     assert "engine.cache.disk.read_workers" in capsys.readouterr().err
+
+
+def test_a_directory_that_is_not_a_disk_tiers_is_refused_before_anything_is_checked(tmp_path, capsys):
+    stray = tmp_path / "home"
+    (stray / "projects").mkdir(parents=True)
+    (stray / "notes.kvb").write_text("not a block")
+    for directory in (stray, tmp_path / "home" / "projects"):   # foreign entries; an empty directory
+        assert main(["scrub", "--cache-dir", str(directory)]) == 2
+        err = capsys.readouterr().err
+        assert (f"--cache-dir: expected a disk tier's directory (a <fingerprint hex>/ directory of block files in "
+                f"it, which a tier makes when it starts), found none in {directory}") in err
+    assert (stray / "notes.kvb").exists()
+
+
+def test_kvgate_scrub_of_the_root_directory_exits_2_saying_it_is_no_tiers(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "gates.cli", "scrub", "--cache-dir", "/", "--dry-run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "kvgate scrub: --cache-dir: expected a disk tier's directory" in done.stderr
+    assert "found none in /" in done.stderr and "checked" not in done.stdout

@@ -36,11 +36,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cache_impl.config import ConfigError, format_validation_error, load_yaml_file
 from cache_impl.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
+from kvcore.settings import MAX_CONTEXT_TOKENS, ContextTokens, Count
 
 from .requests import Workload, WorkloadRequest
 
 # Tokens per hash id in Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
+
+# A workload is built whole (its texts, every request's messages) before a load sends it, and the sizing model
+# keys every prompt: what one pass over it may hold. A billion prompt tokens take hours to send even at 100k
+# tokens/s, and a minute or two to build; beyond that a mistyped size would only run the machine out of memory.
+MAX_WORKLOAD_REQUESTS = 1_000_000
+MAX_WORKLOAD_PROMPT_TOKENS = 1_000_000_000
 
 
 # --------------------------------------------------------------------------- text sizing
@@ -248,18 +255,39 @@ class _Spec(_Strict):
 
     name: Optional[str] = Field(default=None, description="the workload's name (default: its kind)")
 
+    def extent(self) -> Optional[tuple[int, str, int, str, int]]:
+        """What building it makes: (requests, how they are counted, the longest prompt in tokens, where it is,
+        prompt tokens over all requests); None when only its file knows (a trace: check_trace reads it)."""
+        return None
+
+    @model_validator(mode="after")
+    def _a_run_can_send_it(self) -> "_Spec":
+        extent = self.extent()
+        if extent is None:
+            return self
+        requests, counted, longest, where, total = extent
+        if requests > MAX_WORKLOAD_REQUESTS:
+            raise ValueError(f"expected at most {MAX_WORKLOAD_REQUESTS:,} requests ({counted}), found {requests:,}")
+        if longest > MAX_CONTEXT_TOKENS:
+            raise ValueError(f"expected prompts of at most {MAX_CONTEXT_TOKENS:,} tokens (the longest context models "
+                             f"serve), found {longest:,} tokens {where}")
+        if total > MAX_WORKLOAD_PROMPT_TOKENS:
+            raise ValueError(f"expected at most {MAX_WORKLOAD_PROMPT_TOKENS:,} prompt tokens over all requests (the "
+                             f"workload is built whole before it is sent), found {total:,}")
+        return self
+
 
 class MultiRoundQASpec(_Spec):
     """`users` conversations of `rounds` rounds over a shared system prompt and a per-user document."""
 
     kind: Literal["multi_round_qa"] = Field(description="workload kind")
-    users: int = Field(ge=1, description="conversations (sessions), one per user")
-    rounds: int = Field(ge=1, description="requests per conversation")
-    system_prompt_tokens: int = Field(default=0, ge=0, description="system prompt shared by all users; 0: none")
-    document_tokens: int = Field(ge=0, description="per-user document, sent in the first user message")
-    question_tokens: int = Field(ge=1, description="the user's message of each round")
-    answer_tokens: int = Field(ge=1, description="synthetic assistant answer kept in the history")
-    output_tokens: Optional[int] = Field(
+    users: Count = Field(ge=1, description="conversations (sessions), one per user")
+    rounds: Count = Field(ge=1, description="requests per conversation")
+    system_prompt_tokens: ContextTokens = Field(default=0, ge=0, description="system prompt shared by all users; 0: none")
+    document_tokens: ContextTokens = Field(ge=0, description="per-user document, sent in the first user message")
+    question_tokens: ContextTokens = Field(ge=1, description="the user's message of each round")
+    answer_tokens: ContextTokens = Field(ge=1, description="synthetic assistant answer kept in the history")
+    output_tokens: Optional[ContextTokens] = Field(
         default=None, ge=1, description="max_tokens per request (default: answer_tokens)"
     )
     order: Literal["interleaved", "sequential"] = Field(
@@ -269,38 +297,54 @@ class MultiRoundQASpec(_Spec):
         "QA); sequential: a load user runs one conversation's rounds back to back",
     )
 
+    def extent(self) -> tuple[int, str, int, str, int]:
+        # round r (from 0): system + document + (r + 1) questions + r answers
+        opening, turn = self.system_prompt_tokens + self.document_tokens, self.question_tokens + self.answer_tokens
+        last = opening + self.rounds * turn - self.answer_tokens
+        per_user = self.rounds * opening + turn * self.rounds * (self.rounds - 1) // 2 + self.rounds * self.question_tokens
+        return self.users * self.rounds, "users × rounds", last, "in the last round", self.users * per_user
+
 
 class LongDocQASpec(_Spec):
     """`documents` long documents, each asked `questions_per_document` independent questions."""
 
     kind: Literal["long_doc_qa"] = Field(description="workload kind")
-    documents: int = Field(ge=1, description="distinct documents")
-    document_tokens: int = Field(ge=1, description="size of each document")
-    questions_per_document: int = Field(ge=1, description="questions asked about each document")
-    question_tokens: int = Field(ge=1, description="size of each question")
-    system_prompt_tokens: int = Field(default=0, ge=0, description="system prompt shared by all requests; 0: none")
-    output_tokens: int = Field(ge=1, description="max_tokens per request")
+    documents: Count = Field(ge=1, description="distinct documents")
+    document_tokens: ContextTokens = Field(ge=1, description="size of each document")
+    questions_per_document: Count = Field(ge=1, description="questions asked about each document")
+    question_tokens: ContextTokens = Field(ge=1, description="size of each question")
+    system_prompt_tokens: ContextTokens = Field(default=0, ge=0, description="system prompt shared by all requests; 0: none")
+    output_tokens: ContextTokens = Field(ge=1, description="max_tokens per request")
     order: Literal["grouped", "interleaved"] = Field(
         default="interleaved",
         description="interleaved: question 0 of every document, then question 1, ...; grouped: all questions of "
         "document 0, then document 1, ...",
     )
 
+    def extent(self) -> tuple[int, str, int, str, int]:
+        requests = self.documents * self.questions_per_document
+        prompt = self.system_prompt_tokens + self.document_tokens + self.question_tokens
+        return requests, "documents × questions_per_document", prompt, "in each request", requests * prompt
+
 
 class SharedPrefixSpec(_Spec):
     """`groups` × `prompts_per_group` prompts; the prompts of a group share a prefix, each has its own suffix."""
 
     kind: Literal["shared_prefix"] = Field(description="workload kind")
-    groups: int = Field(ge=1, description="distinct prefixes")
-    prompts_per_group: int = Field(ge=1, description="prompts sharing each prefix")
-    prefix_tokens: int = Field(ge=0, description="size of the shared prefix")
-    suffix_tokens: int = Field(ge=1, description="size of each prompt's own suffix")
-    output_tokens: int = Field(ge=1, description="max_tokens per request")
+    groups: Count = Field(ge=1, description="distinct prefixes")
+    prompts_per_group: Count = Field(ge=1, description="prompts sharing each prefix")
+    prefix_tokens: ContextTokens = Field(ge=0, description="size of the shared prefix")
+    suffix_tokens: ContextTokens = Field(ge=1, description="size of each prompt's own suffix")
+    output_tokens: ContextTokens = Field(ge=1, description="max_tokens per request")
     order: Literal["grouped", "interleaved"] = Field(
         default="interleaved",
         description="interleaved: prompt 0 of every group, then prompt 1, ...; grouped: group 0's prompts, "
         "then group 1's",
     )
+
+    def extent(self) -> tuple[int, str, int, str, int]:
+        requests, prompt = self.groups * self.prompts_per_group, self.prefix_tokens + self.suffix_tokens
+        return requests, "groups × prompts_per_group", prompt, "in each request", requests * prompt
 
 
 class LengthDistribution(_Strict):
@@ -311,10 +355,12 @@ class LengthDistribution(_Strict):
     """
 
     distribution: Literal["fixed", "uniform", "normal", "lognormal"] = Field(description="the length distribution")
-    mean: Optional[float] = Field(default=None, gt=0, description="mean length (fixed, normal, lognormal)")
-    std: Optional[float] = Field(default=None, ge=0, description="standard deviation (normal, lognormal)")
-    min: int = Field(default=1, ge=1, description="smallest length")
-    max: Optional[int] = Field(default=None, ge=1, description="largest length (required for uniform)")
+    mean: Optional[float] = Field(default=None, gt=0, le=MAX_CONTEXT_TOKENS,
+                                  description="mean length (fixed, normal, lognormal)")
+    std: Optional[float] = Field(default=None, ge=0, le=MAX_CONTEXT_TOKENS,
+                                 description="standard deviation (normal, lognormal)")
+    min: ContextTokens = Field(default=1, ge=1, description="smallest length")
+    max: Optional[ContextTokens] = Field(default=None, ge=1, description="largest length (required for uniform)")
 
     @model_validator(mode="after")
     def _complete(self) -> "LengthDistribution":
@@ -327,6 +373,11 @@ class LengthDistribution(_Strict):
         if self.distribution == "fixed" and not self.min <= round(self.mean) <= (self.max or math.inf):
             raise ValueError(f"expected a fixed mean within [min, max], found {self.mean}")
         return self
+
+    @property
+    def upper(self) -> int:
+        """The longest length it gives, as a bound: `max`, else the mean and three standard deviations."""
+        return self.max if self.max is not None else round(self.mean + 3 * (self.std or 0))
 
     def sample(self, rng: random.Random) -> int:
         """One length from `rng`."""
@@ -346,9 +397,13 @@ class RandomSpec(_Spec):
     """`requests` independent prompts of random text (no reuse), lengths drawn from distributions."""
 
     kind: Literal["random"] = Field(description="workload kind")
-    requests: int = Field(ge=1, description="number of requests")
+    requests: Count = Field(ge=1, description="number of requests")
     input_tokens: LengthDistribution = Field(description="prompt length distribution")
     output_tokens: LengthDistribution = Field(description="max_tokens distribution")
+
+    def extent(self) -> tuple[int, str, int, str, int]:
+        longest = self.input_tokens.upper
+        return self.requests, "requests", longest, "at input_tokens' upper end", self.requests * longest
 
 
 class TraceSpec(_Spec):
@@ -364,16 +419,16 @@ class TraceSpec(_Spec):
         default=None, strict=False,
         description="the trace file, JSONL (relative: to the spec file's folder); required: in the config or "
         "with `kvgate run --trace FILE`")
-    warmup_requests: int = Field(
+    warmup_requests: Count = Field(
         default=0, ge=0, description="the trace's first N requests warm the targets up (priming) and are never "
         "measured; 0: no warm-up")
-    limit: Optional[int] = Field(default=None, ge=1, description="measure only the N requests after the warm-up")
-    block_tokens: int = Field(default=MOONCAKE_BLOCK_TOKENS, ge=1, description="tokens per hash id in the trace")
+    limit: Optional[Count] = Field(default=None, ge=1, description="measure only the N requests after the warm-up")
+    block_tokens: ContextTokens = Field(default=MOONCAKE_BLOCK_TOKENS, ge=1, description="tokens per hash id in the trace")
     time_scale: float = Field(default=1.0, gt=0, description="arrival_s = timestamp / 1000 * time_scale")
     length_scale: float = Field(
         default=1.0, gt=0, description="scales input, output and block sizes together (reuse structure kept)"
     )
-    max_output_tokens: Optional[int] = Field(default=None, ge=1, description="cap on max_tokens after scaling")
+    max_output_tokens: Optional[ContextTokens] = Field(default=None, ge=1, description="cap on max_tokens after scaling")
 
 
 WorkloadSpec = Union[MultiRoundQASpec, LongDocQASpec, SharedPrefixSpec, RandomSpec, TraceSpec]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from kvcore.settings import ConfigError
+from kvcore.settings import ConfigError, check_count
 
 # Bytes per element of the dtype names configs use (Hugging Face's `torch_dtype`, kvgate's KVLayout).
 DTYPE_BYTES: dict[str, int] = {
@@ -161,9 +161,7 @@ class KVShape:
 
 
 def _positive_int(value: Any, field: str) -> int:
-    if type(value) is not int or value < 1:
-        raise ConfigError(f"{field}: expected an integer >= 1, found {value!r}")
-    return value
+    return check_count(value, field)
 
 
 def _non_negative_int(value: Any, field: str) -> int:
@@ -196,9 +194,7 @@ def _read_config(config: Union[str, Path, Mapping[str, Any]]) -> tuple[str, Mapp
 
 
 def _checked(value: Any, field: str, root: str) -> int:
-    if type(value) is not int or value < 1:
-        raise ConfigError(f"{root}: {field}: expected an integer >= 1, found {value!r}")
-    return value
+    return check_count(value, f"{root}: {field}")
 
 
 def _required(cfg: Mapping[str, Any], field: str, root: str, why: str = "") -> int:
