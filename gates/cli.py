@@ -135,6 +135,8 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"gates: expected some of {known} (the suites this version has), found {missing}")
     ordered = [g for g in ("g1", "g2", "g3", "g4") if g in gates]
+    if "g2" in ordered:
+        config.check_g2_contexts()
     if args.resume is not None:
         check_resume(args.resume, ordered)
         from kvcore.rundata import RunStore

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
+from cache_impl.presets import PRESETS
 from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.rules import Rule, parse_rule
 from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, Count, Float, Int, StrictModel,
@@ -467,6 +468,20 @@ class NoReuseConfig(StrictModel):
     pairs: Count = Field(default=10, ge=5, description="alternating candidate / baseline pairs")
 
 
+G2_OUTPUT_TOKENS = 1   # tokens each G2 request generates (its TTFT needs one; gates/g2_baseline)
+
+
+def g2_contexts_problem(contexts: list[int], model_context: int, model: str) -> Optional[str]:
+    """Why `contexts` do not fit a model of `model_context` tokens (`model` says which and whence): the
+    longest with the token G2 generates must fit. None when they do. One rule for the embedded presets
+    (GatesConfig.check_g2_contexts) and an external model's max_model_len (gates/preflight.py)."""
+    longest, fits = max(contexts), model_context - G2_OUTPUT_TOKENS
+    if longest <= fits:
+        return None
+    return (f"g2.contexts: expected context lengths the model serves ({model}: {model_context} tokens, less the "
+            f"{G2_OUTPUT_TOKENS} token each G2 request generates: at most {fits}), found {longest}")
+
+
 class G2Config(StrictModel):
     _declared = _thresholds_of("g2")
 
@@ -799,6 +814,18 @@ class GatesConfig(StrictModel):
                              "the sidecar of kvgate's connector in vLLM: targets.candidate.cache_layer: kvgate and "
                              f"cache_layer_url), found {len(self.g4.faults)}")
         return self
+
+    def check_g2_contexts(self) -> None:
+        """ConfigError when G2's contexts do not fit the embedded preset's context (`kvgate run` with G2 and
+        `kvgate plan` call it before any work; an external model's is checked at pre-flight, where it is read).
+        Not part of loading: a run without G2 does not depend on them (`kvgate run g1 g3` with the full
+        profile's 128k contexts on an embedded preset of 16k tokens, say)."""
+        if self.targets.kind != "embedded":
+            return
+        preset = self.targets.embedded.preset
+        problem = g2_contexts_problem(self.g2.contexts, PRESETS[preset].max_seq_len, f"preset {preset}")
+        if problem:
+            raise ConfigError(problem)
 
     def rule(self, gate: str, metric: str) -> Optional[Rule]:
         """The rule `gate` judges `metric` by: its configured threshold, else the check's default, else None

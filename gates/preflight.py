@@ -21,6 +21,7 @@ from workloads.datasets import sizer_for
 from workloads.errors import CONNECTION_ERRORS, describe_error
 from workloads.requests import WorkloadRequest
 
+from .config import g2_contexts_problem
 from .targets import Endpoint
 
 TIMEOUT_S = 10.0
@@ -40,6 +41,7 @@ class PreflightResult:
     ttft_s: Optional[float] = None
     seconds: float = 0.0
     sizer: str = ""                  # how prompts are sized in its tokens (workloads.datasets.sizer_for)
+    max_model_len: Optional[int] = None   # the model's context as GET /models gives it, where it does
 
     def line(self) -> str:
         return f"{self.role} {self.url}: {self.problem or 'ok'}" + (f" (prompts sized: {self.sizer})"
@@ -54,15 +56,17 @@ def _nodes(role: str, endpoint: Endpoint) -> list[tuple[str, str]]:
     return [(role if len(urls) == 1 else f"{role} node {i}", url) for i, url in enumerate(urls)]
 
 
-def check_node(role: str, url: str, endpoint: Endpoint, timeout_s: float = TIMEOUT_S) -> PreflightResult:
-    """The two calls against one node; the result says what happened."""
+def check_node(role: str, url: str, endpoint: Endpoint, timeout_s: float = TIMEOUT_S,
+               contexts: Optional[list[int]] = None) -> PreflightResult:
+    """The two calls against one node; the result says what happened. With `contexts` (G2's, when it runs),
+    a model whose listing gives its max_model_len must hold the longest (gates.config.g2_contexts_problem)."""
     result = PreflightResult(role, url, endpoint.model, sizer=sizer_description(endpoint.tokenizer))
     started = time.monotonic()
     api_key = os.environ.get(endpoint.api_key_env or "", "") or None
     client = StreamingClient(url, endpoint.model, endpoint.api, api_key, target=f"preflight-{role}",
                              timeout_s=timeout_s)
     try:
-        result.problem = _check(client, result)
+        result.problem = _check(client, result, contexts)
     finally:
         client.close()
         result.seconds = time.monotonic() - started
@@ -81,14 +85,21 @@ def sizer_description(tokenizer: Optional[str]) -> str:
     return name
 
 
-def _check(client: StreamingClient, result: PreflightResult) -> str:
+def _check(client: StreamingClient, result: PreflightResult, contexts: Optional[list[int]]) -> str:
     try:
-        result.served = client.served_models()
+        listed = client.model_contexts()
     except TargetError as error:
         what = describe_error(error.error_type, error.message)
         return what if error.error_type in CONNECTION_ERRORS else f"GET /models: {what}"
+    result.served = list(listed)
     if result.model not in result.served:
         return f"model {result.model!r} not served (serves: {', '.join(result.served) or 'none'})"
+    result.max_model_len = listed[result.model]
+    if contexts and result.max_model_len is not None:
+        problem = g2_contexts_problem(contexts, result.max_model_len, f"{result.model} by its max_model_len at "
+                                                                      "GET /models")
+        if problem:
+            return problem
     record = client.send(PROBE)
     if not record.ok:
         return describe_error(record.error_type, record.error_message)
@@ -98,11 +109,13 @@ def _check(client: StreamingClient, result: PreflightResult) -> str:
     return ""
 
 
-def run_preflight(endpoints: dict[str, Endpoint], timeout_s: float = TIMEOUT_S) -> list[PreflightResult]:
-    """Every node of every role, checked side by side (a dead one costs its timeout once, not once per role)."""
+def run_preflight(endpoints: dict[str, Endpoint], timeout_s: float = TIMEOUT_S,
+                  contexts: Optional[list[int]] = None) -> list[PreflightResult]:
+    """Every node of every role, checked side by side (a dead one costs its timeout once, not once per role);
+    `contexts`: G2's, when it runs (check_node)."""
     nodes = [(role, url, endpoint) for role, endpoint in endpoints.items() for role, url in _nodes(role, endpoint)]
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-        return list(pool.map(lambda node: check_node(*node, timeout_s=timeout_s), nodes))
+        return list(pool.map(lambda node: check_node(*node, timeout_s=timeout_s, contexts=contexts), nodes))
 
 
 def probe_engines(config, endpoints: dict[str, Endpoint]) -> dict[str, dict]:

@@ -239,7 +239,7 @@ class GateRunner:
     def _preflight(self, endpoints: dict[str, Endpoint]) -> str:
         """Check every target before any gate (gates/preflight.py); what failed, or '' when all passed."""
         with self.console.status("pre-flight: every target's /models and one streamed token …"):
-            results = run_preflight(endpoints)
+            results = run_preflight(endpoints, contexts=self.config.g2.contexts if "g2" in self.gates else None)
         rows = [r.to_dict() for r in results]
         for r in results:
             mark = "[green]ok[/green]" if r.ok else "[red]FAILED[/red]"

@@ -46,7 +46,34 @@ def _refused(tmp_path: Path, data, message: str) -> None:
     assert message in done.stderr
 
 
-# -- 5. g2.contexts beyond what a run can mean -----------------------------------------------------------
+# -- 5. g2.contexts beyond the model's context --------------------------------------------------------------
+
+TINY_TOO_LONG = "g2.contexts: expected context lengths the model serves (preset tiny: 4096 tokens, less the 1 token " \
+                "each G2 request generates: at most 4095), found 100000"
+
+
+def test_a_g2_context_longer_than_the_embedded_presets_context_is_refused_naming_the_limit(tmp_path):
+    path = _file(tmp_path, {"targets": {"embedded": {"preset": "tiny"}}, "g2": {"contexts": [1024, 100000]},
+                            "storage": {"path": str(tmp_path / "storage")}})
+    with pytest.raises(ConfigError) as error:
+        load_config(path).check_g2_contexts()
+    assert str(error.value) == TINY_TOO_LONG
+    done = _plan(path)
+    assert done.returncode == 2 and TINY_TOO_LONG in done.stderr, done.stdout + done.stderr
+    run = subprocess.run([sys.executable, "-m", "gates.cli", "run", "g2", "--config", str(path), "--out",
+                          str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and TINY_TOO_LONG in run.stderr, run.stdout + run.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "storage").exists()   # refused before any work
+
+
+def test_g2s_contexts_bind_only_where_g2_runs_and_the_longest_that_fits_is_accepted(tmp_path):
+    tiny = load_config(_file(tmp_path, {"targets": {"embedded": {"preset": "tiny"}}}))   # the quick profile's 8192
+    with pytest.raises(ConfigError, match=r"g2.contexts: expected .* \(preset tiny: 4096 tokens.*found 8192"):
+        tiny.check_g2_contexts()
+    assert tiny.g3.levels    # loads: a run of G3 alone does not depend on G2's contexts
+    load_config(_file(tmp_path, {"targets": {"embedded": {"preset": "tiny"}},
+                                 "g2": {"contexts": [1024, 4095]}})).check_g2_contexts()
+
 
 def test_an_absurd_context_is_refused_at_load_for_an_external_target_too(tmp_path):
     external = {"kind": "external", "baseline": {"url": "http://127.0.0.1:9/v1", "model": "m"},

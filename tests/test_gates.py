@@ -323,7 +323,7 @@ def test_init_into_a_place_it_cannot_write_is_exit_2(tmp_path, capsys):
 
 def test_an_embedded_server_that_dies_at_start_is_said_at_once_with_its_reason(tmp_path, capsys):
     config = _config_file(tmp_path, {"targets": {"embedded": {"preset": "tiny", "device_capacity_blocks": 10**9}},
-                                     "storage": {"path": str(tmp_path / "storage")}})
+                                     "g2": {"contexts": [1024]}, "storage": {"path": str(tmp_path / "storage")}})
     code, err = _run_cli(capsys, "g2", "--config", config, "--out", tmp_path / "run")
     assert code == 2
     assert "the embedded server" in err and "exited at start" in err and "can't allocate memory" in err

@@ -19,9 +19,12 @@ class _Answers(BaseHTTPRequestHandler):
 
     models: tuple[str, ...] = ()
     status, body = 200, b""
+    max_model_len = None   # listed beside each model when set, as vLLM does
 
     def do_GET(self):
-        self._reply(200, json.dumps({"object": "list", "data": [{"id": m} for m in self.models]}).encode())
+        listed = [{"id": m, **({"max_model_len": self.max_model_len} if self.max_model_len else {})}
+                  for m in self.models]
+        self._reply(200, json.dumps({"object": "list", "data": listed}).encode())
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -43,8 +46,9 @@ def answering():
     """Start a real HTTP server on loopback answering as told; its base URL (…/v1)."""
     servers = []
 
-    def start(models, status=200, body=b"") -> str:
-        handler = type("Handler", (_Answers,), {"models": tuple(models), "status": status, "body": body})
+    def start(models, status=200, body=b"", max_model_len=None) -> str:
+        handler = type("Handler", (_Answers,), {"models": tuple(models), "status": status, "body": body,
+                                                "max_model_len": max_model_len})
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -119,3 +123,32 @@ def test_kvgate_run_g3_against_dead_external_urls_exits_2_naming_each_target(tmp
         ("baseline", False, "connection refused"), ("candidate", False, "connection refused")]
     status = json.loads((tmp_path / "run" / "gates" / "g3" / "status.json").read_text())
     assert status["status"] == "not run" and status["reason"].startswith("pre-flight failed: baseline")
+
+
+def test_g2_contexts_longer_than_the_models_max_model_len_fail_the_pre_flight_naming_the_limit(answering):
+    url = answering(["m"], max_model_len=4096)
+    result = check_node("candidate", url, Endpoint("candidate", url, "m"), contexts=[1024, 8192])
+    assert not result.ok and result.max_model_len == 4096
+    assert result.line() == (f"candidate {url}: g2.contexts: expected context lengths the model serves (m by its "
+                             "max_model_len at GET /models: 4096 tokens, less the 1 token each G2 request generates: "
+                             "at most 4095), found 8192")
+    # G2 not run (no contexts), or a listing without max_model_len: nothing to judge, the probe goes on
+    assert "g2.contexts" not in check_node("candidate", url, Endpoint("candidate", url, "m")).problem
+    unlisted = answering(["m"])
+    assert "g2.contexts" not in check_node("candidate", unlisted, Endpoint("candidate", unlisted, "m"),
+                                           contexts=[8192]).problem
+
+
+def test_kvgate_run_g2_against_a_model_shorter_than_its_contexts_exits_2_before_the_gate(tmp_path, answering):
+    url = answering(["m"], max_model_len=4096)
+    config = {"targets": {"kind": "external", "baseline": {"url": url, "model": "m"},
+                          "candidate": {"url": url, "model": "m"}},
+              "g2": {"contexts": [1024, 8192]}, "storage": {"path": str(tmp_path / "storage")}}
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump(config))
+    run = subprocess.run([sys.executable, "-m", "gates.cli", "run", "g2", "--config", str(tmp_path / "gates.yaml"),
+                          "--out", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert (f"kvgate run: pre-flight failed: baseline {url}: g2.contexts: expected context lengths the model serves "
+            "(m by its max_model_len at GET /models: 4096 tokens, less the 1 token each G2 request generates: at most "
+            "4095), found 8192") in run.stderr
+    assert not (tmp_path / "run" / "gates" / "g2" / "raw").exists()

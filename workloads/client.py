@@ -295,6 +295,11 @@ class StreamingClient:
 
     def served_models(self) -> list[str]:
         """The model ids the target lists at GET <base>/models; TargetError when it does not answer them."""
+        return list(self.model_contexts())
+
+    def model_contexts(self) -> dict[str, Optional[int]]:
+        """{model id: its context length in tokens where the listing gives one (`max_model_len`: vLLM, kvgate
+        serve), else None} from GET <base>/models; TargetError when it does not answer them."""
         try:
             _, response = self._request("GET", self._prefix + "/models", None)
             body = response.read()
@@ -309,8 +314,9 @@ class StreamingClient:
             raise TargetError("bad_response", f"expected an OpenAI model list (a JSON object), found "
                               f"{body[:120]!r}") from None
         try:
-            models = required_list(listing, "data", "data")
-            return [required_text(json_object(m, f"data[{i}]"), "id", f"data[{i}].id") for i, m in enumerate(models)]
+            models = [json_object(m, f"data[{i}]") for i, m in enumerate(required_list(listing, "data", "data"))]
+            return {required_text(m, "id", f"data[{i}].id"): _context_length(m.get("max_model_len"))
+                    for i, m in enumerate(models)}
         except BadResponse as bad:
             raise TargetError("bad_response", str(bad)) from None
 
@@ -406,6 +412,11 @@ def _apply(record: RequestRecord, m: StreamMetrics) -> None:
 def _failed(record: RequestRecord, error_type: str, message: str) -> RequestRecord:
     record.ok, record.error_type, record.error_message = False, error_type, message[:300]
     return record
+
+
+def _context_length(value: object) -> Optional[int]:
+    """A model listing's max_model_len when it is a positive integer (a listing's extra field: else None)."""
+    return value if type(value) is int and value > 0 else None
 
 
 def _error_message(body: bytes) -> str:

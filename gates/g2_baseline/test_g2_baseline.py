@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from gates.config import G2_OUTPUT_TOKENS
 from gates.engines import cache_admin
 from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
                                          measure_pairs, own_pattern, paired_ratio)
@@ -36,7 +37,7 @@ BLOCK_TOKENS = 256     # kvgate's block: a hit serves the prompt's whole blocks 
 FILLER_EXTRA = 16      # tokens a filler prompt has beyond its planned KV: what fills its last block is never short
 
 
-def _request(tokens: int, tag: str, endpoint, max_tokens: int = 1) -> WorkloadRequest:
+def _request(tokens: int, tag: str, endpoint, max_tokens: int = G2_OUTPUT_TOKENS) -> WorkloadRequest:
     sizer = sizer_for(endpoint.tokenizer)
     text = sizer.text(tokens - 8, f"g2/{tag}")  # room for the chat template's few tokens
     return WorkloadRequest(tag, tag, 0, ({"role": "user", "content": text},), max_tokens, tokens)

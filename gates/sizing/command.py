@@ -64,6 +64,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"kvgate plan: wrote {args.out} (constants fitted to {args.calibrate})"
               + "".join(f"\n  note: {note}" for note in fitted.notes))
         return 0
+    config.check_g2_contexts()   # the plan predicts G2 at these contexts
     store = _run_dir(args.from_run, "--from") if args.from_run is not None else None
     given = args.calibration if args.calibration is not None else config.sizing.calibration   # the flag wins
     calibration = Calibration.load(given) if given is not None else None
