@@ -80,8 +80,8 @@ def test_before_any_run_g2_is_predicted_from_the_probed_rates_and_twice_the_rate
     load = ttft[("host-hit", longest)] - quicker[("host-hit", longest)]
     assert load > 0 and quicker[("recompute", longest)] == ttft[("recompute", longest)]
     assert ttft[("host-hit", longest)] - 2 * load == pytest.approx(quicker[("host-hit", longest)] - load)
-    # with a decode cost measured, G3's throughput is predicted too
-    assert any(p.metric == "output_tokens_per_s" for p in plan.predictions)
+    # G3's decode cost is the probe's, not a lower bound estimated from the curve
+    assert not any("estimated from G2's recompute curve" in note for note in plan.notes)
 
 
 def test_a_failed_probe_leaves_the_plan_as_it_was(config):
@@ -136,7 +136,7 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     store = RunStore(tmp_path / "run")
     probe = store.machine_probe()
     assert probe["preset"] == "tiny" and probe["matmul_flops"] > 0        # what the predictions rest on, recorded
-    assert 0 < probe["fixed_overhead_s"] < 1
+    assert probe["fixed_overhead_s"] > 0
     before = [r for r in store.predictions() if r["stage"] == "before g2"]
     assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
         (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
