@@ -93,31 +93,41 @@ class NodePlan:
     index: int
     count: int                   # nodes of its role
     pooled: bool
+    storage: Path                # storage.path, resolved: the storage under test, where its disk tier lives
 
     @property
     def name(self) -> str:
         return f"{self.mode}-{self.index}" if self.count > 1 else self.mode
 
+    @property
+    def cache_dir(self) -> Path:
+        """Its disk tier's directory on this host, the one place it is decided: given to the server once
+        (`--cache-dir`) and to the gates with its endpoint (`Endpoint.cache_dir`)."""
+        return self.storage / f"kv-{self.name}"
 
-def fleet_plan(embedded: EmbeddedTargets) -> list[NodePlan]:
+
+def fleet_plan(config: GatesConfig) -> list[NodePlan]:
     """Every embedded server of a run: one recompute reference, and as many device-only baseline nodes as tiered
-    candidate nodes (`candidate_nodes`), only the candidate's on the pool. Every server reads one engine setting
+    candidate nodes (`candidate_nodes`), only the candidate's on the pool, each with its own disk tier directory
+    under `storage.path` (`NodePlan.cache_dir`). Every server reads one engine setting
     (`engine_settings`) and both fleets are routed by `targets.routing`, so throughput compares equal fleets: the
     same node count, routing and device tier per node, the candidate adding its lower tiers and the pool."""
+    embedded, storage = config.targets.embedded, Path(config.storage.path).resolve()
     plan = []
     for role, mode in EMBEDDED_ROLES.items():
         count = embedded.candidate_nodes if role in ("candidate", "baseline") else 1
-        plan += [NodePlan(role, mode, node, count, role == "candidate" and embedded.pool != "none")
+        plan += [NodePlan(role, mode, node, count, role == "candidate" and embedded.pool != "none", storage)
                  for node in range(count)]
     return plan
 
 
 def engine_settings(embedded: EmbeddedTargets) -> dict:
-    """The `engine:` section every embedded server starts from (its mode is its command line's)."""
+    """The `engine:` section every embedded server starts from; its mode and its disk tier's directory are its
+    command line's (`--mode`, `--cache-dir`: NodePlan.cache_dir), so the file holds no placeholder for either."""
     return {"preset": embedded.preset, "seed": embedded.seed, "max_running": embedded.max_running,
             "cache": {"device_capacity_blocks": embedded.device_capacity_blocks,
                       "host_capacity_bytes": embedded.host_capacity,
-                      "disk": {"path": "unused", "capacity_bytes": embedded.disk_capacity,
+                      "disk": {"capacity_bytes": embedded.disk_capacity,
                                "io_mode": embedded.disk_io_mode,
                                "read_workers": embedded.disk_read_workers}}}
 
@@ -153,12 +163,11 @@ class EmbeddedServers:
         pool_url = self._start_pool(embedded)
         env = {k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"} | self.client_environment()
         urls: dict[str, list[str]] = {}
-        cache_dirs: dict[str, str] = {}
-        for node in fleet_plan(embedded):
+        first_dirs: dict[str, Path] = {}
+        for node in fleet_plan(self.config):
             port = free_port()
             command = [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", node.mode,
-                       "--host", "127.0.0.1", "--port", str(port), "--admin",
-                       "--cache-dir", str(Path(self.config.storage.path).resolve() / f"kv-{node.name}")]
+                       "--host", "127.0.0.1", "--port", str(port), "--admin", "--cache-dir", str(node.cache_dir)]
             if node.pooled:
                 command += ["--remote", pool_url]
             key = f"{node.role}-{node.index}"
@@ -167,12 +176,12 @@ class EmbeddedServers:
                 command, stdout=open(self.logs[key], "wb"), stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent, env=env)
             urls.setdefault(node.role, []).append(f"http://127.0.0.1:{port}/v1")
-            cache_dirs.setdefault(node.role, command[command.index("--cache-dir") + 1])
+            first_dirs.setdefault(node.role, node.cache_dir)
         for role, found in urls.items():
             self.endpoints[role] = Endpoint(role, found[0], f"kvgate-{embedded.preset}", admin=True,
                                             mode=EMBEDDED_ROLES[role], nodes=tuple(found) if len(found) > 1 else (),
                                             routing=self.config.targets.routing, tokenizer=BYTE_TOKENIZER_ID,
-                                            cache_dir=cache_dirs[role])
+                                            cache_dir=str(first_dirs[role]))
         for name, process in self.processes.items():
             role, node = name.rsplit("-", 1)
             self._wait_healthy(process, self.endpoints[role].node_roots[int(node)], self.logs[name], timeout_s)

@@ -11,9 +11,9 @@ import yaml
 
 from cache_impl.hf_export import export_hf
 from gates.config import EmbeddedTargets, load_config
-from gates.engines import build_adapter, parse_metrics, spec_from_endpoint
-from gates.engines.placement import plan_placement
-from gates.sizing.layout import KVShape
+from engines import build_adapter, parse_metrics, spec_from_endpoint
+from engines.placement import plan_placement
+from sizing.layout import KVShape
 from gates.targets import engine_settings
 from kvcore.settings import parse_size
 
@@ -177,8 +177,7 @@ def test_kvgate_serve_runs_the_embedded_settings_and_the_capacities_follow_from_
     config = load("kvgate-serve-generic.yaml", tmp_path, monkeypatch)
     engine = yaml.safe_load((EXAMPLES / "kvgate-serve" / "engine.yaml").read_text())["engine"]
     embedded = engine_settings(EmbeddedTargets())
-    path = engine["cache"]["disk"].pop("path")
-    embedded["cache"]["disk"].pop("path")
+    path = engine["cache"]["disk"].pop("path")     # the embedded servers get theirs by --cache-dir
     assert engine == embedded
     candidate = config.targets.candidate
     assert candidate.cache_dir == tmp_path / path              # both relative to where kvgate runs

@@ -12,6 +12,8 @@ document. So a workload of U users has W = 1 + 7 × U distinct blocks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -119,13 +121,17 @@ def test_the_resolved_config_a_run_stores_reloads_to_the_same_fleet(tmp_path):
 
 
 def test_the_baseline_fleet_is_the_candidates_node_count_on_one_engine_setting_without_the_pool(tmp_path):
-    embedded = _fleet(tmp_path, 3).targets.embedded
-    plan = fleet_plan(embedded)
+    config = _fleet(tmp_path, 3)
+    embedded = config.targets.embedded
+    plan = fleet_plan(config)
     by_role = {role: [n for n in plan if n.role == role] for role in ("recompute", "baseline", "candidate")}
     assert [len(by_role[r]) for r in ("recompute", "baseline", "candidate")] == [1, 3, 3]
     assert [n.name for n in by_role["baseline"]] == ["device-only-0", "device-only-1", "device-only-2"]
     assert [n.pooled for n in plan] == [False, False, False, False, True, True, True]
     settings = engine_settings(embedded)["cache"]       # the one file every node reads: the device tier per node
     assert settings["device_capacity_blocks"] == 29 and settings["host_capacity_bytes"] == embedded.host_capacity
-    assert [n.name for n in fleet_plan(_fleet(tmp_path, 1, pool="none").targets.embedded)] == \
+    storage = Path(config.storage.path).resolve()       # each node's disk directory is decided once, in the plan
+    assert [n.cache_dir for n in by_role["candidate"]] == [storage / f"kv-tiered-{i}" for i in range(3)]
+    assert len({n.cache_dir for n in plan}) == len(plan) and "path" not in settings["disk"]
+    assert [n.name for n in fleet_plan(_fleet(tmp_path, 1, pool="none"))] == \
         ["recompute", "device-only", "tiered"]
