@@ -5,7 +5,7 @@ on its own loopback port (`admin_port` in the connector's extra config), what `k
 serves for its cache: POST /admin/cache/{evict,flush,drop-page-cache,locate}, /admin/faults (behind
 the admin token, cache_impl/admin.py), GET /metrics (kvgate_cache_* per tier, and the connector's
 own counters, the process's memory) and GET /health. The gates reach it through the `vllm` engine profile with
-`cache_layer: kvgate` (gates/engines/kvgate_connector.py).
+`cache_layer: kvgate` (engines/kvgate_connector.py).
 """
 
 from __future__ import annotations

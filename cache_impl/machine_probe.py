@@ -1,5 +1,5 @@
 """This machine's speed at the embedded model's shapes, measured in about a second: what the sizing model
-divides the model's FLOPs and bytes by before any G2 has measured the engine (gates/sizing/machine.py).
+divides the model's FLOPs and bytes by before any G2 has measured the engine (sizing/machine.py).
 
 Run where the engine runs (the device `cache.device: auto` picks: CUDA when present, else the CPU), at the
 engine's dtype (float32 weights and KV), each figure from the fastest of repeated timings within its budget

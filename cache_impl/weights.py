@@ -4,7 +4,7 @@
 (shards, `model.safetensors.index.json`, the checksum sidecar), with the preset and its ModelArgs
 in the metadata, so that a directory names the model it holds. `load_weights` builds the preset's
 model without initialising it (on the meta device, then placed), checks every tensor's name, shape
-and dtype against it, loads with one of `workloads.loaders.LOADERS` straight into the parameters,
+and dtype against it, loads with one of `cache_impl.loaders.LOADERS` straight into the parameters,
 and verifies each tensor against the sidecar. The cache fingerprint's weights digest is then taken
 from the loaded parameters, so KV cached under other weights is unreachable.
 
@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from workloads.loaders import DEFAULT_CONCURRENCY, check_destinations, load_checkpoint, verify_loaded
-from workloads.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, SafetensorsDir,
+from cache_impl.loaders import DEFAULT_CONCURRENCY, check_destinations, load_checkpoint, verify_loaded
+from cache_impl.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, SafetensorsDir,
                                        read_safetensors_dir, write_safetensors_dir)
 
 from .model import PRESETS, ModelArgs, Transformer, build_model

@@ -1,6 +1,6 @@
 """Engine adapters: what kvgate knows of kvgate, vLLM, SGLang (with LMCache, HiCache, Mooncake) and generic engines.
 
-`build_adapter(spec)` gives an `EngineAdapter` (gates/engines/base.py) for an `EngineSpec`;
+`build_adapter(spec)` gives an `EngineAdapter` (engines/base.py) for an `EngineSpec`;
 `spec_from_endpoint` makes the spec of an external target from gates.yaml, `embedded_spec` of
 one of the harness's own `kvgate serve` processes. Placement by pressure is placement.py.
 """

@@ -14,7 +14,7 @@ The control abilities, and what each leaves behind:
 Each available control states `clears`, the tiers the call really empties (SGLang's /flush_cache
 empties HiCache's host tier with the device's), which is what placement by route plans with.
 
-The engine adapters (gates/engines/kvgate.py, vllm.py, sglang.py, generic.py) are builders of
+The engine adapters (engines/kvgate.py, vllm.py, sglang.py, generic.py) are builders of
 this one class from an `EngineSpec`: profiles as data, not subclasses.
 """
 

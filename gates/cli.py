@@ -14,7 +14,7 @@ from pathlib import Path
 from cache_impl.config import ConfigError
 from kvcore.printable import printable
 from workloads.fio import FioError
-from workloads.safetensors_dir import CheckpointFormatError
+from cache_impl.safetensors_dir import CheckpointFormatError
 
 
 def _positive_int(text: str) -> int:
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_weights(commands)
     _add_scrub(commands)
     _add_engine_bench(commands)
-    from .sizing.command import add_plan
+    from gates.plan_command import add_plan
 
     add_plan(commands)
     _add_client_bench(commands)

@@ -26,12 +26,12 @@ from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, C
 from workloads.datasets import check_trace, load_spec
 from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
-from workloads.loaders import LOADERS
-from workloads.safetensors_dir import CheckpointFormatError, read_safetensors_dir
+from cache_impl.loaders import LOADERS
+from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 
-from .checks import CHECKS, check_of, configurable_metrics
+from kvcore.checks import CHECKS, check_of, configurable_metrics
 from .fleet import fleet_defaults
-from .engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
+from engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -41,7 +41,7 @@ RuleField = Annotated[Rule, PlainValidator(parse_rule), PlainSerializer(lambda r
 
 
 def _declared_thresholds(gate: str, rules: list[Rule]) -> list[Rule]:
-    """Every threshold names a metric its gate judges (gates/checks.py), each metric once."""
+    """Every threshold names a metric its gate judges (kvcore/checks.py), each metric once."""
     known = configurable_metrics(gate)
     seen: dict[str, int] = {}
     for i, rule in enumerate(rules):
@@ -87,7 +87,7 @@ class Endpoint(StrictModel):
     api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
     api: Literal["chat", "completions"] = "chat"
     engine: Literal[ENGINES] = Field(default="generic", description=(
-        "the engine serving it (gates/engines/): its cache controls and metric names. generic (default): kvgate "
+        "the engine serving it (engines/): its cache controls and metric names. generic (default): kvgate "
         "assumes nothing; each control and the metric map come from this section"))
     cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
         "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang), kvgate "
@@ -394,7 +394,7 @@ class ModelLoadConfig(StrictModel):
     @field_validator("path")
     @classmethod
     def _a_checkpoint(cls, path: Optional[Path]) -> Optional[Path]:
-        """An existing safetensors checkpoint, its headers read now (workloads.safetensors_dir), not at G2."""
+        """An existing safetensors checkpoint, its headers read now (cache_impl.safetensors_dir), not at G2."""
         if path is not None:
             try:
                 read_safetensors_dir(path)
@@ -709,8 +709,8 @@ class TargetSizing(StrictModel):
         return self
 
     def shape(self):
-        """The KV layout given (gates/sizing/layout.py's KVShape), or None when neither is."""
-        from .sizing.layout import KVShape
+        """The KV layout given (sizing/layout.py's KVShape), or None when neither is."""
+        from sizing.layout import KVShape
 
         if self.kv_layout is not None:
             return KVShape.from_fields(self.kv_layout, root="kv_layout")
@@ -727,7 +727,7 @@ COUNT_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
 
 class RooflineConfig(StrictModel):
-    """A recompute curve from FLOPs before any G2 has measured one (gates/sizing/timing.py RecomputeCurve.roofline):
+    """A recompute curve from FLOPs before any G2 has measured one (sizing/timing.py RecomputeCurve.roofline):
     prefill of n tokens = (2·params·n + 2·layers·n²·attention_dim) ÷ the device's achievable FLOP/s."""
 
     device_tflops: Float = Field(gt=0, description="the device's achievable dense TFLOP/s (peak x utilisation)")
@@ -752,7 +752,7 @@ class RooflineConfig(StrictModel):
 
 
 class SizingConfig(StrictModel):
-    """The sizing model in `kvgate run` (gates/sizing/): where its constants come from before the run has
+    """The sizing model in `kvgate run` (sizing/): where its constants come from before the run has
     measured them, its tolerances (informational: it never passes or fails a gate), and what it needs of
     the target that the target does not tell (`target`)."""
 
@@ -829,7 +829,7 @@ class GatesConfig(StrictModel):
 
     def rule(self, gate: str, metric: str) -> Optional[Rule]:
         """The rule `gate` judges `metric` by: its configured threshold, else the check's default, else None
-        (KeyError when the gate declares no such check: gates/checks.py)."""
+        (KeyError when the gate declares no such check: kvcore/checks.py)."""
         for rule in getattr(self, gate).thresholds:
             if rule.metric == metric:
                 return rule
@@ -844,7 +844,7 @@ _MULTI_ROUND = {"kind": "multi_round_qa", "users": 16, "rounds": 4, "system_prom
                 "document_tokens": 1536, "question_tokens": 32, "answer_tokens": 64, "output_tokens": 16}
 
 # the no-reuse controls: offload may cost at most 5% in TTFT p50 and throughput (judged in the full profile only:
-# gates/checks.py NO_REUSE_CHECKS says why)
+# kvcore/checks.py NO_REUSE_CHECKS says why)
 _NO_REUSE_THRESHOLDS = ({"metric": "no_reuse_ttft_cost", "op": "<=", "value": 0.05},
                         {"metric": "no_reuse_throughput_cost", "op": "<=", "value": 0.05})
 

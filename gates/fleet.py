@@ -20,7 +20,7 @@ other kinds that have them) and closed-loop levels L, with B the bytes of one bl
                   conversation would come back to the same node every round)
     levels  L_N = N × L                      (each node sees the single-node concurrency)
     W       = distinct block keys of the U_N-user workload, prompts and outputs
-              (gates.sizing.sequences.workload_block_keys, as the embedded engine keys them)
+              (sizing.sequences.workload_block_keys, as the embedded engine keys them)
     S       = ⌈W / N⌉ blocks per node        (the node's share of the fleet's working set, < W)
     disk    = min(its default, S × file_nbytes(B)) bytes   S blocks (a file: a 4 KiB header, the payload padded
                                                            to 4 KiB)
@@ -102,7 +102,7 @@ def fleet_users(single: int, nodes: int) -> int:
 
 def working_set_blocks(workload: Mapping[str, Any], block_tokens: int = DEFAULT_BLOCK_SIZE) -> int:
     """Distinct block keys (prompts and outputs) of every request of a workload spec, as the embedded engine keys them."""
-    from gates.sizing.sequences import workload_block_keys
+    from sizing.sequences import workload_block_keys
 
     keys = set()
     try:
@@ -116,7 +116,7 @@ def working_set_blocks(workload: Mapping[str, Any], block_tokens: int = DEFAULT_
 
 
 def _block_nbytes(embedded) -> int:
-    from gates.sizing.layout import KVShape
+    from sizing.layout import KVShape
 
     return KVShape.from_preset(embedded.preset).bytes_per_block(DEFAULT_BLOCK_SIZE)
 

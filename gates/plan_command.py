@@ -51,10 +51,10 @@ def _run_dir(path: Path, option: str) -> RunStore:
 def run_plan(args: argparse.Namespace) -> int:
     from gates.config import load_config
 
-    from .calibration import Calibration, calibrate
-    from .machine import run_probe_calibration
-    from .plan import make_plan, render_text
-    from .targets import target_inputs
+    from sizing.calibration import Calibration, calibrate
+    from sizing.machine import run_probe_calibration
+    from sizing.plan import make_plan, render_text
+    from sizing.targets import target_inputs
 
     config = load_config(args.config, profile=args.profile)
     if args.calibrate is not None:

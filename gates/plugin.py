@@ -7,7 +7,7 @@ affected. Each check is a test: it measures, `record`s its figures into the
 run store, and asks `verdict` to judge them against the configured rule,
 which appends the verdict and fails the test on FAIL or INCONCLUSIVE.
 
-Only declared checks are judged (gates/checks.py). A check with no rule is stored as
+Only declared checks are judged (kvcore/checks.py). A check with no rule is stored as
 measured-but-not-judged (the report lists it at the top of the gate's section) and its test
 is skipped with that reason; a test that only recorded figures and judged nothing is
 reported as skipped ("recorded only"), never counted as a passing check.
@@ -25,10 +25,10 @@ import pytest
 from kvcore.rules import Rule, parse_rule
 from kvcore.rundata import Errored, RunStore, Unjudged
 
-from .checks import CHECKS, check_of
+from kvcore.checks import CHECKS, check_of
 from .config import GatesConfig, load_config
 from .targets import Endpoint, endpoints_from_json
-from .verdict import judge
+from kvcore.verdict import judge
 
 RUN_DIR = pytest.StashKey[Path]()
 JUDGED = pytest.StashKey[int]()   # verdicts stored by the test now running
@@ -104,7 +104,7 @@ def verdict(gate_context: GateContext, request: pytest.FixtureRequest) -> Callab
         if check.configurable:
             if rule is not None:
                 raise TypeError(f"{metric}: its rule comes from {gate_context.gate}.thresholds or the check's "
-                                "default (gates/checks.py), not from the suite")
+                                "default (kvcore/checks.py), not from the suite")
             rule = gate_context.rule(metric)
         request.config.stash[JUDGED] = request.config.stash.get(JUDGED, 0) + 1  # judged, or said it is not
         if rule is None:
@@ -200,8 +200,8 @@ def endpoints(gate_context: GateContext) -> dict[str, Endpoint]:
 
 @pytest.fixture(scope="session")
 def adapters(gate_context: GateContext) -> dict:
-    """Each endpoint's engine adapter (gates/engines/): how the gates control its cache and read its tiers' hits."""
-    from gates.engines import endpoint_adapter
+    """Each endpoint's engine adapter (engines/): how the gates control its cache and read its tiers' hits."""
+    from engines import endpoint_adapter
 
     built = {role: endpoint_adapter(gate_context.config, e) for role, e in gate_context.endpoints.items()}
     for row in gate_context.store.preflight():          # what the pre-flight's probe found unavailable

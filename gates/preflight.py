@@ -121,13 +121,13 @@ def run_preflight(endpoints: dict[str, Endpoint], timeout_s: float = TIMEOUT_S,
 def probe_engines(config, endpoints: dict[str, Endpoint]) -> dict[str, dict]:
     """What each external role's engine really allows and has, {role: {"abilities": {ability: {available, how}},
     "absent_tiers": {tier: why}, "device_kv_tokens": tokens or None, "device_kv_source": str}}: its controls
-    are called once (gates.engines: EngineAdapter.probe; they empty caches, before any gate measures), the
+    are called once (engines: EngineAdapter.probe; they empty caches, before any gate measures), the
     tiers it lacks and its reusable device KV read from its own metrics. The gate suites' adapters take away
     what the probe found unavailable; the sizing model takes the tiers and capacities. The harness's own
     `kvgate serve` processes are not probed: their admin routes are kvgate's, and only the suites hold their
     token."""
-    from gates.engines import Unavailable, endpoint_adapter
-    from gates.engines.metrics import MetricsError
+    from engines import Unavailable, endpoint_adapter
+    from engines.metrics import MetricsError
 
     found = {}
     for role, endpoint in endpoints.items():

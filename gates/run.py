@@ -175,7 +175,7 @@ class GateRunner:
         self.store = RunStore(run_dir)
         self.console = console or GateConsole()
         self.suite_env: dict[str, str] = {}  # for the gate suites: the embedded servers' admin token
-        self.last_plan = None                # the sizing model's latest plan (gates/sizing/in_run.py)
+        self.last_plan = None                # the sizing model's latest plan (sizing/in_run.py)
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,7 +219,7 @@ class GateRunner:
 
     def _sizing(self) -> None:
         """Predicted beside measured for every gate that ran (sizing.json), shown on the console."""
-        from .sizing.in_run import final_sizing
+        from sizing.in_run import final_sizing
 
         try:
             sizing = final_sizing(self.store, self.last_plan, self.config.sizing)
@@ -227,7 +227,7 @@ class GateRunner:
             self.console.print(f"[dim]sizing model: no comparison ({type(error).__name__}: {error})[/dim]")
             return
         self.store.write_sizing(sizing)
-        from .sizing.plan import comparison_lines
+        from sizing.plan import comparison_lines
 
         if sizing["comparison"]:
             self.console.print(f"[dim]sizing model: {'predicted':>57} {'measured':>9}  error[/dim]", highlight=False)
@@ -258,9 +258,9 @@ class GateRunner:
         return failed
 
     def _probe_machine(self, endpoints: dict[str, Endpoint]) -> None:
-        """This machine's speed at the embedded model's shapes, for the sizing model (gates/sizing/machine.py)."""
-        from .sizing.in_run import PREDICTED_GATES
-        from .sizing.machine import probe_line, probe_machine
+        """This machine's speed at the embedded model's shapes, for the sizing model (sizing/machine.py)."""
+        from sizing.in_run import PREDICTED_GATES
+        from sizing.machine import probe_line, probe_machine
 
         if self.config.targets.kind != "embedded" or not set(PREDICTED_GATES) & set(self.gates):
             return
@@ -310,7 +310,7 @@ class GateRunner:
 
     def _predict(self, gate: str) -> None:
         """The sizing model's figures for `gate`, from the config and the gates measured so far (recorded)."""
-        from .sizing.in_run import PREDICTED_GATES, gate_lines, stage_plan
+        from sizing.in_run import PREDICTED_GATES, gate_lines, stage_plan
 
         if gate not in PREDICTED_GATES:
             return                # nothing of it is predicted: no plan (a replay and a simulation) to make

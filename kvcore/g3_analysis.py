@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from gates.stats import gain_ci, percentile_interval, reduction_ci
+from kvcore.stats import gain_ci, percentile_interval, reduction_ci
 
 THROUGHPUT_WINDOW_S = 2.0
 

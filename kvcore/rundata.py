@@ -251,7 +251,7 @@ class RunStore:
         return json.loads(path.read_text()) if path.exists() else []
 
     def write_machine_probe(self, figures: dict) -> None:
-        """What the pre-flight measured of this machine for the sizing model (gates/sizing/machine.py)."""
+        """What the pre-flight measured of this machine for the sizing model (sizing/machine.py)."""
         write_json(self.root / "machine_probe.json", figures)
 
     def machine_probe(self) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gates.checks import CHECKS
+from kvcore.checks import CHECKS
 from kvcore.rules import SYMBOLS
 
 from . import plots

@@ -20,7 +20,7 @@ import statistics
 from typing import Any, Iterable, Optional
 
 from kvcore.rundata import finite_number
-from workloads.loaders import READS_WITH_O_DIRECT
+from cache_impl.loaders import READS_WITH_O_DIRECT
 
 from . import plots
 

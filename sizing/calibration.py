@@ -9,7 +9,7 @@ From G2 (one request at a time, so nothing queues and every TTFT is one request'
       host hit:   f + b·(n−h) + c·(n²−h²)                  = TTFT − h·B / host GB/s
       disk hit:   f + b·(n−h) + c·(n²−h²) + overhead_disk  = TTFT − h·B / disk GB/s
 
-  with n the prompt (context − 4 tokens: gates/sizing/timing.py), h its whole blocks, B the KV bytes
+  with n the prompt (context − 4 tokens: sizing/timing.py), h its whole blocks, B the KV bytes
   per token, f the fixed overhead (also the curve's intercept: the same server path serves all
   three). The hits pin the curve's slope at each context, which the recompute rows alone (three
   noisy points for three coefficients) leave loose; a full hit's row uses the one-token pass.
@@ -23,7 +23,7 @@ From G2 (one request at a time, so nothing queues and every TTFT is one request'
 
 From G3's raw records (closed loop, per level), the **decode step cost**: a decode step of b sequences
 costs `step_s + per_sequence_s·b`; the candidate's measured mean gap between tokens at each level is
-matched by gates/sizing/queueing.py's simulation of that level's recorded requests (their prompts,
+matched by sizing/queueing.py's simulation of that level's recorded requests (their prompts,
 cached tokens and outputs). A simulated gap is decode(b) plus the chunks and loads of that step, so
 each round fits (step_s, per_sequence_s) ≥ 0 to measured − simulated non-decode share against the
 mean batch, then simulates again (a few rounds: the schedule moves little). Then the **step noise**

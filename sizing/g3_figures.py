@@ -1,7 +1,7 @@
-"""G3's figures from simulated runs (gates/sizing/queueing.py), judged as G3 judges its measured ones.
+"""G3's figures from simulated runs (sizing/queueing.py), judged as G3 judges its measured ones.
 
 **Intervals.** A simulated step becomes G3's records (`SimulatedRequest.record`) and G3's own analysis
-(`gates.g3_main.analysis.level_figures`) gives the reduction and the gain with their 95% bootstrap
+(`kvcore.g3_analysis.level_figures`) gives the reduction and the gain with their 95% bootstrap
 intervals over the requests (TTFTs; output tokens per 2-second window), so a figure near its threshold
 comes out INCONCLUSIVE as the measured one would; a step with fewer than `min_requests` in its window
 is invalid as in G3. With noise, each level is simulated once per seed (`sizing.runs`) and `combine`d:
@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from gates.g3_main.analysis import (Ladder, LevelFigures, SustainedFigures, level_figures, slo_latencies,
+from kvcore.g3_analysis import (Ladder, LevelFigures, SustainedFigures, level_figures, slo_latencies,
                                     sustained_rate_gain)
 from kvcore.settings import ConfigError
 
@@ -75,7 +75,7 @@ class TargetReplay:
 class LevelPrediction:
     """G3 at one level (a concurrency, or a rate multiplier): every target's figures, and the candidate's
     reduction and gain over the baseline as G3's own analysis gives them from the simulated records
-    (`gates.g3_main.analysis.level_figures`: the point and its 95% bootstrap interval)."""
+    (`kvcore.g3_analysis.level_figures`: the point and its 95% bootstrap interval)."""
 
     concurrency: float
     targets: Mapping[str, TargetFigures]

@@ -25,7 +25,7 @@ from typing import Optional
 
 from kvcore.rundata import RunStore
 
-from ..preflight import run_preflight
+from gates.preflight import run_preflight
 
 from .calibration import Calibration
 from .queueing import DecodeCost

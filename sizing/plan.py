@@ -39,7 +39,7 @@ from kvcore.predictions import IN_MAPE, error as prediction_error, same_place
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 
-from ..verdict import judge
+from kvcore.verdict import judge
 from .calibration import Calibration
 from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .g3_figures import predict_g3, predict_rate_ladder
@@ -87,7 +87,7 @@ class Plan:
 
 def _rule(config, gate: str, metric: str):
     """The gate's rule for a metric it judges (GatesConfig.rule); None for a figure it does not judge."""
-    from ..checks import CHECKS
+    from kvcore.checks import CHECKS
 
     return config.rule(gate, metric) if metric in {c.metric for c in CHECKS[gate]} else None
 

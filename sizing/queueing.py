@@ -1,6 +1,6 @@
 """G3 per level: each target's TTFT p50 and throughput, from per-request service times in a closed loop
 (or an open loop of a trace's arrivals), hence the candidate's TTFT p50 reduction and throughput gain
-over the baseline (gates/sizing/g3_figures.py judges them as G3 does).
+over the baseline (sizing/g3_figures.py judges them as G3 does).
 
 **The model: a step-level simulation of the engine's own scheduler** (`simulate`, `simulate_source`).
 `c` users each send a request, wait for its last token and send the next one, taking requests in the
@@ -13,7 +13,7 @@ overhead. One server, the engine, repeats a step::
 
 at most `max_running` requests at once (the rest wait, FIFO). A chunk covering positions [s, e)
 costs compute(e) − compute(s) (the recompute curve, so a request's chunks add up to its uncached
-tail: gates/sizing/timing.py); a full hit's only chunk is the one-token pass. A request's first
+tail: sizing/timing.py); a full hit's only chunk is the one-token pass. A request's first
 token comes at the end of its last chunk; it then decodes in that same step, and finishes after its
 output tokens. TTFT = first token − sent, the fixed overhead (HTTP, tokenizing: outside the
 scheduler thread, so it delays the request, not the others) included; at c = 1 that is exactly
@@ -34,7 +34,7 @@ scheduler thread, so it delays the request, not the others) included; at c = 1 t
   on two nodes finish in send order forever; with it they finish either way, as in a run, and a
   session queued behind the other moves to the other node. The same seed gives the same run.
 
-G3's figures from the simulated runs, with G3's own intervals: gates/sizing/g3_figures.py.
+G3's figures from the simulated runs, with G3's own intervals: sizing/g3_figures.py.
 
 Why this and not mean-value analysis or processor sharing: (1) G3 judges a p50 and MVA gives only
 means; (2) the engine is not a product-form station: its step time depends on the mix of phases
@@ -146,7 +146,7 @@ class SimulatedRequest:
         return self.first_token_s - self.sent_s
 
     def record(self) -> dict:
-        """As G3's records have it (workloads/client.py), for G3's own analysis (gates/g3_main/analysis.py)."""
+        """As G3's records have it (workloads/client.py), for G3's own analysis (kvcore/g3_analysis.py)."""
         return {"ok": True, "sent_at": self.sent_s, "ttft_s": self.ttft_s, "e2e_s": self.done_s - self.sent_s,
                 "completion_tokens": self.output_tokens, "itl_s": list(self.itl_s),
                 "client_wait_s": self.client_wait_s, "node": self.node}

@@ -3,7 +3,7 @@ figures come from judged verdicts only (PASS / FAIL), never from an INCONCLUSIVE
 
 from __future__ import annotations
 
-from gates.verdict import judge
+from kvcore.verdict import judge
 from kvcore.rundata import RunStore
 from kvcore.claims import DEFAULT_CLAIMS, MET, NOT_MEASURED, NOT_MET, Claim, claims_table
 
@@ -19,7 +19,7 @@ def _claims() -> list[Claim]:
 
 
 def _judged(store, gate, metric, value, context=None, **options):
-    """A verdict as a gate stores it (gates.verdict.judge), and the measurement beside it."""
+    """A verdict as a gate stores it (kvcore.verdict.judge), and the measurement beside it."""
     store.record(gate, metric, metric, value, **(context or {}), **options.pop("measured", {}))
     store.add_verdict(judge(gate, metric, metric, value, RULES[metric], unit="%", context=context, **options))
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gates.g3_main.analysis import level_figures
+from kvcore.g3_analysis import level_figures
 from tests.servers import free_port
 from workloads.blocks import run_sweep
 from workloads.client import Backoff, StreamingClient, read_records

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from gates.config import load_config
-from gates.engines import build_adapter, spec_from_endpoint
-from gates.engines.metrics import parse_metrics
+from engines import build_adapter, spec_from_endpoint
+from engines.metrics import parse_metrics
 from kvcore.settings import ConfigError
 
 DATA = Path(__file__).resolve().parent / "data" / "metrics"

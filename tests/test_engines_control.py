@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cache_impl.auth import ADMIN_TOKEN_HEADER
-from gates.engines import Control, ControlError, EngineSpec, Unavailable, build_adapter, parse_metrics
-from gates.engines import kvgate as kvgate_engine
-from gates.engines.steps import CommandStep, DropLocalPages, HttpStep
+from engines import Control, ControlError, EngineSpec, Unavailable, build_adapter, parse_metrics
+from engines import kvgate as kvgate_engine
+from engines.steps import CommandStep, DropLocalPages, HttpStep
 
 DATA = Path(__file__).resolve().parent / "data" / "metrics"
 
@@ -307,7 +307,7 @@ def test_the_metrics_page_is_read_from_the_default_url_and_attributed(recorder):
 
 
 def test_a_metrics_page_that_fails_is_an_error(recorder):
-    from gates.engines import MetricsError
+    from engines import MetricsError
 
     recorder.answers[("GET", "/metrics")] = (500, "boom")
     with pytest.raises(MetricsError, match="GET .*/metrics: HTTP 500: boom"):
@@ -315,7 +315,7 @@ def test_a_metrics_page_that_fails_is_an_error(recorder):
 
 
 def test_placement_by_pressure_reads_the_device_capacity_from_one_metrics_page(recorder, tmp_path):
-    from gates.engines.placement import plan_placement
+    from engines.placement import plan_placement
 
     recorder.answers[("GET", "/metrics")] = (200, (DATA / "vllm_0.33.0_lmcache_0.5.6_after.prom").read_text())
     vllm = adapter("vllm", recorder.root, cache_layer="lmcache", host_kv_tokens=1_000_000, cache_dir=tmp_path)
@@ -334,7 +334,7 @@ def test_an_external_two_node_candidates_hits_are_summed_over_each_nodes_own_met
     import yaml
 
     from gates.config import load_config
-    from gates.engines import endpoint_adapter, hit_reader
+    from engines import endpoint_adapter, hit_reader
     from gates.targets import external_endpoints
 
     nodes = [Recorder(), Recorder()]
@@ -401,7 +401,7 @@ def test_kvgates_connector_is_the_second_witness_of_vllms_hits_by_tier(recorder)
 
 
 def test_kvgates_connector_in_vllm_is_reached_for_cold_reads_and_faults_through_its_sidecar(recorder):
-    from gates.engines.vllm import connector_cache_admin
+    from engines.vllm import connector_cache_admin
 
     recorder.answers[("POST", "/tokenize")] = (200, '{"tokens": [1, 2, 3], "count": 3}')
     recorder.answers[("POST", "/reset_prefix_cache")] = (200, '{"success": true}')
@@ -417,7 +417,7 @@ def test_kvgates_connector_in_vllm_is_reached_for_cold_reads_and_faults_through_
 
 
 def test_a_vllm_without_tokenize_says_what_it_answered(recorder):
-    from gates.engines.vllm import connector_cache_admin
+    from engines.vllm import connector_cache_admin
 
     recorder.answers[("POST", "/tokenize")] = (404, '{"detail": "Not Found"}')
     cache = connector_cache_admin(EngineSpec("vllm", recorder.root, cache_layer="kvgate",

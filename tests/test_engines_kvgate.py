@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gates.engines import EngineSpec, build_adapter, embedded_spec
-from gates.engines import kvgate as kvgate_engine
-from gates.engines.placement import pressure_plan, route_plan
+from engines import EngineSpec, build_adapter, embedded_spec
+from engines import kvgate as kvgate_engine
+from engines.placement import pressure_plan, route_plan
 from tests.servers import ask, distinct_prompt, started_server
 
 BLOCK = 256                      # cache.block_size's default

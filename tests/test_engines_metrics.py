@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from gates.engines import EngineSpec, build_adapter
-from gates.engines.lmcache import lmcache_map, lmcache_traffic
-from gates.engines.metrics import MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics, tier_hits
-from gates.engines.sglang import sglang_maps
-from gates.engines.vllm import vllm_maps
+from engines import EngineSpec, build_adapter
+from engines.lmcache import lmcache_map, lmcache_traffic
+from engines.metrics import MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics, tier_hits
+from engines.sglang import sglang_maps
+from engines.vllm import vllm_maps
 
 DATA = Path(__file__).resolve().parent / "data" / "metrics"
 

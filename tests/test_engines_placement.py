@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gates.engines import EngineSpec, build_adapter
-from gates.engines import kvgate as kvgate_engine
-from gates.engines.placement import PlacementError, plan_placement, pressure_plan, route_plan
+from engines import EngineSpec, build_adapter
+from engines import kvgate as kvgate_engine
+from engines.placement import PlacementError, plan_placement, pressure_plan, route_plan
 
 
 # -- by pressure -------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from gates.g2_baseline.cold_read import (MIN_PAIRS, FioRegions, Pair, Pairing, R
                                          disk_counters, measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.side_by_side import FasterOf
 from workloads.fio_sweep import FioShape
-from gates.verdict import FAIL, INCONCLUSIVE, PASS, judge
+from kvcore.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
 from workloads.client import StreamingClient
 from workloads.faults import AdminClient

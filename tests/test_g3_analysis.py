@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from gates.g3_main.analysis import level_figures, throughput_windows
-from gates.verdict import judge
+from kvcore.g3_analysis import level_figures, throughput_windows
+from kvcore.verdict import judge
 
 REDUCTION = {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25}
 GAIN = {"metric": "throughput_gain", "min": 0.29, "max": 0.40}

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from gates.client_bench import _process
-from gates.g3_main.analysis import level_figures
+from kvcore.g3_analysis import level_figures
 from gates.g3_main.blocks import excludes_null, level_pairs, level_sampler, pair_figures
-from gates.verdict import judge
+from kvcore.verdict import judge
 from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_line, ratio_excludes_one
 from kvcore.rules import parse_rule
 from workloads.blocks import LevelSampling, block_order, run_sweep, step_measured_records

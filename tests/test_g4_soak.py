@@ -15,8 +15,8 @@ import yaml
 from gates.cli import main
 from gates.config import ConfigError, load_config
 from gates.g4_soak.analysis import drift, excluded_window_rows, fault_span, project_growth, windows_touched
-from gates.stats import mann_kendall
-from gates.verdict import judge
+from kvcore.stats import mann_kendall
+from kvcore.verdict import judge
 from kvcore.rundata import RunStore
 
 SOAK = {

@@ -332,7 +332,7 @@ def test_an_embedded_server_that_dies_at_start_is_said_at_once_with_its_reason(t
 
 
 def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path, monkeypatch):
-    from workloads.safetensors_dir import write_random_checkpoint
+    from cache_impl.safetensors_dir import write_random_checkpoint
 
     monkeypatch.chdir(tmp_path)               # models/m below is relative: read from here, stored absolute
     write_random_checkpoint(tmp_path / "models" / "m", 1 << 20, shard_bytes=1 << 20)
@@ -363,7 +363,7 @@ def test_the_g2_control_configs_load_as_a_short_g2_and_the_serial_one_reads_with
 
 
 def test_kvgates_admin_routes_reach_the_embedded_candidate_and_the_connector_in_vllm_and_nothing_else(tmp_path):
-    from gates.engines import cache_admin
+    from engines import cache_admin
     from gates.targets import Endpoint as RunEndpoint
 
     targets = {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m", "engine": "vllm"},

@@ -20,17 +20,17 @@ def _imports_torch(code: str, cwd: Path) -> bool:
     return last == ["TORCH"]
 
 
-@pytest.mark.parametrize("module", ["gates.cli", "gates.config", "kvcore.rundata", "gates.verdict",
-                                    "reports.render", "cache_impl.config", "cache_impl.keys", "workloads.loaders",
-                                    "workloads.safetensors_dir", "workloads.checkpoint", "workloads.service_load",
-                                    "gates.sizing.timing", "gates.sizing.queueing", "gates.sizing.calibration",
-                                    "gates.sizing.layout", "gates.sizing.replay", "gates.sizing.sequences",
+@pytest.mark.parametrize("module", ["gates.cli", "gates.config", "kvcore.rundata", "kvcore.verdict",
+                                    "reports.render", "cache_impl.config", "cache_impl.keys", "cache_impl.loaders",
+                                    "cache_impl.safetensors_dir", "workloads.checkpoint", "workloads.service_load",
+                                    "sizing.timing", "sizing.queueing", "sizing.calibration",
+                                    "sizing.layout", "sizing.replay", "sizing.sequences",
                                     "kvcore.predictions", "workloads.live", "gates.fleet", "workloads.tier_hits",
-                                    "gates.sizing.targets", "gates.sizing.g3_inputs", "gates.sizing.g3_figures",
-                                    "gates.sizing.plan",
-                                    "gates.engines", "gates.engines.kvgate", "gates.engines.vllm",
-                                    "gates.engines.sglang", "gates.engines.generic", "gates.engines.placement",
-                                    "gates.engines.settings", "gates.selftest", "workloads.reference_server"])
+                                    "sizing.targets", "sizing.g3_inputs", "sizing.g3_figures",
+                                    "sizing.plan",
+                                    "engines", "engines.kvgate", "engines.vllm",
+                                    "engines.sglang", "engines.generic", "engines.placement",
+                                    "engines.settings", "gates.selftest", "workloads.reference_server"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not _imports_torch(f"import {module}", tmp_path)
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from cache_impl.hf_export import export_hf, generatable_ids
-from gates.engines import EngineSpec, build_adapter
+from engines import EngineSpec, build_adapter
 from tests.live_vllm import SERVED_NAME, VllmServer, vllm_python
 from tests.servers import REPO, TINY_SWEEP, started_server
 from workloads.datasets import sizer_for

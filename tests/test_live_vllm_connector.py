@@ -24,7 +24,7 @@ import yaml
 
 from cache_impl.auth import ADMIN_TOKEN_HEADER
 from cache_impl.hf_export import export_hf
-from gates.engines.metrics import parse_metrics
+from engines.metrics import parse_metrics
 from tests.live_vllm import SERVED_NAME, VllmServer, kvgate_connector_config, vllm_python
 from tests.servers import REPO, TINY_SWEEP, free_port
 from workloads.datasets import sizer_for

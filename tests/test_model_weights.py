@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvcore.files import drop_cached_pages, process_read_bytes
-from workloads.loaders import (LOADERS, READS_WITH_O_DIRECT, check_destinations, load_checkpoint, loaded_checksums, loader_unavailable,
+from cache_impl.loaders import (LOADERS, READS_WITH_O_DIRECT, check_destinations, load_checkpoint, loaded_checksums, loader_unavailable,
                                verify_loaded)
-from workloads.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, file_checksums,
+from cache_impl.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, file_checksums,
                                        read_safetensors_dir, write_random_checkpoint, write_safetensors_dir)
 
 TOTAL = 24 << 20
@@ -79,7 +79,7 @@ def test_the_shards_load_with_the_safetensors_library_and_equal_the_sidecar(chec
 
 
 def loaded_checksums_of(tensor: torch.Tensor) -> str:
-    from workloads.safetensors_dir import tensor_checksum
+    from cache_impl.safetensors_dir import tensor_checksum
 
     return tensor_checksum(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 

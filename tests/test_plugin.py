@@ -78,7 +78,7 @@ def test_every_metric_a_gate_suite_judges_is_declared():
     """Each `verdict(label, "metric", …)` in the gate suites names a check of its gate's table."""
     import re
 
-    from gates.checks import CHECKS
+    from kvcore.checks import CHECKS
 
     for gate, folder in (("g1", "g1_arrival"), ("g2", "g2_baseline"), ("g3", "g3_main"), ("g4", "g4_soak")):
         declared = {c.metric for c in CHECKS[gate]}

@@ -12,12 +12,12 @@ import yaml
 
 from cache_impl import integrity
 from gates.config import load_config
-from gates.sizing.plan import Prediction, _judged, make_plan
-from gates.sizing.g3_figures import TargetReplay, predict_g3, predict_rate_ladder
-from gates.sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate
-from gates.sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
-from gates.sizing.targets import EMBEDDED_POOL_BYTES, pool_blocks, target_inputs
-from gates.sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
+from sizing.plan import Prediction, _judged, make_plan
+from sizing.g3_figures import TargetReplay, predict_g3, predict_rate_ladder
+from sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate
+from sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
+from sizing.targets import EMBEDDED_POOL_BYTES, pool_blocks, target_inputs
+from sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
 from kvcore.settings import ConfigError
 from tests.test_sizing_replay import _conversations, _keys, _serve
 from tests.test_sizing_timing import KV
@@ -230,7 +230,7 @@ def _fleet_config(tmp_path, **g3):
 
 
 def test_without_noise_round_robin_keeps_each_session_on_its_node_and_with_it_turns_move_to_the_pool(tmp_path):
-    from gates.sizing.g3_inputs import simulate_sessions
+    from sizing.g3_inputs import simulate_sessions
     from workloads.datasets import ByteSizer, build_workload
 
     config = _fleet_config(tmp_path)
@@ -271,7 +271,7 @@ def test_a_fleet_plan_predicts_the_pools_share_and_judges_g3_with_intervals(tmp_
 
 
 def test_the_step_noise_is_fitted_from_the_spread_of_the_gaps_between_tokens():
-    from gates.sizing.calibration import fit_jitter
+    from sizing.calibration import fit_jitter
 
     # hits with short tails, so a decode step's gap varies mostly with the noise
     timing = TimingModel(RecomputeCurve(0.006, 9e-5, 1.6e-8), TierBandwidths(), KV, 256, 0.006)
@@ -305,7 +305,7 @@ def test_a_rate_multiplier_plan_predicts_the_sustained_rate_gain(tmp_path):
 
 
 def test_routing_is_g3s_own_router_afresh_for_each_load_run():
-    from gates.sizing.g3_inputs import Segment, route
+    from sizing.g3_inputs import Segment, route
     from workloads.datasets import ByteSizer, build_workload
 
     workload = build_workload(load_config(None, "quick").g3.workload, ByteSizer(), 0)

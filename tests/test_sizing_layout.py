@@ -8,7 +8,7 @@ import re
 import pytest
 
 from cache_impl.keys import KVLayout
-from gates.sizing.layout import EMBEDDED_PRESETS, KVShape
+from sizing.layout import EMBEDDED_PRESETS, KVShape
 from kvcore.settings import ConfigError
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30

@@ -13,12 +13,12 @@ import yaml
 
 from gates.cli import main
 from gates.config import load_config
-from gates.sizing.calibration import Calibration
-from gates.sizing.in_run import stage_plan
-from gates.sizing.machine import probe_calibration, run_machine_probe
-from gates.sizing.plan import make_plan
-from gates.sizing.queueing import DecodeCost
-from gates.sizing.timing import RecomputeCurve
+from sizing.calibration import Calibration
+from sizing.in_run import stage_plan
+from sizing.machine import probe_calibration, run_machine_probe
+from sizing.plan import make_plan
+from sizing.queueing import DecodeCost
+from sizing.timing import RecomputeCurve
 from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP
 from tests.test_sizing_timing import _recorded_run

@@ -9,7 +9,7 @@ import pytest
 
 from gates.cli import main
 from gates.config import load_config
-from gates.sizing.plan import make_plan
+from sizing.plan import make_plan
 from kvcore.settings import ConfigError
 from kvcore.claims import claims_table, run_claims
 from kvcore.rundata import RunStore
@@ -67,7 +67,7 @@ def test_a_run_directory_that_is_not_one_is_a_clear_error(tmp_path, capsys):
 
 
 def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its_measurements(tmp_path):
-    from gates.sizing.in_run import final_sizing, stage_plan
+    from sizing.in_run import final_sizing, stage_plan
 
     store = _recorded_run(tmp_path)
     for gate in ("g1", "g2"):
@@ -109,9 +109,9 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
 
 
 def test_a_runs_own_constants_come_first_and_an_earlier_calibration_fills_what_it_has_not_measured():
-    from gates.sizing.calibration import Calibration
-    from gates.sizing.queueing import DecodeCost
-    from gates.sizing.timing import RecomputeCurve
+    from sizing.calibration import Calibration
+    from sizing.queueing import DecodeCost
+    from sizing.timing import RecomputeCurve
 
     own = Calibration(curve=RecomputeCurve(0.01, 2e-4, 1e-8), tier_efficiency={"disk": 0.83}, source="this run")
     earlier = Calibration(curve=RecomputeCurve(0.02, 3e-4, 0.0), decode=DecodeCost(0.0063, 0.0022), jitter=0.3,
@@ -124,7 +124,7 @@ def test_a_runs_own_constants_come_first_and_an_earlier_calibration_fills_what_i
 
 
 def test_a_flops_roofline_stands_in_for_the_recompute_curve_before_any_run(tmp_path):
-    from gates.sizing.timing import RecomputeCurve
+    from sizing.timing import RecomputeCurve
 
     path = tmp_path / "gates.yaml"
     path.write_text("sizing:\n  roofline: {device_tflops: 0.05, params: 3e6, attention_dim: 256}\n")

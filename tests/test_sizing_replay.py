@@ -21,8 +21,8 @@ from cache_impl.config import CacheConfig
 from cache_impl.keys import block_keys
 from cache_impl.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
 from gates.config import PROFILES
-from gates.sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
-from gates.sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
+from sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
+from sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
                                     trace_block_keys, workload_block_keys)
 from kvcore.settings import ConfigError
 from tests.conftest import BLOCK, blocks_for

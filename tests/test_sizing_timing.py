@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from gates.sizing.calibration import Calibration, calibrate
-from gates.sizing.g3_figures import predict_g3, summarize
-from gates.sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
-from gates.sizing.timing import (RecomputeCurve, TierBandwidths, TimingModel, checkpoint_seconds, cold_read_vs_storage_best,
+from sizing.calibration import Calibration, calibrate
+from sizing.g3_figures import predict_g3, summarize
+from sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
+from sizing.timing import (RecomputeCurve, TierBandwidths, TimingModel, checkpoint_seconds, cold_read_vs_storage_best,
                                  model_load_seconds, predict_g2)
 from kvcore.files import append_jsonl
 from kvcore.rundata import RunStore

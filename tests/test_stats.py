@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gates.stats import bootstrap_ci, gain_ci, mann_kendall, percentile, ratio_ci, reduction_ci, sen_slope_ci
+from kvcore.stats import bootstrap_ci, gain_ci, mann_kendall, percentile, ratio_ci, reduction_ci, sen_slope_ci
 
 
 def lognormal(n: int, seed: int, scale: float = 1.0) -> np.ndarray:

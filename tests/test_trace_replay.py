@@ -13,7 +13,7 @@ from cache_impl.config import ConfigError
 from gates.cli import main
 from gates.client_bench import _peak_concurrency, _process
 from gates.config import load_config
-from gates.g3_main.analysis import Ladder, due_latencies, goodput, sustained_rate_gain
+from kvcore.g3_analysis import Ladder, due_latencies, goodput, sustained_rate_gain
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.blocks import run_sweep
 from workloads.client import read_records

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gates.verdict import Band, Threshold, Verdict, judge, parse_rule
+from kvcore.verdict import Band, Threshold, Verdict, judge, parse_rule
 
 EPS = 1e-6
 

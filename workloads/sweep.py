@@ -41,7 +41,7 @@ service). Two ways to replay a part:
   arrival pattern is kept and its rate multiplied by m. Below saturation every
   target serves the offered rate, so throughput says nothing there; what
   differs is latency, and the highest multiplier a target sustains within a
-  TTFT objective (gates/g3_main/analysis.py).
+  TTFT objective (kvcore/g3_analysis.py).
 
 Closed loop is the default because it measures throughput at every level:
 an open-loop replay at the trace's own rate offers every target the same

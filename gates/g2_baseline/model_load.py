@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from kvcore.files import drop_cached_pages
 from kvcore.settings import parse_size
-from workloads.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
+from cache_impl.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
 
 from gates.sequential import Stopping, sample_until_decided
 from gates.storage_best import StorageBest
@@ -43,7 +43,7 @@ class LoaderRound:
 
     loader: str
     pair: Pair
-    summary: dict            # workloads.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
+    summary: dict            # cache_impl.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
     identical: bool          # every tensor's checksum matched
     mismatch: str = ""       # what did not match, when not identical
     warmup: bool = False     # one of the WARMUP_ROUNDS: recorded and checked, not judged
@@ -141,7 +141,7 @@ def prepare_checkpoints(config, storage: Path, progress: Progress) -> Checkpoint
 def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: Optional[dict] = None):
     """One cold load: the files' pages dropped, loaded into `destinations` (an engine's parameters, allocated
     once before its loads; fresh ones when None) on the device, every tensor checked."""
-    from workloads.loaders import load_checkpoint, verify_loaded
+    from cache_impl.loaders import load_checkpoint, verify_loaded
 
     drop_cached_pages(checkpoint.files)
     result = load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
@@ -159,7 +159,7 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
     """WARMUP_ROUNDS rounds, then rounds until the best loader's interval decides `rules` (or `pairing`'s max
     or budget); in each, every loader's cold load and then the storage's best read jobs (`best`, each mode's
     winner, the faster counted) reading the same files. Returns the figures and the yardstick's runs."""
-    from workloads.loaders import allocate_destinations
+    from cache_impl.loaders import allocate_destinations
 
     fio = best.best_of("read", lambda mode, shape: FioFilesRead(checkpoint.files, shape, f"g2-files-read-{mode}"))
     figures = {loader: LoaderFigures(loader) for loader in loaders}
@@ -189,7 +189,7 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
                                     pairing.max, pairing.budget_s)
     for f in figures.values():
         f.stopping = stopping
-    from workloads.loaders import READS_WITH_O_DIRECT
+    from cache_impl.loaders import READS_WITH_O_DIRECT
 
     for loader in loaders:       # warm: straight after a load, pages left in place; reported apart, not judged
         if loader in READS_WITH_O_DIRECT:
@@ -218,7 +218,7 @@ def measure_aa_reads(checkpoint: SafetensorsDir, pairing: Pairing, rules: list, 
 
 def warm_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: dict) -> dict:
     """Two loads back to back, the second timed: what the loader gives when the page cache holds the files."""
-    from workloads.loaders import load_checkpoint
+    from cache_impl.loaders import load_checkpoint
 
     load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
     return load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel).summary()
@@ -243,7 +243,7 @@ class Speedup:
 def measure_speedup(checkpoints: Checkpoints, loader: str, rounds: int, parallel: int, progress: Progress,
                     on_round: Callable[[str, int, dict], None]) -> Speedup:
     """`rounds` pairs: the loader's cold load on the storage under test, then on the baseline."""
-    from gates.stats import ratio_ci
+    from kvcore.stats import ratio_ci
 
     under_test, baseline = [], []
     for index in range(rounds):

@@ -3,7 +3,7 @@
 For each context length and round: the prefix is sent once (a miss: the engine computes and stores
 it), placed in the host tier and asked for (a host hit), then placed on disk with its pages dropped
 and asked for (a cold disk hit). Placement goes through the candidate's engine adapter
-(gates/engines/placement.py): by route where the engine has the controls (kvgate's admin routes,
+(engines/placement.py): by route where the engine has the controls (kvgate's admin routes,
 vLLM's /reset_prefix_cache, SGLang's /flush_cache), else by pressure (filler prompts whose KV exceeds
 the tiers above the target). Each hit is then checked against the engine's tier accounting, two
 scrapes of its /metrics around the request: `verified` is True when the hit came from the placed tier
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from gates.engines import ControlError, EngineAdapter, MetricsError, Unavailable
-from gates.engines.placement import Placement, plan_placement
+from engines import ControlError, EngineAdapter, MetricsError, Unavailable
+from engines.placement import Placement, plan_placement
 from workloads.client import StreamingClient
 from workloads.requests import WorkloadRequest
 

@@ -119,7 +119,7 @@ class PairedRatio:
         return f"at its own pattern it reaches {self.same_pattern_ratio:.2f} of fio (diagnostic, not judged)"
 
     def verdict_options(self) -> dict:
-        """Keyword arguments for gates.verdict.judge (and the `verdict` fixture)."""
+        """Keyword arguments for kvcore.verdict.judge (and the `verdict` fixture)."""
         options = {"unit": "%", "interval": self.interval, "valid": self.valid}
         if not self.valid:
             options["invalid_reason"] = f"{self.pairs} side-by-side pairs, at least {MIN_PAIRS} needed"

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import pytest
 
 from gates.config import G2_OUTPUT_TOKENS
-from gates.engines import cache_admin
+from engines import cache_admin
 from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
                                          measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
 from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
 from gates.sequential import Stopping
-from gates.stats import ratio_ci
+from kvcore.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from gates.storage_best import StorageBest, storage_best
 from workloads.client import StreamingClient

@@ -19,7 +19,7 @@ import pytest
 
 from gates.g2_baseline.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
 from gates.sequential import sample_until_decided
-from gates.stats import ratio_ci
+from kvcore.stats import ratio_ci
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from workloads.checkpoint import CheckpointError, CheckpointJob, RankFailure, spread

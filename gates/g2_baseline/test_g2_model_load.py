@@ -20,7 +20,7 @@ from gates.g2_baseline.model_load import (best_loader, measure_aa_reads, measure
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from workloads.load import free_port
-from workloads.safetensors_dir import CheckpointFormatError, read_safetensors_dir
+from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from workloads.service_load import ServiceStartError, time_service_start
 
 SERVICE_DIR = "model-load-service"
@@ -50,7 +50,7 @@ def checkpoints(gate_context):
 @pytest.fixture(scope="module")
 def available_loaders(gate_context, checkpoints):
     """The configured loaders that import and run here; the others are said so in the run store."""
-    from workloads.loaders import loader_unavailable
+    from cache_impl.loaders import loader_unavailable
 
     settings = gate_context.config.g2.model_load
     missing = {loader: loader_unavailable(loader) for loader in settings.loaders if loader_unavailable(loader)}

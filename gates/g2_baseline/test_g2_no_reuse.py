@@ -11,7 +11,7 @@ baseline first in odd ones, so neither side always follows the other's store), a
 - `no_reuse_throughput_cost`: 1 minus the candidate's median per-request output rate (output
   tokens ÷ E2E) over the baseline's (+0.03: 3% fewer tokens per second).
 
-Both at most 5% in the full profile (shown, not judged, in the quick one: gates/checks.py says why).
+Both at most 5% in the full profile (shown, not judged, in the quick one: kvcore/checks.py says why).
 Every request's cached tokens are checked (gates/no_reuse.py): the control holds only when neither
 side reused anything, so a cost near zero cannot come from hits.
 Works on any candidate: it needs no admin route, only the two endpoints.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pytest
 
 from gates.no_reuse import reuse_found, unjudged_reason
-from gates.stats import ratio_ci
+from kvcore.stats import ratio_ci
 from workloads.client import StreamingClient
 from workloads.datasets import sizer_for
 from workloads.requests import WorkloadRequest

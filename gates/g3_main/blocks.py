@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from gates.g3_main.analysis import LevelFigures
+from kvcore.g3_analysis import LevelFigures
 from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, log_ratio_sequence, sample_until_decided
 from workloads.blocks import LevelSampling
 

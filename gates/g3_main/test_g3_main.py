@@ -43,9 +43,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gates.engines import hit_reader
+from engines import hit_reader
 from gates.fleet import fleet_sizing
-from gates.g3_main.analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
+from kvcore.g3_analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
 from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_pairs, level_sampler, pair_figures
 from kvcore.aa import AA_FALSE_DECISION, false_decision_line
 from kvcore.predictions import prediction_for
@@ -137,11 +137,11 @@ def _hit_ratio(summary: dict, tiers, records: list[dict], tokens: bool) -> tuple
 
 def _workload_bound(config, workload) -> dict:
     """Per level, the hit ratio its requests allow: the blocks of its prompts an infinite cache would serve,
-    primed as G3 primes, in G3's order (gates/sizing/g3_inputs.py). A trace's level replays its own part, so
+    primed as G3 primes, in G3's order (sizing/g3_inputs.py). A trace's level replays its own part, so
     each level has its own bound; a closed loop over a workload replays the same pass at every level, so the
     same bound is right at each. Empty when it cannot be worked out."""
-    from gates.sizing.g3_inputs import g3_replays
-    from gates.sizing.targets import target_inputs
+    from sizing.g3_inputs import g3_replays
+    from sizing.targets import target_inputs
 
     try:
         return dict(g3_replays(config.g3, workload, target_inputs(config)[0]).hits["candidate"]["bound_per_level"])
@@ -270,7 +270,7 @@ def test_aa_counts_the_intervals_that_excluded_the_null(sweep, gate_context, rec
 
 
 def test_candidate_error_rate_at_each_level(sweep, gate_context, verdict, level):
-    """The candidate's failed share of its measured requests at each level (gates/checks.py says why per level).
+    """The candidate's failed share of its measured requests at each level (kvcore/checks.py says why per level).
 
     Judged whatever made the step invalid (a step of failures is invalid for its latency figures and
     a FAIL here: INCONCLUSIVE never hides a 40% error rate); INCONCLUSIVE only when it measured nothing.

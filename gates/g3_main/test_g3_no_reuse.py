@@ -9,8 +9,8 @@ disks as serving) and never gets to load one; the control judges what that costs
 - `no_reuse_throughput_cost` = −(G3's throughput gain): 1 − the candidate's output tokens/s over the
   baseline's;
 
-with G3's own intervals (gates/g3_main/analysis.py level_figures), at most 5% in the full profile
-(shown, not judged, in the quick one: gates/checks.py says why). Each
+with G3's own intervals (kvcore/g3_analysis.py level_figures), at most 5% in the full profile
+(shown, not judged, in the quick one: kvcore/checks.py says why). Each
 request is sent at most once (a step that runs out of requests ends early and is invalid, saying
 so); every request's cached tokens are checked too (gates/no_reuse.py), so a cost near zero cannot
 come from hits.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gates.g3_main.analysis import level_figures, run_seed
+from kvcore.g3_analysis import level_figures, run_seed
 from gates.no_reuse import reuse_found, unjudged_reason
 from workloads.blocks import run_sweep, step_measured_records
 from workloads.client import read_records

@@ -54,7 +54,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from gates.stats import mann_kendall, sen_slope_ci
+from kvcore.stats import mann_kendall, sen_slope_ci
 from workloads.errors import describe_errors
 
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0  # FaultSchedule's, for rows written before they carried their own

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gates.engines import cache_admin, hit_reader
+from engines import cache_admin, hit_reader
 from gates.g4_soak.analysis import drift, excluded_window_rows, fault_facts, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
