@@ -25,6 +25,7 @@ import yaml
 from rich.console import Console
 
 from kvcore.aa import false_decision_line
+from kvcore.outcome import exit_code, overall_status
 from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
@@ -215,7 +216,9 @@ class GateRunner:
         if problem:
             print(f"kvgate run: {printable(problem)}", file=sys.stderr)
             return 2
-        return 0 if all(s == "passed" for s in statuses) else 1
+        outcome, _ = overall_status([{"gate": gate, "status": status, "requested": True}
+                                     for gate, status in zip(self.gates, statuses)])
+        return exit_code(outcome)
 
     def _sizing(self) -> None:
         """Predicted beside measured for every gate that ran (sizing.json), shown on the console."""

@@ -24,6 +24,8 @@ from markupsafe import Markup
 from kvcore.files import write_json, write_text_atomic
 from kvcore.aa import false_decision_line
 from kvcore.claims import claim_text, claims_table, format_figure, run_claims
+from kvcore.outcome import PROBLEM, overall
+from kvcore.percent import format_percent
 from kvcore.predictions import beside
 from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
@@ -33,7 +35,6 @@ from .environment import environment_tables
 from .rows import GateRows, gate_rows, number
 
 TEMPLATES = Path(__file__).parent / "templates"
-PROBLEM = ("failed", "error")
 
 
 # ---------------------------------------------------------------- results.json
@@ -81,34 +82,6 @@ def _progress(verdicts: list[dict], measurements: list[dict]) -> str:
     bad = ", ".join(f"{judged.count(s)} {s}" for s in ("FAIL", "INCONCLUSIVE") if s in judged)
     return (f"in progress: {len(verdicts)} verdicts" + (f" ({bad})" if bad else "")
             + f", {len(measurements)} measurements so far")
-
-
-def _stopped(gate: dict) -> bool:
-    return gate["status"] == "not run" and "stopped" in gate["reason"].lower()
-
-
-def overall(gates: list[dict]) -> dict:
-    """failed > inconclusive > incomplete > passed; a gate in error counts as failed."""
-    requested = [g for g in gates if g["requested"]]
-    failed = [g for g in gates if g["status"] in PROBLEM]
-    inconclusive = [g for g in gates if g["status"] == "inconclusive"]
-    unfinished = [g for g in requested if g["status"] != "passed" and not _stopped(g)]
-    if failed:
-        status, first = "failed", failed[0]
-    elif inconclusive:
-        status, first = "inconclusive", inconclusive[0]
-    elif not requested or any(g["status"] != "passed" for g in requested):
-        not_passed = unfinished or [g for g in requested if g["status"] != "passed"]
-        status, first = "incomplete", not_passed[0] if not_passed else None
-    else:
-        status, first = "passed", None
-    listing = " · ".join(f"{g['gate'].upper()} {g['status']}" for g in requested)
-    if first is None:
-        headline = "all requested gates passed" if requested else "no gates requested"
-    else:
-        reason = first["reason"].strip().splitlines()[0] if first["reason"].strip() else ""
-        headline = f"{first['gate'].upper()} {first['status']}" + (f": {reason}" if reason else "")
-    return {"status": status, "summary": f"{headline} — {listing}" if listing else headline}
 
 
 # ---------------------------------------------------------------- junit.xml
@@ -250,7 +223,7 @@ def fmt_value(value: Any) -> str:
 def fmt_with_unit(value: Any, unit: Any) -> str:
     """A judged figure with its unit; "%" figures are fractions (0.312 -> "31.2%"), as in verdict reasons."""
     if unit == "%" and number(value) is not None:
-        return f"{number(value) * 100:.1f}%"
+        return format_percent(number(value))
     text = fmt_value(value)
     return f"{text} {unit}" if unit and text else text
 
