@@ -81,7 +81,10 @@ Positive = Annotated[Count, Field(ge=1)]
 FULL_SOAK_S = 72 * 3600  # the full profile's soak: the memory growth of every soak is projected this far
 
 
-class Endpoint(StrictModel):
+class TargetSettings(StrictModel):
+    """One external target's section of gates.yaml (`targets.baseline`, `candidate`, `recompute`): what the user
+    says of it. A run resolves it into the one runtime `Endpoint` (gates/targets.py: Endpoint.from_settings)."""
+
     url: str = Field(pattern=r"^https?://", description="base URL ending in /v1")
     model: str = Field(min_length=1)
     api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
@@ -128,7 +131,7 @@ class Endpoint(StrictModel):
         return self.metrics_url or f"{self.url.rstrip('/').removesuffix('/v1')}/metrics"
 
     @model_validator(mode="after")
-    def _engine_settings_fit(self) -> "Endpoint":
+    def _engine_settings_fit(self) -> "TargetSettings":
         if self.cache_layer is not None and self.engine not in CACHE_LAYERS[self.cache_layer]:
             raise ValueError(f"cache_layer: expected {self.cache_layer} only with engine "
                              f"{' or '.join(CACHE_LAYERS[self.cache_layer])}, found engine {self.engine}")
@@ -196,9 +199,9 @@ class EmbeddedTargets(StrictModel):
 class TargetsConfig(StrictModel):
     kind: Literal["embedded", "external"] = "embedded"
     embedded: EmbeddedTargets = Field(default_factory=EmbeddedTargets)
-    baseline: Optional[Endpoint] = None
-    candidate: Optional[Endpoint] = None
-    recompute: Optional[Endpoint] = Field(default=None, description="optional: the no-reuse reference")
+    baseline: Optional[TargetSettings] = None
+    candidate: Optional[TargetSettings] = None
+    recompute: Optional[TargetSettings] = Field(default=None, description="optional: the no-reuse reference")
     candidate_nodes: list[str] = Field(default_factory=list,
                                        description="external: more base URLs serving the candidate's model")
     routing: Literal["round-robin", "prefix-affinity"] = Field(

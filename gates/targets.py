@@ -22,14 +22,16 @@ from workloads.datasets import BYTE_TOKENIZER_ID
 from workloads.load import Target, free_port
 from workloads.processes import die_with_parent
 
-from .config import EmbeddedTargets, GatesConfig
+from .config import EmbeddedTargets, GatesConfig, TargetSettings
 
 EMBEDDED_ROLES = {"recompute": "recompute", "baseline": "device-only", "candidate": "tiered"}
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A role (recompute, baseline, candidate) and where to reach it."""
+    """A role (recompute, baseline, candidate) and where to reach it: the one endpoint class of a run, made from
+    gates.yaml's `TargetSettings` for an external target (`from_settings`) or by `EmbeddedServers` for the
+    harness's own servers; it travels to the gate suites as JSON (`endpoints_to_json`)."""
 
     role: str
     url: str                     # base URL ending in /v1
@@ -42,6 +44,13 @@ class Endpoint:
     routing: str = "round-robin"
     tokenizer: Optional[str] = None   # its tokenizer id when kvgate knows it (prompts sized in its tokens)
     cache_dir: Optional[str] = None   # embedded: the first node's disk-tier directory (on this host)
+
+    @classmethod
+    def from_settings(cls, role: str, settings: TargetSettings) -> "Endpoint":
+        """An external target's endpoint, from its gates.yaml section (`targets.<role>`)."""
+        cache_dir = None if settings.cache_dir is None else str(settings.cache_dir)
+        return cls(role, settings.url.rstrip("/"), settings.model, settings.api, settings.api_key_env,
+                   tokenizer=settings.tokenizer, cache_dir=cache_dir)
 
     def target(self, name: Optional[str] = None) -> Target:
         return Target(name or self.role, self.url, self.model, self.api, self.api_key_env,
@@ -60,9 +69,7 @@ class Endpoint:
 def external_endpoints(config: GatesConfig) -> dict[str, Endpoint]:
     targets = config.targets
     found = {"baseline": targets.baseline, "candidate": targets.candidate, "recompute": targets.recompute}
-    endpoints = {role: Endpoint(role, e.url.rstrip("/"), e.model, e.api, e.api_key_env, tokenizer=e.tokenizer,
-                                cache_dir=None if e.cache_dir is None else str(e.cache_dir))
-                 for role, e in found.items() if e is not None}
+    endpoints = {role: Endpoint.from_settings(role, e) for role, e in found.items() if e is not None}
     if targets.candidate_nodes and "candidate" in endpoints:
         first = endpoints["candidate"]
         nodes = (first.url, *(url.rstrip("/") for url in targets.candidate_nodes))

@@ -12,6 +12,7 @@ document. So a workload of U users has W = 1 + 7 × U distinct blocks.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import yaml
 
 from gates.config import load_config
 from gates.fleet import fleet_sizing, fleet_users, working_set_blocks
-from gates.targets import engine_settings, fleet_plan
+from gates.targets import endpoints_from_json, endpoints_to_json, engine_settings, external_endpoints, fleet_plan
 from kvcore.settings import ConfigError, parse_size
 
 MIB = 2**20
@@ -135,3 +136,19 @@ def test_the_baseline_fleet_is_the_candidates_node_count_on_one_engine_setting_w
     assert len({n.cache_dir for n in plan}) == len(plan) and "path" not in settings["disk"]
     assert [n.name for n in fleet_plan(_fleet(tmp_path, 1, pool="none"))] == \
         ["recompute", "device-only", "tiered"]
+
+
+def test_an_external_targets_endpoint_is_made_once_from_its_settings_and_survives_the_trip_to_the_suites(tmp_path):
+    settings = {"url": "http://127.0.0.1:9/v1/", "model": "m", "api": "completions", "cache_dir": "kv",
+                "tokenizer": "kvgate-byte-v1"}
+    config = _config(tmp_path, targets={"kind": "external", "candidate": settings,
+                                        "baseline": {**settings, "cache_dir": None},
+                                        "candidate_nodes": ["http://127.0.0.1:10/v1"]})
+    endpoints = external_endpoints(config)
+    candidate = endpoints["candidate"]
+    assert (candidate.url, candidate.api, candidate.tokenizer, candidate.admin) == \
+        ("http://127.0.0.1:9/v1", "completions", "kvgate-byte-v1", False)
+    assert candidate.cache_dir == str(config.targets.candidate.cache_dir) and Path(candidate.cache_dir).is_absolute()
+    assert candidate.nodes == ("http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1") and endpoints["baseline"].nodes == ()
+    assert endpoints["baseline"].cache_dir is None and "recompute" not in endpoints
+    assert endpoints_from_json(json.loads(json.dumps(endpoints_to_json(endpoints)))) == endpoints
