@@ -32,7 +32,7 @@ EMBEDDED_BLOCK_TOKENS = 256
 # the pool kvgate starts for its embedded fleet (workloads/stores.py: Redis maxmemory 512mb, Mooncake's
 # segment 512MB); a store also spends memory on its own keeping, so it holds somewhat fewer blocks
 EMBEDDED_POOL_BYTES = 512 * 2**20
-# what a node loads from the pool at when nothing says: `kvgate pool-bench` on loopback, 2-core VM (README)
+# what a node loads from the pool at when nothing says: `kvgate pool-bench` on loopback, 2-core VM (docs/results.md)
 LOOPBACK_POOL_GBPS = {"redis": 0.15, "mooncake": 0.29, "external": 0.15}
 EXTERNAL_BLOCK_TOKENS = 16          # vLLM's default block size
 
