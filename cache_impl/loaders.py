@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
 from kvcore.files import process_read_bytes
+from kvcore.loader_names import LOADERS
 
 from .safetensors_dir import (CheckpointFormatError, SafetensorsDir, file_checksums, read_safetensors_dir,
                               tensor_checksum, write_safetensors_dir)
@@ -46,10 +47,6 @@ from .safetensors_dir import (CheckpointFormatError, SafetensorsDir, file_checks
 if TYPE_CHECKING:
     import torch
 
-LOADERS = ("safetensors", "runai_streamer", "fastsafetensors")
-# These read with O_DIRECT where the filesystem takes it: the page cache never serves them, so a
-# load right after another is as cold as the first (the mmap'd `safetensors` is served by it).
-READS_WITH_O_DIRECT = frozenset({"runai_streamer", "fastsafetensors"})
 PHASES = ("open", "read", "deserialize", "copy")
 PACKAGES = {"safetensors": "safetensors", "runai_streamer": "runai-model-streamer",
             "fastsafetensors": "fastsafetensors"}

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workloads.client import StreamingClient, read_records
+from workloads.client import StreamingClient
+from kvcore.rundata import read_records
 from workloads.load import Target, free_port, run_load
 from workloads.processes import die_with_parent
 from workloads.requests import Workload, WorkloadRequest

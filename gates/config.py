@@ -26,7 +26,7 @@ from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, C
 from workloads.datasets import check_trace, load_spec
 from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
 from workloads.faults import BLOCK_FAULTS, IO_FAULTS
-from cache_impl.loaders import LOADERS
+from kvcore.loader_names import LOADERS
 from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 
 from kvcore.checks import CHECKS, check_of, configurable_metrics

@@ -263,7 +263,9 @@ class GateRunner:
     def _probe_machine(self, endpoints: dict[str, Endpoint]) -> None:
         """This machine's speed at the embedded model's shapes, for the sizing model (sizing/machine.py)."""
         from sizing.in_run import PREDICTED_GATES
-        from sizing.machine import probe_line, probe_machine
+        from sizing.machine import probe_line
+
+        from .machine_probe import probe_machine
 
         if self.config.targets.kind != "embedded" or not set(PREDICTED_GATES) & set(self.gates):
             return

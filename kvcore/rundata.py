@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from .files import JsonlTail, append_jsonl, read_jsonl_file, write_json
+from .files import JsonlTail, append_jsonl, read_jsonl, read_jsonl_file, write_json
 from .settings import ConfigError
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -262,3 +262,9 @@ class RunStore:
     def _rows(self, gate: Optional[str], name: str) -> list[dict]:
         gates: Iterable[str] = [gate] if gate else GATES
         return [row for g in gates for row in read_jsonl_file(self.gate_dir(g) / name)]
+
+
+def read_records(directory: Path) -> list[dict]:
+    """Every request record of every load process in a directory (workloads/client.py's RecordWriter writes
+    one records-NAME.jsonl per process)."""
+    return read_jsonl(directory, "records-*.jsonl")

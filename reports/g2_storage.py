@@ -19,8 +19,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Optional
 
+from kvcore.loader_names import READS_WITH_O_DIRECT
 from kvcore.rundata import finite_number
-from cache_impl.loaders import READS_WITH_O_DIRECT
 
 from . import plots
 

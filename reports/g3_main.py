@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcore.aa import false_decision_line
-from workloads.client import read_records
+from kvcore.rundata import read_records
 
 from . import plots
 from .rows import (GateRows, accepted, geometric, interval, metric_words, number, predicted_series, rule_of,

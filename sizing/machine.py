@@ -13,58 +13,21 @@ model's constants, standing in where a calibration's would go::
 
 Last in line (plan.make_plan): a run's own G2 and G3, a calibration file and a configured roofline come
 first. Only the embedded targets are probed: an external engine's model is not kvgate's to count.
-Torch-free: the probe runs in its own process, on the machine and device the embedded engine uses.
+Torch-free: the gates run the probe (gates/machine_probe.py) in its own process, on the machine and device the
+embedded engine uses; this module only reads its figures.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from typing import Optional
 
 from kvcore.rundata import RunStore
-
-from gates.preflight import run_preflight
 
 from .calibration import Calibration
 from .queueing import DecodeCost
 from .timing import RecomputeCurve
 
-PROBE_TIMEOUT_S = 120.0       # the probe takes a second or two and torch's import; a stuck one is dropped
 SOURCE = "the pre-flight's machine probe"
-
-
-def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
-    """The probe's figures for the embedded targets' preset (`python -m cache_impl.machine_probe`), or
-    {"error": why} when it could not run: the sizing model is informational, a probe never stops a run."""
-    command = [sys.executable, "-m", "cache_impl.machine_probe", "--preset", embedded.preset,
-               "--max-batch", str(embedded.max_running)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"the machine probe did not finish within {timeout_s:.0f} s"}
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        return {"error": f"the machine probe exited {done.returncode}: {last}"}
-    try:
-        return json.loads(done.stdout)
-    except ValueError:
-        return {"error": f"the machine probe printed no JSON: {done.stdout[:200]!r}"}
-
-
-def probe_machine(embedded, endpoints: dict) -> dict:
-    """The probe's figures (`run_machine_probe`) with the fixed overhead measured on the warm `endpoints`."""
-    probe = run_machine_probe(embedded)
-    if "error" not in probe:
-        probe["fixed_overhead_s"] = warm_first_token_s(endpoints)
-    return probe
-
-
-def warm_first_token_s(endpoints: dict) -> Optional[float]:
-    """The least first-token time of the pre-flight's request sent again to every node, or None when none answered."""
-    ttfts = [r.ttft_s for r in run_preflight(endpoints) if r.ok and r.ttft_s is not None]
-    return min(ttfts) if ttfts else None
 
 
 def probe_line(probe: dict) -> str:
@@ -85,7 +48,7 @@ def _overhead_words(seconds: Optional[float]) -> str:
 
 
 def probe_calibration(probe: dict) -> Optional[Calibration]:
-    """The module's constants from a probe's figures (`probe_machine`); None when the probe failed."""
+    """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe failed."""
     if not probe or "error" in probe:
         return None
     overhead = probe.get("fixed_overhead_s")

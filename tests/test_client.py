@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from workloads.client import RecordWriter, RequestRecord, measure_stream, read_records
+from workloads.client import RecordWriter, RequestRecord, measure_stream
+from kvcore.rundata import read_records
 
 
 def _data(payload) -> str:

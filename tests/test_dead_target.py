@@ -10,7 +10,8 @@ import pytest
 from kvcore.g3_analysis import level_figures
 from tests.servers import free_port
 from workloads.blocks import run_sweep
-from workloads.client import Backoff, StreamingClient, read_records
+from workloads.client import Backoff, StreamingClient
+from kvcore.rundata import read_records
 from workloads.errors import DeadTargetDetector, StopRule, describe_errors, summarize_errors
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest

@@ -18,7 +18,7 @@ from kvcore.verdict import judge
 from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_line, ratio_excludes_one
 from kvcore.rules import parse_rule
 from workloads.blocks import LevelSampling, block_order, run_sweep, step_measured_records
-from workloads.client import read_records
+from kvcore.rundata import read_records
 from workloads.load import Target, free_port
 from workloads.requests import Workload, WorkloadRequest
 from workloads.sweep import SweepSettings

@@ -16,7 +16,7 @@ from gates.run import plain_progress_lines
 from kvcore.files import JsonlTail, append_jsonl
 from kvcore.rundata import RunStore
 from workloads.blocks import run_sweep
-from workloads.client import read_records
+from kvcore.rundata import read_records
 from workloads.live import LiveFigures, LiveStep
 from workloads.load import Target, free_port, run_load
 from workloads.requests import Workload, WorkloadRequest

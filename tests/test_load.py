@@ -11,7 +11,8 @@ import pytest
 
 from tests.servers import started_server
 from workloads.blocks import run_sweep
-from workloads.client import StreamingClient, read_records
+from workloads.client import StreamingClient
+from kvcore.rundata import read_records
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
 from workloads.sweep import SweepSettings, paced, prime_targets, read_client_samples, summarize_step

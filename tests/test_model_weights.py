@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore.files import drop_cached_pages, process_read_bytes
-from cache_impl.loaders import (LOADERS, READS_WITH_O_DIRECT, check_destinations, load_checkpoint, loaded_checksums, loader_unavailable,
-                               verify_loaded)
+from cache_impl.loaders import (LOADERS, check_destinations, load_checkpoint, loaded_checksums, loader_unavailable,
+                                verify_loaded)
 from cache_impl.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, file_checksums,
-                                       read_safetensors_dir, write_random_checkpoint, write_safetensors_dir)
+                                        read_safetensors_dir, write_random_checkpoint, write_safetensors_dir)
+from kvcore.files import drop_cached_pages, process_read_bytes
+from kvcore.loader_names import READS_WITH_O_DIRECT
 
 TOTAL = 24 << 20
 SHARD = 8 << 20

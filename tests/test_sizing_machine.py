@@ -15,7 +15,8 @@ from gates.cli import main
 from gates.config import load_config
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
-from sizing.machine import probe_calibration, run_machine_probe
+from gates.machine_probe import run_machine_probe
+from sizing.machine import probe_calibration
 from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve
@@ -23,7 +24,7 @@ from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP
 from tests.test_sizing_timing import _recorded_run
 
-OVERHEAD_S = 0.004         # a warm two-token request's first token (machine.warm_first_token_s)
+OVERHEAD_S = 0.004         # a warm two-token request's first token (gates/machine_probe.py warm_first_token_s)
 
 
 @pytest.fixture(scope="module")

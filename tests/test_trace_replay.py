@@ -16,7 +16,7 @@ from gates.config import load_config
 from kvcore.g3_analysis import Ladder, due_latencies, goodput, sustained_rate_gain
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.blocks import run_sweep
-from workloads.client import read_records
+from kvcore.rundata import read_records
 from workloads.datasets import ByteSizer, build_workload
 from workloads.load import Target, free_port
 from workloads.sweep import SweepSettings, describe_replay, first_turns, plan_steps, primer

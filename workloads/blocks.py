@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from .client import read_records
+from kvcore.rundata import read_records
 from .errors import merge_error_summaries
 from .live import LiveFigures, LiveStep, step_name
 from .load import LoadProgress, LoadRun, Target, run_load

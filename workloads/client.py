@@ -36,8 +36,6 @@ from typing import Iterable, Literal, Optional
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from urllib.parse import urlsplit
 
-from kvcore.files import read_jsonl
-
 from .errors import CONNECTION_ERRORS
 from .requests import WorkloadRequest
 from .target_json import BadResponse, json_object, optional_count, optional_list, optional_object, optional_text, \
@@ -446,8 +444,3 @@ class RecordWriter:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-def read_records(directory: Path) -> list[dict]:
-    """Every request record of every load process in a directory."""
-    return read_jsonl(directory, "records-*.jsonl")

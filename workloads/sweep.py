@@ -63,7 +63,7 @@ import numpy as np
 
 from kvcore.files import read_jsonl
 
-from .client import read_records
+from kvcore.rundata import read_records
 from .errors import StopRule, describe_errors, summarize_errors
 from .live import LiveStep, format_ms
 from .load import Target, run_load

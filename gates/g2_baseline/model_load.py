@@ -189,7 +189,7 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
                                     pairing.max, pairing.budget_s)
     for f in figures.values():
         f.stopping = stopping
-    from cache_impl.loaders import READS_WITH_O_DIRECT
+    from kvcore.loader_names import READS_WITH_O_DIRECT
 
     for loader in loaders:       # warm: straight after a load, pages left in place; reported apart, not judged
         if loader in READS_WITH_O_DIRECT:

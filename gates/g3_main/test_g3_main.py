@@ -50,7 +50,7 @@ from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_pairs, l
 from kvcore.aa import AA_FALSE_DECISION, false_decision_line
 from kvcore.predictions import prediction_for
 from workloads.blocks import run_sweep, step_measured_records
-from workloads.client import read_records
+from kvcore.rundata import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.errors import describe_errors
 from workloads.sweep import SweepSettings, describe_replay, prime_targets

@@ -25,7 +25,7 @@ import pytest
 from kvcore.g3_analysis import level_figures, run_seed
 from gates.no_reuse import reuse_found, unjudged_reason
 from workloads.blocks import run_sweep, step_measured_records
-from workloads.client import read_records
+from kvcore.rundata import read_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.sweep import SweepSettings
 
