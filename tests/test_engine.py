@@ -245,7 +245,7 @@ def test_a_returning_prompt_reuses_the_finished_requests_kv_buffer_and_answers_t
         prompt = list(range(1, 700))
         first = engine.generate(prompt, max_tokens=4)
         again = engine.generate(prompt, max_tokens=4)
-        assert engine._kv_buffers.reused == 1 and engine._kv_buffers.allocated == 1
+        assert engine.runner.kv_buffers.reused == 1 and engine.runner.kv_buffers.allocated == 1
         assert again.token_ids == first.token_ids
     finally:
         engine.stop()
@@ -254,10 +254,10 @@ def test_a_returning_prompt_reuses_the_finished_requests_kv_buffer_and_answers_t
 def test_finished_requests_report_their_kv_to_the_heap_trimmer(engines):
     # issue 13, item 6: a finished request's KV goes back to the OS (cache_impl/heap.py), not to a fragmented arena
     engine = engines("recompute")
-    engine._heap.every_bytes = 1
+    engine.runner.heap.every_bytes = 1
     for length in (300, 700, 1100):
         engine.generate(_prompt(length, length), 4)
-    assert engine._heap.trims == (3 if engine._heap.available else 0)
+    assert engine.runner.heap.trims == (3 if engine.runner.heap.available else 0)
 
 
 def _finish_of(engine, request_fields: dict) -> tuple[list[int], str]:
@@ -276,7 +276,7 @@ def _finish_of(engine, request_fields: dict) -> tuple[list[int], str]:
 def test_ignore_eos_generates_to_max_tokens_past_end_of_text(engines):
     # benchmark clients (GuideLLM, vllm bench serve) send ignore_eos: true; vLLM then generates max_tokens tokens
     engine = engines("recompute")
-    engine._allowed.fill_(float("-inf"))
-    engine._allowed[ByteTokenizer().eos_id] = 0.0       # this model's every next token is end-of-text
+    engine.runner.allowed.fill_(float("-inf"))
+    engine.runner.allowed[ByteTokenizer().eos_id] = 0.0       # this model's every next token is end-of-text
     assert _finish_of(engine, {}) == ([], "stop")
     assert _finish_of(engine, {"ignore_eos": True}) == ([ByteTokenizer().eos_id] * 6, "length")
