@@ -28,6 +28,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import xxhash
 
+from kvcore.files import fsync_directory
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CHECKSUMS_NAME = "kvgate-checksums.json"
@@ -357,7 +359,7 @@ def write_safetensors_dir(path: Path, tensors: Iterable[TensorSource], shard_byt
         _write_json_durably(directory / CHECKSUMS_NAME, {"algorithm": CHECKSUM_ALGORITHM, "tensors": checksums})
         _write_json_durably(directory / INDEX_NAME, {"metadata": {"total_size": done, **(metadata or {})},
                                                      "weight_map": weight_map})
-        _fsync_directory(directory)
+        fsync_directory(directory)
     finally:
         for shard in shards:
             shard.discard()
@@ -438,7 +440,7 @@ def _clear_checkpoint(directory: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{directory}: expected a directory without a checkpoint, found "
                               f"{INDEX_NAME if INDEX_NAME in existing else existing[0]} and {len(existing) - 1} more")
     (directory / INDEX_NAME).unlink(missing_ok=True)      # first: from here on it does not look complete
-    _fsync_directory(directory)
+    fsync_directory(directory)
     for name in existing:
         (directory / name).unlink(missing_ok=True)
 
@@ -450,14 +452,6 @@ def _write_json_durably(path: Path, data: dict) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temp, path)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- random checkpoints

@@ -20,6 +20,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from .judged import first_not_judged, judged, judged_rows, verdicts_of
+from .percent import format_percent
 from .predictions import made_before
 from .rundata import RunStore
 from .settings import Float, StrictModel
@@ -174,7 +175,7 @@ def format_figure(value: Optional[float], unit: str) -> str:
     if value is None:
         return ""
     if unit == "%":
-        return f"{100 * value:.1f}%"
+        return format_percent(value)
     if unit == "×":
         return f"{value:.1f}×"
     return f"{value:.3g} {unit}".rstrip()

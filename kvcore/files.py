@@ -38,6 +38,15 @@ def append_jsonl(path: Path, row: dict) -> None:
             os.close(fd)
 
 
+def fsync_directory(directory: Path) -> None:
+    """Make the directory's entries (new files, renames, removals) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def read_jsonl_file(path: Path) -> list[dict]:
     """Every complete JSON line of a file ([] when absent); a bad line (torn by a crash mid-write, not JSON, not
     UTF-8) is skipped."""

@@ -22,6 +22,7 @@ import math
 from typing import Iterable, Optional
 
 from .judged import judged, not_judged_reason
+from .percent import format_percent
 from .rundata import finite_number
 
 CONTEXT_KEYS = ("concurrency", "multiplier", "context_tokens", "target", "mode")
@@ -53,9 +54,9 @@ def error(metric: str, predicted: float, measured: float) -> tuple[float, str]:
     """The error of a prediction and its words: "+3.0 points" or "-12.5%" (the module's rule)."""
     if metric in IN_POINTS:
         difference = predicted - measured
-        return difference, f"{100 * difference:+.1f} points"
+        return difference, format_percent(difference, signed=True, symbol=False) + " points"
     relative = (predicted - measured) / measured if measured else math.nan
-    return relative, f"{100 * relative:+.1f}%"
+    return relative, format_percent(relative, signed=True)
 
 
 def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional, Union
 
+from kvcore.percent import format_percent
 from kvcore.rules import Band, Rule, Threshold, parse_rule
 from kvcore.rundata import FAIL, INCONCLUSIVE, PASS, Verdict
 
@@ -41,8 +42,7 @@ class _Format:
         self.unit, self.display, self.signed = unit, display, signed
 
     def _percent(self, fraction: float, fixed: bool) -> str:
-        text = f"{100 * fraction:.1f}" if fixed else _trim(100 * fraction, 2)
-        return ("+" + text) if self.signed and fraction >= 0 else text
+        return format_percent(fraction, 1 if fixed else 2, trim=not fixed, signed=self.signed, symbol=False)
 
     def value(self, number: float) -> str:
         if self.display is not None:

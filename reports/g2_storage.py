@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Optional
 
+from kvcore.percent import format_percent
 from kvcore.loader_names import READS_WITH_O_DIRECT
 from kvcore.rundata import finite_number
 
@@ -46,7 +47,7 @@ def _gbps(value: Optional[float]) -> str:
 
 
 def _percent(value: Optional[float]) -> str:
-    return "" if value is None else f"{100 * value:.1f}%"
+    return "" if value is None else format_percent(value)
 
 
 def _gigabytes(value: Any) -> str:

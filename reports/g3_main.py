@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcore.aa import false_decision_line
+from kvcore.percent import format_percent
 from kvcore.rundata import read_records
 
 from . import plots
@@ -168,7 +169,7 @@ def step_tables(rows: GateRows) -> list[dict]:
         for metric, _ in STEP_COLUMNS:
             value = number((figures.get(metric) or {}).get("value"))
             percent = metric in ("hit_ratio", "error_rate")
-            cells.append("" if value is None else f"{100 * value:.1f}%" if percent else f"{value:,.1f}")
+            cells.append("" if value is None else format_percent(value) if percent else f"{value:,.1f}")
         valid = figures.get("step_valid") or {}
         reasons = str((valid.get("context") or {}).get("reasons") or "")
         ok = valid.get("value")
@@ -203,9 +204,9 @@ def sampling_tables(rows: GateRows) -> list[dict]:
     for v in found:
         context = v["context"]
         value, ends = number(v.get("value")), interval(v.get("interval"))
-        figure = "" if value is None else f"{100 * value:.1f}%"
+        figure = "" if value is None else format_percent(value)
         if ends is not None:
-            figure += f" [{100 * ends[0]:.1f}, {100 * ends[1]:.1f}]"
+            figure += f" [{format_percent(ends[0], symbol=False)}, {format_percent(ends[1], symbol=False)}]"
         table.append([level.label(context[level.key]), metric_words(str(v["metric"]), "%"), str(context["blocks"]),
                       f"{context.get('pairs_used', '')} used, {context.get('pairs_left_out', 0)} left out",
                       str(context.get("stopped") or ""), figure, str(v.get("status") or "")])
@@ -266,7 +267,7 @@ def hit_ratio_warnings(rows: GateRows) -> list[str]:
         candidate = str(context.get("target", "")).startswith("candidate")
         if row.get("metric") != "hit_ratio_bound" or not context.get("far_below") or at is None or not candidate:
             continue
-        found.append(f"{context.get('target')} at {level.label(at)}: hit ratio {100 * float(context['measured']):.1f}%, "
-                     f"far below the {100 * float(row['value']):.1f}% its workload allows (an infinite cache over one "
+        found.append(f"{context.get('target')} at {level.label(at)}: hit ratio {format_percent(float(context['measured']))}, "
+                     f"far below the {format_percent(float(row['value']))} its workload allows (an infinite cache over one "
                      f"primed pass): its tiers, or its engine's prefix matching, lose reuse the workload has")
     return found

@@ -6,7 +6,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -17,8 +16,10 @@ from typing import Optional
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from cache_impl.auth import ADMIN_TOKEN_ENV
+from workloads.load import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 60
@@ -38,15 +39,29 @@ ADMIN_TOKEN = secrets.token_urlsafe(24)
 TINY_SWEEP = {"read_bs": ["1M"], "iodepths": [4], "numjobs": [1], "modes": ["direct"], "ioengines": ["libaio"],
               "write_bs": ["1M"], "write_numjobs": [1], "write_modes": ["buffered"], "size": "16M", "runtime_s": 1}
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def http_client(port: int, timeout: float = 30) -> httpx.Client:
     # trust_env=False: no proxy from the environment, the traffic stays on loopback.
     return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=timeout, trust_env=False)
+
+
+def metrics(http: httpx.Client) -> dict[str, list]:
+    """Prometheus samples of GET /metrics by sample name (e.g. `kvgate_cache_hits_total`)."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def metric_value(samples: dict[str, list], name: str, **labels: str) -> float:
+    """The value of one sample; 0 for a labelled sample not exported yet (a counter never incremented)."""
+    matching = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    if not matching and labels:
+        return 0.0
+    assert len(matching) == 1, f"expected one sample {name}{labels}, found {matching}"
+    return matching[0]
 
 
 class ServerProcess:

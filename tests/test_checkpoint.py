@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.settings import ConfigError
-from tests.test_imports import _imports_torch
+from tests.torch_probe import imports_torch
 from workloads.checkpoint import (STATE_PRESETS, CheckpointError, CheckpointJob, CheckpointSpec, RestoreRound,
                                   SaveRound, looks_complete, rounds_agree, spread)
 from workloads.rank_group import RankFailure
@@ -95,7 +95,7 @@ def test_rounds_agree_when_their_spread_is_within_five_percent_of_the_median():
 
 
 def test_the_parent_side_does_not_import_torch(tmp_path):
-    assert not _imports_torch("import workloads.checkpoint", tmp_path)
+    assert not imports_torch("import workloads.checkpoint", tmp_path)
 
 
 # --- real rounds, 2 ranks ---

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from cache_impl import CacheConfig, TieredKVCache
-from tests.conftest import BLOCK, block_for, blocks_for
+from tests.blocks import BLOCK, block_for, blocks_for
 
 PROMPT_FAMILY = 12
 DEVICE_SLOTS = 3

@@ -11,7 +11,7 @@ import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
 from cache_impl.engine import Engine, EngineConfig
-from tests.conftest import blocks_for
+from tests.blocks import blocks_for
 
 pytestmark = [
     pytest.mark.cuda,

@@ -8,6 +8,7 @@ The `kvgate serve` tests mount a tmpfs (root); they skip, saying so, where that 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -16,9 +17,7 @@ import pytest
 
 from cache_impl.disk_room import DiskRoom, check_reserve
 from kvcore.settings import ConfigError
-from tests.servers import REPO, ServerProcess, ask, distinct_prompt, free_port, http_client
-from tests.test_disk_full import _free
-from tests.test_server_api import metric_value, metrics
+from tests.servers import REPO, ServerProcess, ask, distinct_prompt, free_port, http_client, metric_value, metrics
 
 MiB = 2**20
 GiB = 2**30
@@ -80,7 +79,7 @@ def test_kvgate_serve_exits_2_when_the_default_reserve_is_larger_than_the_filesy
 def _leave_free(directory, nbytes: int) -> None:
     """Another writer takes all but `nbytes` of the filesystem's free room."""
     with open(directory / "foreign.bin", "wb") as foreign:
-        foreign.write(bytes(_free(directory) - nbytes))
+        foreign.write(bytes(shutil.disk_usage(directory).free - nbytes))
 
 
 def test_kvgate_serve_on_a_filled_filesystem_warns_at_start_and_counts_the_stores_it_refuses(small_tmpfs, tmp_path):

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tests.conftest import BLOCK, blocks_for
+from tests.blocks import BLOCK, blocks_for
 
 
 def _prompt(n: int) -> list[int]:

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _imports_torch(code: str, cwd: Path) -> bool:
-    probe = code + "\nimport sys\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
-    done = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    last = done.stdout.strip().splitlines()[-1:]
-    assert last in (["TORCH"], ["NO-TORCH"]), done.stdout + done.stderr
-    return last == ["TORCH"]
+from tests.torch_probe import imports_torch
 
 
 @pytest.mark.parametrize("module", ["gates.cli", "gates.config", "kvcore.rundata", "kvcore.verdict",
@@ -32,7 +19,7 @@ def _imports_torch(code: str, cwd: Path) -> bool:
                                     "engines.sglang", "engines.generic", "engines.placement",
                                     "engines.settings", "gates.selftest", "workloads.reference_server"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
-    assert not _imports_torch(f"import {module}", tmp_path)
+    assert not imports_torch(f"import {module}", tmp_path)
 
 
 def test_help_init_and_report_do_not_import_torch(tmp_path):
@@ -43,8 +30,8 @@ def test_help_init_and_report_do_not_import_torch(tmp_path):
             "import os, json\nos.makedirs('run', exist_ok=True)\n"
             "open('run/run.json', 'w').write(json.dumps({'run_id': 'r', 'gates': ['g1']}))\n"
             "main(['report', 'run'])\n")
-    assert not _imports_torch(code, tmp_path)
+    assert not imports_torch(code, tmp_path)
 
 
 def test_the_probe_sees_torch_when_it_is_imported(tmp_path):
-    assert _imports_torch("import cache_impl.manager", tmp_path)
+    assert imports_torch("import cache_impl.manager", tmp_path)

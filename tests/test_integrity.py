@@ -10,7 +10,7 @@ import torch
 
 from cache_impl import blockfiles, integrity
 from cache_impl.tiers.base import write_block
-from tests.conftest import BLOCK, blocks_for, files_below, plant_links_and_strays
+from tests.blocks import BLOCK, blocks_for, files_below, plant_links_and_strays
 from workloads.faults import delete, flip_byte, truncate
 
 

@@ -20,19 +20,11 @@ from cache_impl.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFo
                                         read_safetensors_dir, write_random_checkpoint, write_safetensors_dir)
 from kvcore.files import drop_cached_pages, process_read_bytes
 from kvcore.loader_names import READS_WITH_O_DIRECT
+from tests.loader_params import EACH_LOADER
 
 TOTAL = 24 << 20
 SHARD = 8 << 20
 TENSOR = 2 << 20
-
-
-def available(loader: str):
-    """A loader as a parameter, skipped (saying why) where it does not run."""
-    reason = loader_unavailable(loader)
-    return pytest.param(loader, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
-
-
-EACH_LOADER = [available(loader) for loader in LOADERS]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cache_impl import Fingerprint, KVLayout
-from tests.conftest import BLOCK, block_for, blocks_for
+from tests.blocks import BLOCK, block_for, blocks_for
 
 
 def _only_on(cache, tier):

@@ -11,7 +11,7 @@ import yaml
 from cache_impl import blockfiles, integrity
 from cache_impl.scrub import scrub
 from gates.cli import main
-from tests.conftest import BLOCK, blocks_for, files_below, plant_links_and_strays
+from tests.blocks import BLOCK, blocks_for, files_below, plant_links_and_strays
 from tests.servers import REPO
 from workloads.faults import damage_block
 

@@ -29,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cache_impl import auth
 from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from tests.servers import (ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, free_port, http_client,
-                           started_server)
+from tests.servers import (ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, free_port, http_client, metric_value,
+                           metrics, started_server)
 from workloads.faults import AdminClient
 
 MODEL = "kvgate-tiny"
@@ -74,26 +74,6 @@ def text_prompt(length: int, seed: int) -> str:
     """`length` printable ASCII characters (one token each), different for each seed."""
     rng = random.Random(seed)
     return "".join(rng.choice(string.ascii_letters + " ") for _ in range(length))
-
-
-def metrics(http: httpx.Client) -> dict[str, list]:
-    """Prometheus samples of GET /metrics by sample name (e.g. `kvgate_cache_hits_total`)."""
-    response = http.get("/metrics")
-    assert response.status_code == 200
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append(sample)
-    return samples
-
-
-def metric_value(samples: dict[str, list], name: str, **labels: str) -> float:
-    """The value of one sample; 0 for a labelled sample not exported yet (a counter never incremented)."""
-    matching = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
-    if not matching and labels:
-        return 0.0
-    assert len(matching) == 1, f"expected one sample {name}{labels}, found {matching}"
-    return matching[0]
 
 
 def sse_events(response: httpx.Response) -> list[str]:

@@ -19,8 +19,8 @@ from sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tie
 from sizing.targets import EMBEDDED_POOL_BYTES, pool_blocks, target_inputs
 from sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
 from kvcore.settings import ConfigError
-from tests.test_sizing_replay import _conversations, _keys, _serve
-from tests.test_sizing_timing import KV
+from tests.cache_requests import conversations, request_keys, serve_request
+from tests.recorded_runs import KV, recorded_run
 
 # --------------------------------------------------------------------------- the fleet's caches
 
@@ -35,12 +35,12 @@ def test_a_fleets_replay_gives_two_real_caches_hits_on_one_real_pool(make_cache,
                             disk_path=str(tmp_path / f"disk-{n}"), disk_min_free_bytes=0,
                             disk_capacity_bytes=24 * integrity.file_nbytes(layout.block_nbytes),
                             remote={"backend": "redis", "url": pool.url}) for n in range(2)]
-        requests = _conversations(300, seed=7)
+        requests = conversations(300, seed=7)
         routed = [n % 2 if n % 5 else 0 for n in range(len(requests))]   # round-robin, every fifth on node 0
-        sources = [_serve(nodes[node], layout, prompt, generated)
+        sources = [serve_request(nodes[node], layout, prompt, generated)
                    for (prompt, generated), node in zip(requests, routed)]
         capacities = tier_capacities(nodes[0].config, layout.block_nbytes)
-        result = replay([_keys(nodes[0], p, g) for p, g in requests], capacities, nodes=routed)
+        result = replay([request_keys(nodes[0], p, g) for p, g in requests], capacities, nodes=routed)
         snaps = [node.snapshot()["tiers"] for node in nodes]
     assert result.tiers == ("device", "host", "disk", "remote") and result.nodes == tuple(routed)
     for n, (row, real) in enumerate(zip(result.hits, sources)):
@@ -255,9 +255,7 @@ def test_without_noise_round_robin_keeps_each_session_on_its_node_and_with_it_tu
 
 
 def test_a_fleet_plan_predicts_the_pools_share_and_judges_g3_with_intervals(tmp_path):
-    from tests.test_sizing_timing import _recorded_run
-
-    store = _recorded_run(tmp_path / "run")
+    store = recorded_run(tmp_path / "run")
     config = _fleet_config(tmp_path)
     plan = make_plan(config, store, in_run=True)
     assert plan.figures["fleet"] == {"candidate_nodes": 2, "baseline_nodes": 2, "routing": "round-robin",
@@ -286,8 +284,6 @@ def test_the_step_noise_is_fitted_from_the_spread_of_the_gaps_between_tokens():
 
 
 def test_a_rate_multiplier_plan_predicts_the_sustained_rate_gain(tmp_path):
-    from tests.test_sizing_timing import _recorded_run
-
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 200 * i, "input_length": 1024, "output_length": 8,
                                          "hash_ids": [0, 1, i + 2]}) + "\n" for i in range(80)))
@@ -295,7 +291,7 @@ def test_a_rate_multiplier_plan_predicts_the_sustained_rate_gain(tmp_path):
     path.write_text(yaml.safe_dump({"g3": {
         "workload": {"kind": "trace", "path": str(trace), "warmup_requests": 10, "limit": 60, "block_tokens": 512},
         "replay": "rate_multipliers", "levels": [1, 2], "ttft_slo_ms": 500, "duration_s": 20, "warmup_s": 1}}))
-    plan = make_plan(load_config(path), _recorded_run(tmp_path / "run"), in_run=True)
+    plan = make_plan(load_config(path), recorded_run(tmp_path / "run"), in_run=True)
     sustained = next(p for p in plan.predictions if p.metric == "sustained_rate_gain")
     assert sustained.status and "TTFT p90 ≤ 500 ms, 1x, 2x" in sustained.label
     reductions = [p for p in plan.predictions if p.metric == "ttft_p50_reduction"]

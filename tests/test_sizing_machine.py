@@ -22,7 +22,7 @@ from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve
 from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP
-from tests.test_sizing_timing import _recorded_run
+from tests.recorded_runs import recorded_run
 
 OVERHEAD_S = 0.004         # a warm two-token request's first token (gates/machine_probe.py warm_first_token_s)
 
@@ -109,7 +109,7 @@ def test_a_calibration_file_and_the_runs_own_g2_come_before_the_probe(tmp_path, 
                for note in plan.notes)          # the probe fills only what the file lacks (its decode, the host)
 
     # after G2, the run's own fit of its G2 TTFTs; the probe gives what G3 has not measured yet (the decode)
-    run = _recorded_run(tmp_path / "recorded")
+    run = recorded_run(tmp_path / "recorded")
     shutil.rmtree(run.raw_dir("g3"))
     for gate in ("g1", "g2"):
         run.set_status(gate, "passed")

@@ -13,7 +13,7 @@ from sizing.plan import make_plan
 from kvcore.settings import ConfigError
 from kvcore.claims import claims_table, run_claims
 from kvcore.rundata import RunStore
-from tests.test_sizing_timing import _recorded_run
+from tests.recorded_runs import recorded_run
 
 
 def test_a_plan_from_the_config_alone_gives_the_layout_the_tiers_and_the_workloads_hits(capsys):
@@ -31,7 +31,7 @@ def test_a_plan_from_the_config_alone_gives_the_layout_the_tiers_and_the_workloa
 
 
 def test_a_plan_from_a_run_predicts_g2_judges_it_and_sets_it_beside_the_measurement(tmp_path):
-    store = _recorded_run(tmp_path)
+    store = recorded_run(tmp_path)
     ttft = {m["context"]["mode"]: m["value"] for m in store.measurements("g2")
             if m["metric"] == "ttft_ms" and m["context"]["context_tokens"] == 8192}
     store.record("g2", "test_ratio", "disk_hit_ttft_vs_recompute", ttft["disk-cold"] / ttft["recompute"],
@@ -51,7 +51,7 @@ def test_a_plan_from_a_run_predicts_g2_judges_it_and_sets_it_beside_the_measurem
 
 
 def test_calibrate_writes_the_constants_a_later_plan_reads(tmp_path, capsys):
-    _recorded_run(tmp_path / "run")
+    recorded_run(tmp_path / "run")
     out = tmp_path / "calibration.json"
     assert main(["plan", "--calibrate", str(tmp_path / "run"), "--out", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out and json.loads(out.read_text())["decode"]["step_s"] > 0
@@ -69,7 +69,7 @@ def test_a_run_directory_that_is_not_one_is_a_clear_error(tmp_path, capsys):
 def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its_measurements(tmp_path):
     from sizing.in_run import final_sizing, stage_plan
 
-    store = _recorded_run(tmp_path)
+    store = recorded_run(tmp_path)
     for gate in ("g1", "g2"):
         store.set_status(gate, "passed")
     # the recorded run's G3 raw records would let the plan fit the decode cost; before G3 it must not have them

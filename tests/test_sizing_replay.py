@@ -7,14 +7,12 @@ output fills), one request after another, its background writes flushed before t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from cache_impl import integrity
 from cache_impl.config import CacheConfig
@@ -25,7 +23,8 @@ from sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tie
 from sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
                                     trace_block_keys, workload_block_keys)
 from kvcore.settings import ConfigError
-from tests.conftest import BLOCK, blocks_for
+from tests.blocks import BLOCK
+from tests.cache_requests import conversations, request_keys, serve_request
 from workloads.datasets import TraceRecord, build_workload, ByteSizer, read_trace
 
 MOONCAKE_TRACE = Path("/work/shared/data/mooncake-traces/conversation_trace.jsonl")
@@ -33,56 +32,6 @@ MIB, GIB = 2**20, 2**30
 
 
 # --------------------------------------------------------------------------- against the real cache
-
-
-def _conversations(n_requests: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt, generated tokens) per request: shared documents, continued conversations, exact repeats,
-    fresh prompts; the output is a function of the prompt (greedy decoding)."""
-    rng = random.Random(seed)
-    docs = [[rng.randrange(256) for _ in range(rng.randint(1, 6) * BLOCK + rng.randrange(BLOCK))] for _ in range(12)]
-    made: list[tuple[list[int], list[int]]] = []
-    for _ in range(n_requests):
-        draw = rng.random()
-        if draw < 0.1 and made:
-            prompt = list(rng.choice(made[-30:])[0])                        # the same prompt again
-        else:
-            if draw < 0.4 and made:
-                base = rng.choice(made[-30:])[0]                           # a conversation's next turn
-            elif draw < 0.85:
-                base = docs[min(int(rng.expovariate(0.4)), len(docs) - 1)]  # a popular document
-            else:
-                base = []
-            suffix = [rng.randrange(256) for _ in range(rng.randint(1, 3 * BLOCK))]
-            prompt = (base + suffix)[: 10 * BLOCK + rng.randrange(BLOCK)]
-        out = random.Random(hashlib.blake2b(repr(prompt).encode()).digest())
-        made.append((prompt, [out.randrange(256) for _ in range(out.randint(1, 2 * BLOCK))]))
-    return made
-
-
-def _serve(cache, layout, prompt: list[int], generated: list[int]) -> list[str]:
-    """One request as the engine makes it; the tier each loaded block came from."""
-    full_prompt = len(prompt) // BLOCK
-    out = torch.empty((max(full_prompt, 1), *layout.block_shape), dtype=layout.torch_dtype)
-    loaded = cache.load_into(prompt, out.__getitem__)
-    hit = loaded.num_blocks
-    if full_prompt > hit:
-        cache.store(prompt[: full_prompt * BLOCK], blocks_for(layout, prompt)[hit:], first_block=hit)
-    if hit:
-        cache.promote(prompt[: hit * BLOCK], [out[i] for i in range(hit)])
-    tokens = prompt + generated
-    full = (len(tokens) - 1) // BLOCK  # the last generated token's KV is never computed
-    if full > full_prompt:
-        cache.store(tokens[: full * BLOCK], blocks_for(layout, tokens[: full * BLOCK])[full_prompt:],
-                    first_block=full_prompt)
-    cache.flush()
-    return list(loaded.sources)
-
-
-def _keys(cache, prompt: list[int], generated: list[int]) -> RequestKeys:
-    full_prompt = len(prompt) // BLOCK
-    tokens = prompt + generated
-    full = (len(tokens) - 1) // BLOCK
-    return RequestKeys(tuple(cache.keys_for(prompt)), tuple(cache.keys_for(tokens[: full * BLOCK])[full_prompt:]))
 
 
 @pytest.mark.parametrize("write_policy, device, host, demoting", [
@@ -96,12 +45,12 @@ def test_the_replay_gives_the_real_caches_hits_per_tier_request_by_request(make_
     cache = make_cache(write_policy=write_policy, device_capacity_blocks=device,
                        host_capacity_bytes=host * layout.block_nbytes, disk_capacity_bytes=64 * file_nbytes,
                        disk_min_free_bytes=0)
-    requests = _conversations(400, seed=11)
-    sources = [_serve(cache, layout, prompt, generated) for prompt, generated in requests]
+    requests = conversations(400, seed=11)
+    sources = [serve_request(cache, layout, prompt, generated) for prompt, generated in requests]
 
     capacities = [TierCapacity("device", device), TierCapacity("host", host), TierCapacity("disk", 64)]
     assert capacities == tier_capacities(cache.config, layout.block_nbytes)
-    result = replay([_keys(cache, p, g) for p, g in requests], capacities, write_policy)
+    result = replay([request_keys(cache, p, g) for p, g in requests], capacities, write_policy)
 
     assert result.tiers == tuple(cache.tiers) == ("device", "host", "disk")
     for n, (row, real) in enumerate(zip(result.hits, sources)):
@@ -126,10 +75,10 @@ def test_a_pool_below_the_disk_serves_what_the_local_tiers_lost(make_cache, layo
         cache = make_cache(device_capacity_blocks=4, host_capacity_bytes=6 * layout.block_nbytes,
                            disk_capacity_bytes=64 * integrity.file_nbytes(layout.block_nbytes), disk_min_free_bytes=0,
                            remote={"backend": "redis", "url": pool.url})
-        requests = _conversations(400, seed=5)
-        sources = [_serve(cache, layout, prompt, generated) for prompt, generated in requests]
+        requests = conversations(400, seed=5)
+        sources = [serve_request(cache, layout, prompt, generated) for prompt, generated in requests]
         capacities = tier_capacities(cache.config, layout.block_nbytes)
-        result = replay([_keys(cache, p, g) for p, g in requests], capacities, "write-through")
+        result = replay([request_keys(cache, p, g) for p, g in requests], capacities, "write-through")
         snap = cache.snapshot()["tiers"]
     assert result.tiers == tuple(cache.tiers) == ("device", "host", "disk", "remote")
     for n, (row, real) in enumerate(zip(result.hits, sources)):
@@ -144,7 +93,7 @@ def test_a_pool_below_the_disk_serves_what_the_local_tiers_lost(make_cache, layo
 
 
 def _random_requests(seed: int, n: int = 300) -> list[RequestKeys]:
-    return [RequestKeys(tuple(block_keys(p, SIZING_DIGEST, BLOCK)), ()) for p, _ in _conversations(n, seed)]
+    return [RequestKeys(tuple(block_keys(p, SIZING_DIGEST, BLOCK)), ()) for p, _ in conversations(n, seed)]
 
 
 def test_a_hand_worked_write_back_sequence():

@@ -12,11 +12,10 @@ from sizing.g3_figures import predict_g3, summarize
 from sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
 from sizing.timing import (RecomputeCurve, TierBandwidths, TimingModel, checkpoint_seconds, cold_read_vs_storage_best,
                                  model_load_seconds, predict_g2)
-from kvcore.files import append_jsonl
 from kvcore.rundata import RunStore
 from kvcore.settings import ConfigError
+from tests.recorded_runs import B_, C_, DISK_OVERHEAD, KV, PER_SEQ, STEP, F, recorded_run
 
-KV = 4096   # bytes per token of the small preset's layout: 4 layers × (k, v) × 2 heads × 64 × float32
 
 
 def _model(**tiers) -> TimingModel:
@@ -197,50 +196,8 @@ def test_a_duration_cycles_the_replay_and_a_warm_up_is_left_out():
 # --------------------------------------------------------------------------- calibration
 
 
-F, B_, C_, DISK_OVERHEAD, TIER_GBPS = 0.006, 9e-5, 1.6e-8, 0.012, 1.2
-STEP, PER_SEQ = 0.003, 0.0025
-
-
-def _recorded_run(root, with_g3=True):
-    """A run directory as `kvgate run` writes it, with figures that follow known constants exactly."""
-    store = RunStore(root)
-    store.write_run_info({"run_id": "recorded", "gates": ["g1", "g2", "g3"]})
-    (root / "config.yaml").write_text("g2:\n  contexts: [1024, 4096, 8192]\n  cold_read_prefixes: 2\n"
-                                      "g3:\n  warmup_s: 0.0\ntargets:\n  embedded:\n    max_running: 8\n")
-    store.record("g1", "test_fio", "seq_read_gbps", 1.5, "GB/s")
-    for context in (1024, 4096, 8192):
-        n = context - 4
-        h = n // 256 * 256
-        tail = B_ * (n - h) + C_ * (n * n - h * h)
-        for mode, seconds in (("recompute", F + B_ * n + C_ * n * n), ("host-hit", F + h * KV / 10e9 + tail),
-                              ("disk-cold", F + DISK_OVERHEAD + h * KV / (TIER_GBPS * 1e9) + tail)):
-            store.record("g2", "test_ttft", "ttft_ms", seconds * 1e3, "ms", mode=mode, context_tokens=context)
-    for i in range(8):
-        store.record("g2", "test_cold", "cold_read_pair", 0.8, round=i, tier_bytes=2 * 7936 * KV, tier_gbps=1.2)
-    store.record("g2", "test_cold", "cold_read_vs_storage_best", 0.8, tier_gbps=TIER_GBPS, fio_gbps=1.5)
-    store.record("g2", "test_load", "model_load_loader", 0.9, "%", loader="safetensors", loader_gbps=1.35)
-    store.record("g2", "test_load", "model_load_loader", 0.6, "%", loader="runai_streamer", loader_gbps=0.9)
-    store.record("g2", "test_ckpt", "checkpoint_write_vs_storage_best", 0.75, "%")
-    for start in (3.0, 3.2, 3.4):
-        store.record("g2", "test_service", "service_load", start + 0.05, "s", loader="safetensors",
-                     weights={"seconds": 0.05})
-    if with_g3:
-        timing = TimingModel(RecomputeCurve(F, B_, C_), TierBandwidths(disk_gbps=TIER_GBPS), KV, 256, F)
-        engine = EngineModel(timing, DecodeCost(STEP, PER_SEQ), 8)
-        replay = [ServedRequest(1830 + 32 * (i % 4), 16, {"host": 1792}) for i in range(40)]
-        for level in (2, 4, 8):
-            for r in simulate_closed_loop(replay, level, engine):
-                request = replay[r.index]
-                append_jsonl(store.raw_dir("g3") / "sweep" / "candidate" / f"c{level}" / "records" /
-                             "records-w0-1.jsonl",
-                             {"ok": True, "sent_at": 1000.0 + r.sent_s, "ttft_s": r.ttft_s, "itl_s": list(r.itl_s),
-                              "prompt_tokens": request.prompt_tokens, "completion_tokens": r.output_tokens,
-                              "cached_tokens": request.cached["host"]})
-    return store
-
-
-def test_calibration_recovers_the_constants_of_a_recorded_run(tmp_path):
-    _recorded_run(tmp_path)
+def test_calibration_recovers_the_constants_of_arecorded_run(tmp_path):
+    recorded_run(tmp_path)
     calibration = calibrate(tmp_path)
     assert calibration.kv_bytes_per_token == KV                        # 2 prefixes × 31 blocks of 1 MiB per round
     assert (calibration.curve.b, calibration.curve.c) == pytest.approx((B_, C_), rel=1e-6)
@@ -262,7 +219,7 @@ def test_calibration_recovers_the_constants_of_a_recorded_run(tmp_path):
 
 
 def test_calibration_says_what_it_could_not_fit(tmp_path):
-    _recorded_run(tmp_path, with_g3=False)
+    recorded_run(tmp_path, with_g3=False)
     calibration = calibrate(tmp_path)
     assert calibration.decode is None
     assert calibration.notes == ("no decode cost: no G3 records of the candidate with gaps between tokens",)
@@ -271,7 +228,7 @@ def test_calibration_says_what_it_could_not_fit(tmp_path):
 
 
 def test_a_saved_calibration_loads_back_equal(tmp_path):
-    _recorded_run(tmp_path)
+    recorded_run(tmp_path)
     calibration = calibrate(tmp_path)
     calibration.save(tmp_path / "calibration.json")
     assert Calibration.load(tmp_path / "calibration.json") == calibration

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvcore.files import drop_cached_pages
+from kvcore.files import drop_cached_pages, fsync_directory
 from kvcore.settings import ConfigError
 
 from .rank_group import RankFailure, RankGroup
@@ -298,15 +297,6 @@ def rounds_agree(values: Sequence[float], tolerance: float = AGREEMENT_TOLERANCE
     """MLPerf Storage's rule that repeated runs agree within 5%, read as: every round lies within the
     tolerance of every other, relative to the median ((max - min) / median <= tolerance)."""
     return spread(values) <= tolerance
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make the directory's entries (new files, renames, removals) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def describe_failures(answers: Sequence[dict]) -> str:

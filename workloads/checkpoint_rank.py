@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kvcore.files import process_read_bytes
+from kvcore.files import fsync_directory, process_read_bytes
 
-from .checkpoint import CheckpointSpec, fsync_directory
+from .checkpoint import CheckpointSpec
 from .checkpoint_state import build_state, differences, empty_state
 from .checkpoint_writer import ErrorKeepingWriter
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvcore.percent import format_percent
+
 PASS = "PASS"
 MET = "met"
 
@@ -169,5 +171,5 @@ def format_claim(claim: dict) -> str:
 
 def _number(value: float, unit: str) -> str:
     if unit == "%":
-        return f"{100 * value:.1f}%".replace("-0.0%", "0.0%")   # -0.00001 is 0.0%, not -0.0%
+        return format_percent(value)
     return f"{value:.3g}{unit if unit in ('×', 'x') else (' ' + unit if unit else '')}"
