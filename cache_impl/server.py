@@ -52,6 +52,22 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
     startup = {"process_start": process_start if process_start is not None else psutil.Process().create_time(),
                "imports_done": imports_done, "weights_loaded": engine.weights_load.finished_at, "ready": None,
                "weights": engine.weights_load.as_dict()}
+    app = FastAPI(title="kvgate embedded engine", lifespan=_lifespan(engine, startup))
+    add_error_handlers(app, "kvgate.server")
+    app.middleware("http")(_api_key_check(api_key))
+    routes = _Routes(engine, startup)
+    app.get("/health")(routes.health)
+    app.get("/v1/models")(routes.models)
+    app.get("/metrics")(routes.metrics)
+    if admin_token is not None:
+        add_admin_routes(app, EngineOwner(engine), admin_token, routes.read_json)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    return app
+
+
+def _lifespan(engine: Engine, startup: dict):
+    """Start the engine (the timeline's `ready`), then drain it and flush its cache on shutdown."""
 
     async def lifespan(app: FastAPI):
         engine.start()
@@ -59,16 +75,12 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
         yield
         await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="kvgate embedded engine", lifespan=lifespan)
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))
-    ProcessCollector(registry=registry)
+    return lifespan
 
-    read_json = JsonBody(engine.config.max_request_bytes)
 
-    add_error_handlers(app, "kvgate.server")
+def _api_key_check(api_key: Optional[str]):
+    """The middleware that refuses /v1 and /admin requests without `api_key` as their bearer token (401)."""
 
-    @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if api_key and request.url.path.startswith(("/v1/", "/admin/")):
             bearer = request.headers.get("authorization", "")
@@ -77,50 +89,58 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
                 return JSONResponse(error.body(), status_code=401)
         return await call_next(request)
 
-    @app.get("/health")
-    async def health() -> dict:
-        fingerprint = engine.cache.fingerprint.hex if engine.cache is not None else None
-        pooled = engine.cache is not None and "remote" in engine.cache.tiers
-        remote = engine.cache.tier("remote").snapshot() if pooled else None
-        return {"status": "ok", "model": engine.model_name, "mode": engine.config.mode, "pid": os.getpid(),
-                "fingerprint": fingerprint, "remote": remote, "startup": startup}
+    return check_api_key
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+
+class _Routes:
+    """One handler per route; what the two generation routes share is `_generate` (checks, submit, answer)."""
+
+    def __init__(self, engine: Engine, startup: dict) -> None:
+        self.engine, self.startup = engine, startup
+        self.read_json = JsonBody(engine.config.max_request_bytes)
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        ProcessCollector(registry=self.registry)
+
+    async def health(self) -> dict:
+        cache = self.engine.cache
+        remote = cache.tier("remote").snapshot() if cache is not None and "remote" in cache.tiers else None
+        return {"status": "ok", "model": self.engine.model_name, "mode": self.engine.config.mode,
+                "pid": os.getpid(), "fingerprint": cache.fingerprint.hex if cache is not None else None,
+                "remote": remote, "startup": self.startup}
+
+    async def models(self) -> dict:
         return {"object": "list", "data": [
-            {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "kvgate",
-             "max_model_len": engine.max_context},
+            {"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "kvgate",
+             "max_model_len": self.engine.max_context},
         ]}
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-    if admin_token is not None:
-        add_admin_routes(app, EngineOwner(engine), admin_token, read_json)
+    async def completions(self, request: Request):
+        body = parse_request(CompletionRequest, await self.read_json(request))
+        return await self._generate(request, body, _prompt_tokens(self.engine.tokenizer, body.prompt), chat=False)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = parse_request(CompletionRequest, await read_json(request))
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            tokens = engine.tokenizer.encode(prompt) if prompt else []  # "" is as empty as []
-        else:
-            tokens = list(prompt)
-            if any(t < 0 or t >= engine.tokenizer.vocab_size for t in tokens):
-                raise ApiError(400, f"prompt: token ids must be in [0, {engine.tokenizer.vocab_size})", param="prompt")
-        return await _generate(request, body, tokens, chat=False)
+    async def chat_completions(self, request: Request):
+        body = parse_request(ChatCompletionRequest, await self.read_json(request))
+        return await self._generate(request, body, chat_tokens(self.engine.tokenizer, body.messages), chat=True)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = parse_request(ChatCompletionRequest, await read_json(request))
-        return await _generate(request, body, chat_tokens(engine.tokenizer, body.messages), chat=True)
+    async def _generate(self, request: Request, body, tokens: list[int], chat: bool):
+        max_tokens = self._checked_max_tokens(body, tokens, chat)
+        stream = _EventStream()
+        job = GenerationRequest(tokens, max_tokens, stream.push_threadsafe, body.temperature, body.seed,
+                                ignore_eos=bool(body.ignore_eos))
+        self._submit(job, chat)
+        shape = _ResponseShape(self.engine.model_name, chat)
+        if body.stream:
+            return StreamingResponse(shape.sse(stream, job, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _whole_answer(request, stream, job, shape)
 
-    async def _generate(request: Request, body, tokens: list[int], chat: bool):
+    def _checked_max_tokens(self, body, tokens: list[int], chat: bool) -> int:
+        """The request's max_tokens, once its model, its options and its length are checked (4xx otherwise)."""
+        engine = self.engine
         if body.model != engine.model_name:
             raise ApiError(404, f"model: the model '{body.model}' does not exist (this server has "
                                 f"'{engine.model_name}')", param="model", code="model_not_found")
@@ -130,32 +150,44 @@ def create_app(engine: Engine, api_key: Optional[str] = None, admin_token: Optio
             raise ApiError(400, f"this model's maximum context length is {engine.max_context} tokens; the "
                                 f"prompt has {len(tokens)} and max_tokens is {max_tokens}",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
-        stream = _EventStream()
-        job = GenerationRequest(tokens, max_tokens, stream.push_threadsafe, body.temperature, body.seed,
-                                ignore_eos=bool(body.ignore_eos))
+        return max_tokens
+
+    def _submit(self, job: GenerationRequest, chat: bool) -> None:
+        """Queue `job`: a prompt the engine refuses is a 400, a full queue a 429."""
         try:
-            engine.submit(job)
+            self.engine.submit(job)
         except ValueError as error:  # an empty prompt, or one that cannot fit
             raise ApiError(400, f"prompt: {error}", param="messages" if chat else "prompt") from None
         except QueueFullError as error:
             raise ApiError(429, f"the server is busy ({error}); retry later", "rate_limit_error",
                            code="rate_limit_exceeded") from None
-        shape = _ResponseShape(engine.model_name, chat)
-        if body.stream:
-            return StreamingResponse(shape.sse(stream, job, body.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            answer = await _unless_disconnected(request, stream.collect())
-        finally:
-            job.cancelled.set()  # a no-op when finished; frees the slot when the client went away
-        if answer is None:
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        text, finish = answer
-        if finish.finish_reason == "error":
-            raise ApiError(500, f"the engine failed: {finish.error}", "server_error")
-        return shape.full(text, finish)
 
-    return app
+
+def _prompt_tokens(tokenizer, prompt) -> list[int]:
+    """A completion request's prompt as token ids: text (a string, or a list of one) or ids in the vocabulary."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise ApiError(400, "prompt: only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt) if prompt else []  # "" is as empty as []
+    if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
+        raise ApiError(400, f"prompt: token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
+    return list(prompt)
+
+
+async def _whole_answer(request: Request, stream: "_EventStream", job: GenerationRequest, shape: "_ResponseShape"):
+    """A non-streamed answer: the whole response, 499 when the client went away first (its request cancelled)."""
+    try:
+        answer = await _unless_disconnected(request, stream.collect())
+    finally:
+        job.cancelled.set()  # a no-op when finished; frees the slot when the client went away
+    if answer is None:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    text, finish = answer
+    if finish.finish_reason == "error":
+        raise ApiError(500, f"the engine failed: {finish.error}", "server_error")
+    return shape.full(text, finish)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
