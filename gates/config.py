@@ -836,8 +836,7 @@ class GatesConfig(StrictModel):
         for rule in getattr(self, gate).thresholds:
             if rule.metric == metric:
                 return rule
-        default = check_of(gate, metric).default
-        return parse_rule(default) if default is not None else None
+        return check_of(gate, metric).default
 
     def digest(self) -> str:
         return "sha256:" + hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

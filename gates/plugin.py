@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from kvcore.rules import Rule, parse_rule
+from kvcore.rules import Rule
 from kvcore.rundata import Errored, RunStore, Unjudged
 
 from kvcore.checks import CHECKS, check_of
@@ -92,13 +92,13 @@ def verdict(gate_context: GateContext, request: pytest.FixtureRequest) -> Callab
     judge, store, and fail the test unless PASS.
 
     `metric` must be one of the gate's declared checks. The rule is the one the check's
-    `rule_from` field gives (passed by the suite as `rule`; None when that field is unset,
+    `rule_from` field gives (passed by the suite as `rule`, a typed kvcore.rules rule; None when that field is unset,
     with `unjudged_reason` saying so), else the configured threshold, else the check's
     default. With no rule the figure is stored as measured but not judged and the test skips.
     `context` says where the figure belongs (`concurrency`, `context_tokens`, `target`, …).
     """
 
-    def _verdict(label: str, metric: str, value: Any, rule: Optional[dict] = None,
+    def _verdict(label: str, metric: str, value: Any, rule: Optional[Rule] = None,
                  context: Optional[dict] = None, unjudged_reason: str = "", **options: Any) -> dict:
         check = check_of(gate_context.gate, metric)
         if check.configurable:
@@ -114,7 +114,7 @@ def verdict(gate_context: GateContext, request: pytest.FixtureRequest) -> Callab
                 gate_context.gate, _check_name(request), metric, label, reason,
                 value=_number_or_none(value), unit=options.get("unit", ""), context=dict(context or {})))
             pytest.skip(f"{label}: measured, not judged: {reason}")
-        result = judge(gate_context.gate, _check_name(request), label, value, parse_rule(rule), context=context,
+        result = judge(gate_context.gate, _check_name(request), label, value, rule, context=context,
                        **options)
         gate_context.store.add_verdict(result)
         if result.status != "PASS":

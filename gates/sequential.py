@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from kvcore.rules import Rule, parse_rule
+from kvcore.rules import Rule
 
 TAU2 = 10.0                 # the mixture's prior variance of the standardized effect (see the module's docstring)
 MIN_PAIRS_FOR_AN_INTERVAL = 3
@@ -75,12 +75,12 @@ def log_ratio_sequence(numerators: Sequence[float], denominators: Sequence[float
     return math.exp(mean), (math.exp(lo) if math.isfinite(lo) else 0.0, math.exp(hi) if math.isfinite(hi) else math.inf)
 
 
-def decides(rule: Rule | dict, interval: Optional[tuple[float, float]]) -> bool:
+def decides(rule: Rule, interval: Optional[tuple[float, float]]) -> bool:
     """Whether an interval already gives a verdict under `rule`: it lies wholly on one side of the edge that
     decides (a threshold's value, a band's minimum; above a band's maximum still passes)."""
     if interval is None:
         return False
-    return not parse_rule(rule).straddles(*interval)
+    return not rule.straddles(*interval)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 The config is validated against these tables (a threshold naming a metric its gate does not
 judge is a configuration error), and a gate judges only declared metrics. A check's rule is
-the gate's configured threshold for its metric, else its default here; with neither, the
+the gate's configured threshold for its metric, else its default here (a typed rule, kvcore/rules.py,
+made once at import like the config's thresholds at load); with neither, the
 figure is measured but not judged, and the report says so at the top of the gate's section.
 A check whose rule comes from another section of the config (`rule_from`) cannot be named
 in `thresholds`.
@@ -13,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from .rules import Band, Rule, Threshold
+
 Better = Literal["higher", "lower", "in band"]
 
 
@@ -22,7 +25,7 @@ class Check:
     meaning: str
     better: Better
     unit: str = ""
-    default: Optional[dict] = None       # the rule used when the gate's thresholds do not name the metric
+    default: Optional[Rule] = None       # the rule used when the gate's thresholds do not name the metric
     rule_from: Optional[str] = None      # the config field that sets the rule instead of thresholds
 
     @property
@@ -30,16 +33,16 @@ class Check:
         return self.rule_from is None
 
 
-def _at_least(metric: str, value: float) -> dict:
-    return {"metric": metric, "op": ">=", "value": value}
+def _at_least(metric: str, value: float) -> Threshold:
+    return Threshold(metric, ">=", value)
 
 
-def _at_most(metric: str, value: float) -> dict:
-    return {"metric": metric, "op": "<=", "value": value}
+def _at_most(metric: str, value: float) -> Threshold:
+    return Threshold(metric, "<=", value)
 
 
-def _exactly(metric: str, value: float) -> dict:
-    return {"metric": metric, "op": "==", "value": value}
+def _exactly(metric: str, value: float) -> Threshold:
+    return Threshold(metric, "==", value)
 
 
 G1_CHECKS = (
@@ -88,7 +91,7 @@ G2_CHECKS = (
           "and round", "higher", "%", default=_exactly("model_load_identical", 1.0)),
     Check("model_load_speedup_vs_baseline", "the best loader's cold load seconds on g2.model_load.baseline_path "
           "over the storage under test's, side by side", "in band", "×",
-          default={"metric": "model_load_speedup_vs_baseline", "min": 6.2, "max": 9.3}),
+          default=Band("model_load_speedup_vs_baseline", 6.2, 9.3)),
     Check("service_load_started", "server starts that loaded the weights and streamed a first token, every loader",
           "higher", "%", default=_exactly("service_load_started", 1.0)),
     Check("checkpoint_saves_complete", "saves that completed (every rank fsync'd, DCP's metadata written)", "higher",
@@ -107,10 +110,10 @@ G3_CHECKS = (
     Check("ttft_p50_reduction", "candidate's TTFT p50 reduction against the baseline, per level", "higher", "%",
           default=_at_least("ttft_p50_reduction", 0.25)),
     Check("throughput_gain", "candidate's output throughput gain over the baseline, per level", "in band", "%",
-          default={"metric": "throughput_gain", "min": 0.29, "max": 0.40}),
+          default=Band("throughput_gain", 0.29, 0.40)),
     Check("sustained_rate_gain", "gain in the highest trace-rate multiplier sustained within g3.ttft_slo_ms "
           "(replay: rate_multipliers)", "in band", "%",
-          default={"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}),
+          default=Band("sustained_rate_gain", 0.29, 0.40)),
     # per level, not over the sweep: errors only under the highest load must not average away over the lower
     # levels; the candidate's alone (the baseline's errors make its steps invalid, g3.max_error_share)
     Check("error_rate", "candidate's failed requests / its measured requests, per level", "lower", "%",

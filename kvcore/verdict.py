@@ -10,7 +10,7 @@ Percent figures are fractions (0.312 is shown as 31.2%).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
 
 from kvcore.percent import format_percent
 from kvcore.rules import Band, Rule, Threshold, parse_rule
@@ -74,7 +74,7 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def judge(gate: str, check: str, label: str, value: Optional[float], rule: Union[Rule, Mapping[str, Any]], *,
+def judge(gate: str, check: str, label: str, value: Optional[float], rule: Rule, *,
           unit: str = "", interval: Optional[tuple[float, float]] = None, valid: bool = True,
           invalid_reason: str = "", display: Optional[Callable[[float], str]] = None,
           context: Optional[Mapping[str, Any]] = None) -> Verdict:
@@ -84,9 +84,11 @@ def judge(gate: str, check: str, label: str, value: Optional[float], rule: Union
     the interval holds both a passing and a failing figure (a threshold; a band's min edge;
     straddling a band's max edge only adds a note). Otherwise PASS or FAIL from `value`.
     `display` formats a number with its unit; the default gives 3 significant digits and the
-    unit, or a percent when unit == "%" (values are fractions).
+    unit, or a percent when unit == "%" (values are fractions). `rule` is a parsed rule (TypeError otherwise):
+    rules are parsed once, at config load or in the check table, never again on the way to a verdict.
     """
-    rule = parse_rule(rule)
+    if not isinstance(rule, (Threshold, Band)):   # parsed once, where it is read: the config, the check table
+        raise TypeError(f"rule: expected a parsed rule (kvcore.rules.parse_rule), found {type(rule).__name__}")
     is_band = isinstance(rule, Band)
     fmt = _Format(unit, display, signed=is_band)
     if value is not None:

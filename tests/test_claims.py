@@ -6,12 +6,13 @@ from __future__ import annotations
 from kvcore.verdict import judge
 from kvcore.rundata import RunStore
 from kvcore.claims import DEFAULT_CLAIMS, MET, NOT_MEASURED, NOT_MET, Claim, claims_table
+from kvcore.rules import Band, Threshold
 
-RULES = {"ttft_p50_reduction": {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
-         "throughput_gain": {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
-         "disk_hit_ttft_vs_recompute": {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
-         "cold_read_vs_storage_best": {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
-         "checkpoint_write_vs_storage_best": {"metric": "checkpoint_write_vs_storage_best", "op": ">=", "value": 0.7}}
+RULES = {"ttft_p50_reduction": Threshold("ttft_p50_reduction", ">=", 0.25),
+         "throughput_gain": Band("throughput_gain", 0.29, 0.40),
+         "disk_hit_ttft_vs_recompute": Threshold("disk_hit_ttft_vs_recompute", "<=", 0.25),
+         "cold_read_vs_storage_best": Threshold("cold_read_vs_storage_best", ">=", 0.8),
+         "checkpoint_write_vs_storage_best": Threshold("checkpoint_write_vs_storage_best", ">=", 0.7)}
 
 
 def _claims() -> list[Claim]:

@@ -13,13 +13,14 @@ from gates.g2_baseline.cold_read import (MIN_PAIRS, FioRegions, Pair, Pairing, R
                                          disk_counters, measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.side_by_side import FasterOf
 from workloads.fio_sweep import FioShape
+from kvcore.rules import Threshold
 from kvcore.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
 from workloads.client import StreamingClient
 from workloads.faults import AdminClient
 from workloads.requests import WorkloadRequest
 
-RULE = {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8}
+RULE = Threshold("cold_read_vs_storage_best", ">=", 0.8)
 # what one fio job gave on this disk within minutes (GB/s): a single one of them decides nothing
 STORAGE = [1.3, 3.5, 2.1, 1.6, 2.9]
 # one 256-token block of the tiny preset's float32 KV: 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes

@@ -12,6 +12,7 @@ from gates.g2_baseline.model_load import (RANDOM_DIR, WARMUP_ROUNDS, best_loader
                                           median_phases, prepare_checkpoints)
 from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape, Pairing
 from gates.storage_best import StorageBest
+from kvcore.rules import Threshold
 from kvcore.stats import ratio_ci
 from cache_impl.safetensors_dir import CheckpointFormatError
 
@@ -31,7 +32,7 @@ def checkpoints(tmp_path_factory):
     prepared.close()
 
 
-RULE = {"metric": "model_load_vs_storage_best", "op": ">=", "value": 0.8}
+RULE = Threshold("model_load_vs_storage_best", ">=", 0.8)
 
 
 @needs_fio

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from kvcore.g3_analysis import level_figures, throughput_windows
+from kvcore.rules import Band, Threshold
 from kvcore.verdict import judge
 
-REDUCTION = {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25}
-GAIN = {"metric": "throughput_gain", "min": 0.29, "max": 0.40}
+REDUCTION = Threshold("ttft_p50_reduction", ">=", 0.25)
+GAIN = Band("throughput_gain", 0.29, 0.40)
 
 
 def _step(ttft_s: float, tokens_per_request: int, requests_per_s: float, seconds: float = 60, valid=True,

@@ -16,6 +16,7 @@ from gates.cli import main
 from gates.config import ConfigError, load_config
 from gates.g4_soak.analysis import drift, excluded_window_rows, fault_span, project_growth, windows_touched
 from kvcore.stats import mann_kendall
+from kvcore.rules import Threshold
 from kvcore.verdict import judge
 from kvcore.rundata import RunStore
 
@@ -77,7 +78,7 @@ def _judged(windows, faults, tolerance=0.05):
     """The drift verdict as the G4 suite gives it (gates/g4_soak/test_g4_soak.py)."""
     result = drift(windows, "output_tokens_per_s", "decreasing", excluded=windows_touched(windows, faults, WINDOW_S))
     verdict = judge("g4", "throughput", f"G4 decline in windowed throughput over the soak ({result.words('tokens/s')})",
-                    result.fraction, {"metric": "throughput_drift_fraction", "op": "<=", "value": tolerance},
+                    result.fraction, Threshold("throughput_drift_fraction", "<=", tolerance),
                     unit="%", interval=result.interval, valid=not result.invalid_reason,
                     invalid_reason=result.invalid_reason)
     return result, verdict
@@ -201,7 +202,7 @@ def _growth_verdict(windows, horizon_s, limit_mib=512.0):
     """The memory-growth verdict as the G4 suite gives it (gates/g4_soak/test_g4_soak.py)."""
     projection = project_growth(drift(windows, "rss_minus_cache_mib"), WINDOW_S, horizon_s)
     verdict = judge("g4", "memory", "G4 memory growth", projection.growth,
-                    {"metric": "memory_growth_mib", "op": "<=", "value": limit_mib}, unit="MiB",
+                    Threshold("memory_growth_mib", "<=", limit_mib), unit="MiB",
                     interval=projection.interval)
     return projection, verdict
 

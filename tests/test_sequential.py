@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gates.sequential import (TAU2, decides, log_ratio_sequence, sample_until_decided, t_confidence_sequence)
+from kvcore.rules import Band, Threshold
 
 
 def _martingale(values, mu, tau2=TAU2):
@@ -62,16 +63,16 @@ def test_a_ratio_sequence_is_the_geometric_mean_with_exp_ends():
 
 
 def test_an_interval_decides_a_threshold_only_wholly_on_one_side_and_a_band_by_its_minimum():
-    rule = {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25}
+    rule = Threshold("ttft_p50_reduction", ">=", 0.25)
     assert decides(rule, (0.3, 0.5)) and decides(rule, (0.0, 0.2))
     assert not decides(rule, (0.2, 0.3)) and not decides(rule, None)
-    band = {"metric": "throughput_gain", "min": 0.29, "max": 0.40}
+    band = Band("throughput_gain", 0.29, 0.40)
     assert decides(band, (0.5, 3.0)) and decides(band, (0.0, 0.1)) and decides(band, (0.3, 0.45))
     assert not decides(band, (0.2, 0.35))
 
 
 def test_sampling_stops_when_decided_at_the_most_allowed_or_when_the_budget_is_spent():
-    rule = {"metric": "x", "op": ">=", "value": 0.8}
+    rule = Threshold("x", ">=", 0.8)
     values = []
     now = [0.0]
 

@@ -11,11 +11,11 @@ from kvcore.verdict import Band, Threshold, Verdict, judge, parse_rule
 EPS = 1e-6
 
 
-def threshold(op: str, value: float = 10.0) -> dict:
-    return {"metric": "m", "op": op, "value": value}
+def threshold(op: str, value: float = 10.0) -> Threshold:
+    return Threshold("m", op, value)
 
 
-BAND = {"metric": "throughput_gain", "min": 0.29, "max": 0.40}
+BAND = Band("throughput_gain", 0.29, 0.40)
 
 
 def status(value, rule, **kwargs) -> str:
@@ -138,13 +138,13 @@ def test_nan_value_counts_as_no_measurement():
 
 def test_threshold_reason_matches_the_design_example_exactly():
     verdict = judge("g3", "ttft_c16", "G3 TTFT p50 reduction at c=16", 0.312,
-                    {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25}, unit="%", interval=(0.279, 0.340))
+                    Threshold("ttft_p50_reduction", ">=", 0.25), unit="%", interval=(0.279, 0.340))
     assert verdict.reason == "G3 TTFT p50 reduction at c=16: 31.2% [27.9, 34.0] ≥ 25% → PASS"
 
 
 def test_plain_unit_reason_uses_three_significant_digits():
     verdict = judge("g2", "cold_read", "G2 cold-read bandwidth", 1.2149,
-                    {"metric": "cold_read_gbps", "op": ">=", "value": 0.98}, unit="GB/s")
+                    Threshold("cold_read_gbps", ">=", 0.98), unit="GB/s")
     assert verdict.reason == "G2 cold-read bandwidth: 1.21 GB/s ≥ 0.98 GB/s → PASS"
 
 
@@ -177,8 +177,8 @@ def test_custom_display_formats_value_and_rule():
 # --- rules as data ---------------------------------------------------------------------------
 
 def test_parse_rule_builds_threshold_and_band():
-    assert parse_rule(threshold(">=", 5)) == Threshold(metric="m", op=">=", value=5.0)
-    assert parse_rule(BAND) == Band(metric="throughput_gain", min=0.29, max=0.40)
+    assert parse_rule({"metric": "m", "op": ">=", "value": 5}) == Threshold(metric="m", op=">=", value=5.0)
+    assert parse_rule({"metric": "throughput_gain", "min": 0.29, "max": 0.40}) == BAND
 
 
 @pytest.mark.parametrize("mapping, fragment", [
@@ -197,13 +197,13 @@ def test_parse_rule_names_what_was_expected_and_found(mapping, fragment):
 
 def test_parse_rule_rejects_an_unknown_op_naming_the_choices():
     with pytest.raises(ValueError, match=r"^op: expected one of >=, <=, >, <, ==, found '=>'"):
-        parse_rule(threshold("=>"))
+        parse_rule({"metric": "m", "op": "=>", "value": 10.0})
 
 
 @pytest.mark.parametrize("bad", ["25%", None, True, float("nan")])
 def test_parse_rule_rejects_a_non_numeric_value(bad):
     with pytest.raises(ValueError, match=r"^value: expected a finite number"):
-        parse_rule(threshold(">=", bad))
+        parse_rule({"metric": "m", "op": ">=", "value": bad})
 
 
 def test_band_with_min_above_max_names_the_field():
@@ -215,6 +215,11 @@ def test_judge_accepts_a_parsed_rule_and_records_its_dict_form():
     verdict = judge("g1", "c", "G1 x", 11.0, Threshold(metric="m", op=">=", value=10))
     assert verdict.metric == "m"
     assert verdict.rule == {"metric": "m", "op": ">=", "value": 10.0}
+
+
+def test_judge_refuses_a_rule_not_parsed_once_at_its_edge():
+    with pytest.raises(TypeError, match=r"^rule: expected a parsed rule \(kvcore.rules.parse_rule\), found dict"):
+        judge("g1", "c", "G1 x", 11.0, {"metric": "m", "op": ">=", "value": 10})
 
 
 # --- storage form ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gates.storage_best import BEST_READ, BEST_WRITE, sweep_storage
+from kvcore.rules import Threshold
 from workloads.fio import FioMatrix, run_matrix
 from workloads.inventory import capacity_of, collect_inventory
 
@@ -59,9 +60,9 @@ def _judge_inventory(gate_context, verdict, label, metric, value, field, op=">="
     expected = getattr(gate_context.config.inventory, field)
     rule = None
     if field == "rdma_required":
-        rule = {"metric": metric, "op": ">=", "value": 1} if expected else None
+        rule = Threshold(metric, ">=", 1) if expected else None
     elif expected is not None:
-        rule = {"metric": metric, "op": op, "value": expected}
+        rule = Threshold(metric, op, expected)
     verdict(label, metric, value, rule=rule, unit=unit,
             unjudged_reason=f"inventory.{field} is not in the expected inventory")
 

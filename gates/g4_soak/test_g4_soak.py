@@ -19,6 +19,7 @@ from engines import cache_admin, hit_reader
 from gates.g4_soak.analysis import drift, excluded_window_rows, fault_facts, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
+from kvcore.rules import Threshold
 from workloads.datasets import build_workload, sizer_for
 from workloads.errors import describe_errors, merge_error_summaries
 from workloads.faults import AdminClient, CacheAdmin
@@ -129,14 +130,14 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
                    window_start_s=w["start_s"], window=w["index"])
     tolerance = gate_context.config.g4.drift_tolerance
     verdict(f"G4 {label} over the soak ({result.words(unit)})", judged, result.fraction,
-            rule={"metric": judged, "op": "<=", "value": tolerance}, unit="%", interval=result.interval,
+            rule=Threshold(judged, "<=", tolerance), unit="%", interval=result.interval,
             valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
 
 
 def test_memory_growth_projected_over_the_horizon_stays_under_the_limit(gate_context, windows, fault_windows,
                                                                          record, verdict):
     config = gate_context.config.g4
-    rule = {"metric": "memory_growth_mib", "op": "<=", "value": config.memory_growth_limit_mib}
+    rule = Threshold("memory_growth_mib", "<=", config.memory_growth_limit_mib)
     result = drift(windows, "rss_minus_cache_mib", excluded=fault_windows)
     projection = project_growth(result, config.window_s, config.growth_horizon_s)
     if projection is None:
