@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal, Optional
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, ValidationError, field_validator
 
 from kvcore.settings import Count, ConfigError, StrictModel, format_validation_error, load_yaml_file, parse_size
+
+from .keys import KVLayout
 
 # 256 tokens per block: large enough that one block of a real model's KV is
 # a megabyte or more (large sequential I/O on the disk tier, few keys per
@@ -68,8 +71,6 @@ class RemoteTierConfig(StrictModel):
     @classmethod
     def from_url(cls, text: str) -> "RemoteTierConfig":
         """`redis://host:port/db`, or `mooncake://master-host:port?metadata=http://...&segment=256MiB`."""
-        from urllib.parse import parse_qs, urlsplit
-
         url = urlsplit(text)
         if url.scheme in ("redis", "rediss"):
             return cls(backend="redis", url=text)
@@ -115,6 +116,12 @@ class CacheConfig(StrictModel):
             return cls.model_validate(data)
         except ValidationError as error:
             raise ConfigError(format_validation_error(error, root)) from None
+
+    def layout(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> KVLayout:
+        """The KV layout of this cache's blocks for a model of these shapes: its block size is `block_size`, the
+        one place the block size is given (the engine, the vLLM connector and the benches derive theirs here,
+        so the cache's fingerprint and its block files always agree with it)."""
+        return KVLayout(num_layers, num_kv_heads, head_dim, dtype, self.block_size)
 
     def replace(self, **changes: Any) -> "CacheConfig":
         """A validated copy with some fields changed."""

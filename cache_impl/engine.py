@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config import CacheConfig, ConfigError, Count, StrictModel, format_validation_error, parse_size
-from .keys import Fingerprint, KVLayout
+from .keys import Fingerprint
 from .manager import TieredKVCache, resolve_device
 from .model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
 from .model_runner import ModelRunner
@@ -106,8 +106,8 @@ class Engine:
         args = self.model.args
         self.model_name = f"kvgate-{self.weights_load.preset}"
         self.max_context = args.max_seq_len
-        self.block_size = config.cache.block_size
-        self.layout = KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, "float32", self.block_size)
+        self.layout = config.cache.layout(args.n_layers, args.n_kv_heads, args.head_dim, "float32")
+        self.block_size = self.layout.block_size
         self.fingerprint = Fingerprint(weights_digest(self.model), self.tokenizer.id, self.layout)
         cache_config = config.cache_for_mode()
         self.cache = TieredKVCache(cache_config, self.fingerprint, self.device) if cache_config else None

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -48,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .keys import KVLayout, token_array
+from .keys import token_array
 from .manager import TieredKVCache
 from .vllm_kv import EXTRA, ConnectorSettings, LookupClient, LookupServer, Matched, PagedKV, RequestBook, StepPlan, \
     instance_fingerprint, lookup_address
@@ -137,11 +136,11 @@ class KvgateConnector(KVConnectorBase_V1):
         spec = group.kv_cache_spec
         layer_names = list(group.layer_names)
         dtype = str(spec.dtype).removeprefix("torch.")
-        layout = KVLayout(num_layers=len(layer_names), num_kv_heads=int(spec.num_kv_heads),
-                          head_dim=int(spec.head_size), dtype=dtype, block_size=self.block_size)
+        cache_config = self.settings.cache_config(self.block_size)       # vLLM's block size, given once
+        layout = cache_config.layout(len(layer_names), int(spec.num_kv_heads), int(spec.head_size), dtype)
         self.paged = PagedKV(kv_caches, layer_names, int(self._num_blocks), layout)
         fingerprint = instance_fingerprint(self.model, self.tokenizer, layout, self.paged.name(), self.settings)
-        self.cache = TieredKVCache(self.settings.cache_config(self.block_size), fingerprint, device=torch.device("cpu"))
+        self.cache = TieredKVCache(cache_config, fingerprint, device=torch.device("cpu"))
         self._lookup_server = LookupServer(self.address, fingerprint.digest, self.block_size, self.cache.lookup_keys)
         log.info("kvgate connector: tiers %s, fingerprint %s, vLLM KV %s", self.cache.tiers, fingerprint.hex,
                  self.paged.name())
@@ -155,6 +154,7 @@ class KvgateConnector(KVConnectorBase_V1):
         if not token:
             raise ValueError(f"{EXTRA}.admin_port: expected the admin token in ${settings.admin_token_env} "
                              f"(the sidecar's admin routes refuse requests without it), found it unset")
+        # deferred: the sidecar's server stack (fastapi, uvicorn) only when an admin port is set
         from .connector_sidecar import ConnectorOwner, Sidecar, sidecar_app
 
         app = sidecar_app(ConnectorOwner(self.cache, self.tokenizer), token, self.counters.families)

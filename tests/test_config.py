@@ -39,6 +39,14 @@ def test_block_size_must_match_the_kv_layout(fingerprint):
         TieredKVCache(CacheConfig.from_dict({"block_size": 256, "device": "cpu"}), fingerprint)
 
 
+def test_the_kv_layout_takes_its_block_size_from_the_cache_config_the_one_place_it_is_given(fingerprint):
+    config = CacheConfig.from_dict({"block_size": 4, "device": "cpu"})
+    layout = config.layout(fingerprint.layout.num_layers, fingerprint.layout.num_kv_heads,
+                           fingerprint.layout.head_dim, fingerprint.layout.dtype)
+    assert layout == fingerprint.layout and layout.block_size == 4
+    assert CacheConfig.from_dict({"block_size": 128}).layout(2, 2, 8, "float32").block_shape == (2, 2, 2, 128, 8)
+
+
 def test_defaults_are_valid_and_documented():
     config = CacheConfig.from_dict(None)
     assert config.block_size == 256 and config.write_policy == "write-through" and config.disk is None
