@@ -150,13 +150,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from .template import TEMPLATE
+    from .template import render_template
 
     if args.file.exists() and not args.force:
         print(f"kvgate init: {args.file} exists (use --force to overwrite)", file=sys.stderr)
         return 2
     try:
-        args.file.write_text(TEMPLATE)
+        args.file.write_text(render_template())
     except OSError as error:
         raise ConfigError(f"file: expected a path kvgate can write, found {str(args.file)!r}: "
                           f"{error.strerror or error}") from None

@@ -2,7 +2,7 @@
 
 Validated once at the edge: an unknown key or a bad value raises ConfigError
 naming the field path, what was expected and what was found (the CLI exits 2).
-A profile (`quick` or `full`) supplies defaults under the file's own values.
+A profile (`quick` or `full`: gates/profiles/*.yaml) supplies defaults under the file's own values.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 from urllib.parse import urlsplit
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
@@ -79,6 +79,9 @@ Positive = Annotated[Count, Field(ge=1)]
 
 
 FULL_SOAK_S = 72 * 3600  # the full profile's soak: the memory growth of every soak is projected this far
+PROFILES_DIR = Path(__file__).with_name("profiles")   # quick.yaml, full.yaml: each profile's defaults
+ProfileName = Literal["quick", "full"]
+PROFILE_NAMES: tuple[str, ...] = get_args(ProfileName)
 
 
 class TargetSettings(StrictModel):
@@ -777,7 +780,7 @@ class SizingConfig(StrictModel):
 
 
 class GatesConfig(StrictModel):
-    profile: Literal["quick", "full"] = "quick"
+    profile: ProfileName = "quick"
     aa: bool = Field(default=False, description=(
         "A/A mode (`kvgate run --aa`): the candidate against itself, so nothing differs (G2: the storage's best "
         "job on both sides of each pair); the run reports how many intervals excluded the null (the harness's own "
@@ -842,123 +845,11 @@ class GatesConfig(StrictModel):
         return "sha256:" + hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
-_MULTI_ROUND = {"kind": "multi_round_qa", "users": 16, "rounds": 4, "system_prompt_tokens": 256,
-                "document_tokens": 1536, "question_tokens": 32, "answer_tokens": 64, "output_tokens": 16}
-
-# the no-reuse controls: offload may cost at most 5% in TTFT p50 and throughput (judged in the full profile only:
-# kvcore/checks.py NO_REUSE_CHECKS says why)
-_NO_REUSE_THRESHOLDS = ({"metric": "no_reuse_ttft_cost", "op": "<=", "value": 0.05},
-                        {"metric": "no_reuse_throughput_cost", "op": "<=", "value": 0.05})
-
-# the vendor's model-load and checkpoint claims: loader >= 0.8 of the storage's best read, 6.2-9.3x over NFS
-# ("R9"); checkpoint write >= 0.7 of the storage's best fsync'd write, 1.9x over the baseline ("R1"); the speedups run only with a baseline path
-_G2_STORAGE_THRESHOLDS = (
-    {"metric": "model_load_vs_storage_best", "op": ">=", "value": 0.8},
-    {"metric": "model_load_speedup_vs_baseline", "min": 6.2, "max": 9.3},
-    {"metric": "checkpoint_write_vs_storage_best", "op": ">=", "value": 0.7},
-    {"metric": "checkpoint_speedup_vs_baseline", "op": ">=", "value": 1.9},
-)
-
-PROFILES: dict[str, dict] = {
-    "quick": {
-        "inventory": {"min_cpu_cores": 1, "min_memory_gib": 1, "min_free_gib": 2},
-        # the storage sweep: 1 and 16 MiB reads at queue depth 32 (libaio, io_uring where there is one) and
-        # buffered, 1 and 4 jobs, and 4 fsync'd writes, each point at most 1 s (~25 s on a 2-core VM)
-        "fio": {"size": "256M", "runtime_s": 2, "verify_size": "32M", "sweep": {
-            "read_bs": ["1M", "16M"], "iodepths": [32], "numjobs": [1, 4], "write_bs": ["1M", "16M"],
-            "write_numjobs": [4], "size": "512M", "runtime_s": 1}},
-        "g1": {"thresholds": [
-            {"metric": "seq_read_gbps", "op": ">=", "value": 0.1},
-            {"metric": "seq_write_gbps", "op": ">=", "value": 0.05},
-            {"metric": "rand_read_iops", "op": ">=", "value": 1000},
-            {"metric": "rand_write_iops", "op": ">=", "value": 500},
-            {"metric": "rand_read_p99_ms", "op": "<=", "value": 50},
-        ]},
-        # cold read: pairs of 4 prefixes of 8k tokens (~124 MiB per side with the small preset; 2 prefixes left
-        # the ratio's spread at 0.11 in logs), the 2 sets stored once: a pair reloads one (~2 s, where storing
-        # fresh prefixes each pair took 9 s), so the budget holds the 10-20 pairs that decide
-        # model load: 512 MiB (4 shards) read by safetensors (engines' default) and the Run:ai streamer (the best loader
-        # here); fastsafetensors, slower here, is the full profile's third (a minute of the quick budget is all
-        # G2's model load and checkpoint get); a round of both loaders takes ~3 s here and the pairs' log ratios
-        # spread by 0.15-0.25, so 6-12 rounds decide
-        # pairs are sequential: at least the minimum, then until the interval decides, the maximum or the budget
-        "g2": {"contexts": [1024, 4096, 8192], "rounds": 2, "cold_read_prefixes": 4, "cold_read_sets": 2,
-               "cold_read_pairs": {"min": 5, "max": 24, "budget_s": 45},
-               "model_load": {"loaders": ["safetensors", "runai_streamer"], "size": "512MiB", "shard_size": "128MiB",
-                              "rounds": {"min": 3, "max": 12, "budget_s": 30}},
-               "checkpoint": {"rounds": {"min": 3, "max": 6, "budget_s": 30}}, "no_reuse": {"pairs": 8},
-               "thresholds": [
-            {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
-            {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
-            *_G2_STORAGE_THRESHOLDS,
-        ]},
-        # per level 3-5 pairs of 8-s blocks (baseline, candidate, ABBA...; each 11-13 s with locust's start) and
-        # one recompute block; no pair starts after 70 s at a level (3 pairs take 70-80 s): G3 measured 382 s
-        # with priming and the no-reuse control; G2 measures model loading and checkpoints too, within 10 minutes.
-        # 3 requests a block: the baseline completes 3-7 in a block at c=4-8 here (the pairs' interval holds
-        # the noise of a p50 of few)
-        # the no-reuse control: one 10-s step per target at c=4
-        "g3": {"workload": _MULTI_ROUND, "levels": [2, 4, 8], "duration_s": 7, "warmup_s": 2,
-               "min_blocks": 3, "max_blocks": 5, "level_budget_s": 60, "min_requests": 3,
-               "no_reuse": {"duration_s": 10, "warmup_s": 3}, "thresholds": [
-            {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
-            {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
-            {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40},
-        ]},
-        # two minutes tell gross drift only: 25% over the soak (the full profile holds it to 5%), and memory
-        # growth over the soak's own duration (a slope from a few 10-s windows carried to 72 h is noise)
-        "g4": {"workload": _MULTI_ROUND, "duration_s": 120, "window_s": 10, "warmup_s": 10, "drift_tolerance": 0.25,
-               "memory_growth_horizon_s": None,
-               "concurrency": 4, "faults": [
-            {"kind": "flip_byte", "at_s": 12}, {"kind": "read_error", "at_s": 30, "duration_s": 5},
-        ], "thresholds": [
-            {"metric": "error_rate", "op": "<=", "value": 0.001},
-            {"metric": "probe_identical_fraction", "op": ">=", "value": 1.0},
-            {"metric": "faults_handled_fraction", "op": "==", "value": 1.0},
-        ]},
-    },
-    "full": {
-        "fio": {"size": "16G", "runtime_s": 60, "numjobs": 4, "iodepth": 32, "verify_size": "4G"},
-        "g1": {"thresholds": [
-            {"metric": "seq_read_gbps", "op": ">=", "value": 5.0},
-            {"metric": "seq_write_gbps", "op": ">=", "value": 2.0},
-            {"metric": "rand_read_iops", "op": ">=", "value": 500000},
-            {"metric": "rand_write_iops", "op": ">=", "value": 200000},
-            {"metric": "rand_read_p99_ms", "op": "<=", "value": 2},
-        ]},
-        # model load: a 70B model's bf16 weights (the vendor's 1399 -> 150 s model); checkpoint: the vendor's
-        # 8-rank 32B job with its whole training state (~450 GB at 14 bytes per parameter)
-        "g2": {"contexts": [8192, 32768, 131072], "rounds": 5,
-               "cold_read_pairs": {"min": 5, "max": 30, "budget_s": 900},
-               "model_load": {"size": "141GB", "shard_size": "5GB", "rounds": {"min": 5, "max": 15, "budget_s": 3600}},
-               "checkpoint": {"ranks": 8, "parameters": "32B", "thread_count": 4,
-                              "rounds": {"min": 5, "max": 10, "budget_s": 7200}},
-               "no_reuse": {"pairs": 30},
-               "thresholds": [
-            {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
-            {"metric": "disk_hit_ttft_vs_recompute", "op": "<=", "value": 0.25},
-            *_G2_STORAGE_THRESHOLDS, *_NO_REUSE_THRESHOLDS,
-        ]},
-        "g3": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "levels": [4, 8, 16, 32, 64],
-               "duration_s": 150, "warmup_s": 30, "min_blocks": 3, "max_blocks": 8, "level_budget_s": 3600,
-               "min_requests": 50, "thresholds": [
-                   {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
-                   {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
-                   {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}, *_NO_REUSE_THRESHOLDS,
-               ]},
-        "g4": {"workload": {**_MULTI_ROUND, "users": 64, "document_tokens": 16384}, "duration_s": FULL_SOAK_S,
-               "window_s": 300, "warmup_s": 900, "concurrency": 32, "faults": [
-                   {"kind": "flip_byte", "at_s": 3600}, {"kind": "swap", "at_s": 4 * 3600},
-                   {"kind": "read_error", "at_s": 8 * 3600, "duration_s": 60},
-                   {"kind": "disk_full", "at_s": 12 * 3600, "duration_s": 60},
-                   {"kind": "slow_disk", "at_s": 16 * 3600, "duration_s": 600, "delay_ms": 20},
-               ], "thresholds": [
-                   {"metric": "error_rate", "op": "<=", "value": 0.001},
-                   {"metric": "probe_identical_fraction", "op": ">=", "value": 1.0},
-                   {"metric": "faults_handled_fraction", "op": "==", "value": 1.0},
-               ]},
-    },
-}
+def profile_defaults(name: str) -> dict:
+    """A profile's defaults, as data: gates/profiles/<name>.yaml, read through kvcore's one YAML loader."""
+    if name not in PROFILE_NAMES:
+        raise ConfigError(f"profile: expected one of {sorted(PROFILE_NAMES)}, found {name!r}")
+    return load_yaml_mapping(PROFILES_DIR / f"{name}.yaml", f"gates/profiles/{name}.yaml")
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -983,9 +874,7 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
         data = load_yaml_mapping(path, str(path))
     data = {key: value for key, value in data.items() if value is not None}  # an empty section: its defaults
     chosen = profile or data.get("profile") or "quick"
-    if chosen not in PROFILES:
-        raise ConfigError(f"profile: expected one of {sorted(PROFILES)}, found {chosen!r}")
-    merged = _merge(PROFILES[chosen], {**data, "profile": chosen})
+    merged = _merge(profile_defaults(chosen), {**data, "profile": chosen})
     external = isinstance(merged.get("targets"), dict) and merged["targets"].get("kind") == "external"
     if external and "faults" not in (data.get("g4") if isinstance(data.get("g4"), dict) else {}):
         merged["g4"]["faults"] = []  # the profile's fault schedule is for the embedded candidate

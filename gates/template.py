@@ -1,28 +1,45 @@
-"""The commented gates.yaml that `kvgate init` writes (a test checks it loads and matches the quick profile)."""
+"""The commented gates.yaml that `kvgate init` writes: the quick profile's values filled into an annotated layer.
 
-TEMPLATE = """\
+`ANNOTATED` holds the keys and what they mean, never a value: a line `key:` with no key under it takes
+the value at its path, from the quick profile (gates/profiles/quick.yaml) or, for a key the profile leaves
+out, from the validated configuration's default. A list of mappings (thresholds, faults) is written whole,
+in the profile's order; a line `- name  # comment` under it only gives the item whose first value is
+`name` (a threshold's metric, a fault's kind) its comment. The claims sheet is kvcore's DEFAULT_CLAIMS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+from kvcore.claims import DEFAULT_CLAIMS
+
+from .config import StorageConfig, load_config, profile_defaults
+
+ANNOTATED = """\
 # kvgate gates.yaml: what to test, against what, and what counts as passing.
 # Every key is optional: a missing key takes the profile's default. A typo is an
 # error (exit 2), never a silent default. Run: kvgate run --config gates.yaml
 
 # quick: the embedded default, all gates in minutes on a small machine.
 # full: a real joint test (G4 soaks for 72 hours).
-profile: quick
-aa: false                         # A/A (kvgate run --aa): each subject against itself, counting false decisions
+profile:
+aa:                               # A/A (kvgate run --aa): each subject against itself, counting false decisions
 
 targets:
   # embedded: kvgate starts its own servers (recompute, device-only baseline, tiered candidate).
   # external: give the endpoints below; API keys are read from the named environment variables.
-  kind: embedded
+  kind:
   embedded:
-    preset: small                 # tiny | small | base (model size)
-    seed: 0                       # weights seed
-    max_running: 8                # requests decoding at once per server
-    device_capacity_blocks: 64    # device tier, both cached modes (256-token blocks)
-    host_capacity: 1GiB           # host DRAM tier of the tiered candidate
-    disk_capacity: 8GiB           # disk tier of the tiered candidate, under storage.path
-    disk_io_mode: direct          # O_DIRECT reads (buffered: through the page cache)
-    disk_read_workers: 16         # parallel block reads, the tier's queue depth
+    preset:                       # tiny | small | base (model size)
+    seed:                         # weights seed
+    max_running:                  # requests decoding at once per server
+    device_capacity_blocks:       # device tier, both cached modes (256-token blocks)
+    host_capacity:                # host DRAM tier of the tiered candidate
+    disk_capacity:                # disk tier of the tiered candidate, under storage.path
+    disk_io_mode:                 # O_DIRECT reads (buffered: through the page cache)
+    disk_read_workers:            # parallel block reads, the tier's queue depth
   # baseline:  {url: "http://10.0.0.5:8000/v1", model: my-model, api_key_env: BASELINE_KEY}
   # candidate: {url: "http://10.0.0.6:8000/v1", model: my-model, api_key_env: CANDIDATE_KEY}
   # recompute: {url: "http://10.0.0.7:8000/v1", model: my-model}   # optional no-reuse reference
@@ -54,190 +71,142 @@ targets:
   #   #   prompt_tokens: {metric: my_engine_prompt_tokens_total}
 
 storage:
-  path: kvgate-storage            # the storage under test: fio runs here, the disk tier lives here
+  path:                           # the storage under test: fio runs here, the disk tier lives here
 
 inventory:                        # G1: what the order says; leave a key out to skip its check
-  min_cpu_cores: 1
-  min_memory_gib: 1
-  min_free_gib: 2                 # free space at storage.path
+  min_cpu_cores:
+  min_memory_gib:
+  min_free_gib:                   # free space at storage.path
   # min_gpus: 8
   # min_nics: 2
   # rdma_required: true
 
 fio:                              # G1 fio matrix: seq read/write 1 MiB, random read/write 4 KiB, mixed 70/30
-  size: 256M
-  runtime_s: 2
-  iodepth: 16
-  numjobs: 1
-  direct: true
-  ioengine: libaio
-  verify: true                    # crc32c write + verify pass
-  verify_size: 32M
+  size:
+  runtime_s:
+  iodepth:
+  numjobs:
+  direct:
+  ioengine:
+  verify:                         # crc32c write + verify pass
+  verify_size:
   sweep:                          # G1's storage sweep: the storage's best read and fsync'd write, G2's yardstick
-    read_bs: [1M, 16M]            # request sizes of the sequential read points
-    iodepths: [32]                 # queue depths of the direct read points (libaio, io_uring)
-    numjobs: [1, 4]               # parallel jobs (buffered reads: psync jobs, depth 1)
-    modes: [direct, buffered]     # buffered reads drop the pages first (invalidate=1)
-    ioengines: [libaio, io_uring] # one the host lacks is probed and left out
-    write_bs: [1M, 16M]           # fsync'd sequential writes (end_fsync=1)
-    write_numjobs: [4]
-    write_modes: [direct, buffered]
-    size: 512M                    # bytes per point
-    runtime_s: 1                  # at most, per point
+    read_bs:                      # request sizes of the sequential read points
+    iodepths:                     # queue depths of the direct read points (libaio, io_uring)
+    numjobs:                      # parallel jobs (buffered reads: psync jobs, depth 1)
+    modes:                        # buffered reads drop the pages first (invalidate=1)
+    ioengines:                    # one the host lacks is probed and left out
+    write_bs:                     # fsync'd sequential writes (end_fsync=1)
+    write_numjobs:
+    write_modes:
+    size:                         # bytes per point
+    runtime_s:                    # at most, per point
 
 g1:
   thresholds:                     # {metric, op, value} or a band {metric, min, max}
-    - {metric: seq_read_gbps, op: ">=", value: 0.1}
-    - {metric: seq_write_gbps, op: ">=", value: 0.05}
-    - {metric: rand_read_iops, op: ">=", value: 1000}
-    - {metric: rand_write_iops, op: ">=", value: 500}
-    - {metric: rand_read_p99_ms, op: "<=", value: 50}
 
 g2:
-  contexts: [1024, 4096, 8192]    # tokens; one request at a time
-  rounds: 2
+  contexts:                       # tokens; one request at a time
+  rounds:
   cold_read_pairs:                # pairs of the tier's cold load and the storage's best read job, until decided
-    min: 5                        # always taken (at least 3); a plain number n: exactly n pairs
-    max: 24                       # the most when the interval does not decide
-    budget_s: 45                  # no pair started after this
-  cold_read_prefixes: 4           # longest-context prefixes each tier round loads cold (more bytes per pair)
-  cold_read_sets: 2               # prefix sets stored at the first pair; pair i reloads set i mod sets
+    min:                          # always taken (at least 3); a plain number n: exactly n pairs
+    max:                          # the most when the interval does not decide
+    budget_s:                     # no pair started after this
+  cold_read_prefixes:             # longest-context prefixes each tier round loads cold (more bytes per pair)
+  cold_read_sets:                 # prefix sets stored at the first pair; pair i reloads set i mod sets
   model_load:                     # model service loading on the storage under test
-    enabled: true
+    enabled:
     # path: /models/DeepSeek-R1-Distill-Llama-70B   # an existing safetensors model (read only, never written)
-    size: 512MiB                  # without path: a random checkpoint this big is written under storage.path
-    shard_size: 128MiB
-    loaders: [safetensors, runai_streamer]   # each read cold beside the best read job on the same files
+    size:                         # without path: a random checkpoint this big is written under storage.path
+    shard_size:
+    loaders:                                 # each read cold beside the best read job on the same files
                                              # (also: fastsafetensors)
-    parallel: 16                  # read threads of the streaming loaders
-    rounds: {min: 3, max: 12, budget_s: 30}  # after a warm-up round, until the best loader decides
+    parallel:                     # read threads of the streaming loaders
+    rounds:                                  # after a warm-up round, until the best loader decides
     # baseline_path: /mnt/nfs/kvgate   # the storage to compare with (e.g. NFS): the speedup check runs
-    service: true                 # embedded: `kvgate serve --weights` per loader, process start to first token
+    service:                      # embedded: `kvgate serve --weights` per loader, process start to first token
     # launch: "vllm serve /models/x --load-format runai_streamer"   # external: the engine's own start,
     # health_url: http://127.0.0.1:8000/health                      # timed to ready and first token
   checkpoint:                     # checkpoint saving: torch.distributed.checkpoint, model + optimizer state
-    enabled: true
-    ranks: 2                      # processes on the gloo backend; the slowest rank's time counts
-    parameters: 20000000          # 280 MB of state; or 8B, 70B, 405B, 1T (MLPerf Storage), 32B, adapter
-    bytes_per_parameter: 14       # bf16 weights + fp32 master weights + Adam's two moments
-    thread_count: 1               # write threads per rank
-    rounds: {min: 3, max: 6, budget_s: 30}   # saves beside the best fsync'd write job (after two warm-ups)
-    restores: 3                   # cold restores, checked bit for bit
+    enabled:
+    ranks:                        # processes on the gloo backend; the slowest rank's time counts
+    parameters:                   # 280 MB of state; or 8B, 70B, 405B, 1T (MLPerf Storage), 32B, adapter
+    bytes_per_parameter:          # bf16 weights + fp32 master weights + Adam's two moments
+    thread_count:                 # write threads per rank
+    rounds:                                  # saves beside the best fsync'd write job (after two warm-ups)
+    restores:                     # cold restores, checked bit for bit
     # baseline_path: /mnt/nfs/kvgate-ckpt
   no_reuse:                       # the no-reuse control: unique prompts, tiered candidate beside the baseline
-    enabled: true
-    context_tokens: 2048
-    max_tokens: 32
-    pairs: 8                      # alternating pairs: no_reuse_ttft_cost, no_reuse_throughput_cost (judged when
+    enabled:
+    context_tokens:
+    max_tokens:
+    pairs:                        # alternating pairs: no_reuse_ttft_cost, no_reuse_throughput_cost (judged when
                                   # in thresholds, as the full profile has them: <= 5%)
   thresholds:
-    - {metric: cold_read_vs_storage_best, op: ">=", value: 0.8}            # vs the storage's best read, side by side
-    - {metric: disk_hit_ttft_vs_recompute, op: "<=", value: 0.25}  # at the longest context
-    - {metric: model_load_vs_storage_best, op: ">=", value: 0.8}           # the best loader vs the best read job, same files
-    - {metric: model_load_speedup_vs_baseline, min: 6.2, max: 9.3}  # needs model_load.baseline_path
-    - {metric: checkpoint_write_vs_storage_best, op: ">=", value: 0.7}     # vs the best fsync'd write job, side by side
-    - {metric: checkpoint_speedup_vs_baseline, op: ">=", value: 1.9}  # needs checkpoint.baseline_path
+    - cold_read_vs_storage_best  # vs the storage's best read, side by side
+    - disk_hit_ttft_vs_recompute  # at the longest context
+    - model_load_vs_storage_best  # the best loader vs the best read job, same files
+    - model_load_speedup_vs_baseline  # needs model_load.baseline_path
+    - checkpoint_write_vs_storage_best  # vs the best fsync'd write job, side by side
+    - checkpoint_speedup_vs_baseline  # needs checkpoint.baseline_path
 
 g3:
   workload:                       # see workloads/specs/ for every kind
-    kind: multi_round_qa
-    users: 16
-    rounds: 4
-    system_prompt_tokens: 256
-    document_tokens: 1536
-    question_tokens: 32
-    answer_tokens: 64
-    output_tokens: 16
   # A trace (kind: trace, path: your JSONL file or `kvgate run --trace FILE`, warmup_requests: N):
   # see workloads/specs/trace.yaml. replay: closed_loop sends its requests in order at each
   # concurrency; rate_multipliers replays its arrival times at each multiple of its rate (open loop)
   # and judges the highest one each target sustains with TTFT p90 <= ttft_slo_ms.
-  replay: closed_loop             # closed_loop: levels are concurrencies | rate_multipliers (traces)
-  levels: [2, 4, 8]               # concurrency sweep (rate_multipliers: e.g. [1, 2, 4])
+  replay:                         # closed_loop: levels are concurrencies | rate_multipliers (traces)
+  levels:                         # concurrency sweep (rate_multipliers: e.g. [1, 2, 4])
   # ttft_slo_ms: 2000             # rate_multipliers: the TTFT objective a sustained rate meets
   # each level: pairs of short blocks, baseline and candidate in turn (ABBA...), until the interval over
   # the pairs decides every rule of the level (anytime-valid), or max_blocks, or level_budget_s
-  duration_s: 7                   # seconds per block
-  warmup_s: 2                     # left out of each block, from its first request
-  min_blocks: 3                   # blocks per target per level, at least (>= 3)
-  max_blocks: 5                   # at most
-  level_budget_s: 60              # no further pair starts after this many seconds at a level (optional)
-  min_requests: 3                 # completed requests a block needs to be valid
-  max_error_share: 0.01           # a block whose measured requests failed more than this is invalid
-  prime: true                     # send each target every session's first turn (a trace: its warm-up) first
+  duration_s:                     # seconds per block
+  warmup_s:                       # left out of each block, from its first request
+  min_blocks:                     # blocks per target per level, at least (>= 3)
+  max_blocks:                     # at most
+  level_budget_s:                 # no further pair starts after this many seconds at a level (optional)
+  min_requests:                   # completed requests a block needs to be valid
+  max_error_share:                # a block whose measured requests failed more than this is invalid
+  prime:                          # send each target every session's first turn (a trace: its warm-up) first
   no_reuse:                       # the no-reuse control: prompts that share no prefix, one level, unprimed
-    enabled: true
-    level: 4                      # its concurrency: no_reuse_ttft_cost, no_reuse_throughput_cost (judged when
+    enabled:
+    level:                        # its concurrency: no_reuse_ttft_cost, no_reuse_throughput_cost (judged when
                                   # in thresholds, as the full profile has them: <= 5%)
-    duration_s: 10                # per target (default: duration_s)
-    warmup_s: 3
+    duration_s:                   # per target (default: duration_s)
+    warmup_s:
     # workload: {kind: random, requests: 1000, input_tokens: {distribution: uniform, min: 512, max: 2048}}
   thresholds:
-    - {metric: ttft_p50_reduction, op: ">=", value: 0.25}
-    - {metric: throughput_gain, min: 0.29, max: 0.40}   # below: FAIL; above: PASS with a note
-    - {metric: sustained_rate_gain, min: 0.29, max: 0.40}   # rate_multipliers: in place of throughput_gain
+    - throughput_gain  # below: FAIL; above: PASS with a note
+    - sustained_rate_gain  # rate_multipliers: in place of throughput_gain
     # error_rate (the candidate's failed share, per level) is judged by its default, <= 0.01
 
 g4:
   workload:
-    kind: multi_round_qa
-    users: 16
-    rounds: 4
-    system_prompt_tokens: 256
-    document_tokens: 1536
-    question_tokens: 32
-    answer_tokens: 64
-    output_tokens: 16
-  duration_s: 120
-  window_s: 10
-  warmup_s: 10                    # first seconds left out of the drift checks (caches filling)
-  concurrency: 4
-  memory_growth_limit_mib: 512    # most growth of server memory outside the cache pools over the horizon:
-  memory_growth_horizon_s: null   # the memory slope projected this far (default 259200: 72 h, the full
+  duration_s:
+  window_s:
+  warmup_s:                       # first seconds left out of the drift checks (caches filling)
+  concurrency:
+  memory_growth_limit_mib:        # most growth of server memory outside the cache pools over the horizon:
+  memory_growth_horizon_s:        # the memory slope projected this far (default 259200: 72 h, the full
                                   # profile's soak; null: duration_s, as two minutes tell gross growth only)
-  drift_tolerance: 0.25           # largest trend over the soak (fraction of the level) in TTFT p99, throughput,
+  drift_tolerance:                # largest trend over the soak (fraction of the level) in TTFT p99, throughput,
                                   # memory; two minutes tell gross drift only (full profile: 0.05)
-  max_error_share: 0.01           # a window whose requests failed more than this is left out of the drift checks
+  max_error_share:                # a window whose requests failed more than this is left out of the drift checks
   faults:                         # injected into the embedded candidate during the soak ([] for none)
     # stored-block faults (flip_byte, truncate, delete, swap) damage a disk block of the first probe's
     # prompt; I/O faults (read_error, write_error, disk_full, slow_disk + delay_ms) stay armed duration_s
-    - {kind: flip_byte, at_s: 12}
-    - {kind: read_error, at_s: 30, duration_s: 5}
   thresholds:
-    - {metric: error_rate, op: "<=", value: 0.001}
-    - {metric: probe_identical_fraction, op: ">=", value: 1.0}
-    - {metric: faults_handled_fraction, op: "==", value: 1.0}   # detected, answers unchanged, recovered
-"""
+    - faults_handled_fraction  # detected, answers unchanged, recovered
 
-
-def _claims_section() -> str:
-    """The claims sheet with the seed playbook's figures, one flow mapping per claim (kvcore/claims.py)."""
-    import json
-
-    from kvcore.claims import DEFAULT_CLAIMS
-
-    lines = ["",
-             "# The vendor's claims, each set beside what the run measured (and what `kvgate plan` predicts):",
-             "# met at or above `min` (above a band's `max`: met, with a note), not met below it, or not measured",
-             "# with the reason (e.g. no baseline path). `metric` is a figure its `gate` records; `read`: last, min",
-             "# or max over the gate's levels, median, or inverse (1/x: a speed-up from a TTFT ratio).",
-             "claims:"]
-    for claim in DEFAULT_CLAIMS:
-        fields = ", ".join(f"{key}: {json.dumps(value, ensure_ascii=False)}" for key, value in claim.items()
-                           if value not in ("", None))
-        lines.append(f"  - {{{fields}}}")
-    return "\n".join(lines) + "\n"
-
-
-TEMPLATE += """
 # The sizing model (kvgate plan): before each gate, its figures predicted from the config and what the
 # gates before it measured, shown and recorded; at the end, set beside what each gate measured.
 sizing:
-  calibration: null               # constants from an earlier run (kvgate plan --calibrate RUN_DIR): predicts
+  calibration:                    # constants from an earlier run (kvgate plan --calibrate RUN_DIR): predicts
                                   # G2 and G3 before G2 runs; null: from G2's own measurements onward
-  runs: 5                         # G3 runs simulated per level, each its own draw of the machine's step noise
-  hit_ratio_points: 0.05          # the model's tolerances (informational, never a gate):
-  figure_mape: 0.15               # hit ratios within 5 points, TTFT / throughput within 15%
+  runs:                           # G3 runs simulated per level, each its own draw of the machine's step noise
+  hit_ratio_points:               # the model's tolerances (informational, never a gate):
+  figure_mape:                    # hit ratios within 5 points, TTFT / throughput within 15%
   # What the plan needs of an external target (kind: external), which no endpoint tells; for the embedded
   # one it reads targets.embedded, and a field given here replaces what it reads there.
   # target:
@@ -255,4 +224,142 @@ sizing:
   # A recompute curve from FLOPs where no run or calibration gives one (a plan before any test):
   # roofline: {device_tflops: 400, params: 8.03B, attention_dim: 4096}   # achievable TFLOP/s, heads x head dim
 """
-TEMPLATE += _claims_section()
+
+CLAIMS_HEADER = """
+# The vendor's claims, each set beside what the run measured (and what `kvgate plan` predicts):
+# met at or above `min` (above a band's `max`: met, with a note), not met below it, or not measured
+# with the reason (e.g. no baseline path). `metric` is a figure its `gate` records; `read`: last, min
+# or max over the gate's levels, median, or inverse (1/x: a speed-up from a TTFT ratio).
+claims:
+"""
+
+_KEY = re.compile(r"^(?P<indent> *)(?P<key>[a-z_0-9]+):(?P<pad> *)(?P<comment>#.*)?$")
+_ITEM = re.compile(r"^ *- (?P<name>[a-z_0-9.-]+)(?: +(?P<comment>#.*))?$")
+_PLAIN = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_./ -]*$")
+_LONG_FLOW = 60   # a mapping whose flow form is longer is written as a block (a workload)
+
+
+def render_template() -> str:
+    """The template's text: the annotated layer filled with the quick profile's values, then the claims sheet."""
+    validated = load_config(profile="quick").model_dump(mode="json")
+    # the storage path is made absolute when validated; the template keeps the default as written
+    validated["storage"]["path"] = str(StorageConfig.model_fields["path"].default)
+    return fill(ANNOTATED, profile_defaults("quick"), validated) + _claims_section()
+
+
+def fill(annotated: str, profile: dict, validated: dict) -> str:
+    """Each value-less key of `annotated` given its value: `profile`'s where it has the path, else `validated`'s."""
+    out: list[str] = []
+    path: list[str] = []
+    pending: Optional[_Items] = None
+    lines = annotated.splitlines()
+    for number, line in enumerate(lines):
+        key = _KEY.match(line)
+        if pending is not None:
+            if line.strip().startswith("#") and not pending.comments:   # a comment on the list, before its items
+                out.append(line)
+                continue
+            if pending.takes(line):
+                continue
+            out += pending.lines()
+            pending = None
+        if key is None:
+            out.append(line)
+            continue
+        indent = len(key["indent"])
+        path = path[: indent // 2] + [key["key"]]
+        if _opens_section(lines, number, indent):
+            out.append(line)
+            continue
+        value = _value(path, profile, validated)
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            out.append(line)
+            pending = _Items(path, value, indent + 2)
+        elif isinstance(value, dict) and len(_flow(value)) > _LONG_FLOW:
+            out.append(line)
+            out += [f"{' ' * (indent + 2)}{name}: {_flow(item)}" for name, item in value.items()]
+        else:
+            out.append(_commented(f"{key['indent']}{key['key']}: {_flow(value)}", line, key["comment"]))
+    if pending is not None:
+        out += pending.lines()
+    return "\n".join(out) + "\n"
+
+
+class _Items:
+    """A list of mappings being written: the comments its `- name` lines give, the lines that follow them."""
+
+    def __init__(self, path: list[str], items: list[dict], indent: int) -> None:
+        self.path, self.items, self.indent = path, items, indent
+        self.comments: dict[str, str] = {}
+        self.after: list[str] = []
+
+    def takes(self, line: str) -> bool:
+        """Whether `line` still belongs to the list (an item's comment, or a comment line among or after them)."""
+        item = _ITEM.match(line)
+        if item:
+            self.comments[item["name"]] = item["comment"] or ""
+            return True
+        if line.strip().startswith("#") and self.comments:
+            self.after.append(line)
+            return True
+        return False
+
+    def lines(self) -> list[str]:
+        names = [str(next(iter(item.values()))) for item in self.items]
+        unknown = sorted(set(self.comments) - set(names))
+        if unknown:
+            raise KeyError(f"{'.'.join(self.path)}: the template comments on {unknown}, which the profile lacks")
+        written = []
+        for name, item in zip(names, self.items):
+            comment = self.comments.get(name)
+            written.append(f"{' ' * self.indent}- {_flow(item)}" + (f"  {comment}" if comment else ""))
+        return written + self.after
+
+
+def _opens_section(lines: list[str], number: int, indent: int) -> bool:
+    """Whether the key on line `number` has keys of its own below it (the next line that is not a comment)."""
+    for line in lines[number + 1:]:
+        if line.strip() and not line.strip().startswith("#"):
+            key = _KEY.match(line) or re.match(r"^(?P<indent> *)[a-z_0-9]+: ", line)
+            return bool(key) and len(key["indent"]) > indent
+    return False
+
+
+def _value(path: list[str], profile: dict, validated: dict) -> Any:
+    for source in (profile, validated):
+        value: Any = source
+        for key in path:
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:   # a default validated as a float from a whole number (512) is written as one
+            return int(value) if source is validated and isinstance(value, float) and value.is_integer() else value
+    raise KeyError(f"{'.'.join(path)}: in the template but not in the configuration")
+
+
+def _flow(value: Any) -> str:
+    """YAML's flow form as a person writes it: [1M, 16M], {min: 3, max: 12}, \">=\", null."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_flow(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_flow(item) for item in value) + "]"
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, str) and not _PLAIN.match(value):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def _commented(text: str, annotated: str, comment: Optional[str]) -> str:
+    """`text` with the annotated line's comment, at its column where there is room."""
+    if not comment:
+        return text
+    column = annotated.index(comment)
+    return (text.ljust(column) if len(text) < column else text + " ") + comment
+
+
+def _claims_section() -> str:
+    """The claims sheet with the seed playbook's figures, one flow mapping per claim (kvcore/claims.py)."""
+    lines = [f"  - {{{', '.join(f'{key}: {json.dumps(value, ensure_ascii=False)}' for key, value in claim.items() if value not in ('', None))}}}"
+             for claim in DEFAULT_CLAIMS]
+    return CLAIMS_HEADER + "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ from cache_impl.config import ConfigError
 from gates.cli import main
 from gates.config import load_config
 from gates.run import GateRunner, gate_status
-from gates.template import TEMPLATE
+from gates.template import render_template
 
 
 def _config_file(tmp_path: Path, data) -> Path:
@@ -150,7 +150,7 @@ def test_profiles_supply_defaults_under_the_files_values(tmp_path):
 def test_kvgate_init_writes_a_template_that_loads_as_the_quick_profile_and_never_overwrites(tmp_path, capsys):
     target = tmp_path / "gates.yaml"
     assert main(["init", str(target)]) == 0
-    assert target.read_text() == TEMPLATE and "#" in TEMPLATE
+    assert target.read_text() == render_template() and "#" in target.read_text()
     assert load_config(target).model_dump() == load_config(None, "quick").model_dump()
     assert main(["init", str(target)]) == 2
     assert "exists" in capsys.readouterr().err

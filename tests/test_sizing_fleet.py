@@ -218,13 +218,13 @@ def _fleet_config(tmp_path, **g3):
     """Two nodes on a pool with the single-node workload and tiers given explicitly (16 sessions on 2 nodes:
     each stays on its node unless turns are answered out of order; the fleet's own defaults, which move
     every conversation across nodes, are gates/fleet.py's and tested there)."""
-    from gates.config import PROFILES
+    from gates.config import profile_defaults
 
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump({
         "targets": {"embedded": {"candidate_nodes": 2, "pool": "redis", "device_capacity_blocks": 64,
                                  "host_capacity": "1GiB", "disk_capacity": "8GiB"}},
-        "g3": {"workload": PROFILES["quick"]["g3"]["workload"], "levels": [2], "duration_s": 12, "warmup_s": 2,
+        "g3": {"workload": profile_defaults("quick")["g3"]["workload"], "levels": [2], "duration_s": 12, "warmup_s": 2,
                **g3}}))
     return load_config(path)
 

@@ -18,7 +18,7 @@ from cache_impl import integrity
 from cache_impl.config import CacheConfig
 from cache_impl.keys import block_keys
 from cache_impl.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
-from gates.config import PROFILES
+from gates.config import profile_defaults
 from sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
 from sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
                                     trace_block_keys, workload_block_keys)
@@ -213,7 +213,7 @@ def test_tier_capacities_mirror_the_caches_levels():
 
 
 def test_workload_keys_are_the_embedded_engines_block_keys():
-    spec = PROFILES["quick"]["g3"]["workload"]          # 16 users x 4 rounds, system 256, document 1536, ...
+    spec = profile_defaults("quick")["g3"]["workload"]          # 16 users x 4 rounds, system 256, document 1536, ...
     keyed = workload_block_keys(spec)
     workload = build_workload(spec, ByteSizer(), 0)
     order = load_order(workload)

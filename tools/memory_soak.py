@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from cache_impl.auth import ADMIN_TOKEN_ENV
-from gates.config import PROFILES
+from gates.config import profile_defaults
 from gates.g4_soak.soak import server_figures
 from workloads.datasets import build_workload, sizer_for
 from workloads.faults import AdminClient
@@ -57,7 +57,7 @@ def main() -> int:
     root = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(root)
-        g4 = PROFILES["quick"]["g4"]
+        g4 = profile_defaults("quick")["g4"]
         workload = build_workload(g4["workload"], sizer_for("kvgate-byte-v1"), seed=4)
         target = Target("candidate", root + "/v1", "kvgate-small")
         duration = args.minutes * 60

@@ -1,0 +1,80 @@
+"""The profiles are data (gates/profiles/quick.yaml, full.yaml) and `kvgate init`'s template is written from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gates.config import PROFILE_NAMES, load_config, profile_defaults
+from gates.template import fill, render_template
+from kvcore.settings import ConfigError
+
+# each profile's validated configuration as it was when the profiles were Python dicts in gates/config.py
+# (storage.path as given, before it is made absolute); a deliberate change to a profile updates this file
+VALIDATED = Path(__file__).with_name("data") / "profiles_validated.json"
+
+
+@pytest.mark.parametrize("name", PROFILE_NAMES)
+def test_each_profile_validates_to_the_configuration_it_gave_as_python(name):
+    validated = load_config(profile=name).model_dump(mode="json")
+    assert validated["storage"]["path"] == str(Path("kvgate-storage").absolute())
+    validated["storage"]["path"] = "kvgate-storage"
+    assert json.loads(json.dumps(validated)) == json.loads(VALIDATED.read_text())[name]
+
+
+def test_an_unknown_profile_names_the_field_and_the_profiles_there_are():
+    with pytest.raises(ConfigError, match=r"^profile: expected one of \['full', 'quick'\], found 'medium'$"):
+        profile_defaults("medium")
+
+
+def _leaves(value, path=()):
+    """(path, value) of every scalar, scalar list and list of mappings below `value`."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    else:
+        yield path, value
+
+
+def _at(value, path):
+    for key in path:
+        value = value[key]
+    return value
+
+
+def test_every_value_in_the_template_equals_the_quick_profiles():
+    template = yaml.safe_load(render_template())
+    validated = load_config(profile="quick").model_dump(mode="json")
+    compared = 0
+    for path, value in _leaves({k: v for k, v in template.items() if k != "claims"}):
+        expected = _at(validated, path)
+        if path == ("storage", "path"):
+            assert str(Path(value).absolute()) == expected
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            assert len(value) == len(expected), path
+            for item, full in zip(value, expected):     # the profile's items, with the defaults validation fills in
+                assert {key: full[key] for key in item} == item, path
+        else:
+            assert value == expected, path
+        compared += 1
+    assert compared > 100
+    assert template["claims"] == [{k: v for k, v in c.items() if v not in ("", None)}
+                                  for c in validated["claims"]]
+
+
+def test_the_template_writes_the_profiles_lists_in_order_and_comments_the_items_it_names():
+    text = fill("g3:\n  thresholds:\n    - throughput_gain  # below: FAIL\n",
+                {"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
+                                       {"metric": "throughput_gain", "min": 0.29, "max": 0.4}]}}, {})
+    assert text == ('g3:\n  thresholds:\n    - {metric: ttft_p50_reduction, op: ">=", value: 0.25}\n'
+                    "    - {metric: throughput_gain, min: 0.29, max: 0.4}  # below: FAIL\n")
+
+
+def test_a_template_key_the_configuration_lacks_is_an_error_naming_its_path():
+    with pytest.raises(KeyError, match="g3.no_such_key: in the template but not in the configuration"):
+        fill("g3:\n  levels:\n  no_such_key:       # a typo\n", {"g3": {"levels": [2]}}, {})
+    with pytest.raises(KeyError, match=r"g1.thresholds: the template comments on \['gone'\], which the profile lacks"):
+        fill("g1:\n  thresholds:\n    - gone  # a metric no longer judged\n", {"g1": {"thresholds": [{"metric": "x"}]}}, {})
