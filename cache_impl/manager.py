@@ -4,7 +4,7 @@ The cache is a list of levels, top-down: device, host DRAM, disk, and a pool sha
 nodes, each present when configured. It talks to each tier only through the tier protocol
 (`cache_impl.tiers.base`); which level holds what, and what may be evicted, is
 `cache_impl.placement`'s; lower tiers are written in the background by
-`cache_impl.writeback`; fault injection wraps the disk tier (`cache_impl.faultpoints`).
+`cache_impl.writeback`; I/O faults armed in `faults` hook into the disk tier (`cache_impl.faults`).
 
 One lock guards the metadata; bytes move outside it, protected by pins:
 - a load pins its blocks while it copies them into the caller's memory, so they stay put;
@@ -33,7 +33,7 @@ from . import integrity
 from .buffers import aligned_empty
 from .config import CacheConfig, ConfigError
 from .disk_room import DiskRoom
-from .faultpoints import FaultInjectingTier, FaultPoints
+from .faults import FaultPoints
 from .keys import Fingerprint, Key, block_keys
 from .lru import LRUAccount
 from .metrics import TierMetrics
@@ -113,9 +113,10 @@ class TieredKVCache:
         self.layout = fingerprint.layout
         self.device = device or resolve_device(config.device)
         self._lock = threading.Condition(threading.RLock())
-        self.faults = FaultPoints()  # nothing armed unless a test or the admin route arms it
         self.levels = self._build_levels()
         self._by_name = {level.name: level for level in self.levels}
+        # Nothing armed unless a test or the admin route arms it; only then does the disk tier call its hooks.
+        self.faults = FaultPoints(self._by_name["disk"].tier if "disk" in self._by_name else None)
         self.placement = Placement(self.levels)
         self.reindex_removed = 0
         for level in self.levels:
@@ -133,7 +134,7 @@ class TieredKVCache:
             host = HostTier(layout, config.host_capacity_bytes, pin_memory=self.device.type == "cuda")
             tiers.append((host, host.num_slots * layout.block_nbytes, through or not tiers, False, 0))
         if config.disk is not None:
-            disk = FaultInjectingTier(DiskTier(config.disk, self.fingerprint), self.faults)
+            disk = DiskTier(config.disk, self.fingerprint)
             tiers.append((disk, config.disk.capacity_bytes, through, True, config.disk.min_free_bytes))
         if config.remote is not None:  # published at once, whatever the policy: other nodes may need it
             remote = RemoteTier(config.remote, self.fingerprint)

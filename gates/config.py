@@ -25,7 +25,7 @@ from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, C
                              format_validation_error, load_yaml_mapping, parse_size)
 from workloads.datasets import check_trace, load_spec
 from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
-from workloads.faults import BLOCK_FAULTS, IO_FAULTS
+from cache_impl.faults import BLOCK_FAULTS, IO_FAULTS
 from kvcore.loader_names import LOADERS
 from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 

@@ -7,10 +7,10 @@ import xxhash
 from cache_impl import integrity
 from cache_impl.buffers import aligned_empty, byte_spans
 from cache_impl.config import DiskTierConfig
+from cache_impl.faults import flip_byte, truncate
 from cache_impl.keys import Fingerprint, KVLayout
 from cache_impl.tiers.base import write_block
 from cache_impl.tiers.disk import DiskTier
-from workloads.faults import flip_byte, truncate
 
 # A block's innermost run (block_size * head_dim * 4 bytes) is 4 KiB here: O_DIRECT can read into a view.
 ALIGNED = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=16)

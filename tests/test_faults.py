@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from cache_impl.auth import ADMIN_TOKEN_HEADER
+from cache_impl.faults import BLOCK_FAULTS, EXPECTED_REASON
 from tests.servers import ADMIN_TOKEN, Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
-from workloads.faults import (BLOCK_FAULTS, EXPECTED_REASON, AdminClient, counter, damage_prompt_blocks,
-                              detection_counts, kill_and_restart)
+from workloads.faults import AdminClient, counter, damage_prompt_blocks, detection_counts, kill_and_restart
 
 BLOCK = 256
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cache_impl import blockfiles, integrity
+from cache_impl.faults import delete, flip_byte, truncate
 from cache_impl.tiers.base import write_block
 from tests.blocks import BLOCK, blocks_for, files_below, plant_links_and_strays
-from workloads.faults import delete, flip_byte, truncate
 
 
 def _disk_only(make_cache, **settings):

@@ -9,11 +9,11 @@ import pytest
 import yaml
 
 from cache_impl import blockfiles, integrity
+from cache_impl.faults import damage_block
 from cache_impl.scrub import scrub
 from gates.cli import main
 from tests.blocks import BLOCK, blocks_for, files_below, plant_links_and_strays
 from tests.servers import REPO
-from workloads.faults import damage_block
 
 
 @pytest.fixture

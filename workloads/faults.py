@@ -1,21 +1,18 @@
-"""Fault injectors for the embedded target, and the admin client they act through.
+"""The client side of fault injection: it drives the faults `cache_impl.faults` defines into a running
+server, through the admin routes, and the admin client it acts through.
 
-- Stored blocks (files of the disk tier): flip a payload byte, truncate, delete,
-  or replace with another block's bytes (a valid file with the wrong key).
-- Disk I/O (armed in the server's disk tier through /admin/faults): disk full
-  (ENOSPC), I/O errors on read or write, a slow disk.
+- Stored blocks: the disk block files a prompt uses (asked of /admin/cache/locate, so a test or a
+  soak damages exactly the blocks a request is about to load) are damaged in place
+  (`cache_impl.faults.damage_block`) and the upper tiers evicted, so the next request meets them.
+- Disk I/O: armed in the server's disk tier through /admin/faults (`AdminClient.arm`, `clear`).
 - `kill -9` of a server and its restart with the same command line, so it
   re-indexes the same directories.
-
-Which blocks a prompt uses comes from the server (/admin/cache/locate), so a
-test or a soak damages exactly the blocks a request is about to load.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -27,71 +24,11 @@ from typing import Callable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_impl import integrity
 from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from cache_impl.faultpoints import KINDS as IO_FAULTS
+from cache_impl.faults import damage_block
 
 from .processes import die_with_parent
 from .target_json import BadResponse, json_object, optional_count, optional_text, required_list, required_text
-
-BLOCK_FAULTS = ("flip_byte", "truncate", "delete", "swap")
-PROCESS_FAULTS = ("kill_restart",)
-ALL_FAULTS = BLOCK_FAULTS + IO_FAULTS + PROCESS_FAULTS
-# What the cache reports when it meets each damaged block (kvgate_cache_corrupt_blocks{reason}).
-EXPECTED_REASON = {"flip_byte": integrity.BAD_CHECKSUM, "truncate": integrity.SHORT_READ,
-                   "delete": integrity.MISSING, "swap": integrity.WRONG_KEY}
-
-
-# -- stored blocks -------------------------------------------------------------------
-
-
-def flip_byte(path: Path, offset: Optional[int] = None) -> int:
-    """Invert one byte of the payload (default: its middle), in place; returns the file offset."""
-    with open(path, "r+b") as f:
-        if offset is None:
-            payload = integrity.stored_payload_nbytes(f.read(integrity.HEADER_BYTES)) or 0
-            offset = integrity.HEADER_BYTES + payload // 2
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return offset
-
-
-def truncate(path: Path, keep: Optional[int] = None) -> int:
-    """Cut the file (default: to half its size), as a torn write would; returns the new size."""
-    keep = os.path.getsize(path) // 2 if keep is None else keep
-    os.truncate(path, keep)
-    return keep
-
-
-def delete(path: Path) -> None:
-    os.unlink(path)
-
-
-def swap(path: Path, donor: Path) -> None:
-    """Replace the block with another block's whole file: checksums hold, the key inside is wrong."""
-    temp = path.with_name(path.name + ".swap")
-    shutil.copyfile(donor, temp)
-    os.replace(temp, path)
-
-
-def damage_block(kind: str, path: Path, donor: Optional[Path] = None) -> dict:
-    """Apply one stored-block fault; a description of what was done."""
-    if kind == "flip_byte":
-        return {"kind": kind, "path": str(path), "offset": flip_byte(path)}
-    if kind == "truncate":
-        return {"kind": kind, "path": str(path), "size": truncate(path)}
-    if kind == "delete":
-        delete(path)
-        return {"kind": kind, "path": str(path)}
-    if kind == "swap":
-        if donor is None:
-            raise ValueError("swap: needs a donor block file")
-        swap(path, donor)
-        return {"kind": kind, "path": str(path), "donor": str(donor)}
-    raise ValueError(f"kind: expected one of {', '.join(BLOCK_FAULTS)}, found {kind!r}")
-
 
 # -- the server's admin routes ---------------------------------------------------------
 

@@ -13,7 +13,8 @@ innermost dim that is strided) it goes through an aligned per-thread staging buf
 read (see `cache_impl.integrity`). `io_mode: auto` picks buffered or O_DIRECT at start by
 timing both on this storage (`cache_impl.tiers.disk_probe`): which is faster depends on
 the storage and on the block size (measured on the development VM: O_DIRECT about twice
-buffered at 1 MiB blocks, buffered about twice O_DIRECT at 64 MiB).
+buffered at 1 MiB blocks, buffered about twice O_DIRECT at 64 MiB). While an I/O fault is armed
+(`cache_impl.faults`), `faults` holds the hooks a publish and a batch of reads call first; else None.
 
 Measured before keeping this layout (figures in the commit that made this read path): a
 prototype appending a prefix's blocks to one file, read in large coalesced requests, was
@@ -34,6 +35,7 @@ import torch
 from .. import blockfiles, buffers, integrity
 from ..config import DiskTierConfig
 from ..disk_room import check_reserve, filesystem_room
+from ..faults import FaultPoints
 from ..keys import Fingerprint, Key
 from .base import Discovered, cpu_bytes
 from .disk_probe import IoProbe, probe_io_mode
@@ -42,6 +44,7 @@ from .disk_probe import IoProbe, probe_io_mode
 class DiskTier:
     name = "disk"
     accounted = True
+    faults: Optional[FaultPoints] = None  # set by FaultPoints while a fault is armed
 
     def __init__(self, config: DiskTierConfig, fingerprint: Fingerprint) -> None:
         self.config = config
@@ -84,7 +87,10 @@ class DiskTier:
         return self._dir.stage(key, [header, payload, self._padding], fsync=self.config.fsync)
 
     def commit(self, staged: blockfiles.StagedFile) -> None:
-        """Publish a staged block (an atomic rename)."""
+        """Publish a staged block (an atomic rename); an armed fault may raise first (the writer then aborts it)."""
+        faults = self.faults
+        if faults is not None:
+            faults.before_publish()
         self._dir.publish(staged)
 
     def abort(self, staged: blockfiles.StagedFile) -> None:
@@ -98,6 +104,12 @@ class DiskTier:
         An out may be any tensor of the block's shape, a strided view included (a block of a
         request's KV); a refused block leaves its out's contents unspecified.
         """
+        faults = self.faults
+        if faults is not None:
+            try:
+                faults.before_read(len(keys))
+            except OSError:
+                return [integrity.IO_ERROR] * len(keys)
         reasons: list[Optional[str]] = [None] * len(keys)
         pending = iter(range(len(keys)))  # shared by the workers: each takes the next block when it is done
 

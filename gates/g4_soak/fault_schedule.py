@@ -19,10 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+from cache_impl.faults import BLOCK_FAULTS
 from gates.config import FaultSpec
 from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl
 from workloads.client import StreamingClient
-from workloads.faults import BLOCK_FAULTS, CacheAdmin, damage_prompt_blocks, detection_counts
+from workloads.faults import CacheAdmin, damage_prompt_blocks, detection_counts
 from workloads.load import Target
 from workloads.requests import WorkloadRequest
 
