@@ -43,7 +43,8 @@ class Endpoint:
     nodes: tuple[str, ...] = ()  # several nodes serving this role (base URLs, the first is `url`)
     routing: str = "round-robin"
     tokenizer: Optional[str] = None   # its tokenizer id when kvgate knows it (prompts sized in its tokens)
-    cache_dir: Optional[str] = None   # embedded: the first node's disk-tier directory (on this host)
+    cache_dir: Optional[str] = None   # the first node's disk-tier directory when on this host (embedded: its
+                                      # NodePlan.cache_dir; external: targets.<role>.cache_dir)
 
     @classmethod
     def from_settings(cls, role: str, settings: TargetSettings) -> "Endpoint":
