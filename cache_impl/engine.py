@@ -9,7 +9,7 @@ generating, so long prefills never stall running decodes. Requests join and leav
 - `scheduler.py`: which requests run next (admission, cancel, the step's batch): decisions, no tensors;
 - `model_runner.py`: forward passes, sampling and the KV buffers (`kvbuffers.py`) they run in;
 - `prefix_cache.py`: a sequence's KV loaded from and stored to the tiered cache;
-- `requests.py`, `sequence.py`: what a caller asks and is answered, and a running request's state.
+- `generation.py`, `sequence.py`: what a caller asks and is answered, and a running request's state.
 Greedy output is bit-for-bit the same in every cache mode (see `model_runner.py`).
 """
 
@@ -26,12 +26,12 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config import CacheConfig, ConfigError, Count, StrictModel, format_validation_error, parse_size
 from .engine_loop import EngineLoop
+from .generation import FinishEvent, Generation, GenerationRequest, QueueFullError, TokenEvent
 from .keys import Fingerprint
 from .manager import TieredKVCache, resolve_device
 from .model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
-from .requests import FinishEvent, Generation, GenerationRequest, QueueFullError, TokenEvent
 from .scheduler import Scheduler
 from .tokenizer import ByteTokenizer
 from .weights import WeightsLoad, load_weights, seeded_weights

@@ -15,9 +15,9 @@ from typing import Callable, Optional
 
 import torch
 
+from .generation import FinishEvent, GenerationRequest, TokenEvent
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
-from .requests import FinishEvent, GenerationRequest, TokenEvent
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import ByteTokenizer

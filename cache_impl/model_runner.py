@@ -15,11 +15,11 @@ from typing import Any, Optional
 import torch
 
 from .buffers import aligned_empty
+from .generation import GenerationRequest
 from .heap import HeapTrimmer
 from .keys import token_array
 from .kvbuffers import KVBuffers
 from .model import Transformer
-from .requests import GenerationRequest
 from .sequence import Sequence
 from .tokenizer import GENERATABLE
 

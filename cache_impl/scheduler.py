@@ -16,7 +16,7 @@ import collections
 import threading
 from typing import Optional
 
-from .requests import GenerationRequest, QueueFullError
+from .generation import GenerationRequest, QueueFullError
 from .sequence import Sequence
 
 

@@ -10,8 +10,8 @@ import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from .generation import GenerationRequest
 from .keys import token_array
-from .requests import GenerationRequest
 
 if TYPE_CHECKING:
     import torch

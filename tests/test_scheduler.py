@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from cache_impl.requests import GenerationRequest, QueueFullError
+from cache_impl.generation import GenerationRequest, QueueFullError
 from cache_impl.scheduler import Scheduler
 from cache_impl.sequence import Sequence
 
