@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from .auth import ADMIN_TOKEN_HEADER, secret_matches
+from .faults import FAULT_LIMITS
 from .http_body import JsonBody
 from .protocol import ApiError, ChatCompletionRequest, chat_tokens, parse_request
 
@@ -55,9 +56,6 @@ class EngineOwner:
             chat = parse_request(ChatCompletionRequest, {"model": engine.model_name, "messages": body["messages"]})
             return chat_tokens(engine.tokenizer, chat.messages)
         raise ApiError(400, "expected a JSON object with 'prompt' (a string) or 'messages' (a list)", param="prompt")
-
-# A fault outlives no soak (a day) and slows a read by at most a minute: 1e308 s is a typo, not a test.
-FAULT_LIMITS = {"duration_s": 86400, "delay_ms": 60000}
 
 
 def add_admin_routes(app: FastAPI, owner: CacheOwner, token: str, read_json: JsonBody) -> None:

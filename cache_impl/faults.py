@@ -36,6 +36,8 @@ BLOCK_FAULTS = ("flip_byte", "truncate", "delete", "swap")
 # What the cache reports when it meets each damaged block (kvgate_cache_corrupt_blocks{reason}).
 EXPECTED_REASON = {"flip_byte": integrity.BAD_CHECKSUM, "truncate": integrity.SHORT_READ,
                    "delete": integrity.MISSING, "swap": integrity.WRONG_KEY}
+# A fault outlives no soak (a day) and slows a read by at most a minute: 1e308 s is a typo, not a test.
+FAULT_LIMITS = {"duration_s": 86400, "delay_ms": 60000}
 
 
 # -- I/O faults: armed state and the tier's hooks ----------------------------------------

@@ -25,7 +25,7 @@ from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, C
                              format_validation_error, load_yaml_mapping, parse_size)
 from workloads.datasets import check_trace, load_spec
 from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
-from cache_impl.faults import BLOCK_FAULTS, IO_FAULTS
+from cache_impl.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
 from kvcore.loader_names import LOADERS
 from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 
@@ -629,8 +629,10 @@ class FaultSpec(StrictModel):
 
     kind: Literal[SCHEDULED_FAULTS]
     at_s: Float = Field(ge=0, description="seconds after the soak's start")
-    duration_s: Float = Field(default=10, gt=0, description="I/O faults: how long the fault stays armed")
-    delay_ms: Float = Field(default=50, gt=0, description="slow_disk: added delay per block read or write")
+    duration_s: Float = Field(default=10, gt=0, le=FAULT_LIMITS["duration_s"],
+                              description="I/O faults: how long the fault stays armed")
+    delay_ms: Float = Field(default=50, gt=0, le=FAULT_LIMITS["delay_ms"],
+                            description="slow_disk: added delay per block read or write")
 
 
 class G4Config(StrictModel):

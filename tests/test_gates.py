@@ -49,6 +49,11 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g4": {"duration_s": 20}}, "g4: expected every fault's at_s < duration_s (20), found faults[1].at_s"),
     ({"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 0}]}},
      "g4.faults[0].delay_ms: expected a value > 0.0, found 0"),
+    # what the server's /admin/faults would refuse mid-soak is refused at load
+    ({"g4": {"faults": [{"kind": "read_error", "at_s": 3, "duration_s": 1e9}]}},
+     "g4.faults[0].duration_s: expected a value <= 86400.0, found 1000000000.0"),
+    ({"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 600000}]}},
+     "g4.faults[0].delay_ms: expected a value <= 60000.0, found 600000"),
     ("- just\n- a list\n", "expected a mapping at the top level, found list"),
     ("g1: [unclosed\n", "expected valid YAML"),
     # a threshold naming a metric its gate does not judge (issue 12, 1.1)
