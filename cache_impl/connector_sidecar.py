@@ -15,9 +15,11 @@ import os
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from tokenizers import Tokenizer
 
 from .admin import add_admin_routes
 from .http_body import JsonBody
@@ -61,7 +63,6 @@ class ConnectorOwner:
             if not os.path.isfile(path):
                 raise ApiError(409, f"no tokenizer.json in {self._tokenizer_dir!r}: send prompt_token_ids",
                                code="no_tokenizer")
-            from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(path)
         return self._tokenizer.encode(text).ids
@@ -92,8 +93,6 @@ class Sidecar:
     """uvicorn serving `sidecar_app` on a daemon thread of vLLM's engine process."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        import uvicorn
-
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     lifespan="off"))
         self.server.install_signal_handlers = lambda: None  # vLLM owns the process's signals

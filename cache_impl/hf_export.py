@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .model import ModelArgs, Transformer, build_model
 from .tokenizer import ASSISTANT, BOS, END, EOS, GENERATABLE, SPECIALS, SYSTEM, USER
@@ -74,8 +75,6 @@ def llama_tensors(model: Transformer) -> dict[str, torch.Tensor]:
 def byte_tokenizer_json() -> str:
     """kvgate's byte tokenizer as a `tokenizers` Tokenizer: byte b is id b, the specials 256-261, a leading
     <|bos|> when special tokens are added (as ByteTokenizer.encode does)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()          # the 256 printable stand-ins of the bytes
     stand_in = _bytes_to_unicode()
     if sorted(stand_in.values()) != sorted(alphabet):
@@ -107,7 +106,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def export_hf(directory: Path, preset: str, seed: int, dtype: str = "float32", overwrite: bool = False) -> Path:
     """Write the seeded model (`build_model(preset, seed)`) and the byte tokenizer as a Llama directory."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: safetensors.torch imports torch
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {dtype!r}")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import array
 import hashlib
-import sys
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -54,7 +54,7 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> "torch.dtype":
-        import torch
+        import torch  # deferred: torch, for the one caller that hands in tensors; keys stay torch-free
 
         return getattr(torch, self.dtype)
 

@@ -89,7 +89,7 @@ class LoadResult:
 
 
 def torch_dtype(code: str) -> "torch.dtype":
-    import torch
+    import torch  # deferred: torch (seconds); this module is read by configs too
 
     return getattr(torch, TORCH_DTYPES[code])
 
@@ -97,7 +97,7 @@ def torch_dtype(code: str) -> "torch.dtype":
 def allocate_destinations(checkpoint: SafetensorsDir, device: Union[str, "torch.device"]) -> dict[str, "torch.Tensor"]:
     """One tensor per checkpoint tensor on `device`, written once so its memory exists before a timed load
     (an engine's parameters are allocated and placed before it loads them)."""
-    import torch
+    import torch  # deferred: torch (seconds); this module is read by configs too
 
     return {name: torch.zeros(entry.shape, dtype=torch_dtype(entry.dtype), device=device)
             for name, entry in checkpoint.tensors.items()}
@@ -174,7 +174,7 @@ class _PhaseClock:
 
 def _synchronize(tensors: dict[str, "torch.Tensor"]) -> None:
     """Copies to a GPU are asynchronous: the load is done when they are."""
-    import torch
+    import torch  # deferred: torch (seconds); this module is read by configs too
 
     first = next(iter(tensors.values()), None)
     if first is not None and first.device.type == "cuda":
@@ -182,6 +182,7 @@ def _synchronize(tensors: dict[str, "torch.Tensor"]) -> None:
 
 
 def _load_safetensors(checkpoint: SafetensorsDir, destinations: dict, clock: _PhaseClock, _: int) -> dict[str, str]:
+    # deferred: each loader's package only when it loads (loader_unavailable says which are missing)
     from safetensors import safe_open
 
     with contextlib.ExitStack() as stack:
@@ -198,6 +199,7 @@ def _load_safetensors(checkpoint: SafetensorsDir, destinations: dict, clock: _Ph
 
 def _load_runai_streamer(checkpoint: SafetensorsDir, destinations: dict, clock: _PhaseClock,
                          concurrency: int) -> dict[str, str]:
+    # deferred: each loader's package only when it loads (loader_unavailable says which are missing)
     from runai_model_streamer import SafetensorsStreamer
 
     with _environment(RUNAI_STREAMER_CONCURRENCY=str(concurrency)):
@@ -218,6 +220,7 @@ def _load_runai_streamer(checkpoint: SafetensorsDir, destinations: dict, clock: 
 
 def _load_fastsafetensors(checkpoint: SafetensorsDir, destinations: dict, clock: _PhaseClock,
                           concurrency: int) -> dict[str, str]:
+    # deferred: each loader's package only when it loads (loader_unavailable says which are missing)
     from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
     device = next(iter(destinations.values())).device
@@ -263,7 +266,7 @@ def loaded_checksums(result: LoadResult) -> dict[str, str]:
 
 
 def _tensor_bytes(tensor: "torch.Tensor") -> memoryview:
-    import torch
+    import torch  # deferred: torch (seconds); this module is read by configs too
 
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())

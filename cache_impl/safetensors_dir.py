@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import xxhash
 
 from kvcore.files import fsync_directory
@@ -504,8 +505,6 @@ def write_random_checkpoint(path: Path, total_bytes: int, shard_bytes: int = 512
     The bytes are random bits from numpy's SFC64 generator (gigabytes per second on one core), each
     tensor distinct, so storage that compresses or deduplicates cannot shortcut the reads.
     """
-    import numpy as np
-
     if total_bytes < 1:
         raise ValueError(f"total_bytes: expected a size >= 1, found {total_bytes}")
     bits = np.random.SFC64(seed)

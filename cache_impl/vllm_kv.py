@@ -277,7 +277,7 @@ class PagedKV:
 
     def __init__(self, kv_caches: dict[str, Any], layer_names: Sequence[str], num_blocks: int,
                  layout: KVLayout) -> None:
-        import torch
+        import torch  # deferred: torch; vLLM's process has it, the connector's config readers do not need it
 
         missing = [name for name in layer_names if name not in kv_caches]
         if missing:
@@ -310,7 +310,7 @@ class PagedKV:
 
     def gather(self, block_ids: Sequence[int], out: Any) -> None:
         """Copy vLLM blocks `block_ids` into `out` ([n, *kvgate block shape])."""
-        import torch
+        import torch  # deferred: torch; vLLM's process has it, the connector's config readers do not need it
 
         index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         n = len(block_ids)
@@ -320,7 +320,7 @@ class PagedKV:
 
     def scatter(self, blocks: Any, block_ids: Sequence[int]) -> None:
         """Copy `blocks` ([n, *kvgate block shape]) into vLLM blocks `block_ids`."""
-        import torch
+        import torch  # deferred: torch; vLLM's process has it, the connector's config readers do not need it
 
         index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         n = len(block_ids)

@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 from urllib.parse import urlsplit
 
+from workloads.faults import AdminClient, CacheAdmin
+from workloads.tier_hits import read_tier_hits
+
 from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
 from .metrics import TIERS, MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics
 from .settings import ENGINES
 from .steps import CommandStep, ControlError, HttpStep, StepResult
+from .vllm import connector_cache_admin
 
 if TYPE_CHECKING:
     from workloads.faults import CacheAdmin
@@ -72,14 +76,10 @@ def cache_admin(config: Any, endpoint: Any) -> Optional["CacheAdmin"]:
     `kvgate serve --admin` the harness started, or vLLM with kvgate's connector and its sidecar
     (`cache_layer: kvgate`, `cache_layer_url`); None for any other cache (its disk reads are not exported, faults
     cannot be injected into it)."""
-    from workloads.faults import AdminClient, CacheAdmin
-
     if endpoint.admin:
         return CacheAdmin(AdminClient(endpoint.server_root))
     settings = getattr(config.targets, endpoint.role)
     if settings.engine == "vllm" and settings.cache_layer == "kvgate" and settings.cache_layer_url:
-        from .vllm import connector_cache_admin
-
         return connector_cache_admin(spec_from_endpoint(settings), settings.model)
     return None
 
@@ -90,8 +90,6 @@ def hit_reader(endpoint: Any, adapter: EngineAdapter, config: Any = None) -> tup
     summed over an external target's nodes (`targets.candidate_nodes`: each node's own /metrics, the
     endpoint's engine settings) when `config` is given."""
     if endpoint.admin:
-        from workloads.tier_hits import read_tier_hits
-
         return (lambda: read_tier_hits(endpoint.node_roots)), "blocks"
     roots = endpoint.node_roots
     if len(roots) < 2 or config is None:

@@ -4,17 +4,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import signal
+import socket
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from cache_impl.config import ConfigError
-from kvcore.printable import printable
-from workloads.fio import FioError
+from cache_impl import blockfiles
+from cache_impl.auth import admin_token_from_env, api_key_from_env
+from cache_impl.config import ConfigError, RemoteTierConfig
 from cache_impl.safetensors_dir import CheckpointFormatError
+from cache_impl.scrub import scrub
+from kvcore.printable import printable
+from kvcore.rundata import RunStore
+from kvcore.settings import load_yaml_mapping
+from workloads.fio import FioError
+
+from .client_bench import ClientBenchSettings, format_client_report, run_client_bench
+from .config import load_config
+from .plan_command import add_plan
+from .run import GateRunner, available_gates, check_resume, check_storage_path, new_run_dir
+from .selftest import controls_for, run_selftest
+from .template import render_template
 
 
 def _positive_int(text: str) -> int:
@@ -70,8 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_weights(commands)
     _add_scrub(commands)
     _add_engine_bench(commands)
-    from gates.plan_command import add_plan
-
     add_plan(commands)
     _add_client_bench(commands)
     _add_pool_bench(commands)
@@ -117,9 +130,6 @@ def _add_run(commands) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .run import GateRunner, available_gates, check_resume, check_storage_path, new_run_dir
-
     if args.resume is not None:
         if args.config or args.out or args.trace:
             raise ConfigError("--resume: expected no --config, --out or --trace (the run directory has them), "
@@ -139,7 +149,6 @@ def _run(args: argparse.Namespace) -> int:
         config.check_g2_contexts()
     if args.resume is not None:
         check_resume(args.resume, ordered)
-        from kvcore.rundata import RunStore
 
         run_id = RunStore(args.resume).run_info().get("run_id", args.resume.name)
         run_dir = args.resume
@@ -150,8 +159,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from .template import render_template
-
     if args.file.exists() and not args.force:
         print(f"kvgate init: {args.file} exists (use --force to overwrite)", file=sys.stderr)
         return 2
@@ -165,7 +172,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from reports.render import render_run
+    from reports.render import render_run  # deferred: the renderer imports matplotlib (seconds), for kvgate report only
 
     if not (args.run_dir / "run.json").exists():
         print(f"kvgate report: run_dir: expected a run directory with run.json, found {args.run_dir}", file=sys.stderr)
@@ -240,16 +247,12 @@ def engine_settings(args: argparse.Namespace) -> dict:
         cache["disk"] = {**(cache.get("disk") or {}), "path": str(args.cache_dir)}
         settings["cache"] = cache
     if args.remote is not None:
-        from cache_impl.config import RemoteTierConfig
-
         remote = RemoteTierConfig.from_url(args.remote).model_dump(exclude_defaults=True)
         settings["cache"] = {**(settings.get("cache") or {}), "remote": remote}
     return settings
 
 
 def load_yaml_section(path: Path, section: str) -> dict:
-    from kvcore.settings import load_yaml_mapping
-
     data = load_yaml_mapping(path, str(path))
     if not isinstance(data.get(section, {}), dict):
         raise ConfigError(f"{path}: {section}: expected a mapping, found {type(data.get(section)).__name__}")
@@ -271,9 +274,6 @@ def _port(text: str) -> int:
 
 def _check_bindable(host: str, port: int) -> None:
     """A ConfigError unless `port` can be bound on `host` now (uvicorn binds it the same way, later)."""
-    import errno
-    import socket
-
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as error:
@@ -290,11 +290,10 @@ def _check_bindable(host: str, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvicorn  # deferred: kvgate serve's stack (uvicorn, torch: seconds) loads for serve only
 
-    from cache_impl.auth import admin_token_from_env, api_key_from_env
-    from cache_impl.engine import Engine, EngineConfig
-    from cache_impl.server import create_app
+    from cache_impl.engine import Engine, EngineConfig  # deferred: torch (seconds), for kvgate serve only
+    from cache_impl.server import create_app  # deferred: torch (seconds), for kvgate serve only
 
     imports_done = time.time()          # Python, torch and the engine loaded: the start-up's first phase
 
@@ -348,15 +347,15 @@ def _add_export_weights(commands) -> None:
 
 
 def _export_weights(args: argparse.Namespace) -> int:
-    from cache_impl.model import PRESETS
-    from cache_impl.weights import export_weights
+    from cache_impl.model import PRESETS  # deferred: torch (seconds), for kvgate export-weights only
+    from cache_impl.weights import export_weights  # deferred: torch (seconds), for kvgate export-weights only
 
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset: expected one of {', '.join(PRESETS)}, found {args.preset!r}")
     if args.seed < 0:
         raise ConfigError(f"--seed: expected an integer >= 0, found {args.seed}")
     if args.format == "hf":
-        from cache_impl.hf_export import export_hf
+        from cache_impl.hf_export import export_hf  # deferred: torch (seconds), for kvgate export-weights only
 
         with _writing(args.dir):
             export_hf(args.dir, args.preset, args.seed, args.dtype, args.force)
@@ -404,10 +403,7 @@ def _add_scrub(commands) -> None:
 
 def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
     """The disk tier directories to scrub: --cache-dir, else from --config, else the serve default."""
-    from cache_impl.engine import EngineConfig
-    from kvcore.settings import load_yaml_mapping
-
-    from .config import load_config
+    from cache_impl.engine import EngineConfig  # deferred: torch (seconds), for kvgate scrub only
 
     if args.cache_dir:
         return list(args.cache_dir)
@@ -423,9 +419,6 @@ def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
 
 
 def _scrub(args: argparse.Namespace) -> int:
-    from cache_impl import blockfiles
-    from cache_impl.scrub import scrub
-
     found_bad = False
     for directory in _scrub_dirs(args):
         if not directory.is_dir():
@@ -477,6 +470,7 @@ def _add_engine_bench(commands) -> None:
 
 
 def _engine_bench(args: argparse.Namespace) -> int:
+    # deferred: torch (seconds), for kvgate engine-bench only
     from .engine_bench import EngineBenchSettings, format_engine_report, run_engine_bench
 
     figures = run_engine_bench(EngineBenchSettings(args.dir, args.contexts, args.rounds, args.preset))
@@ -508,6 +502,7 @@ def _backends(text: str) -> tuple[str, ...]:
 
 
 def _pool_bench(args: argparse.Namespace) -> int:
+    # deferred: torch (seconds), for kvgate pool-bench only
     from .pool_bench import PoolBenchSettings, format_pool_report, run_pool_bench
 
     urls = {name: url for name, url in (("redis", args.redis), ("mooncake", args.mooncake)) if url}
@@ -530,8 +525,6 @@ def _add_client_bench(commands) -> None:
 
 
 def _client_bench(args: argparse.Namespace) -> int:
-    from .client_bench import ClientBenchSettings, format_client_report, run_client_bench
-
     figures = run_client_bench(ClientBenchSettings(
         directory=args.dir, fidelity_requests=args.fidelity_requests, streams=args.streams,
         scale_duration_s=args.duration, workers=args.workers,
@@ -558,8 +551,6 @@ def _add_selftest(commands) -> None:
 
 
 def _selftest(args: argparse.Namespace) -> int:
-    from .selftest import controls_for, run_selftest
-
     try:
         controls = controls_for(args.full, tuple(args.control))
     except ValueError as error:
@@ -583,8 +574,7 @@ def _selftest(args: argparse.Namespace) -> int:
 
 
 def _cache_bench(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
+    # deferred: torch (seconds), for kvgate cache-bench only
     from .cache_bench import BENCH_GRID, BenchSettings, format_report, run_cache_bench
 
     figures = run_cache_bench(BenchSettings(

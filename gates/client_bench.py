@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workloads.client import StreamingClient
 from kvcore.rundata import read_records
+from workloads.client import StreamingClient
 from workloads.load import Target, free_port, run_load
 from workloads.processes import die_with_parent
 from workloads.requests import Workload, WorkloadRequest
@@ -120,7 +120,7 @@ def bench_fidelity(settings: ClientBenchSettings) -> dict:
     command = [sys.executable, "-m", "gates.cli", "serve", "--preset", "tiny", "--mode", "recompute",
                "--port", str(port)]
     try:
-        import openai
+        import openai  # deferred: openai takes seconds to import and is a test extra
         reference = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     except ImportError:
         reference = None

@@ -12,26 +12,31 @@ import hashlib
 import json
 import math
 import os
+import shlex
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal, Optional, Union, get_args
+from urllib.parse import urlsplit
 
+import psutil
 from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
+from cache_impl.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
 from cache_impl.presets import PRESETS
+from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
+from engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
+from gates.g2_baseline.side_by_side import Pairing
+from kvcore.checks import CHECKS, check_of, configurable_metrics
 from kvcore.claims import DEFAULT_CLAIMS, Claim
+from kvcore.loader_names import LOADERS
 from kvcore.rules import Rule, parse_rule
 from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, Count, Float, Int, StrictModel,
                              format_validation_error, load_yaml_mapping, parse_size)
-from workloads.datasets import check_trace, load_spec
+from sizing.layout import KVShape
 from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
-from cache_impl.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
-from kvcore.loader_names import LOADERS
-from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
+from workloads.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, sizer_for
+from workloads.fio_sweep import SweepGrid
 
-from kvcore.checks import CHECKS, check_of, configurable_metrics
 from .fleet import fleet_defaults
-from engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
 
 Op = Literal[">=", "<=", ">", "<", "=="]
 
@@ -119,8 +124,6 @@ class TargetSettings(StrictModel):
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_loads(cls, value: Optional[str]) -> Optional[str]:
-        from workloads.datasets import TokenizerError, is_tokenizer_path, sizer_for
-
         if value is None or not is_tokenizer_path(value):
             return value
         try:
@@ -180,8 +183,6 @@ class EmbeddedTargets(StrictModel):
     @field_validator("host_capacity")
     @classmethod
     def _host_fits_in_memory(cls, value: str) -> str:
-        import psutil
-
         total = psutil.virtual_memory().total
         if parse_size(value) > total:
             raise ValueError(f"expected at most this host's memory ({total / 2**30:.1f} GiB), found {value!r}")
@@ -296,8 +297,6 @@ class FioSweepConfig(StrictModel):
 
     def grid(self):
         """The sweep as workloads.fio_sweep runs it."""
-        from workloads.fio_sweep import SweepGrid
-
         return SweepGrid(read_bs=tuple(self.read_bs), iodepths=tuple(self.iodepths), numjobs=tuple(self.numjobs),
                          modes=tuple(self.modes), ioengines=tuple(self.ioengines), write_bs=tuple(self.write_bs),
                          write_numjobs=tuple(self.write_numjobs), write_modes=tuple(self.write_modes),
@@ -348,8 +347,6 @@ class PairsConfig(StrictModel):
         return self
 
     def pairing(self):
-        from gates.g2_baseline.side_by_side import Pairing
-
         return Pairing(self.min, self.max, self.budget_s)
 
 
@@ -360,8 +357,6 @@ STATE_PRESET_NAMES = tuple(name.upper() if name[0].isdigit() else name for name 
 
 def _command(value: Any) -> Any:
     """A start command as argv: a list of strings, or one string split as a shell would (no shell runs it)."""
-    import shlex
-
     if isinstance(value, str):
         value = shlex.split(value)
     if not isinstance(value, list) or not value or not all(isinstance(a, str) and a for a in value):
@@ -718,8 +713,6 @@ class TargetSizing(StrictModel):
 
     def shape(self):
         """The KV layout given (sizing/layout.py's KVShape), or None when neither is."""
-        from sizing.layout import KVShape
-
         if self.kv_layout is not None:
             return KVShape.from_fields(self.kv_layout, root="kv_layout")
         if self.model_config_path is not None:

@@ -52,6 +52,8 @@ from typing import Any, Mapping, Optional
 from cache_impl import integrity
 from cache_impl.config import DEFAULT_BLOCK_SIZE
 from kvcore.settings import ConfigError, parse_size
+from sizing.layout import KVShape
+from sizing.sequences import workload_block_keys
 
 SESSION_FIELDS = {"multi_round_qa": "users", "long_doc_qa": "documents", "shared_prefix": "groups"}
 POOL_HEADROOM = 2          # the pool holds this many working sets (a store's own per-value overhead, eviction slack)
@@ -102,8 +104,6 @@ def fleet_users(single: int, nodes: int) -> int:
 
 def working_set_blocks(workload: Mapping[str, Any], block_tokens: int = DEFAULT_BLOCK_SIZE) -> int:
     """Distinct block keys (prompts and outputs) of every request of a workload spec, as the embedded engine keys them."""
-    from sizing.sequences import workload_block_keys
-
     keys = set()
     try:
         requests = workload_block_keys(dict(workload), block_tokens=block_tokens)
@@ -116,8 +116,6 @@ def working_set_blocks(workload: Mapping[str, Any], block_tokens: int = DEFAULT_
 
 
 def _block_nbytes(embedded) -> int:
-    from sizing.layout import KVShape
-
     return KVShape.from_preset(embedded.preset).bytes_per_block(DEFAULT_BLOCK_SIZE)
 
 

@@ -15,8 +15,13 @@ import argparse
 import json
 from pathlib import Path
 
+from gates.config import load_config
 from kvcore.rundata import RunStore
 from kvcore.settings import ConfigError
+from sizing.calibration import Calibration, calibrate
+from sizing.machine import run_probe_calibration
+from sizing.plan import make_plan, render_text
+from sizing.targets import target_inputs
 
 DEFAULT_CALIBRATION = Path("kvgate-calibration.json")
 
@@ -49,13 +54,6 @@ def _run_dir(path: Path, option: str) -> RunStore:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from gates.config import load_config
-
-    from sizing.calibration import Calibration, calibrate
-    from sizing.machine import run_probe_calibration
-    from sizing.plan import make_plan, render_text
-    from sizing.targets import target_inputs
-
     config = load_config(args.config, profile=args.profile)
     if args.calibrate is not None:
         store = _run_dir(args.calibrate, "--calibrate")

@@ -22,13 +22,14 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from engines import endpoint_adapter
+from kvcore.checks import CHECKS, check_of
 from kvcore.rules import Rule
 from kvcore.rundata import Errored, RunStore, Unjudged
+from kvcore.verdict import judge
 
-from kvcore.checks import CHECKS, check_of
 from .config import GatesConfig, load_config
 from .targets import Endpoint, endpoints_from_json
-from kvcore.verdict import judge
 
 RUN_DIR = pytest.StashKey[Path]()
 JUDGED = pytest.StashKey[int]()   # verdicts stored by the test now running
@@ -201,8 +202,6 @@ def endpoints(gate_context: GateContext) -> dict[str, Endpoint]:
 @pytest.fixture(scope="session")
 def adapters(gate_context: GateContext) -> dict:
     """Each endpoint's engine adapter (engines/): how the gates control its cache and read its tiers' hits."""
-    from engines import endpoint_adapter
-
     built = {role: endpoint_adapter(gate_context.config, e) for role, e in gate_context.endpoints.items()}
     for row in gate_context.store.preflight():          # what the pre-flight's probe found unavailable
         if row.get("abilities") and row.get("role") in built:

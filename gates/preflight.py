@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from engines import Unavailable, endpoint_adapter
+from engines.metrics import MetricsError
 from workloads.client import StreamingClient, TargetError
 from workloads.datasets import sizer_for
 from workloads.errors import CONNECTION_ERRORS, describe_error
@@ -126,9 +128,6 @@ def probe_engines(config, endpoints: dict[str, Endpoint]) -> dict[str, dict]:
     what the probe found unavailable; the sizing model takes the tiers and capacities. The harness's own
     `kvgate serve` processes are not probed: their admin routes are kvgate's, and only the suites hold their
     token."""
-    from engines import Unavailable, endpoint_adapter
-    from engines.metrics import MetricsError
-
     found = {}
     for role, endpoint in endpoints.items():
         if endpoint.admin:

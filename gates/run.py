@@ -26,15 +26,22 @@ from rich.console import Console
 
 from kvcore.aa import false_decision_line
 from kvcore.outcome import exit_code, overall_status
+from kvcore.predictions import beside, beside_text
 from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
+from sizing.in_run import final_sizing
+from sizing.in_run import PREDICTED_GATES
+from sizing.in_run import PREDICTED_GATES, gate_lines, stage_plan
+from sizing.machine import probe_line
+from sizing.plan import comparison_lines
 from workloads.fio import FioError, fio_version
 from workloads.inventory import collect_inventory
 from workloads.processes import die_with_parent
 
 from .config import GatesConfig
 from .console import GateConsole, target_text
+from .machine_probe import probe_machine
 from .preflight import ability_line, failure_message, probe_engines, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
@@ -222,15 +229,12 @@ class GateRunner:
 
     def _sizing(self) -> None:
         """Predicted beside measured for every gate that ran (sizing.json), shown on the console."""
-        from sizing.in_run import final_sizing
-
         try:
             sizing = final_sizing(self.store, self.last_plan, self.config.sizing)
         except Exception as error:  # informational: never the run's outcome
             self.console.print(f"[dim]sizing model: no comparison ({type(error).__name__}: {error})[/dim]")
             return
         self.store.write_sizing(sizing)
-        from sizing.plan import comparison_lines
 
         if sizing["comparison"]:
             self.console.print(f"[dim]sizing model: {'predicted':>57} {'measured':>9}  error[/dim]", highlight=False)
@@ -262,11 +266,6 @@ class GateRunner:
 
     def _probe_machine(self, endpoints: dict[str, Endpoint]) -> None:
         """This machine's speed at the embedded model's shapes, for the sizing model (sizing/machine.py)."""
-        from sizing.in_run import PREDICTED_GATES
-        from sizing.machine import probe_line
-
-        from .machine_probe import probe_machine
-
         if self.config.targets.kind != "embedded" or not set(PREDICTED_GATES) & set(self.gates):
             return
         with self.console.status("pre-flight: probing this machine for the sizing model …"):
@@ -315,8 +314,6 @@ class GateRunner:
 
     def _predict(self, gate: str) -> None:
         """The sizing model's figures for `gate`, from the config and the gates measured so far (recorded)."""
-        from sizing.in_run import PREDICTED_GATES, gate_lines, stage_plan
-
         if gate not in PREDICTED_GATES:
             return                # nothing of it is predicted: no plan (a replay and a simulation) to make
         plan, problem = stage_plan(self.config, self.store, gate)
@@ -370,8 +367,6 @@ class GateRunner:
 
     def _print_new_verdicts(self, gate: str, shown: int) -> int:
         """Each verdict the gate wrote since the last call, with the sizing model's prediction beside it."""
-        from kvcore.predictions import beside, beside_text
-
         verdicts = self.store.verdicts(gate)
         predictions = self.store.predictions() if verdicts[shown:] else []
         for v in verdicts[shown:]:
@@ -391,6 +386,7 @@ class GateRunner:
         return len(errors)
 
     def _render(self) -> None:
+        # deferred: the renderer imports matplotlib (seconds), drawn once at the end
         from reports.render import render_run
 
         results = render_run(self.run_dir)

@@ -21,6 +21,7 @@ from kvcore.settings import parse_size
 from workloads.datasets import BYTE_TOKENIZER_ID
 from workloads.load import Target, free_port
 from workloads.processes import die_with_parent
+from workloads.stores import MooncakePool, RedisServer
 
 from .config import EmbeddedTargets, GatesConfig, TargetSettings
 
@@ -199,7 +200,6 @@ class EmbeddedServers:
         """The pool the candidate nodes share, holding `pool_capacity` bytes; its URL (None: no pool)."""
         if embedded.pool == "none":
             return None
-        from workloads.stores import MooncakePool, RedisServer
 
         pool_dir, nbytes = self.run_dir / "pool", parse_size(embedded.pool_capacity)
         self.pool = (RedisServer(pool_dir, maxmemory=str(nbytes)) if embedded.pool == "redis"

@@ -20,10 +20,9 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from .judged import first_not_judged, judged, judged_rows, verdicts_of
-from .percent import format_percent
-from .predictions import made_before
+from .predictions import format_figure, made_before
 from .rundata import RunStore
-from .settings import Float, StrictModel
+from .settings import Float, StrictModel, load_yaml_file
 
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 Read = Literal["last", "min", "max", "median", "inverse"]
@@ -162,23 +161,10 @@ def _measured(store: RunStore, claim: Claim) -> tuple[Optional[float], Optional[
 
 def run_claims(store: RunStore) -> list[Claim]:
     """The claims a run was held to: its config.yaml's `claims:` (as resolved by the run), else the defaults."""
-    from .settings import load_yaml_file
-
     path = store.root / "config.yaml"
     data = load_yaml_file(path, "config.yaml") if path.exists() else None
     claims = data.get("claims") if isinstance(data, dict) else None
     return [Claim(**c) for c in (claims if isinstance(claims, list) else DEFAULT_CLAIMS)]
-
-
-def format_figure(value: Optional[float], unit: str) -> str:
-    """A claim's figure as the table shows it: 31.2%, 13.3×, 1.21 GB/s."""
-    if value is None:
-        return ""
-    if unit == "%":
-        return format_percent(value)
-    if unit == "×":
-        return f"{value:.1f}×"
-    return f"{value:.3g} {unit}".rstrip()
 
 
 def claim_text(row: dict) -> str:

@@ -77,11 +77,21 @@ def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
     return {**shown, "error": err, "error_text": text}
 
 
+def format_figure(value: Optional[float], unit: str) -> str:
+    """A figure as the report's tables and the console show it (a claim, a prediction, a measurement):
+    31.2%, 13.3×, 1.21 GB/s."""
+    if value is None:
+        return ""
+    if unit == "%":
+        return format_percent(value)
+    if unit == "×":
+        return f"{value:.1f}×"
+    return f"{value:.3g} {unit}".rstrip()
+
+
 def beside_text(shown: dict, unit: str) -> str:
     """`beside`'s figures in words: "predicted 84.9% (PASS), error +2.2 points" (or "…, not compared (invalid:
     …)")."""
-    from .claims import format_figure
-
     status = f" ({shown['predicted_status']})" if shown.get("predicted_status") else ""
     error_words = f"error {shown['error_text']}" if shown.get("error") is not None else shown["error_text"]
     return f"predicted {format_figure(shown['predicted'], unit)}{status}, {error_words}"

@@ -12,7 +12,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+
+from .yaml_loader import CheckedLoader, YamlRefused
 
 # YAML gives typed values: an integer field takes an integer (not true, 2.0 or "2"), a number field
 # a number (not true); models reject inf and nan.
@@ -142,10 +145,6 @@ def load_yaml_file(path: Any, root: str) -> Any:
     """Parsed YAML of a file (None when it holds no document); unreadable or malformed files, a key given
     twice and aliases that expand without bound (kvcore.yaml_loader) raise ConfigError under `root`.
     Every YAML file kvgate reads is read here."""
-    import yaml
-
-    from .yaml_loader import CheckedLoader, YamlRefused
-
     try:
         return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=CheckedLoader)
     except OSError as error:

@@ -21,12 +21,12 @@ from typing import Any, Callable, Optional
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
-from kvcore.files import write_json, write_text_atomic
 from kvcore.aa import false_decision_line
-from kvcore.claims import claim_text, claims_table, format_figure, run_claims
+from kvcore.claims import claim_text, claims_table, run_claims
+from kvcore.files import write_json, write_text_atomic
 from kvcore.outcome import PROBLEM, overall
 from kvcore.percent import format_percent
-from kvcore.predictions import beside
+from kvcore.predictions import beside, format_figure
 from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from workloads.requests import Workload, WorkloadRequest
 from workloads.routing import Router
+from workloads.sweep import closed_loop, primer, rate_multiplied, trace_parts
 
 from .g3_figures import TargetReplay, combine, level_prediction
 from .queueing import EngineModel, ServedRequest, simulate_source
@@ -62,8 +63,6 @@ class G3Replays:
 
 def g3_segments(g3, workload: Workload) -> list[Segment]:
     """What G3 sends each target, in order: the primer (when `g3.prime`), then the measured parts."""
-    from workloads.sweep import closed_loop, primer, rate_multiplied, trace_parts
-
     segments = []
     if g3.prime:
         warm = primer(workload)

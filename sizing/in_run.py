@@ -13,6 +13,7 @@ from typing import Optional
 
 from kvcore.rundata import RunStore
 
+from .calibration import Calibration
 from .machine import run_probe_calibration
 from .plan import Plan, Prediction, compare, make_plan
 from .targets import engine_facts
@@ -26,8 +27,6 @@ def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]
     try:
         configured = None
         if config.sizing.calibration is not None:
-            from .calibration import Calibration
-
             configured = Calibration.load(config.sizing.calibration)
         measured = any(store.status(g) is not None for g in ("g1", "g2", "g3", "g4"))
         # before G2 the file's constants; after it, the run's own first and the file's for the rest (G3's decode)

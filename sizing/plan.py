@@ -33,16 +33,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from kvcore.claims import format_figure
+from kvcore.checks import CHECKS
 from kvcore.judged import measurement_not_judged
-from kvcore.predictions import IN_MAPE, error as prediction_error, same_place
+from kvcore.predictions import IN_MAPE, error as prediction_error, format_figure, same_place
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
-
 from kvcore.verdict import judge
-from .calibration import Calibration
-from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
+from workloads.datasets import build_workload, sizer_for
+from workloads.sweep import SweepSettings
+
+from .calibration import Calibration, calibrate
 from .g3_figures import predict_g3, predict_rate_ladder
+from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .queueing import DecodeCost, EngineModel
 from .targets import engine_facts, target_inputs
 from .timing import RecomputeCurve, TierBandwidths, checkpoint_seconds, cold_read_vs_storage_best, model_load_seconds, predict_g2
@@ -87,8 +89,6 @@ class Plan:
 
 def _rule(config, gate: str, metric: str):
     """The gate's rule for a metric it judges (GatesConfig.rule); None for a figure it does not judge."""
-    from kvcore.checks import CHECKS
-
     return config.rule(gate, metric) if metric in {c.metric for c in CHECKS[gate]} else None
 
 
@@ -140,8 +140,6 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
                                  "source": "G1 fio seq_read_gbps" if store is not None and store.latest(
                                      "g1", "seq_read_gbps") else "the spec sheet (g1 seq_read_gbps threshold)"}
     if calibration is None and store is not None:
-        from .calibration import calibrate
-
         calibration = calibrate(store.root, kv_bytes_per_token=shape.bytes_per_token)
     if fill_from is not None:
         calibration = fill_from if calibration is None else calibration.filled_from(fill_from)
@@ -187,8 +185,6 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
 def _g3_workload(config, inputs, seed: int = 0):
     """G3's workload built as G3 builds it for the target (the byte sizer for kvgate's engine, the word
     sizer for others)."""
-    from workloads.datasets import build_workload, sizer_for
-
     return build_workload(config.g3.workload, sizer_for("kvgate-byte-v1" if inputs.embedded else None), seed)
 
 
@@ -269,8 +265,6 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
     elif closed:
         levels = predict_g3(g3.replays, settings.levels, engine, seeds=seeds, **timing)
     else:
-        from workloads.sweep import SweepSettings
-
         ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, SweepSettings().rate_users,
                                      settings.ttft_slo_ms / 1e3, **timing)
         levels = ladder.levels

@@ -266,6 +266,7 @@ def looks_complete(directory: Path) -> bool:
     directory = Path(directory)
     if not (directory / METADATA_NAME).is_file():
         return False
+    # deferred: torch (seconds), only to read a checkpoint back
     from torch.distributed.checkpoint import FileSystemReader
 
     try:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tokenizers import Tokenizer
 
 from cache_impl.config import ConfigError, format_validation_error, load_yaml_file
 from cache_impl.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
@@ -192,8 +193,6 @@ def _load_encoder(path: Path) -> Callable[[str], list[tuple[int, int]]]:
     file = path / "tokenizer.json" if path.is_dir() else path
     if file.is_file():
         try:
-            from tokenizers import Tokenizer
-
             tokenizer = Tokenizer.from_file(str(file))
         except Exception as error:          # the library raises plain Exceptions for a malformed file
             raise TokenizerError(f"expected a tokenizer.json that Hugging Face tokenizers reads, found {file} "
@@ -201,7 +200,7 @@ def _load_encoder(path: Path) -> Callable[[str], list[tuple[int, int]]]:
         return lambda text: tokenizer.encode(text, add_special_tokens=False).offsets
     if path.is_dir():
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # deferred: optional: transformers is not a dependency
         except ImportError:
             raise TokenizerError(f"expected a tokenizer.json in {path} (or transformers installed, to load the "
                                  "directory's tokenizer), found neither") from None

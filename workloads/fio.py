@@ -497,7 +497,7 @@ FRAME_COLUMNS = ["name", "rw", "bs", "iodepth", "numjobs", "direct", "read_gbps"
 def results_frame(results: list[FioResult]) -> pd.DataFrame:
     """One row per job: its settings, read/write GB/s (10^9 bytes/s), IOPS and busier-direction
     completion latency p50/p99 in ns, in the order of `FRAME_COLUMNS`."""
-    import pandas as pd
+    import pandas as pd  # deferred: pandas takes a second to import, only for the frame
 
     rows = [{
         "name": r.job.name, "rw": r.job.rw, "bs": r.job.bs, "iodepth": r.job.iodepth, "numjobs": r.job.numjobs,

@@ -8,7 +8,9 @@ baseline and candidate targets receive exactly the same prompts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 
@@ -46,18 +48,11 @@ class Workload:
 
 def save_workload(workload: Workload, path) -> None:
     """Write a workload as JSON (the load engine's processes read it back)."""
-    import json
-    from dataclasses import asdict
-    from pathlib import Path
-
     Path(path).write_text(json.dumps({"name": workload.name, "interleaved": workload.interleaved,
                                       "sessions": [[asdict(r) for r in s] for s in workload.sessions]}))
 
 
 def load_workload(path) -> Workload:
-    import json
-    from pathlib import Path
-
     data = json.loads(Path(path).read_text())
     sessions = tuple(
         tuple(WorkloadRequest(**{**r, "messages": tuple(r["messages"])}) for r in session)

@@ -49,7 +49,7 @@ class RedisStore:
     """Redis: SET NX (never an overwrite), GET, pipelined EXISTS."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
-        import redis
+        import redis  # deferred: the pool's clients are an optional extra (pip install kvgate[pool])
 
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -101,6 +101,7 @@ class MooncakeStore:
         # The address this node advertises to its peers (despite its name, not one it binds; see below).
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
         warnings.warn(MOONCAKE_LISTENERS, RuntimeWarning, stacklevel=2)  # shown once per process
+        # deferred: the pool's clients are an optional extra (pip install kvgate[pool])
         from mooncake.store import MooncakeDistributedStore
 
         self._store = MooncakeDistributedStore()

@@ -21,12 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvcore.files import drop_cached_pages
-from kvcore.settings import parse_size
+from cache_impl.loaders import load_checkpoint, verify_loaded
+from cache_impl.loaders import allocate_destinations
+from cache_impl.loaders import load_checkpoint
 from cache_impl.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
-
 from gates.sequential import Stopping, sample_until_decided
 from gates.storage_best import StorageBest
+from kvcore.files import drop_cached_pages
+from kvcore.loader_names import READS_WITH_O_DIRECT
+from kvcore.settings import parse_size
+from kvcore.stats import ratio_ci
 
 from .side_by_side import FasterOf, FioFilesRead, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
 
@@ -87,7 +91,7 @@ class LoaderFigures:
 
 def device() -> str:
     """Where the loaded tensors go: the GPU when there is one (the copy-to-device phase), else the CPU."""
-    import torch
+    import torch  # deferred: torch (seconds); the config reads this module's settings
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -141,8 +145,6 @@ def prepare_checkpoints(config, storage: Path, progress: Progress) -> Checkpoint
 def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: Optional[dict] = None):
     """One cold load: the files' pages dropped, loaded into `destinations` (an engine's parameters, allocated
     once before its loads; fresh ones when None) on the device, every tensor checked."""
-    from cache_impl.loaders import load_checkpoint, verify_loaded
-
     drop_cached_pages(checkpoint.files)
     result = load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
     try:
@@ -159,8 +161,6 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
     """WARMUP_ROUNDS rounds, then rounds until the best loader's interval decides `rules` (or `pairing`'s max
     or budget); in each, every loader's cold load and then the storage's best read jobs (`best`, each mode's
     winner, the faster counted) reading the same files. Returns the figures and the yardstick's runs."""
-    from cache_impl.loaders import allocate_destinations
-
     fio = best.best_of("read", lambda mode, shape: FioFilesRead(checkpoint.files, shape, f"g2-files-read-{mode}"))
     figures = {loader: LoaderFigures(loader) for loader in loaders}
     destinations = allocate_destinations(checkpoint, device())    # the model's parameters, placed once
@@ -189,7 +189,6 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
                                     pairing.max, pairing.budget_s)
     for f in figures.values():
         f.stopping = stopping
-    from kvcore.loader_names import READS_WITH_O_DIRECT
 
     for loader in loaders:       # warm: straight after a load, pages left in place; reported apart, not judged
         if loader in READS_WITH_O_DIRECT:
@@ -218,8 +217,6 @@ def measure_aa_reads(checkpoint: SafetensorsDir, pairing: Pairing, rules: list, 
 
 def warm_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: dict) -> dict:
     """Two loads back to back, the second timed: what the loader gives when the page cache holds the files."""
-    from cache_impl.loaders import load_checkpoint
-
     load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
     return load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel).summary()
 
@@ -243,8 +240,6 @@ class Speedup:
 def measure_speedup(checkpoints: Checkpoints, loader: str, rounds: int, parallel: int, progress: Progress,
                     on_round: Callable[[str, int, dict], None]) -> Speedup:
     """`rounds` pairs: the loader's cold load on the storage under test, then on the baseline."""
-    from kvcore.stats import ratio_ci
-
     under_test, baseline = [], []
     for index in range(rounds):
         for storage, checkpoint, seconds in (("under test", checkpoints.under_test, under_test),

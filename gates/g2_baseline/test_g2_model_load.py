@@ -10,17 +10,19 @@ over it is judged too. Then a server is started per loader and timed to its firs
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 
 import pytest
 
+from cache_impl.loaders import loader_unavailable
+from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from gates.g2_baseline.model_load import (best_loader, measure_aa_reads, measure_loaders, measure_speedup,
                                           median_phases, prepare_checkpoints)
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from workloads.load import free_port
-from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from workloads.service_load import ServiceStartError, time_service_start
 
 SERVICE_DIR = "model-load-service"
@@ -50,8 +52,6 @@ def checkpoints(gate_context):
 @pytest.fixture(scope="module")
 def available_loaders(gate_context, checkpoints):
     """The configured loaders that import and run here; the others are said so in the run store."""
-    from cache_impl.loaders import loader_unavailable
-
     settings = gate_context.config.g2.model_load
     missing = {loader: loader_unavailable(loader) for loader in settings.loaders if loader_unavailable(loader)}
     usable = [loader for loader in settings.loaders if loader not in missing]
@@ -172,6 +172,7 @@ def _service_commands(gate_context, endpoints, available_loaders):
         return [("launch", settings.launch, settings.health_url, candidate.url, candidate.model, files, key)]
     if config.targets.kind != "embedded":
         pytest.skip("G2 service load: an external engine needs g2.model_load.launch and health_url")
+    # deferred: torch (seconds), only when the gate exports the model's weights
     from cache_impl.weights import export_weights
 
     embedded = config.targets.embedded
@@ -210,6 +211,4 @@ def test_service_start_to_first_token_per_loader(gate_context, endpoints, availa
     verdict(f"G2 service load: starts that loaded the weights and streamed a first token ({started} of "
             f"{len(commands)}{reason})", "service_load_started", started / len(commands), unit="%")
     if gate_context.config.targets.kind == "embedded":
-        import shutil
-
         shutil.rmtree(gate_context.config.storage.path / SERVICE_DIR, ignore_errors=True)

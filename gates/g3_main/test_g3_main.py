@@ -45,12 +45,14 @@ import pytest
 
 from engines import hit_reader
 from gates.fleet import fleet_sizing
-from kvcore.g3_analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
 from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_pairs, level_sampler, pair_figures
 from kvcore.aa import AA_FALSE_DECISION, false_decision_line
+from kvcore.g3_analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
 from kvcore.predictions import prediction_for
-from workloads.blocks import run_sweep, step_measured_records
 from kvcore.rundata import read_records
+from sizing.g3_inputs import g3_replays
+from sizing.targets import target_inputs
+from workloads.blocks import run_sweep, step_measured_records
 from workloads.datasets import build_workload, sizer_for
 from workloads.errors import describe_errors
 from workloads.sweep import SweepSettings, describe_replay, prime_targets
@@ -140,9 +142,6 @@ def _workload_bound(config, workload) -> dict:
     primed as G3 primes, in G3's order (sizing/g3_inputs.py). A trace's level replays its own part, so
     each level has its own bound; a closed loop over a workload replays the same pass at every level, so the
     same bound is right at each. Empty when it cannot be worked out."""
-    from sizing.g3_inputs import g3_replays
-    from sizing.targets import target_inputs
-
     try:
         return dict(g3_replays(config.g3, workload, target_inputs(config)[0]).hits["candidate"]["bound_per_level"])
     except Exception:  # the bound is context for the report: never a reason for G3 to fail
