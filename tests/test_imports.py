@@ -17,7 +17,9 @@ from tests.torch_probe import imports_torch
                                     "sizing.plan",
                                     "engines", "engines.kvgate", "engines.vllm",
                                     "engines.sglang", "engines.generic", "engines.placement",
-                                    "engines.settings", "gates.selftest", "workloads.reference_server"])
+                                    "engines.settings", "gates.selftest", "workloads.reference_server",
+                                    "kvcore.g3_analysis", "kvcore.loader_names", "gates.plan_command",
+                                    "gates.machine_probe"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not imports_torch(f"import {module}", tmp_path)
 
