@@ -73,16 +73,22 @@ def test_arming_hooks_a_read_fault_into_the_tier_and_clearing_restores_plain_rea
 def test_a_write_fault_publishes_nothing_and_writes_go_on_once_cleared(make_cache, layout, kind):
     cache = _disk_only(make_cache)
     disk = cache.tier("disk")
+    tokens = list(range(100, 100 + 3 * layout.block_size))
+    blocks = [torch.randn(layout.block_shape) for _ in range(3)]
+    keys = cache.keys_for(tokens)
     cache.faults.arm(kind)
-    tokens, _ = _store_on_disk(cache, layout, 100)
+    cache.store(tokens, blocks)
+    cache.flush()                                     # every disk write met the fault
     assert _disk_counts(cache)["write_errors"] == 3
-    assert not any(disk.path_for(key).exists() for key in cache.keys_for(tokens))
-    assert cache.lookup(tokens).num_blocks == 0
+    assert not any(disk.path_for(key).exists() for key in keys)
+    assert [cache.where(key) for key in keys] == [["device"]] * 3   # kept above, never published below
     cache.faults.clear(kind)
     assert disk.faults is None
-    tokens, blocks = _store_on_disk(cache, layout, 100)
-    assert all(disk.path_for(key).exists() for key in cache.keys_for(tokens))
-    assert cache.load(tokens).sources == ["disk"] * 3
+    cache.evict("device")                             # demotes them to disk, now that writes work
+    cache.flush()
+    assert all(disk.path_for(key).exists() for key in keys)
+    prefix = cache.load(tokens)
+    assert prefix.sources == ["disk"] * 3 and all(torch.equal(a, b) for a, b in zip(prefix.blocks, blocks))
     assert _disk_counts(cache)["write_errors"] == 3
 
 
