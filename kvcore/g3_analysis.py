@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from kvcore.percent import format_percent
 from kvcore.stats import gain_ci, percentile_interval, reduction_ci
 
 THROUGHPUT_WINDOW_S = 2.0
@@ -139,7 +140,7 @@ class Ladder:
         never = sum(math.isinf(latency) for latency in latencies)
         late = "no first token (failed, never sent or unfinished)" if math.isinf(p) else f"{p * 1e3:.0f} ms"
         return (f"its TTFT p{SLO_PERCENTILE} at {multiplier:g}x was {late} > {slo_s * 1e3:g} ms (goodput "
-                f"{100 * met:.0f}% of {len(latencies)} due requests, {never} without a first token)")
+                f"{format_percent(met, 0)} of {len(latencies)} due requests, {never} without a first token)")
 
     def resampled(self, slo_s: float, rng: np.random.Generator, resamples: int) -> np.ndarray:
         """The highest sustained multiplier (NaN: none) in each of `resamples` resamples of every step's requests."""
@@ -193,6 +194,6 @@ def sustained_rate_gain(baseline: Ladder, candidate: Ladder, slo_s: float, resam
     replicates = np.nan_to_num(c_reps, nan=0.0) / b_reps - 1.0
     unknown = float(np.mean(np.isnan(replicates)))
     if unknown > _UNKNOWN_TOLERANCE:
-        reasons.append(f"the baseline sustained no multiplier in {unknown:.0%} of resamples")
+        reasons.append(f"the baseline sustained no multiplier in {format_percent(unknown, 0)} of resamples")
     interval = percentile_interval(replicates)
     return SustainedFigures(b_best, c_best, gain, interval, not reasons, "; ".join(reasons))

@@ -42,6 +42,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from kvcore.files import read_jsonl, write_json
+from kvcore.percent import format_percent
 from kvcore.rundata import RunStore
 from kvcore.settings import ConfigError, load_yaml_file
 
@@ -349,7 +350,7 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
         disk_gbps = float(g1["value"]) if g1 is not None and g1.get("value") else None
     share = store.latest("g2", "cached_fraction_min")
     if share is not None and share.get("value") is not None and share["value"] < 1.0:
-        notes.append(f"G2's hits reused {share['value']:.0%} of the blocks at least, not every one: the fit "
+        notes.append(f"G2's hits reused {format_percent(share['value'], 0)} of the blocks at least, not every one: the fit "
                      "takes every whole block as cached")
     rows = _g2_rows(store)
     recompute = [(c - G2_PROMPT_SHORTFALL, s) for mode, c, s in rows if mode == "recompute"]

@@ -35,6 +35,7 @@ from typing import Optional
 
 from kvcore.checks import CHECKS
 from kvcore.judged import measurement_not_judged
+from kvcore.percent import format_percent
 from kvcore.predictions import IN_MAPE, error as prediction_error, format_figure, same_place
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
@@ -270,8 +271,8 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
         levels = ladder.levels
     fleet = (f"; {inputs.candidate_nodes} candidate nodes ({inputs.routing}, pool {inputs.pool}) and "
              f"{inputs.baseline_nodes} baseline node(s)") if inputs.fleet else ""
-    basis = (f"replayed hit ratio {100 * hits['candidate']['overall']:.1f}% candidate / "
-             f"{100 * hits['baseline']['overall']:.1f}% baseline; "
+    basis = (f"replayed hit ratio {format_percent(hits['candidate']['overall'])} candidate / "
+             f"{format_percent(hits['baseline']['overall'])} baseline; "
              f"{'closed-loop' if closed else 'open-loop'} step simulation{fleet}")
     at = (lambda level: {"concurrency": level.concurrency}) if closed else (
         lambda level: {"multiplier": level.concurrency})
@@ -366,10 +367,10 @@ def render_text(plan: Plan) -> str:
                          for name, tokens in tiers.items())
         lines.append(f"  {role} holds (tokens): {held}")
     for role, hit in plan.figures["g3_hit_ratio"].items():
-        per_tier = ", ".join(f"{tier} {100 * ratio:.1f}%" for tier, ratio in hit["per_tier"].items())
-        pool = "" if hit.get("pool_share") is None else f"; the pool's share of hits {100 * hit['pool_share']:.1f}%"
-        lines.append(f"  G3 workload, {role}: hit ratio {100 * hit['overall']:.1f}% ({per_tier}); "
-                     f"infinite cache {100 * hit['infinite_cache_bound']:.1f}%{pool}")
+        per_tier = ", ".join(f"{tier} {format_percent(ratio)}" for tier, ratio in hit["per_tier"].items())
+        pool = "" if hit.get("pool_share") is None else f"; the pool's share of hits {format_percent(hit['pool_share'])}"
+        lines.append(f"  G3 workload, {role}: hit ratio {format_percent(hit['overall'])} ({per_tier}); "
+                     f"infinite cache {format_percent(hit['infinite_cache_bound'])}{pool}")
     for prediction in plan.predictions:
         lines.append(f"  {prediction.status or 'figure':<12} {prediction.reason or prediction.label}  "
                      f"[{prediction.basis}]")
@@ -446,5 +447,5 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
     if figures:
         mape = sum(figures) / len(figures)
         plan.accuracy.append({"label": "TTFT / throughput MAPE", "value": mape, "limit": mape_limit,
-                              "text": f"{100 * mape:.1f}% over {len(figures)} figures ({'within' if mape <= mape_limit else 'beyond'} "
-                                      f"{100 * mape_limit:.0f}%)"})
+                              "text": f"{format_percent(mape)} over {len(figures)} figures ({'within' if mape <= mape_limit else 'beyond'} "
+                                      f"{format_percent(mape_limit, 0)})"})

@@ -16,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from kvcore.percent import format_percent
 from kvcore.settings import parse_size
 from workloads.checkpoint import STATE_PRESETS, CheckpointJob, CheckpointSpec, rounds_agree, spread
 
@@ -59,8 +60,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"spread: save {summary['save_spread']:.1%} (agree: {summary['save_agree']}), "
-              f"restore {summary['restore_spread']:.1%} (agree: {summary['restore_agree']})")
+        print(f"spread: save {format_percent(summary['save_spread'])} (agree: {summary['save_agree']}), "
+              f"restore {format_percent(summary['restore_spread'])} (agree: {summary['restore_agree']})")
     return 0 if saves and len(saves) == len(rows) else 1
 
 

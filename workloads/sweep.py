@@ -62,6 +62,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from kvcore.files import read_jsonl
+from kvcore.percent import format_percent
 
 from kvcore.rundata import read_records
 from .errors import StopRule, describe_errors, summarize_errors
@@ -171,8 +172,8 @@ def _error_share_reasons(measured: list[dict], settings: SweepSettings) -> list[
     failed = sum(not r["ok"] for r in measured)
     if not measured or failed <= settings.max_error_share * len(measured):
         return []
-    return [f"{failed} of {len(measured)} measured requests failed ({100 * failed / len(measured):.1f}% > "
-            f"{100 * settings.max_error_share:g}% allowed): not a measurement of the target"]
+    return [f"{failed} of {len(measured)} measured requests failed ({format_percent(failed / len(measured))} > "
+            f"{format_percent(settings.max_error_share, 4, trim=True)} allowed): not a measurement of the target"]
 
 
 def request_figures(ok: list[dict]) -> dict:
@@ -329,9 +330,9 @@ def step_line(summary: dict) -> str:
     due, finished = summary.get("due"), summary.get("finished")
     missing = (f" ({due} due, {summary.get('sent')} sent, {finished} finished)"
                if due is not None and finished is not None and due != finished else "")
-    return (f"{summary.get('requests', 0)} requests{missing}, errors {100 * (errors or 0):.1f}%, "
+    return (f"{summary.get('requests', 0)} requests{missing}, errors {format_percent(errors or 0)}, "
             f"TTFT p50 {format_ms(ttft)}, "
-            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else f'{100 * hits:.0f}%'}"
+            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else format_percent(hits, 0)}"
             + (", " + tier_line(summary["hit_blocks_by_tier"], summary.get("tier_unit", "blocks"))
                if summary.get("hit_blocks_by_tier") is not None else ""))
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
+from kvcore.percent import format_percent
+
 from .faults import AdminClient, AdminError, per_tier
 from .load import Target
 
@@ -68,5 +70,5 @@ def tier_line(hits: Optional[Mapping[str, float]], unit: str = "blocks") -> str:
     total = sum(hits.values())
     if not total:
         return f"hits by tier: no hit {unit}"
-    shares = ", ".join(f"{tier} {100 * share:.0f}%" for tier, share in tier_shares(hits).items())
+    shares = ", ".join(f"{tier} {format_percent(share, 0)}" for tier, share in tier_shares(hits).items())
     return f"hits by tier: {shares} of {total:,.0f} {unit}"

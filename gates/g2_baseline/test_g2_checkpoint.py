@@ -19,6 +19,7 @@ import pytest
 
 from gates.g2_baseline.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
 from gates.sequential import sample_until_decided
+from kvcore.percent import format_percent
 from kvcore.stats import ratio_ci
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
@@ -128,7 +129,7 @@ def test_checkpoint_write_reaches_the_storages_best(gate_context, job, saves, re
     judged = paired_ratio(pairs, saves["stopping"])
     seconds = [p.subject.seconds for p in pairs]
     disagree = spread(seconds) if len(seconds) > 1 else 0.0
-    flag = (f"; rounds disagree by {100 * disagree:.0f}% (MLPerf Storage asks for 5%)" if disagree > 0.05 else "")
+    flag = (f"; rounds disagree by {format_percent(disagree, 0)} (MLPerf Storage asks for 5%)" if disagree > 0.05 else "")
     record(METRIC, judged.value, "%", **judged.record_context(), save_gbps=judged.subject_gbps,
            rounds_spread=disagree, **best.context("write"))
     spec = job.spec

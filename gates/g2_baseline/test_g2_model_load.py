@@ -22,6 +22,7 @@ from gates.g2_baseline.model_load import (best_loader, measure_aa_reads, measure
                                           median_phases, prepare_checkpoints)
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
+from kvcore.percent import format_percent
 from workloads.load import free_port
 from workloads.service_load import ServiceStartError, time_service_start
 
@@ -95,7 +96,7 @@ def test_the_best_loader_reads_the_checkpoint_near_the_storages_best(gate_contex
     if best is None:
         pytest.fail("G2 model load: no loader gave a side-by-side ratio", pytrace=False)
     judged = best.judged
-    others = ", ".join(f"{f.loader} {100 * f.judged.value:.0f}%" for f in figures.values()
+    others = ", ".join(f"{f.loader} {format_percent(f.judged.value, 0)}" for f in figures.values()
                        if f is not best and f.judged.value is not None)
     cold = ("" if best.cold == len(best.rounds) else
             f"; only {best.cold} of {len(best.rounds)} rounds read the device (the rest came from a cache)")

@@ -54,6 +54,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from kvcore.percent import format_percent
 from kvcore.stats import mann_kendall, sen_slope_ci
 from workloads.errors import describe_errors
 
@@ -121,8 +122,8 @@ class FailedRequests:
     kind: str = "errors"
 
     def describe(self) -> str:
-        return (f"{self.failed} of {self.requests} requests failed ({100 * self.failed / self.requests:.1f}% > "
-                f"{100 * self.max_share:g}% allowed, g4.max_error_share)" + (f": {self.errors}" if self.errors else ""))
+        return (f"{self.failed} of {self.requests} requests failed ({format_percent(self.failed / self.requests)} > "
+                f"{format_percent(self.max_share, 4, trim=True)} allowed, g4.max_error_share)" + (f": {self.errors}" if self.errors else ""))
 
 
 def failed_requests(window: dict, max_share: float) -> Optional[FailedRequests]:
