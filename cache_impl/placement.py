@@ -18,14 +18,16 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from .index import BlockIndex
 from .keys import Key
 from .lru import LRUAccount
 from .metrics import TierMetrics
-from .tiers.base import Tier
-from .writeback import WriteBehind
+
+if TYPE_CHECKING:  # annotations only: placement itself is torch-free (the sizing model replays with it)
+    from .tiers.base import Tier
+    from .writeback import WriteBehind
 
 
 @dataclass

@@ -55,15 +55,18 @@ bound is at least any capacity's overall ratio.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+import sys
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Optional, Sequence, Union
 
 from cache_impl import integrity
 from cache_impl.config import CacheConfig
+from cache_impl.lru import LRUAccount
+from cache_impl.metrics import TierMetrics
+from cache_impl.placement import Level, Placement
 from kvcore.settings import ConfigError
 
-Key = Hashable
+Key = Hashable              # a block's key (the cache's are bytes; any hashable replays the same)
 WritePolicy = Literal["write-through", "write-back"]
 WRITE_POLICIES = ("write-through", "write-back")
 POOL_TIER = "remote"        # the shared pool's tier name (cache_impl.tiers.remote)
@@ -109,41 +112,78 @@ def tier_capacities(config: CacheConfig, block_nbytes: int, pool_blocks: Optiona
     return levels
 
 
-# --------------------------------------------------------------------------- the simulator
+# --------------------------------------------------------------------------- the cache on keys
 
 
-class _Level:
-    __slots__ = ("rank", "name", "capacity", "accounted", "on_store", "lru", "hits", "evictions", "demotions",
-                 "lower")
+UNBOUNDED = sys.maxsize     # the capacity, in blocks, of a level without one
 
-    def __init__(self, rank: int, tier: TierCapacity, on_store: bool) -> None:
-        self.rank, self.name, self.capacity, self.accounted = rank, tier.name, tier.blocks, tier.accounted
-        self.on_store = on_store
-        self.lru: OrderedDict[Key, None] = OrderedDict()  # oldest first
-        self.hits = self.evictions = self.demotions = 0
-        self.lower: list[_Level] = []  # accounted levels below, nearest first
+
+class KeysOnlyTier:
+    """A tier that records which keys it holds and their sizes, no bytes: one block is one unit of
+    `stored_nbytes`, so a level of n blocks is an `LRUAccount` of n. An accounted tier's capacity is
+    the cache's to keep (`Placement`); a pool (`accounted=False`, shared by nodes) keeps its own:
+    `put` evicts its least recently put or read key, and its evictions count in `metrics`."""
+
+    stored_nbytes = 1
+
+    def __init__(self, name: str, accounted: bool = True, blocks: Optional[int] = None,
+                 metrics: Optional[TierMetrics] = None) -> None:
+        self.name, self.accounted, self.shared = name, accounted, not accounted
+        self.keys = LRUAccount(UNBOUNDED if accounted or blocks is None else blocks)
+        self.metrics = metrics if metrics is not None else TierMetrics()
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.keys
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        """Which keys the tier holds (a lookup: refreshes none, as Redis's EXISTS)."""
+        return [key in self.keys for key in keys]
+
+    def put(self, key: Key) -> bool:
+        """Hold a key (a put of one it holds refreshes it); False when it cannot fit at all."""
+        if key in self.keys:
+            self.keys.touch(key)
+            return True
+        victims = self.keys.victims(self.stored_nbytes, _unprotected)
+        if victims is None:
+            return False
+        for victim in victims:
+            self.keys.remove(victim)
+            self.metrics.add("evictions")
+        self.keys.add(key, self.stored_nbytes)
+        return True
+
+    def read(self, key: Key) -> None:
+        self.keys.touch(key)
+
+    def delete(self, key: Key) -> None:
+        self.keys.remove(key)
+
+
+def _unprotected(key: Key) -> bool:
+    return False
 
 
 class CacheSimulator:
-    """The cache's placement on keys: `load`, `store`, `promote`, as `TieredKVCache` does them."""
+    """`TieredKVCache`'s operations on keys: `load`, `store`, `promote`, each deciding with the cache's
+    own `Placement` (index, LRU accounts, victims, demotion targets) over `KeysOnlyTier`s."""
 
     def __init__(self, capacities: Sequence[TierCapacity], write_policy: WritePolicy = "write-through",
-                 _pool: Optional[_Level] = None) -> None:
+                 _pool: Optional[Level] = None) -> None:
         _check_levels(capacities, write_policy)
         through = write_policy == "write-through"
         self.write_policy = write_policy
-        self.levels = [_Level(rank, t, rank == 0 or through or not t.accounted) for rank, t in enumerate(capacities)]
-        if _pool is not None and not self.levels[-1].accounted:
-            self.levels[-1] = _pool          # a fleet's one pool, shared by every node's simulator
-        self.accounted = [level for level in self.levels if level.accounted]
-        self.pool = self.levels[-1] if not self.levels[-1].accounted else None
-        for i, level in enumerate(self.accounted):
-            level.lower = self.accounted[i + 1:]
+        levels = [_level(rank, tier, rank == 0 or through or not tier.accounted) for rank, tier in enumerate(capacities)]
+        if _pool is not None and levels[-1].lru is None:
+            levels[-1] = _pool               # a fleet's one pool, shared by every node's cache
+        self.placement = Placement(levels)
+        self.levels = self.placement.levels
+        self.pool = levels[-1] if levels[-1].lru is None else None
 
     @classmethod
     def fleet(cls, nodes: int, capacities: Sequence[TierCapacity],
               write_policy: WritePolicy = "write-through") -> list["CacheSimulator"]:
-        """`nodes` simulators with their own local levels of `capacities` and, when its last level is a
+        """`nodes` caches with their own local levels of `capacities` and, when its last level is a
         pool, that one pool shared by all (as kvgate's candidate nodes share the store it starts)."""
         if type(nodes) is not int or nodes < 1:
             raise ConfigError(f"nodes: expected an integer >= 1, found {nodes!r}")
@@ -155,42 +195,30 @@ class CacheSimulator:
         return tuple(level.name for level in self.levels)
 
     def holders(self, key: Key) -> list[str]:
-        """The levels that hold the block, top-down (like `TieredKVCache.where`, the pool included)."""
-        return [level.name for level in self.levels if key in level.lru]
+        """The levels that hold the block, top-down (`TieredKVCache.where`, the pool included)."""
+        pool = [self.pool.name] if self.pool is not None and key in self.pool.tier else []
+        return self.placement.where(key) + pool
 
     def load(self, keys: Sequence[Key]) -> list[int]:
         """Hit blocks per level (in level order) of the longest held prefix; refreshes each source."""
         hits = [0] * len(self.levels)
         for key, level in zip(keys, self._plan(keys)):
             hits[level.rank] += 1
-            level.hits += 1
-            level.lru.move_to_end(key)
+            if level.lru is None:
+                level.tier.read(key)
+            else:
+                self.placement.touch(level, key)
         return hits
 
-    def _plan(self, keys: Sequence[Key]) -> list[_Level]:
-        """The source level of each block of the longest prefix (`Placement.prefix` + `best`)."""
-        plan = []
-        for key in keys:
-            source = self._best_local(key)
-            if source is None:
-                break
-            plan.append(source)
-        pool = self.pool
-        if pool is None or len(plan) == len(keys):
-            return plan
-        asked = set(itertools.takewhile(pool.lru.__contains__, keys[len(plan):]))  # the pool's leading run
-        for key in keys[len(plan):]:
-            source = self._best_local(key) or (pool if key in asked else None)
-            if source is None:
-                break
-            plan.append(source)
-        return plan
-
-    def _best_local(self, key: Key) -> Optional[_Level]:
-        for level in self.accounted:
-            if key in level.lru:
-                return level
-        return None
+    def _plan(self, keys: Sequence[Key]) -> list[Level]:
+        """The source level of each block of the longest prefix (`TieredKVCache._plan_load`): the pool
+        is asked for its leading run of the blocks after the local prefix."""
+        extra: dict[Key, int] = {}
+        if self.pool is not None:
+            rest = keys[len(self.placement.prefix(keys)):]
+            held = sum(1 for _ in itertools.takewhile(bool, self.pool.tier.contains(rest)))
+            extra = dict.fromkeys(rest[:held], self.pool.bit)
+        return [self.placement.best(mask) for mask in self.placement.prefix(keys, extra)]
 
     def serve(self, request: RequestKeys) -> list[int]:
         """One request as the engine makes it: load its prompt's longest held prefix, store the rest of
@@ -206,57 +234,64 @@ class CacheSimulator:
     def store(self, keys: Iterable[Key]) -> int:
         """Store each block (`TieredKVCache._store_one`); returns how many were new."""
         stored = 0
-        top = self.levels[0]
+        top, lower = self.levels[0], self.levels[1:]
         for key in keys:
-            if self._best_local(key) is not None:
-                self._touch_everywhere(key)
+            if self.placement.known(key):
+                self.placement.touch_everywhere(key)
                 continue
-            fallback = not self._put(top, key)
-            for level in self.levels[1:]:
-                if level.on_store or (fallback and level.accounted):
+            fallback = not self._put(top, key)  # a block the device cannot take goes below at once
+            for level in lower:
+                if level.on_store or (fallback and level.lru is not None):
                     self._put(level, key)
             stored += 1
         return stored
 
     def promote(self, keys: Iterable[Key]) -> int:
-        """Copy just-loaded blocks to every accounted level the policy stores to that lacks them."""
+        """Copy just-loaded blocks to every accounted level the policy stores to that lacks them
+        (`TieredKVCache.promote`)."""
         placed = 0
         for key in keys:
-            for level in self.accounted:
-                if level.on_store and key not in level.lru:
+            for level in self.levels:
+                if level.on_store and level.lru is not None and not self.placement.holds(level, key):
                     placed += self._put(level, key)
-            self._touch_everywhere(key)
+            self.placement.touch_everywhere(key)
         return placed
 
-    def _touch_everywhere(self, key: Key) -> None:
-        for level in self.accounted:
-            if key in level.lru:
-                level.lru.move_to_end(key)
-
-    def _put(self, level: _Level, key: Key) -> bool:
-        """Make room (evicting least recently used blocks, demoting each), then place; False when it cannot fit.
-
-        The cache drops a victim after demoting it, this before: the same moves, since a demotion
-        only changes the levels below.
-        """
-        lru, capacity = level.lru, level.capacity
-        if key in lru:  # only a pool is asked to put what it has (a put that leaves the value as it is)
-            lru.move_to_end(key)
-            return True
-        if capacity is not None:
-            if capacity < 1:
-                return False
-            while len(lru) >= capacity:
-                victim = lru.popitem(last=False)[0]
-                level.evictions += 1
-                for lower in level.lower:
-                    if victim in lower.lru:
-                        break
-                    if self._put(lower, victim):
-                        level.demotions += 1
-                        break
-        lru[key] = None
+    def _put(self, level: Level, key: Key) -> bool:
+        """Place a block on one level, evicting the victims placement picks first (`TieredKVCache._put`);
+        False when it cannot fit."""
+        if level.lru is None:
+            return level.tier.put(key)
+        victims = self.placement.victims(level, level.tier.stored_nbytes)
+        if victims is None:
+            level.metrics.add("stores_refused")
+            return False
+        for victim in victims:
+            self._evict(level, victim)
+        level.tier.put(key)
+        self.placement.add(level, key)
         return True
+
+    def _evict(self, level: Level, key: Key) -> None:
+        """Remove a block from a level, first demoting it to the nearest lower level that has or takes it
+        (`TieredKVCache._evict`)."""
+        level.metrics.add("evictions")
+        for lower in self.placement.lower(level):
+            if self.placement.holds(lower, key):
+                break
+            if self._put(lower, key):
+                level.metrics.add("demotions")
+                break
+        level.tier.delete(key)
+        self.placement.remove(level, key)
+
+
+def _level(rank: int, capacity: TierCapacity, on_store: bool) -> Level:
+    """One level of the cache on keys: a keys-only tier and, when the cache accounts for it, its LRU account."""
+    metrics = TierMetrics()
+    tier = KeysOnlyTier(capacity.name, capacity.accounted, capacity.blocks, metrics)
+    lru = LRUAccount(UNBOUNDED if capacity.blocks is None else capacity.blocks) if capacity.accounted else None
+    return Level(rank, tier, metrics, lru, None, on_store)
 
 
 # --------------------------------------------------------------------------- replay
@@ -350,8 +385,8 @@ def replay(requests: Iterable[Union[RequestKeys, Sequence[Key]]], capacities: Se
     levels = {id(level): level for sim in sims for level in sim.levels}.values()   # the pool once
     counts = {name: {"evictions": 0, "demotions": 0} for name in sims[0].names}
     for level in levels:
-        counts[level.name]["evictions"] += level.evictions
-        counts[level.name]["demotions"] += level.demotions
+        counts[level.name]["evictions"] += level.metrics.counters["evictions"]
+        counts[level.name]["demotions"] += level.metrics.counters["demotions"]
     return ReplayResult(sims[0].names, write_policy, tuple(prompt_blocks), tuple(hits), tuple(seen_blocks),
                         {name: c["evictions"] for name, c in counts.items()},
                         {name: c["demotions"] for name, c in counts.items()},
