@@ -1,8 +1,10 @@
 """Hit ratio per tier of a workload: its block-key sequence replayed through the tiers' capacities.
 
 `CacheSimulator` is `cache_impl.manager.TieredKVCache` on keys alone (no bytes, no threads, no
-torch), with its rules (`cache_impl.placement`, `cache_impl.lru`), called per request the way the
-embedded engine (`cache_impl.engine`) calls the cache:
+torch): its levels are the cache's own `cache_impl.placement.Level`s, each over a `KeysOnlyTier`
+(the keys it holds, no bytes) with an `LRUAccount` of its blocks, and every decision (the prefix,
+the source level, victims, demotion targets) is the cache's `Placement`. It is called per request
+the way the embedded engine (`cache_impl.engine`) calls the cache:
 
 1. load: the longest prefix of the prompt's block keys some level holds; each block is read from
    the highest level holding it, a hit on that level, whose LRU entry is refreshed. A pool (the
@@ -144,12 +146,13 @@ class KeysOnlyTier:
         if key in self.keys:
             self.keys.touch(key)
             return True
-        victims = self.keys.victims(self.stored_nbytes, _unprotected)
-        if victims is None:
-            return False
-        for victim in victims:
-            self.keys.remove(victim)
-            self.metrics.add("evictions")
+        if not self.accounted:  # an accounted tier's room was made by the cache
+            victims = self.keys.victims(self.stored_nbytes, _unprotected)
+            if victims is None:
+                return False
+            for victim in victims:
+                self.keys.remove(victim)
+                self.metrics.add("evictions")
         self.keys.add(key, self.stored_nbytes)
         return True
 

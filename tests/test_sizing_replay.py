@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from cache_impl import integrity
+from cache_impl import integrity, lru, placement
 from cache_impl.config import CacheConfig
 from cache_impl.keys import block_keys
+from cache_impl.metrics import TierMetrics
 from cache_impl.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
 from gates.config import profile_defaults
-from sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
+from sizing.replay import CacheSimulator, KeysOnlyTier, RequestKeys, TierCapacity, replay, tier_capacities
 from sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
                                     trace_block_keys, workload_block_keys)
 from kvcore.settings import ConfigError
@@ -87,6 +88,30 @@ def test_a_pool_below_the_disk_serves_what_the_local_tiers_lost(make_cache, layo
     assert result.total_hits["remote"] > 0
     # an unbounded pool holds every block stored: the cache hits all it has seen
     assert result.overall_hit_ratio == pytest.approx(result.infinite_cache_bound)
+
+
+def test_the_replays_placement_is_the_caches_own():
+    # no mirror: the replay decides with cache_impl's Placement and LRUAccount objects, over keys-only tiers
+    sim = CacheSimulator([TierCapacity("device", 2), TierCapacity("host", 3), TierCapacity("remote", 4, accounted=False)])
+    assert type(sim.placement) is placement.Placement
+    assert all(type(level) is placement.Level for level in sim.levels)
+    assert [type(level.lru) for level in sim.levels] == [lru.LRUAccount, lru.LRUAccount, type(None)]
+    assert [level.lru.capacity_bytes for level in sim.levels[:2]] == [2, 3]     # one block = one unit
+    assert all(type(level.tier) is KeysOnlyTier for level in sim.levels)
+    sim.store(["a", "b", "c"])
+    assert sim.placement.where("a") == ["host"] and sim.placement.where("c") == ["device", "host"]
+    assert list(sim.levels[0].lru) == ["b", "c"] and sim.levels[0].metrics.counters["evictions"] == 1
+
+
+def test_a_keys_only_pool_keeps_its_own_capacity_least_recently_put_or_read_first():
+    metrics = TierMetrics()
+    pool = KeysOnlyTier("remote", accounted=False, blocks=2, metrics=metrics)
+    assert pool.shared and pool.put("a") and pool.put("b")
+    pool.read("a")                                   # a read refreshes; a lookup does not
+    assert pool.contains(["b", "x"]) == [True, False]
+    assert pool.put("c") and pool.contains(["a", "b", "c"]) == [True, False, True]
+    assert pool.put("a") and metrics.counters["evictions"] == 1     # a put of a held key only refreshes it
+    assert not KeysOnlyTier("remote", accounted=False, blocks=0).put("a")
 
 
 # --------------------------------------------------------------------------- the simulator's own figures
