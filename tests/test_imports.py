@@ -9,7 +9,8 @@ from tests.torch_probe import imports_torch
 
 @pytest.mark.parametrize("module", ["gates.cli", "gates.config", "kvcore.rundata", "kvcore.verdict",
                                     "reports.render", "cache_impl.config", "cache_impl.keys", "cache_impl.loaders",
-                                    "cache_impl.safetensors_dir", "workloads.checkpoint", "workloads.service_load",
+                                    "cache_impl.safetensors_dir", "cache_impl.placement", "cache_impl.lru",
+                                    "workloads.checkpoint", "workloads.service_load",
                                     "sizing.timing", "sizing.queueing", "sizing.calibration",
                                     "sizing.layout", "sizing.replay", "sizing.sequences",
                                     "kvcore.predictions", "workloads.live", "gates.fleet", "workloads.tier_hits",
