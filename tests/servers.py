@@ -69,9 +69,11 @@ class ServerProcess:
 
     def __init__(self, workdir: Path, api_key: Optional[str] = None, preset: Optional[str] = "tiny",
                  mode: str = "tiered", engine: Optional[dict] = None, cache_dir: Optional[Path] = None,
-                 admin: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+                 admin: bool = False, extra_args: tuple[str, ...] = (),
+                 entry: tuple[str, ...] = ("gates.cli", "serve")) -> None:
         """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache;
-        `admin`: with the admin routes, guarded by ADMIN_TOKEN; `preset` None: no --preset (--weights names it)."""
+        `admin`: with the admin routes, guarded by ADMIN_TOKEN; `preset` None: no --preset (--weights names it);
+        `entry`: the module run with `python -m` and its arguments (("cache_impl.serve_command",): kvgate-serve)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.cache_dir = cache_dir or workdir / "cache"
@@ -81,7 +83,7 @@ class ServerProcess:
             env["KVGATE_API_KEY"] = api_key
         if admin:
             env[ADMIN_TOKEN_ENV] = ADMIN_TOKEN
-        command = [sys.executable, "-m", "gates.cli", "serve", *(("--preset", preset) if preset else ()),
+        command = [sys.executable, "-m", *entry, *(("--preset", preset) if preset else ()),
                    "--mode", mode, "--host", "127.0.0.1", "--port", str(self.port), "--cache-dir", str(self.cache_dir)]
         if engine is not None:
             config = workdir / f"engine-{self.port}.yaml"

@@ -20,7 +20,7 @@ from tests.torch_probe import imports_torch
                                     "engines.sglang", "engines.generic", "engines.placement",
                                     "engines.settings", "gates.selftest", "workloads.reference_server",
                                     "kvcore.g3_analysis", "kvcore.loader_names", "gates.plan_command",
-                                    "gates.machine_probe"])
+                                    "gates.machine_probe", "cache_impl.serve_command"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not imports_torch(f"import {module}", tmp_path)
 
@@ -33,6 +33,12 @@ def test_help_init_and_report_do_not_import_torch(tmp_path):
             "import os, json\nos.makedirs('run', exist_ok=True)\n"
             "open('run/run.json', 'w').write(json.dumps({'run_id': 'r', 'gates': ['g1']}))\n"
             "main(['report', 'run'])\n")
+    assert not imports_torch(code, tmp_path)
+
+
+def test_kvgate_serve_help_does_not_import_torch(tmp_path):
+    code = ("from cache_impl.serve_command import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n")
     assert not imports_torch(code, tmp_path)
 
 
