@@ -56,6 +56,10 @@ DECODE_ROUNDS = 4
 _TARGET_TIER = {"candidate": "host", "baseline": "device"}
 
 
+# How a note of `calibrate` begins when it found no value for a constant; a constant taken from an earlier
+# calibration answers it, and the note goes (`Calibration.filled_from`).
+MISSING_NOTE = {"curve": "no recompute curve:", "decode": "no decode cost:"}
+
 @dataclass(frozen=True)
 class Calibration:
     """The fitted constants (None or empty: the run did not have what fits it)."""
@@ -101,7 +105,9 @@ class Calibration:
         if not taken:
             return self
         note = f"{', '.join(taken)} from {earlier.source or 'the configured calibration'} (this run has not measured them)"
-        return replace(self, **{name: getattr(earlier, name) for name in taken}, notes=(*self.notes, note))
+        answered = tuple(MISSING_NOTE[name] for name in taken if name in MISSING_NOTE)
+        kept = tuple(n for n in self.notes if not n.startswith(answered))   # "no recompute curve: …" once one is taken
+        return replace(self, **{name: getattr(earlier, name) for name in taken}, notes=(*kept, note))
 
     @property
     def best_loader_efficiency(self) -> Optional[float]:
@@ -364,9 +370,9 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
         curve = RecomputeCurve.fit(recompute)
         return curve, curve.a, efficiency, overhead, disk_gbps
     if not rows:
-        notes.append("no recompute curve: this run has no G2 TTFTs (G2 did not run, or measured none)")
+        notes.append(f"{MISSING_NOTE['curve']} this run has no G2 TTFTs (G2 did not run, or measured none)")
     else:
-        notes.append("no recompute curve: G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)")
+        notes.append(f"{MISSING_NOTE['curve']} G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)")
     return None, None, efficiency, overhead, disk_gbps
 
 
@@ -407,7 +413,7 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
                                                                     block_size, notes)
     decode = jitter = None
     if curve is None or kv_bytes_per_token is None:
-        notes.append("no decode cost: fitting it replays G3's requests, which needs the recompute curve and the "
+        notes.append(f"{MISSING_NOTE['decode']} fitting it replays G3's requests, which needs the recompute curve and the "
                      "KV bytes per token")
     else:
         timing = TimingModel(curve, TierBandwidths(host_gbps=host_gbps, disk_gbps=disk_gbps, overhead_s=overhead),
@@ -417,7 +423,7 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
         max_running, tier = int(engine.get("max_running", 8)), _TARGET_TIER.get(decode_target)
         decode = fit_decode(levels, timing, max_running, tier)
         if decode is None:
-            notes.append(f"no decode cost: no G3 records of the {decode_target} with gaps between tokens")
+            notes.append(f"{MISSING_NOTE['decode']} no G3 records of the {decode_target} with gaps between tokens")
         else:
             jitter = fit_jitter(levels, timing, decode, max_running, tier)
     loaders, checkpoint, service_start = _storage_constants(store)

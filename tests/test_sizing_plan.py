@@ -181,3 +181,21 @@ def test_a_plan_from_a_run_without_g2_says_so(tmp_path, capsys):
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert "no recompute curve: this run has no G2 TTFTs (G2 did not run, or measured none)" in notes
     assert not any("fewer than 3 context lengths" in note for note in notes)
+
+
+def test_a_constant_taken_from_an_earlier_calibration_drops_the_note_that_it_was_missing():
+    from sizing.calibration import Calibration
+    from sizing.queueing import DecodeCost
+    from sizing.timing import RecomputeCurve
+
+    missing = ("no recompute curve: this run has no G2 TTFTs (G2 did not run, or measured none)",
+               "no decode cost: fitting it replays G3's requests, which needs the recompute curve and the KV bytes "
+               "per token", "G2's hits reused 90% of the blocks at least, not every one: the fit takes every whole "
+               "block as cached")
+    own = Calibration(notes=missing, source="this run")
+    probe = Calibration(curve=RecomputeCurve(0.02, 3e-4, 0.0), source="the pre-flight's machine probe")
+    filled = own.filled_from(probe)          # the curve answers its note; the decode cost is still missing
+    assert filled.notes == (missing[1], missing[2],
+                            "curve from the pre-flight's machine probe (this run has not measured them)")
+    both = own.filled_from(Calibration(curve=probe.curve, decode=DecodeCost(0.0063, 0.0022), source="earlier"))
+    assert both.notes == (missing[2], "curve, decode from earlier (this run has not measured them)")
