@@ -79,14 +79,15 @@ def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
 
 def format_figure(value: Optional[float], unit: str) -> str:
     """A figure as the report's tables and the console show it (a claim, a prediction, a measurement):
-    31.2%, 13.3×, 1.21 GB/s."""
+    31.2%, 13.3×, 1.21 GB/s, 1,360 ms."""
     if value is None:
         return ""
     if unit == "%":
         return format_percent(value)
     if unit == "×":
         return f"{value:.1f}×"
-    return f"{value:.3g} {unit}".rstrip()
+    rounded = float(f"{value:.3g}")      # three significant figures, never an exponent: 1,360 ms, not 1.36e+03 ms
+    return (f"{rounded:,.0f} {unit}" if abs(rounded) >= 1000 else f"{value:.3g} {unit}").rstrip()
 
 
 def beside_text(shown: dict, unit: str) -> str:

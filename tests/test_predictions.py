@@ -130,3 +130,11 @@ def test_a_measurement_of_an_invalid_step_or_of_an_unjudged_verdict_is_not_a_jud
     g2 = {"metric": "disk_hit_ttft_vs_recompute", "value": 0.2, "context": {"context_tokens": 8192}}
     assert measurement_not_judged(g2, [verdict], []) == "invalid: too few rounds"
     assert measurement_not_judged(g2, [{**verdict, "status": "PASS", "valid": True}], []) is None
+
+
+def test_a_figure_is_written_to_three_significant_figures_without_an_exponent():
+    from kvcore.predictions import format_figure
+
+    assert format_figure(1360.4, "ms") == "1,360 ms" and format_figure(999.6, "ms") == "1,000 ms"
+    assert format_figure(62372, "IOPS") == "62,400 IOPS" and format_figure(136, "ms") == "136 ms"
+    assert format_figure(1.214, "GB/s") == "1.21 GB/s" and format_figure(0.3125, "") == "0.312"
