@@ -122,7 +122,9 @@ def why_not_measured(store: RunStore, claim: Claim, not_judged: Optional[str]) -
     if status.get("status") in (None, "not run"):
         if "pytest_exit_code" in status:      # its suite ran and judged nothing: no check applied
             return f"{gate}: {status.get('reason', '')}"
-        return f"{gate} did not run" + (f"; it needs {claim.needs}" if claim.needs else "")
+        reason = str(status.get("reason", ""))     # "not run: stopped at G2" says why
+        said = f"{gate} {reason}" if reason.startswith("not run") else f"{gate} did not run"
+        return said + (f"; it needs {claim.needs}" if claim.needs else "")
     return f"needs {claim.needs}" if claim.needs else ""
 
 

@@ -126,3 +126,12 @@ def test_a_claim_names_the_check_that_errored_for_its_figure_and_only_that_one(t
     rows = {row["id"]: row for row in claims_table(crashed, _claims())}
     assert rows["checkpoint_write_gbps"]["note"] == ("G2 errored: a check crashed outside its verdict (pytest exit 2): "
                                                      "see pytest.log")
+
+
+def test_a_claim_of_a_gate_stopped_by_an_earlier_one_says_where_it_stopped(tmp_path):
+    from kvcore.claims import run_claims, why_not_measured
+
+    store = RunStore(tmp_path)
+    store.set_status("g3", "not run", "not run: stopped at G2")
+    claim = next(c for c in run_claims(store) if c.gate == "g3")
+    assert why_not_measured(store, claim, None).startswith("G3 not run: stopped at G2")
