@@ -202,13 +202,20 @@ def test_a_known_good_pair_passes_in_abba_blocks_measured_from_each_blocks_first
     assert figures.ttft_interval[0] > 0.25 and figures.pairs == pairs
 
 
-def test_one_server_as_both_sides_gives_an_interval_that_covers_zero(servers, tmp_path):
+def test_one_server_as_both_sides_measures_no_difference_and_cannot_pass_the_rule(servers, tmp_path):
     one = servers[1]
     pair = [Target("baseline", one.url, one.model), Target("candidate", one.url, one.model)]
     rows = {r["target"]: r for r in run_sweep(pair, _workload(), _settings(tmp_path, 3, 3)).to_dict("records")}
     figures = pair_figures(level_pairs(rows["baseline"], rows["candidate"]))
     assert figures.valid and figures.pairs == 3, figures.invalid_reason
-    assert not excludes_null(figures.ttft_interval), figures
+    # A 95% interval excludes 0 in up to 5% of A/A runs by design (the simulation above counts that rate), and on
+    # a server this steady a sub-1% order effect can decide; what must hold every time: the A/A measures a
+    # difference near none, and the gate's rule cannot pass it.
+    low, high = figures.ttft_interval
+    assert -0.1 < low <= figures.ttft_reduction <= high < 0.1, figures
+    verdict = judge("g3", "c2", "G3 TTFT p50 reduction at c=2", figures.ttft_reduction, REDUCTION, unit="%",
+                    interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
+    assert verdict.status == "FAIL", verdict.reason
     assert rows["baseline"]["sampling"]["pairs"] == 3
 
 
