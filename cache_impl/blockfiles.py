@@ -220,6 +220,20 @@ class BlockDir:
 
     # -- every file ------------------------------------------------------------
 
+    def temp_files(self) -> int:
+        """Temp files below this directory now: writes in flight, or left behind by a write that never ended
+        (names only: no file is opened or stat'ed, so it is cheap enough for every /metrics scrape)."""
+        count = 0
+        with self._sub(".") as dir_fd, os.scandir(dir_fd) as top:
+            subs = [e.name for e in top if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        for sub in subs:
+            try:
+                with self._sub(sub) as dir_fd, os.scandir(dir_fd) as entries:
+                    count += sum(1 for e in entries if e.name.startswith(".") and e.name.endswith(TEMP_SUFFIX))
+            except OSError:
+                continue    # removed meanwhile
+        return count
+
     def walk(self) -> Iterator[Found]:
         """Every entry below this directory, classified; descends only into real `kk` directories."""
         with self._sub(".") as dir_fd, os.scandir(dir_fd) as top:  # its own descriptor: scandir moves the offset

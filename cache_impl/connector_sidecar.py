@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from .admin import add_admin_routes
 from .http_body import JsonBody
 from .http_errors import add_error_handlers
-from .metrics_export import CacheCollector
+from .metrics_export import CacheCollector, RuntimeCollector
 from .protocol import ApiError
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ def sidecar_app(owner: ConnectorOwner, token: str, counters: Callable[[], dict])
     registry = CollectorRegistry()
     registry.register(CacheCollector(owner.cache.snapshot, counters))
     ProcessCollector(registry=registry)      # vLLM's worker process: its KV and the host tier live in it
+    registry.register(RuntimeCollector())
 
     add_error_handlers(app, "kvgate.connector")
 

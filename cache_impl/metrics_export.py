@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Iterator
 
+import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .engine import Engine
@@ -64,6 +66,24 @@ class CacheCollector:
             yield family
 
 
+class RuntimeCollector:
+    """What a leak of the server's runtime would show (G4 trends them over a soak; `process_open_fds` is
+    prometheus_client's ProcessCollector's): the process's OS threads (Python's and the native libraries'),
+    and the tasks of the event loop serving the scrape."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("kvgate_process_threads", "OS threads of the server's process", self._process.num_threads())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:   # scraped off the event loop (a test's registry): no loop to count
+            return
+        yield _gauge("kvgate_asyncio_tasks", "tasks of the server's event loop, this scrape's included",
+                     len(asyncio.all_tasks(loop)))
+
+
 def _cache_metrics(cache: dict) -> Iterator[Metric]:
     tiers = cache["tiers"]
     for name, help_text in _TIER_COUNTERS.items():
@@ -97,6 +117,9 @@ def _cache_metrics(cache: dict) -> Iterator[Metric]:
     yield pending
     yield _gauge("kvgate_cache_pending_disk_writes", "disk writes queued",
                  tiers["disk"]["pending_writes"] if "disk" in tiers else 0)
+    if "disk" in tiers:
+        yield _gauge("kvgate_cache_temp_files", "temp files in the disk tier's directory (writes in flight)",
+                     tiers["disk"]["state"]["temp_files"])
     yield _counter("kvgate_cache_reindex_removed", "stored blocks refused and removed when re-indexing at start",
                    cache["reindex_removed"])
     if "remote" in tiers:

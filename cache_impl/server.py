@@ -33,7 +33,7 @@ from .http_errors import add_error_handlers
 from .auth import secret_matches
 from .engine import Engine, FinishEvent, GenerationRequest, QueueFullError, TokenEvent
 from .http_body import JsonBody
-from .metrics_export import EngineCollector
+from .metrics_export import EngineCollector, RuntimeCollector
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, chat_tokens, parse_request
 
 DEFAULT_MAX_TOKENS = 16
@@ -101,6 +101,7 @@ class _Routes:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine))
         ProcessCollector(registry=self.registry)
+        self.registry.register(RuntimeCollector())
 
     async def health(self) -> dict:
         cache = self.engine.cache

@@ -83,7 +83,7 @@ def _absolute_path(value: Any) -> Any:
 Positive = Annotated[Count, Field(ge=1)]
 
 
-FULL_SOAK_S = 72 * 3600  # the full profile's soak: the memory growth of every soak is projected this far
+FULL_SOAK_S = 72 * 3600  # the full profile's soak: the uptime a soak of 30 min or more certifies (g4 growth checks)
 PROFILES_DIR = Path(__file__).with_name("profiles")   # quick.yaml, full.yaml: each profile's defaults
 ProfileName = Literal["quick", "full"]
 PROFILE_NAMES: tuple[str, ...] = get_args(ProfileName)
@@ -639,9 +639,10 @@ class G4Config(StrictModel):
     concurrency: Count = Field(ge=1)
     memory_growth_limit_mib: Float = Field(default=512, gt=0, description=(
         "the most server memory outside the cache pools may grow over memory_growth_horizon_s"))
-    memory_growth_horizon_s: Optional[Float] = Field(default=FULL_SOAK_S, gt=0, description=(
-        "how far the measured memory slope is projected, at least duration_s (default 72 h: the full profile's "
-        "soak, the uptime G4 accepts a server for; null: the soak's own duration_s)"))
+    memory_growth_horizon_s: Optional[Float] = Field(default=None, gt=0, description=(
+        "the uptime the run certifies: how far each growth slope (memory, descriptors, threads, tasks, temp files) "
+        "is projected, at least duration_s (unset: 72 h for a soak of 30 min or more, the soak's own duration_s "
+        "for a shorter one)"))
     warmup_s: Float = Field(default=0, ge=0, description="the soak's first seconds, left out of the drift checks "
                             "(caches filling, memory ramping); errors and probes count from the start")
     drift_tolerance: Float = Field(default=0.05, gt=0, lt=1, description=(
@@ -651,11 +652,6 @@ class G4Config(StrictModel):
     faults: list[FaultSpec] = Field(default_factory=list, description=(
         "the fault schedule (the embedded candidate, or vLLM with kvgate's connector)"))
     thresholds: list[RuleField]
-
-    @property
-    def growth_horizon_s(self) -> float:
-        """How far the memory slope is projected: memory_growth_horizon_s, else the soak's duration."""
-        return self.memory_growth_horizon_s if self.memory_growth_horizon_s is not None else self.duration_s
 
     @model_validator(mode="after")
     def _faults_within_the_soak(self) -> "G4Config":

@@ -188,8 +188,9 @@ g4:
   warmup_s:                       # first seconds left out of the drift checks (caches filling)
   concurrency:
   memory_growth_limit_mib:        # most growth of server memory outside the cache pools over the horizon:
-  memory_growth_horizon_s:        # the memory slope projected this far (default 259200: 72 h, the full
-                                  # profile's soak; null: duration_s, as two minutes tell gross growth only)
+  memory_growth_horizon_s:        # the uptime certified: every growth slope (memory, descriptors, threads, tasks,
+                                  # temp files) projected this far (unset: 72 h for a soak of 30 min or more,
+                                  # duration_s for a shorter one, as two minutes tell gross growth only)
   drift_tolerance:                # largest trend over the soak (fraction of the level) in TTFT p99, throughput,
                                   # memory; two minutes tell gross drift only (full profile: 0.05)
   max_error_share:                # a window whose requests failed more than this is left out of the drift checks

@@ -137,8 +137,18 @@ G4_CHECKS = (
     Check("memory_drift_fraction", "rise of server memory outside the cache pools over the soak, fraction of its "
           "level", "lower", "%", rule_from="g4.drift_tolerance"),
     Check("memory_growth_mib", "growth of server memory outside the cache pools, its Theil-Sen slope projected "
-          "over g4.memory_growth_horizon_s (72 h by default)", "lower", "MiB",
+          "over the uptime the run certifies (g4.memory_growth_horizon_s; unset: 72 h for a soak of 30 min or "
+          "more, the soak's own length for a shorter one)", "lower", "MiB",
           rule_from="g4.memory_growth_limit_mib"),
+    # the server's runtime, projected as memory is (gates/g4_soak/analysis.py: RUNTIME_GROWTH)
+    Check("open_fds_growth", "growth of the server's open file descriptors, projected as memory is", "lower",
+          "descriptors", default=_at_most("open_fds_growth", 64)),
+    Check("threads_growth", "growth of the server's OS threads, projected as memory is", "lower", "threads",
+          default=_at_most("threads_growth", 16)),
+    Check("asyncio_tasks_growth", "growth of the server's event-loop tasks, projected as memory is", "lower",
+          "tasks", default=_at_most("asyncio_tasks_growth", 64)),
+    Check("disk_temp_files_growth", "growth of temp files in the disk tier's directory, projected as memory is",
+          "lower", "files", default=_at_most("disk_temp_files_growth", 16)),
 )
 
 CHECKS: dict[str, tuple[Check, ...]] = {"g1": G1_CHECKS, "g2": G2_CHECKS, "g3": G3_CHECKS, "g4": G4_CHECKS}

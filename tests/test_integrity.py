@@ -106,6 +106,18 @@ def test_restart_reindexes_verified_blocks_and_removes_temp_files_and_bad_blocks
     assert all(torch.equal(g, w) for g, w in zip(prefix.blocks, blocks))
 
 
+def test_the_disk_tiers_temp_files_are_counted_in_its_snapshot_and_a_published_write_leaves_none(make_cache,
+                                                                                                   layout):
+    """G4 trends the disk tier's temp files: a write that never ended (here one left by hand) stays counted."""
+    cache = _disk_only(make_cache)
+    tokens, _, paths = _stored_on_disk(cache, layout, n_blocks=3)
+    assert cache.snapshot()["tiers"]["disk"]["state"]["temp_files"] == 0      # every write published
+    for path in paths[:2]:
+        path.with_name(blockfiles.temp_name(path.name)).write_bytes(b"half a block")
+    (paths[2].parent / "not-ours.tmp").write_bytes(b"x")                     # not a temp name of the tier's
+    assert cache.snapshot()["tiers"]["disk"]["state"]["temp_files"] == 2
+
+
 def test_restart_follows_no_link_and_removes_only_the_tiers_own_files(make_cache, layout, tmp_path):
     cache = _disk_only(make_cache)
     tokens, blocks, paths = _stored_on_disk(cache, layout, n_blocks=4)

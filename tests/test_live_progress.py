@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gates.client_bench import _process
-from gates.g4_soak.soak import LiveWindow, WindowFeed
+from gates.g4_soak.soak import LiveWindow, WindowFeed, finished_at
 from gates.run import plain_progress_lines
 from kvcore.files import JsonlTail, append_jsonl
 from kvcore.rundata import RunStore
@@ -166,14 +166,36 @@ def test_a_soak_window_tells_its_figures_so_far_from_a_real_load(reference, tmp_
     load.join(30)
     assert told and [n for n, _ in told] == sorted(n for n, _ in told) and told[-1][0] > 0
     in_window = [r for r in _in_file_order(records_dir) if start <= r["sent_at"] < start + 1.5]
-    for count, p50 in told:
+    for count, p50 in told:                  # the live figures: the requests sent in the window so far
         if count:
             assert p50 == pytest.approx(_median_ttft_of_first(in_window, count))
-    # a window's records: those sent in it that landed by its end, all but the (at most 2) users' last in flight
+    # a window holds the requests that completed in it, each in one window only, none lost between them
     key = lambda r: (r["request_id"], r["sent_at"])  # noqa: E731
-    assert {key(r) for r in first} == {key(r) for r in in_window[:len(first)]}
-    assert len(in_window) - 2 <= len(first) and first
-    assert second and all(start + 1.5 <= r["sent_at"] < start + 3.0 for r in second)
+    landed = _in_file_order(records_dir)
+    assert {key(r) for r in first.records} == {key(r) for r in landed if finished_at(r) < start + 1.5}
+    assert first.records and second.records and not {key(r) for r in first.records} & {key(r) for r in second.records}
+    assert {key(r) for r in second.records} == {key(r) for r in landed if finished_at(r) < start + 3.0} - {
+        key(r) for r in first.records}
+    # the spans tile the time from the first window's start to the second's last completion
+    last_first = max(finished_at(r) for r in first.records)
+    assert first.span_s == pytest.approx(last_first - start)
+    assert second.span_s == pytest.approx(max(finished_at(r) for r in second.records) - last_first)
+
+
+def test_windows_by_completion_count_every_request_once_and_take_throughput_over_the_completions_span(tmp_path):
+    """Synthetic records (a load of 2 users, 1-s requests, 16 tokens): wall-clock windows by send time lost the
+    request running at each end; windows by completion count each once, over the span their completions tile."""
+    records_dir = tmp_path / "records"
+    start = time.time() + 0.3
+    rows = [{"request_id": f"r{k}", "sent_at": start - 0.9 + 0.5 * k, "e2e_s": 1.0, "ok": True, "ttft_s": 0.1,
+             "completion_tokens": 16} for k in range(7)]          # completing at start + 0.1, 0.6, ... 3.1
+    for row in rows:
+        append_jsonl(records_dir / "records-a.jsonl", row)
+    feed = WindowFeed(records_dir)
+    windows = [feed.wait(start + 1.5 * k, 1.5, 0.5) for k in range(2)]
+    assert [[r["request_id"] for r in w.records] for w in windows] == [["r0", "r1", "r2"], ["r3", "r4", "r5"]]
+    assert windows[0].span_s == pytest.approx(1.1) and windows[1].span_s == pytest.approx(1.5)
+    assert [16 * len(w.records) / w.span_s for w in windows] == pytest.approx([48 / 1.1, 32.0])
 
 
 # ---------------------------------------------------------------------------- the console

@@ -453,6 +453,11 @@ def test_metrics_is_prometheus_text_with_engine_cache_and_process_families(http)
     assert families["kvgate_requests_running"].type == "gauge"
     assert {s.labels["tier"] for s in samples["kvgate_cache_hits_total"]} == {"device", "host", "disk"}
     assert metric_value(samples, "process_resident_memory_bytes") > 0
+    # what G4 trends besides memory: descriptors, OS threads, event-loop tasks, the disk tier's temp files
+    assert metric_value(samples, "process_open_fds") > 0
+    assert metric_value(samples, "kvgate_process_threads") >= 2             # the event loop's and the engine's
+    assert metric_value(samples, "kvgate_asyncio_tasks") >= 1                # the scrape's own at least
+    assert metric_value(samples, "kvgate_cache_temp_files") == 0
 
 
 def test_health_is_ok(http):

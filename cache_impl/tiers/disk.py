@@ -256,8 +256,10 @@ class DiskTier:
         return filesystem_room(self.root)[1]
 
     def snapshot(self) -> dict:
-        """The I/O mode reads use, and, with `io_mode: auto`, the start-up probe that chose it."""
-        return {"io_mode": self.io_mode, **({"io_probe": self.probe.to_dict()} if self.probe else {})}
+        """The I/O mode reads use (with `io_mode: auto`, the start-up probe that chose it), and the temp files
+        in the tier now (writes in flight; one that stays is a leak)."""
+        return {"io_mode": self.io_mode, "temp_files": self._dir.temp_files(),
+                **({"io_probe": self.probe.to_dict()} if self.probe else {})}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -39,21 +39,34 @@ write-behind backlog during disk_full, retried reads) without leaking it; a leak
 stays after recovery and shows in the windows that follow. One rule for every trend figure
 keeps them comparable, and leaving a few windows of hundreds out costs little.
 
-Memory growth is also judged in MiB: the same slope, with its interval, carried over
-`g4.memory_growth_horizon_s` (72 h by default: the full profile's soak, the uptime G4 accepts a
-server for), not over the soak that measured it. A 30-minute soak rising 0.76 MiB a minute grew
-23 MiB while it ran and would have grown 3.2 GiB by 72 h; judged over its own 30 minutes it passed
-a 512 MiB limit. PASS when the projected interval is under the limit, FAIL when all of it is over,
-INCONCLUSIVE when a soak too short or too noisy to tell straddles it.
+Memory growth is also judged in MiB: the same slope, with its interval, carried over the uptime the
+run certifies (`growth_horizon`: `g4.memory_growth_horizon_s`; unset, 72 h for a soak of 30 minutes
+or more, the soak's own length for a shorter one, and the verdict says which), not over the soak
+that measured it. A 30-minute soak rising 0.76 MiB a minute grew 23 MiB while it ran and would have
+grown 3.2 GiB by 72 h; judged over its own 30 minutes it passed a 512 MiB limit. PASS when the
+projected interval is under the limit, FAIL when all of it is over, INCONCLUSIVE when a soak too short
+or too noisy to tell straddles it. The server's runtime is projected the same way (open descriptors,
+threads, event-loop tasks, the disk tier's temp files: `RUNTIME_GROWTH`): a leak of any is as fatal.
+
+How long a soak would decide (`Power`): from the judged windows' own noise (the standard deviation
+of their residuals about the Theil-Sen line; the fault and failed windows are already left out), the number of judged windows at which the interval
+would be narrower than the tolerance (a drift) or the limit (a projected growth), and the soak
+that holds them at this run's share of warm-up and fault windows. With σ the residual spread, n
+windows and Sen's interval 5% wider than least squares' would be (`SEN_WIDTH`, as measured on normal
+noise), the drift fraction's interval is 1.05·2·z·σ/level·√(12(n−1)/(n(n+1))) wide, about
+1.05·2·z·(σ/level)·√(12/n), and a growth's is 1.05·2·z·σ·√(12/(n(n²−1)))·(horizon / window).
+It is an estimate (windows assumed independent), printed beside an INCONCLUSIVE verdict so that a
+reviewer knows whether a longer soak, not a better system, is what is missing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from gates.config import FULL_SOAK_S
 from kvcore.percent import format_percent
 from kvcore.stats import mann_kendall, sen_slope_ci
 from workloads.errors import describe_errors
@@ -189,6 +202,7 @@ class Drift:
     p_value: Optional[float] = None
     trend: str = "too few windows"
     slope_interval: Optional[tuple[float, float]] = None   # the Sen slope's, per window (holds 0 if not significant)
+    noise: Optional[float] = None     # the residuals' standard deviation about the line (2 degrees used)
 
     @property
     def invalid_reason(self) -> str:
@@ -216,7 +230,7 @@ class Drift:
         return {"windows": self.windows, "excluded_windows": self.excluded, "level": self.level,
                 "sen_slope": self.sen_slope, "intercept": self.intercept, "change": self.change,
                 "interval": self.interval, "slope_interval": self.slope_interval, "p_value": self.p_value,
-                "trend": self.trend}
+                "trend": self.trend, "noise": self.noise}
 
 
 def drift(windows: Sequence[dict], metric: str, worse: str = "increasing", excluded: Sequence[int] = (),
@@ -239,8 +253,10 @@ def drift(windows: Sequence[dict], metric: str, worse: str = "increasing", exclu
     span = positions[-1] - positions[0]
     level = float(np.median(values))
     intercept = float(np.median(np.asarray(values) - slope * np.asarray(positions)))
+    residuals = np.asarray(values) - (intercept + slope * np.asarray(positions))
+    noise = float(np.std(residuals, ddof=2))
     figures = {**base, "level": level, "sen_slope": slope, "intercept": intercept, "change": slope * span,
-               "p_value": test["p_value"], "trend": test["trend"], "slope_interval": (lo, hi)}
+               "p_value": test["p_value"], "trend": test["trend"], "slope_interval": (lo, hi), "noise": noise}
     if level <= 0:
         return Drift(**figures)
     sign = (1.0 if worse == "increasing" else -1.0) * span / level
@@ -282,6 +298,116 @@ def project_growth(result: Drift, window_s: float, horizon_s: float) -> Optional
     lo, hi = result.slope_interval
     return GrowthProjection(horizon_s, result.change, result.sen_slope * per_hour, (lo * per_hour, hi * per_hour),
                             max(0.0, result.sen_slope) * windows, (max(0.0, lo) * windows, max(0.0, hi) * windows))
+
+
+LONG_SOAK_S = 1800.0                 # a soak this long or longer certifies FULL_SOAK_S (72 h) unless configured
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """How far G4 projects a growth: the uptime the run certifies, and why that one."""
+
+    seconds: float
+    why: str
+
+    def words(self) -> str:
+        return f"projected over {_duration_text(self.seconds)} ({self.why})"
+
+
+def growth_horizon(configured_s: Optional[float], duration_s: float) -> Horizon:
+    """`g4.memory_growth_horizon_s` when set; else 72 h for a soak of 30 minutes or more, and the soak's own
+    length for a shorter one (a smoke test, which certifies no uptime beyond itself)."""
+    if configured_s is not None:
+        return Horizon(configured_s, "the uptime this run certifies: g4.memory_growth_horizon_s")
+    if duration_s >= LONG_SOAK_S:
+        return Horizon(FULL_SOAK_S, "the uptime a soak of 30 min or more certifies, "
+                                           "g4.memory_growth_horizon_s unset")
+    return Horizon(duration_s, "the soak's own length: a soak under 30 min certifies no longer uptime")
+
+
+# the server's runtime figures G4 projects like memory: (window figure, unit, judged metric, what it counts)
+RUNTIME_GROWTH = (
+    ("open_fds", "descriptors", "open_fds_growth", "open file descriptors of the server's process"),
+    ("threads", "threads", "threads_growth", "OS threads of the server's process"),
+    ("asyncio_tasks", "tasks", "asyncio_tasks_growth", "tasks of the server's event loop"),
+    ("disk_temp_files", "files", "disk_temp_files_growth", "temp files in the disk tier's directory"),
+)
+
+Z_95 = 1.959964
+SEN_WIDTH = 1.05         # Sen's interval over least squares' under normal noise, measured at 20-300 windows
+MOST_WINDOWS = 10**7     # beyond this the estimate says "more than" (years of soak at any window)
+
+
+@dataclass(frozen=True)
+class Power:
+    """The judged windows (and the soak) at which an interval would be narrower than `width`, at the noise
+    measured; `windows` None when more than MOST_WINDOWS would be needed."""
+
+    width: float                    # the tolerance or limit, in the judged figure's unit
+    unit: str
+    windows_now: int
+    windows: Optional[int]
+    soak_s: Optional[float]
+
+    def words(self) -> str:
+        width = f"{format_percent(self.width, trim=True)}" if self.unit == "%" else f"{self.width:g} {self.unit}"
+        if self.windows is None:
+            return f"at this noise no soak under {MOST_WINDOWS:,} windows narrows the interval below {width}"
+        if self.windows <= self.windows_now:
+            return f"at this noise {self.windows} judged windows narrow the interval below {width} (this soak has " \
+                   f"{self.windows_now})"
+        return (f"at this noise an interval narrower than {width} needs ≈ {self.windows:,} judged windows, a soak of "
+                f"≈ {_duration_text(self.soak_s)} (this one judged {self.windows_now})")
+
+    def context(self) -> dict:
+        return {"windows_to_decide": self.windows, "soak_s_to_decide": self.soak_s}
+
+
+def _fewest_windows(width_at: Callable[[int], float], width: float) -> Optional[int]:
+    """The fewest windows n >= 3 with width_at(n) < width (width_at falls with n), None beyond MOST_WINDOWS."""
+    if width_at(MOST_WINDOWS) >= width:
+        return None
+    low, high = 3, MOST_WINDOWS
+    if width_at(low) < width:
+        return low
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if width_at(middle) < width else (middle, high)
+    return high
+
+
+def _soak_for(windows: int, result: Drift, window_s: float) -> float:
+    """The soak that holds `windows` judged windows at this run's share of windows left out."""
+    judged_share = result.windows / (result.windows + result.excluded)
+    return windows / judged_share * window_s
+
+
+def drift_power(result: Drift, tolerance: float, window_s: float) -> Optional[Power]:
+    """Judged windows (and soak) at which the drift fraction's interval would be narrower than `tolerance`."""
+    if result.noise is None or not result.level or result.level <= 0:
+        return None
+    relative = result.noise / result.level
+
+    def width_at(n: int) -> float:
+        return SEN_WIDTH * 2 * Z_95 * relative * (12.0 * (n - 1) / (n * (n + 1))) ** 0.5
+
+    windows = _fewest_windows(width_at, tolerance)
+    return Power(tolerance, "%", result.windows, windows,
+                 None if windows is None else _soak_for(windows, result, window_s))
+
+
+def growth_power(result: Drift, limit: float, unit: str, window_s: float, horizon_s: float) -> Optional[Power]:
+    """Judged windows (and soak) at which the projected growth's interval would be narrower than `limit`."""
+    if result.noise is None:
+        return None
+    carried = horizon_s / window_s
+
+    def width_at(n: int) -> float:
+        return SEN_WIDTH * 2 * Z_95 * result.noise * (12.0 / (n * (n * n - 1))) ** 0.5 * carried
+
+    windows = _fewest_windows(width_at, limit)
+    return Power(limit, unit, result.windows, windows,
+                 None if windows is None else _soak_for(windows, result, window_s))
 
 
 def _duration_text(seconds: float) -> str:

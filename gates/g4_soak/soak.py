@@ -9,6 +9,16 @@ A resumed soak reads them back, keeps every completed window and fault, and runs
 
 While a window runs, `on_live` is told its figures so far every `live_every_s` (`LiveWindow`): the
 records are read as they land (`WindowFeed`), each poll only what was appended since the last.
+
+A window holds the requests that completed in it, and its throughput is their tokens over the time
+from the previous window's last completion to its own (`CompletedWindow.span_s`): the spans tile the
+soak without gaps, each request counts once, and no window is cut in the middle of a request. (Windows
+by send time lost the requests still running at their end, one to `concurrency` of them, a
+window-to-window noise of the harness's own making in every trend G4 judges.)
+
+Each window also records the server's runtime from its /metrics (`RUNTIME_GAUGES`): open file
+descriptors, OS threads, event-loop tasks, the disk tier's temp files and blocks, which G4 trends and
+projects like memory (a leak of any is as fatal at 72 h).
 """
 
 from __future__ import annotations
@@ -60,19 +70,39 @@ def _answer(client: StreamingClient, request: WorkloadRequest) -> Optional[str]:
     return record.text if record.ok else None
 
 
+# a window's runtime figure: (the /metrics gauge, its labels); None in the row when the server has no such gauge
+RUNTIME_GAUGES = {
+    "open_fds": ("process_open_fds", {}),
+    "threads": ("kvgate_process_threads", {}),
+    "asyncio_tasks": ("kvgate_asyncio_tasks", {}),
+    "disk_temp_files": ("kvgate_cache_temp_files", {}),
+    "disk_blocks": ("kvgate_cache_blocks", {"tier": "disk"}),
+}
+
+
+def _gauge(samples: dict[tuple, float], name: str, labels: dict) -> Optional[float]:
+    """A gauge's value (the sum of its samples with `labels`), None when /metrics has no such sample."""
+    wanted = set(labels.items())
+    found = [v for (n, *pairs), v in samples.items() if n == name and wanted <= set(pairs)]
+    return sum(found) if found else None
+
+
 def server_figures(server_root: str) -> dict:
-    """Process memory, per-tier hits and disk usage from the server's /metrics."""
+    """Process memory, per-tier hits, disk usage and the runtime gauges (`RUNTIME_GAUGES`) from /metrics."""
     samples = AdminClient(server_root, timeout_s=30).metrics()
     used = per_tier(samples, "kvgate_cache_used_bytes")
     return {"rss_bytes": counter(samples, "process_resident_memory_bytes"),
             "hits": per_tier(samples, "kvgate_cache_hits_total"),
             "disk_used_bytes": used.get("disk", 0),
             # the device and host pools live in the server's memory (the disk's and the pool's do not)
-            "cache_memory_bytes": used.get("device", 0) + used.get("host", 0)}
+            "cache_memory_bytes": used.get("device", 0) + used.get("host", 0),
+            **{field: _gauge(samples, name, labels) for field, (name, labels) in RUNTIME_GAUGES.items()}}
 
 
 def _window_row(index: int, start_s: float, records: list[dict], server: dict, probes: list[bool],
-                window_s: float) -> dict:
+                span_s: float) -> dict:
+    """A window's row: `records` the requests that completed in it, `span_s` the seconds their completions span
+    (`CompletedWindow`), over which its throughput is taken."""
     ok = [r for r in records if r["ok"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {
@@ -80,12 +110,14 @@ def _window_row(index: int, start_s: float, records: list[dict], server: dict, p
         "errors": len(records) - len(ok), "errors_by_type": summarize_errors(records),
         "ttft_p50_ms": float(np.percentile(ttft, 50)) * 1e3 if ttft else None,
         "ttft_p99_ms": float(np.percentile(ttft, 99)) * 1e3 if ttft else None,
-        "output_tokens_per_s": sum(r["completion_tokens"] or 0 for r in ok) / window_s,
+        "output_tokens_per_s": sum(r["completion_tokens"] or 0 for r in ok) / span_s if span_s > 0 else None,
+        "span_s": span_s,
         "rss_mib": server.get("rss_bytes", 0) / 2**20, "hits": server.get("hits", {}),
         # memory that is not the cache's own pools (those fill up to their capacity by design)
         "rss_minus_cache_mib": (server.get("rss_bytes", 0) - server.get("cache_memory_bytes", 0)) / 2**20,
         "disk_used_mib": server.get("disk_used_bytes", 0) / 2**20,
         "probes": len(probes), "probes_identical": sum(probes),
+        **{field: server.get(field) for field in RUNTIME_GAUGES},
     }
 
 
@@ -93,8 +125,9 @@ def window_line(row: dict, planned: int) -> str:
     """A soak window in one line for the console: where the soak is and what the window measured."""
     p50, p99 = row.get("ttft_p50_ms"), row.get("ttft_p99_ms")
     ttft = "no TTFT" if p50 is None else f"TTFT p50 {p50:.0f} / p99 {p99:.0f} ms"
+    tokens = row.get("output_tokens_per_s")
     return (f"soak window {row['index'] + 1} / {planned} ({row['start_s']:.0f} s in): {row['requests']} requests, "
-            f"{row['errors']} errors, {ttft}, {row['output_tokens_per_s']:.1f} tokens/s, probes "
+            f"{row['errors']} errors, {ttft}, {'-' if tokens is None else f'{tokens:.1f}'} tokens/s, probes "
             f"{row['probes_identical']} / {row['probes']} identical, memory {row['rss_minus_cache_mib']:.0f} MiB "
             "outside the cache")
 
@@ -122,17 +155,38 @@ class LiveWindow:
                 f"{self.window_s:.0f} s, {self.requests} requests, {self.errors} errors, {ttft}")
 
 
+def finished_at(record: dict) -> float:
+    """When a request's record says it ended (a failure with no timing: when it was sent)."""
+    return record["sent_at"] + (record.get("e2e_s") or 0.0)
+
+
+@dataclass(frozen=True)
+class CompletedWindow:
+    """The requests that completed in a window, and the seconds from the previous window's last completion
+    (or the window's start) to this window's last (or its end, when none completed)."""
+
+    records: list[dict]
+    span_s: float
+
+
+# a record lands a moment after its request completes: the window is read this long after its end
+LANDING_GRACE_S = 0.5
+
+
 class WindowFeed:
-    """A load's request records by window, read as they land (each poll reads only what was appended)."""
+    """A load's request records by window of completion, read as they land (each poll reads only what was
+    appended)."""
 
     def __init__(self, records_dir: Path) -> None:
         self._tail = JsonlTail(records_dir, "records-*.jsonl")
-        self._later: list[dict] = []   # landed while an earlier window was read, sent after it
+        self._later: list[dict] = []          # landed, not yet completed in a window read
+        self._span_from: Optional[float] = None   # the last completion of the window read before
 
     def wait(self, start: float, window_s: float, every_s: float,
-             on_live: Optional[Callable[[LiveFigures, float], None]] = None) -> list[dict]:
-        """Wait for the window [start, start + window_s) to end; the records of the requests sent in it that
-        landed by then. Meanwhile, every `every_s` once it began, `on_live(figures so far, seconds in)`."""
+             on_live: Optional[Callable[[LiveFigures, float], None]] = None) -> CompletedWindow:
+        """Wait for the window [start, start + window_s) to end; the requests that completed by its end and
+        were not in an earlier window (a record landing late joins the next). Meanwhile, every `every_s` once
+        it began, `on_live(figures so far, seconds in)` (of the requests sent in the window so far)."""
         end = start + window_s
         rows = list(self._later)
         figures = LiveFigures(since=start, until=end)
@@ -144,9 +198,14 @@ class WindowFeed:
             figures.add(new)
             if on_live is not None and start <= time.time() < end:
                 on_live(figures, time.time() - start)
+        time.sleep(max(0.0, end + LANDING_GRACE_S - time.time()))
         rows += self._tail.read_new()
-        self._later = [r for r in rows if r["sent_at"] >= end]
-        return [r for r in rows if start <= r["sent_at"] < end]
+        done = [r for r in rows if finished_at(r) < end]
+        self._later = [r for r in rows if finished_at(r) >= end]
+        span_from = start if self._span_from is None else self._span_from
+        span_to = max((finished_at(r) for r in done), default=end)
+        self._span_from = max(span_to, span_from)
+        return CompletedWindow(done, self._span_from - span_from)
 
 
 class Soak:
@@ -207,11 +266,11 @@ class Soak:
         feed = WindowFeed(segment / "records")
         for k in range(windows):
             index, start_s = len(done) + k, offset + k * self.settings.window_s
-            records = feed.wait(begin + k * self.settings.window_s, self.settings.window_s,
-                                self.settings.live_every_s, self._live_teller(index, start_s, on_live))
+            window = feed.wait(begin + k * self.settings.window_s, self.settings.window_s,
+                               self.settings.live_every_s, self._live_teller(index, start_s, on_live))
             identical = [_answer(client, p) == expected[p.request_id] for p in probes]
-            row = _window_row(index, start_s, records, server_figures(self.server_root), identical,
-                              self.settings.window_s)
+            row = _window_row(index, start_s, window.records, server_figures(self.server_root), identical,
+                              window.span_s)
             append_jsonl(self.windows_path, row)
             if on_window is not None:
                 on_window(row)

@@ -13,10 +13,13 @@ probe's answer, and the probe must be served from the cache again afterwards.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 
 from engines import cache_admin, hit_reader
-from gates.g4_soak.analysis import drift, excluded_window_rows, fault_facts, project_growth, windows_touched
+from gates.g4_soak.analysis import RUNTIME_GROWTH, drift, drift_power, excluded_window_rows, fault_facts, \
+    growth_horizon, growth_power, project_growth, windows_touched
 from gates.g4_soak.soak import Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from kvcore.rules import Threshold
@@ -128,26 +131,53 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
         for w in windows:
             record(f"window_{metric}", result.trend_at(w["index"]), target="trend (Theil-Sen)",
                    window_start_s=w["start_s"], window=w["index"])
-    tolerance = gate_context.config.g4.drift_tolerance
-    verdict(f"G4 {label} over the soak ({result.words(unit)})", judged, result.fraction,
-            rule=Threshold(judged, "<=", tolerance), unit="%", interval=result.interval,
-            valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
+    config = gate_context.config.g4
+    power = drift_power(result, config.drift_tolerance, config.window_s)
+    if power is not None:
+        record(f"{judged}_power", power.windows, "windows", **power.context())
+    verdict(f"G4 {label} over the soak ({result.words(unit)}" + (f"; {power.words()}" if power else "") + ")",
+            judged, result.fraction, rule=Threshold(judged, "<=", config.drift_tolerance), unit="%",
+            interval=result.interval, valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
+
+
+def _judge_growth(gate_context, windows, fault_windows, record, verdict, figure: str, unit: str, judged: str,
+                  label: str, rule_from_config: Optional[Threshold] = None) -> None:
+    """A windowed figure's Theil-Sen slope projected over the uptime the run certifies, against its rule
+    (`rule_from_config` for a check whose rule a config field sets, else the gate's threshold or default)."""
+    config = gate_context.config.g4
+    limit = rule_from_config or gate_context.rule(judged)
+    horizon = growth_horizon(config.memory_growth_horizon_s, config.duration_s)
+    result = drift(windows, figure, excluded=fault_windows)
+    projection = project_growth(result, config.window_s, horizon.seconds)
+    if projection is None:
+        verdict(f"G4 {label} growth ({result.words(unit)})", judged, None, rule=rule_from_config, valid=False,
+                invalid_reason=result.invalid_reason)
+        return
+    power = growth_power(result, limit.value, unit, config.window_s, horizon.seconds) if limit is not None else None
+    record(judged, projection.growth, unit, sen_slope_per_window=result.sen_slope, windows=result.windows,
+           excluded_windows=result.excluded, horizon_why=horizon.why, noise=result.noise, **projection.context(),
+           **(power.context() if power else {}))
+    verdict(f"G4 {label} growth ({projection.words(unit)} ({horizon.why}); {result.words(unit)}"
+            + (f"; {power.words()}" if power else "") + ")", judged, projection.growth, rule=rule_from_config,
+            unit=unit, interval=projection.interval)
 
 
 def test_memory_growth_projected_over_the_horizon_stays_under_the_limit(gate_context, windows, fault_windows,
                                                                          record, verdict):
-    config = gate_context.config.g4
-    rule = Threshold("memory_growth_mib", "<=", config.memory_growth_limit_mib)
-    result = drift(windows, "rss_minus_cache_mib", excluded=fault_windows)
-    projection = project_growth(result, config.window_s, config.growth_horizon_s)
-    if projection is None:
-        verdict(f"G4 memory growth ({result.words('MiB')})", "memory_growth_mib", None, rule=rule, valid=False,
-                invalid_reason=result.invalid_reason)
-        return
-    record("memory_growth_mib", projection.growth, "MiB", sen_slope_mib_per_window=result.sen_slope,
-           windows=result.windows, excluded_windows=result.excluded, **projection.context())
-    verdict(f"G4 memory growth ({projection.words('MiB')}; {result.words('MiB')})", "memory_growth_mib",
-            projection.growth, rule=rule, unit="MiB", interval=projection.interval)
+    rule = Threshold("memory_growth_mib", "<=", gate_context.config.g4.memory_growth_limit_mib)
+    _judge_growth(gate_context, windows, fault_windows, record, verdict, "rss_minus_cache_mib", "MiB",
+                  "memory_growth_mib", "memory", rule_from_config=rule)
+
+
+@pytest.mark.parametrize("figure, unit, judged, label", RUNTIME_GROWTH, ids=[row[0] for row in RUNTIME_GROWTH])
+def test_runtime_growth_projected_over_the_horizon_stays_under_the_limit(gate_context, windows, fault_windows,
+                                                                          record, verdict, figure, unit, judged,
+                                                                          label):
+    """Descriptors, threads, event-loop tasks and temp files, each projected as memory is (a leak of any ends a
+    long uptime); a figure the candidate's /metrics does not give is not measured, and says so."""
+    if not any(w.get(figure) is not None for w in windows):
+        pytest.skip(f"the candidate's /metrics gives no {label} ({figure})")
+    _judge_growth(gate_context, windows, fault_windows, record, verdict, figure, unit, judged, label)
 
 
 def _fault_outcome(row: dict) -> tuple[bool, str]:
