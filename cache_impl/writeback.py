@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import errno
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 
 from .keys import Key
+from .thread_pools import started_pool
 from .tiers.base import Tier, write_block
 
 WORKERS = 2
@@ -34,7 +34,7 @@ class WriteBehind:
         self._pending: dict[Key, int] = {}
         self.pending_bytes = 0
         self.retried = 0
-        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=f"kv-{tier.name}-write")
+        self._pool = started_pool(WORKERS, f"kv-{tier.name}-write")
 
     def __contains__(self, key: Key) -> bool:
         return key in self._pending

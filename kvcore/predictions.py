@@ -77,17 +77,18 @@ def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
     return {**shown, "error": err, "error_text": text}
 
 
-def format_figure(value: Optional[float], unit: str) -> str:
+def format_figure(value: Optional[float], unit: str, signed: bool = False) -> str:
     """A figure as the report's tables and the console show it (a claim, a prediction, a measurement):
-    31.2%, 13.3×, 1.21 GB/s, 1,360 ms."""
+    31.2%, 13.3×, 1.21 GB/s, 1,360 ms; `signed`: with its sign (+43.2 MiB/h, -1,840 MiB/h)."""
     if value is None:
         return ""
     if unit == "%":
         return format_percent(value)
     if unit == "×":
         return f"{value:.1f}×"
+    sign = "+" if signed else ""
     rounded = float(f"{value:.3g}")      # three significant figures, never an exponent: 1,360 ms, not 1.36e+03 ms
-    return (f"{rounded:,.0f} {unit}" if abs(rounded) >= 1000 else f"{value:.3g} {unit}").rstrip()
+    return (f"{rounded:{sign},.0f} {unit}" if abs(rounded) >= 1000 else f"{value:{sign}.3g} {unit}").rstrip()
 
 
 def beside_text(shown: dict, unit: str) -> str:

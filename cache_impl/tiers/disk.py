@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -37,6 +36,7 @@ from ..config import DiskTierConfig
 from ..disk_room import check_reserve, filesystem_room
 from ..faults import FaultPoints
 from ..keys import Fingerprint, Key
+from ..thread_pools import started_pool
 from .base import Discovered, cpu_bytes
 from .disk_probe import IoProbe, probe_io_mode
 
@@ -55,9 +55,11 @@ class DiskTier:
         self._dir = blockfiles.BlockDir(self.root, create=True)
         check_reserve(config.path, filesystem_room(self.root)[0], config.min_free_bytes, config.capacity_bytes,
                       self.stored_nbytes)
-        self._pool = ThreadPoolExecutor(config.read_workers, thread_name_prefix="kv-disk-read")
         self._local = threading.local()
         self._padding = bytes(integrity.padded(self.payload_nbytes) - self.payload_nbytes)
+        # every reader started now with its staging buffers, read_workers x one padded block (thread_pools.py:
+        # the server's memory does not step up the first time reads are slow)
+        self._pool = started_pool(config.read_workers, "kv-disk-read", self._set_up_reader)
         self.shared = config.shared
         self.probe: Optional[IoProbe] = None
         self.io_mode = config.io_mode
@@ -122,6 +124,13 @@ class DiskTier:
         for worker in workers:
             worker.result()
         return reasons
+
+    def _set_up_reader(self) -> None:
+        """A reader's thread-local buffers, made when its thread starts (pinned ones only where CUDA is)."""
+        self._scratch(pinned=False)
+        self._header()
+        if torch.cuda.is_available():
+            self._scratch(pinned=True)
 
     def verify(self, key: Key) -> Optional[str]:
         """Read a stored block fully and check it; None when it is whole and ours."""

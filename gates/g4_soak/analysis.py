@@ -68,6 +68,7 @@ import numpy as np
 
 from gates.config import FULL_SOAK_S
 from kvcore.percent import format_percent
+from kvcore.predictions import format_figure
 from kvcore.stats import mann_kendall, sen_slope_ci
 from workloads.errors import describe_errors
 
@@ -280,8 +281,9 @@ class GrowthProjection:
     interval: tuple[float, float]
 
     def words(self, unit: str) -> str:
-        lo, hi = self.per_hour_interval
-        return (f"{self.measured:+.3g} {unit} measured, {self.per_hour:+.3g} {unit}/h [{lo:+.3g}, {hi:+.3g}], "
+        lo, hi = (format_figure(v, "", signed=True) for v in self.per_hour_interval)
+        return (f"{format_figure(self.measured, unit, signed=True)} measured, "
+                f"{format_figure(self.per_hour, f'{unit}/h', signed=True)} [{lo}, {hi}], "
                 f"projected over {_duration_text(self.horizon_s)}")
 
     def context(self) -> dict:
@@ -327,10 +329,10 @@ def growth_horizon(configured_s: Optional[float], duration_s: float) -> Horizon:
 
 # the server's runtime figures G4 projects like memory: (window figure, unit, judged metric, what it counts)
 RUNTIME_GROWTH = (
-    ("open_fds", "descriptors", "open_fds_growth", "open file descriptors of the server's process"),
-    ("threads", "threads", "threads_growth", "OS threads of the server's process"),
-    ("asyncio_tasks", "tasks", "asyncio_tasks_growth", "tasks of the server's event loop"),
-    ("disk_temp_files", "files", "disk_temp_files_growth", "temp files in the disk tier's directory"),
+    ("open_fds", "descriptors", "open_fds_growth", "open file descriptors"),
+    ("threads", "threads", "threads_growth", "OS threads"),
+    ("asyncio_tasks", "tasks", "asyncio_tasks_growth", "event-loop tasks"),
+    ("disk_temp_files", "files", "disk_temp_files_growth", "disk-tier temp files"),
 )
 
 Z_95 = 1.959964

@@ -20,7 +20,7 @@ import pytest
 from engines import cache_admin, hit_reader
 from gates.g4_soak.analysis import RUNTIME_GROWTH, drift, drift_power, excluded_window_rows, fault_facts, \
     growth_horizon, growth_power, project_growth, windows_touched
-from gates.g4_soak.soak import Soak, SoakSettings, window_line
+from gates.g4_soak.soak import RUNTIME_GAUGES, Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from kvcore.rules import Threshold
 from workloads.datasets import build_workload, sizer_for
@@ -42,7 +42,7 @@ def soak_run(gate_context, endpoints, adapters):
 
     def on_window(row: dict) -> None:
         for metric in ("ttft_p99_ms", "ttft_p50_ms", "output_tokens_per_s", "rss_mib", "rss_minus_cache_mib",
-                       "probes_identical"):
+                       "probes_identical", *RUNTIME_GAUGES):
             if row.get(metric) is not None:
                 store.record("g4", "soak", f"window_{metric}", row[metric], target="candidate",
                              window_start_s=row["start_s"], window=row["index"])
@@ -127,10 +127,7 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
                                                                  verdict, metric, unit, worse, judged, label):
     result = drift(windows, metric, worse, excluded=fault_windows)
     record(judged, result.fraction, "%", **result.context())
-    if result.sen_slope is not None:  # the line drawn across the soak beside the windowed figure
-        for w in windows:
-            record(f"window_{metric}", result.trend_at(w["index"]), target="trend (Theil-Sen)",
-                   window_start_s=w["start_s"], window=w["index"])
+    _record_trend_line(record, windows, metric, result)
     config = gate_context.config.g4
     power = drift_power(result, config.drift_tolerance, config.window_s)
     if power is not None:
@@ -138,6 +135,14 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
     verdict(f"G4 {label} over the soak ({result.words(unit)}" + (f"; {power.words()}" if power else "") + ")",
             judged, result.fraction, rule=Threshold(judged, "<=", config.drift_tolerance), unit="%",
             interval=result.interval, valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
+
+
+def _record_trend_line(record, windows, metric: str, result) -> None:
+    """The Theil-Sen line drawn across the soak beside the windowed figure (none without a slope)."""
+    if result.sen_slope is not None:
+        for w in windows:
+            record(f"window_{metric}", result.trend_at(w["index"]), target="trend (Theil-Sen)",
+                   window_start_s=w["start_s"], window=w["index"])
 
 
 def _judge_growth(gate_context, windows, fault_windows, record, verdict, figure: str, unit: str, judged: str,
@@ -177,6 +182,7 @@ def test_runtime_growth_projected_over_the_horizon_stays_under_the_limit(gate_co
     long uptime); a figure the candidate's /metrics does not give is not measured, and says so."""
     if not any(w.get(figure) is not None for w in windows):
         pytest.skip(f"the candidate's /metrics gives no {label} ({figure})")
+    _record_trend_line(record, windows, figure, drift(windows, figure, excluded=fault_windows))
     _judge_growth(gate_context, windows, fault_windows, record, verdict, figure, unit, judged, label)
 
 
