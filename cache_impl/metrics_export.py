@@ -105,6 +105,12 @@ def _cache_metrics(cache: dict) -> Iterator[Metric]:
         for tier, figures in tiers.items():
             family.add_metric([tier], figures[name])
         yield family
+    resident = GaugeMetricFamily("kvgate_cache_resident_bytes", "bytes of the server's memory the tier's pool "
+                                 "holds (pages touched so far, kept through evictions; 0 on disk or a GPU)",
+                                 labels=["tier"])
+    for tier, figures in tiers.items():
+        resident.add_metric([tier], figures["state"].get("resident_bytes", 0))
+    yield resident
     latency = HistogramMetricFamily("kvgate_cache_load_latency_seconds", "time to load a batch of blocks",
                                     labels=["tier"])
     for tier, figures in tiers.items():

@@ -64,3 +64,19 @@ def test_strided_views_of_a_request_kv_are_copied_block_by_block(monkeypatch):
     assert tier.read_into(keys, views) == [None] * 3
     assert runs == [(0, 1), (1, 1), (2, 1)]
     assert all(torch.equal(views[i], blocks[i]) for i in range(3))
+
+
+def test_a_pools_resident_bytes_are_the_slots_touched_and_stay_through_eviction():
+    """G4 subtracts the pools' resident bytes from the server's RSS: an eviction frees slots, not pages, so the
+    bytes in use would read each eviction as memory outside the cache."""
+    tier = HostTier(LAYOUT, 8 * LAYOUT.block_nbytes, pin_memory=False)
+    assert tier.snapshot() == {"resident_bytes": 0}
+    keys = [bytes([k]) * 16 for k in range(3)]
+    for key in keys:
+        tier.stage(key, torch.ones(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype))
+    assert tier.snapshot()["resident_bytes"] == 3 * LAYOUT.block_nbytes
+    for key in keys:
+        tier.delete(key)                                    # evicted: the slots are free, their pages resident
+    assert tier.snapshot()["resident_bytes"] == 3 * LAYOUT.block_nbytes
+    tier.stage(keys[0], torch.ones(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype))    # a freed slot taken again
+    assert tier.snapshot()["resident_bytes"] == 3 * LAYOUT.block_nbytes

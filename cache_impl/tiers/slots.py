@@ -29,12 +29,17 @@ class SlotPool:
         self.num_slots = num_slots
         self.stored_nbytes = layout.block_nbytes
         self._slot_of: dict[Key, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots - 1, -1, -1))   # a stack: freed slots are taken again first
+        # slots whose pages are resident: pinned memory is resident whole; else the slots used so far, which
+        # (the free list being a stack taken lowest first) are the slots below the highest one ever taken
+        self._resident_slots = num_slots if pin_memory else 0
+        self._in_process = self.pool.device.type == "cpu"
 
     def stage(self, key: Key, block: torch.Tensor) -> Key:
         if not self._free:
             raise MemoryError(f"{self.name} tier: no free slot (the manager makes room before writing)")
         slot = self._free.pop()
+        self._resident_slots = max(self._resident_slots, slot + 1)
         self._slot_of[key] = slot
         self.pool[slot].copy_(block)
         return key
@@ -86,7 +91,9 @@ class SlotPool:
         """Memory has no page cache."""
 
     def snapshot(self) -> dict:
-        return {}
+        """`resident_bytes`: the server's memory the pool holds now (its pages touched so far, which an eviction
+        does not give back; none for a pool on a GPU): what G4 subtracts from the RSS, not the bytes in use."""
+        return {"resident_bytes": self._resident_slots * self.stored_nbytes if self._in_process else 0}
 
     def close(self) -> None:
         """The pool is freed with the object."""
