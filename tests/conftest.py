@@ -10,6 +10,7 @@ import pytest
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
 from cache_impl.auth import ADMIN_TOKEN_ENV
 from tests.blocks import BLOCK
+from tests.live_vllm import LiveModel, VllmServer, vllm_python
 from tests.servers import ADMIN_TOKEN
 
 
@@ -19,6 +20,27 @@ def admin_token_in_environment():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
         yield ADMIN_TOKEN
+
+
+@pytest.fixture(scope="session")
+def live_vllm_model(tmp_path_factory) -> LiveModel:
+    """The live vLLM modules' model: kvgate's small one exported for vLLM (the venv installed on first use)."""
+    from cache_impl.hf_export import export_hf   # deferred: only the live modules need the exporter
+
+    python = vllm_python()
+    workdir = tmp_path_factory.mktemp("live-vllm")
+    return LiveModel(python, export_hf(workdir / "kvgate-small", "small", 0), workdir)
+
+
+@pytest.fixture(scope="session")
+def live_vllm_recompute(live_vllm_model: LiveModel):
+    """vLLM alone with prefix caching off, every prompt computed: the baseline and the reference answers of both
+    live modules (test_live_vllm, test_live_vllm_connector), started once a session."""
+    server = VllmServer(live_vllm_model.python, live_vllm_model.model, live_vllm_model.workdir, prefix_caching=False)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -128,3 +129,12 @@ class VllmServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
         return self.process.returncode
+
+
+@dataclass(frozen=True)
+class LiveModel:
+    """The venv's python and kvgate's small model exported for vLLM, in a work directory: one per session."""
+
+    python: Path
+    model: Path
+    workdir: Path

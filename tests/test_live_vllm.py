@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +21,9 @@ import httpx
 import pytest
 import yaml
 
-from cache_impl.hf_export import export_hf, generatable_ids
+from cache_impl.hf_export import generatable_ids
 from engines import EngineSpec, build_adapter
-from tests.live_vllm import SERVED_NAME, VllmServer, vllm_python
+from tests.live_vllm import SERVED_NAME, VllmServer
 from tests.servers import REPO, TINY_SWEEP, started_server
 from workloads.datasets import sizer_for
 
@@ -40,19 +39,15 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    python = vllm_python()
-    workdir = tmp_path_factory.mktemp("live-vllm")
-    model = export_hf(workdir / "kvgate-small", "small", 0)
-    servers = [VllmServer(python, model, workdir, prefix_caching=True),
-               VllmServer(python, model, workdir, prefix_caching=False)]
+def live(live_vllm_model, request):
+    """The prefix-caching vLLM (started first, so that it comes up beside the session's recompute one) and the
+    session's vLLM without prefix caching (conftest.py: shared with the connector's module)."""
+    caching = VllmServer(live_vllm_model.python, live_vllm_model.model, live_vllm_model.workdir, prefix_caching=True)
     try:
-        with ThreadPoolExecutor(2) as pool:           # both come up side by side (about a minute here)
-            list(pool.map(lambda server: server.wait_ready(), servers))
-        yield Live(model, *servers, workdir)
+        no_caching = request.getfixturevalue("live_vllm_recompute")
+        yield Live(live_vllm_model.model, caching.wait_ready(), no_caching, live_vllm_model.workdir)
     finally:
-        for server in servers:
-            server.stop()
+        caching.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +22,8 @@ import pytest
 import yaml
 
 from cache_impl.auth import ADMIN_TOKEN_HEADER
-from cache_impl.hf_export import export_hf
 from engines.metrics import parse_metrics
-from tests.live_vllm import SERVED_NAME, VllmServer, kvgate_connector_config, vllm_python
+from tests.live_vllm import SERVED_NAME, VllmServer, kvgate_connector_config
 from tests.servers import REPO, TINY_SWEEP, free_port
 from workloads.datasets import sizer_for
 
@@ -98,20 +96,19 @@ def complete(server: VllmServer, prompt: str, **extra) -> str:
 
 
 @pytest.fixture(scope="module")
-def connected(tmp_path_factory):
-    python = vllm_python()
+def connected(live_vllm_model, request, tmp_path_factory):
+    """vLLM with kvgate's connector, its disk tier in a directory of its own, and the session's vLLM alone
+    (conftest.py: started once, shared with test_live_vllm) as the recompute reference."""
     workdir = tmp_path_factory.mktemp("live-connector")
-    model = export_hf(workdir / "kvgate-small", "small", 0)
-    recompute = VllmServer(python, model, workdir, prefix_caching=False)
-    live = Connected(python, model, workdir, recompute, None, free_port())  # type: ignore[arg-type]
+    live = Connected(live_vllm_model.python, live_vllm_model.model, workdir, None, None,  # type: ignore[arg-type]
+                     free_port())
     live.server = live.start()
     try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda server: server.wait_ready(), (recompute, live.server)))
+        live.recompute = request.getfixturevalue("live_vllm_recompute")
+        live.server.wait_ready()
         yield live
     finally:
-        for server in (recompute, live.server):
-            server.stop()
+        live.server.stop()
 
 
 def _prompt(model: Path, tag: str, tokens: int = 1100) -> str:
