@@ -7,12 +7,14 @@ import subprocess
 import sys
 import time
 
+import httpx
 import numpy as np
 import psutil
 import pytest
 import yaml
 
 from gates.cli import main
+from gates.client_bench import _process
 from gates.config import ConfigError, load_config
 from gates.g4_soak.analysis import drift, drift_power, excluded_window_rows, fault_span, growth_horizon, \
     growth_power, project_growth, windows_touched
@@ -20,6 +22,9 @@ from kvcore.stats import mann_kendall
 from kvcore.rules import Threshold
 from kvcore.verdict import judge
 from kvcore.rundata import RunStore
+from workloads.faults import AdminClient
+from workloads.load import free_port
+from workloads.server_behaviour import Behaviour
 
 SOAK = {
     "targets": {"embedded": {"preset": "tiny", "max_running": 4, "device_capacity_blocks": 8,
@@ -474,3 +479,20 @@ def test_each_soak_window_is_said_in_one_line_for_the_console():
     line = window_line(row, 12)
     assert line.startswith("soak window 3 / 12 (20 s in): 10 requests, 1 errors, TTFT p50 250 / p99 446 ms")
     assert "14.4 tokens/s" in line and "probes 2 / 3 identical" in line and "memory 344 MiB outside the cache" in line
+
+
+def test_the_reference_server_leaks_a_descriptor_per_request_when_told_and_its_metrics_show_it():
+    """The known-bad candidate of `kvgate selftest`'s h-leak control: what G4's open_fds_growth must FAIL."""
+    assert [Behaviour(leak_fd_every=3).leaks(n) for n in range(1, 7)] == [False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="leak_fd_every: expected 0"):
+        Behaviour(leak_fd_every=-1)
+    port = free_port()
+    command = [sys.executable, "-m", "workloads.reference_server", "--port", str(port), "--ttft-ms", "1",
+               "--itl-ms", "1", "--tokens", "2", "--leak-fd-every", "1"]
+    with _process(command, port, "/health"):
+        admin = AdminClient(f"http://127.0.0.1:{port}", timeout_s=10)
+        before = admin.metrics()[("process_open_fds",)]
+        for _ in range(5):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       timeout=10, trust_env=False).raise_for_status()
+        assert admin.metrics()[("process_open_fds",)] == before + 5

@@ -15,7 +15,7 @@ import yaml
 from gates.cli import main
 from gates.config import load_config
 from gates.selftest import CONTROLS, controls_for
-from gates.selftest.controls import G3_SETTINGS, Server, gates_yaml, g3_run_seconds
+from gates.selftest.controls import G3_SETTINGS, G4_SETTINGS, Server, gates_yaml, g3_run_seconds
 from gates.selftest.expectations import ClaimNotMet, MustNotPass, MustPass, format_verdict, invalid_steps
 from gates.selftest.runner import ControlResult, ServerStartError, start_server, stop_server
 from workloads.client import StreamingClient
@@ -155,7 +155,10 @@ def test_every_controls_gates_yaml_is_a_valid_config(control, profile, tmp_path)
         assert loaded.targets.kind == "external"
         assert {loaded.targets.baseline.url, loaded.targets.candidate.url} == {
             config["targets"][role]["url"] for role in ("baseline", "candidate")}
-        assert loaded.g3.levels == G3_SETTINGS[profile]["levels"] and not loaded.g3.no_reuse.enabled
+        if "g3" in control.gates:
+            assert loaded.g3.levels == G3_SETTINGS[profile]["levels"] and not loaded.g3.no_reuse.enabled
+        if "g4" in control.gates:
+            assert loaded.g4.duration_s == G4_SETTINGS[profile]["duration_s"] and not loaded.g4.faults
     else:
         assert loaded.targets.kind == "embedded"
         assert not (loaded.g2.model_load.enabled or loaded.g2.checkpoint.enabled or loaded.g2.no_reuse.enabled)
@@ -171,7 +174,7 @@ def test_an_aa_control_points_both_roles_at_one_server_and_a_drift_spans_the_g3_
 
 def test_quick_runs_every_control_but_the_full_only_ones_and_a_named_one_alone():
     quick = {c.key for c in controls_for(full=False)}
-    assert quick == {"a-aa-mock", "b-serial-read", "c-failing", "d-invalid-only", "e-drift", "f-known-good"}
+    assert quick == {"a-aa-mock", "b-serial-read", "c-failing", "d-invalid-only", "e-drift", "f-known-good", "h-leak"}
     assert {c.key for c in controls_for(full=True)} == {c.key for c in CONTROLS}
     assert [c.key for c in controls_for(False, ("e-drift",))] == ["e-drift"]
     assert main(["selftest", "--control", "no-such-control"]) == 2

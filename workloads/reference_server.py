@@ -1,12 +1,13 @@
 """An OpenAI-style streaming server with controlled timing, to measure the load engine and to test the gates.
 
-It answers GET /v1/models (one model, `--model`), GET /health, and POST /v1/chat/completions and
+It answers GET /v1/models (one model, `--model`), GET /health, GET /metrics (its process's figures, the
+Prometheus client's: open descriptors, memory), and POST /v1/chat/completions and
 /v1/completions with as many content chunks as the request's max_tokens allows (at most `tokens`):
 the first after the TTFT, then one every ITL, then the finish chunk, a usage chunk and
 `data: [DONE]`. Plain asyncio, HTTP/1.1 with keep-alive and chunked encoding, so that it costs as
 little as possible and whatever latency a client adds above the TTFT is the client's (or the
 machine's). What it does with each request (drifting latency, an error schedule, usage that lies
-or has a field of the wrong type) is a `workloads.server_behaviour.Behaviour`, from the flags; with
+or has a field of the wrong type, a descriptor leak) is a `workloads.server_behaviour.Behaviour`, from the flags; with
 none it is the plain fixed-timing reference. Run: `python -m workloads.reference_server --port 8010`.
 """
 
@@ -15,8 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from http import HTTPStatus
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from .server_behaviour import Behaviour, parse_every, prompt_tokens_of
 
@@ -27,6 +31,7 @@ class ReferenceServer:
         self.started = time.monotonic()
         self.requests = 0       # completion requests so far (the error schedule's numbering)
         self.in_flight = 0
+        self.leaked: list = []  # descriptors kept open for good (Behaviour.leak_fd_every)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -37,6 +42,8 @@ class ReferenceServer:
                 method, path, body = request
                 if path.endswith("/health"):
                     await _plain(writer, 200, {"status": "ok"})
+                elif method == "GET" and path.endswith("/metrics"):   # the process's, as G4 reads a server's
+                    await _text(writer, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
                 elif method == "GET" and path.endswith("/models"):
                     await _plain(writer, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
                 else:
@@ -48,6 +55,8 @@ class ReferenceServer:
 
     async def _complete(self, writer: asyncio.StreamWriter, body: dict, chat: bool) -> None:
         self.requests += 1
+        if self.behaviour.leaks(self.requests):
+            self.leaked.append(open(os.devnull, "rb"))  # noqa: SIM115 (kept open: the leak is the point)
         status = self.behaviour.error_status(self.requests)
         if status is not None:
             await _plain(writer, status, {"error": {"message": f"scheduled error for request {self.requests}",
@@ -111,6 +120,12 @@ async def _plain(writer: asyncio.StreamWriter, status: int, payload: dict) -> No
     await writer.drain()
 
 
+async def _text(writer: asyncio.StreamWriter, body: bytes, content_type: str) -> None:
+    writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                 + body)
+    await writer.drain()
+
+
 def _chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
@@ -149,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="usage.prompt_tokens_details.cached_tokens (capped at the prompt's tokens)")
     parser.add_argument("--cached-tokens-as-string", action="store_true",
                         help="send cached_tokens as a string, a field of the wrong type")
+    parser.add_argument("--leak-fd-every", type=int, default=0, metavar="N",
+                        help="every N-th request keeps a file descriptor open for good (a leak G4 must catch)")
     return parser
 
 
@@ -157,7 +174,8 @@ def behaviour_from(args: argparse.Namespace) -> Behaviour:
                      drift_s=args.drift_s, fast_above_inflight=args.fast_above_inflight,
                      fast_ttft_ms=args.fast_ttft_ms, every=args.error_every, fraction=args.error_fraction,
                      fraction_status=args.error_status, usage_token_offset=args.usage_token_offset,
-                     cached_tokens=args.cached_tokens, cached_tokens_as_string=args.cached_tokens_as_string)
+                     cached_tokens=args.cached_tokens, cached_tokens_as_string=args.cached_tokens_as_string,
+                     leak_fd_every=args.leak_fd_every)
 
 
 def main() -> None:

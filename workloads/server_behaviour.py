@@ -11,6 +11,8 @@ negative controls:
 - errors: a schedule by request number (`every`: (n, status) pairs, e.g. 500 to every 3rd and 400 to every
   7th; the first that divides it wins) and a share of requests (`fraction` with `fraction_status`, spread
   evenly: request k fails when floor(k·f) steps up);
+- a leak: every `leak_fd_every`-th request opens a file descriptor it never closes (G4's known-bad
+  candidate: its /metrics' `process_open_fds` grows one per that many requests);
 - usage: the completion tokens it reports (`usage_token_offset` makes client and server counts disagree)
   and `prompt_tokens_details.cached_tokens` (`cached_tokens`; `cached_tokens_as_string`: a field of the
   wrong type, "128" instead of 128).
@@ -43,8 +45,11 @@ class Behaviour:
     usage_token_offset: int = 0                # reported completion tokens = streamed tokens + this
     cached_tokens: Optional[int] = None        # usage.prompt_tokens_details.cached_tokens (None: no details)
     cached_tokens_as_string: bool = False
+    leak_fd_every: int = 0                     # every n-th request keeps a descriptor open for good (0: none)
 
     def __post_init__(self) -> None:
+        if self.leak_fd_every < 0:
+            raise ValueError(f"leak_fd_every: expected 0 (no leak) or a request count >= 1, found {self.leak_fd_every}")
         if not 0 <= self.fraction < 1:
             raise ValueError(f"fraction: expected a share in [0, 1), found {self.fraction}")
         if (self.ttft_end_ms is None) != (self.drift_s <= 0):
@@ -75,6 +80,10 @@ class Behaviour:
         if self.fraction and math.floor(number * self.fraction) > math.floor((number - 1) * self.fraction):
             return self.fraction_status
         return None
+
+    def leaks(self, number: int) -> bool:
+        """Whether request `number` (from 1) leaks a descriptor."""
+        return bool(self.leak_fd_every) and number % self.leak_fd_every == 0
 
     def usage(self, prompt_tokens: int, streamed: int) -> dict:
         """The usage chunk's payload for a request that streamed `streamed` tokens."""

@@ -31,6 +31,11 @@ G3_SETTINGS: dict[str, dict] = {
     "full": {"levels": [2, 4], "duration_s": 20, "warmup_s": 3, "min_requests": 20, "min_blocks": 3,
              "max_blocks": 6},
 }
+# G4 for the leak control: a short soak without faults, windows short enough for a slope to be judged
+G4_SETTINGS: dict[str, dict] = {
+    "quick": {"duration_s": 30, "window_s": 3, "warmup_s": 3, "concurrency": 2},
+    "full": {"duration_s": 120, "window_s": 10, "warmup_s": 10, "concurrency": 2},
+}
 # G2 for the storage controls: the cold-read pairs only (model load, checkpoint and the no-reuse control off)
 G2_SETTINGS: dict[str, dict] = {
     "quick": {"contexts": [1024, 8192], "rounds": 1, "cold_read_pairs": 8, "cold_read_prefixes": 2},
@@ -112,6 +117,8 @@ CONTROLS: tuple[Control, ...] = (
             ("g3",), (NOT_COMPARED,), full_only=True,
             **_pair(_mock(*BASELINE_TIMING),
                     _mock(*FAST_TIMING, "--cached-tokens", "64", "--cached-tokens-as-string"))),
+    Control("h-leak", "a candidate leaking a file descriptor per request", ("g4",),
+            (MustFail("open_fds_growth"),), **_alone(_mock(*FAST_TIMING, "--leak-fd-every", "1"))),
 )
 
 
@@ -147,6 +154,8 @@ def gates_yaml(control: Control, profile: str, storage: str, urls: dict[str, str
     if "g3" in control.gates:
         config["g3"] = {**G3_SETTINGS[profile], "workload": dict(control.workload), "prime": control.prime,
                         "no_reuse": {"enabled": False}}
+    if "g4" in control.gates:
+        config["g4"] = {**G4_SETTINGS[profile], "workload": dict(control.workload), "faults": []}
     if "g2" in control.gates:
         config["g2"] = {**G2_SETTINGS[profile], "model_load": {"enabled": False},
                         "checkpoint": {"enabled": False}, "no_reuse": {"enabled": False}}
