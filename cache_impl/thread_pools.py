@@ -12,7 +12,7 @@ memory is spent while the server starts and stays level through faults.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Optional
 
 START_TIMEOUT_S = 60.0
@@ -25,8 +25,12 @@ def started_pool(workers: int, name: str, set_up: Optional[Callable[[], object]]
     ready = threading.Barrier(workers + 1, timeout=START_TIMEOUT_S)
 
     def start() -> None:                       # each waits for the others: the pool must start a new worker
-        if set_up is not None:
-            set_up()
+        try:
+            if set_up is not None:
+                set_up()
+        except BaseException:
+            ready.abort()                      # the others (and the caller) stop waiting at once
+            raise
         ready.wait()
 
     started = [pool.submit(start) for _ in range(workers)]
@@ -34,6 +38,12 @@ def started_pool(workers: int, name: str, set_up: Optional[Callable[[], object]]
         ready.wait()
     except threading.BrokenBarrierError:
         pool.shutdown(wait=False, cancel_futures=True)
+        wait(started, timeout=START_TIMEOUT_S)   # the barrier is broken: each started worker ends at once
+        done = [f for f in started if f.done() and not f.cancelled()]
+        failed = [f.exception() for f in done
+                  if f.exception() is not None and not isinstance(f.exception(), threading.BrokenBarrierError)]
+        if failed:
+            raise RuntimeError(f"{name}: a pool thread's set-up failed: {failed[0]}") from failed[0]
         raise RuntimeError(f"{name}: {workers} pool threads did not start within {START_TIMEOUT_S:g} s") from None
     for future in started:
         future.result()
