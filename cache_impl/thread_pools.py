@@ -37,11 +37,10 @@ def started_pool(workers: int, name: str, set_up: Optional[Callable[[], object]]
     try:
         ready.wait()
     except threading.BrokenBarrierError:
-        pool.shutdown(wait=False, cancel_futures=True)
-        wait(started, timeout=START_TIMEOUT_S)   # the barrier is broken: each started worker ends at once
-        done = [f for f in started if f.done() and not f.cancelled()]
-        failed = [f.exception() for f in done
-                  if f.exception() is not None and not isinstance(f.exception(), threading.BrokenBarrierError)]
+        pool.shutdown(wait=False)
+        wait(started, timeout=5.0)             # the barrier is broken: each worker ends at once (but a hung one)
+        failed = [f.exception() for f in started if f.done()
+                  and f.exception() is not None and not isinstance(f.exception(), threading.BrokenBarrierError)]
         if failed:
             raise RuntimeError(f"{name}: a pool thread's set-up failed: {failed[0]}") from failed[0]
         raise RuntimeError(f"{name}: {workers} pool threads did not start within {START_TIMEOUT_S:g} s") from None
