@@ -17,7 +17,7 @@ SHORT_G3 = {
                              "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
     "g3": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
-           "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5,
+           "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5, "min_blocks": 3, "max_blocks": 3,
            "no_reuse": {"level": 2, "workload": {"kind": "random", "requests": 1500,
                                                  "input_tokens": {"distribution": "uniform", "min": 300, "max": 900},
                                                  "output_tokens": {"distribution": "fixed", "mean": 8}}}},

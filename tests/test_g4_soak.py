@@ -291,7 +291,8 @@ def test_the_power_estimate_is_the_windows_at_which_the_interval_narrows_below_t
     relative = measured.noise / measured.level
     assert power.windows == pytest.approx(48 * (1.05 * 1.96 * relative / tolerance) ** 2, rel=0.05)
     assert power.windows > 200 and power.soak_s == pytest.approx(power.windows * WINDOW_S)
-    assert "needs ≈" in power.words() and "judged windows" in power.words() and "(this one judged 200)" in power.words()
+    words = power.words()
+    assert "needs ≈" in words and "judged windows" in words and "(this one judged 200)" in words
     at_estimate = np.median([_width(_noisy(power.windows, seed=seed)) for seed in range(1, 31)])
     at_half = np.median([_width(_noisy(power.windows // 2, seed=seed)) for seed in range(1, 31)])
     assert 0.85 * tolerance < at_estimate < 1.1 * tolerance and at_half > 1.2 * tolerance

@@ -48,15 +48,15 @@ projected interval is under the limit, FAIL when all of it is over, INCONCLUSIVE
 or too noisy to tell straddles it. The server's runtime is projected the same way (open descriptors,
 threads, event-loop tasks, the disk tier's temp files: `RUNTIME_GROWTH`): a leak of any is as fatal.
 
-How long a soak would decide (`Power`): from the judged windows' own noise (the standard deviation
-of their residuals about the Theil-Sen line; the fault and failed windows are already left out), the number of judged windows at which the interval
-would be narrower than the tolerance (a drift) or the limit (a projected growth), and the soak
-that holds them at this run's share of warm-up and fault windows. With σ the residual spread, n
-windows and Sen's interval 5% wider than least squares' would be (`SEN_WIDTH`, as measured on normal
-noise), the drift fraction's interval is 1.05·2·z·σ/level·√(12(n−1)/(n(n+1))) wide, about
-1.05·2·z·(σ/level)·√(12/n), and a growth's is 1.05·2·z·σ·√(12/(n(n²−1)))·(horizon / window).
-It is an estimate (windows assumed independent), printed beside an INCONCLUSIVE verdict so that a
-reviewer knows whether a longer soak, not a better system, is what is missing.
+How long a soak would decide (`Power`): from the judged windows' own noise (the standard deviation of
+their residuals about the Theil-Sen line; the fault and failed windows are already left out), the number
+of judged windows at which the interval would be narrower than the tolerance (a drift) or the limit (a
+projected growth), and the soak that holds them at this run's share of warm-up and fault windows. With σ
+the residual spread, n windows and Sen's interval 5% wider than least squares' would be (`SEN_WIDTH`, as
+measured on normal noise), the drift fraction's interval is 1.05·2·z·σ/level·√(12(n−1)/(n(n+1))) wide,
+about 1.05·2·z·(σ/level)·√(12/n), and a growth's is 1.05·2·z·σ·√(12/(n(n²−1)))·(horizon / window). It is
+an estimate (windows assumed independent), printed in each trend's verdict so that a reviewer of an
+INCONCLUSIVE one knows whether a longer soak, not a better system, is what is missing.
 """
 
 from __future__ import annotations
