@@ -141,8 +141,11 @@ def test_kvgate_run_takes_a_live_vllm_through_g2_and_g3(live, tmp_path):
     # G3: judged on valid block pairs, the hits counted by vLLM's own counters
     verdicts = {v["metric"]: v for v in gates["g3"]["verdicts"]}
     ttft = verdicts["ttft_p50_reduction"]
-    assert ttft["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and ttft["value"] is not None, ttft
-    assert "invalid" not in ttft["reason"], ttft["reason"]
+    if ttft["value"] is None:   # no valid pair: only for the reason a busy 2-core machine gives (vLLM's CPU
+        # inference beside the load engine lags its event loop), which the harness must then say
+        assert ttft["status"] == "INCONCLUSIVE" and "client saturated" in ttft["reason"], ttft
+    else:
+        assert ttft["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "blocks per target" in ttft["reason"], ttft
     rows = [json.loads(line) for line in (out / "gates" / "g3" / "measurements.jsonl").read_text().splitlines()]
     ratio = {row["context"]["target"]: row["value"] for row in rows if row["metric"] == "hit_ratio"}
     assert ratio["baseline"] == 0 and ratio["candidate"] > 0.5, ratio          # the responses' cached_tokens
