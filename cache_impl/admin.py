@@ -9,7 +9,7 @@ header (cache_impl/auth.py): 401 without it, 403 with another.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
@@ -72,10 +72,12 @@ def add_admin_routes(app: FastAPI, owner: CacheOwner, token: str, read_json: Jso
     app.include_router(router)
 
 
-def _token_check(token: str) -> Callable[[Request], None]:
-    """The dependency every admin route has: 401 without the token's header, 403 with another token."""
+def _token_check(token: str) -> Callable[[Request], Awaitable[None]]:
+    """The dependency every admin route has: 401 without the token's header, 403 with another token. A
+    coroutine: FastAPI runs a plain function dependency on AnyIO's worker threads, one more thread for each
+    admin call that overlaps another (a G4 fault's calls made the server's threads climb)."""
 
-    def require_token(request: Request) -> None:
+    async def require_token(request: Request) -> None:
         given = request.headers.get(ADMIN_TOKEN_HEADER)
         if given is None:
             raise ApiError(401, f"the admin routes need the admin token in the {ADMIN_TOKEN_HEADER} header",

@@ -10,6 +10,7 @@ own counters, the process's memory) and GET /health. The gates reach it through 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from .admin import add_admin_routes
 from .http_body import JsonBody
 from .http_errors import add_error_handlers
 from .metrics_export import CacheCollector, RuntimeCollector
+from .thread_pools import loop_offload_pool
 from .protocol import ApiError
 
 if TYPE_CHECKING:
@@ -97,9 +99,18 @@ class Sidecar:
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     lifespan="off"))
         self.server.install_signal_handlers = lambda: None  # vLLM owns the process's signals
-        self.thread = threading.Thread(target=self.server.run, name="kvgate-sidecar", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name="kvgate-sidecar", daemon=True)
         self.thread.start()
         logging.getLogger("kvgate.connector").info("kvgate connector sidecar on http://%s:%d", host, port)
+
+    def _serve(self) -> None:
+        """uvicorn on a loop of this thread's own, whose `asyncio.to_thread` threads are started whole."""
+        loop = asyncio.new_event_loop()
+        loop.set_default_executor(loop_offload_pool())
+        try:
+            loop.run_until_complete(self.server.serve())
+        finally:
+            loop.close()
 
     def stop(self) -> None:
         self.server.should_exit = True

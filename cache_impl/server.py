@@ -34,6 +34,7 @@ from .auth import secret_matches
 from .engine import Engine, FinishEvent, GenerationRequest, QueueFullError, TokenEvent
 from .http_body import JsonBody
 from .metrics_export import EngineCollector, RuntimeCollector
+from .thread_pools import loop_offload_pool
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, chat_tokens, parse_request
 
 DEFAULT_MAX_TOKENS = 16
@@ -70,6 +71,9 @@ def _lifespan(engine: Engine, startup: dict):
     """Start the engine (the timeline's `ready`), then drain it and flush its cache on shutdown."""
 
     async def lifespan(app: FastAPI):
+        # asyncio.to_thread's threads (request bodies decoded off the loop, admin evictions and flushes) started
+        # whole now, as many as asyncio's own default makes lazily (cache_impl/thread_pools.py)
+        asyncio.get_running_loop().set_default_executor(loop_offload_pool())
         engine.start()
         startup["ready"] = time.time()
         yield

@@ -5,12 +5,15 @@ readers served by 3 while reads are fast grows to 16 the first time they are slo
 brings its stack, its thread-local staging buffers and, under glibc, a malloc arena of its own: in
 G4 soaks of the embedded candidate the server's memory outside the cache pools stepped up 15-20
 MiB and its threads from 15 to 17 at the first slow_disk and disk_full faults, then held (a bounded
-step, but one that a 30-minute soak reads as a leak of 40 MiB/h). Started at once, the pool's
-memory is spent while the server starts and stays level through faults.
+step, but one that a 30-minute soak reads as a leak of 40 MiB/h); the event loop's default executor
+(`asyncio.to_thread`) added a thread at each of the first faults' admin calls, 23 to 27 in 45 minutes,
+which projected over 72 h is hundreds. Started at once, a pool's threads and memory are spent while
+the server starts and stay level through faults.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Optional
@@ -47,3 +50,9 @@ def started_pool(workers: int, name: str, set_up: Optional[Callable[[], object]]
     for future in started:
         future.result()
     return pool
+
+
+def loop_offload_pool() -> ThreadPoolExecutor:
+    """An event loop's default executor (`asyncio.to_thread`), started whole: as many threads as asyncio's own
+    default would make one at a time (min(32, CPUs + 4))."""
+    return started_pool(min(32, (os.cpu_count() or 1) + 4), "kv-loop-offload")

@@ -20,6 +20,7 @@ import string
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPResponse
 
 import httpx
@@ -525,6 +526,17 @@ def test_an_admin_route_serves_the_right_token(server, http):
     assert os.environ[ADMIN_TOKEN_ENV] == ADMIN_TOKEN
     assert AdminClient(server.base_url).locate(prompt="x" * 600)[0]["index"] == 0
     assert AdminClient(server.base_url, token=ADMIN_TOKEN).flush() == {"flushed": True}
+
+
+def test_concurrent_admin_calls_and_requests_start_no_thread_the_server_did_not_start_with(server, http):
+    """G4 trends the server's threads: work sent off the event loop runs on threads started with the server
+    (the loop's offload pool), so a burst of admin calls, as each G4 fault makes, adds none."""
+    threads = metric_value(metrics(http), "kvgate_process_threads")
+    admin = AdminClient(server.base_url, token=ADMIN_TOKEN)
+    calls = [lambda: admin.evict(("device", "host")), admin.flush, admin.drop_page_cache] * 6
+    with ThreadPoolExecutor(len(calls)) as pool:
+        list(pool.map(lambda call: call(), calls))
+    assert metric_value(metrics(http), "kvgate_process_threads") == threads
 
 
 @pytest.mark.parametrize("path", ["/admin/faults", "/admin/cache/evict", "/admin/cache/locate"])
