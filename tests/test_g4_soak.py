@@ -165,6 +165,15 @@ def test_each_fault_touches_the_windows_from_its_injection_to_its_recovery():
     assert touched == {"flip_byte": [5], "read_error": [9, 10], "never": [25, 26], "failed": [28, 29]}
 
 
+def test_a_fault_injected_while_a_windows_server_figures_are_read_touches_that_window_too():
+    """The 2-hour soak: faults due at multiples of the window are injected as the window before reads the server's
+    memory (its end plus the probes, ~1 s); that window's memory measured the fault (386 vs 358-366 MiB)."""
+    windows = [{**w, "sampled_s": w["start_s"] + WINDOW_S + 1.2} for w in _soak_windows(count=30)]
+    row = _fault_row("disk_full", 1200)                                 # injected 1200.2 s: window 20 starts at 1200
+    assert sorted(windows_touched(windows, [row], WINDOW_S)) == [19, 20]
+    assert sorted(windows_touched(_soak_windows(count=30), [row], WINDOW_S)) == [20]   # rows without sampled_s
+
+
 def test_a_fault_row_from_before_the_soak_clock_falls_back_to_its_schedule():
     old = {"kind": "read_error", "at_s": 600, "injected_at": 1.7e9, "error": None, "detail": {"duration_s": 5},
            "recovered_after_s": 1.0}

@@ -2,7 +2,7 @@
 G4's quick-profile load, sampling the server's memory every interval (issue 13, item 6).
 
 `python3 tools/memory_soak.py OUT_DIR [--minutes 9] [--interval 60] [--tracemalloc FRAMES] [--trim-every S]
-[--evict-at S ...] [--faults-every S] [--env K=V ...]`
+[--evict-at S ...] [--faults-every S [--fault-kinds KIND ...]] [--env K=V ...]`
 writes OUT_DIR/memory.jsonl (tools/memprobe.py's rows, inside the server) and OUT_DIR/gate.jsonl
 (the gate's own figure, `rss_minus_cache_mib`, from /metrics as gates/g4_soak/soak.py reads it),
 then prints one line per sample. `--faults-every S` injects G4's five faults (flip_byte, read_error,
@@ -50,6 +50,8 @@ def main() -> int:
                         help="seconds into the load: evict the device and host tiers, as each G4 fault does")
     parser.add_argument("--faults-every", type=float, default=0,
                         help="seconds per cycle of G4's five faults (one every S/5 s, from S/5 s into the load)")
+    parser.add_argument("--fault-kinds", nargs="+", default=list(G4_FAULTS), choices=G4_FAULTS,
+                        help="the faults --faults-every cycles through (default: G4's five)")
     parser.add_argument("--env", action="append", default=[])
     args = parser.parse_args()
     args.out.mkdir(parents=True)
@@ -100,8 +102,9 @@ def _fault_schedule(args, workload, target: Target, admin: AdminClient, duration
     """G4's five faults, one every `--faults-every`/5 s until the end, against the first probe (None: no faults)."""
     if not args.faults_every:
         return None
-    step = args.faults_every / len(G4_FAULTS)
-    faults = [FaultSpec(kind=G4_FAULTS[k % len(G4_FAULTS)], at_s=step * (k + 1))
+    kinds = args.fault_kinds
+    step = args.faults_every / len(kinds)
+    faults = [FaultSpec(kind=kinds[k % len(kinds)], at_s=step * (k + 1))
               for k in range(int(duration / step) - 1)]
     probe = probe_requests(workload)[0]
     client = StreamingClient(target.url, target.model, target.api, target="probe")

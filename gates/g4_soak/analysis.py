@@ -163,7 +163,10 @@ def windows_touched(windows: Sequence[dict], rows: Sequence[dict], window_s: flo
             touched.setdefault(int(window["index"]), []).append(failed)
     for window in windows:
         start = float(window["start_s"])
-        hits = [span for span in spans if start <= span.end_s and span.start_s < start + window_s]
+        # its requests ran until start + window_s; its server figures were read a moment later (`sampled_s`): a
+        # fault injected in that moment, as one due at a window's end is, is in the window's memory figure
+        end = max(start + window_s, float(window.get("sampled_s") or 0.0))
+        hits = [span for span in spans if start <= span.end_s and span.start_s < end]
         if hits:
             touched.setdefault(int(window["index"]), []).extend(hits)
     return touched

@@ -272,8 +272,9 @@ class Soak:
             window = feed.wait(begin + k * self.settings.window_s, self.settings.window_s,
                                self.settings.live_every_s, self._live_teller(index, start_s, on_live))
             identical = [_answer(client, p) == expected[p.request_id] for p in probes]
-            row = _window_row(index, start_s, window.records, server_figures(self.server_root), identical,
-                              window.span_s)
+            server = server_figures(self.server_root)
+            row = _window_row(index, start_s, window.records, server, identical, window.span_s)
+            row["sampled_s"] = offset + (time.time() - begin)   # when its server figures were read (soak clock)
             append_jsonl(self.windows_path, row)
             if on_window is not None:
                 on_window(row)
