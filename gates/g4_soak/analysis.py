@@ -416,8 +416,10 @@ def growth_power(result: Drift, limit: float, unit: str, window_s: float, horizo
 
 
 def _duration_text(seconds: float) -> str:
-    return f"{seconds / 3600:.3g} h" if seconds >= 3600 else f"{seconds / 60:.3g} min" if seconds >= 60 \
-        else f"{seconds:g} s"
+    """"72 h", "2,440 h", "30 min", "45 s": three significant figures, never an exponent."""
+    if seconds >= 3600:
+        return format_figure(seconds / 3600, "h")
+    return format_figure(seconds / 60, "min") if seconds >= 60 else format_figure(seconds, "s")
 
 
 def _p_text(p_value: float) -> str:
