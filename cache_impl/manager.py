@@ -485,7 +485,10 @@ class TieredKVCache:
 
     def snapshot(self) -> dict:
         """Per-tier counters, occupancy and state, plus index size and queued writes. A tier's capacity is
-        what it can really fill: the disk tier's, what its filesystem leaves it (`disk_room`)."""
+        what it can really fill: the disk tier's, what its filesystem leaves it (`disk_room`). Each tier's own
+        state is read before the lock is taken (the disk tier's counts its temp files on the filesystem: a
+        scrape must not hold up loads and stores meanwhile)."""
+        states = {level.name: level.tier.snapshot() for level in self.levels}
         with self._lock:
             tiers = {}
             for level in self.levels:
@@ -498,7 +501,7 @@ class TieredKVCache:
                     "used_bytes": lru.used_bytes if lru is not None else 0,
                     "capacity_bytes": room.usable_bytes if room is not None else capacity,
                     "pending_writes": len(level.writer) if level.writer is not None else 0,
-                    "state": level.tier.snapshot(),
+                    "state": states[level.name],
                 }
             return {
                 "tiers": tiers,

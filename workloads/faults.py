@@ -133,9 +133,19 @@ def _located_block(block: object, field: str) -> dict:
 
 
 def counter(samples: dict[tuple, float], name: str, **labels: str) -> float:
-    """The sum of a metric's samples whose labels include `labels`."""
+    """The sum of a metric's samples whose labels include `labels` (0 when there is none)."""
+    return sum(_matching(samples, name, labels))
+
+
+def gauge(samples: dict[tuple, float], name: str, **labels: str) -> Optional[float]:
+    """As `counter`, but None when /metrics has no such sample (a figure the server does not give)."""
+    found = _matching(samples, name, labels)
+    return sum(found) if found else None
+
+
+def _matching(samples: dict[tuple, float], name: str, labels: dict) -> list[float]:
     wanted = set(labels.items())
-    return sum(v for (n, *pairs), v in samples.items() if n == name and wanted <= set(pairs))
+    return [v for (n, *pairs), v in samples.items() if n == name and wanted <= set(pairs)]
 
 
 def per_tier(samples: dict[tuple, float], name: str) -> dict[str, float]:

@@ -355,7 +355,7 @@ class Power:
     soak_s: Optional[float]
 
     def words(self) -> str:
-        width = f"{format_percent(self.width, trim=True)}" if self.unit == "%" else f"{self.width:g} {self.unit}"
+        width = format_percent(self.width, trim=True) if self.unit == "%" else f"{self.width:g} {self.unit}"
         if self.windows is None:
             return f"at this noise no soak under {MOST_WINDOWS:,} windows narrows the interval below {width}"
         if self.windows <= self.windows_now:

@@ -37,7 +37,7 @@ from gates.g4_soak.fault_schedule import FaultSchedule
 from kvcore.files import JsonlTail, append_jsonl, read_jsonl_file as read_jsonl, write_json
 from workloads.client import StreamingClient
 from workloads.errors import summarize_errors
-from workloads.faults import AdminClient, CacheAdmin, counter, per_tier
+from workloads.faults import AdminClient, CacheAdmin, counter, gauge, per_tier
 from workloads.live import LiveFigures
 from workloads.load import Target, run_load
 from workloads.requests import Workload, WorkloadRequest
@@ -80,13 +80,6 @@ RUNTIME_GAUGES = {
 }
 
 
-def _gauge(samples: dict[tuple, float], name: str, labels: dict) -> Optional[float]:
-    """A gauge's value (the sum of its samples with `labels`), None when /metrics has no such sample."""
-    wanted = set(labels.items())
-    found = [v for (n, *pairs), v in samples.items() if n == name and wanted <= set(pairs)]
-    return sum(found) if found else None
-
-
 def server_figures(server_root: str) -> dict:
     """Process memory, per-tier hits, disk usage and the runtime gauges (`RUNTIME_GAUGES`) from /metrics."""
     samples = AdminClient(server_root, timeout_s=30).metrics()
@@ -99,7 +92,7 @@ def server_figures(server_root: str) -> dict:
             # bytes in use would read every eviction (each G4 fault's) as memory outside the cache; a cache that
             # does not say what it holds resident: the device and host tiers' bytes in use
             "cache_memory_bytes": sum(resident.values()) if resident else used.get("device", 0) + used.get("host", 0),
-            **{field: _gauge(samples, name, labels) for field, (name, labels) in RUNTIME_GAUGES.items()}}
+            **{field: gauge(samples, name, **labels) for field, (name, labels) in RUNTIME_GAUGES.items()}}
 
 
 def _window_row(index: int, start_s: float, records: list[dict], server: dict, probes: list[bool],
