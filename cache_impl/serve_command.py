@@ -22,6 +22,7 @@ from kvcore.settings import load_yaml_mapping
 
 from .auth import admin_token_from_env, api_key_from_env
 from .config import ConfigError, RemoteTierConfig
+from .heap import fix_mmap_threshold
 from .safetensors_dir import CheckpointFormatError
 
 SERVE_HELP = "serve the embedded engine over an OpenAI-compatible HTTP API"
@@ -140,6 +141,7 @@ def serve(args: argparse.Namespace) -> int:
     from .server import create_app  # deferred: torch (seconds), for serving only
 
     imports_done = time.time()          # Python, torch and the engine loaded: the start-up's first phase
+    fix_mmap_threshold()  # before the engine allocates: a freed buffer goes back to the OS, not to an arena
 
     name = args.serve_name
     admin_token = admin_token_from_env(args.admin_token_env) if args.admin else None

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cache_impl.heap import HeapTrimmer
+from cache_impl.heap import HeapTrimmer, fix_mmap_threshold
 
 # Run in a child process (the mmap threshold it sets stays set): in a fresh thread, with its own arena,
 # 96 touched 1 MiB blocks from the arena (the threshold raised past them, as glibc does itself once
@@ -15,7 +15,7 @@ from cache_impl.heap import HeapTrimmer
 # own trimming on free cannot return the rest; then released to a HeapTrimmer in two steps.
 FRAGMENT = """
 import ctypes, json, os, threading
-from cache_impl.heap import HeapTrimmer
+from cache_impl.heap import HeapTrimmer, fix_mmap_threshold
 MiB, CHUNKS = 2**20, 96
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -67,3 +67,54 @@ def test_the_count_starts_again_after_each_trim():
 def test_every_bytes_must_be_positive():
     with pytest.raises(ValueError, match="every_bytes: expected at least 1, found 0"):
         HeapTrimmer(every_bytes=0)
+
+
+# The same blocks with the threshold pinned as `kvgate serve` pins it: each is its own mapping, so
+# the frees return them at once, although a larger block freed first would have raised glibc's
+# sliding threshold past them.
+PINNED = """
+import ctypes, json, os, threading
+from cache_impl.heap import fix_mmap_threshold
+MiB, CHUNKS = 2**20, 96
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // MiB
+out = {"pinned": fix_mmap_threshold() if os.environ["PIN"] == "1" else False}
+def work():
+    libc.free(libc.malloc(8 * MiB))    # glibc slides its threshold up to this size (unless pinned)
+    blocks = [libc.malloc(MiB) for _ in range(CHUNKS)]
+    for block in blocks:
+        ctypes.memset(block, 1, MiB)
+    out["in_use"] = resident()
+    for block in blocks[:-1]:
+        libc.free(block)
+    out["after_free"] = resident()
+thread = threading.Thread(target=work)
+thread.start()
+thread.join()
+print(json.dumps(out))
+"""
+
+
+def _run_pinned(pin: bool) -> dict:
+    env = {**os.environ, "PIN": "1" if pin else "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    child = subprocess.run([sys.executable, "-c", PINNED], capture_output=True, text=True, timeout=60, env=env)
+    assert child.returncode == 0, child.stderr
+    return json.loads(child.stdout)
+
+
+def test_a_pinned_mmap_threshold_returns_freed_blocks_at_once_where_the_sliding_one_keeps_them():
+    if not HeapTrimmer().available:
+        pytest.skip("no glibc malloc on this system")
+    sliding, pinned = _run_pinned(False), _run_pinned(True)
+    assert pinned["pinned"] and not sliding["pinned"]
+    assert sliding["after_free"] > sliding["in_use"] - 16, sliding   # the arena kept them
+    assert pinned["after_free"] < pinned["in_use"] - 64, pinned      # each was its own mapping: gone
+
+
+def test_a_threshold_below_one_byte_is_refused():
+    with pytest.raises(ValueError, match="nbytes"):
+        fix_mmap_threshold(0)
