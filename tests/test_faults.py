@@ -22,7 +22,7 @@ import pytest
 from cache_impl.auth import ADMIN_TOKEN_HEADER
 from cache_impl.faults import BLOCK_FAULTS, EXPECTED_REASON
 from tests.servers import ADMIN_TOKEN, Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
-from workloads.faults import AdminClient, counter, damage_prompt_blocks, detection_counts, kill_and_restart
+from workloads.faults import AdminClient, AdminError, counter, damage_prompt_blocks, detection_counts, kill_and_restart
 
 BLOCK = 256
 
@@ -63,6 +63,42 @@ def test_a_damaged_stored_block_is_refused_counted_and_its_kv_recomputed(tiered,
     assert caught == 1, f"expected one block refused as {reason}"
     third = ask(tiered, prompt)                    # recomputed blocks were stored again
     assert third["text"] == first["text"] and third["cached"] > again["cached"]
+
+
+class _TieredBlocks:
+    """An admin client's locate/evict/flush over a fixed layout of block files (unit test of the victim's choice)."""
+
+    def __init__(self, root: Path, tiers: list[list[str]]) -> None:
+        self.tiers = tiers
+        self.paths = [root / f"block-{i}" for i in range(len(tiers))]
+        for path in self.paths:
+            path.write_bytes(bytes(8192))
+
+    def flush(self) -> dict:
+        return {}
+
+    def evict(self, tiers) -> dict:
+        self.tiers = [[tier for tier in held if tier not in tiers] for held in self.tiers]
+        return {}
+
+    def locate(self, prompt=None, messages=None, token_ids=None) -> list[dict]:
+        return [{"key": f"k{i}", "index": i, "tiers": held, "path": str(path)}
+                for i, (held, path) in enumerate(zip(self.tiers, self.paths))]
+
+
+def test_the_damaged_block_is_one_a_load_reads_the_last_before_a_gap_in_the_lower_tiers(tmp_path):
+    # blocks 0-1 on disk, 2 only in the host (its disk copy evicted by LRU), 3 on disk again: once the host is
+    # emptied a load reads 0 and 1 and recomputes from 2, so damage to 3 would never be read
+    admin = _TieredBlocks(tmp_path, [["host", "disk"], ["disk"], ["host"], ["disk"]])
+    done = damage_prompt_blocks(admin, "flip_byte", prompt="p")
+    assert done["block_index"] == 1
+    assert admin.paths[1].read_bytes() != bytes(8192) and admin.paths[3].read_bytes() == bytes(8192)
+
+
+def test_a_prompt_whose_first_block_is_on_no_lower_tier_has_nothing_to_damage(tmp_path):
+    admin = _TieredBlocks(tmp_path, [["host"], ["disk"]])
+    with pytest.raises(AdminError, match="no block on the disk tier"):
+        damage_prompt_blocks(admin, "flip_byte", prompt="p")
 
 
 # -- disk I/O ------------------------------------------------------------------------------------

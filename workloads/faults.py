@@ -167,12 +167,18 @@ def detection_counts(samples: dict[tuple, float]) -> dict[str, float]:
 def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = None,
                          messages: Optional[list] = None, block: int = -1,
                          token_ids: Optional[list[int]] = None) -> dict:
-    """Damage one stored disk block of a prompt (default: its last full block), then evict the upper
-    tiers so the next request for the prompt must load it from disk."""
+    """Damage one stored disk block of a prompt (default: the last of its leading blocks on disk), then evict
+    the upper tiers so the next request for the prompt must load it from disk.
+
+    Only the leading run of blocks that the tiers below the host hold is a load's to read: a prefix load
+    stops at the first block it finds nowhere, so a damaged block past such a gap would be recomputed,
+    never read, and the fault would go unseen. (In a long soak the disk tier evicts by LRU, and a probe
+    served from the host never touches its disk blocks: they go first.)"""
     admin.flush()
-    blocks = [b for b in admin.locate(prompt, messages, token_ids) if "disk" in b["tiers"]]
+    blocks = [b for b in _loadable_prefix(admin.locate(prompt, messages, token_ids)) if "disk" in b["tiers"]]
     if not blocks:
-        raise AdminError("the prompt has no block on the disk tier to damage")
+        raise AdminError("the prompt has no block on the disk tier to damage (none in its leading blocks "
+                         "that a load from the lower tiers would read)")
     victim = blocks[block]
     donors = [b for b in blocks if b is not victim]
     donor = Path(donors[0]["path"]) if kind == "swap" and donors else None
@@ -181,6 +187,16 @@ def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = 
     done = damage_block(kind, Path(victim["path"]), donor)
     evict_until_on_disk_only(admin, victim["key"], prompt, messages, token_ids=token_ids)
     return {**done, "block_index": victim["index"], "key": victim["key"]}
+
+
+def _loadable_prefix(blocks: list[dict]) -> list[dict]:
+    """The leading blocks that a load would still find once the device and host tiers are emptied."""
+    loadable = []
+    for block in blocks:
+        if not [tier for tier in block["tiers"] if tier not in ("device", "host")]:
+            break
+        loadable.append(block)
+    return loadable
 
 
 def evict_until_on_disk_only(admin: AdminClient, key: str, prompt: Optional[str] = None,
