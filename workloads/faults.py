@@ -175,7 +175,9 @@ def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = 
     never read, and the fault would go unseen. (In a long soak the disk tier evicts by LRU, and a probe
     served from the host never touches its disk blocks: they go first.)"""
     admin.flush()
-    blocks = [b for b in _loadable_prefix(admin.locate(prompt, messages, token_ids)) if "disk" in b["tiers"]]
+    located = admin.locate(prompt, messages, token_ids)
+    loadable = _loadable_prefix(located)
+    blocks = [b for b in loadable if "disk" in b["tiers"]]
     if not blocks:
         raise AdminError("the prompt has no block on the disk tier to damage (none in its leading blocks "
                          "that a load from the lower tiers would read)")
@@ -186,7 +188,8 @@ def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = 
         raise AdminError("swap: the prompt has no second disk block to take bytes from")
     done = damage_block(kind, Path(victim["path"]), donor)
     evict_until_on_disk_only(admin, victim["key"], prompt, messages, token_ids=token_ids)
-    return {**done, "block_index": victim["index"], "key": victim["key"]}
+    return {**done, "block_index": victim["index"], "key": victim["key"], "prompt_blocks": len(located),
+            "loadable_blocks": len(loadable)}
 
 
 def _loadable_prefix(blocks: list[dict]) -> list[dict]:
