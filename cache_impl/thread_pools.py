@@ -8,7 +8,8 @@ MiB and its threads from 15 to 17 at the first slow_disk and disk_full faults, t
 step, but one that a 30-minute soak reads as a leak of 40 MiB/h); the event loop's default executor
 (`asyncio.to_thread`) added a thread at each of the first faults' admin calls, 23 to 27 in 45 minutes,
 which projected over 72 h is hundreds. Started at once, a pool's threads and memory are spent while
-the server starts and stay level through faults.
+the server starts and stay level through faults. Each worker's torch operations run on that worker
+alone (`cache_impl.openmp`): a pool thread starts no OpenMP team of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Optional
+
+from .openmp import one_openmp_thread_here
 
 START_TIMEOUT_S = 60.0
 
@@ -29,6 +32,7 @@ def started_pool(workers: int, name: str, set_up: Optional[Callable[[], object]]
 
     def start() -> None:                       # each waits for the others: the pool must start a new worker
         try:
+            one_openmp_thread_here()
             if set_up is not None:
                 set_up()
         except BaseException:
