@@ -110,7 +110,7 @@ class Engine:
         cache_config = config.cache_for_mode()
         self.cache = TieredKVCache(cache_config, self.fingerprint, self.device) if cache_config else None
         self.counters = collections.Counter()
-        self.scheduler = Scheduler(config.max_running, config.max_waiting, self.max_context)
+        self.scheduler = Scheduler(config.max_running, config.max_waiting, self.max_context, args.vocab_size)
         self.runner = ModelRunner(self.model, self.device, self.block_size, max_idle_buffers=config.max_running)
         self.prefix_cache = PrefixCache(self.cache, self.block_size, self.counters)
         self._loop = EngineLoop(self.scheduler, self.runner, self.prefix_cache, self.tokenizer, self.counters)

@@ -1,6 +1,8 @@
 """Which requests run next: the waiting queue, the running set and each step's decisions (no tensors, no model).
 
-Admission: a request that cannot fit the model's context is refused (ValueError); one that finds
+Admission: a request that cannot fit the model's context, or whose prompt holds a token id outside
+the vocabulary, is refused (ValueError: on a CUDA device such an id would trip a device-side assert
+that fails every later request of the process); one that finds
 `max_waiting` requests waiting while `max_running` run is refused too (QueueFullError: HTTP 429).
 Each step the engine's thread takes the waiting requests in arrival order while fewer than
 `max_running` run, starts them, drops the cancelled ones, runs one prefill chunk of the first
@@ -23,8 +25,10 @@ from .sequence import Sequence
 class Scheduler:
     """`add` from any thread; the rest from the engine's thread (`running` is read by snapshots)."""
 
-    def __init__(self, max_running: int, max_waiting: int, max_context: int) -> None:
+    def __init__(self, max_running: int, max_waiting: int, max_context: int,
+                 vocab_size: Optional[int] = None) -> None:
         self.max_running, self.max_waiting, self.max_context = max_running, max_waiting, max_context
+        self.vocab_size = vocab_size
         self.waiting: collections.deque[GenerationRequest] = collections.deque()
         self.running: list[Sequence] = []
         self._wake = threading.Condition()
@@ -35,6 +39,11 @@ class Scheduler:
         total = len(request.prompt_tokens) + request.max_tokens
         if not request.prompt_tokens:
             raise ValueError("the prompt is empty")
+        if self.vocab_size is not None:
+            outside = [t for t in request.prompt_tokens if not 0 <= t < self.vocab_size]
+            if outside:
+                raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), found {outside[0]} "
+                                 f"({len(outside)} outside)")
         if total > self.max_context:
             raise ValueError(
                 f"prompt ({len(request.prompt_tokens)} tokens) plus max_tokens ({request.max_tokens}) "

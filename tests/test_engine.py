@@ -172,6 +172,10 @@ def test_prompts_that_do_not_fit_are_refused(engines):
         engine.submit(GenerationRequest(_prompt(40, 4000), 200, lambda e: None))
     with pytest.raises(ValueError, match="empty"):
         engine.submit(GenerationRequest([], 5, lambda e: None))
+    # an id past the vocabulary never reaches the embedding (on CUDA: a device-side assert for the process)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 262\), found 262 \(2 outside\)"):
+        engine.submit(GenerationRequest([5, 262, 9, 300], 5, lambda e: None))
+    assert engine.snapshot()["waiting"] == 0
 
 
 def test_sampling_with_a_seed_is_reproducible(engines):
@@ -242,10 +246,11 @@ def test_a_request_that_raises_inside_the_engine_fails_alone(tmp_path, sampling,
 def test_a_returning_prompt_reuses_the_finished_requests_kv_buffer_and_answers_the_same(tmp_path):
     engine = Engine(EngineConfig.from_dict({"mode": "recompute", "preset": "tiny"})).start()
     try:
-        prompt = list(range(1, 700))
+        prompt = _prompt(3, 700)
         first = engine.generate(prompt, max_tokens=4)
         again = engine.generate(prompt, max_tokens=4)
         assert engine.runner.kv_buffers.reused == 1 and engine.runner.kv_buffers.allocated == 1
+        assert first.finish.finish_reason == "length" and len(first.token_ids) == 4   # both really generated
         assert again.token_ids == first.token_ids
     finally:
         engine.stop()

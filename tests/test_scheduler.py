@@ -65,6 +65,16 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_queues(prompt_len, max_to
     assert len(scheduler.waiting) == 1
 
 
+@pytest.mark.parametrize("bad", [-1, 50])
+def test_a_prompt_with_a_token_id_outside_the_vocabulary_is_refused_before_it_queues(bad):
+    scheduler = Scheduler(max_running=1, max_waiting=1, max_context=100, vocab_size=50)
+    with pytest.raises(ValueError, match=rf"token ids must be in \[0, 50\), found {bad} \(1 outside\)"):
+        scheduler.add(GenerationRequest([1, bad, 2], 4, lambda event: None))
+    assert not scheduler.waiting
+    scheduler.add(GenerationRequest([0, 49], 4, lambda event: None))     # both ends of the vocabulary
+    assert len(scheduler.waiting) == 1
+
+
 def test_the_queue_refuses_only_when_the_waiting_and_the_running_are_both_full():
     scheduler = Scheduler(max_running=1, max_waiting=1, max_context=100)
     scheduler.add(_request())
