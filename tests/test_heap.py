@@ -9,27 +9,34 @@ import pytest
 
 from cache_impl.heap import HeapTrimmer, fix_mmap_threshold
 
-# Run in a child process (the mmap threshold it sets stays set): in a fresh thread, with its own arena,
-# 96 touched 1 MiB blocks from the arena (the threshold raised past them, as glibc does itself once
-# it frees a larger block), all freed but the last, which keeps the arena's top in use so glibc's
-# own trimming on free cannot return the rest; then released to a HeapTrimmer in two steps.
-FRAGMENT = """
+# Both child processes' start: 96 blocks of 1 MiB through glibc's malloc, touched, then all freed but
+# the last (which keeps the arena's top in use); the resident MiB.
+CHILD_PRELUDE = """
 import ctypes, json, os, threading
 from cache_impl.heap import HeapTrimmer, fix_mmap_threshold
 MiB, CHUNKS = 2**20, 96
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-libc.mallopt(-3, 64 * MiB)  # M_MMAP_THRESHOLD
 resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // MiB
-out = {}
-def work():
+def touch_then_free_all_but_last(out):
     blocks = [libc.malloc(MiB) for _ in range(CHUNKS)]
     for block in blocks:
         ctypes.memset(block, 1, MiB)
     out["in_use"] = resident()
     for block in blocks[:-1]:
         libc.free(block)
+"""
+
+# Run in a child process (the mmap threshold it sets stays set): in a fresh thread, with its own arena,
+# 96 touched 1 MiB blocks from the arena (the threshold raised past them, as glibc does itself once
+# it frees a larger block), all freed but the last, which keeps the arena's top in use so glibc's
+# own trimming on free cannot return the rest; then released to a HeapTrimmer in two steps.
+FRAGMENT = CHILD_PRELUDE + """
+libc.mallopt(-3, 64 * MiB)  # M_MMAP_THRESHOLD
+out = {}
+def work():
+    touch_then_free_all_but_last(out)
 thread = threading.Thread(target=work)
 thread.start()
 thread.join()
@@ -72,23 +79,11 @@ def test_every_bytes_must_be_positive():
 # The same blocks with the threshold pinned as `kvgate serve` pins it: each is its own mapping, so
 # the frees return them at once, although a larger block freed first would have raised glibc's
 # sliding threshold past them.
-PINNED = """
-import ctypes, json, os, threading
-from cache_impl.heap import fix_mmap_threshold
-MiB, CHUNKS = 2**20, 96
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // MiB
+PINNED = CHILD_PRELUDE + """
 out = {"pinned": fix_mmap_threshold() if os.environ["PIN"] == "1" else False}
 def work():
     libc.free(libc.malloc(8 * MiB))    # glibc slides its threshold up to this size (unless pinned)
-    blocks = [libc.malloc(MiB) for _ in range(CHUNKS)]
-    for block in blocks:
-        ctypes.memset(block, 1, MiB)
-    out["in_use"] = resident()
-    for block in blocks[:-1]:
-        libc.free(block)
+    touch_then_free_all_but_last(out)
     out["after_free"] = resident()
 thread = threading.Thread(target=work)
 thread.start()
