@@ -209,10 +209,11 @@ def test_one_server_as_both_sides_measures_no_difference_and_cannot_pass_the_rul
     figures = pair_figures(level_pairs(rows["baseline"], rows["candidate"]))
     assert figures.valid and figures.pairs == 3, figures.invalid_reason
     # A 95% interval excludes 0 in up to 5% of A/A runs by design (the simulation above counts that rate), and on
-    # a server this steady a sub-1% order effect can decide; what must hold every time: the A/A measures a
-    # difference near none, and the gate's rule cannot pass it.
+    # a server this steady a sub-1% order effect can decide; with 3 pairs (t on 2 degrees of freedom) its width
+    # follows the machine's load (±12% with a soak beside the suite). What must hold every time: the A/A
+    # measures a difference near none, and its interval stays below the rule's 25%, which cannot pass it.
     low, high = figures.ttft_interval
-    assert -0.1 < low <= figures.ttft_reduction <= high < 0.1, figures
+    assert abs(figures.ttft_reduction) < 0.1 and low <= figures.ttft_reduction <= high < 0.25, figures
     verdict = judge("g3", "c2", "G3 TTFT p50 reduction at c=2", figures.ttft_reduction, REDUCTION, unit="%",
                     interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
     assert verdict.status == "FAIL", verdict.reason
