@@ -171,5 +171,9 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "counters": dict(self.counters),
+            # the running requests' KV buffers and those kept for reuse: a buffer that outlived its request
+            # without coming back (a leak) is in neither
+            "kv_buffer_bytes": (sum(seq.buffer.nbytes for seq in list(self.scheduler.running))
+                                + self.runner.kv_buffers.idle_bytes),
             "cache": self.cache.snapshot() if self.cache is not None else None,
         }

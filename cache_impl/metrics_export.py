@@ -36,6 +36,9 @@ class EngineCollector:
         counters = snap["counters"]
         yield _gauge("kvgate_requests_waiting", "requests queued, not yet admitted", snap["waiting"])
         yield _gauge("kvgate_requests_running", "requests admitted (prefilling or decoding)", snap["running"])
+        yield _gauge("kvgate_engine_kv_buffer_bytes", "bytes of the request KV buffers the engine holds: the "
+                     "running requests' and the finished ones kept for reuse (at most 2 x max_running buffers, each "
+                     "at most the model's context)", snap["kv_buffer_bytes"])
         yield _counter("kvgate_prompt_tokens_computed", "prompt tokens run through the model",
                        counters.get("prompt_tokens_computed", 0))
         yield _counter("kvgate_prompt_tokens_reused", "prompt tokens whose KV came from the cache",

@@ -256,6 +256,18 @@ def test_a_returning_prompt_reuses_the_finished_requests_kv_buffer_and_answers_t
         engine.stop()
 
 
+def test_the_snapshot_counts_the_kv_buffers_kept_for_reuse_and_not_one_that_never_came_back(engines):
+    engine = engines("recompute")
+    engine.generate(_prompt(5, 300), 2)
+    kept = engine.runner.kv_buffers.idle_bytes
+    assert kept > 0 and engine.snapshot()["kv_buffer_bytes"] == kept          # nothing running: the kept buffers
+    engine.generate(_prompt(6, 300), 2)
+    assert engine.snapshot()["kv_buffer_bytes"] == kept                       # the same length reused the buffer
+    stray = engine.runner.kv_buffers.take(256)                                # lent, never given back: a leak
+    assert engine.snapshot()["kv_buffer_bytes"] == engine.runner.kv_buffers.idle_bytes
+    assert stray.nbytes > 0
+
+
 def test_finished_requests_report_their_kv_to_the_heap_trimmer(engines):
     # issue 13, item 6: a finished request's KV goes back to the OS (cache_impl/heap.py), not to a fragmented arena
     engine = engines("recompute")
