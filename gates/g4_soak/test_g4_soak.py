@@ -118,7 +118,7 @@ DRIFT_CHECKS = [
     ("ttft_p99_ms", "ms", "increasing", "ttft_p99_drift_fraction", "rise in windowed TTFT p99"),
     ("output_tokens_per_s", "tokens/s", "decreasing", "throughput_drift_fraction", "decline in windowed throughput"),
     ("rss_minus_cache_mib", "MiB", "increasing", "memory_drift_fraction",
-     "rise in server memory outside the cache pools and request KV"),
+     "rise in server memory outside the cache pools"),
 ]
 
 
