@@ -39,11 +39,11 @@ class Scheduler:
         total = len(request.prompt_tokens) + request.max_tokens
         if not request.prompt_tokens:
             raise ValueError("the prompt is empty")
-        if self.vocab_size is not None:
-            outside = [t for t in request.prompt_tokens if not 0 <= t < self.vocab_size]
-            if outside:
-                raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), found {outside[0]} "
-                                 f"({len(outside)} outside)")
+        prompt = request.prompt_tokens
+        if self.vocab_size is not None and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
+            outside = [t for t in prompt if not 0 <= t < self.vocab_size]
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), found {outside[0]} "
+                             f"({len(outside)} outside)")
         if total > self.max_context:
             raise ValueError(
                 f"prompt ({len(request.prompt_tokens)} tokens) plus max_tokens ({request.max_tokens}) "
