@@ -32,6 +32,7 @@ from .manager import TieredKVCache, resolve_device
 from .model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
+from .resident import resident_bytes
 from .scheduler import Scheduler
 from .tokenizer import ByteTokenizer
 from .weights import WeightsLoad, load_weights, seeded_weights
@@ -166,14 +167,20 @@ class Engine:
         if self.cache is not None:
             self.cache.close()
 
+    def _kv_buffer_figures(self) -> dict:
+        """The running requests' KV buffers and those kept for reuse (a buffer that outlived its request without
+        coming back, a leak, is in neither): their bytes, their pages in RAM now, and the most they may hold by
+        design."""
+        buffers = [seq.buffer for seq in list(self.scheduler.running)] + self.runner.kv_buffers.idle()
+        return {"kv_buffer_bytes": sum(b.nbytes for b in buffers),
+                "kv_buffer_resident_bytes": resident_bytes(buffers),
+                "kv_buffer_limit_bytes": self.runner.kv_buffers_limit(self.scheduler.max_running, self.max_context)}
+
     def snapshot(self) -> dict:
         return {
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "counters": dict(self.counters),
-            # the running requests' KV buffers and those kept for reuse: a buffer that outlived its request
-            # without coming back (a leak) is in neither
-            "kv_buffer_bytes": (sum(seq.buffer.nbytes for seq in list(self.scheduler.running))
-                                + self.runner.kv_buffers.idle_bytes),
+            **self._kv_buffer_figures(),
             "cache": self.cache.snapshot() if self.cache is not None else None,
         }

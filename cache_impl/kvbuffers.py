@@ -51,7 +51,11 @@ class KVBuffers:
                 return None
             return self._idle.popleft().nbytes
 
+    def idle(self) -> list[torch.Tensor]:
+        """The buffers kept for reuse now."""
+        with self._lock:
+            return list(self._idle)
+
     @property
     def idle_bytes(self) -> int:
-        with self._lock:
-            return sum(b.nbytes for b in self._idle)
+        return sum(b.nbytes for b in self.idle())

@@ -10,6 +10,7 @@ is all that is computed.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -22,6 +23,8 @@ from .kvbuffers import KVBuffers
 from .model import Transformer
 from .sequence import Sequence
 from .tokenizer import GENERATABLE
+
+KV_DTYPE = torch.float32
 
 
 class ModelRunner:
@@ -81,7 +84,17 @@ class ModelRunner:
         probs = torch.softmax(logits / seq.request.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
+    def _kv_shape(self, positions: int) -> tuple[int, ...]:
+        args = self.model.args
+        return (args.n_layers, 2, args.n_kv_heads, positions, args.head_dim)
+
     def _allocate_kv(self, positions: int) -> torch.Tensor:
         """Page-aligned, with whole blocks of positions: the disk tier reads a block into it with O_DIRECT."""
-        args = self.model.args
-        return aligned_empty((args.n_layers, 2, args.n_kv_heads, positions, args.head_dim), torch.float32, self.device)
+        return aligned_empty(self._kv_shape(positions), KV_DTYPE, self.device)
+
+    def kv_buffers_limit(self, max_running: int, max_context: int) -> int:
+        """The most the request KV buffers hold by design: `max_running` running and the kept ones, each at
+        most the context's whole blocks."""
+        positions = -(-max_context // self.block_size) * self.block_size
+        per_buffer = math.prod(self._kv_shape(positions)) * torch.empty((), dtype=KV_DTYPE).element_size()
+        return (max_running + self.kv_buffers.max_idle) * per_buffer

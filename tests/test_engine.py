@@ -268,6 +268,21 @@ def test_the_snapshot_counts_the_kv_buffers_kept_for_reuse_and_not_one_that_neve
     assert stray.nbytes > 0
 
 
+def test_the_snapshot_says_the_kv_buffers_pages_in_memory_and_their_bound(engines):
+    engine = engines("recompute")
+    engine.generate(_prompt(7, 2000), 2)                                      # one 8-block buffer, all touched
+    used = engine.snapshot()
+    assert used["kv_buffer_resident_bytes"] == used["kv_buffer_bytes"] > 0
+    untouched = engine.runner.kv_buffers.take(4096)                           # 16 blocks: a fresh mapping
+    engine.runner.kv_buffers.give(untouched)
+    kept = engine.snapshot()
+    assert kept["kv_buffer_bytes"] == used["kv_buffer_bytes"] + untouched.nbytes
+    assert kept["kv_buffer_resident_bytes"] == used["kv_buffer_resident_bytes"]   # its bytes, not yet pages
+    context = -(-engine.max_context // engine.block_size) * engine.block_size
+    per_buffer = untouched.nbytes // 4096 * context
+    assert kept["kv_buffer_limit_bytes"] == 2 * engine.scheduler.max_running * per_buffer
+
+
 def test_finished_requests_report_their_kv_to_the_heap_trimmer(engines):
     # issue 13, item 6: a finished request's KV goes back to the OS (cache_impl/heap.py), not to a fragmented arena
     engine = engines("recompute")

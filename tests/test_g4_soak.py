@@ -486,10 +486,25 @@ def test_each_soak_window_is_said_in_one_line_for_the_console():
                     "error_message": "boom", "http_status": 500})
     row = _window_row(2, 20.0, records, {"rss_bytes": 600 << 20, "cache_memory_bytes": 256 << 20,
                                          "engine_kv_bytes": 20 << 20}, [True, True, False], 10.0)
-    assert row["engine_kv_mib"] == 20                                # recorded beside memory, not subtracted
+    assert row["engine_kv_mib"] == 20
     line = window_line(row, 12)
     assert line.startswith("soak window 3 / 12 (20 s in): 10 requests, 1 errors, TTFT p50 250 / p99 446 ms")
-    assert "14.4 tokens/s" in line and "probes 2 / 3 identical" in line and "memory 344 MiB outside the cache" in line
+    assert "14.4 tokens/s" in line and "probes 2 / 3 identical" in line and "memory 324 MiB outside the cache" in line
+    assert _window_row(2, 20.0, records, {"rss_bytes": 600 << 20, "cache_memory_bytes": 256 << 20,
+                                          "engine_kv_bytes": None}, [], 10.0)["rss_minus_cache_mib"] == 344
+
+
+def test_memory_outside_the_cache_leaves_out_the_engines_kv_pages_up_to_their_bound_only():
+    from gates.g4_soak.soak import engine_kv_memory
+
+    def samples(resident, limit=None):
+        found = {("kvgate_engine_kv_buffer_resident_bytes",): resident}
+        return found if limit is None else {**found, ("kvgate_engine_kv_buffer_limit_bytes",): limit}
+
+    assert engine_kv_memory(samples(60 << 20, 528 << 20)) == 60 << 20          # pages, within the bound
+    assert engine_kv_memory(samples(900 << 20, 528 << 20)) == 528 << 20        # a pool past its bound shows
+    assert engine_kv_memory(samples(60 << 20)) == 60 << 20
+    assert engine_kv_memory({("process_resident_memory_bytes",): 1.0}) is None  # a server without them
 
 
 def test_the_reference_server_leaks_a_descriptor_per_request_when_told_and_its_metrics_show_it():

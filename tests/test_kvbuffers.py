@@ -28,3 +28,10 @@ def test_the_smallest_fitting_buffer_is_chosen_and_at_most_max_idle_are_kept():
     assert buffers.give(small) is None
     assert buffers.give(extra) == large.nbytes      # over max_idle: the oldest idle one is let go
     assert buffers.idle_bytes == small.nbytes + extra.nbytes
+
+
+def test_the_kept_buffers_are_listed_for_their_owner_to_measure():
+    buffers = _buffers(max_idle=2)
+    kept = buffers.take(256)
+    buffers.give(kept)
+    assert [b is kept for b in buffers.idle()] == [True] and buffers.idle_bytes == kept.nbytes

@@ -80,6 +80,18 @@ RUNTIME_GAUGES = {
 }
 
 
+def engine_kv_memory(samples) -> Optional[int]:
+    """The embedded engine's request KV buffers (running and kept for reuse) in the server's memory: their
+    pages, not their bytes (a fresh buffer's pages are not there until touched), and never past the bound they
+    have by design (2 x max_running buffers at the context), so a pool that outgrew its bound still shows in
+    the memory outside the cache. None for a server that does not report them."""
+    resident = gauge(samples, "kvgate_engine_kv_buffer_resident_bytes")
+    if resident is None:
+        return None
+    limit = gauge(samples, "kvgate_engine_kv_buffer_limit_bytes")
+    return resident if limit is None else min(resident, limit)
+
+
 def server_figures(server_root: str) -> dict:
     """Process memory, per-tier hits, disk usage and the runtime gauges (`RUNTIME_GAUGES`) from /metrics."""
     samples = AdminClient(server_root, timeout_s=30).metrics()
@@ -92,11 +104,7 @@ def server_figures(server_root: str) -> dict:
             # bytes in use would read every eviction (each G4 fault's) as memory outside the cache; a cache that
             # does not say what it holds resident: the device and host tiers' bytes in use
             "cache_memory_bytes": sum(resident.values()) if resident else used.get("device", 0) + used.get("host", 0),
-            # the embedded engine's request KV buffers, running and kept for reuse (bounded: 2 x max_running
-            # buffers of at most the context), recorded beside memory, not subtracted: the buffers' bytes are
-            # not their resident pages (a 30-min soak read 60 or 69 MiB of them at the same RSS), and a kept
-            # buffer larger than the workload's (a write fault's fresh request) is memory the server holds
-            "engine_kv_bytes": gauge(samples, "kvgate_engine_kv_buffer_bytes"),
+            "engine_kv_bytes": engine_kv_memory(samples),
             **{field: gauge(samples, name, **labels) for field, (name, labels) in RUNTIME_GAUGES.items()}}
 
 
@@ -115,7 +123,8 @@ def _window_row(index: int, start_s: float, records: list[dict], server: dict, p
         "span_s": span_s,
         "rss_mib": server.get("rss_bytes", 0) / 2**20, "hits": server.get("hits", {}),
         # memory that is not the cache's own pools (those fill up to their capacity by design)
-        "rss_minus_cache_mib": (server.get("rss_bytes", 0) - server.get("cache_memory_bytes", 0)) / 2**20,
+        "rss_minus_cache_mib": (server.get("rss_bytes", 0) - server.get("cache_memory_bytes", 0)
+                                - (server.get("engine_kv_bytes") or 0)) / 2**20,
         "engine_kv_mib": None if server.get("engine_kv_bytes") is None else server["engine_kv_bytes"] / 2**20,
         "disk_used_mib": server.get("disk_used_bytes", 0) / 2**20,
         "probes": len(probes), "probes_identical": sum(probes),

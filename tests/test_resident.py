@@ -1,0 +1,32 @@
+"""resident_bytes: the pages of host tensors in RAM now, not their bytes."""
+
+import sys
+
+import pytest
+import torch
+
+from cache_impl.buffers import huge_page_empty
+from cache_impl.resident import PAGE, resident_bytes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) is Linux's")
+
+
+def test_a_fresh_mapping_holds_no_pages_until_touched_and_then_those_touched():
+    buffer = huge_page_empty(8 << 20)
+    assert buffer.nbytes == 8 << 20 and resident_bytes([buffer]) == 0
+    buffer[: 2 << 20].fill_(1)                                      # one huge page (or 512 small ones)
+    assert resident_bytes([buffer]) == 2 << 20
+    buffer.fill_(2)
+    assert resident_bytes([buffer]) == 8 << 20
+
+
+def test_tensors_that_share_pages_count_them_once():
+    buffer = huge_page_empty(4 << 20)
+    buffer.fill_(1)
+    assert resident_bytes([buffer, buffer[: 1 << 20], buffer[3 << 20 :]]) == 4 << 20
+    assert resident_bytes([buffer[:10], buffer[10:20]]) == PAGE     # two views in one page: that page
+
+
+def test_tensors_off_the_host_hold_none_of_its_memory():
+    assert resident_bytes([torch.empty(1 << 20, device="meta")]) == 0
+    assert resident_bytes([]) == 0
