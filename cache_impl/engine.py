@@ -168,10 +168,11 @@ class Engine:
             self.cache.close()
 
     def _kv_buffer_figures(self) -> dict:
-        """The running requests' KV buffers and those kept for reuse (a buffer that outlived its request without
-        coming back, a leak, is in neither): their bytes, their pages in RAM now, and the most they may hold by
-        design."""
-        buffers = [seq.buffer for seq in list(self.scheduler.running)] + self.runner.kv_buffers.idle()
+        """The KV buffers of the running requests, of the one being started and those kept for reuse (a buffer
+        that outlived its request without coming back, a leak, is in none): their bytes, their pages in RAM now,
+        and the most they may hold by design."""
+        in_use = [seq for seq in (*self.scheduler.running, self._loop.starting) if seq is not None]
+        buffers = list({id(seq.buffer): seq.buffer for seq in in_use}.values()) + self.runner.kv_buffers.idle()
         return {"kv_buffer_bytes": sum(b.nbytes for b in buffers),
                 "kv_buffer_resident_bytes": resident_bytes(buffers),
                 "kv_buffer_limit_bytes": self.runner.kv_buffers_limit(self.scheduler.max_running, self.max_context)}

@@ -32,6 +32,7 @@ class EngineLoop:
                  tokenizer: ByteTokenizer, counters: collections.Counter) -> None:
         self.scheduler, self.runner, self.prefix_cache = scheduler, runner, prefix_cache
         self.tokenizer, self.counters = tokenizer, counters
+        self.starting: Optional[Sequence] = None  # the sequence being started (`_start`), if any
 
     def run(self) -> None:
         while (admitted := self.scheduler.next_admitted()) is not None:
@@ -81,8 +82,12 @@ class EngineLoop:
             self._finish_unstarted(request, "cancelled")
             return
         seq = self.runner.new_sequence(request, decoder=self.tokenizer.stream_decoder())
-        self.prefix_cache.load(seq)
-        self.scheduler.start(seq)
+        self.starting = seq  # while the cache loads into its KV buffer, that buffer is neither running nor kept
+        try:
+            self.prefix_cache.load(seq)
+            self.scheduler.start(seq)
+        finally:
+            self.starting = None
 
     def _prefill(self, seq: Sequence) -> None:
         """One chunk of the prompt; after the last one, the first token (storing the blocks can wait for it)."""

@@ -312,3 +312,23 @@ def test_ignore_eos_generates_to_max_tokens_past_end_of_text(engines):
     engine.runner.allowed[ByteTokenizer().eos_id] = 0.0       # this model's every next token is end-of-text
     assert _finish_of(engine, {}) == ([], "stop")
     assert _finish_of(engine, {"ignore_eos": True}) == ([ByteTokenizer().eos_id] * 6, "length")
+
+
+def test_the_snapshot_counts_the_buffer_the_cache_is_loading_into(engines):
+    """A request being started holds its KV buffer before it runs: while the cache loads into it, the buffer is
+    neither running nor kept, and a scrape then must still count it (it is memory the server holds)."""
+    engine = engines("recompute")
+    loop, seen = engine._loop, []
+    load = loop.prefix_cache.load
+
+    def load_and_look(seq):
+        seen.append((seq.buffer.nbytes, engine.snapshot()["kv_buffer_bytes"], engine.runner.kv_buffers.idle_bytes))
+        return load(seq)
+
+    loop.prefix_cache.load = load_and_look
+    try:
+        engine.generate(_prompt(8, 900), 2)
+    finally:
+        loop.prefix_cache.load = load
+    [(buffer, counted, kept)] = seen
+    assert counted == buffer + kept and loop.starting is None
