@@ -135,7 +135,8 @@ G4_CHECKS = (
     Check("throughput_drift_fraction", "decline of windowed output throughput over the soak, fraction of its level",
           "lower", "%", rule_from="g4.drift_tolerance"),
     Check("memory_drift_fraction", "rise of server memory outside the cache pools over the soak, fraction of its "
-          "level", "lower", "%", rule_from="g4.drift_tolerance"),
+          "level (RSS less the tiers' resident pools and the engine's request KV buffers' resident pages, those at "
+          "most their bound)", "lower", "%", rule_from="g4.drift_tolerance"),
     Check("memory_growth_mib", "growth of server memory outside the cache pools, its Theil-Sen slope projected "
           "over the uptime the run certifies (g4.memory_growth_horizon_s; unset: 72 h for a soak of 30 min or "
           "more, the soak's own length for a shorter one)", "lower", "MiB",
