@@ -171,8 +171,11 @@ class Engine:
         """The KV buffers of the running requests, of the one being started and those kept for reuse (a buffer
         that outlived its request without coming back, a leak, is in none): their bytes, their pages in RAM now,
         and the most they may hold by design."""
-        in_use = [seq for seq in (*self.scheduler.running, self._loop.starting) if seq is not None]
-        buffers = list({id(seq.buffer): seq.buffer for seq in in_use}.values()) + self.runner.kv_buffers.idle()
+        # read from another thread while the engine moves a buffer kept -> starting -> running -> kept: read in
+        # that order, so a buffer moving on is seen again further on rather than missed, and counted once
+        starting = self._loop.starting
+        in_use = [seq.buffer for seq in (starting, *self.scheduler.running) if seq is not None]
+        buffers = list({id(b): b for b in (*in_use, *self.runner.kv_buffers.idle())}.values())
         return {"kv_buffer_bytes": sum(b.nbytes for b in buffers),
                 "kv_buffer_resident_bytes": resident_bytes(buffers),
                 "kv_buffer_limit_bytes": self.runner.kv_buffers_limit(self.scheduler.max_running, self.max_context)}

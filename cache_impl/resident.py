@@ -26,10 +26,17 @@ if _libc is not None:
     _libc.mincore.restype = ctypes.c_int
 
 
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The [start, end) addresses from a tensor's first element to the end of its last one (a strided view
+    spans the gaps between its elements; an expanded one, its one element)."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
 def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     """The page-aligned [start, end) address ranges the host tensors span, merged where they overlap."""
-    spans = sorted((t.data_ptr() // PAGE * PAGE, -(-(t.data_ptr() + t.nbytes) // PAGE) * PAGE)
-                   for t in tensors if t.device.type == "cpu" and t.nbytes > 0)
+    spans = sorted((start // PAGE * PAGE, -(-end // PAGE) * PAGE)
+                   for start, end in map(_span, (t for t in tensors if t.device.type == "cpu" and t.numel() > 0)))
     merged: list[tuple[int, int]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:
@@ -41,7 +48,8 @@ def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
 
 def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the pages under `tensors` that are in RAM now (whole pages: a tensor smaller than a page
-    counts its page). Off Linux, where mincore is not at hand, the tensors' page spans in full."""
+    counts its page; a strided view, the pages from its first element to its last). Off Linux, where mincore
+    is not at hand, the tensors' page spans in full."""
     ranges = _page_ranges(tensors)
     if _libc is None:
         return sum(end - start for start, end in ranges)

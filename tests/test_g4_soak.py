@@ -485,13 +485,13 @@ def test_each_soak_window_is_said_in_one_line_for_the_console():
     records.append({"ok": False, "ttft_s": None, "completion_tokens": 0, "error_type": "http_500",
                     "error_message": "boom", "http_status": 500})
     row = _window_row(2, 20.0, records, {"rss_bytes": 600 << 20, "cache_memory_bytes": 256 << 20,
-                                         "engine_kv_bytes": 20 << 20}, [True, True, False], 10.0)
-    assert row["engine_kv_mib"] == 20
+                                         "engine_kv_resident_bytes": 20 << 20}, [True, True, False], 10.0)
+    assert row["engine_kv_resident_mib"] == 20
     line = window_line(row, 12)
     assert line.startswith("soak window 3 / 12 (20 s in): 10 requests, 1 errors, TTFT p50 250 / p99 446 ms")
     assert "14.4 tokens/s" in line and "probes 2 / 3 identical" in line and "memory 324 MiB outside the cache" in line
     assert _window_row(2, 20.0, records, {"rss_bytes": 600 << 20, "cache_memory_bytes": 256 << 20,
-                                          "engine_kv_bytes": None}, [], 10.0)["rss_minus_cache_mib"] == 344
+                                          "engine_kv_resident_bytes": None}, [], 10.0)["rss_minus_cache_mib"] == 344
 
 
 def test_memory_outside_the_cache_leaves_out_the_engines_kv_pages_up_to_their_bound_only():

@@ -80,11 +80,11 @@ RUNTIME_GAUGES = {
 }
 
 
-def engine_kv_memory(samples) -> Optional[int]:
-    """The embedded engine's request KV buffers (running and kept for reuse) in the server's memory: their
-    pages, not their bytes (a fresh buffer's pages are not there until touched), and never past the bound they
-    have by design (2 x max_running buffers at the context), so a pool that outgrew its bound still shows in
-    the memory outside the cache. None for a server that does not report them."""
+def engine_kv_memory(samples) -> Optional[float]:
+    """The embedded engine's request KV buffers (running, being started and kept for reuse) in the server's
+    memory: their pages, not their bytes (a fresh buffer's pages are not there until touched), and never past
+    the bound they have by design (max_running running and as many kept, each at the context), so a pool that
+    outgrew its bound still shows in the memory outside the cache. None for a server that does not report them."""
     resident = gauge(samples, "kvgate_engine_kv_buffer_resident_bytes")
     if resident is None:
         return None
@@ -104,7 +104,7 @@ def server_figures(server_root: str) -> dict:
             # bytes in use would read every eviction (each G4 fault's) as memory outside the cache; a cache that
             # does not say what it holds resident: the device and host tiers' bytes in use
             "cache_memory_bytes": sum(resident.values()) if resident else used.get("device", 0) + used.get("host", 0),
-            "engine_kv_bytes": engine_kv_memory(samples),
+            "engine_kv_resident_bytes": engine_kv_memory(samples),
             **{field: gauge(samples, name, **labels) for field, (name, labels) in RUNTIME_GAUGES.items()}}
 
 
@@ -124,8 +124,9 @@ def _window_row(index: int, start_s: float, records: list[dict], server: dict, p
         "rss_mib": server.get("rss_bytes", 0) / 2**20, "hits": server.get("hits", {}),
         # memory that is not the cache's own pools (those fill up to their capacity by design)
         "rss_minus_cache_mib": (server.get("rss_bytes", 0) - server.get("cache_memory_bytes", 0)
-                                - (server.get("engine_kv_bytes") or 0)) / 2**20,
-        "engine_kv_mib": None if server.get("engine_kv_bytes") is None else server["engine_kv_bytes"] / 2**20,
+                                - (server.get("engine_kv_resident_bytes") or 0)) / 2**20,
+        "engine_kv_resident_mib": (None if server.get("engine_kv_resident_bytes") is None
+                                   else server["engine_kv_resident_bytes"] / 2**20),
         "disk_used_mib": server.get("disk_used_bytes", 0) / 2**20,
         "probes": len(probes), "probes_identical": sum(probes),
         **{field: server.get(field) for field in RUNTIME_GAUGES},
