@@ -1,4 +1,4 @@
-"""How much of some host tensors' memory is in RAM now: mincore(2) over the pages they span.
+"""How much of some host tensors' memory is in RAM now: mincore(2) over the pages of their storages.
 
 A tensor's bytes are not its resident memory: a fresh mapping has none until its pages are first
 touched, and a buffer used only in part holds only that part. What a server reports as memory it
@@ -26,17 +26,17 @@ if _libc is not None:
     _libc.mincore.restype = ctypes.c_int
 
 
-def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The [start, end) addresses from a tensor's first element to the end of its last one (a strided view
-    spans the gaps between its elements; an expanded one, its one element)."""
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+def _storage_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The [start, end) addresses of the memory that holds a tensor: its whole storage, which a view keeps
+    alive (and whose pages beyond the view the kernel may have backed too, a huge page's worth)."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     """The page-aligned [start, end) address ranges the host tensors span, merged where they overlap."""
     spans = sorted((start // PAGE * PAGE, -(-end // PAGE) * PAGE)
-                   for start, end in map(_span, (t for t in tensors if t.device.type == "cpu" and t.numel() > 0)))
+                   for start, end in map(_storage_span, (t for t in tensors if t.device.type == "cpu" and t.nbytes > 0)))
     merged: list[tuple[int, int]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:
@@ -47,9 +47,8 @@ def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
 
 
 def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the pages under `tensors` that are in RAM now (whole pages: a tensor smaller than a page
-    counts its page; a strided view, the pages from its first element to its last). Off Linux, where mincore
-    is not at hand, the tensors' page spans in full."""
+    """Bytes of the pages under `tensors`' storages that are in RAM now (whole pages: a storage smaller than a
+    page counts its page). Off Linux, where mincore is not at hand, the storages' page spans in full."""
     ranges = _page_ranges(tensors)
     if _libc is None:
         return sum(end - start for start, end in ranges)

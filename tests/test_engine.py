@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from cache_impl.engine import Engine, EngineConfig, FinishEvent, GenerationRequest, QueueFullError
+from cache_impl.resident import PAGE
 from cache_impl.tokenizer import ByteTokenizer
 
 BLOCK = 256
@@ -272,7 +273,8 @@ def test_the_snapshot_says_the_kv_buffers_pages_in_memory_and_their_bound(engine
     engine = engines("recompute")
     engine.generate(_prompt(7, 2000), 2)                                      # one 8-block buffer, all touched
     used = engine.snapshot()
-    assert used["kv_buffer_resident_bytes"] == used["kv_buffer_bytes"] > 0
+    # all of it, and what its storage holds besides (the pad that aligned it: under a page, over at most two)
+    assert 0 < used["kv_buffer_bytes"] <= used["kv_buffer_resident_bytes"] <= used["kv_buffer_bytes"] + 2 * PAGE
     untouched = engine.runner.kv_buffers.take(4096)                           # 16 blocks: a fresh mapping
     engine.runner.kv_buffers.give(untouched)
     kept = engine.snapshot()
