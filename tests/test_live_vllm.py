@@ -29,6 +29,10 @@ from workloads.datasets import sizer_for
 
 pytestmark = [pytest.mark.live_vllm, pytest.mark.slow]
 
+# Why a G3 step on a busy 2-core machine may not measure vLLM (workloads.sweep's validity reasons): the load
+# engine's own lag, or vLLM's streamed tokens merged into fewer chunks than its usage counts
+LOAD_REASONS = ("client saturated", "client and server token counts disagree")
+
 
 @dataclass
 class Live:
@@ -141,9 +145,11 @@ def test_kvgate_run_takes_a_live_vllm_through_g2_and_g3(live, tmp_path):
     # G3: judged on valid block pairs, the hits counted by vLLM's own counters
     verdicts = {v["metric"]: v for v in gates["g3"]["verdicts"]}
     ttft = verdicts["ttft_p50_reduction"]
-    if ttft["value"] is None:   # no valid pair: only for the reason a busy 2-core machine gives (vLLM's CPU
-        # inference beside the load engine lags its event loop), which the harness must then say
-        assert ttft["status"] == "INCONCLUSIVE" and "client saturated" in ttft["reason"], ttft
+    if ttft["value"] is None:   # no valid pair: only for the reasons a busy 2-core machine gives, which the
+        # harness must then say: vLLM's CPU inference beside the load engine lags its event loop, or lags vLLM's own
+        # API server, whose output collector then merges a request's next tokens into one streamed chunk
+        assert ttft["status"] == "INCONCLUSIVE", ttft
+        assert any(reason in ttft["reason"] for reason in LOAD_REASONS), ttft
     else:
         assert ttft["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "blocks per target" in ttft["reason"], ttft
     rows = [json.loads(line) for line in (out / "gates" / "g3" / "measurements.jsonl").read_text().splitlines()]
