@@ -16,8 +16,8 @@ import yaml
 from gates.cli import main
 from gates.client_bench import _process
 from gates.config import ConfigError, load_config
-from gates.g4_soak.analysis import drift, drift_power, excluded_window_rows, fault_span, growth_horizon, \
-    growth_power, project_growth, windows_touched
+from gates.g4_soak.analysis import drift, drift_power, excluded_window_rows, fault_span, faults_summary, \
+    growth_horizon, growth_power, project_growth, windows_touched
 from kvcore.stats import mann_kendall
 from kvcore.rules import Threshold
 from kvcore.verdict import judge
@@ -492,6 +492,23 @@ def test_each_soak_window_is_said_in_one_line_for_the_console():
     assert "14.4 tokens/s" in line and "probes 2 / 3 identical" in line and "memory 324 MiB outside the cache" in line
     assert _window_row(2, 20.0, records, {"rss_bytes": 600 << 20, "cache_memory_bytes": 256 << 20,
                                           "engine_kv_resident_bytes": None}, [], 10.0)["rss_minus_cache_mib"] == 344
+
+
+def _outcome_row(kind: str, at_s: float, detected: float) -> dict:
+    return {"kind": kind, "at_s": at_s, "error": None, "detected_by": "corrupt_blocks",
+            "detected": {"corrupt_blocks": detected}, "recovered_after_s": 0.5,
+            "probe_during": {"identical": True, "cached_tokens": 1536, "prompt_tokens": 1830}}
+
+
+def test_the_faults_summary_leads_with_the_faults_not_handled():
+    # the 2-hour soak's FAIL said its one undetected truncate last, after 28 handled faults
+    rows = [_outcome_row("flip_byte", 240, 1), _outcome_row("truncate", 2160, 1), _outcome_row("truncate", 960, 0),
+            _outcome_row("flip_byte", 1440, 1)]
+    parts = faults_summary(rows).split("; ")
+    assert parts[0] == "truncate at 960 s: NOT detected (no corrupt_blocks)", parts
+    names = [p for p in parts if " at " in p and " s: " in p]
+    assert [n.split(":")[0] for n in names] == ["truncate at 960 s", "flip_byte at 240 s", "flip_byte at 1440 s",
+                                               "truncate at 2160 s"], names
 
 
 def test_memory_outside_the_cache_leaves_out_the_engines_kv_pages_up_to_their_bound_only():

@@ -62,7 +62,7 @@ INCONCLUSIVE one knows whether a longer soak, not a better system, is what is mi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -111,6 +111,29 @@ def fault_facts(row: dict) -> dict:
     return {"detected_by": counter, "detected_count": (row.get("detected") or {}).get(counter) if counter else None,
             "answer_unchanged": during.get("identical"), "probe_cached_tokens": during.get("cached_tokens"),
             "probe_prompt_tokens": during.get("prompt_tokens"), "error": row.get("error")}
+
+
+def fault_outcome(row: dict) -> tuple[bool, str]:
+    """Whether the system handled the fault, and what it did, in words."""
+    if row.get("error"):
+        return False, f"the injection failed: {row['error']}"
+    counter, moved = row["detected_by"], row["detected"].get(row["detected_by"], 0)
+    during = row["probe_during"]
+    recovered = row.get("recovered_after_s")
+    words = [f"detected ({moved:g} {counter.replace('_', ' ')})" if moved else f"NOT detected (no {counter})",
+             f"probe {'identical' if during['identical'] else 'CHANGED'} with "
+             f"{during['cached_tokens'] or 0} of {during['prompt_tokens'] or 0} prompt tokens from cache",
+             f"served whole from cache again after {recovered:.1f} s" if recovered is not None
+             else "NOT served from cache again before the soak ended"]
+    return bool(moved) and during["identical"] and recovered is not None, "; ".join(words)
+
+
+def faults_summary(rows: Iterable[dict]) -> str:
+    """Every fault's outcome in words, the ones not handled first (a reviewer reads the reason for a FAIL
+    first), each group by kind, then time."""
+    outcomes = sorted((ok, row["kind"], float(row["at_s"]), words)
+                      for row in rows for ok, words in [fault_outcome(row)])
+    return "; ".join(f"{kind} at {at:g} s: {words}" for _, kind, at, words in outcomes)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import pytest
 
 from engines import cache_admin, hit_reader
 from gates.g4_soak.analysis import RUNTIME_GROWTH, drift, drift_power, excluded_window_rows, fault_facts, \
-    growth_horizon, growth_power, project_growth, windows_touched
+    fault_outcome, faults_summary, growth_horizon, growth_power, project_growth, windows_touched
 from gates.g4_soak.soak import RUNTIME_GAUGES, Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from kvcore.rules import Threshold
@@ -189,21 +189,6 @@ def test_runtime_growth_projected_over_the_horizon_stays_under_the_limit(gate_co
                   trend_line=True)
 
 
-def _fault_outcome(row: dict) -> tuple[bool, str]:
-    """Whether the system handled the fault, and what it did, in words."""
-    if row.get("error"):
-        return False, f"the injection failed: {row['error']}"
-    counter, moved = row["detected_by"], row["detected"].get(row["detected_by"], 0)
-    during = row["probe_during"]
-    recovered = row.get("recovered_after_s")
-    words = [f"detected ({moved:g} {counter.replace('_', ' ')})" if moved else f"NOT detected (no {counter})",
-             f"probe {'identical' if during['identical'] else 'CHANGED'} with "
-             f"{during['cached_tokens'] or 0} of {during['prompt_tokens'] or 0} prompt tokens from cache",
-             f"served whole from cache again after {recovered:.1f} s" if recovered is not None
-             else "NOT served from cache again before the soak ended"]
-    return bool(moved) and during["identical"] and recovered is not None, "; ".join(words)
-
-
 def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, faults, record, verdict):
     scheduled = gate_context.config.g4.faults
     if not scheduled:
@@ -212,12 +197,12 @@ def test_every_scheduled_fault_is_detected_harmless_and_recovered(gate_context, 
     missing = [f"{f.kind} at {f.at_s:g} s" for f in scheduled if (f.kind, f.at_s) not in rows]
     handled = 0
     for row in rows.values():
-        ok, words = _fault_outcome(row)
+        ok, words = fault_outcome(row)
         handled += ok
         record("fault", int(ok), kind=row["kind"], at_s=row["at_s"], outcome=words,
                recovered_after_s=row.get("recovered_after_s"), detected=row.get("detected"), **fault_facts(row))
     fraction = handled / len(scheduled)
-    summary = "; ".join(f"{kind} at {at:g} s: {_fault_outcome(row)[1]}" for (kind, at), row in sorted(rows.items()))
+    summary = faults_summary(rows.values())
     verdict(f"G4 faults handled ({handled} of {len(scheduled)}"
             + (f"; never ran: {', '.join(missing)}" if missing else "") + f"): {summary}",
             "faults_handled_fraction", fraction, unit="%")
