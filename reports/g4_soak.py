@@ -91,7 +91,10 @@ def _answer(context: dict) -> str:
         return "—"
     cached, prompt = number(context.get("probe_cached_tokens")), number(context.get("probe_prompt_tokens"))
     share = f" ({cached:g} of {prompt:g} prompt tokens from cache)" if cached is not None and prompt else ""
-    return _yes_no(context.get("answer_unchanged")) + share
+    reprobes = number(context.get("reprobes"))
+    again = (f"; asked again {reprobes:g}× past an upper tier's whole copy of the damaged block"
+             if reprobes else "")
+    return _yes_no(context.get("answer_unchanged")) + share + again
 
 
 def _recovered(context: dict) -> str:

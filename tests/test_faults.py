@@ -9,11 +9,13 @@ damaged block, or the fault's own counter moved).
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,9 @@ import pytest
 
 from cache_impl.auth import ADMIN_TOKEN_HEADER
 from cache_impl.faults import BLOCK_FAULTS, EXPECTED_REASON
+from gates.g4_soak.analysis import fault_outcome
 from tests.servers import ADMIN_TOKEN, Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
+from workloads.client import StreamingClient
 from workloads.faults import AdminClient, AdminError, counter, damage_prompt_blocks, detection_counts, kill_and_restart
 
 BLOCK = 256
@@ -315,3 +319,46 @@ def test_blocks_of_another_fingerprint_are_never_served(tmp_path, change):
     assert counter(samples, "kvgate_cache_reindex_removed_total") == planted
     assert counter(samples, "kvgate_cache_corrupt_blocks_total", reason="fingerprint") == planted
     assert answer["cached"] == 0 and answer["text"] == expected
+
+
+def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_probed_again_past_it(tiered, tmp_path):
+    """Between the damage and the probe a whole copy of the damaged block is published into the upper tiers (here:
+    the flipped byte put back for one request that loads the block from disk, then flipped again, the disk's copy
+    left damaged). The probe is then served that copy and never reads the disk's: the fault step evicts the upper
+    tiers and asks again, and the row says so; the damage is then read and counted."""
+    from gates.config import FaultSpec
+    from gates.g4_soak.fault_schedule import FaultSchedule
+    from cache_impl.faults import flip_byte
+    from workloads.faults import CacheAdmin
+    from workloads.load import Target
+    from workloads.requests import WorkloadRequest
+
+    admin = AdminClient(tiered.base_url)
+    messages = ({"role": "user", "content": distinct_prompt("published between damage and probe")},)
+    probe = WorkloadRequest("probe", "s", 0, messages, 12, 400)
+    target = Target("candidate", f"{tiered.base_url}/v1", "kvgate-tiny")
+    client = StreamingClient(target.url, target.model, target.api)
+    expected = client.send(probe, keep_text=True).text
+    published = []
+
+    def publish_a_whole_copy() -> None:    # the engine's cache hook, called between the damage and the probe
+        if published:
+            return
+        # the block the fault damaged: the last of the prompt's leading blocks on disk (damage_prompt_blocks')
+        victim = Path([b for b in admin.locate(messages=list(messages)) if "disk" in b["tiers"]][-1]["path"])
+        flip_byte(victim)                     # whole again, for one request that loads it from disk
+        published.append(client.send(replace(probe, request_id="racing"), keep_text=True).ok)
+        flip_byte(victim)                     # damaged again, the upper tiers holding a whole copy
+
+    schedule = FaultSchedule([FaultSpec(kind="flip_byte", at_s=0)], CacheAdmin(admin, publish_a_whole_copy), target,
+                             probe, expected, tmp_path / "faults.jsonl", recovery_timeout_s=20)
+    schedule.start(time.time(), 0.0, time.time() + 60)
+    schedule._thread.join(90)
+    client.close()
+    row, = schedule.done()
+    assert row["error"] is None and published == [True]
+    assert row["reprobes"] and "device" in row["reprobes"][0]["held_by"], json.dumps(row)
+    assert row["detected"]["corrupt_blocks"] > 0, json.dumps(row)  # the re-probe read the damaged copy
+    assert row["probe_during"]["identical"], row
+    handled, words = fault_outcome(row)
+    assert handled and "asked again 1 time after evicting device" in words, words

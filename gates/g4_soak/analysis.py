@@ -106,9 +106,11 @@ def fault_facts(row: dict) -> dict:
     """A `faults.jsonl` row's outcome as typed fields (the `fault` measurement's context, which the report's
     faults table reads): the counter that should detect the fault and how far it moved, whether the probe
     asked during the fault answered unchanged (and how much of it came from cache), and the injection's
-    error (None when it ran). A failed injection has no counter and no probe: those are None."""
+    error (None when it ran), and how often the probe was asked again past an upper tier's whole copy of a
+    damaged block. A failed injection has no counter and no probe: those are None."""
     counter, during = row.get("detected_by"), row.get("probe_during") or {}
     return {"detected_by": counter, "detected_count": (row.get("detected") or {}).get(counter) if counter else None,
+            "reprobes": len(row.get("reprobes") or []),
             "answer_unchanged": during.get("identical"), "probe_cached_tokens": during.get("cached_tokens"),
             "probe_prompt_tokens": during.get("prompt_tokens"), "error": row.get("error")}
 
@@ -125,6 +127,11 @@ def fault_outcome(row: dict) -> tuple[bool, str]:
              f"{during['cached_tokens'] or 0} of {during['prompt_tokens'] or 0} prompt tokens from cache",
              f"served whole from cache again after {recovered:.1f} s" if recovered is not None
              else "NOT served from cache again before the soak ended"]
+    reprobes = row.get("reprobes") or []
+    if reprobes:
+        held = sorted({tier for r in reprobes for tier in r.get("held_by") or []})
+        words.insert(1, f"asked again {len(reprobes)} time{'s' if len(reprobes) > 1 else ''} after evicting "
+                        f"{' and '.join(held)}, which held a whole copy of the damaged block")
     return bool(moved) and during["identical"] and recovered is not None, "; ".join(words)
 
 

@@ -23,7 +23,7 @@ from cache_impl.faults import BLOCK_FAULTS
 from gates.config import FaultSpec
 from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl
 from workloads.client import StreamingClient
-from workloads.faults import CacheAdmin, damage_prompt_blocks, detection_counts
+from workloads.faults import CacheAdmin, damage_prompt_blocks, detection_counts, evict_until_on_disk_only
 from workloads.load import Target
 from workloads.requests import WorkloadRequest
 
@@ -34,6 +34,8 @@ DETECTED_BY = {"flip_byte": "corrupt_blocks", "truncate": "corrupt_blocks", "del
 
 
 WRITE_FAULTS = ("disk_full", "write_error")
+UPPER_TIERS = ("device", "host")
+MAX_REPROBES = 3             # a stored-block fault whose probe an upper tier's whole copy served: asked again
 # About 330 characters with the question's head: at least one new 256-token block for a byte-level tokenizer,
 # so the writes meet the fault, and no longer: the engine keeps a finished request's KV buffer for reuse, and
 # one sized past the workload's longest prompts stayed resident as a 13 MiB step in the soak's memory (160
@@ -105,7 +107,10 @@ class FaultSchedule:
                 fault_ends = time.time() + fault.duration_s
             self.cache.clear_engine()                       # ... and not to the engine's own device cache
             row["ended_s"] = fault_ends - zero
-            row["probe_during"] = self._ask(client)
+            if fault.kind in BLOCK_FAULTS:
+                self._probe_past_upper_copies(client, row, before)
+            else:
+                row["probe_during"] = self._ask(client)
             if fault.kind in WRITE_FAULTS:                  # new blocks to store, so the writes meet the fault
                 fresh = self._fresh_request(fault)
                 row["fresh_request_ok"] = client.send(fresh).ok
@@ -118,6 +123,31 @@ class FaultSchedule:
         except Exception as error:  # the soak goes on; the row says what went wrong
             row["error"] = f"{type(error).__name__}: {error}"
         return row
+
+    def _probe_past_upper_copies(self, client: StreamingClient, row: dict, before: dict) -> None:
+        """Ask the probe after a stored-block fault. The fault is missed only if the probe read the damaged copy:
+        when the damage was not detected and the probe read nothing from the disk, an upper tier served it a
+        whole copy (a request that had computed the block itself published it between the eviction and the
+        probe), so evict the upper tiers again and ask again, at most MAX_REPROBES times; `row["reprobes"]`
+        says which tiers held the block each time."""
+        counter = DETECTED_BY[row["kind"]]
+        messages = list(self.probe.messages)
+        token_ids = self.cache.token_ids(messages)
+        row["reprobes"] = []
+        while True:
+            ahead = detection_counts(self.admin.metrics())
+            row["probe_during"] = self._ask(client)
+            after = detection_counts(self.admin.metrics())
+            read_the_disk = after["disk_hits"] > ahead["disk_hits"]
+            if after[counter] > before[counter] or read_the_disk or len(row["reprobes"]) >= MAX_REPROBES:
+                return
+            key = row["detail"]["key"]
+            held = next((b["tiers"] for b in self.admin.locate(messages=messages, token_ids=token_ids)
+                         if b["key"] == key), [])
+            row["reprobes"].append({"held_by": [tier for tier in held if tier in UPPER_TIERS],
+                                    "probe": row["probe_during"]})
+            evict_until_on_disk_only(self.admin, key, messages=messages, token_ids=token_ids)
+            self.cache.clear_engine()
 
     def _fresh_request(self, fault: FaultSpec) -> WorkloadRequest:
         """The probe's conversation with a new question of a few blocks: its KV is not stored yet."""
