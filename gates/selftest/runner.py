@@ -203,7 +203,9 @@ class Selftest:
 
 def run_selftest(controls: list[Control], profile: str, out: Path,
                  on_result: Callable[[ControlResult], None] = lambda result: None) -> Selftest:
-    """Every control in turn (one at a time: they measure timing); `<out>/selftest.json` rewritten after each."""
+    """Every control in turn (one at a time: they measure timing); `<out>/selftest.json` rewritten after each.
+    A relative `out` is taken from the current directory (each control's run starts in its own directory)."""
+    out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     suite = Selftest(profile)
     begun = time.monotonic()
