@@ -24,6 +24,8 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from kvcore.loader_names import KVGATE_LOADER, LOADERS
+
 from .config import CacheConfig, ConfigError, Count, StrictModel, format_validation_error, parse_size
 from .engine_loop import EngineLoop
 from .generation import FinishEvent, Generation, GenerationRequest, QueueFullError, TokenEvent
@@ -41,7 +43,7 @@ __all__ = ["Engine", "EngineConfig", "FinishEvent", "Generation", "GenerationReq
            "TokenEvent"]
 
 CacheMode = Literal["recompute", "device-only", "tiered"]
-LoadFormat = Literal["safetensors", "runai_streamer", "fastsafetensors"]
+LoadFormat = Literal[LOADERS]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvgate" / "kv"
 
 
@@ -54,9 +56,11 @@ class EngineConfig(StrictModel):
     weights: Optional[Path] = Field(default=None, description="a safetensors directory to load the weights from "
                                     "(kvgate export-weights writes one; its metadata names the preset); "
                                     "default: weights from the seed")
-    load_format: LoadFormat = Field(default="safetensors", description="the loader of `weights`: safetensors "
-                                    "(what engines do by default), runai_streamer or fastsafetensors")
-    load_concurrency: int = Field(default=16, ge=1, le=256, description="the streaming loaders' read threads")
+    load_format: LoadFormat = Field(default=KVGATE_LOADER, description="the loader of `weights`: kvgate (its own, "
+                                    "parallel O_DIRECT reads at the storage's best), safetensors (what engines do by "
+                                    "default), runai_streamer or fastsafetensors")
+    load_concurrency: int = Field(default=16, ge=1, le=256, description="the loaders' reads in flight (kvgate) or "
+                                  "read threads (the streamers)")
     require_checksums: bool = Field(default=False, description="refuse `weights` without their checksum sidecar "
                                     "and index (what verifies each tensor's bytes and finds every shard); "
                                     "otherwise they are served with a warning on the start line")

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvcore.loader_names import LOADERS
 from kvcore.printable import printable
 from kvcore.settings import load_yaml_mapping
 
@@ -47,8 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", type=Path, metavar="DIR",
                         help="load the weights from this safetensors directory (kvgate export-weights writes one) "
                              "instead of making them from the seed")
-    parser.add_argument("--load-format", choices=["safetensors", "runai_streamer", "fastsafetensors"],
-                        help="the loader of --weights (default: safetensors, what engines do by default)")
+    parser.add_argument("--load-format", choices=LOADERS,
+                        help="the loader of --weights (default: kvgate, its own parallel O_DIRECT reads; "
+                             "safetensors is what engines do by default)")
     parser.add_argument("--require-checksums", action="store_true",
                         help="refuse --weights without their checksum sidecar and index (exit 2, naming what is "
                              "missing); without it they are served with a warning on the start line")

@@ -68,3 +68,23 @@ def test_an_engine_hit_on_cuda_equals_recompute(tmp_path):
     finally:
         recompute.stop()
         tiered.stop()
+
+
+def test_kvgates_loader_fills_device_tensors_through_a_pinned_staging_buffer(tmp_path, monkeypatch):
+    from cache_impl import loaders
+    from cache_impl.safetensors_dir import write_random_checkpoint
+
+    staging = []
+    real = loaders._pinned_buffer
+
+    def recorded(nbytes: int) -> torch.Tensor:
+        buffer = real(nbytes)
+        staging.append(buffer.is_pinned())
+        return buffer
+
+    monkeypatch.setattr(loaders, "_pinned_buffer", recorded)
+    checkpoint = write_random_checkpoint(tmp_path / "weights", 48 << 20, shard_bytes=16 << 20)
+    result = loaders.load_checkpoint(checkpoint, "kvgate", "cuda", concurrency=4)
+    assert all(tensor.is_cuda for tensor in result.tensors.values())
+    assert staging and all(staging)              # every reading thread staged its chunks in pinned memory
+    assert loaders.verify_loaded(result, checkpoint) == "the checksum sidecar"
