@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from kvcore.settings import ConfigError
 from tests.torch_probe import imports_torch
-from workloads.checkpoint import (STATE_PRESETS, CheckpointError, CheckpointJob, CheckpointSpec, RestoreRound,
+from workloads.checkpoint import (KVGATE_WRITER, READERS, STATE_PRESETS, WRITERS, CheckpointError, CheckpointJob, CheckpointSpec, RestoreRound,
                                   SaveRound, looks_complete, rounds_agree, spread)
 from workloads.rank_group import RankFailure
 
@@ -100,9 +101,13 @@ def test_the_parent_side_does_not_import_torch(tmp_path):
 
 # --- real rounds, 2 ranks ---
 
-def test_save_then_restore_gives_the_state_back_bit_for_bit(job, tmp_path):
-    save = job.save(tmp_path / "ckpt")
+@pytest.mark.parametrize("writer", WRITERS)
+def test_save_then_restore_gives_the_state_back_bit_for_bit_through_either_reader(job, tmp_path, writer):
+    save = job.save(tmp_path / "ckpt", writer=writer)
     assert save.ok, save.error
+    assert save.writer == writer and save.context()["writer"] == writer
+    if writer == KVGATE_WRITER and _filesystem_type(tmp_path) == "ext4":
+        assert save.direct                             # every rank's files went O_DIRECT
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(save.files)
     assert looks_complete(tmp_path / "ckpt")
     on_disk = sum(p.stat().st_size for p in (tmp_path / "ckpt").iterdir())
@@ -111,10 +116,11 @@ def test_save_then_restore_gives_the_state_back_bit_for_bit(job, tmp_path):
     assert len(save.rank_seconds) == 2 and save.seconds == max(save.rank_seconds) > 0
     assert save.gbps == pytest.approx(save.nbytes / save.seconds / 1e9)
 
-    restore = job.restore(tmp_path / "ckpt")
-    assert restore.ok, restore.error
-    assert restore.equal and restore.differences == ()
-    assert restore.seconds == max(restore.rank_seconds) > 0 and restore.nbytes == save.nbytes
+    for reader in READERS:                             # kvgate's checkpoints are DCP's format, and the reverse
+        restore = job.restore(tmp_path / "ckpt", reader=reader)
+        assert restore.ok, restore.error
+        assert restore.equal and restore.differences == () and restore.reader == reader
+        assert restore.seconds == max(restore.rank_seconds) > 0 and restore.nbytes == save.nbytes
 
 
 def test_a_cold_restore_reads_the_checkpoint_from_the_device(job, tmp_path):
@@ -167,11 +173,14 @@ def small_fs(small_tmpfs):
     return small_tmpfs(SMALL_FS_MIB)
 
 
-def test_a_save_that_runs_out_of_space_fails_and_leaves_nothing_that_looks_complete(job, small_fs, tmp_path):
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_save_that_runs_out_of_space_fails_naming_the_file_and_leaves_nothing_that_looks_complete(
+        job, small_fs, tmp_path, writer):
     assert SPEC.total_bytes > 2 * SMALL_FS_MIB * 2**20 * 0.9
-    save = job.save(small_fs / "ckpt")
+    save = job.save(small_fs / "ckpt", writer=writer)
     assert not save.ok
     assert "No space left on device" in save.error and save.error.startswith("rank ")
+    assert re.search(r"No space left on device: '[^']*/ckpt/[^'/]+'", save.error), save.error   # the file it wrote
     assert not (small_fs / "ckpt" / ".metadata").exists()
     assert not (small_fs / "ckpt" / ".metadata.tmp").exists()
     assert not looks_complete(small_fs / "ckpt")

@@ -7,11 +7,13 @@ exp_avg 4 B + exp_avg_sq 4 B). `CheckpointJob` starts `ranks` real processes
 data-parallel shard of that state (parameters / ranks of it, built once from the seed), and
 drives rounds over pipes:
 
-- `save(directory)`: every rank times `dcp.save(...)` through `FileSystemWriter(sync_files=True)`
+- `save(directory, writer=...)`: every rank times `dcp.save(...)` through kvgate's writer (the default:
+  workloads/checkpoint_kvgate.py, O_DIRECT at the storage's best) or DCP's `FileSystemWriter(sync_files=True)`
   (each file fsynced; the directory fsynced after DCP's `.metadata` rename), between two barriers.
   The round's time is the slowest rank's (MLPerf's rule), its bytes those of the files written.
-- `restore(directory)`: the files' pages are dropped first; every rank `dcp.load`s into fresh
-  tensors, compares them bit for bit with what it holds, and reports its /proc/self/io read bytes.
+- `restore(directory, reader=...)`: the files' pages are dropped first; every rank `dcp.load`s into fresh
+  tensors (kvgate's reader or DCP's `FileSystemReader`), compares them bit for bit with what it holds,
+  and reports its /proc/self/io read bytes.
 
 A save that fails (ENOSPC, EIO) leaves no `.metadata` (DCP writes it last, as `.metadata.tmp`
 renamed; a half-written temp file is removed), so `looks_complete` says False. A rank that dies
@@ -39,6 +41,13 @@ WEIGHT_BYTES = 2             # bf16 weights
 OPTIMIZER_FIELDS = ("master", "exp_avg", "exp_avg_sq")   # fp32, 4 B each at 14 B per parameter
 MLPERF_BYTES_PER_PARAMETER = 14.0
 AGREEMENT_TOLERANCE = 0.05   # MLPerf Storage: repeated runs agree within 5%
+# The paths a save and a restore take: kvgate's own (workloads/checkpoint_kvgate.py: DCP's planner and
+# metadata, aligned O_DIRECT I/O in huge pages, parallel) and DCP's FileSystemWriter / FileSystemReader.
+KVGATE_WRITER = "kvgate"
+WRITERS = (KVGATE_WRITER, "dcp")
+READERS = WRITERS
+READER_OF = {"kvgate": "kvgate", "dcp": "dcp"}        # the reader of a writer's own kind
+WRITER_NAMES = {"kvgate": "kvgate's writer", "dcp": "DCP's FileSystemWriter"}
 
 # Parameter counts. MLPerf Storage v2.0's checkpoint workload (DLIO's llama_*.yaml) models Llama 3
 # 8B/70B/405B and a 1T model; the counts are those architectures' (untied embeddings, GQA):
@@ -215,11 +224,13 @@ class SaveRound(_RankRound):
     files: tuple[str, ...]
     ok: bool
     error: Optional[str] = None
+    writer: str = KVGATE_WRITER
+    direct: bool = False             # every rank's files were written O_DIRECT (kvgate's writer)
 
     def context(self) -> dict:
         return {"directory": self.directory, "ok": self.ok, "error": self.error, "bytes": self.nbytes,
                 "seconds": self.seconds, "gbps": self.gbps, "rank_seconds": list(self.rank_seconds),
-                "files": len(self.files)}
+                "files": len(self.files), "writer": self.writer, "direct": self.direct}
 
 
 @dataclass(frozen=True)
@@ -234,6 +245,7 @@ class RestoreRound(_RankRound):
     ok: bool
     error: Optional[str] = None
     differences: tuple[str, ...] = field(default=())
+    reader: str = KVGATE_WRITER
 
     @property
     def read_bytes(self) -> int:
@@ -249,7 +261,8 @@ class RestoreRound(_RankRound):
         return {"directory": self.directory, "ok": self.ok, "error": self.error, "equal": self.equal,
                 "cold": self.cold, "bytes": self.nbytes, "read_bytes": self.read_bytes, "seconds": self.seconds,
                 "gbps": self.gbps, "rank_seconds": list(self.rank_seconds),
-                "rank_read_bytes": list(self.rank_read_bytes), "differences": list(self.differences)}
+                "rank_read_bytes": list(self.rank_read_bytes), "differences": list(self.differences),
+                "reader": self.reader}
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -351,16 +364,19 @@ class CheckpointJob:
     def device(self) -> str:
         return str(self.ranks[0].get("device", "cpu"))
 
-    def save(self, directory: Path, timeout_s: Optional[float] = None) -> SaveRound:
-        """Save the state into `directory` (absent or empty: a checkpoint of its own) from every rank."""
+    def save(self, directory: Path, timeout_s: Optional[float] = None, writer: str = KVGATE_WRITER) -> SaveRound:
+        """Save the state into `directory` (absent or empty: a checkpoint of its own) from every rank, with
+        `writer` (WRITERS: kvgate's own or DCP's FileSystemWriter)."""
+        if writer not in WRITERS:
+            raise ValueError(f"writer: expected one of {', '.join(WRITERS)}, found {writer!r}")
         directory = Path(directory)
         if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
             raise CheckpointError(f"{directory}: expected an absent or empty directory for a new checkpoint, "
                                   f"found {'a file' if not directory.is_dir() else 'entries in it'}")
         directory.mkdir(parents=True, exist_ok=True)
         try:
-            answers = self._group.ask({"cmd": "save", "directory": str(directory), "thread_count": self.thread_count},
-                                      f"save into {directory}", timeout_s or self.round_timeout_s)
+            answers = self._group.ask({"cmd": "save", "directory": str(directory), "thread_count": self.thread_count,
+                                       "writer": writer}, f"save into {directory}", timeout_s or self.round_timeout_s)
         except RankFailure:
             self._unpublish(directory)     # a rank died mid-save: whatever rank 0 published is not vouched for
             raise
@@ -372,7 +388,8 @@ class CheckpointJob:
             self._unpublish(directory)
         files = checkpoint_files(directory)
         return SaveRound(str(directory), tuple(float(a.get("seconds", 0.0)) for a in answers),
-                         sum(p.stat().st_size for p in files), tuple(p.name for p in files), ok, error)
+                         sum(p.stat().st_size for p in files), tuple(p.name for p in files), ok, error, writer,
+                         all(a.get("direct") for a in answers))
 
     @staticmethod
     def _unpublish(directory: Path) -> None:
@@ -381,24 +398,27 @@ class CheckpointJob:
             (directory / name).unlink(missing_ok=True)
         fsync_directory(directory)
 
-    def restore(self, directory: Path, timeout_s: Optional[float] = None) -> RestoreRound:
-        """Load the checkpoint in `directory` on every rank into fresh tensors, its pages dropped first,
-        and compare with the state the rank holds."""
+    def restore(self, directory: Path, timeout_s: Optional[float] = None, reader: str = KVGATE_WRITER) -> RestoreRound:
+        """Load the checkpoint in `directory` on every rank into fresh tensors with `reader` (READERS), its pages
+        dropped first, and compare with the state the rank holds."""
+        if reader not in READERS:
+            raise ValueError(f"reader: expected one of {', '.join(READERS)}, found {reader!r}")
         directory = Path(directory)
         files = checkpoint_files(directory)
         nbytes = sum(p.stat().st_size for p in files)
         if not looks_complete(directory):
             return RestoreRound(str(directory), (0.0,), (0,), nbytes, False, False,
                                 f"{directory}: not a complete checkpoint (no readable {METADATA_NAME}, "
-                                f"or a file it names is missing or short)")
+                                f"or a file it names is missing or short)", reader=reader)
         drop_cached_pages(files)
-        answers = self._group.ask({"cmd": "restore", "directory": str(directory)},
+        answers = self._group.ask({"cmd": "restore", "directory": str(directory), "reader": reader},
                                   f"restore from {directory}", timeout_s or self.round_timeout_s)
         ok = all(a.get("ok") for a in answers)
         differences = tuple(d for a in answers for d in (a.get("differences") or []))
         return RestoreRound(str(directory), tuple(float(a.get("seconds", 0.0)) for a in answers),
                             tuple(int(a.get("read_bytes", 0)) for a in answers), nbytes,
-                            ok and not differences, ok, None if ok else describe_failures(answers), differences)
+                            ok and not differences, ok, None if ok else describe_failures(answers), differences,
+                            reader)
 
     def close(self) -> None:
         """Let the ranks leave the process group and exit; kill any that do not."""

@@ -5,8 +5,11 @@ WORLD_SIZE set (the parent does it). Commands come one JSON line each on stdin, 
 JSON line each to the original stdout; anything else printed goes to stderr, so a stray print can
 never be taken for an answer.
 
-- {"cmd": "save", "directory", "thread_count"} -> {"ok", "seconds", "failures": {rank: message}}
-- {"cmd": "restore", "directory"} -> {"ok", "seconds", "read_bytes", "differences", "failures"}
+- {"cmd": "save", "directory", "thread_count", "writer"} -> {"ok", "seconds", "direct", "failures": {rank: message}}
+- {"cmd": "restore", "directory", "reader"} -> {"ok", "seconds", "read_bytes", "differences", "failures"}
+
+`writer` and `reader`: "kvgate" (workloads/checkpoint_kvgate.py: DCP's planning and metadata, O_DIRECT I/O at
+the storage's best) or "dcp" (DCP's FileSystemWriter / FileSystemReader).
 - {"cmd": "exit"} (or end of input): leave the process group and exit.
 
 Every rank times its own part between two barriers: the save's seconds run from the first barrier
@@ -31,7 +34,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from kvcore.files import fsync_directory, process_read_bytes
 
-from .checkpoint import CheckpointSpec
+from .checkpoint import KVGATE_WRITER, CheckpointSpec
+from .checkpoint_kvgate import KvgateReader, KvgateWriter
 from .checkpoint_state import build_state, differences, empty_state
 from .checkpoint_writer import ErrorKeepingWriter
 
@@ -68,24 +72,29 @@ def _timed(work: Callable[[], None], rank: int, device: torch.device) -> tuple[f
     return seconds, failures
 
 
-def save(state: dict, directory: str, thread_count: int, rank: int, device: torch.device) -> dict:
-    writer = ErrorKeepingWriter(directory, sync_files=True, thread_count=thread_count)
+def save(state: dict, directory: str, thread_count: int, rank: int, device: torch.device,
+         kind: str = KVGATE_WRITER) -> dict:
+    writer = (KvgateWriter if kind == KVGATE_WRITER else ErrorKeepingWriter)(directory, sync_files=True,
+                                                                            thread_count=thread_count)
 
     def work() -> None:
         dcp.save(state, storage_writer=writer)
         fsync_directory(directory)
 
     seconds, failures = _timed(work, rank, device)
-    if failures and writer.first_error is not None:     # the OS's reason, not the zip writer's echo of it
-        failures[str(rank)] = str(writer.first_error)
-    return {"ok": not failures, "seconds": seconds, "failures": failures}
+    first_error = getattr(writer, "first_error", None)
+    if failures and first_error is not None:            # the OS's reason, not the zip writer's echo of it
+        failures[str(rank)] = str(first_error)
+    return {"ok": not failures, "seconds": seconds, "failures": failures,
+            "direct": getattr(writer, "direct", False)}
 
 
-def restore(spec: CheckpointSpec, state: dict, directory: str, rank: int, device: torch.device) -> dict:
+def restore(spec: CheckpointSpec, state: dict, directory: str, rank: int, device: torch.device,
+            kind: str = KVGATE_WRITER) -> dict:
     fresh = empty_state(spec, rank, device)
     before = process_read_bytes()
-    seconds, failures = _timed(lambda: dcp.load(fresh, storage_reader=dcp.FileSystemReader(directory)),
-                               rank, device)
+    reader = (KvgateReader if kind == KVGATE_WRITER else dcp.FileSystemReader)(directory)
+    seconds, failures = _timed(lambda: dcp.load(fresh, storage_reader=reader), rank, device)
     read_bytes = process_read_bytes() - before
     found = [] if failures else differences(spec, rank, state, fresh)
     return {"ok": not failures, "seconds": seconds, "read_bytes": read_bytes, "differences": found,
@@ -105,9 +114,10 @@ def serve(spec: CheckpointSpec, rank: int, device: torch.device, commands: TextI
         if kind == "exit":
             return
         if kind == "save":
-            answer(save(state, command["directory"], int(command.get("thread_count", 1)), rank, device))
+            answer(save(state, command["directory"], int(command.get("thread_count", 1)), rank, device,
+                        command.get("writer", KVGATE_WRITER)))
         elif kind == "restore":
-            answer(restore(spec, state, command["directory"], rank, device))
+            answer(restore(spec, state, command["directory"], rank, device, command.get("reader", KVGATE_WRITER)))
         else:
             answer({"ok": False, "failures": {str(rank): f"unknown command {kind!r}"}})
 
