@@ -27,12 +27,12 @@ from engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConf
 from gates.g2_baseline.side_by_side import Pairing
 from kvcore.checks import CHECKS, check_of, configurable_metrics
 from kvcore.claims import DEFAULT_CLAIMS, Claim
-from kvcore.loader_names import LOADERS
+from kvcore.loader_names import KVGATE_LOADER, LOADERS
 from kvcore.rules import Rule, parse_rule
 from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, Count, Float, Int, StrictModel,
                              format_validation_error, load_yaml_mapping, parse_size)
 from sizing.layout import KVShape
-from workloads.checkpoint import STATE_PRESETS, CheckpointSpec
+from workloads.checkpoint import KVGATE_WRITER, STATE_PRESETS, WRITERS as CHECKPOINT_WRITERS, CheckpointSpec
 from workloads.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, sizer_for
 from workloads.fio_sweep import SweepGrid
 
@@ -246,10 +246,10 @@ def _fio_size(value: Any) -> Any:
     return value
 
 
-def _each_once(values: list) -> list:
+def _each_once(values: list, noun: str = "value") -> list:
     repeated = _repeated(values)
     if repeated:
-        raise ValueError(f"expected each value once, found {repeated} repeated")
+        raise ValueError(f"expected each {noun} once, found {repeated} repeated")
     return values
 
 
@@ -364,6 +364,13 @@ def _command(value: Any) -> Any:
     return value
 
 
+def _judged_among(judged: str, measured: list[str], noun: str) -> None:
+    """The judged path (a loader, a checkpoint writer) is one of those measured."""
+    if judged not in measured:
+        raise ValueError(f"judged: expected one of the {noun}s measured ({', '.join(measured)}), found {judged!r} "
+                         f"(add it to {noun}s, or name the {noun} to judge)")
+
+
 class ModelLoadConfig(StrictModel):
     """G2's model service loading: a safetensors checkpoint read cold by each loader, beside fio reading
     the same files, and (embedded or `launch`) a server's start to its first token."""
@@ -374,11 +381,17 @@ class ModelLoadConfig(StrictModel):
                                  "storage.path")
     size: str = Field(default="1GiB", description="the random checkpoint's size (without `path`)")
     shard_size: str = Field(default="256MiB", description="the random checkpoint's shard size")
-    loaders: list[Literal[LOADER_NAMES]] = Field(default_factory=lambda: list(LOADER_NAMES), min_length=1)
-    parallel: Int = Field(default=16, ge=1, le=256, description="read threads of the streaming loaders")
+    loaders: list[Literal[LOADER_NAMES]] = Field(default_factory=lambda: list(LOADER_NAMES), min_length=1,
+        description="the loaders measured, each beside the storage's best read job; those not judged are shown as "
+                    "how much of the storage they use")
+    judged: Literal[LOADER_NAMES] = Field(default=KVGATE_LOADER, description=(
+        "the loader whose ratio is judged: kvgate (its own path, at the storage's best: the storage is judged), "
+        "or a field loader (a joint test of one serving stack's loader)"))
+    parallel: Int = Field(default=16, ge=1, le=256, description="reads in flight of kvgate's loader and read "
+                          "threads of the streaming loaders")
     rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
         "cold rounds, every loader once per round, each load beside the storage's best read job reading the same "
-        "files; taken until the best loader's interval decides"))
+        "files; taken until the judged loader's interval decides"))
     baseline_path: Optional[Path] = Field(default=None, description=(
         "a directory on the baseline storage (e.g. the NFS mount the vendor compares with): with `path`, the same "
         "model there; without, the random checkpoint is written there too. Unset: the speedup is not run"))
@@ -403,13 +416,12 @@ class ModelLoadConfig(StrictModel):
                 raise ValueError(str(error)) from None
         return path
 
-    @field_validator("loaders")
-    @classmethod
-    def _each_once(cls, loaders: list[str]) -> list[str]:
-        repeated = _repeated(loaders)
-        if repeated:
-            raise ValueError(f"expected each loader once, found {repeated} repeated")
-        return loaders
+    _loaders_once = field_validator("loaders")(lambda cls, v: _each_once(v, "loader"))
+
+    @model_validator(mode="after")
+    def _judged_is_measured(self) -> "ModelLoadConfig":
+        _judged_among(self.judged, self.loaders, "loader")
+        return self
 
     @model_validator(mode="after")
     def _launch_with_health(self) -> "ModelLoadConfig":
@@ -441,15 +453,30 @@ class CheckpointConfig(StrictModel):
                     "workload (8B, 70B, 405B, 1T), 32B (the vendor's 8-rank job) or adapter (a LoRA adapter)")
     bytes_per_parameter: Float = Field(default=14.0, ge=2, le=64, description=(
         "bytes of state per parameter: 14 is bf16 weights + fp32 master weights + Adam's two moments"))
-    thread_count: Int = Field(default=1, ge=1, le=64, description="each rank's write threads (DCP FileSystemWriter)")
+    thread_count: Int = Field(default=1, ge=1, le=64, description="each rank's write threads (files written at once)")
+    writers: list[Literal[CHECKPOINT_WRITERS]] = Field(
+        default_factory=lambda: list(CHECKPOINT_WRITERS), min_length=1, description=(
+            "the writers measured, each save beside the storage's best fsync'd write job: kvgate (its own: DCP's "
+            "planner and metadata, aligned O_DIRECT writes from huge pages, parallel) and dcp (DCP's "
+            "FileSystemWriter); those not judged are shown as how much of the storage they use"))
+    judged: Literal[CHECKPOINT_WRITERS] = Field(default=KVGATE_WRITER, description=(
+        "the writer whose ratio is judged: kvgate (the storage is judged), or dcp (a joint test of DCP's own "
+        "writer); its checkpoint is restored by each reader"))
     rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
-        "saves (after two warm-up saves), each beside the storage's best fsync'd write job writing as many bytes; "
-        "taken until the interval decides"))
+        "saves (after two warm-up saves of each writer), each beside the storage's best fsync'd write job writing "
+        "as many bytes; taken until the judged writer's interval decides"))
     restores: Count = Field(default=3, ge=1, description="cold restores of the last save, each checked bit for bit")
     baseline_path: Optional[Path] = Field(default=None, description=(
         "a directory on the baseline storage: the speedup of the storage under test over it. Unset: not run"))
 
     _paths = field_validator("baseline_path", mode="before")(lambda cls, v: _absolute_path(v))
+
+    _writers_once = field_validator("writers")(lambda cls, v: _each_once(v, "writer"))
+
+    @model_validator(mode="after")
+    def _judged_is_measured(self) -> "CheckpointConfig":
+        _judged_among(self.judged, self.writers, "writer")
+        return self
 
     def spec(self) -> CheckpointSpec:
         """The state the ranks save: `parameters` (a count, or a preset's) at `bytes_per_parameter`."""

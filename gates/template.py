@@ -121,8 +121,9 @@ g2:
     shard_size:
     loaders:                                 # each read cold beside the best read job on the same files
                                              # (also: fastsafetensors)
-    parallel:                     # read threads of the streaming loaders
-    rounds:                                  # after a warm-up round, until the best loader decides
+    judged:                       # whose ratio is judged: kvgate (its own path), or a field loader
+    parallel:                     # reads in flight (kvgate) or read threads (the streamers)
+    rounds:                                  # after a warm-up round, until the judged loader decides
     # baseline_path: /mnt/nfs/kvgate   # the storage to compare with (e.g. NFS): the speedup check runs
     service:                      # embedded: `kvgate serve --weights` per loader, process start to first token
     # launch: "vllm serve /models/x --load-format runai_streamer"   # external: the engine's own start,
@@ -132,9 +133,11 @@ g2:
     ranks:                        # processes on the gloo backend; the slowest rank's time counts
     parameters:                   # 280 MB of state; or 8B, 70B, 405B, 1T (MLPerf Storage), 32B, adapter
     bytes_per_parameter:          # bf16 weights + fp32 master weights + Adam's two moments
-    thread_count:                 # write threads per rank
+    thread_count:                 # files each rank writes at once
+    writers:                                 # kvgate (its own: O_DIRECT, DCP's format) and dcp (FileSystemWriter)
+    judged:                       # whose ratio is judged: kvgate (the storage is judged), or dcp
     rounds:                                  # saves beside the best fsync'd write job (after two warm-ups)
-    restores:                     # cold restores, checked bit for bit
+    restores:                     # cold restores by each reader, checked bit for bit
     # baseline_path: /mnt/nfs/kvgate-ckpt
   no_reuse:                       # the no-reuse control: unique prompts, tiered candidate beside the baseline
     enabled:
@@ -145,7 +148,7 @@ g2:
   thresholds:
     - cold_read_vs_storage_best  # vs the storage's best read, side by side
     - disk_hit_ttft_vs_recompute  # at the longest context
-    - model_load_vs_storage_best  # the best loader vs the best read job, same files
+    - model_load_vs_storage_best  # the judged loader vs the best read job, same files
     - model_load_speedup_vs_baseline  # needs model_load.baseline_path
     - checkpoint_write_vs_storage_best  # vs the best fsync'd write job, side by side
     - checkpoint_speedup_vs_baseline  # needs checkpoint.baseline_path

@@ -138,8 +138,23 @@ def claims_table(store: RunStore, claims: list[Claim]) -> list[dict]:
         predicted = _figure([p for p in made_before(predictions, claim.gate) if p.get("metric") == claim.metric],
                             claim)
         why_not = why_not_measured(store, claim, not_judged) if measured is None else ""
-        rows.append(judge_claim(claim, measured, predicted, why_not))
+        rows.append({**judge_claim(claim, measured, predicted, why_not), "path": judged_path(store, claim)})
     return rows
+
+
+# the measurement context key that names the path a figure was judged through, and what it is
+_PATH_KEYS = (("loader", "loader"), ("writer", "checkpoint writer"))
+
+
+def judged_path(store: RunStore, claim: Claim) -> str:
+    """The path the claim's figure was measured through ("the kvgate loader", "the dcp checkpoint writer"), from
+    its latest measurement's context; "" when the figure names none."""
+    rows = [m for m in store.measurements(claim.gate) if m.get("metric") == claim.metric]
+    context = (rows[-1].get("context") or {}) if rows else {}
+    for key, what in _PATH_KEYS:
+        if isinstance(context.get(key), str) and context[key]:
+            return f"the {context[key]} {what}"
+    return ""
 
 
 def _measured(store: RunStore, claim: Claim) -> tuple[Optional[float], Optional[str]]:

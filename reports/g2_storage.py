@@ -9,9 +9,10 @@ Rows read (written by gates/g2_baseline/test_g2_model_load.py and test_g2_checkp
   interval, pairs, warm_gbps and warm_read_device (one load with the files in the page cache);
 - `service_load`: one timed server start (value: seconds to the first token); context loader, round,
   phases {imports, weights, ready, first_token}, weights {loader, seconds, bytes};
+- `model_load_loader` also says `judged_loader` (g2.model_load.judged) when it is the judged one;
 - `checkpoint_save_round` / `checkpoint_restore_round`: one save or cold restore (value GB/s); context
   round, slowest_s, rank_seconds, bytes, fio_gbps (saves), ratio (saves), equal and cold (restores),
-  storage.
+  storage, writer (and reader, restores).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
             ratio_text = _percent(finite_number(ratio.get("value"))) if ratio else ""
             if interval and len(interval) == 2:
                 ratio_text += f" [{_percent(finite_number(interval[0]))}, {_percent(finite_number(interval[1]))}]"
-            rows.append([loader, _gbps(_median(r.get("value") for r in rounds)),
+            judged = bool(ratio and (ratio.get("context") or {}).get("judged_loader"))
+            rows.append([f"{loader} (judged)" if judged else loader, _gbps(_median(r.get("value") for r in rounds)),
                          _gbps(_median(c.get("fio_gbps") for c in contexts)), ratio_text,
                          *(_seconds(_median((c.get("phases") or {}).get(p) for c in contexts)) for p in LOAD_PHASES),
                          _seconds(_median(c.get("seconds") for c in contexts)),
@@ -136,13 +138,20 @@ def checkpoint_tables(measurements: list[dict]) -> list[dict]:
             ranks = ", ".join(_seconds(finite_number(s)) for s in c.get("rank_seconds") or [])
             tail = ([_gbps(finite_number(c.get("fio_gbps"))), _percent(finite_number(c.get("ratio")))] if metric.endswith("save_round")
                     else ["yes" if c.get("equal") else "NO", "yes" if c.get("cold") else "no"])
-            rows.append([str(c.get("storage", "under test")),
+            path = c.get("writer", "") if metric.endswith("save_round") else \
+                f"{c.get('reader', '')} reader, {c.get('writer', '')} checkpoint"
+            rows.append([str(c.get("storage", "under test")), str(path),
                          f"{c.get('round', '')}{' (warm-up, not judged)' if c.get('warmup') else ''}",
                          _seconds(finite_number(c.get("slowest_s"))), ranks, _gigabytes(c.get("bytes")),
                          _gbps(finite_number(r.get("value"))), *tail])
-        tables.append({"title": title, "columns": ["storage", "round", "slowest rank s", "each rank s", "bytes",
+        tables.append({"title": title, "columns": ["storage", "path", "round", "slowest rank s", "each rank s", "bytes",
                                                    "GB/s", *extra], "rows": rows})
     return tables
+
+
+def _label(kind: str, context: dict, path: str) -> str:
+    """'kvgate save 3' (a run before the writers were named: 'save 3')."""
+    return " ".join(str(part) for part in (context.get(path), kind, context.get("round")) if part is not None)
 
 
 def storage_plots(measurements: list[dict]) -> list[str]:
@@ -159,9 +168,9 @@ def storage_plots(measurements: list[dict]) -> list[str]:
     saves = _under_test(_rows(measurements, "checkpoint_save_round"))
     restores = _under_test(_rows(measurements, "checkpoint_restore_round"))
     if saves or restores:
-        bars = ([plots.Bar(f"save {(r.get('context') or {}).get('round')}", r.get("value"),
+        bars = ([plots.Bar(_label("save", r.get("context") or {}, "writer"), r.get("value"),
                            (r.get("context") or {}).get("fio_gbps")) for r in saves]
-                + [plots.Bar(f"restore {(r.get('context') or {}).get('round')}", r.get("value")) for r in restores])
+                + [plots.Bar(_label("restore", r.get("context") or {}, "reader"), r.get("value")) for r in restores])
         charts.append(plots.bar_chart(bars, "G2 checkpoint: save and cold restore GB/s per round", "GB/s",
                                       reference_label="the best fsync'd write job"))
     return charts

@@ -109,10 +109,6 @@ class Calibration:
         kept = tuple(n for n in self.notes if not n.startswith(answered))   # "no recompute curve: …" once one is taken
         return replace(self, **{name: getattr(earlier, name) for name in taken}, notes=(*kept, note))
 
-    @property
-    def best_loader_efficiency(self) -> Optional[float]:
-        return max(self.loader_efficiency.values()) if self.loader_efficiency else None
-
     def to_dict(self) -> dict:
         return {"format": FORMAT, "source": self.source,
                 "curve": None if self.curve is None else {"a": self.curve.a, "b": self.curve.b, "c": self.curve.c,

@@ -337,10 +337,14 @@ def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optiona
     """Model-load and checkpoint seconds (figures, not judged: their checks are ratios measured side by side)."""
     load = config.g2.model_load
     if load.enabled and tiers.disk_gbps is not None and load.path is None:
-        efficiency = (calibration.best_loader_efficiency if calibration is not None else None) or 1.0
+        measured = calibration.loader_efficiency.get(load.judged) if calibration is not None else None
+        efficiency = measured or 1.0
+        source = "G2's side-by-side ratio" if measured else "not measured yet: the storage's best"
         plan.figures["model_load_s"] = {"value": model_load_seconds(parse_size(load.size), tiers.disk_gbps,
                                                                     efficiency),
-                                        "basis": f"{load.size} at {tiers.disk_gbps:.2f} GB/s × {efficiency:.2f}"}
+                                        "loader": load.judged,
+                                        "basis": f"{load.size} at {tiers.disk_gbps:.2f} GB/s × {efficiency:.2f}, "
+                                                 f"the {load.judged} loader ({source})"}
     checkpoint = config.g2.checkpoint
     measured = store.latest("g2", "checkpoint_write_vs_storage_best") if store is not None else None
     if checkpoint.enabled and measured is not None and calibration is not None and calibration.checkpoint_efficiency:
@@ -349,7 +353,9 @@ def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optiona
         if fio > 0:
             plan.figures["checkpoint_save_s"] = {
                 "value": checkpoint_seconds(nbytes, fio, calibration.checkpoint_efficiency),
-                "basis": f"{nbytes / 1e9:.2f} GB at G2's fio {fio:.2f} GB/s × {calibration.checkpoint_efficiency:.2f}"}
+                "writer": checkpoint.writer,
+                "basis": f"{nbytes / 1e9:.2f} GB at G2's fio {fio:.2f} GB/s × {calibration.checkpoint_efficiency:.2f}, "
+                         f"the {checkpoint.writer} writer"}
 
 
 def render_text(plan: Plan) -> str:

@@ -214,3 +214,17 @@ def test_a_checkpoint_of_absurd_size_is_refused_at_load_with_one_line(tmp_path):
              "g2.checkpoint.parameters: expected a parameter count (an integer in 1..1000000000000000) or a model "
              "size (8B, 32B, 70B, 405B, 1T, adapter), found 1000000000000000000000000000000")
     assert load_config(_file(tmp_path, {"g2": {"checkpoint": {"parameters": "70B"}}})).g2.checkpoint.parameters == "70B"
+
+
+# -- the judged loader and checkpoint writer are among those measured ------------------------------------------
+
+@pytest.mark.parametrize("section, data, message", [
+    ("model_load", {"loaders": ["safetensors"]},
+     "g2.model_load.judged: expected one of the loaders measured (safetensors), found 'kvgate'"),
+    ("checkpoint", {"writers": ["dcp"]},
+     "g2.checkpoint.judged: expected one of the writers measured (dcp), found 'kvgate'"),
+    ("checkpoint", {"writers": ["kvgate", "kvgate"]}, "g2.checkpoint.writers: expected each writer once"),
+    ("checkpoint", {"judged": "fast"}, "g2.checkpoint.judged"),
+])
+def test_a_judged_path_that_is_not_measured_is_refused_naming_the_field(tmp_path, section, data, message):
+    _refused(tmp_path, {"g2": {section: data}, "storage": {"path": str(tmp_path / "storage")}}, message)

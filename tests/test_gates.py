@@ -343,11 +343,12 @@ def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path, monkeypa
     write_random_checkpoint(tmp_path / "models" / "m", 1 << 20, shard_bytes=1 << 20)
     config = load_config(_config_file(tmp_path, {"g2": {
         "model_load": {"path": "models/m", "launch": "engine serve --port 9 'a b'",
-                       "health_url": "http://127.0.0.1:9/health", "loaders": ["fastsafetensors"]},
+                       "health_url": "http://127.0.0.1:9/health", "loaders": ["fastsafetensors"],
+                       "judged": "fastsafetensors"},
         "checkpoint": {"parameters": "70B", "ranks": 8}}}))
     assert config.g2.model_load.path.is_absolute() and config.g2.model_load.path.name == "m"
     assert config.g2.model_load.launch == ["engine", "serve", "--port", "9", "a b"]   # split as a shell would
-    assert config.g2.model_load.loaders == ["fastsafetensors"]
+    assert config.g2.model_load.loaders == ["fastsafetensors"] and config.g2.model_load.judged == "fastsafetensors"
     assert config.g2.checkpoint.parameters == "70B" and config.g2.checkpoint.ranks == 8
     spec = config.g2.checkpoint.spec()                     # the preset's count, 14 bytes each, over 8 ranks
     assert (spec.parameters, spec.ranks) == (70_553_706_496, 8)

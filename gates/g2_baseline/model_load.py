@@ -8,9 +8,12 @@ and a server's start timed from outside per loader (workloads/service_load.py), 
 
 Rounds alternate: in round i every loader loads once (pages dropped first, `cold` checked from the
 process's own device reads), each followed by the best job reading the same files; so each loader's
-ratio is a paired one, and all loaders met the same minutes of the disk. Rounds are taken until the
-best loader's anytime-valid interval decides the rule (g2.model_load.rounds: min, max, budget_s).
-With `baseline_path`, the best loader then alternates between the two storages for the speedup.
+ratio is a paired one, and all loaders met the same minutes of the disk. The field's loaders run in the
+first `min` rounds; rounds are then taken until the judged loader's anytime-valid interval decides the
+rule (g2.model_load.rounds: min, max, budget_s):
+kvgate's own by default (the instrument at the storage's best, so the storage is what is judged), the
+field's loaders beside it as how much of the storage they use. With `baseline_path`, the judged loader
+then alternates between the two storages for the speedup.
 """
 
 from __future__ import annotations
@@ -21,9 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cache_impl.loaders import load_checkpoint, verify_loaded
-from cache_impl.loaders import allocate_destinations
-from cache_impl.loaders import load_checkpoint
+from cache_impl.loaders import allocate_destinations, load_checkpoint, verify_loaded
 from cache_impl.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
 from gates.sequential import Stopping, sample_until_decided
 from gates.storage_best import StorageBest
@@ -155,18 +156,22 @@ def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinatio
     return result.summary(), mismatch
 
 
-def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pairing, rules: list, parallel: int,
-                    best: StorageBest, progress: Progress, on_round: Callable[[LoaderRound], None],
+def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], judged: str, pairing: Pairing, rules: list,
+                    parallel: int, best: StorageBest, progress: Progress, on_round: Callable[[LoaderRound], None],
                     ) -> tuple[dict[str, LoaderFigures], FasterOf]:
-    """WARMUP_ROUNDS rounds, then rounds until the best loader's interval decides `rules` (or `pairing`'s max
-    or budget); in each, every loader's cold load and then the storage's best read jobs (`best`, each mode's
-    winner, the faster counted) reading the same files. Returns the figures and the yardstick's runs."""
+    """WARMUP_ROUNDS rounds, then rounds until the `judged` loader's interval decides `rules` (or `pairing`'s
+    max or budget); in each, a loader's cold load and then the storage's best read jobs (`best`, each mode's
+    winner, the faster counted) reading the same files: every loader in the warm-up and the first
+    `pairing.min` rounds, the judged one alone after them. Returns the figures and the yardstick's runs."""
     fio = best.best_of("read", lambda mode, shape: FioFilesRead(checkpoint.files, shape, f"g2-files-read-{mode}"))
     figures = {loader: LoaderFigures(loader) for loader in loaders}
     destinations = allocate_destinations(checkpoint, device())    # the model's parameters, placed once
 
     def one_round(index: int, warmup: bool = False) -> None:
-        for loader in loaders:
+        # the field's loaders are diagnostics: measured in the warm-up and the first `min` rounds (an interval
+        # each), then the rounds go to the judged loader until it decides
+        diagnostic = warmup or index - WARMUP_ROUNDS < pairing.min
+        for loader in (loaders if diagnostic else [judged]):
             which = "warm-up round, not judged" if warmup else f"round {index - WARMUP_ROUNDS + 1} (at most {pairing.max})"
             progress(f"model load: {which}, {loader} "
                      f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then the storage's best jobs on the same files)")
@@ -179,13 +184,10 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], pairing: Pai
             (figures[loader].warmup_rounds if warmup else figures[loader].rounds).append(round_)
             on_round(round_)
 
-    def best_interval():
-        best = best_loader(figures)
-        return best.judged.interval if best is not None else None
-
     for index in range(WARMUP_ROUNDS):
         one_round(index, warmup=True)
-    stopping = sample_until_decided(lambda i: one_round(WARMUP_ROUNDS + i), best_interval, rules, pairing.min,
+    stopping = sample_until_decided(lambda i: one_round(WARMUP_ROUNDS + i),
+                                    lambda: figures[judged].judged.interval, rules, pairing.min,
                                     pairing.max, pairing.budget_s)
     for f in figures.values():
         f.stopping = stopping
@@ -219,12 +221,6 @@ def warm_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinatio
     """Two loads back to back, the second timed: what the loader gives when the page cache holds the files."""
     load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
     return load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel).summary()
-
-
-def best_loader(figures: dict[str, LoaderFigures]) -> Optional[LoaderFigures]:
-    """The loader with the highest side-by-side ratio (what the storage can give a loader)."""
-    judged = [f for f in figures.values() if f.judged.value is not None]
-    return max(judged, key=lambda f: f.judged.value) if judged else None
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 A safetensors checkpoint (an existing model, read only, or a random one written here) is loaded cold
 by each loader in alternating rounds beside the storage's best read job (G1's sweep) reading the same
-files, until the best loader's anytime-valid interval decides; the best loader's ratio is judged, every load is checked tensor by tensor, and with a baseline path the best loader's speedup
-over it is judged too. Then a server is started per loader and timed to its first token: the embedded
+files, until the judged loader's anytime-valid interval decides (g2.model_load.judged: kvgate's own by
+default, so the storage is judged; the field's loaders beside it as diagnostics); every load is checked
+tensor by tensor, and with a baseline path the judged loader's speedup over it is judged too. Then a server is started per loader and timed to its first token: the embedded
 `kvgate serve --weights`, or the external engine's own `launch` command.
 """
 
@@ -18,8 +19,8 @@ import pytest
 
 from cache_impl.loaders import loader_unavailable
 from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
-from gates.g2_baseline.model_load import (best_loader, measure_aa_reads, measure_loaders, measure_speedup,
-                                          median_phases, prepare_checkpoints)
+from gates.g2_baseline.model_load import (measure_aa_reads, measure_loaders, measure_speedup, median_phases,
+                                          prepare_checkpoints)
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.percent import format_percent
@@ -59,8 +60,9 @@ def available_loaders(gate_context, checkpoints):
     for loader, reason in missing.items():
         gate_context.store.record("g2", "model_load_loaders", "model_load_loader_unavailable", None, loader=loader,
                                   reason=reason)
-    if not usable:
-        pytest.fail(f"G2 model load: none of the loaders {settings.loaders} runs here: {missing}", pytrace=False)
+    if settings.judged in missing:
+        pytest.fail(f"G2 model load: the judged loader (g2.model_load.judged) does not run here: "
+                    f"{missing[settings.judged]}", pytrace=False)
     return usable
 
 
@@ -76,41 +78,61 @@ def loader_figures(gate_context, checkpoints, available_loaders):
         store.record("g2", "model_load_rounds", "model_load_round", round_.pair.subject.gbps, "GB/s",
                      **round_.context())
 
-    figures, yardstick = measure_loaders(checkpoints.under_test, available_loaders, settings.rounds.pairing(),
+    figures, yardstick = measure_loaders(checkpoints.under_test, available_loaders, settings.judged,
+                                         settings.rounds.pairing(),
                                          [rule] if rule else [], settings.parallel, best,
                                          lambda text: store.set_progress("g2", text), on_round)
     for loader, f in figures.items():
         judged = f.judged
         warm = f.warm or {}
         store.record("g2", "model_load_rounds", "model_load_loader", judged.value, "%", loader=loader,
+                     judged_loader=loader == settings.judged,
                      loader_gbps=judged.subject_gbps, **judged.record_context(), cold_rounds=f.cold,
                      identical_rounds=f.identical, phases=median_phases(f), warm_gbps=warm.get("gbps"),
                      warm_read_device=warm.get("cold"), **best.context("read"))
     return figures, best, yardstick
 
 
-def test_the_best_loader_reads_the_checkpoint_near_the_storages_best(gate_context, checkpoints, loader_figures,
-                                                                      record, verdict):
+def test_the_judged_loader_reads_the_checkpoint_near_the_storages_best(gate_context, checkpoints, loader_figures,
+                                                                        record, verdict):
     figures, storage, yardstick = loader_figures
-    best = best_loader(figures)
-    if best is None:
-        pytest.fail("G2 model load: no loader gave a side-by-side ratio", pytrace=False)
-    judged = best.judged
-    others = ", ".join(f"{f.loader} {format_percent(f.judged.value, 0)}" for f in figures.values()
-                       if f is not best and f.judged.value is not None)
-    cold = ("" if best.cold == len(best.rounds) else
-            f"; only {best.cold} of {len(best.rounds)} rounds read the device (the rest came from a cache)")
+    judged_loader = figures[gate_context.config.g2.model_load.judged]
+    judged = judged_loader.judged
+    if judged.value is None:
+        pytest.fail(f"G2 model load: {judged_loader.loader} gave no side-by-side ratio", pytrace=False)
+    cold = ("" if judged_loader.cold == len(judged_loader.rounds) else
+            f"; only {judged_loader.cold} of {len(judged_loader.rounds)} rounds read the device (the rest came from "
+            f"a cache)")
     options = judged.verdict_options()
-    if best.cold < len(best.rounds):
-        options.update(valid=False, invalid_reason=f"{len(best.rounds) - best.cold} rounds were not cold")
-    record(METRIC, judged.value, "%", loader=best.loader, **judged.record_context(), loader_gbps=judged.subject_gbps,
+    if judged_loader.cold < len(judged_loader.rounds):
+        options.update(valid=False, invalid_reason=f"{len(judged_loader.rounds) - judged_loader.cold} rounds were "
+                                                   f"not cold")
+    record(METRIC, judged.value, "%", loader=judged_loader.loader, **judged.record_context(),
+           loader_gbps=judged.subject_gbps, field_loaders=field_loader_shares(figures, judged_loader.loader),
            **storage.context("read"))
     size = checkpoints.under_test.tensor_bytes / 1e9
-    wins = yardstick.describe_wins([r.pair for r in best.rounds])
-    verdict(f"G2 model load: {best.loader} / the storage's best read ({storage.describe()}) of the same {size:.2f} GB "
-            f"cold, side by side ({judged.describe()}{'; ' + wins if wins else ''}"
-            f"{'; others: ' + others if others else ''}{cold})", METRIC,
-            judged.value, context={"loader": best.loader}, **options)
+    wins = yardstick.describe_wins([r.pair for r in judged_loader.rounds])
+    beside = describe_field_loaders(figures, judged_loader.loader)
+    verdict(f"G2 model load: {judged_loader.loader} / the storage's best read ({storage.describe()}) of the same "
+            f"{size:.2f} GB cold, side by side ({judged.describe()}{'; ' + wins if wins else ''}{cold})"
+            f"{'; ' + beside if beside else ''}", METRIC, judged.value, context={"loader": judged_loader.loader},
+            **options)
+
+
+def field_loader_shares(figures: dict, judged: str) -> dict[str, float]:
+    """Each loader not judged: its side-by-side share of the storage's best read."""
+    return {f.loader: f.judged.value for f in figures.values() if f.loader != judged and f.judged.value is not None}
+
+
+def describe_field_loaders(figures: dict, judged: str) -> str:
+    """'beside it, safetensors reaches 72% of what this storage delivers, runai_streamer 68%'."""
+    shares = [f"{loader} {format_percent(value, 0)}" for loader, value in field_loader_shares(figures, judged).items()]
+    if not shares:
+        return ""
+    first, *rest = shares
+    name, share = first.rsplit(" ", 1)
+    return (f"beside it, {name} reaches {share} of what this storage delivers"
+            f"{', ' + ', '.join(rest) if rest else ''}")
 
 
 def test_aa_the_best_read_job_against_itself_on_the_same_files(gate_context, checkpoints, record):
@@ -143,22 +165,22 @@ def test_speedup_over_the_baseline_storage(gate_context, checkpoints, loader_fig
     label = "G2 model load: speedup over the baseline storage, same loader"
     if checkpoints.baseline is None:
         not_run(label, "model_load_speedup_vs_baseline", "needs a baseline storage path (g2.model_load.baseline_path)")
-    best = best_loader(loader_figures[0])
+    judged = loader_figures[0][settings.judged]
     store = gate_context.store
 
     def on_round(storage: str, index: int, summary: dict) -> None:
         store.record("g2", "model_load_speedup", "model_load_round", summary["nbytes"] / summary["seconds"] / 1e9,
-                     "GB/s", loader=best.loader, round=index, storage=storage, seconds=summary["seconds"],
+                     "GB/s", loader=judged.loader, round=index, storage=storage, seconds=summary["seconds"],
                      bytes=summary["nbytes"], cold=summary["cold"], phases=summary["phases"])
 
-    speedup = measure_speedup(checkpoints, best.loader, settings.rounds.min, settings.parallel,
+    speedup = measure_speedup(checkpoints, judged.loader, settings.rounds.min, settings.parallel,
                               lambda text: store.set_progress("g2", text), on_round)
-    record("model_load_speedup_vs_baseline", speedup.value, "×", loader=best.loader, interval=list(speedup.interval),
+    record("model_load_speedup_vs_baseline", speedup.value, "×", loader=judged.loader, interval=list(speedup.interval),
            under_test_s=statistics.median(speedup.under_test_s), baseline_s=statistics.median(speedup.baseline_s))
-    verdict(f"{label} ({best.loader}: {statistics.median(speedup.baseline_s):.2f} s on {settings.baseline_path} "
+    verdict(f"{label} ({judged.loader}: {statistics.median(speedup.baseline_s):.2f} s on {settings.baseline_path} "
             f"/ {statistics.median(speedup.under_test_s):.2f} s, {len(speedup.under_test_s)} pairs)",
             "model_load_speedup_vs_baseline", speedup.value, unit="×", interval=speedup.interval,
-            context={"loader": best.loader})
+            context={"loader": judged.loader})
 
 
 def _service_commands(gate_context, endpoints, available_loaders):
