@@ -353,9 +353,9 @@ def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optiona
         if fio > 0:
             plan.figures["checkpoint_save_s"] = {
                 "value": checkpoint_seconds(nbytes, fio, calibration.checkpoint_efficiency),
-                "writer": checkpoint.writer,
+                "writer": checkpoint.judged,
                 "basis": f"{nbytes / 1e9:.2f} GB at G2's fio {fio:.2f} GB/s × {calibration.checkpoint_efficiency:.2f}, "
-                         f"the {checkpoint.writer} writer"}
+                         f"the {checkpoint.judged} writer"}
 
 
 def render_text(plan: Plan) -> str:

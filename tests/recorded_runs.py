@@ -31,9 +31,10 @@ def recorded_run(root, with_g3=True):
     for i in range(8):
         store.record("g2", "test_cold", "cold_read_pair", 0.8, round=i, tier_bytes=2 * 7936 * KV, tier_gbps=1.2)
     store.record("g2", "test_cold", "cold_read_vs_storage_best", 0.8, tier_gbps=TIER_GBPS, fio_gbps=1.5)
+    store.record("g2", "test_load", "model_load_loader", 0.95, "%", loader="kvgate", loader_gbps=1.43)
     store.record("g2", "test_load", "model_load_loader", 0.9, "%", loader="safetensors", loader_gbps=1.35)
     store.record("g2", "test_load", "model_load_loader", 0.6, "%", loader="runai_streamer", loader_gbps=0.9)
-    store.record("g2", "test_ckpt", "checkpoint_write_vs_storage_best", 0.75, "%")
+    store.record("g2", "test_ckpt", "checkpoint_write_vs_storage_best", 0.75, "%", writer="kvgate", fio_gbps=2.0)
     for start in (3.0, 3.2, 3.4):
         store.record("g2", "test_service", "service_load", start + 0.05, "s", loader="safetensors",
                      weights={"seconds": 0.05})

@@ -199,3 +199,12 @@ def test_a_constant_taken_from_an_earlier_calibration_drops_the_note_that_it_was
                             "curve from the pre-flight's machine probe (this run has not measured them)")
     both = own.filled_from(Calibration(curve=probe.curve, decode=DecodeCost(0.0063, 0.0022), source="earlier"))
     assert both.notes == (missing[2], "curve, decode from earlier (this run has not measured them)")
+
+
+def test_model_load_and_checkpoint_seconds_come_from_the_judged_paths_figures(tmp_path):
+    store = recorded_run(tmp_path)
+    plan = make_plan(load_config(None), store)
+    load, save = plan.figures["model_load_s"], plan.figures["checkpoint_save_s"]
+    assert load["loader"] == "kvgate" and "× 0.95, the kvgate loader (G2's side-by-side ratio)" in load["basis"]
+    assert save["writer"] == "kvgate" and save["basis"].endswith("× 0.75, the kvgate writer")
+    assert save["value"] == pytest.approx(load_config(None).g2.checkpoint.spec().total_bytes / (2.0e9 * 0.75))

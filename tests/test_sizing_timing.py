@@ -205,7 +205,7 @@ def test_calibration_recovers_the_constants_of_arecorded_run(tmp_path):
     assert calibration.tier_efficiency == {"disk": 0.8}
     assert calibration.tier_overhead_s["disk"] == pytest.approx(DISK_OVERHEAD, rel=1e-6)
     assert (calibration.decode.step_s, calibration.decode.per_sequence_s) == pytest.approx((STEP, PER_SEQ), rel=1e-3)
-    assert calibration.loader_efficiency == {"safetensors": 0.9, "runai_streamer": 0.6}
+    assert calibration.loader_efficiency == {"kvgate": 0.95, "safetensors": 0.9, "runai_streamer": 0.6}
     assert calibration.checkpoint_efficiency == 0.75
     assert calibration.service_start_s == pytest.approx(3.2)
     assert calibration.notes == ()
