@@ -26,7 +26,7 @@ AA = {
     "fio": {"size": "32M", "runtime_s": 1, "verify_size": "8M", "sweep": TINY_SWEEP},
     # exactly 3 pairs each (a plain number: min = max)
     "g2": {"contexts": [1100], "rounds": 1, "cold_read_pairs": 3,
-           "model_load": {"size": "24MiB", "shard_size": "8MiB", "rounds": 3, "loaders": ["safetensors"],
+           "model_load": {"size": "24MiB", "shard_size": "8MiB", "rounds": 3, "loaders": ["kvgate"],
                           "service": False},
            "checkpoint": {"parameters": 1_000_000, "rounds": 3, "restores": 1}, "no_reuse": {"enabled": False}},
     "g3": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,

@@ -109,12 +109,19 @@ def test_g2_measures_every_loader_and_every_checkpoint_round_and_judges_them(run
         phases = start["context"]["phases"]
         assert list(phases) == ["imports", "weights", "ready", "first_token"]
         assert start["context"]["weights"]["loader"] == start["context"]["loader"]
+    assert "kvgate" in loaders and store.latest("g2", "model_load_vs_storage_best")["context"]["loader"] == "kvgate"
     saves = [m for m in rows if m["metric"] == "checkpoint_save_round"]
-    assert len(saves) == 7 and sum(bool(m["context"].get("warmup")) for m in saves) == 2     # two warm-up saves
+    for writer in ("kvgate", "dcp"):    # each writer: two warm-up saves, then 5, each beside fio
+        own = [m for m in saves if m["context"]["writer"] == writer]
+        assert len(own) == 7 and sum(bool(m["context"].get("warmup")) for m in own) == 2, own
     assert all(len(m["context"]["rank_seconds"]) == 2 for m in saves)
     assert all(m["context"]["slowest_s"] == max(m["context"]["rank_seconds"]) for m in saves)
     restores = [m for m in rows if m["metric"] == "checkpoint_restore_round"]
-    assert len(restores) == 3 and all(m["context"]["equal"] for m in restores)
+    # the judged (kvgate) writer's checkpoint by both readers, DCP's writer's by kvgate's reader, 3 times each
+    assert sorted((m["context"]["writer"], m["context"]["reader"]) for m in restores) == sorted(
+        [("kvgate", "kvgate"), ("kvgate", "dcp"), ("dcp", "kvgate")] * 3)
+    assert all(m["context"]["equal"] for m in restores)
+    assert store.latest("g2", "checkpoint_write_vs_storage_best")["context"]["writer"] == "kvgate"
     judged = {v["metric"]: v["status"] for v in store.verdicts("g2")}
     assert judged["model_load_identical"] == judged["checkpoint_restore_identical"] == "PASS"
     assert judged["checkpoint_saves_complete"] == judged["service_load_started"] == "PASS"
