@@ -4,8 +4,9 @@ Written the way training writes it: torch.distributed.checkpoint from `ranks` gl
 optimizer state, fsync'd before a save counts, DCP's metadata last. Each writer (g2.checkpoint.writers:
 kvgate's own, at the storage's best, and DCP's FileSystemWriter) saves in turn, each save followed by
 the storage's best fsync'd write job (G1's sweep) writing as many bytes (a fresh file, fsync'd:
-gates/g2_baseline/side_by_side.py), so each writer's ratio is a paired one; rounds are taken until the
-judged writer's anytime-valid interval decides, the others shown beside it. Rules from MLPerf Storage's
+gates/g2_baseline/side_by_side.py), so each writer's ratio is a paired one; the others save in the first `min`
+rounds, then rounds are taken until the judged writer's anytime-valid interval decides, the others shown
+beside it. Rules from MLPerf Storage's
 checkpoint workload: the slowest rank's time is the save's, bytes written come from the files, writes
 and reads run apart with the page cache dropped before each read, rounds that disagree by more than 5%
 are flagged. The judged writer's last checkpoint is restored cold by each reader, bit for bit.
@@ -119,7 +120,10 @@ def saves(gate_context, job):
         f.last = directory
 
     def one_round(index: int) -> None:
-        for writer in settings.writers:
+        # the writers not judged are diagnostics: they save in the warm-up and the first `min` rounds (an interval
+        # each), then the rounds go to the judged writer until it decides
+        diagnostic = index < WARMUP_SAVES + pairing.min
+        for writer in (settings.writers if diagnostic else [settings.judged]):
             one_save(index, writer)
 
     stopping = None
