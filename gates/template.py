@@ -182,6 +182,7 @@ g3:
   thresholds:
     - throughput_gain  # below: FAIL; above: PASS with a note
     - sustained_rate_gain  # rate_multipliers: in place of throughput_gain
+    - disk_hit_share  # the candidate's lower-tier hits its disk tier served (its storage, not DRAM)
     # error_rate (the candidate's failed share, per level) is judged by its default, <= 0.01
 
 g4:

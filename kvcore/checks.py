@@ -118,6 +118,10 @@ G3_CHECKS = (
     # levels; the candidate's alone (the baseline's errors make its steps invalid, g3.max_error_share)
     Check("error_rate", "candidate's failed requests / its measured requests, per level", "lower", "%",
           default=_at_most("error_rate", 0.01)),
+    # the seed's system keeps hot KV in device memory and the rest on its storage: a candidate whose lower-tier
+    # hits all come from host DRAM tests DRAM, not the storage under test
+    Check("disk_hit_share", "the disk tier's share of the candidate's lower-tier hit blocks (host, disk and "
+          "pool), per level", "higher", "%", default=_at_least("disk_hit_share", 0.5)),
     *NO_REUSE_CHECKS,            # g3.no_reuse: one closed-loop level
 )
 

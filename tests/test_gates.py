@@ -59,7 +59,7 @@ def _config_file(tmp_path: Path, data) -> Path:
     # a threshold naming a metric its gate does not judge (issue 12, 1.1)
     ({"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
                             {"metric": "throughput_gian", "min": 1, "max": 2}]}},
-     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, error_rate, no_reuse_ttft_cost, no_reuse_throughput_cost, found 'throughput_gian'"),
+     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, error_rate, disk_hit_share, no_reuse_ttft_cost, no_reuse_throughput_cost, found 'throughput_gian'"),
     ({"g2": {"thresholds": [{"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
                             {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.7}]}},
      "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_storage_best' again (first at [0])"),
@@ -146,7 +146,8 @@ def test_profiles_supply_defaults_under_the_files_values(tmp_path):
     assert [r.to_dict() for r in quick.g3.thresholds] == [
         {"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
         {"metric": "throughput_gain", "min": 0.29, "max": 0.40},
-        {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40}]
+        {"metric": "sustained_rate_gain", "min": 0.29, "max": 0.40},
+        {"metric": "disk_hit_share", "op": ">=", "value": 0.5}]
     mine = load_config(_config_file(tmp_path, {"profile": "full", "g2": {"rounds": 9}}))
     assert mine.profile == "full" and mine.g2.rounds == 9 and mine.g2.contexts == full.g2.contexts
     assert load_config(_config_file(tmp_path, {"g2": {"rounds": 9}}), profile="quick").g2.contexts == quick.g2.contexts

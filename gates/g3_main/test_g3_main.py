@@ -284,6 +284,25 @@ def test_candidate_error_rate_at_each_level(sweep, gate_context, verdict, level)
             context={**_at(gate_context, level), "target": "candidate"})
 
 
+def test_disk_tier_share_of_the_candidates_lower_tier_hits_at_each_level(sweep, gate_context, record, verdict,
+                                                                          not_run, level):
+    """Of the candidate's hits below the device tier (host, disk, the pool), the share its disk tier served: a main
+    gate whose candidate never reads its storage tests DRAM (kvcore/checks.py)."""
+    label = f"G3 disk tier's share of the candidate's lower-tier hits at {_label(gate_context, level)}"
+    tiers = _step(sweep, "candidate", level)["summary"].get("hit_blocks_by_tier")
+    if tiers is None:
+        not_run(label, "disk_hit_share", "needs the candidate's hits per tier (kvgate serve's /metrics, or an "
+                                         "engine adapter that reads them)")
+    lower = {tier: count for tier, count in tiers.items() if tier != "device"}
+    total = sum(lower.values())
+    share = lower.get("disk", 0) / total if total else 0.0
+    record("disk_hit_share", share, lower_tier_hits=lower, **_at(gate_context, level))
+    others = ", ".join(f"{tier} {count:g}" for tier, count in lower.items() if tier != "disk")
+    verdict(f"{label} ({lower.get('disk', 0):g} of {total:g} hit blocks below the device tier came from disk"
+            f"{'; ' + others if others else ''})", "disk_hit_share", share, unit="%",
+            context={**_at(gate_context, level), "target": "candidate"})
+
+
 def test_sustained_rate_gain(sweep, gate_context, record, verdict):
     """Rate multipliers: the highest multiplier each target sustains within ttft_slo_ms, and the candidate's gain."""
     config = gate_context.config.g3
