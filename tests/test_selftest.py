@@ -160,8 +160,13 @@ def test_every_controls_gates_yaml_is_a_valid_config(control, profile, tmp_path)
         if "g4" in control.gates:
             assert loaded.g4.duration_s == G4_SETTINGS[profile]["duration_s"] and not loaded.g4.faults
     else:
-        assert loaded.targets.kind == "embedded"
-        assert not (loaded.g2.model_load.enabled or loaded.g2.checkpoint.enabled or loaded.g2.no_reuse.enabled)
+        assert loaded.targets.kind == "embedded" and not loaded.g2.no_reuse.enabled
+        if control.g2 is None:           # the cold read alone
+            assert not (loaded.g2.model_load.enabled or loaded.g2.checkpoint.enabled)
+        else:                            # kvgate's loader (and writer): what the control judges
+            assert loaded.g2.model_load.enabled and loaded.g2.model_load.loaders == ["kvgate"]
+            assert loaded.g2.checkpoint.enabled == ("checkpoint_write_vs_storage_best" in
+                                                    " ".join(e.describe() for e in control.expectations))
 
 
 def test_an_aa_control_points_both_roles_at_one_server_and_a_drift_spans_the_g3_run():
@@ -174,7 +179,8 @@ def test_an_aa_control_points_both_roles_at_one_server_and_a_drift_spans_the_g3_
 
 def test_quick_runs_every_control_but_the_full_only_ones_and_a_named_one_alone():
     quick = {c.key for c in controls_for(full=False)}
-    assert quick == {"a-aa-mock", "b-serial-read", "c-failing", "d-invalid-only", "e-drift", "f-known-good", "h-leak"}
+    assert quick == {"a-aa-mock", "b-serial-read", "c-failing", "d-invalid-only", "e-drift", "f-known-good", "h-leak",
+                     "i-good-loader-writer", "j-serial-loader"}
     assert {c.key for c in controls_for(full=True)} == {c.key for c in CONTROLS}
     assert [c.key for c in controls_for(False, ("e-drift",))] == ["e-drift"]
     assert main(["selftest", "--control", "no-such-control"]) == 2

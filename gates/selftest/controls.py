@@ -36,6 +36,12 @@ G4_SETTINGS: dict[str, dict] = {
     "quick": {"duration_s": 30, "window_s": 3, "warmup_s": 3, "concurrency": 2},
     "full": {"duration_s": 120, "window_s": 10, "warmup_s": 10, "concurrency": 2},
 }
+# G2's model load and checkpoint alone, on kvgate's paths: kvgate's loader and writer, rounds until decided
+MODEL_LOAD = ("model_load_vs_storage_best",)
+LOADER_AND_WRITER: dict = {
+    "cold_read_pairs": 3, "model_load": {"loaders": ["kvgate"], "size": "512MiB", "shard_size": "128MiB",
+                                         "service": False, "rounds": {"min": 3, "max": 12, "budget_s": 40}},
+    "checkpoint": {"writers": ["kvgate"], "rounds": {"min": 3, "max": 8, "budget_s": 30}, "restores": 1}}
 # G2 for the storage controls: the cold-read pairs only (model load, checkpoint and the no-reuse control off)
 G2_SETTINGS: dict[str, dict] = {
     "quick": {"contexts": [1024, 8192], "rounds": 1, "cold_read_pairs": 8, "cold_read_prefixes": 2},
@@ -74,6 +80,7 @@ class Control:
     full_only: bool = False
     workload: dict = field(default_factory=lambda: dict(MOCK_WORKLOAD))
     prime: bool = False                     # g3.prime: pointless for a mock; a real cache is primed as in a run
+    g2: Optional[dict] = None               # G2 sections over G2_SETTINGS (default: the cold read alone)
 
 
 def _mock(*flags: str, drifts: bool = False) -> Server:
@@ -119,6 +126,13 @@ CONTROLS: tuple[Control, ...] = (
                     _mock(*FAST_TIMING, "--cached-tokens", "64", "--cached-tokens-as-string"))),
     Control("h-leak", "a candidate leaking a file descriptor per request", ("g4",),
             (MustFail("open_fds_growth"),), **_alone(_mock(*FAST_TIMING, "--leak-fd-every", "1"))),
+    Control("i-good-loader-writer", "kvgate's model loader and checkpoint writer, at the storage's best", ("g2",),
+            (MustPass("model_load_vs_storage_best"), MustPass("checkpoint_write_vs_storage_best")), embedded={},
+            g2=LOADER_AND_WRITER),
+    Control("j-serial-loader", "kvgate's model loader with one read in flight (g2.model_load.parallel: 1)", ("g2",),
+            (MustNotPass(MODEL_LOAD),), embedded={},
+            g2={**LOADER_AND_WRITER, "model_load": {**LOADER_AND_WRITER["model_load"], "parallel": 1},
+                "checkpoint": {"enabled": False}}),
 )
 
 
@@ -158,5 +172,5 @@ def gates_yaml(control: Control, profile: str, storage: str, urls: dict[str, str
         config["g4"] = {**G4_SETTINGS[profile], "workload": dict(control.workload), "faults": []}
     if "g2" in control.gates:
         config["g2"] = {**G2_SETTINGS[profile], "model_load": {"enabled": False},
-                        "checkpoint": {"enabled": False}, "no_reuse": {"enabled": False}}
+                        "checkpoint": {"enabled": False}, "no_reuse": {"enabled": False}, **(control.g2 or {})}
     return config
