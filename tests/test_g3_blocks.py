@@ -13,7 +13,7 @@ import pytest
 
 from gates.client_bench import _process
 from kvcore.g3_analysis import level_figures
-from gates.g3_main.blocks import excludes_null, level_pairs, level_sampler, pair_figures
+from gates.g3_main.blocks import counted_causes, excludes_null, level_pairs, level_sampler, pair_figures
 from kvcore.verdict import judge
 from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_line, ratio_excludes_one
 from kvcore.rules import parse_rule
@@ -106,10 +106,20 @@ def test_a_level_without_three_valid_pairs_is_inconclusive_with_the_reason():
     pairs[0] = (pairs[0][0], _block("candidate", 0, 0.05, 100.0, valid=False))
     figures = pair_figures(pairs)
     assert not figures.valid and figures.ttft_interval is None
-    assert figures.invalid_reason.startswith("2 valid block pairs of 3 (an interval needs 3); pair 1: candidate")
+    # one readable line: the causes counted; the per-pair detail stays in left_out_reasons for the report
+    assert figures.invalid_reason.startswith("2 valid block pairs of 3 (an interval needs 3); 1 left out, their "
+                                             "blocks: "), figures.invalid_reason
+    assert figures.left_out_reasons.startswith("pair 1: candidate")
     verdict = judge("g3", "c2", "G3 TTFT p50 reduction at c=2", figures.ttft_reduction, REDUCTION, unit="%",
                     interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)
     assert verdict.status == "INCONCLUSIVE"
+
+
+def test_a_verdicts_reason_counts_the_causes_of_the_blocks_left_out_in_one_line():
+    reasons = ["its 30 requests, each sent once, ran out after 3.2 s (a workload with more of them (a trace: a larger "
+               "limit), or a shorter duration)", "2 completed requests < minimum 3; its 30 requests, each sent once, "
+               "ran out after 4.1 s (...)", "client saturated: CPU p90 97% > 90%"]
+    assert counted_causes(reasons) == "ran out of requests (2), completed requests < minimum (1), client saturated (1)"
 
 
 def test_the_aa_line_counts_the_intervals_that_excluded_zero():

@@ -19,6 +19,8 @@ A/A (`aa: true`): the candidate against itself; an interval that excludes the nu
 
 from __future__ import annotations
 
+import collections
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -65,14 +67,31 @@ def pair_figures(pairs: list[tuple[dict, dict]]) -> PairFigures:
                                                        for row in (a, b) if not _usable(row))
                         for k, a, b in left_out)
     if len(usable) < MIN_PAIRS_FOR_AN_INTERVAL:
+        causes = counted_causes([row.get("invalid_reasons") or "no figure" for _, a, b in left_out for row in (a, b)
+                                 if not _usable(row)])
         why = (f"{len(usable)} valid block pairs of {len(pairs)} (an interval needs {MIN_PAIRS_FOR_AN_INTERVAL})"
-               + (f"; {reasons}" if reasons else ""))
+               + (f"; {len(left_out)} left out, their blocks: {causes}" if causes else ""))
         return PairFigures(None, None, None, None, False, why, len(usable), len(left_out), reasons)
     ttft, (t_lo, t_hi) = log_ratio_sequence([b["ttft_p50_s"] for _, b in usable], [a["ttft_p50_s"] for a, _ in usable])
     tput, (g_lo, g_hi) = log_ratio_sequence([b["output_tokens_per_s"] for _, b in usable],
                                             [a["output_tokens_per_s"] for a, _ in usable])
     return PairFigures(1.0 - ttft, (1.0 - t_hi, 1.0 - t_lo), tput - 1.0, (g_lo - 1.0, g_hi - 1.0), True, "",
                        len(usable), len(left_out), reasons)
+
+
+def cause(reason: str) -> str:
+    """A block's invalid reason without its figures: 'client saturated', '… completed requests < minimum', 'ran out
+    of requests' (the per-pair detail stays in the record)."""
+    if "ran out after" in reason:
+        return "ran out of requests"
+    head = reason.split(":", 1)[0] if ":" in reason else reason
+    return re.sub(r"\s+", " ", re.sub(r"\([^)]*\)|[-+]?\d[\d.,]*\s*(%|ms|s\b)?", "", head)).strip()
+
+
+def counted_causes(reasons: list[str]) -> str:
+    """'ran out of requests (5), client saturated (2)': each cause over the blocks' reasons, most frequent first."""
+    counts = collections.Counter(cause(part) for reason in reasons for part in reason.split("; ") if part)
+    return ", ".join(f"{name} ({count})" for name, count in counts.most_common())
 
 
 def level_sampler(rule_of: Callable[[str], Optional[object]], closed_loop: bool) -> Callable[[LevelSampling], dict]:
