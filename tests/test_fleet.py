@@ -25,6 +25,7 @@ from kvcore.settings import ConfigError, parse_size
 
 MIB = 2**20
 FILE = 4096 + MIB          # a disk block file of the small preset: 4 KiB header + 1 MiB payload
+QUICK_HOST = parse_size(load_config(None).targets.embedded.host_capacity)   # the quick profile's host tier
 
 
 def _config(tmp_path, **sections):
@@ -58,12 +59,13 @@ def test_two_nodes_scale_the_users_and_levels_and_shrink_each_nodes_local_tiers_
     # U = 33, W = 1 + 7 × 33 = 232 blocks of 1 MiB, S = ⌈232 / 2⌉ = 116
     assert config.g3.workload["users"] == 33 and config.g3.levels == [4, 8, 16]
     assert parse_size(embedded.disk_capacity) == min(8192 * MIB, 116 * FILE) == 122_109_952
-    assert parse_size(embedded.host_capacity) == min(1024 * MIB, 58 * MIB) == 58 * MIB      # ⌈116 / 2⌉
+    # ⌈116 / 2⌉ = 58 blocks, or the quick profile's host tier (48 MiB: below G3's working set) when less
+    assert parse_size(embedded.host_capacity) == min(QUICK_HOST, 58 * MIB) == 48 * MIB
     assert embedded.device_capacity_blocks == min(64, 29) == 29                             # ⌈116 / 4⌉
     assert parse_size(embedded.pool_capacity) == max(512 * MIB, 2 * 232 * MIB) == 512 * MIB
     sizing = fleet_sizing(config)
     assert (sizing.working_set_blocks, sizing.node_share_blocks) == (232, 116)
-    assert (sizing.device_blocks, sizing.host_blocks, sizing.disk_blocks, sizing.pool_blocks) == (29, 58, 116, 512)
+    assert (sizing.device_blocks, sizing.host_blocks, sizing.disk_blocks, sizing.pool_blocks) == (29, 48, 116, 512)
     assert sizing.device_blocks < sizing.host_blocks < sizing.disk_blocks < sizing.working_set_blocks
 
 
@@ -73,7 +75,7 @@ def test_three_nodes_grow_the_pool_past_its_default_when_twice_the_working_set_n
     # U = 49, W = 1 + 7 × 49 = 344, S = ⌈344 / 3⌉ = 115; pool 2 × 344 MiB = 688 MiB > 512 MiB
     assert config.g3.workload["users"] == 49 and config.g3.levels == [6, 12, 24]
     assert parse_size(embedded.disk_capacity) == 115 * FILE
-    assert parse_size(embedded.host_capacity) == 58 * MIB and embedded.device_capacity_blocks == 29
+    assert parse_size(embedded.host_capacity) == min(QUICK_HOST, 58 * MIB) and embedded.device_capacity_blocks == 29
     assert parse_size(embedded.pool_capacity) == 688 * MIB
 
 
@@ -92,7 +94,7 @@ def test_explicit_settings_win_and_the_rest_is_sized_from_the_users_own_workload
 def test_one_node_or_an_external_target_keeps_the_profiles_defaults(tmp_path):
     single = _fleet(tmp_path, 1)
     assert single.g3.workload["users"] == 16 and single.g3.levels == [2, 4, 8]
-    assert single.targets.embedded.host_capacity == "1GiB" and single.targets.embedded.disk_capacity == "8GiB"
+    assert single.targets.embedded.host_capacity == "48MiB" and single.targets.embedded.disk_capacity == "8GiB"
     assert fleet_sizing(single) is None
     external = _config(tmp_path, targets={"kind": "external", "candidate_nodes": ["http://127.0.0.1:9/v1"],
                                           "baseline": {"url": "http://127.0.0.1:8/v1", "model": "m"},
@@ -104,7 +106,7 @@ def test_a_workload_without_a_whole_block_keeps_the_tiers_and_a_bad_one_is_named
     short = {**load_config(None).g3.workload, "system_prompt_tokens": 0, "document_tokens": 100, "rounds": 1}
     config = _fleet(tmp_path, 2, g3={"workload": short})   # 1 + 1 + 100 + 32 + 1 + 1 = 136 tokens: no whole block
     assert working_set_blocks(short) == 0 and config.g3.levels == [4, 8, 16]
-    assert config.targets.embedded.device_capacity_blocks == 64 and config.targets.embedded.host_capacity == "1GiB"
+    assert config.targets.embedded.device_capacity_blocks == 64 and config.targets.embedded.host_capacity == "48MiB"
     trace = tmp_path / "trace.jsonl"                        # fewer requests than its warm-up
     trace.write_text("".join(f'{{"timestamp": {i}, "input_length": 600, "output_length": 4, "hash_ids": [{i}]}}\n'
                              for i in range(3)))
