@@ -156,10 +156,14 @@ def test_fault_facts_are_the_rows_typed_outcome():
            "probe_during": {"ok": True, "identical": True, "cached_tokens": 1536, "prompt_tokens": 1830},
            "recovered_after_s": 1.09}
     assert fault_facts(row) == {"detected_by": "corrupt_blocks", "detected_count": 1.0, "answer_unchanged": True,
-                                "probe_cached_tokens": 1536, "probe_prompt_tokens": 1830, "error": None}
+                                "probe_cached_tokens": 1536, "probe_prompt_tokens": 1830, "error": None, "reprobes": 0}
+    # a probe asked again past an upper tier's whole copy of the damaged block is counted
+    again = fault_facts({**row, "reprobes": [{"held_by": ["device"], "probe": row["probe_during"]}]})
+    assert again["reprobes"] == 1
     failed = fault_facts({"kind": "read_error", "at_s": 30.0, "error": "admin said 500"})
     assert failed == {"detected_by": None, "detected_count": None, "answer_unchanged": None,
-                      "probe_cached_tokens": None, "probe_prompt_tokens": None, "error": "admin said 500"}
+                      "probe_cached_tokens": None, "probe_prompt_tokens": None, "error": "admin said 500",
+                      "reprobes": 0}
 
 
 def test_g4_faults_table_reads_the_recorded_fields_and_marks_older_rows_not_recorded(tmp_path):
