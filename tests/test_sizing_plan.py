@@ -21,9 +21,11 @@ def test_a_plan_from_the_config_alone_gives_the_layout_the_tiers_and_the_workloa
     plan = json.loads(capsys.readouterr().out)
     # the small preset: 2 (K, V) x 4 layers x 2 KV heads x 64 dims x 4 bytes = 4 KiB per token, 1 MiB per block
     assert plan["figures"]["layout"]["bytes_per_token"] == 4096
-    assert plan["figures"]["tiers"]["candidate"] == {"device": 64 * 256, "host": 1024 * 256,
+    assert plan["figures"]["tiers"]["candidate"] == {"device": 64 * 256, "host": 48 * 256,
                                                       "disk": (8 << 30) // ((1 << 20) + 4096) * 256}
     hits = plan["figures"]["g3_hit_ratio"]
+    # the quick profile's 48 MiB host tier is below the 16 histories: the disk serves the candidate's lower hits
+    assert hits["candidate"]["per_tier"]["disk"] > hits["candidate"]["per_tier"]["host"]
     # the device tier alone keeps only the shared system prompt: the 16 interleaved histories outgrow it
     assert hits["baseline"]["overall"] < 0.2 < 0.9 < hits["candidate"]["overall"]
     assert hits["candidate"]["overall"] <= hits["candidate"]["infinite_cache_bound"]
