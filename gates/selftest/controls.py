@@ -41,7 +41,7 @@ MODEL_LOAD = ("model_load_vs_storage_best",)
 LOADER_AND_WRITER: dict = {
     "cold_read_pairs": 3, "model_load": {"loaders": ["kvgate"], "size": "512MiB", "shard_size": "128MiB",
                                          "service": False, "rounds": {"min": 3, "max": 12, "budget_s": 40}},
-    "checkpoint": {"writers": ["kvgate"], "rounds": {"min": 3, "max": 8, "budget_s": 30}, "restores": 1}}
+    "checkpoint": {"writers": ["kvgate"], "rounds": {"min": 3, "max": 12, "budget_s": 45}, "restores": 1}}
 # G2 for the storage controls: the cold-read pairs only (model load, checkpoint and the no-reuse control off)
 G2_SETTINGS: dict[str, dict] = {
     "quick": {"contexts": [1024, 8192], "rounds": 1, "cold_read_pairs": 8, "cold_read_prefixes": 2},
