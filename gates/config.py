@@ -657,6 +657,10 @@ class FaultSpec(StrictModel):
                             description="slow_disk: added delay per block read or write")
 
 
+# the only checks a profile may measure without judging: a quick soak cannot power a latency or throughput trend
+UNPOWERED_DRIFT = ("ttft_p99_drift_fraction", "throughput_drift_fraction")
+
+
 class G4Config(StrictModel):
     _declared = _thresholds_of("g4")
 
@@ -676,6 +680,9 @@ class G4Config(StrictModel):
         "the largest change over the soak, as a fraction of the level, that a windowed trend may show"))
     max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
         "a window whose requests failed more than this share is invalid: left out of the drift checks"))
+    measured_only: list[Literal[UNPOWERED_DRIFT]] = Field(default_factory=list, description=(
+        "the latency and throughput drift checks a soak too short to power them measures without judging, saying "
+        "the windows each would need (the quick profile's 2 minutes); the full profile judges everything"))
     faults: list[FaultSpec] = Field(default_factory=list, description=(
         "the fault schedule (the embedded candidate, or vLLM with kvgate's connector)"))
     thresholds: list[RuleField]

@@ -198,6 +198,7 @@ g4:
   drift_tolerance:                # largest trend over the soak (fraction of the level) in TTFT p99, throughput,
                                   # memory; two minutes tell gross drift only (full profile: 0.05)
   max_error_share:                # a window whose requests failed more than this is left out of the drift checks
+  measured_only:                  # drift checks measured, not judged: a soak too short to power them (quick only)
   faults:                         # injected into the embedded candidate during the soak ([] for none)
     # stored-block faults (flip_byte, truncate, delete, swap) damage a disk block of the first probe's
     # prompt; I/O faults (read_error, write_error, disk_full, slow_disk + delay_ms) stay armed duration_s

@@ -228,3 +228,8 @@ def test_a_checkpoint_of_absurd_size_is_refused_at_load_with_one_line(tmp_path):
 ])
 def test_a_judged_path_that_is_not_measured_is_refused_naming_the_field(tmp_path, section, data, message):
     _refused(tmp_path, {"g2": {section: data}, "storage": {"path": str(tmp_path / "storage")}}, message)
+
+
+def test_a_profile_may_leave_unjudged_only_the_latency_and_throughput_drift(tmp_path):
+    _refused(tmp_path, {"g4": {"measured_only": ["memory_drift_fraction"]},
+                        "storage": {"path": str(tmp_path / "storage")}}, "g4.measured_only[0]")

@@ -31,7 +31,7 @@ SOAK = {
                              "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
     "g4": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
-           "duration_s": 30, "window_s": 5, "warmup_s": 5, "concurrency": 3, "faults": []},
+           "duration_s": 30, "window_s": 5, "warmup_s": 5, "concurrency": 3, "faults": [], "measured_only": []},
 }
 
 
@@ -408,7 +408,8 @@ FAULTS = [{"kind": "flip_byte", "at_s": 2}, {"kind": "read_error", "at_s": 10, "
 
 def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_system_did(tmp_path):
     config = tmp_path / "gates.yaml"
-    soak = {**SOAK, "g4": {**SOAK["g4"], "faults": FAULTS}}
+    # TTFT p99's drift measured, not judged (as the quick profile has it); throughput's judged
+    soak = {**SOAK, "g4": {**SOAK["g4"], "faults": FAULTS, "measured_only": ["ttft_p99_drift_fraction"]}}
     config.write_text(yaml.safe_dump({**soak, "storage": {"path": str(tmp_path / "storage")}}))
     run_dir = tmp_path / "run"
     assert main(["run", "g4", "--config", str(config), "--out", str(run_dir)]) in (0, 1)
@@ -434,6 +435,10 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
     assert {int(f["at_s"] // SOAK["g4"]["window_s"]) for f in FAULTS} <= left_out   # each fault's own window
     assert 0 in left_out                                                           # the warm-up's window
     assert f"{len(left_out)} windows of warm-up, faults or errors left out" in verdicts["throughput_drift_fraction"]["reason"]
+    unjudged = {u["metric"]: u for u in store.unjudged("g4")}
+    assert "ttft_p99_drift_fraction" not in verdicts and "cannot power it (g4.measured_only)" in \
+        unjudged["ttft_p99_drift_fraction"]["reason"]
+    assert any(m["metric"] == "ttft_p99_drift_fraction" for m in store.measurements("g4"))   # measured all the same
     html = (run_dir / "index.html").read_text()
     assert "served whole from cache again after" in html and "flip_byte" in html and ">faults<" in html
     assert "windows left out of the drift checks" in html

@@ -132,9 +132,12 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
     power = drift_power(result, config.drift_tolerance, config.window_s)
     if power is not None:
         record(f"{judged}_power", power.windows, "windows", **power.context())
+    measured_only = judged in config.measured_only
     verdict(f"G4 {label} over the soak ({result.words(unit)}" + (f"; {power.words()}" if power else "") + ")",
-            judged, result.fraction, rule=Threshold(judged, "<=", config.drift_tolerance), unit="%",
-            interval=result.interval, valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
+            judged, result.fraction, rule=None if measured_only else Threshold(judged, "<=", config.drift_tolerance),
+            unjudged_reason=(f"this profile's soak cannot power it (g4.measured_only){'; ' + power.words() if power else ''}"
+                             if measured_only else ""), unit="%", interval=result.interval,
+            valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
 
 
 def _record_trend_line(record, windows, metric: str, result) -> None:
