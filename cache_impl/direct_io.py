@@ -118,7 +118,7 @@ def read_spans(spans: Sequence[Span], consume: Consume, workers: int = DEFAULT_W
                     piece = next(pending, None)
                 if piece is None:
                     return
-                consume(piece, _read_piece(descriptors[piece.path], piece, view))
+                consume(piece, read_piece(descriptors[piece.path], piece, view))
                 stats.add(piece.nbytes)
 
         count = min(workers, len(pieces))
@@ -144,14 +144,14 @@ def read_range(path: Path, start: int, end: int, workers: int = DEFAULT_WORKERS,
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(pieces))),
                                 thread_name_prefix="kvgate-direct-read") as pool:
-            for future in [pool.submit(_read_piece, fd, piece, memory[piece.offset - base :]) for piece in pieces]:
+            for future in [pool.submit(read_piece, fd, piece, memory[piece.offset - base :]) for piece in pieces]:
                 future.result()
     finally:
         os.close(fd)
     return memory[start - base : end - base], direct
 
 
-def _read_piece(fd: int, piece: Span, view: memoryview) -> memoryview:
+def read_piece(fd: int, piece: Span, view: memoryview) -> memoryview:
     """The piece's bytes, read into `view` with aligned O_DIRECT-safe requests."""
     start = piece.offset - piece.offset % ALIGN
     end = -(-(piece.offset + piece.nbytes) // ALIGN) * ALIGN

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from kvcore.files import fsync_directory, process_read_bytes
 
 from .checkpoint import KVGATE_WRITER, CheckpointSpec
-from .checkpoint_kvgate import KvgateReader, KvgateWriter
+from .checkpoint_kvgate import HugePageBuffers, KvgateReader, KvgateWriter
 from .checkpoint_state import build_state, differences, empty_state
 from .checkpoint_writer import ErrorKeepingWriter
 
@@ -73,9 +73,12 @@ def _timed(work: Callable[[], None], rank: int, device: torch.device) -> tuple[f
 
 
 def save(state: dict, directory: str, thread_count: int, rank: int, device: torch.device,
-         kind: str = KVGATE_WRITER) -> dict:
-    writer = (KvgateWriter if kind == KVGATE_WRITER else ErrorKeepingWriter)(directory, sync_files=True,
-                                                                            thread_count=thread_count)
+         kind: str = KVGATE_WRITER, buffers: HugePageBuffers | None = None) -> dict:
+    """`buffers`: kvgate's writer's buffers, kept over the rank's saves and restores (warm memory)."""
+    if kind == KVGATE_WRITER:
+        writer = KvgateWriter(directory, sync_files=True, thread_count=thread_count, buffers=buffers)
+    else:
+        writer = ErrorKeepingWriter(directory, sync_files=True, thread_count=thread_count)
 
     def work() -> None:
         dcp.save(state, storage_writer=writer)
@@ -90,10 +93,10 @@ def save(state: dict, directory: str, thread_count: int, rank: int, device: torc
 
 
 def restore(spec: CheckpointSpec, state: dict, directory: str, rank: int, device: torch.device,
-            kind: str = KVGATE_WRITER) -> dict:
+            kind: str = KVGATE_WRITER, buffers: HugePageBuffers | None = None) -> dict:
     fresh = empty_state(spec, rank, device)
     before = process_read_bytes()
-    reader = (KvgateReader if kind == KVGATE_WRITER else dcp.FileSystemReader)(directory)
+    reader = KvgateReader(directory, buffers=buffers) if kind == KVGATE_WRITER else dcp.FileSystemReader(directory)
     seconds, failures = _timed(lambda: dcp.load(fresh, storage_reader=reader), rank, device)
     read_bytes = process_read_bytes() - before
     found = [] if failures else differences(spec, rank, state, fresh)
@@ -107,6 +110,7 @@ def serve(spec: CheckpointSpec, rank: int, device: torch.device, commands: TextI
         answers.flush()
 
     state = build_state(spec, rank, device)
+    buffers = HugePageBuffers()
     answer({"ready": True, "rank": rank, "device": str(device), "state_bytes": spec.rank_bytes(rank)})
     for line in commands:
         command = json.loads(line)
@@ -115,9 +119,10 @@ def serve(spec: CheckpointSpec, rank: int, device: torch.device, commands: TextI
             return
         if kind == "save":
             answer(save(state, command["directory"], int(command.get("thread_count", 1)), rank, device,
-                        command.get("writer", KVGATE_WRITER)))
+                        command.get("writer", KVGATE_WRITER), buffers))
         elif kind == "restore":
-            answer(restore(spec, state, command["directory"], rank, device, command.get("reader", KVGATE_WRITER)))
+            answer(restore(spec, state, command["directory"], rank, device, command.get("reader", KVGATE_WRITER),
+                           buffers))
         else:
             answer({"ok": False, "failures": {str(rank): f"unknown command {kind!r}"}})
 
