@@ -68,6 +68,10 @@ def pairs_tables(measurements: list[dict]) -> list[dict]:
                      str(c.get("best_source", "")), _number(c.get("same_pattern_ratio"))])
     if not rows:
         return []
-    return [{"title": "G2 against the storage's best: sequential pairs (Lai's anytime-valid t confidence sequence)",
+    # each figure's interval method as recorded (a record from before it was recorded: Lai's sequence)
+    methods = dict.fromkeys(str((m.get("context") or {}).get("interval_method")
+                                or "Lai's anytime-valid t confidence sequence")
+                            for m in measurements if m.get("metric") in JUDGED)
+    return [{"title": f"G2 against the storage's best: sequential pairs ({'; '.join(methods)})",
              "columns": ["figure", "ratio", "95% interval", "pairs", "sampling stopped", "the best jobs", "found by",
                          "at its own pattern (diagnostic)"], "rows": rows}]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from gates.cli import main
-from gates.sequential import METHOD
+from gates.sequential import Looks, method
 from kvcore.rundata import RunStore
 
 SHORT_G3 = {
@@ -53,11 +53,11 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     sweep = [v for v in verdicts.values() if not v["metric"].startswith("no_reuse")]
     assert all(v["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "c=3" in v["reason"] for v in sweep)
     # judged from alternating block pairs: at least 3 per target, the recompute reference one; the verdict says
-    # how many blocks and why sampling stopped, and the interval's method
+    # how many blocks and why sampling stopped, and the interval's method (repeated intervals over 3..max_blocks)
     blocks = [m["context"] for m in store.measurements("g3") if m["metric"] == "g3_block"]
     per_target = {t: sum(b["target"] == t for b in blocks) for t in ("baseline", "candidate", "recompute")}
     assert per_target["baseline"] == per_target["candidate"] >= 3 and per_target["recompute"] == 1
-    assert all(v["context"]["blocks"] == per_target["baseline"] and v["context"]["method"] == METHOD
+    assert all(v["context"]["blocks"] == per_target["baseline"] and v["context"]["method"] == method(Looks(last=3))
                and f"over {per_target['baseline']} blocks per target" in v["reason"]
                for v in sweep if v["metric"] in ("ttft_p50_reduction", "throughput_gain"))
     assert all(v.get("interval") or v["status"] == "INCONCLUSIVE" for v in verdicts.values()

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from cache_impl.loaders import allocate_destinations, load_checkpoint, verify_loaded
 from cache_impl.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
-from gates.sequential import Stopping, sample_until_decided
+from gates.sequential import Looks, Stopping, sample_until_decided
 from gates.storage_best import StorageBest
 from kvcore.files import drop_cached_pages
 from kvcore.loader_names import READS_WITH_O_DIRECT
@@ -71,10 +71,11 @@ class LoaderFigures:
     warmup_rounds: list[LoaderRound] = field(default_factory=list)
     warm: Optional[dict] = None      # one load with the files in the page cache: LoadResult.summary()
     stopping: Optional[Stopping] = None
+    looks: Optional[Looks] = None    # the rounds' schedule (`Pairing.looks()`), fixed before the first
 
     @property
     def judged(self) -> PairedRatio:
-        return paired_ratio([r.pair for r in self.rounds], self.stopping)
+        return paired_ratio([r.pair for r in self.rounds], self.stopping, self.looks)
 
     @property
     def every_load(self) -> list[LoaderRound]:
@@ -164,7 +165,7 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], judged: str,
     winner, the faster counted) reading the same files: every loader in the warm-up and the first
     `pairing.min` rounds, the judged one alone after them. Returns the figures and the yardstick's runs."""
     fio = best.best_of("read", lambda mode, shape: FioFilesRead(checkpoint.files, shape, f"g2-files-read-{mode}"))
-    figures = {loader: LoaderFigures(loader) for loader in loaders}
+    figures = {loader: LoaderFigures(loader, looks=pairing.looks()) for loader in loaders}
     destinations = allocate_destinations(checkpoint, device())    # the model's parameters, placed once
 
     def one_round(index: int, warmup: bool = False) -> None:
@@ -214,7 +215,7 @@ def measure_aa_reads(checkpoint: SafetensorsDir, pairing: Pairing, rules: list, 
 
     pairs, stopping = measure_pairs(lambda index: first(index, 0.0), second, pairing, rules, warmup=WARMUP_ROUNDS,
                                     on_pair=said)
-    return paired_ratio(pairs, stopping)
+    return paired_ratio(pairs, stopping, pairing.looks())
 
 
 def warm_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: dict) -> dict:

@@ -10,9 +10,10 @@ serially must show as slow.
 
 Pairs are taken until the interval decides the rule, or `max` pairs, or the time budget
 (gates.sequential.sample_until_decided). The figure is the geometric mean of the pairs' ratios
-and its interval Lai's anytime-valid t confidence sequence over their logs
-(gates.sequential.log_ratio_sequence), so looking after every pair does not inflate the error
-rate; the record says how many pairs decided it and why sampling stopped. Fewer than MIN_PAIRS
+and its interval the repeated confidence interval over their logs of a schedule fixed in advance,
+a look after every pair from the 3rd to `max` (gates.sequential.log_ratio_sequence with
+`Pairing.looks()`), so looking after every pair does not inflate the error rate; the record says
+how many pairs decided it, why sampling stopped, and the interval's method. Fewer than MIN_PAIRS
 pairs is never judged.
 
 fio's sides, one per kind of subject, each in a given `FioShape` (the best job's, or the subject's own):
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Stopping, log_ratio_sequence, sample_until_decided
+from gates.sequential import (METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Looks, Stopping, log_ratio_sequence, method,
+                              sample_until_decided)
 from workloads.fio import FioJob, FioResult, run_fio
 from workloads.fio_sweep import FioShape
 
@@ -90,8 +92,8 @@ def four(number: float) -> float:
 
 @dataclass(frozen=True)
 class PairedRatio:
-    """The judged figure: the geometric mean of the pairs' subject / best ratios, its anytime-valid interval,
-    the sides' medians, the diagnostic same-pattern ratio, and how sampling stopped."""
+    """The judged figure: the geometric mean of the pairs' subject / best ratios, its interval (valid at every look)
+    and the interval's method, the sides' medians, the diagnostic same-pattern ratio, and how sampling stopped."""
 
     value: Optional[float]
     interval: Optional[tuple[float, float]]
@@ -100,6 +102,7 @@ class PairedRatio:
     fio_gbps: Optional[float] = None
     same_pattern_ratio: Optional[float] = None
     stopping: Optional[Stopping] = None
+    method: str = METHOD
 
     @property
     def valid(self) -> bool:
@@ -134,21 +137,23 @@ class PairedRatio:
         """What the judged figure's run-store row carries besides its value."""
         return {"pairs": self.pairs, "interval": list(self.interval or ()), "subject_gbps": self.subject_gbps,
                 "fio_gbps": self.fio_gbps, "same_pattern_ratio": self.same_pattern_ratio,
-                "interval_method": METHOD, **({"stopping": self.stopping.to_dict()} if self.stopping else {})}
+                "interval_method": self.method, **({"stopping": self.stopping.to_dict()} if self.stopping else {})}
 
 
-def paired_ratio(pairs: Sequence[Pair], stopping: Optional[Stopping] = None) -> PairedRatio:
-    """The geometric mean of the pairs' ratios with its anytime-valid 95% interval (none below MIN_PAIRS)."""
+def paired_ratio(pairs: Sequence[Pair], stopping: Optional[Stopping] = None,
+                 looks: Optional[Looks] = None) -> PairedRatio:
+    """The geometric mean of the pairs' ratios with its 95% interval (none below MIN_PAIRS), valid at every look:
+    over `looks`, the schedule the pairs were sampled under (`Pairing.looks()`), else Lai's sequence."""
     if not pairs:
-        return PairedRatio(None, None, 0, stopping=stopping)
+        return PairedRatio(None, None, 0, stopping=stopping, method=method(looks))
     subject, fio = [p.subject.gbps for p in pairs], [p.fio.gbps for p in pairs]
-    value, interval = log_ratio_sequence(subject, fio)
+    value, interval = log_ratio_sequence(subject, fio, looks=looks)
     same = [p for p in pairs if p.same_pattern is not None]
     diagnostic = (log_ratio_sequence([p.subject.gbps for p in same], [p.same_pattern.gbps for p in same])[0]
                   if same else None)
     return PairedRatio(value, interval if len(pairs) >= MIN_PAIRS else None, len(pairs),
                        subject_gbps=statistics.median(subject), fio_gbps=statistics.median(fio),
-                       same_pattern_ratio=diagnostic, stopping=stopping)
+                       same_pattern_ratio=diagnostic, stopping=stopping, method=method(looks))
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,10 @@ class Pairing:
     min: int = 5
     max: int = 12
     budget_s: float = 120.0
+
+    def looks(self) -> Looks:
+        """The schedule the pairs' interval is calibrated for: a look after every pair from the 3rd to `max`."""
+        return Looks(last=max(self.max, MIN_PAIRS_FOR_AN_INTERVAL))
 
 
 Round = Callable[[int], Reading]
@@ -192,7 +201,7 @@ def measure_pairs(subject_round: Round, fio_round: FioRound, pairing: Pairing, r
         on_pair(pairs[-1])
 
     def interval_now():
-        return paired_ratio(pairs).interval
+        return paired_ratio(pairs, looks=pairing.looks()).interval
 
     stopping = sample_until_decided(take_one, interval_now, list(rules), pairing.min, pairing.max, pairing.budget_s)
     return pairs, stopping

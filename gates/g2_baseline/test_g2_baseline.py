@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 
@@ -24,7 +25,7 @@ from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, Fi
                                          measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
 from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
-from gates.sequential import Stopping
+from gates.sequential import Looks, Stopping
 from kvcore.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from gates.storage_best import StorageBest, storage_best
@@ -111,6 +112,7 @@ class ColdReadRun:
     best_job: str
     own_job: str
     aa: bool
+    looks: Optional[Looks] = None    # the pairs' schedule (`Pairing.looks()`), fixed before the first
 
 
 def _job_text(side: FioRegions) -> str:
@@ -170,7 +172,7 @@ def cold_read_pairs(gate_context, endpoints):
         pytest.fail(f"G2 cold read: {error}", pytrace=False)
     finally:
         client.close()
-    return ColdReadRun(pairs, stopping, best, best_side, *jobs, aa=config.aa)
+    return ColdReadRun(pairs, stopping, best, best_side, *jobs, aa=config.aa, looks=pairing.pairing().looks())
 
 
 def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_context, baseline_runs, record, verdict,
@@ -272,7 +274,7 @@ def test_cold_disk_read_bandwidth_reaches_the_storages_best(gate_context, cold_r
     for pair in run.pairs:
         record("cold_read_pair", pair.ratio, **pair.context("aa" if run.aa else "tier"),
                **run.best_side.round_context(pair.round), aa=run.aa)
-    judged = paired_ratio(run.pairs, run.stopping)
+    judged = paired_ratio(run.pairs, run.stopping, run.looks)
     g1 = gate_context.store.latest("g1", "seq_read_gbps")
     beside = f"; G1's fio matrix {g1['value']:.2f} GB/s, not used" if g1 is not None else ""
     record(METRIC, judged.value, "%", **judged.record_context(), tier_gbps=judged.subject_gbps,

@@ -91,6 +91,7 @@ def saves(gate_context, job):
     fio_side = best.best_of("write", lambda mode, shape: FioFreshWrite(config.storage.path / "fio-checkpoint", shape,
                                                                       f"g2-fresh-write-{mode}"))
     pairing, rule = settings.rounds.pairing(), config.rule("g2", METRIC)
+    looks = pairing.looks()          # the judged writer's schedule, fixed before the first save
     figures = {writer: WriterFigures(writer) for writer in settings.writers}
 
     def one_save(index: int, writer: str) -> None:
@@ -131,12 +132,12 @@ def saves(gate_context, job):
         for index in range(WARMUP_SAVES):
             one_round(index)
         stopping = sample_until_decided(lambda i: one_round(WARMUP_SAVES + i),
-                                        lambda: paired_ratio(figures[settings.judged].pairs).interval,
+                                        lambda: paired_ratio(figures[settings.judged].pairs, looks=looks).interval,
                                         [rule] if rule else [], pairing.min, pairing.max, pairing.budget_s)
     except _SaveFailed:
         pass
-    return {"figures": figures, "judged": figures[settings.judged], "stopping": stopping, "best": best,
-            "yardstick": fio_side}
+    return {"figures": figures, "judged": figures[settings.judged], "stopping": stopping, "looks": looks,
+            "best": best, "yardstick": fio_side}
 
 
 def test_every_save_completed(saves, record, verdict):
@@ -166,7 +167,7 @@ def describe_writers(figures: dict, judged: str) -> str:
 def test_checkpoint_write_reaches_the_storages_best(gate_context, job, saves, record, verdict):
     judged_writer, best = saves["judged"], saves["best"]
     pairs = judged_writer.pairs
-    judged = paired_ratio(pairs, saves["stopping"])
+    judged = paired_ratio(pairs, saves["stopping"], saves["looks"])
     seconds = [p.subject.seconds for p in pairs]
     disagree = spread(seconds) if len(seconds) > 1 else 0.0
     flag = (f"; rounds disagree by {format_percent(disagree, 0)} (MLPerf Storage asks for 5%)" if disagree > 0.05 else "")
@@ -202,7 +203,7 @@ def test_aa_the_best_write_job_against_itself(gate_context, record):
 
     pairs, stopping = measure_pairs(lambda index: first(index, nbytes), second, pairing, [rule] if rule else [],
                                     warmup=WARMUP_SAVES, on_pair=said)
-    judged = paired_ratio(pairs, stopping)
+    judged = paired_ratio(pairs, stopping, pairing.looks())
     record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context(),
            **best.context("write"))
     assert judged.pairs >= 1

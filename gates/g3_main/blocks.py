@@ -1,13 +1,14 @@
-"""G3's judged figures from alternating blocks: the pairs' ratios and their anytime-valid interval.
+"""G3's judged figures from alternating blocks: the pairs' ratios and their interval, valid at every look.
 
 Per level the baseline and the candidate ran pairs of short blocks back to back in ABBA order
 (workloads/blocks.py). Per pair k: the TTFT ratio = candidate block TTFT p50 / baseline block TTFT
 p50, the throughput ratio = candidate output tokens/s / baseline's. `ttft_p50_reduction` = 1 - the
 geometric mean TTFT ratio and `throughput_gain` = the geometric mean throughput ratio - 1, each with
-the anytime-valid interval of `gates.sequential.log_ratio_sequence` over the pairs (Lai's t
-confidence sequence on log ratios: `gates.sequential.METHOD`). The interval comes from the
-variation between pairs, so drift between the baseline's minute and the candidate's is inside it,
-and G3 may look after every pair and stop as soon as it decides (`level_sampler`).
+the interval of `gates.sequential.log_ratio_sequence` over the pairs' log ratios: the repeated
+confidence interval of a schedule fixed in advance, a look after every pair from the 3rd to the
+level's most blocks (`Looks`; `PairFigures.method` says which boundary). The interval comes from
+the variation between pairs, so drift between the baseline's minute and the candidate's is inside
+it, and G3 may look after every pair and stop as soon as it decides (`level_sampler`).
 
 A pair with an invalid block is left out of the interval and counted; a level with fewer than
 `MIN_PAIRS_FOR_AN_INTERVAL` valid pairs has no interval and is INCONCLUSIVE, with the reason.
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from kvcore.g3_analysis import LevelFigures
-from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, log_ratio_sequence, sample_until_decided
+from gates.sequential import (METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Looks, log_ratio_sequence, method,
+                              sample_until_decided)
 from workloads.blocks import LevelSampling
 
 JUDGED_PER_LEVEL = {True: ("ttft_p50_reduction", "throughput_gain"), False: ("ttft_p50_reduction",)}
@@ -59,8 +61,9 @@ def _usable(block: dict) -> bool:
     return bool(block.get("valid")) and all(isinstance(f, (int, float)) and f > 0 for f in figures)
 
 
-def pair_figures(pairs: list[tuple[dict, dict]]) -> PairFigures:
-    """The level's TTFT p50 reduction and throughput gain over its valid pairs, with anytime-valid intervals."""
+def pair_figures(pairs: list[tuple[dict, dict]], looks: Optional[Looks] = None) -> PairFigures:
+    """The level's TTFT p50 reduction and throughput gain over its valid pairs, with intervals valid at every look of
+    `looks` (the schedule the pairs were sampled under: `level_looks`), or (None) Lai's sequence, valid at any n."""
     usable = [(a, b) for a, b in pairs if _usable(a) and _usable(b)]
     left_out = [(k, a, b) for k, (a, b) in enumerate(pairs) if not (_usable(a) and _usable(b))]
     reasons = "; ".join(f"pair {k + 1}: " + ", ".join(f"{row['target']} block: {row.get('invalid_reasons') or 'no figure'}"
@@ -71,12 +74,19 @@ def pair_figures(pairs: list[tuple[dict, dict]]) -> PairFigures:
                                  if not _usable(row)])
         why = (f"{len(usable)} valid block pairs of {len(pairs)} (an interval needs {MIN_PAIRS_FOR_AN_INTERVAL})"
                + (f"; {len(left_out)} left out, their blocks: {causes}" if causes else ""))
-        return PairFigures(None, None, None, None, False, why, len(usable), len(left_out), reasons)
-    ttft, (t_lo, t_hi) = log_ratio_sequence([b["ttft_p50_s"] for _, b in usable], [a["ttft_p50_s"] for a, _ in usable])
+        return PairFigures(None, None, None, None, False, why, len(usable), len(left_out), reasons, method(looks))
+    ttft, (t_lo, t_hi) = log_ratio_sequence([b["ttft_p50_s"] for _, b in usable], [a["ttft_p50_s"] for a, _ in usable],
+                                            looks=looks)
     tput, (g_lo, g_hi) = log_ratio_sequence([b["output_tokens_per_s"] for _, b in usable],
-                                            [a["output_tokens_per_s"] for a, _ in usable])
+                                            [a["output_tokens_per_s"] for a, _ in usable], looks=looks)
     return PairFigures(1.0 - ttft, (1.0 - t_hi, 1.0 - t_lo), tput - 1.0, (g_lo - 1.0, g_hi - 1.0), True, "",
-                       len(usable), len(left_out), reasons)
+                       len(usable), len(left_out), reasons, method(looks))
+
+
+def level_looks(most_blocks: int) -> Looks:
+    """A level's schedule, fixed before its first block: a look after every pair from the 3rd to its most blocks
+    (g3.max_blocks; at least 3)."""
+    return Looks(last=max(most_blocks, MIN_PAIRS_FOR_AN_INTERVAL))
 
 
 def cause(reason: str) -> str:
@@ -100,8 +110,10 @@ def level_sampler(rule_of: Callable[[str], Optional[object]], closed_loop: bool)
     judged = [(metric, rule) for metric in JUDGED_PER_LEVEL[closed_loop] if (rule := rule_of(metric)) is not None]
 
     def sample(sampling: LevelSampling) -> dict:
+        looks = level_looks(sampling.maximum)
+
         def intervals() -> list:
-            figures = pair_figures(sampling.pairs)
+            figures = pair_figures(sampling.pairs, looks)
             return [figures.interval_of(metric) for metric, _ in judged]
 
         stopping = sample_until_decided(sampling.take_pair, intervals, [rule for _, rule in judged],

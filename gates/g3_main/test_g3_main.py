@@ -45,7 +45,7 @@ import pytest
 
 from engines import hit_reader
 from gates.fleet import fleet_sizing
-from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_pairs, level_sampler, pair_figures
+from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_looks, level_pairs, level_sampler, pair_figures
 from kvcore.aa import AA_FALSE_DECISION, false_decision_line
 from kvcore.g3_analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
 from kvcore.predictions import prediction_for
@@ -228,7 +228,8 @@ def _judge_pairs(sweep, gate_context, record, verdict, level, metric: str, words
     """Record and judge one figure of a level from its block pairs, saying how many blocks decided it and why
     sampling stopped (the interval's method in the record and the verdict's context)."""
     baseline = _step(sweep, "baseline", level)["summary"]
-    figures = pair_figures(level_pairs(baseline, _step(sweep, "candidate", level)["summary"]))
+    figures = pair_figures(level_pairs(baseline, _step(sweep, "candidate", level)["summary"]),
+                           level_looks(gate_context.config.g3.max_blocks))
     sampling = baseline["sampling"]
     about = {**_at(gate_context, level), "blocks": sampling["pairs"], "decided": sampling["decided"],
              "stopped": sampling["why"], "pairs_used": figures.pairs, "pairs_left_out": figures.left_out,
@@ -257,7 +258,8 @@ def test_aa_counts_the_intervals_that_excluded_the_null(sweep, gate_context, rec
         pytest.skip("not an A/A run (aa: false)")
     for level in gate_context.config.g3.levels:
         figures = pair_figures(level_pairs(_step(sweep, "baseline", level)["summary"],
-                                           _step(sweep, "candidate", level)["summary"]))
+                                           _step(sweep, "candidate", level)["summary"]),
+                               level_looks(gate_context.config.g3.max_blocks))
         for metric in JUDGED_PER_LEVEL[_closed_loop(gate_context)]:
             interval = figures.interval_of(metric)
             record(AA_FALSE_DECISION, None if interval is None else int(excludes_null(interval)), judged=metric,
