@@ -35,6 +35,7 @@ from sizing.layout import KVShape
 from workloads.checkpoint import KVGATE_WRITER, STATE_PRESETS, WRITERS as CHECKPOINT_WRITERS, CheckpointSpec
 from workloads.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, sizer_for
 from workloads.fio_sweep import SweepGrid
+from workloads.steady import SteadyRule
 
 from .fleet import fleet_defaults
 
@@ -559,6 +560,20 @@ class G3NoReuseConfig(StrictModel):
     warmup_s: Optional[Float] = Field(default=None, ge=0, description="warm-up left out (default g3.warmup_s)")
 
 
+class G3SteadyConfig(StrictModel):
+    """When a level's warm-up pairs end (workloads/steady.py): two consecutive candidate blocks agree."""
+
+    ttft_change: Float = Field(default=0.2, gt=0, description="the candidate's TTFT p50 within this fraction of the "
+                               "block before")
+    hit_ratio_points: Float = Field(default=0.05, ge=0, le=1, description="its hit ratio within this many points "
+                                    "(a fraction) of the block before")
+    max_pairs: Count = Field(default=3, ge=1, description="warm-up pairs at most; a level not settled by then is "
+                             "measured from the last and says so")
+
+    def rule(self) -> SteadyRule:
+        return SteadyRule(self.ttft_change, self.hit_ratio_points, self.max_pairs)
+
+
 class G3Config(StrictModel):
     """G3's sweep. `replay` says what a level is: closed_loop, concurrent users (every workload);
     rate_multipliers, multiples of a trace's arrival rate (trace workloads; needs `ttft_slo_ms`)."""
@@ -573,9 +588,13 @@ class G3Config(StrictModel):
     ttft_slo_ms: Optional[Float] = Field(
         default=None, gt=0, description="rate_multipliers: a target sustains a rate while its TTFT p90 (from the "
         "scheduled arrival) is within this")
-    duration_s: Float = Field(gt=0, description="seconds per block (each level runs blocks of baseline and "
-                              "candidate in turn, ABBA...)")
-    warmup_s: Float = Field(ge=0, description="seconds of a block left out, from its first request sent")
+    duration_s: Float = Field(gt=0, description="seconds a baseline block lasts, about: each level runs pairs of "
+                              "blocks of baseline and candidate in turn, ABBA..., both blocks of a pair serving the "
+                              "same requests (the slice the baseline serves in about this long)")
+    warmup_s: Float = Field(ge=0, description="seconds of a block left out, from its first request sent, where "
+                            "blocks run by time (the no-reuse control's default); matched pairs are measured from "
+                            "their first request, after the level's warm-up pairs (steady)")
+    steady: G3SteadyConfig = Field(default_factory=G3SteadyConfig, description="when a level's warm-up pairs end")
     min_blocks: Count = Field(default=3, ge=3, description="blocks per target per level, at least (an interval over "
                             "block pairs needs 3)")
     max_blocks: Count = Field(default=5, description="blocks per target per level at most, while the interval has "

@@ -3,7 +3,7 @@ the node each goes to, and the hits each one gets from each tier (replayed throu
 
 What G3 sends (gates/g3_main, workloads/sweep.py), each part a load run of its own:
 
-- priming (`g3.prime`): every session's first turn, or a trace's warm-up requests;
+- priming (`g3.prime`): every turn of every session once, in load order, or a trace's warm-up requests;
 - closed loop over a workload: one pass of its load order per level (the plan replays one pass after
   the primer, and every level serves those hits);
 - a trace: its measured requests cut into one part per level (`trace_parts`), each level its own part,
@@ -33,12 +33,13 @@ import numpy as np
 
 from workloads.requests import Workload, WorkloadRequest
 from workloads.routing import Router
+from workloads.requests import load_order
 from workloads.sweep import closed_loop, primer, rate_multiplied, trace_parts
 
 from .g3_figures import TargetReplay, combine, level_prediction
 from .queueing import EngineModel, ServedRequest, simulate_source
 from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, infinite_cache_hits, replay
-from .sequences import embedded_chat_tokens, load_order, requests_block_keys, word_chat_tokens
+from .sequences import embedded_chat_tokens, requests_block_keys, word_chat_tokens
 from .targets import TargetInputs
 
 
@@ -66,7 +67,7 @@ def g3_segments(g3, workload: Workload) -> list[Segment]:
     segments = []
     if g3.prime:
         warm = primer(workload)
-        segments.append(Segment(tuple(r for s in warm.sessions for r in s)))
+        segments.append(Segment(tuple(load_order(warm))))
     if not workload.trace:
         order = tuple(load_order(workload))
         return segments + [Segment(order, level) for level in g3.levels]

@@ -16,8 +16,6 @@ Keys only need to be equal where the engine's are equal, so any fixed fingerprin
 from __future__ import annotations
 
 import array
-import itertools
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -29,7 +27,7 @@ from cache_impl.tokenizer import ByteTokenizer
 from kvcore.settings import ConfigError
 from workloads.datasets import (MOONCAKE_BLOCK_TOKENS, ByteSizer, TextSizer, TraceRecord, WordSizer,
                                 WorkloadSpec, build_workload)
-from workloads.requests import Workload, WorkloadRequest
+from workloads.requests import Workload, WorkloadRequest, load_order
 
 from .replay import RequestKeys
 
@@ -48,29 +46,6 @@ def embedded_chat_tokens(request: WorkloadRequest) -> list[int]:
 def embedded_completion_tokens(request: WorkloadRequest) -> list[int]:
     """The embedded server's completions route: BOS and the prompt text's bytes."""
     return _BYTES.encode(request.prompt_text())
-
-
-def load_order(workload: Workload, passes: int = 1) -> list[WorkloadRequest]:
-    """The requests in the order one load user sends them (`workloads.locustfile`), `passes` times over.
-
-    Interleaved: sessions wait in a round-robin queue and each send takes the first session's next
-    turn (cycling through its turns); otherwise sessions one after another, each session's turns
-    back to back. A trace: its warm-up requests, then its measured ones, once (passes ignored).
-    Several users send the same sequence with up to that many requests in flight.
-    """
-    if workload.trace:
-        return [r for s in workload.warmup for r in s] + workload.requests
-    total = passes * sum(len(s) for s in workload.sessions)
-    if not workload.interleaved:
-        return list(itertools.islice(itertools.chain.from_iterable(itertools.cycle(workload.sessions)), total))
-    ready, turn, order = deque(range(len(workload.sessions))), [0] * len(workload.sessions), []
-    while len(order) < total:
-        index = ready.popleft()
-        session = workload.sessions[index]
-        order.append(session[turn[index]])
-        turn[index] = (turn[index] + 1) % len(session)
-        ready.append(index)
-    return order
 
 
 def workload_block_keys(workload: Union[Workload, WorkloadSpec, Mapping[str, Any], str, Path],

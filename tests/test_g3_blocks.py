@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,9 @@ from kvcore.rules import parse_rule
 from workloads.blocks import LevelSampling, block_order, run_sweep, step_measured_records
 from kvcore.rundata import read_records
 from workloads.load import Target, free_port
-from workloads.requests import Workload, WorkloadRequest
+from workloads.requests import Workload, WorkloadRequest, load_order
 from workloads.sweep import SweepSettings
+from workloads.steady import SteadyRule
 
 REDUCTION = parse_rule({"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25})
 GAIN = parse_rule({"metric": "throughput_gain", "min": 0.29, "max": 0.40})
@@ -283,3 +285,56 @@ def test_kvgate_run_aa_sets_the_config_field_the_suites_read():
     assert args.aa and not build_parser().parse_args(["run", "g3"]).aa
     quick = load_config(None, "quick")
     assert quick.aa is False and (quick.g3.min_blocks, quick.g3.max_blocks) == (3, 5)
+
+
+def _sessions(sessions: int = 8, turns: int = 3) -> Workload:
+    return Workload("matched", tuple(tuple(WorkloadRequest(f"s{s}-t{t}", f"s{s}", t, (
+        {"role": "user", "content": f"hi {s} {t}"},), 4, 4) for t in range(turns)) for s in range(sessions)),
+        interleaved=True)
+
+
+def test_matched_pairs_serve_the_same_requests_after_a_warm_up_that_ended_on_the_steady_rule(servers, tmp_path):
+    """Both blocks of every pair serve the same segment of the load order, each request once, whatever their speed
+    (the candidate is twice as fast), consecutive pairs consecutive segments; the level's first pairs are a warm-up
+    that ends when two consecutive candidate blocks agree, and only the pairs from there are measured."""
+    settings = replace(_settings(tmp_path, 3, 5), matched=True, steady=SteadyRule(ttft_change=0.5, max_pairs=2))
+    rows = {r["target"]: r for r in run_sweep(servers, _sessions(), settings).to_dict("records")}
+    baseline, candidate = rows["baseline"], rows["candidate"]
+    warm = baseline["sampling"]["warmup"]
+    assert warm["settled"] and warm["pairs"] <= 2 and "settled at pair" in warm["line"], warm
+    kept = {b["block"] for b in baseline["blocks"]}
+    assert kept == {b["block"] for b in candidate["blocks"]} and min(kept) == warm["pairs"]
+    assert len(kept) == baseline["sampling"]["pairs"] >= 3
+    order = [r.request_id for r in load_order(_sessions())]
+    segments = []
+    for a, b in level_pairs(baseline, candidate):
+        sent = [sorted(r["request_id"] for r in read_records(Path(row["step_dir"]) / "records")) for row in (a, b)]
+        assert sent[0] == sent[1] and len(sent[0]) >= 2 * 2             # the same requests, two per user at least
+        assert a["requests"] == b["requests"] == len(sent[0])       # measured from the first request
+        assert a["left_out"] == b["left_out"] == 0
+        segments.append(sent[0])
+    size = len(segments[0])                     # one size per level; the load order goes on from pair to pair
+    start = order.index(next(r for r in order if r in segments[0]))
+    for k, segment in enumerate(segments):
+        assert segment == sorted(order[(start + k * size + i) % len(order)] for i in range(size))
+    figures = pair_figures(level_pairs(baseline, candidate))
+    assert figures.valid and figures.ttft_reduction > 0.25, figures
+
+
+def test_a_candidate_that_never_settles_is_measured_from_its_last_warm_up_pair_and_says_so():
+    from workloads.steady import Settled, settle
+
+    rule = SteadyRule(ttft_change=0.1, max_pairs=2)
+    falling = [{"ttft_p50_s": t, "hit_ratio": None} for t in (0.4, 0.3, 0.2, 0.15)]
+    assert settle(falling, rule) is None
+    line = Settled(2, False, tuple(falling), rule).line()
+    assert line.startswith("warm-up: 2 pairs left out, not settled (") and "400 ms → 300 ms" in line
+    assert line.endswith("measured from pair 3")
+    # in ABBA order a candidate block alternates between following the baseline's and its own: blocks two pairs
+    # apart are compared, so an alternation alone is steady
+    alternating = [{"ttft_p50_s": t, "hit_ratio": None} for t in (0.08, 0.045, 0.075, 0.05)]
+    assert settle(alternating, rule) == 0
+    assert settle(falling + [{"ttft_p50_s": 0.14, "hit_ratio": None}, {"ttft_p50_s": 0.145, "hit_ratio": None}],
+                  rule) == 3
+    hits = [{"ttft_p50_s": 0.1, "hit_ratio": h} for h in (0.5, 0.6, 0.7)]
+    assert settle(hits, rule) is None            # the hit ratio still climbing: not settled

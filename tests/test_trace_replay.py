@@ -19,7 +19,7 @@ from workloads.blocks import run_sweep
 from kvcore.rundata import read_records
 from workloads.datasets import ByteSizer, build_workload
 from workloads.load import Target, free_port
-from workloads.sweep import SweepSettings, describe_replay, first_turns, plan_steps, primer
+from workloads.sweep import SweepSettings, describe_replay, plan_steps, primer
 
 BYTES = ByteSizer()
 
@@ -50,11 +50,12 @@ def test_priming_a_trace_sends_its_warm_up_requests_never_a_measured_one(tmp_pat
     assert [r.arrival_s for r in measured.requests] == [0.25 * i for i in range(6)]   # from the first measured
 
 
-def test_a_trace_without_warm_up_primes_nothing_and_other_workloads_prime_their_first_turns(tmp_path):
+def test_a_trace_without_warm_up_primes_nothing_and_other_workloads_prime_every_turn_once(tmp_path):
     assert primer(_trace(tmp_path)).sessions == ()
     rounds = build_workload({"kind": "multi_round_qa", "users": 3, "rounds": 2, "document_tokens": 50,
                              "question_tokens": 5, "answer_tokens": 5}, BYTES, seed=0)
-    assert primer(rounds) == first_turns(rounds)                      # unchanged for non-trace workloads
+    primed = primer(rounds)        # every turn of every session once, in the workload's (interleaved) order
+    assert primed.sessions == rounds.sessions and primed.interleaved and not primed.warmup
 
 
 def test_warm_up_as_long_as_the_trace_is_a_config_error(tmp_path):

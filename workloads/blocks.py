@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -39,6 +39,7 @@ from .errors import merge_error_summaries
 from .live import LiveFigures, LiveStep, step_name
 from .load import LoadProgress, LoadRun, Target, run_load
 from .requests import Workload
+from .steady import LAG, Settled, order_segment, requests_per_part, settle
 from .sweep import (DUE_COUNTS, Step, SweepSettings, plan_steps, read_client_samples, request_figures, step_line,
                     summarize_step)
 from .tier_hits import tier_difference
@@ -88,6 +89,16 @@ class _Block:
     samples: list[dict]
     hits: Optional[dict]
     where: str                    # the console's name of it ("step 1 / 3, c=2, block 1 of 3, baseline")
+    max_requests: Optional[int] = None   # its part's requests, each sent once (None: as many as its time allows)
+    matched: bool = False         # its pair serves the same requests, measured from the first (workloads.steady)
+
+    def completed_per_s(self) -> Optional[float]:
+        """Its completed requests per second, from its first send to its last completion (None: none completed)."""
+        ok = [r for r in self.records if r["ok"]]
+        if not ok:
+            return None
+        span = max(r["sent_at"] + r["e2e_s"] for r in ok) - min(r["sent_at"] for r in self.records)
+        return len(ok) / span if span > 0 else None
 
     @property
     def first_sent_at(self) -> float:
@@ -113,6 +124,9 @@ class _Sweep:
                  steps: list[Step]) -> None:
         self.targets, self.references, self.settings, self.steps = targets, references, settings, steps
         self.dead: dict[str, str] = {}       # target name -> why its later steps are not run
+        self.baseline_rate: Optional[float] = None   # the first target's latest completed requests per second
+        self.next_request = 0                # matched pairs: where the next segment of the load order starts
+        self.part_sizes: dict[str, int] = {}  # a matched step's requests per pair (sized at its first pair)
         self.say = settings.on_step or (lambda text: None)
 
     def run(self) -> list[dict]:
@@ -122,7 +136,8 @@ class _Sweep:
         return rows
 
     def _step(self, number: int, step: Step) -> list[dict]:
-        """A step's rows: each target's blocks pooled, the pairs taken as the sampling says."""
+        """A step's rows: each target's blocks pooled, the pairs taken as the sampling says (after the warm-up
+        pairs, when `settings.steady` asks for them)."""
         everyone = self.targets + self.references
         blocks: dict[str, list[tuple[dict, list[dict], list[dict]]]] = {t.name: [] for t in everyone}
         dead_before = {t.name: self.dead[t.name] for t in everyone if t.name in self.dead}
@@ -130,28 +145,94 @@ class _Sweep:
             if reference.name not in dead_before:
                 self._keep(blocks, self._rows([self._block(number, step, reference, 0, 0, reference=True)], step))
         pairs: list[tuple[dict, dict]] = []
+        taken: list[list[tuple[dict, list[dict], list[dict]]]] = []   # every pair's block rows, warm-up included
 
-        def take_pair(pair: int) -> None:
+        def run_pair(pair: int) -> None:
             order = [self.targets[i] for i in block_order(pair)[:len(self.targets)]]
-            ran = [self._block(number, step, target, pair, position) for position, target in enumerate(order)
-                   if target.name not in self.dead]
-            rows = self._rows(ran, step)
+            part = self._part(step, pair)
+            ran = [self._block(number, step, target, pair, position, part=part)
+                   for position, target in enumerate(order) if target.name not in self.dead]
+            taken.append(self._rows(ran, step))
+            if any(t.name in self.dead for t in self.targets):
+                raise _TargetDied(next(self.dead[t.name] for t in self.targets if t.name in self.dead))
+
+        def keep(rows: list[tuple[dict, list[dict], list[dict]]]) -> None:
             self._keep(blocks, rows)
             by_target = {row.get("target"): row for row, _, _ in rows}
             if len(self.targets) == 2 and all(t.name in by_target for t in self.targets):
                 pairs.append(tuple(by_target[t.name] for t in self.targets))
-            if any(t.name in self.dead for t in self.targets):
-                raise _TargetDied(next(self.dead[t.name] for t in self.targets if t.name in self.dead))
 
-        sampling = self._sampling(step, take_pair, pairs, any(t.name in dead_before for t in self.targets))
+        started = time.monotonic()
+        warm, died = None, None
+        try:
+            warm = self._warm_up(run_pair, taken, any(t.name in dead_before for t in self.targets))
+        except _TargetDied as stopped:
+            died = stopped
+        first_kept = warm.warmup_pairs if warm is not None else 0
+        for rows in taken[first_kept:]:
+            keep(rows)
+
+        def take_pair(index: int) -> None:
+            pair = first_kept + index
+            if pair < len(taken):          # a settled warm-up pair, measured already
+                return
+            try:
+                run_pair(pair)
+            finally:                       # a block whose target died is kept: its row says why
+                if pair < len(taken):
+                    keep(taken[pair])
+
+        if died is not None:
+            sampling = {"pairs": len(pairs), "decided": False, "why": f"stopped: {died}"}
+        else:
+            sampling = self._sampling(step, take_pair, pairs, any(t.name in dead_before for t in self.targets),
+                                      time.monotonic() - started)
+        if warm is not None:
+            sampling = {**sampling, "warmup": warm.to_dict()}
+            self.say(f"step {number} / {len(self.steps)}, {step.label}: {warm.line()}")
         if self.settings.max_blocks > 1:
             self.say(f"step {number} / {len(self.steps)}, {step.label}: {sampling['why']}")
         return [self._step_row(step, target, blocks[target.name], sampling, dead_before.get(target.name))
                 for target in everyone]
 
-    def _sampling(self, step: Step, take_pair: Callable[[int], None], pairs: list, someone_dead: bool) -> dict:
+    def _warm_up(self, run_pair: Callable[[int], None], taken: list, someone_dead: bool) -> Optional[Settled]:
+        """Warm-up pairs until a candidate block agrees with its block `LAG` pairs later (`settings.steady`), at most
+        `max_pairs` of them left out; None when there is no warm-up (no rule, one target, a dead one)."""
+        rule = self.settings.steady
+        if rule is None or len(self.targets) != 2 or someone_dead:
+            return None
+        candidate = self.targets[1].name
+
+        def candidate_rows() -> list[dict]:
+            return [row for rows in taken for row, _, _ in rows if row["target"] == candidate]
+
+        while True:
+            run_pair(len(taken))
+            found = settle(candidate_rows(), rule)
+            if found is not None:
+                return Settled(found, True, tuple(candidate_rows()[:found + LAG + 1]), rule)
+            if len(taken) >= rule.max_pairs + LAG:
+                return Settled(rule.max_pairs, False, tuple(candidate_rows()), rule)
+
+    def _part(self, step: Step, pair: int) -> Optional[tuple[Workload, Optional[int]]]:
+        """What pair `pair` serves: a trace step's sub-part, a matched slice of sessions (`settings.matched`), or
+        None: the step's own workload, for `duration_s`."""
+        if step.parts:
+            return step.pair_part(pair)
+        if not self.settings.matched or step.kind != "concurrency" or step.workload.trace:
+            return None
+        if step.dir_name not in self.part_sizes:      # one size per step, from the baseline's latest rate
+            self.part_sizes[step.dir_name] = requests_per_part(step.workload, step.users, self.baseline_rate,
+                                                               self.settings.duration_s)
+        count = self.part_sizes[step.dir_name]
+        part = order_segment(step.workload, self.next_request, count)
+        self.next_request += count         # the load order goes on across pairs and steps, as after priming
+        return part, len(part.requests)
+
+    def _sampling(self, step: Step, take_pair: Callable[[int], None], pairs: list, someone_dead: bool,
+                  spent_s: float = 0.0) -> dict:
         settings = self.settings
-        budget = settings.level_budget_s if settings.level_budget_s is not None else math.inf
+        budget = settings.level_budget_s - spent_s if settings.level_budget_s is not None else math.inf
         judged = len(self.targets) == 2 and not someone_dead and settings.sample_level is not None
         minimum = 1 if someone_dead else settings.min_blocks
         sampling = LevelSampling(step.kind, step.value, take_pair, pairs, minimum,
@@ -177,15 +258,19 @@ class _Sweep:
         return f"{step.label}, block {pair + 1} of {most}"
 
     def _block(self, number: int, step: Step, target: Target, pair: int, position: int,
-               reference: bool = False) -> _Block:
-        """Run one block of `target` (pair `pair`, `position` in it): one locust process for `duration_s`."""
+               reference: bool = False, part: Optional[tuple[Workload, Optional[int]]] = None) -> _Block:
+        """Run one block of `target` (pair `pair`, `position` in it): one locust process for `duration_s`, or,
+        matched, until its part is served (at most `matched_cap` x `duration_s`)."""
         settings = self.settings
         directory = settings.out_dir / target.name / (step.dir_name + (f"-block{pair + 1}" if pair else ""))
         where = step_name(number, len(self.steps), self._block_label(step, pair, reference), target.name)
-        self.say(f"{where}: running for {settings.duration_s:g} s")
-        workload, max_requests = step.pair_part(pair)
+        matched = part is not None and settings.matched
+        seconds = settings.duration_s * (settings.matched_cap if matched else 1.0)
+        workload, max_requests = part if part is not None else step.pair_part(pair)
+        self.say(f"{where}: " + (f"serving its {max_requests} requests (at most {seconds:g} s)" if matched
+                                 else f"running for {seconds:g} s"))
         hits_before = settings.tier_hits(target) if settings.tier_hits else None
-        run = run_load(workload, target, step.users, settings.duration_s, directory, workers=settings.workers,
+        run = run_load(workload, target, step.users, seconds, directory, workers=settings.workers,
                        max_requests=max_requests, stop_rule=settings.stop_rule,
                        on_progress=self._live_teller(number, step, self._block_label(step, pair, reference),
                                                      target.name),
@@ -193,14 +278,18 @@ class _Sweep:
         hits = tier_difference(hits_before, settings.tier_hits(target)) if settings.tier_hits else None
         if run.stopped:
             self.dead[target.name] = f"not run: at {step.dir_name}, {run.stopped['reason']}"
-        return _Block(target.name, pair, position, directory, run, read_records(run.records_dir),
-                      read_client_samples(run.records_dir), hits, where)
+        block = _Block(target.name, pair, position, directory, run, read_records(run.records_dir),
+                       read_client_samples(run.records_dir), hits, where, max_requests, matched)
+        if not reference and target.name == self.targets[0].name:
+            self.baseline_rate = block.completed_per_s() or self.baseline_rate
+        return block
 
     def _rows(self, ran: list[_Block], step: Step) -> list[tuple[dict, list[dict], list[dict]]]:
-        """The blocks' rows, measured records and all records; a trace pair measured on the requests both did."""
+        """The blocks' rows, measured records and all records; a pair of parts sent once (a trace's, a matched
+        one) measured on the requests both blocks measured."""
         left_out = [set() for _ in ran]
-        if len(ran) == 2 and step.max_requests is not None:
-            measured = [block.measured_ids(self.settings.warmup_s) for block in ran]
+        if len(ran) == 2 and all(block.max_requests is not None for block in ran):
+            measured = [block.measured_ids(self._settings_of(block).warmup_s) for block in ran]
             common = measured[0] & measured[1]
             left_out = [ids - common for ids in measured]
         found = []
@@ -210,13 +299,17 @@ class _Sweep:
             found.append((row, measured_records, block.records))
         return found
 
+    def _settings_of(self, block: _Block) -> SweepSettings:
+        """A block's window rules: a matched block is measured from its first request, with no least duration."""
+        return replace(self.settings, warmup_s=0.0, min_duration_s=0.0) if block.matched else self.settings
+
     def _block_row(self, block: _Block, step: Step, left_out: set) -> tuple[dict, list[dict]]:
-        settings = self.settings
+        settings = self._settings_of(block)
         records = [r for r in block.records if r["request_id"] not in left_out] if left_out else block.records
         stopped = block.run.stopped["reason"] if block.run.stopped else None
         summary = summarize_step(records, block.samples, block.first_sent_at, block.run.ended_at, settings, stopped,
                                  block.run.unanswered)
-        _, max_requests = step.pair_part(block.pair)
+        max_requests = block.max_requests
         if max_requests is not None and len(block.records) >= max_requests and not summary["valid"]:
             summary["invalid_reasons"] += (f"; its {max_requests} requests, each sent once, ran out after "
                                            f"{block.run.ended_at - block.run.started_at:.1f} s (a workload with "

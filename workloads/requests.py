@@ -8,7 +8,9 @@ baseline and candidate targets receive exactly the same prompts.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -59,3 +61,26 @@ def load_workload(path) -> Workload:
         for session in data["sessions"]
     )
     return Workload(data["name"], sessions, data.get("interleaved", False))
+
+
+def load_order(workload: Workload, passes: int = 1) -> list[WorkloadRequest]:
+    """The requests in the order one load user sends them (`workloads.locustfile`), `passes` times over.
+
+    Interleaved: sessions wait in a round-robin queue and each send takes the first session's next
+    turn (cycling through its turns); otherwise sessions one after another, each session's turns
+    back to back. A trace: its warm-up requests, then its measured ones, once (passes ignored).
+    Several users send the same sequence with up to that many requests in flight.
+    """
+    if workload.trace:
+        return [r for s in workload.warmup for r in s] + workload.requests
+    total = passes * sum(len(s) for s in workload.sessions)
+    if not workload.interleaved:
+        return list(itertools.islice(itertools.chain.from_iterable(itertools.cycle(workload.sessions)), total))
+    ready, turn, order = deque(range(len(workload.sessions))), [0] * len(workload.sessions), []
+    while len(order) < total:
+        index = ready.popleft()
+        session = workload.sessions[index]
+        order.append(session[turn[index]])
+        turn[index] = (turn[index] + 1) % len(session)
+        ready.append(index)
+    return order

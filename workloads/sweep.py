@@ -19,10 +19,10 @@ A dead target: a step whose target stops answering (`SweepSettings.stop_rule`: c
 errors in a row, or for so long, with no answer between them) ends early and says so; the
 sweep runs no later step against that target and lists them as not run, with the reason.
 
-Priming: before the first step a target can be sent the first turn of every
-session once (`prime_targets`), the same requests for every target. A prefix
-then returns to each target as it would in service, and a short step at low
-concurrency measures reuse rather than the first visits of its sessions.
+Priming: before the first step a target can be sent every turn of every session
+once, in the workload's order (`prime_targets`), the same requests for every target.
+Every prefix a step then sends is a return, at the distance it has in service, and a
+short step measures reuse rather than the first visits of its sessions.
 A trace is primed with its warm-up requests instead (the trace's requests
 before the measured ones), never with a measured request.
 
@@ -69,6 +69,7 @@ from .errors import StopRule, describe_errors, summarize_errors
 from .live import LiveStep, format_ms
 from .load import Target, run_load
 from .requests import Workload
+from .steady import SteadyRule
 from .tier_hits import tier_line
 
 PERCENTILES = (50, 90, 99)
@@ -107,6 +108,12 @@ class SweepSettings:
     # told a workloads.blocks.LevelSampling: takes the step's pairs, says how many and why it stopped
     # ({"pairs", "decided", "why"}); None: `min_blocks` pairs (workloads.blocks.fixed_pairs)
     sample_level: Optional[Callable[[Any], dict]] = None
+    # matched pairs (workloads.steady): both blocks of a pair serve the same requests, each sent once, measured
+    # from the first (no warm-up inside a block, no least duration); a block ends when its part is served, or
+    # after matched_cap x duration_s (the requests one block did not finish are left out of both)
+    matched: bool = False
+    matched_cap: float = 3.0
+    steady: Optional[SteadyRule] = None    # a level's warm-up pairs run until the candidate settles (None: none)
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
@@ -243,16 +250,12 @@ def paced(workload: Workload, rate_per_s: float, duration_s: float, seed: int = 
     return Workload(f"{workload.name}@{rate_per_s:g}rps", tuple(sessions))
 
 
-def first_turns(workload: Workload) -> Workload:
-    """One request per session: its first turn (the prefix its later turns return to)."""
-    return Workload(f"{workload.name}:first-turns", tuple((session[0],) for session in workload.sessions if session))
-
-
 def primer(workload: Workload) -> Workload:
-    """What priming sends: a trace's warm-up requests (never its measured ones), else every session's first turn."""
+    """What priming sends: a trace's warm-up requests (never its measured ones), else every turn of every session
+    once, in the workload's order (interleaved: round by round), so every prefix a block sends is a return."""
     if workload.trace:
         return Workload(f"{workload.name}:warm-up", workload.warmup)
-    return first_turns(workload)
+    return replace(workload, name=f"{workload.name}:every-turn", warmup=())
 
 
 def trace_parts(workload: Workload, parts: int) -> list[Workload]:
@@ -281,8 +284,11 @@ def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -
     """One sentence saying how a sweep replays its workload (the report shows it)."""
     levels = ", ".join(f"{v:g}" for v in settings.levels)
     if not workload.trace:
-        warm = "after priming every target with each session's first turn" if primed else "without priming"
-        return f"G3 ran closed loop at concurrency {levels} over the workload's sessions, {warm}."
+        warm = "after priming every target with every turn of each session once" if primed else "without priming"
+        matched = ("; both blocks of a pair served the same segment of the workload's load order, each request "
+                   "once, measured from its first" if settings.matched else "")
+        steady = (f", after warm-up pairs that ended with {settings.steady.describe()}" if settings.steady else "")
+        return f"G3 ran closed loop at concurrency {levels} over the workload's sessions, {warm}{matched}{steady}."
     steps = len(settings.levels) + len(settings.rates) + len(settings.multipliers)
     part = len(workload.sessions) // max(1, steps)
     if settings.multipliers:
@@ -307,14 +313,15 @@ def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir
         return [{"target": t.name, "requests": 0, "errors": 0, "seconds": 0.0, "expected": 0,
                  "locust_exit_code": None, "error_summary": "", "stopped_reason": None} for t in targets]
     primer_workload = primer_workload if not workload.trace else closed_loop(primer_workload)
+    expected = len(primer_workload.requests)
     rows, say = [], on_step or (lambda text: None)
     for target in targets:
-        say(f"priming {target.name}: sending {len(primer_workload.sessions)} requests once, {users} at a time")
+        say(f"priming {target.name}: sending {expected} requests once, {users} at a time")
         run = run_load(primer_workload, target, users, timeout_s, out_dir / target.name / "prime",
-                       max_requests=len(primer_workload.sessions), stop_rule=stop_rule)
+                       max_requests=expected, stop_rule=stop_rule)
         records = read_records(run.records_dir)
         rows.append({"target": target.name, "requests": len(records), "errors": sum(not r["ok"] for r in records),
-                     "seconds": run.ended_at - run.started_at, "expected": len(primer_workload.sessions),
+                     "seconds": run.ended_at - run.started_at, "expected": expected,
                      "locust_exit_code": run.returncode, "error_summary": describe_errors(summarize_errors(records)),
                      "stopped_reason": run.stopped["reason"] if run.stopped else None})
         say(f"priming {target.name}: done, {rows[-1]['requests']} requests, {rows[-1]['errors']} errors, "

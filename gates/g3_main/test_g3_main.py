@@ -1,21 +1,23 @@
 """G3 main gate: under a concurrency sweep the tiered candidate beats the baseline by the promised margin.
 
 Baseline and candidate run the same workload, same seed, at each level as pairs of short blocks in
-turn, ABBA... (workloads/blocks.py), at least `min_blocks` per target; the recompute reference
-(when there is one) runs one block per level beside them, shown, never judged side by side. Per
-level the TTFT p50 reduction and the throughput gain are judged from the pairs' ratios with an
-anytime-valid interval over the pairs (gates/g3_main/blocks.py), and blocks are added until that
-interval decides every rule of the level, or `max_blocks`, or `level_budget_s`: the verdict says
-how many blocks decided it and why sampling stopped. A pair with an invalid block (client
-saturated, too few requests, too short) is left out; a level without 3 valid pairs is INCONCLUSIVE.
-Each block is recorded as `g3_block`.
+turn, ABBA... (workloads/blocks.py); both blocks of a pair serve the same requests, a segment of the
+workload's load order sent once, measured from its first (workloads/steady.py). A level's first
+pairs are its warm-up, until the candidate's blocks stop changing (`g3.steady`; recorded as
+`g3_warmup_pairs`, said in each verdict). The recompute reference (when there is one) runs one block
+per level beside them, shown, never judged side by side. Per level the TTFT p50 reduction and the
+throughput gain are judged from the pairs' ratios with repeated confidence intervals over the pairs
+(gates/g3_main/blocks.py), and pairs are added until that interval decides every rule of the level,
+or `max_blocks`, or `level_budget_s`: the verdict says how many blocks decided it and why sampling
+stopped. A pair with an invalid block (client saturated, too few requests) is left out; a level
+without 3 valid pairs is INCONCLUSIVE. Each block is recorded as `g3_block`.
 
 A/A (`aa: true`, `kvgate run g3 --aa`): the baseline role is the candidate itself (the same server,
 no recompute reference); each judged interval that excludes 0 is recorded as a false decision
 (`g3_aa_false_decision`): a PASS there is exactly the false PASS the mode exists to count.
 
 With `prime` on (the default) the baseline and the candidate are first sent
-the first turn of each session once, so prefixes return as they do in
+every turn of every session once, in load order, so prefixes return as they do in
 service: the baseline keeps what its device memory holds, the candidate what
 all its tiers hold (the recompute reference keeps nothing, and is not primed).
 A trace is primed with its warm-up requests instead, never a measured one.
@@ -99,7 +101,7 @@ def sweep(gate_context, endpoints, adapters):
                              predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
                                                                         config.levels if closed else ()),
                              tier_hits=lambda target: readers[target.name][0](),
-                             tier_unit=readers["candidate"][1])
+                             tier_unit=readers["candidate"][1], matched=True, steady=config.steady.rule())
     targets = {role: endpoints[serving[role]].target(role) for role in roles}
     primer_users = min(config.levels) if closed else settings.rate_users
     # the recompute reference keeps no prefix (mode recompute), so priming it would only spend time; A/A: the
@@ -231,14 +233,36 @@ def _judge_pairs(sweep, gate_context, record, verdict, level, metric: str, words
     figures = pair_figures(level_pairs(baseline, _step(sweep, "candidate", level)["summary"]),
                            level_looks(gate_context.config.g3.max_blocks))
     sampling = baseline["sampling"]
+    warmup = (sampling.get("warmup") or {}).get("line")
     about = {**_at(gate_context, level), "blocks": sampling["pairs"], "decided": sampling["decided"],
              "stopped": sampling["why"], "pairs_used": figures.pairs, "pairs_left_out": figures.left_out,
-             "left_out_reasons": figures.left_out_reasons, "method": figures.method}
+             "left_out_reasons": figures.left_out_reasons, "method": figures.method, "warmup": warmup,
+             "requests_not_in_both": sum(row.get("left_out") or 0 for pair in level_pairs(
+                 baseline, _step(sweep, "candidate", level)["summary"]) for row in pair)}
     value, interval = figures.value_of(metric), figures.interval_of(metric)
     record(metric, value, interval=interval, **about)
-    verdict(f"G3 {words} at {_label(gate_context, level)} over {sampling['pairs']} blocks per target "
+    warm = sampling.get("warmup")
+    after = ("" if warm is None else f", after {warm['pairs']} warm-up pair{'s' if warm['pairs'] != 1 else ''}"
+             + ("" if warm["settled"] else " (not settled)"))
+    verdict(f"G3 {words} at {_label(gate_context, level)} over {sampling['pairs']} blocks per target{after} "
             f"({sampling['why']})", metric, value, unit="%", interval=interval, valid=figures.valid,
             invalid_reason=figures.invalid_reason, context=about)
+
+
+def test_each_level_is_measured_after_its_warm_up(sweep, gate_context, record):
+    """Each level's warm-up pairs ran until the candidate's consecutive blocks agreed (g3.steady), and were left out:
+    recorded with the candidate's blocks' figures that ended it (workloads/steady.py)."""
+    found = {}
+    for (role, level), step in _levels(sweep).items():
+        warm = step["summary"]["sampling"].get("warmup") if role == "candidate" else None
+        if warm is not None:
+            found[level] = warm
+            record("g3_warmup_pairs", warm["pairs"], settled=warm["settled"], line=warm["line"], rule=warm["rule"],
+                   **_at(gate_context, level))
+            gate_context.store.set_progress("g3", f"{_label(gate_context, level)}: {warm['line']}")
+    ran = [level for (role, level), step in _levels(sweep).items() if role == "candidate"
+           and not step["summary"].get("not_run") and not step["summary"]["sampling"]["why"].startswith("stopped")]
+    assert set(found) == set(ran), f"levels without a warm-up record: {sorted(set(ran) - set(found))}"
 
 
 def test_ttft_p50_reduction_at_each_level(sweep, gate_context, record, verdict, level):
