@@ -33,9 +33,10 @@ from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, C
                              format_validation_error, load_yaml_mapping, parse_size)
 from sizing.layout import KVShape
 from workloads.checkpoint import KVGATE_WRITER, STATE_PRESETS, WRITERS as CHECKPOINT_WRITERS, CheckpointSpec
-from workloads.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, sizer_for
+from workloads.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, read_trace, sizer_for
 from workloads.fio_sweep import SweepGrid
 from workloads.steady import SteadyRule
+from workloads.sweep import pairs_at_most
 
 from .fleet import fleet_defaults
 
@@ -931,7 +932,24 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
         spec = load_spec(getattr(config, gate).workload, root=f"{gate}.workload")
         if spec.kind == "trace":
             check_trace(spec, f"{gate}.workload")
+            if gate == "g3":
+                _trace_fills_every_block(config.g3, spec)
     return config
+
+
+def _trace_fills_every_block(g3: G3Config, spec) -> None:
+    """A trace's measured requests are cut into one part per level and each part into one sub-part per block pair
+    (warm-up pairs included): every sub-part must hold `g3.min_requests`, or no block of it can be valid."""
+    records = len(read_trace(spec.path, None if spec.limit is None else spec.warmup_requests + spec.limit))
+    measured = records - spec.warmup_requests
+    blocks = len(g3.levels) * pairs_at_most(g3.max_blocks, g3.steady.rule())
+    needed = blocks * g3.min_requests
+    if measured < needed:
+        raise ConfigError(
+            f"g3.workload: expected a trace with at least {needed} measured requests ({len(g3.levels)} levels x "
+            f"{blocks // len(g3.levels)} block pairs (max_blocks {g3.max_blocks} + {g3.steady.max_pairs} warm-up) x "
+            f"min_requests {g3.min_requests}: each block replays its own slice once), found {measured} "
+            f"({str(spec.path)!r}); give a larger limit, fewer levels or blocks, or a smaller g3.min_requests")
 
 
 def _validated(merged: dict) -> GatesConfig:

@@ -226,10 +226,29 @@ def test_a_lowest_step_invalid_for_client_lag_is_said_as_such_never_blamed_on_th
 # --------------------------------------------------------------------------- config
 
 
+# a 12-request trace fills one request per block at up to 3 levels of 3 + 1 warm-up pairs
+SMALL_BLOCKS = {"min_requests": 1, "max_blocks": 3, "steady": {"max_pairs": 1}}
+
+
 def _gates_yaml(tmp_path, g3: dict):
     path = tmp_path / "gates.yaml"
-    path.write_text(yaml.safe_dump({"g3": g3}))
+    path.write_text(yaml.safe_dump({"g3": {**SMALL_BLOCKS, **g3}}))
     return path
+
+
+def test_a_trace_too_short_for_every_block_to_be_valid_is_refused_at_load_saying_how_many_it_needs(tmp_path, capsys):
+    """Each level replays its own part of the trace, each block pair its own slice once: a trace whose slices
+    cannot hold min_requests would give invalid blocks only, minutes later."""
+    config = _gates_yaml(tmp_path, {"workload": {"kind": "trace", "path": str(write_trace(tmp_path, ROWS))},
+                                    "levels": [2, 4], "min_requests": 2})
+    assert main(["run", "g3", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert ("g3.workload: expected a trace with at least 16 measured requests (2 levels x 4 block pairs (max_blocks 3 "
+            "+ 1 warm-up) x min_requests 2: each block replays its own slice once), found 12") in err
+    assert not (tmp_path / "run").exists()
+    fits = _gates_yaml(tmp_path, {"workload": {"kind": "trace", "path": str(write_trace(tmp_path, ROWS))},
+                                  "levels": [2, 4], "min_requests": 1})
+    assert load_config(fits).g3.min_requests == 1
 
 
 def test_a_missing_trace_file_is_exit_2_naming_g3_workload_path(tmp_path, capsys):

@@ -401,8 +401,15 @@ def plan_steps(workload: Workload, settings: SweepSettings) -> list[Step]:
     return steps
 
 
+def pairs_at_most(max_blocks: int, steady: Optional[SteadyRule]) -> int:
+    """The most block pairs a step may take: `max_blocks` measured ones and the warm-up pairs left out before them."""
+    return max_blocks + (steady.max_pairs if steady is not None else 0)
+
+
 def _pair_parts(part: Workload, settings: SweepSettings, replay: Callable[[Workload], Workload]) -> tuple:
-    """A trace step's part cut into one sub-part per block pair (`max_blocks`), each replayed as the step is."""
-    if settings.max_blocks <= 1:
+    """A trace step's part cut into one sub-part per block pair it may take (`pairs_at_most`), each replayed as the
+    step is: no pair, warm-up or measured, sends a request another sent."""
+    most = pairs_at_most(settings.max_blocks, settings.steady if settings.matched else None)
+    if most <= 1:
         return ()
-    return tuple(replay(sub) for sub in trace_parts(part, settings.max_blocks))
+    return tuple(replay(sub) for sub in trace_parts(part, most))
