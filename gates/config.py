@@ -564,7 +564,7 @@ class G3NoReuseConfig(StrictModel):
 class G3SteadyConfig(StrictModel):
     """When a level's warm-up pairs end (workloads/steady.py): two consecutive candidate blocks agree."""
 
-    ttft_change: Float = Field(default=0.2, gt=0, description="the candidate's TTFT p50 within this fraction of the "
+    ttft_change: Float = Field(default=0.35, gt=0, description="the candidate's TTFT p50 within this fraction of the "
                                "block before")
     hit_ratio_points: Float = Field(default=0.05, ge=0, le=1, description="its hit ratio within this many points "
                                     "(a fraction) of the block before")

@@ -255,6 +255,8 @@ class _Sweep:
             return f"{step.label}, its one reference block"
         most = (f"{settings.min_blocks}" if settings.max_blocks <= settings.min_blocks
                 else f"{settings.min_blocks} to {settings.max_blocks}")
+        if settings.steady is not None and len(self.targets) == 2:   # warm-up pairs come first, then those measured
+            return f"{step.label}, pair {pair + 1} ({most} measured after the warm-up)"
         return f"{step.label}, block {pair + 1} of {most}"
 
     def _block(self, number: int, step: Step, target: Target, pair: int, position: int,
