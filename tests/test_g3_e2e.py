@@ -80,9 +80,20 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     far = {m["context"]["target"]: m["context"]["far_below"] for m in bounds}
     assert far["recompute"] is True                                  # recompute reuses nothing: far below
     primed = {m["context"]["target"]: m for m in store.measurements("g3") if m["metric"] == "prime_requests"}
-    # the compared targets saw the same first turns; the recompute reference keeps nothing and is not primed
+    # the compared targets saw every turn once (6 users x 3 rounds); the recompute reference keeps nothing and is
+    # not primed
     assert {t: (m["value"], m["context"]["errors"]) for t, m in primed.items()} == {
-        t: (6, 0) for t in ("baseline", "candidate")}
+        t: (18, 0) for t in ("baseline", "candidate")}
+    # each level's warm-up is recorded, and each pair's two blocks served the same requests
+    warm = [m for m in store.measurements("g3") if m["metric"] == "g3_warmup_pairs"]
+    assert len(warm) == 1 and warm[0]["context"]["line"].startswith("warm-up: ")
+    assert all(v["context"]["requests_not_in_both"] == 0 and v["context"]["warmup"] == warm[0]["context"]["line"]
+               for v in sweep if v["metric"] in ("ttft_p50_reduction", "throughput_gain"))
+    by_pair = {}
+    for b in blocks:
+        if b["target"] != "recompute":
+            by_pair.setdefault(b["block"], []).append(b["requests"])
+    assert all(len(counts) == 2 and counts[0] == counts[1] > 0 for counts in by_pair.values()), by_pair
     results = json.loads((run_dir / "results.json").read_text())
     assert code == (0 if results["overall"]["status"] == "passed" else 1)
     assert (run_dir / "index.html").read_text().count("<svg") >= 2
