@@ -130,18 +130,18 @@ def _valid_unless_the_machine_is_busy(frame):
                    for reason in filter(None, reasons.split("; "))), reasons
 
 
-def test_priming_sends_each_first_turn_once_and_the_prefix_then_returns_as_a_hit(target, tmp_path):
+def test_priming_sends_every_turn_once_and_the_prefix_then_returns_as_a_hit(target, tmp_path):
     workload = _workload(sessions=5, tag="Primed record")
     fresh = StreamingClient(target.url, target.model, target="probe")
     unseen = fresh.send(workload.sessions[4][0]).cached_tokens      # at most the shared system prompt hits
     assert unseen < workload.sessions[4][0].prompt_tokens // 256 * 256
     rows = prime_targets([target], workload, users=2, out_dir=tmp_path)
-    assert rows[0]["requests"] == rows[0]["expected"] == 5 and rows[0]["errors"] == 0
+    assert rows[0]["requests"] == rows[0]["expected"] == 15 and rows[0]["errors"] == 0
     sent = read_records(tmp_path / "embedded" / "prime" / "records")
-    assert sorted((r["session_id"], r["turn"]) for r in sent) == [(f"s{s}", 0) for s in range(5)]
-    again = fresh.send(workload.sessions[0][0])
+    assert sorted((r["session_id"], r["turn"]) for r in sent) == [(f"s{s}", t) for s in range(5) for t in range(3)]
+    again = fresh.send(workload.sessions[0][2])
     fresh.close()
-    assert again.ok and again.cached_tokens > unseen                    # primed: the document hits too
+    assert again.ok and again.cached_tokens > unseen                    # primed: the whole history hits too
 
 
 def _record(sent_at, ttft, e2e, tokens=4, chunks=4, ok=True, cached=0, **extra):

@@ -19,6 +19,7 @@ from workloads.blocks import run_sweep
 from kvcore.rundata import read_records
 from workloads.datasets import ByteSizer, build_workload
 from workloads.load import Target, free_port
+from workloads.requests import load_order
 from workloads.sweep import SweepSettings, describe_replay, plan_steps, primer
 
 BYTES = ByteSizer()
@@ -54,8 +55,9 @@ def test_a_trace_without_warm_up_primes_nothing_and_other_workloads_prime_every_
     assert primer(_trace(tmp_path)).sessions == ()
     rounds = build_workload({"kind": "multi_round_qa", "users": 3, "rounds": 2, "document_tokens": 50,
                              "question_tokens": 5, "answer_tokens": 5}, BYTES, seed=0)
-    primed = primer(rounds)        # every turn of every session once, in the workload's (interleaved) order
-    assert primed.sessions == rounds.sessions and primed.interleaved and not primed.warmup
+    primed = primer(rounds)        # every turn of every session once, in the workload's (interleaved) load order
+    assert [r.request_id for r in primed.requests] == [r.request_id for r in load_order(rounds)]
+    assert all(len(session) == 1 for session in primed.sessions) and not primed.warmup
 
 
 def test_warm_up_as_long_as_the_trace_is_a_config_error(tmp_path):

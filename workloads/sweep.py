@@ -69,7 +69,7 @@ from .errors import StopRule, describe_errors, summarize_errors
 from .live import LiveStep, format_ms
 from .load import Target, run_load
 from .requests import Workload
-from .steady import SteadyRule
+from .steady import SteadyRule, order_segment
 from .tier_hits import tier_line
 
 PERCENTILES = (50, 90, 99)
@@ -252,10 +252,11 @@ def paced(workload: Workload, rate_per_s: float, duration_s: float, seed: int = 
 
 def primer(workload: Workload) -> Workload:
     """What priming sends: a trace's warm-up requests (never its measured ones), else every turn of every session
-    once, in the workload's order (interleaved: round by round), so every prefix a block sends is a return."""
+    once, in the workload's load order (interleaved: round by round), each its own one-request session so none is
+    sent twice, whatever the users: every prefix a block sends is then a return."""
     if workload.trace:
         return Workload(f"{workload.name}:warm-up", workload.warmup)
-    return replace(workload, name=f"{workload.name}:every-turn", warmup=())
+    return replace(order_segment(workload, 0, len(workload.requests)), name=f"{workload.name}:every-turn")
 
 
 def trace_parts(workload: Workload, parts: int) -> list[Workload]:
