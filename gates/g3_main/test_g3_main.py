@@ -230,21 +230,20 @@ def _judge_pairs(sweep, gate_context, record, verdict, level, metric: str, words
     """Record and judge one figure of a level from its block pairs, saying how many blocks decided it and why
     sampling stopped (the interval's method in the record and the verdict's context)."""
     baseline = _step(sweep, "baseline", level)["summary"]
-    figures = pair_figures(level_pairs(baseline, _step(sweep, "candidate", level)["summary"]),
-                           level_looks(gate_context.config.g3.max_blocks))
-    sampling = baseline["sampling"]
-    warmup = (sampling.get("warmup") or {}).get("line")
+    pairs = level_pairs(baseline, _step(sweep, "candidate", level)["summary"])
+    figures = pair_figures(pairs, level_looks(gate_context.config.g3.max_blocks))
+    sampling, warm = baseline["sampling"], baseline["sampling"].get("warmup")
+    differing = sum(row.get("left_out") or 0 for pair in pairs for row in pair)   # served by one block of a pair
     about = {**_at(gate_context, level), "blocks": sampling["pairs"], "decided": sampling["decided"],
              "stopped": sampling["why"], "pairs_used": figures.pairs, "pairs_left_out": figures.left_out,
-             "left_out_reasons": figures.left_out_reasons, "method": figures.method, "warmup": warmup,
-             "requests_not_in_both": sum(row.get("left_out") or 0 for pair in level_pairs(
-                 baseline, _step(sweep, "candidate", level)["summary"]) for row in pair)}
+             "left_out_reasons": figures.left_out_reasons, "method": figures.method,
+             "warmup": None if warm is None else warm["line"], "requests_not_in_both": differing}
     value, interval = figures.value_of(metric), figures.interval_of(metric)
     record(metric, value, interval=interval, **about)
-    warm = sampling.get("warmup")
     after = ("" if warm is None else f", after {warm['pairs']} warm-up pair{'s' if warm['pairs'] != 1 else ''}"
              + ("" if warm["settled"] else " (not settled)"))
-    verdict(f"G3 {words} at {_label(gate_context, level)} over {sampling['pairs']} blocks per target{after} "
+    differ = f", {differing} requests not served by both left out" if differing else ""
+    verdict(f"G3 {words} at {_label(gate_context, level)} over {sampling['pairs']} blocks per target{after}{differ} "
             f"({sampling['why']})", metric, value, unit="%", interval=interval, valid=figures.valid,
             invalid_reason=figures.invalid_reason, context=about)
 
