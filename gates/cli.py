@@ -398,11 +398,13 @@ def _add_selftest(commands) -> None:
     selftest = commands.add_parser(
         "selftest", help="run known-bad and known-null candidates through the real gates (negative controls)",
         description="Each control (A/A, a serial-read tier, a failing candidate, one better only in invalid steps, "
-                    "a drifting server, a known-good pair) runs the real gate and prints the verdicts it got beside "
-                    "what it should have got. Exit 0: every control behaved; 1: one did not; 2: usage error.",
+                    "a drifting server, a leaking one, and a known-good control for each of their checks) runs the "
+                    "real gate and prints the verdicts it got beside what it should have got. Exit 0: every control "
+                    "behaved; 1: one did not; 2: usage error.",
     )
     selftest.add_argument("--full", action="store_true",
-                          help="more levels, longer steps, the kvgate-serve A/A and the direct-I/O tier")
+                          help="more levels, longer steps, the kvgate-serve A/A, the direct-I/O tier and "
+                               "the embedded default through the quick profile's G3")
     selftest.add_argument("--json", action="store_true", help="print selftest.json instead of one line per control")
     selftest.add_argument("--out", type=Path, help="where each control's run goes (default: reports/runs/"
                                                    "selftest-<time>)")

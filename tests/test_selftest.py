@@ -8,19 +8,23 @@ import http.client
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from gates.cli import main
-from gates.config import load_config
+from gates.config import load_config, profile_defaults
 from gates.selftest import CONTROLS, controls_for
-from gates.selftest.controls import G3_SETTINGS, G4_SETTINGS, Server, gates_yaml, g3_run_seconds
-from gates.selftest.expectations import ClaimNotMet, MustNotPass, MustPass, format_verdict, invalid_steps
+from gates.selftest.controls import (COMPARED, G3_SETTINGS, G4_SETTINGS, NULL_GAIN, GOOD_COLD_READ, Server,
+                                     gates_yaml, g3_run_seconds)
+from gates.selftest.expectations import (ClaimNotMet, MustFail, MustNotPass, MustPass, format_verdict,
+                                         invalid_steps)
 from gates.selftest.runner import ControlResult, ServerStartError, start_server, stop_server
 from workloads.client import StreamingClient
 from workloads.requests import WorkloadRequest
 from workloads.server_behaviour import Behaviour, parse_every
+from workloads.steady import requests_per_part
 
 REQUEST = WorkloadRequest("r", "s", 0, ({"role": "user", "content": "one two three four"},), 4, 8)
 
@@ -150,13 +154,20 @@ def test_every_controls_gates_yaml_is_a_valid_config(control, profile, tmp_path)
                         {n: "mock" for n in names}, {n: None for n in names})
     (tmp_path / "gates.yaml").write_text(yaml.safe_dump(config))
     loaded = load_config(tmp_path / "gates.yaml")
-    assert loaded.profile == profile
-    if control.embedded is None:
+    assert loaded.profile == (control.profile or profile)
+    if control.embedded is not None and "g3" in control.gates:   # the embedded default through G3, as a run makes it
+        own = profile_defaults(control.profile)["g3"]
+        assert loaded.targets.kind == "embedded" and loaded.g3.prime and not loaded.g3.no_reuse.enabled
+        assert (loaded.g3.levels, loaded.g3.duration_s, loaded.g3.min_blocks, loaded.g3.max_blocks) == (
+            own["levels"], own["duration_s"], own["min_blocks"], own["max_blocks"])
+        assert loaded.g3.workload == own["workload"]
+    elif control.embedded is None:
         assert loaded.targets.kind == "external"
         assert {loaded.targets.baseline.url, loaded.targets.candidate.url} == {
             config["targets"][role]["url"] for role in ("baseline", "candidate")}
         if "g3" in control.gates:
             assert loaded.g3.levels == G3_SETTINGS[profile]["levels"] and not loaded.g3.no_reuse.enabled
+            assert loaded.g3.max_blocks == (control.g3 or G3_SETTINGS[profile])["max_blocks"]
         if "g4" in control.gates:
             assert loaded.g4.duration_s == G4_SETTINGS[profile]["duration_s"] and not loaded.g4.faults
     else:
@@ -177,10 +188,31 @@ def test_an_aa_control_points_both_roles_at_one_server_and_a_drift_spans_the_g3_
     assert g3_run_seconds("quick") > 2 * g3["duration_s"] * len(g3["levels"])
 
 
+def test_every_known_bad_check_has_a_known_good_control_and_an_aa_must_fail_decided():
+    by_key = {c.key: c for c in CONTROLS}
+    for key in ("a-aa-mock", "a-aa-serve"):
+        assert by_key[key].expectations == NULL_GAIN == tuple(MustFail(m) for m in COMPARED)
+    passed = {e.metric for c in CONTROLS for e in c.expectations if isinstance(e, MustPass)}
+    bad = {m for c in CONTROLS for e in c.expectations if isinstance(e, (MustNotPass, MustFail))
+           for m in (e.metrics if isinstance(e, MustNotPass) else (e.metric,))}
+    assert bad <= passed, bad - passed
+    assert {"disk_hit_share", "open_fds_growth", "memory_growth_mib"} <= passed
+    assert by_key["i-good-loader-writer"].g2["cold_read_pairs"] == GOOD_COLD_READ["cold_read_pairs"]
+    assert by_key["k-embedded-tiered"].full_only and by_key["k-embedded-tiered"].prime
+
+
+@pytest.mark.parametrize("profile", ["quick", "full"])
+def test_a_matched_block_of_the_first_level_holds_the_requests_a_valid_block_needs(profile):
+    # the first level's part size is set before the baseline's rate is known: 8 requests per user
+    g3 = G3_SETTINGS[profile]
+    served = requests_per_part(SimpleNamespace(requests=[None] * 32), g3["levels"][0], None, g3["duration_s"])
+    assert served >= g3["min_requests"], (served, g3["min_requests"])
+
+
 def test_quick_runs_every_control_but_the_full_only_ones_and_a_named_one_alone():
     quick = {c.key for c in controls_for(full=False)}
     assert quick == {"a-aa-mock", "b-serial-read", "c-failing", "d-invalid-only", "e-drift", "f-known-good", "h-leak",
-                     "i-good-loader-writer", "j-serial-loader"}
+                     "i-good-loader-writer", "j-serial-loader", "l-stable"}
     assert {c.key for c in controls_for(full=True)} == {c.key for c in CONTROLS}
     assert [c.key for c in controls_for(False, ("e-drift",))] == ["e-drift"]
     assert main(["selftest", "--control", "no-such-control"]) == 2
@@ -229,6 +261,16 @@ def test_must_pass_needs_every_level_to_pass():
     found = rule.check(_results(_verdict("ttft_p50_reduction", "PASS"),
                                 _verdict("ttft_p50_reduction", "INCONCLUSIVE", level=4)))
     assert found.problem == "ttft_p50_reduction c=4 INCONCLUSIVE"
+
+
+def test_must_fail_needs_every_verdict_to_fail_decided():
+    rule = MustFail("throughput_gain")
+    assert rule.check(_results(_verdict("throughput_gain", "FAIL"), _verdict("throughput_gain", "FAIL", level=4))).ok
+    found = rule.check(_results(_verdict("throughput_gain", "FAIL"),
+                                _verdict("throughput_gain", "INCONCLUSIVE", level=4)))
+    assert found.problem == "throughput_gain c=4 INCONCLUSIVE"             # an undecided A/A is not a FAIL
+    assert rule.check(_results(_verdict("throughput_gain", "PASS"))).problem == "throughput_gain c=2 PASS"
+    assert rule.check(_results()).problem.startswith("not judged: throughput_gain")
 
 
 def test_a_claim_that_says_met_is_wrong_and_not_measured_is_ok():
