@@ -9,7 +9,6 @@ as "did not pass".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from kvcore.percent import format_percent
 
