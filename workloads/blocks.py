@@ -9,12 +9,14 @@ one, `min_blocks` pairs. One target alone runs its blocks in a row. A reference 
 recompute reference) runs one block per step, before the pairs: it is shown beside them, never
 judged side by side.
 
-A block's measured window starts `warmup_s` after its first request was sent, not at the load
+A block run by time is measured from `warmup_s` after its first request was sent, not from the load
 process's start (locust's first sends come seconds after it), so throughput and requests/s are over
-time the target was loaded. A trace step's part is cut into `max_blocks` sub-parts and pair k replays
-sub-part k on both targets; a pair is measured on the requests both of its blocks measured: a request
-one block's warm-up took and the other's did not (or one block never sent) is left out of both and
-counted (`left_out`).
+time the target was loaded. With `SweepSettings.matched` both blocks of a pair serve one part sent
+once and are measured from their first request (workloads/steady.py): a segment of the load order,
+or, on a trace, the pair's own slice of the step's part (`sweep.pairs_at_most` slices); with
+`SweepSettings.steady` a step's first pairs are its warm-up, left out. A pair of parts sent once is
+measured on the requests both of its blocks measured: a request one block did not send or finish
+(or, by time, one block's warm-up took) is left out of both and counted (`left_out`).
 
 A dead target (`SweepSettings.stop_rule`) ends its step's sampling; its later steps are not run.
 
@@ -91,14 +93,6 @@ class _Block:
     where: str                    # the console's name of it ("step 1 / 3, c=2, block 1 of 3, baseline")
     max_requests: Optional[int] = None   # its part's requests, each sent once (None: as many as its time allows)
     matched: bool = False         # its pair serves the same requests, measured from the first (workloads.steady)
-
-    def completed_per_s(self) -> Optional[float]:
-        """Its completed requests per second, from its first send to its last completion (None: none completed)."""
-        ok = [r for r in self.records if r["ok"]]
-        if not ok:
-            return None
-        span = max(r["sent_at"] + r["e2e_s"] for r in ok) - min(r["sent_at"] for r in self.records)
-        return len(ok) / span if span > 0 else None
 
     @property
     def first_sent_at(self) -> float:
@@ -215,8 +209,8 @@ class _Sweep:
                 return Settled(rule.max_pairs, False, tuple(candidate_rows()), rule)
 
     def _part(self, step: Step, pair: int) -> Optional[tuple[Workload, Optional[int]]]:
-        """What pair `pair` serves: a trace step's sub-part, a matched slice of sessions (`settings.matched`), or
-        None: the step's own workload, for `duration_s`."""
+        """What pair `pair` serves: a trace step's sub-part, a matched segment of the load order (`settings.matched`),
+        or None: the step's own workload, for `duration_s`."""
         if step.parts:
             return step.pair_part(pair)
         if not self.settings.matched or step.kind != "concurrency" or step.workload.trace:
@@ -280,11 +274,8 @@ class _Sweep:
         hits = tier_difference(hits_before, settings.tier_hits(target)) if settings.tier_hits else None
         if run.stopped:
             self.dead[target.name] = f"not run: at {step.dir_name}, {run.stopped['reason']}"
-        block = _Block(target.name, pair, position, directory, run, read_records(run.records_dir),
-                       read_client_samples(run.records_dir), hits, where, max_requests, matched)
-        if not reference and target.name == self.targets[0].name:
-            self.baseline_rate = block.completed_per_s() or self.baseline_rate
-        return block
+        return _Block(target.name, pair, position, directory, run, read_records(run.records_dir),
+                      read_client_samples(run.records_dir), hits, where, max_requests, matched)
 
     def _rows(self, ran: list[_Block], step: Step) -> list[tuple[dict, list[dict], list[dict]]]:
         """The blocks' rows, measured records and all records; a pair of parts sent once (a trace's, a matched
@@ -297,6 +288,8 @@ class _Sweep:
         found = []
         for block, leave in zip(ran, left_out):
             row, measured_records = self._block_row(block, step, leave)
+            if block.target == self.targets[0].name and row["completed"]:   # what sizes the next step's segments
+                self.baseline_rate = row["requests_per_s"]
             self.say(f"{block.where}: done, {step_line(row)}")
             found.append((row, measured_records, block.records))
         return found
