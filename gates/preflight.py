@@ -39,6 +39,7 @@ class PreflightResult:
     model: str
     ok: bool = False
     problem: str = ""                # what happened, when not ok
+    error_type: str = ""             # its kind, when not ok: "connection_refused", "http_404", "bad_response", …
     served: list[str] = field(default_factory=list)
     ttft_s: Optional[float] = None
     seconds: float = 0.0
@@ -92,6 +93,7 @@ def _check(client: StreamingClient, result: PreflightResult, contexts: Optional[
         listed = client.model_contexts()
     except TargetError as error:
         what = describe_error(error.error_type, error.message)
+        result.error_type = error.error_type or ""
         return what if error.error_type in CONNECTION_ERRORS else f"GET /models: {what}"
     result.served = list(listed)
     if result.model not in result.served:
@@ -104,6 +106,7 @@ def _check(client: StreamingClient, result: PreflightResult, contexts: Optional[
             return problem
     record = client.send(PROBE)
     if not record.ok:
+        result.error_type = record.error_type or ""
         return describe_error(record.error_type, record.error_message)
     if record.ttft_s is None:
         return f"the streamed answer carried no text (finish_reason {record.finish_reason})"

@@ -16,14 +16,14 @@ from tests.servers import REPO, TINY_MODEL, free_port, started_server
 def test_a_closed_port_fails_at_once_naming_the_role_the_url_and_connection_refused():
     url = f"http://127.0.0.1:{free_port()}/v1"
     results = run_preflight({"baseline": Endpoint("baseline", url, "m")})
-    assert [r.ok for r in results] == [False]
+    assert [(r.ok, r.error_type) for r in results] == [(False, "connection_refused")]
     assert failure_message(results) == f"pre-flight failed: baseline {url}: connection refused"
 
 
 def test_a_server_serving_another_model_fails_with_the_models_it_serves(answering):
     url = answering(["llama-3-8b", "qwen-7b"])
     result = check_node("candidate", url, Endpoint("candidate", url, "kvgate-tiny"))
-    assert not result.ok and result.served == ["llama-3-8b", "qwen-7b"]
+    assert not result.ok and result.served == ["llama-3-8b", "qwen-7b"] and result.error_type == ""
     assert result.line() == f"candidate {url}: model 'kvgate-tiny' not served (serves: llama-3-8b, qwen-7b)"
 
 
@@ -32,7 +32,7 @@ def test_a_server_answering_400_to_every_request_fails_with_the_status_code_and_
                        "code": "context_length_exceeded"}}
     url = answering(["m"], status=400, body=json.dumps(error).encode())
     result = check_node("baseline", url, Endpoint("baseline", url, "m"))
-    assert not result.ok
+    assert not result.ok and result.error_type == "http_400"
     assert result.problem == ("HTTP 400 context_length_exceeded: the prompt has 9000 tokens; the maximum is 8192")
 
 

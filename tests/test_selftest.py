@@ -18,8 +18,8 @@ from gates.config import load_config, profile_defaults
 from gates.selftest import CONTROLS, controls_for
 from gates.selftest.controls import (COMPARED, G3_SETTINGS, G4_SETTINGS, NULL_GAIN, GOOD_COLD_READ, Server,
                                      gates_yaml, g3_run_seconds)
-from gates.selftest.expectations import (ClaimNotMet, MustFail, MustNotPass, MustPass, format_verdict,
-                                         invalid_steps)
+from gates.selftest.expectations import (ClaimNotMet, MustFail, MustNotPass, MustPass, RefusedAtPreflight,
+                                         format_verdict, invalid_steps, run_completed)
 from gates.selftest.runner import ControlResult, ServerStartError, start_server, stop_server
 from workloads.client import StreamingClient
 from workloads.requests import WorkloadRequest
@@ -271,6 +271,24 @@ def test_must_fail_needs_every_verdict_to_fail_decided():
     assert found.problem == "throughput_gain c=4 INCONCLUSIVE"             # an undecided A/A is not a FAIL
     assert rule.check(_results(_verdict("throughput_gain", "PASS"))).problem == "throughput_gain c=2 PASS"
     assert rule.check(_results()).problem.startswith("not judged: throughput_gain")
+
+
+def test_a_refusal_is_expected_at_exit_2_from_the_named_roles_preflight_naming_the_field_with_nothing_judged():
+    rule = RefusedAtPreflight("candidate", "bad_response", "usage.prompt_tokens_details.cached_tokens")
+    ok_row = {"role": "baseline", "ok": True, "problem": "", "error_type": ""}
+    refused = {"role": "candidate", "ok": False, "error_type": "bad_response", "problem": (
+        "bad_response: usage.prompt_tokens_details.cached_tokens: expected a count (an integer >= 0), found '2' (str)")}
+    found = rule.check({**_results(), "preflight": [ok_row, refused]})
+    assert found.ok and found.got() == [f"pre-flight candidate: refused ({refused['problem']})"]
+    # refused for another reason, or not at all, or judged anyway: wrong
+    other = {**refused, "error_type": "timeout", "problem": "timed out"}
+    assert rule.check({**_results(), "preflight": [ok_row, other]}).problem == "not refused: candidate: timed out"
+    assert rule.check({**_results(), "preflight": [ok_row]}).problem == "not refused: no pre-flight row of candidate"
+    judged_anyway = {**_results(_verdict("ttft_p50_reduction", "FAIL")), "preflight": [refused]}
+    assert rule.check(judged_anyway).problem == "1 verdicts after a refusal"
+    # the run must end with exit 2 for a refusal control, 0 or 1 for any other
+    assert run_completed((rule,), 2) and not run_completed((rule,), 1) and not run_completed((rule,), 0)
+    assert run_completed((MustPass("m"),), 1) and not run_completed((MustPass("m"),), 2)
 
 
 def test_a_claim_that_says_met_is_wrong_and_not_measured_is_ok():

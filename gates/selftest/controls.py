@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .expectations import ClaimNotMet, Expectation, MustFail, MustNotPass, MustPass
+from .expectations import ClaimNotMet, Expectation, MustFail, MustNotPass, MustPass, RefusedAtPreflight
 
 COMPARED = ("ttft_p50_reduction", "throughput_gain")   # G3's side-by-side verdicts at each level
 # G2's cold-read ratio against the storage's best (issue 22 §1; a run of today's G2 is read as cold_read_vs_fio)
@@ -149,7 +149,8 @@ CONTROLS: tuple[Control, ...] = (
             (MustPass("ttft_p50_reduction"), MustPass("throughput_gain"), MustPass("error_rate")),
             **_pair(_mock(*BASELINE_TIMING), _mock(*FAST_TIMING))),
     Control("g-wrong-type", "a faster candidate whose usage.prompt_tokens_details.cached_tokens is a string",
-            ("g3",), (NOT_COMPARED,), full_only=True,
+            ("g3",), (RefusedAtPreflight("candidate", "bad_response", "usage.prompt_tokens_details.cached_tokens"),),
+            full_only=True,
             **_pair(_mock(*BASELINE_TIMING),
                     _mock(*FAST_TIMING, "--cached-tokens", "64", "--cached-tokens-as-string"))),
     Control("h-leak", "a candidate leaking a file descriptor per request", ("g4",),

@@ -23,7 +23,8 @@ class Finding:
     expected: str
     rows: tuple[dict, ...]
     problem: str = ""
-    kind: str = "verdict"        # what the rows are: "verdict" rows of the gates, or "claim" rows of the claims sheet
+    kind: str = "verdict"        # what the rows are: "verdict" rows of the gates, "claim" rows of the claims sheet,
+                                 # or "preflight" rows (results.json's pre-flight, one per node)
 
     @property
     def ok(self) -> bool:
@@ -31,7 +32,8 @@ class Finding:
 
     def got(self) -> list[str]:
         """Each row in words: 'ttft_p50_reduction c=2: FAIL 1.7% [1.2%, 2.1%]' or 'claim x: met 49.6%'."""
-        return [format_claim(r) if self.kind == "claim" else format_verdict(r) for r in self.rows]
+        format_row = {"claim": format_claim, "preflight": format_preflight}.get(self.kind, format_verdict)
+        return [format_row(r) for r in self.rows]
 
 
 def invalid_steps(results: dict) -> list[dict]:
@@ -135,7 +137,42 @@ class ClaimNotMet:
         return Finding(self.describe(), rows, problem, "claim")
 
 
-Expectation = MustNotPass | MustPass | MustFail | ClaimNotMet
+@dataclass(frozen=True)
+class RefusedAtPreflight:
+    """The run must stop before measuring (`kvgate run` exits 2): the pre-flight refuses `role` with `error_type`,
+    its problem naming `field` (the refusal's words are what a user acts on, so here they are the behaviour under
+    test), and no gate judges anything. A candidate whose answers break the API is told at once, not after a
+    sweep that could not read them."""
+
+    role: str
+    error_type: str
+    field: str
+    exit_code = 2
+
+    def describe(self) -> str:
+        return f"{self.role} refused at pre-flight ({self.error_type}, naming {self.field})"
+
+    def check(self, results: dict) -> Finding:
+        rows = tuple(r for r in results.get("preflight") or [] if r.get("role") == self.role)
+        refused = [r for r in rows if not r.get("ok") and r.get("error_type") == self.error_type
+                   and self.field in (r.get("problem") or "")]
+        judged_rows = verdict_rows(results)
+        problem = ("not refused: " + ("; ".join(f"{r.get('role')}: {r.get('problem') or 'ok'}" for r in rows)
+                                      or f"no pre-flight row of {self.role}") if not refused else
+                   f"{len(judged_rows)} verdicts after a refusal" if judged_rows else "")
+        return Finding(self.describe(), rows, problem, "preflight")
+
+    def accepts(self, exit_code: int | None) -> bool:
+        return exit_code == self.exit_code
+
+
+Expectation = MustNotPass | MustPass | MustFail | ClaimNotMet | RefusedAtPreflight
+
+
+def run_completed(expectations: tuple[Expectation, ...], exit_code: int | None) -> bool:
+    """Whether the run ended as the control's expectations need: exit 0 or 1 (a verdict), or 2 for a refusal."""
+    refusals = [e for e in expectations if isinstance(e, RefusedAtPreflight)]
+    return all(e.accepts(exit_code) for e in refusals) if refusals else exit_code in (0, 1)
 
 def _missing(metrics: list[str]) -> str:
     return "not judged: " + ", ".join(metrics) + " (the control proves nothing)" if metrics else ""
@@ -167,6 +204,11 @@ def format_claim(claim: dict) -> str:
     """'claim ttft_p50_reduction: met 49.6%'."""
     measured = claim.get("measured_text") or ("" if claim.get("measured") is None else f"{claim['measured']:.3g}")
     return f"claim {claim.get('id')}: {claim.get('verdict')}" + (f" {measured}" if measured else "")
+
+
+def format_preflight(row: dict) -> str:
+    """'pre-flight candidate: refused (bad_response: usage…)' or 'pre-flight candidate: ok'."""
+    return f"pre-flight {row.get('role')}: " + (f"refused ({row.get('problem')})" if not row.get("ok") else "ok")
 
 
 def _number(value: float, unit: str) -> str:

@@ -24,7 +24,7 @@ from workloads.load import free_port
 from workloads.processes import die_with_parent
 
 from .controls import Control, Server, g3_run_seconds, gates_yaml
-from .expectations import Finding, invalid_steps
+from .expectations import Finding, invalid_steps, run_completed
 
 START_TIMEOUT_S = {"mock": 30.0, "serve": 180.0}
 GATE_TIMEOUT_S = {"quick": 900.0, "full": 3600.0}
@@ -175,9 +175,10 @@ def run_control(control: Control, profile: str, out: Path) -> ControlResult:
 
 def _judge(control: Control, result: ControlResult, directory: Path) -> None:
     results_path = directory / "run" / "results.json"
-    if result.exit_code not in (0, 1) or not results_path.exists():
+    if not run_completed(control.expectations, result.exit_code) or not results_path.exists():
         what = "timed out" if result.exit_code == 124 else f"exit {result.exit_code}"
-        result.problem = f"the gate run did not complete ({what}): {_last_line(directory / 'gate.log') or 'no output'}"
+        how = "did not end as expected" if run_completed(control.expectations, 2) else "did not complete"
+        result.problem = f"the gate run {how} ({what}): {_last_line(directory / 'gate.log') or 'no output'}"
     if results_path.exists():
         results = json.loads(results_path.read_text())
         result.findings = [expectation.check(results) for expectation in control.expectations]
