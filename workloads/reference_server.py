@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -32,6 +33,7 @@ class ReferenceServer:
         self.requests = 0       # completion requests so far (the error schedule's numbering)
         self.in_flight = 0
         self.leaked: list = []  # descriptors kept open for good (Behaviour.leak_fd_every)
+        self.slots = asyncio.Semaphore(behaviour.slots) if behaviour.slots else None   # FIFO: waiters in order
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -75,12 +77,13 @@ class ReferenceServer:
         tokens = min(self.behaviour.tokens, max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 \
             else self.behaviour.tokens
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await asyncio.sleep(ttft_s)
-        for i in range(tokens):
-            if i:
-                await asyncio.sleep(self.behaviour.itl_ms / 1000)
-            choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
-            await _event(writer, {"choices": [choice]})
+        async with self.slots or contextlib.nullcontext():    # the wait for a slot is in the TTFT
+            await asyncio.sleep(ttft_s)
+            for i in range(tokens):
+                if i:
+                    await asyncio.sleep(self.behaviour.itl_ms / 1000)
+                choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+                await _event(writer, {"choices": [choice]})
         done = {"index": 0, "delta": {}, "finish_reason": "length"} if chat else {"index": 0, "text": "",
                                                                                    "finish_reason": "length"}
         await _event(writer, {"choices": [done]})
@@ -164,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="usage.prompt_tokens_details.cached_tokens (capped at the prompt's tokens)")
     parser.add_argument("--cached-tokens-as-string", action="store_true",
                         help="send cached_tokens as a string, a field of the wrong type")
+    parser.add_argument("--slots", type=int, default=0, metavar="N",
+                        help="serve at most N requests at once, the rest wait their turn (a known capacity; 0: no limit)")
     parser.add_argument("--leak-fd-every", type=int, default=0, metavar="N",
                         help="every N-th request keeps a file descriptor open for good (a leak G4 must catch)")
     return parser
@@ -175,7 +180,7 @@ def behaviour_from(args: argparse.Namespace) -> Behaviour:
                      fast_ttft_ms=args.fast_ttft_ms, every=args.error_every, fraction=args.error_fraction,
                      fraction_status=args.error_status, usage_token_offset=args.usage_token_offset,
                      cached_tokens=args.cached_tokens, cached_tokens_as_string=args.cached_tokens_as_string,
-                     leak_fd_every=args.leak_fd_every)
+                     leak_fd_every=args.leak_fd_every, slots=args.slots)
 
 
 def main() -> None:

@@ -11,6 +11,10 @@ negative controls:
 - errors: a schedule by request number (`every`: (n, status) pairs, e.g. 500 to every 3rd and 400 to every
   7th; the first that divides it wins) and a share of requests (`fraction` with `fraction_status`, spread
   evenly: request k fails when floor(k·f) steps up);
+- service slots (`slots`): at most that many requests are served at once, each holding its slot from its
+  TTFT's start to its last token; the others wait their turn, first come first served, and the wait is in
+  their TTFT. With a fixed TTFT, ITL and output length the server's capacity at an SLO is known
+  (`capacity_at`): a capacity search must find it;
 - a leak: every `leak_fd_every`-th request opens a file descriptor it never closes (G4's known-bad
   candidate: its /metrics' `process_open_fds` grows one per that many requests);
 - usage: the completion tokens it reports (`usage_token_offset` makes client and server counts disagree)
@@ -46,10 +50,13 @@ class Behaviour:
     cached_tokens: Optional[int] = None        # usage.prompt_tokens_details.cached_tokens (None: no details)
     cached_tokens_as_string: bool = False
     leak_fd_every: int = 0                     # every n-th request keeps a descriptor open for good (0: none)
+    slots: int = 0                             # requests served at once, the rest queue (0: no limit)
 
     def __post_init__(self) -> None:
         if self.leak_fd_every < 0:
             raise ValueError(f"leak_fd_every: expected 0 (no leak) or a request count >= 1, found {self.leak_fd_every}")
+        if self.slots < 0:
+            raise ValueError(f"slots: expected 0 (no limit) or a count >= 1, found {self.slots}")
         if not 0 <= self.fraction < 1:
             raise ValueError(f"fraction: expected a share in [0, 1), found {self.fraction}")
         if (self.ttft_end_ms is None) != (self.drift_s <= 0):
@@ -71,6 +78,23 @@ class Behaviour:
             return self.ttft_ms / 1000
         progress = min(max(uptime_s / self.drift_s, 0.0), 1.0)
         return (self.ttft_ms + (self.ttft_end_ms - self.ttft_ms) * progress) / 1000
+
+    def service_s(self, tokens: int) -> float:
+        """How long a request of `tokens` output tokens holds its slot: its TTFT and the ITLs after it."""
+        return (self.ttft_ms + self.itl_ms * max(tokens - 1, 0)) / 1000
+
+    def capacity_at(self, ttft_limit_ms: float, tokens: int) -> Optional[int]:
+        """The most closed-loop users (no think time) at which a TTFT p90 <= `ttft_limit_ms` holds, for a server
+        with `slots` and a fixed TTFT (no drift): `slots` when the limit lies at or above the TTFT and below the TTFT
+        plus one service time. Up to `slots` users no request waits; above, a request that finds every slot busy
+        waits for one to end (at slots + 1 users about one request in every `slots`: over 10% for up to 8 slots,
+        tests/test_reference_server_slots.py). None when the server has no slot limit or the limit is outside
+        that range."""
+        if not self.slots or self.ttft_end_ms is not None or self.fast_above_inflight is not None:
+            return None
+        if not self.ttft_ms <= ttft_limit_ms < self.ttft_ms + 1000 * self.service_s(tokens) or self.slots > 8:
+            return None
+        return self.slots
 
     def error_status(self, number: int) -> Optional[int]:
         """The HTTP status request `number` (from 1) fails with, or None when it is answered."""

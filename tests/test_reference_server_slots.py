@@ -1,0 +1,68 @@
+"""The reference server's service slots give it a known capacity: checked over real HTTP in closed loop."""
+
+import threading
+
+import pytest
+
+from gates.selftest.controls import Server
+from gates.selftest.runner import start_server, stop_server
+from workloads.client import StreamingClient
+from workloads.requests import WorkloadRequest
+from workloads.server_behaviour import Behaviour
+
+TTFT_MS, ITL_MS, TOKENS, SLOTS = 40.0, 10.0, 4, 3
+REQUEST = WorkloadRequest("s", "u", 0, ({"role": "user", "content": "hello there"},), 2, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def slotted(tmp_path_factory):
+    server = start_server("slots", Server("mock", ("--model", "mock", "--tokens", str(TOKENS), "--ttft-ms",
+                                                   str(TTFT_MS), "--itl-ms", str(ITL_MS), "--slots", str(SLOTS))),
+                          "quick", tmp_path_factory.mktemp("slots"))
+    yield server
+    stop_server(server.process)
+
+
+def _closed_loop(url: str, users: int, each: int) -> list[float]:
+    """`users` threads, each sending `each` requests back to back: every request's TTFT in ms."""
+    ttfts: list[float] = []
+
+    def user() -> None:
+        client = StreamingClient(url, "mock", "chat", None, target="slots", timeout_s=30)
+        try:
+            for _ in range(each):
+                record = client.send(REQUEST)
+                assert record.ok, record.error_message
+                ttfts.append(record.ttft_s * 1000)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=user) for _ in range(users)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return ttfts
+
+
+def test_up_to_its_slots_no_request_waits_and_one_more_user_makes_the_p90_miss(slotted):
+    behaviour = Behaviour(ttft_ms=TTFT_MS, itl_ms=ITL_MS, tokens=TOKENS, slots=SLOTS)
+    limit = TTFT_MS + 500 * behaviour.service_s(TOKENS)            # half a service time above the TTFT
+    assert behaviour.capacity_at(limit, TOKENS) == SLOTS
+    at_capacity = _closed_loop(slotted.url, SLOTS, 20)
+    over = _closed_loop(slotted.url, SLOTS + 1, 20)
+    share_at = sum(t > limit for t in at_capacity) / len(at_capacity)
+    share_over = sum(t > limit for t in over) / len(over)
+    assert share_at < 0.10 < share_over, (share_at, share_over)
+    # a request that waited, waited about a whole service time
+    assert max(over) >= TTFT_MS + 0.8 * 1000 * behaviour.service_s(TOKENS)
+
+
+def test_slots_are_refused_below_zero_and_a_capacity_is_known_only_in_its_range():
+    with pytest.raises(ValueError, match="slots: expected 0"):
+        Behaviour(slots=-1)
+    assert Behaviour(slots=0).capacity_at(150, 10) is None
+    slotted = Behaviour(ttft_ms=100, itl_ms=50, tokens=10, slots=4)
+    assert slotted.service_s(10) == pytest.approx(0.55)
+    assert slotted.capacity_at(99, 10) is None and slotted.capacity_at(100, 10) == 4
+    assert slotted.capacity_at(649, 10) == 4 and slotted.capacity_at(650, 10) is None
