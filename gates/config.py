@@ -575,6 +575,40 @@ class G3SteadyConfig(StrictModel):
         return SteadyRule(self.ttft_change, self.hit_ratio_points, self.max_pairs)
 
 
+class SLOConfig(StrictModel):
+    """The service-level objective a request meets: its TTFT and its TPOT within their limits at a percentile of
+    the requests, errors within their share. G3's capacity search (g3.capacity) finds the most load at which it
+    holds (kvcore/attainment.py: a request misses when a latency is over its limit, it failed, or it never
+    finished)."""
+
+    percentile: Float = Field(default=90, gt=50, lt=100, description="the percentile both limits hold at (90: at "
+                              "most 10% of the requests may miss)")
+    ttft_ms: Float = Field(gt=0, description="TTFT limit at the percentile, ms")
+    tpot_ms: Optional[Float] = Field(default=None, gt=0, description="time per output token limit at the "
+                                     "percentile, ms (after the first token; none: TTFT alone)")
+    max_error_share: Float = Field(default=0.001, ge=0, lt=1, description="a load whose failed share is decided above "
+                                   "this misses the SLO")
+
+
+class G3CapacityConfig(StrictModel):
+    """The capacity search: per target, the most closed-loop users at which `slo` holds (kvcore/capacity.py),
+    baseline and candidate probes in turn; each probe stops when its requests decide it."""
+
+    enabled: bool = Field(default=False, description="run the capacity search after the sweep (needs `slo`)")
+    start: Count = Field(default=1, ge=1, description="the first load probed (users)")
+    most: Count = Field(default=64, ge=1, description="the most users probed (the ramp doubles up to it)")
+    probe_requests: Count = Field(default=400, ge=34, description="requests a probe sends at most (34: the fewest "
+                                  "that decide a 10% allowance when none misses)")
+    probe_budget_s: Float = Field(default=60, gt=0, description="seconds a probe may run before it is undecided")
+    confidence: Float = Field(default=0.95, gt=0.5, lt=1, description="each probe's confidence sequence level")
+
+    @model_validator(mode="after")
+    def _start_within_most(self) -> "G3CapacityConfig":
+        if self.start > self.most:
+            raise ValueError(f"start: expected at most `most` ({self.most}), found {self.start}")
+        return self
+
+
 class G3Config(StrictModel):
     """G3's sweep. `replay` says what a level is: closed_loop, concurrent users (every workload);
     rate_multipliers, multiples of a trace's arrival rate (trace workloads; needs `ttft_slo_ms`)."""
@@ -608,6 +642,8 @@ class G3Config(StrictModel):
     prime: bool = Field(default=True, description="send each target every session's first turn (a trace: its "
                         "warm-up requests) before the sweep")
     no_reuse: G3NoReuseConfig = Field(default_factory=G3NoReuseConfig)
+    capacity: G3CapacityConfig = Field(default_factory=G3CapacityConfig, description=(
+        "the most users each target serves within `slo`, searched, and the candidate's gain in it"))
     thresholds: list[RuleField]
 
     @model_validator(mode="after")
@@ -834,6 +870,8 @@ class GatesConfig(StrictModel):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     inventory: InventoryConfig = Field(default_factory=InventoryConfig)
     fio: FioConfig = Field(default_factory=FioConfig)
+    slo: Optional[SLOConfig] = Field(default=None, description=(
+        "the service-level objective (TTFT and TPOT at a percentile, errors) G3's capacity search holds loads to"))
     g1: G1Config
     g2: G2Config
     g3: G3Config
@@ -854,6 +892,16 @@ class GatesConfig(StrictModel):
                 raise ValueError(f"[{i}].metric: expected a figure {claim.gate} judges ({', '.join(known)}), "
                                  f"found {claim.metric!r}")
         return claims
+
+    @model_validator(mode="after")
+    def _capacity_needs_an_slo(self) -> "GatesConfig":
+        if self.g3.capacity.enabled and self.slo is None:
+            raise ValueError("slo: expected the objective g3.capacity searches under (slo: {ttft_ms: …, tpot_ms: …}) "
+                             "with g3.capacity.enabled, found nothing")
+        if self.g3.capacity.enabled and self.g3.replay != "closed_loop":
+            raise ValueError("g3.capacity.enabled: expected replay: closed_loop (the search's loads are users), found "
+                             f"replay: {self.g3.replay}")
+        return self
 
     @model_validator(mode="after")
     def _faults_need_kvgates_cache(self) -> "GatesConfig":

@@ -122,6 +122,10 @@ G3_CHECKS = (
     # hits all come from host DRAM tests DRAM, not the storage under test
     Check("disk_hit_share", "the disk tier's share of the candidate's lower-tier hit blocks (host, disk and "
           "pool), per level", "higher", "%", default=_at_least("disk_hit_share", 0.5)),
+    # g3.capacity: the most users within the SLO, candidate over baseline; the seed's throughput claim at an
+    # equal SLO (+29%) is the least gain
+    Check("capacity_gain", "the candidate's capacity within the SLO (most closed-loop users) / the baseline's - 1, "
+          "bounded by both searches' brackets", "higher", "%", default=_at_least("capacity_gain", 0.29)),
     *NO_REUSE_CHECKS,            # g3.no_reuse: one closed-loop level
 )
 

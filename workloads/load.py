@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from .requests import Workload, save_workload
 from .processes import die_with_parent
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+STOP_WAIT_S = 30.0          # a load told to stop early: its users' requests in flight end (--stop-timeout 5)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class LoadRun:
     # due requests with no record: {"request_id", "scheduled_at", "sent_at" (None: never sent), "state":
     # "not_sent" | "unfinished"} (workloads/locustfile.py says when a request is due)
     unanswered: list = field(default_factory=list)
+    ended_early: bool = False        # `on_progress` asked the load to end before its time or requests ran out
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
     With a `stop_rule` a load process that sees the target stop answering ends the run early
     (`LoadRun.stopped` says why); without one the load goes on, backing off, to the end.
     `on_progress` is told every `progress_every_s` while the load runs what it recorded meanwhile
-    (the records are read from where the previous call stopped, never whole again).
+    (the records are read from where the previous call stopped, never whole again); when it returns True
+    the load ends there (`LoadRun.ended_early`): locust is told to stop (SIGTERM), its users' requests in
+    flight end, and every record that landed stays.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     records_dir = out_dir / "records"
@@ -97,8 +102,14 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
     log_path = out_dir / "locust.log"
     started = time.time()
     tail = JsonlTail(records_dir, "records-*.jsonl")
-    tell = (lambda: None) if on_progress is None else (
-        lambda: on_progress(LoadProgress(started, time.time() - started, tail.read_new())))
+    ended_early: list[float] = []       # when on_progress asked the load to end
+
+    def tell() -> bool:
+        if on_progress is None or not on_progress(LoadProgress(started, time.time() - started, tail.read_new())):
+            return False
+        ended_early.append(time.time())
+        return True
+
     with open(log_path, "w") as log:
         if workers <= 0:
             proc = subprocess.Popen(main, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
@@ -110,7 +121,7 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
             returncode = _run_distributed(main, base, workers, env, log, duration_s, tell, progress_every_s)
     stops = sorted(read_jsonl(records_dir, "stop-*.jsonl"), key=lambda row: row["at"])
     return LoadRun(records_dir, started, time.time(), returncode, log_path.read_text(), stops[0] if stops else None,
-                   read_unanswered(records_dir))
+                   read_unanswered(records_dir), ended_early=bool(ended_early))
 
 
 def read_unanswered(records_dir: Path) -> list[dict]:
@@ -121,8 +132,10 @@ def read_unanswered(records_dir: Path) -> list[dict]:
     return rows
 
 
-def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], None], every_s: float) -> int:
-    """The process's exit code, calling `tell` every `every_s` while it runs (TimeoutExpired past `timeout_s`)."""
+def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], Optional[bool]], every_s: float) -> int:
+    """The process's exit code, calling `tell` every `every_s` while it runs (TimeoutExpired past `timeout_s`);
+    when `tell` returns True the process is told to stop (SIGTERM: locust stops its users and ends the test, so
+    its due files are written) and waited for."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -130,7 +143,9 @@ def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], None],
         except subprocess.TimeoutExpired:
             if time.monotonic() >= deadline:
                 raise
-            tell()
+            if tell():
+                process.send_signal(signal.SIGTERM)
+                return process.wait(timeout=STOP_WAIT_S)
 
 
 def _end(process: subprocess.Popen) -> None:
@@ -141,7 +156,7 @@ def _end(process: subprocess.Popen) -> None:
 
 
 def _run_distributed(main: list[str], base: list[str], workers: int, env: dict, log, duration_s: float,
-                     tell: Callable[[], None], every_s: float) -> int:
+                     tell: Callable[[], Optional[bool]], every_s: float) -> int:
     port = free_port()
     master = subprocess.Popen(main + ["--master", "--expect-workers", str(workers), "--master-bind-host",
                                       "127.0.0.1", "--master-bind-port", str(port)],

@@ -21,13 +21,13 @@ consecutive pairs take consecutive segments, wrapping around the load order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from kvcore.percent import format_percent
 
 from .live import format_ms
-from .requests import Workload, load_order
+from .requests import Workload, WorkloadRequest, load_order
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,22 @@ def requests_per_part(workload: Workload, users: int, rate_per_s: Optional[float
     return max(1, min(len(workload.requests), max(2 * users, wanted)))
 
 
-def order_segment(workload: Workload, start: int, count: int) -> Workload:
+def order_segment(workload: Workload, start: int, count: int, passes: bool = False) -> Workload:
     """`count` requests of the workload's load order from `start`, wrapping around it, each its own one-request
     session, sent in that order: what one matched pair serves. A session's next turn stays as many requests after
-    its previous one as in the whole workload, so every prefix returns at the distance it does in service."""
+    its previous one as in the whole workload, so every prefix returns at the distance it does in service.
+    At most one pass of the order, unless `passes` (a capacity probe's requests): then as many as `count`, a request
+    of a later pass sent again under its id with the pass added ("u3-t1~2"), as ids are unique in a workload."""
     order = load_order(workload)
-    picked = tuple((order[(start + i) % len(order)],) for i in range(min(count, len(order))))
+    first = start % len(order)
+    picked = tuple((_of_pass(order[(first + i) % len(order)], (first + i) // len(order) if passes else 0),)
+                   for i in range(count if passes else min(count, len(order))))
     return Workload(f"{workload.name}[{start % len(order)}:+{len(picked)}]", picked)
+
+
+def _of_pass(request: WorkloadRequest, number: int) -> WorkloadRequest:
+    """The request as sent in pass `number` of the segment over the load order: the first pass's unchanged (a matched
+    pair's segment never holds a request twice, and its ids stay those of the workload)."""
+    if not number:
+        return request
+    return replace(request, request_id=f"{request.request_id}~{number}", session_id=f"{request.session_id}~{number}")
