@@ -30,7 +30,7 @@ from kvcore.predictions import beside, format_figure
 from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
 
-from . import g1_arrival, g2_cache, g2_storage, g3_main, g4_soak, plots, storage_yardstick
+from . import g1_arrival, g2_cache, g2_storage, g3_capacity, g3_main, g4_soak, plots, storage_yardstick
 from .environment import environment_tables
 from .rows import GateRows, gate_rows, number
 
@@ -182,14 +182,14 @@ def _count(suite: ET.Element) -> ET.Element:
 PLOTTERS: dict[str, Callable[[GateRows], list[str]]] = {
     "g1": g1_arrival.headroom_plots,
     "g2": lambda rows: g2_cache.cache_plots(rows) + g2_storage.storage_plots(rows.measurements),
-    "g3": g3_main.g3_plots,
+    "g3": lambda rows: g3_main.g3_plots(rows) + g3_capacity.capacity_plots(rows),
     "g4": g4_soak.window_plots,
 }
 TABLERS: dict[str, Callable[[GateRows], list[dict]]] = {
     "g1": lambda rows: g1_arrival.spec_table(rows) + storage_yardstick.sweep_tables(rows.measurements),
     "g2": lambda rows: (storage_yardstick.pairs_tables(rows.measurements) + g2_storage.model_load_tables(rows.measurements)
                         + g2_storage.checkpoint_tables(rows.measurements) + storage_yardstick.sweep_tables(rows.measurements)),
-    "g3": g3_main.g3_tables,
+    "g3": lambda rows: g3_main.g3_tables(rows) + g3_capacity.capacity_tables(rows),
     "g4": g4_soak.fault_tables,
 }
 

@@ -40,10 +40,12 @@ from kvcore.predictions import IN_MAPE, error as prediction_error, format_figure
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 from kvcore.verdict import judge
+from workloads.capacity_probe import slo_of
 from workloads.datasets import build_workload, sizer_for
 from workloads.sweep import SweepSettings
 
 from .calibration import Calibration, calibrate
+from .capacity import predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .queueing import DecodeCost, EngineModel
@@ -314,10 +316,32 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
             f"{basis}; sustained {_multiplier(sustained.baseline)} baseline, {_multiplier(sustained.candidate)} "
             "candidate", {},
             interval=sustained.interval, valid=sustained.valid, invalid_reason=sustained.invalid_reason))
+    if closed and settings.capacity.enabled and config.slo is not None:
+        _capacity(plan, config, g3, engine, basis, seeds)
     if inputs.fleet and hits["candidate"]["pool_share"] is not None:
         plan.predictions.append(Prediction("g3", "cross_node_hit_ratio", hits["candidate"]["pool_share"], "%",
                                            "G3 cross-node hit ratio (the pool's share of the candidate's hit blocks)",
                                            f"fleet replay: {inputs.candidate_nodes} nodes, {inputs.routing}", {}))
+
+
+def _capacity(plan: Plan, config, g3: G3Replays, engine: EngineModel, basis: str, seeds: tuple) -> None:
+    """Each target's capacity within the SLO (sizing/capacity.py: G3's search over the simulation of its replay at
+    the sweep's last level, the state its caches reach by the search), and the candidate's gain."""
+    search, slo = config.g3.capacity, slo_of(config.slo)
+    found = {}
+    for role in ("baseline", "candidate"):
+        replay = g3.replays[role][max(config.g3.levels)]
+        found[role] = predicted_capacity(replay, engine, slo, search.start, search.most, seeds)
+        if found[role] is not None:
+            plan.predictions.append(Prediction("g3", "capacity_users", found[role], "users",
+                                               f"G3 capacity of the {role} within the SLO ({slo.describe()})",
+                                               f"{basis}; the capacity search over the simulation",
+                                               {"target": role}))
+    if found["baseline"] and found["candidate"] is not None:
+        plan.predictions.append(Prediction("g3", "capacity_gain", found["candidate"] / found["baseline"] - 1, "%",
+                                           f"G3 capacity gain within the SLO ({slo.describe()})",
+                                           f"{basis}; capacities {found['baseline']:g} baseline, "
+                                           f"{found['candidate']:g} candidate", {"target": "candidate"}))
 
 
 def _runs(runs, figure: str) -> str:

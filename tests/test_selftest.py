@@ -212,7 +212,7 @@ def test_a_matched_block_of_the_first_level_holds_the_requests_a_valid_block_nee
 def test_quick_runs_every_control_but_the_full_only_ones_and_a_named_one_alone():
     quick = {c.key for c in controls_for(full=False)}
     assert quick == {"a-aa-mock", "b-serial-read", "c-failing", "d-invalid-only", "e-drift", "f-known-good", "h-leak",
-                     "i-good-loader-writer", "j-serial-loader", "l-stable"}
+                     "i-good-loader-writer", "j-serial-loader", "l-stable", "m-capacity-aa", "n-capacity-double"}
     assert {c.key for c in controls_for(full=True)} == {c.key for c in CONTROLS}
     assert [c.key for c in controls_for(False, ("e-drift",))] == ["e-drift"]
     assert main(["selftest", "--control", "no-such-control"]) == 2

@@ -51,10 +51,12 @@ def capacity(gate_context, endpoints):
 
 def test_each_probe_and_each_targets_capacity_are_recorded(capacity, record):
     found, slo = capacity["found"], capacity["slo"]
+    limits = {"slo": slo.describe(), "ttft_limit_ms": slo.ttft_s * 1e3, "percentile": slo.percentile,
+              "tpot_limit_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3}
     for result in found.probes:
         figures = result.to_dict()
         record("capacity_probe", result.probe.decision == MEETS, users=result.probe.load,
-               **{k: v for k, v in figures.items() if k != "load"}, line=describe_probe(result), slo=slo.describe())
+               **{k: v for k, v in figures.items() if k != "load"}, line=describe_probe(result), **limits)
     for role in ROLES:
         search = found.searches[role]
         low, high = search.bounds()

@@ -70,6 +70,14 @@ SERVE_WORKLOAD = {"kind": "multi_round_qa", "users": 8, "rounds": 4, "system_pro
 
 LOCUST_START_S = 3.0    # what a block's locust process takes to start sending, about, on a 2-core VM
 BASELINE_TIMING = ("--ttft-ms", "200", "--itl-ms", "20")
+# the capacity controls: a mock of fixed timing with service slots has a known capacity at a TTFT limit between its
+# TTFT and its TTFT plus one service time (workloads.server_behaviour.Behaviour.capacity_at): 40 ms, then 7 ITLs of
+# 10 ms, so a request that waits for a slot waits about 110 ms and misses a 95-ms limit; the search's probes stop
+# when decided (34 requests when every one meets), the sweep before it is kept short (3 pairs)
+CAPACITY_TIMING = ("--ttft-ms", "40", "--itl-ms", "10")
+CAPACITY_SLO = {"ttft_ms": 95}
+CAPACITY_G3 = {"max_blocks": 3, "capacity": {"enabled": True, "most": 16, "probe_requests": 240,
+                                             "probe_budget_s": 20}}
 FAST_TIMING = ("--ttft-ms", "100", "--itl-ms", "16")
 
 
@@ -101,6 +109,7 @@ class Control:
     # the profile its run takes whatever the suite's, with that profile's own G3 (workload, levels, blocks) and
     # targets: the run `kvgate run` makes of it
     profile: Optional[str] = None
+    slo: Optional[dict] = None              # gates.yaml's slo (the capacity controls' objective)
 
 
 def _mock(*flags: str, drifts: bool = False) -> Server:
@@ -168,6 +177,13 @@ CONTROLS: tuple[Control, ...] = (
             prime=True, profile="quick", full_only=True),
     Control("l-stable", "a stable server through G4's judged checks", ("g4",),
             tuple(MustPass(metric) for metric in G4_JUDGED_ON_A_MOCK), **_alone(_mock(*FAST_TIMING))),
+    Control("m-capacity-aa", "A/A: one server of 3 service slots as baseline and candidate, capacity searched",
+            ("g3",), (MustFail("capacity_gain"),), **_alone(_mock(*CAPACITY_TIMING, "--slots", "3")),
+            g3=CAPACITY_G3, slo=CAPACITY_SLO),
+    Control("n-capacity-double", "a candidate with twice the baseline's service slots (4 against 2)", ("g3",),
+            (MustPass("capacity_gain"),), **_pair(_mock(*CAPACITY_TIMING, "--slots", "2"),
+                                                  _mock(*CAPACITY_TIMING, "--slots", "4")),
+            g3=CAPACITY_G3, slo=CAPACITY_SLO),
 )
 
 
@@ -192,7 +208,8 @@ def g3_run_seconds(profile: str) -> float:
 def gates_yaml(control: Control, profile: str, storage: str, urls: dict[str, str], models: dict[str, str],
                tokenizers: dict[str, Optional[str]]) -> dict:
     """The control's gates.yaml: its targets (external at the servers' URLs, or embedded) and short gate settings."""
-    config: dict = {"profile": control.profile or profile, "storage": {"path": storage}}
+    config: dict = {"profile": control.profile or profile, "storage": {"path": storage},
+                    **({"slo": dict(control.slo)} if control.slo else {})}
     if control.embedded is not None:
         config["targets"] = {"kind": "embedded", "embedded": dict(control.embedded)}
     else:

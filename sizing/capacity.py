@@ -1,0 +1,50 @@
+"""G3's capacity search, predicted: the same search (kvcore/capacity.py) over the step simulation.
+
+Each probe of a target at `users` is the target's replay sent once in closed loop by that many users
+(sizing/queueing.py), its simulated requests judged against the SLO as G3 judges a probe's
+(workloads.capacity_probe.SLO.misses: TTFT or TPOT over its limit); the probe meets the SLO when at most
+the SLO's allowance of them miss. The search ramps and bisects as G3's does, so the predicted
+capacity is the one G3 would find if the simulation were the target. With noise (engine.jitter) one
+search per seed: the prediction is their median capacity.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional, Sequence
+
+from kvcore.attainment import MEETS, MISSES
+from kvcore.capacity import CapacitySearch, Probe
+from workloads.capacity_probe import SLO
+
+from .g3_figures import TargetReplay
+from .queueing import EngineModel, SimulatedRequest
+
+
+def simulated_record(request: SimulatedRequest) -> dict:
+    """A simulated request as the SLO reads a record: its TTFT and TPOT (after the first token)."""
+    tokens = request.output_tokens
+    tpot = (request.done_s - request.first_token_s) / (tokens - 1) if tokens > 1 else None
+    return {"ok": True, "ttft_s": request.ttft_s, "tpot_s": tpot}
+
+
+def predicted_search(replay: TargetReplay, engine: EngineModel, slo: SLO, start: int, most: int,
+                     seed: int = 0) -> CapacitySearch:
+    """The search over the simulation, each probe decided by its simulated requests' miss share."""
+    search = CapacitySearch(start, most)
+    while (users := search.next_load()) is not None:
+        simulated = replay.simulate(users, engine, seed=seed)
+        misses = sum(slo.misses(simulated_record(r)) for r in simulated)
+        share = misses / len(simulated) if simulated else 1.0
+        search.record(Probe(users, MEETS if share <= slo.allowed else MISSES, len(simulated), misses,
+                            (share, share)))
+    return search
+
+
+def predicted_capacity(replay: TargetReplay, engine: EngineModel, slo: SLO, start: int, most: int,
+                       seeds: Sequence[int] = (0,)) -> Optional[float]:
+    """The capacity the search would find over the simulation (the median over `seeds` with noise); None when a
+    search met the SLO up to `most` (open above)."""
+    seeds = seeds if engine.jitter else seeds[:1]
+    found = [predicted_search(replay, engine, slo, start, most, seed).capacity for seed in seeds]
+    return None if any(c is None for c in found) else float(statistics.median(found))
