@@ -289,3 +289,32 @@ def test_a_candidates_hit_ratio_far_below_its_workloads_bound_is_a_warning_at_th
     assert page.count('<div class="warnings">') == 1
     assert "candidate at c=4: hit ratio 41.0%, far below the 96.6% its workload allows" in page
     assert "baseline at c=4" not in page and "c=8: hit ratio" not in page      # the baseline's is by design
+
+
+def test_g3_capacity_charts_draw_each_targets_probes_against_the_slos_limits_and_the_table_lists_them(tmp_path):
+    from reports import g3_capacity
+
+    store = RunStore(tmp_path)
+    limits = {"slo": "TTFT p90 ≤ 95 ms, errors ≤ 0.1%", "ttft_limit_ms": 95.0, "tpot_limit_ms": None,
+              "percentile": 90.0}
+    probes = [("baseline", 1, "meets", 41.0, 1.0), ("candidate", 1, "meets", 40.5, 1.0),
+              ("candidate", 2, "meets", 41.2, 0.98), ("baseline", 2, "misses", 150.0, 0.5),
+              ("baseline", 3, "undecided", 96.0, 0.88)]
+    for target, users, decision, ttft, goodput in probes:
+        store.record("g3", "probe", "capacity_probe", decision == "meets", target=target, users=users,
+                     decision=decision, requests=40, misses=round(40 * (1 - goodput)), interval=[0.0, 0.08],
+                     ttft_p90_ms=ttft, tpot_p90_ms=10.0, goodput=goodput, late=0, seconds=3.5, **limits)
+    store.record("g3", "capacity", "capacity_users", 1, "users", target="baseline", line="1 (meets at 1, misses at 2)")
+    store.record("g3", "capacity", "capacity_users", None, "users", target="candidate",
+                 line="between 2 and ? (met up to 2)")
+    rows = rows_of(store, "g3")
+    ttft, tpot, goodput = g3_capacity.capacity_plots(rows)
+    assert "<svg" in ttft and "within the SLO" in ttft and "baseline: 1" in ttft and "candidate" in ttft
+    assert "TPOT p90" in tpot and "the SLO" in goodput and "percentile" in goodput
+    probe_table, capacities = g3_capacity.capacity_tables(rows)
+    assert [row[:3] for row in probe_table["rows"]] == [[t, str(u), d] for t, u, d, _, _ in probes]
+    assert probe_table["statuses"] == ["", "", "", "", "inconclusive"]      # a probe that misses is no failure
+    assert "TTFT p90 ≤ 95 ms" in probe_table["title"]
+    assert capacities["rows"] == [["baseline", "1 (meets at 1, misses at 2)"],
+                                  ["candidate", "between 2 and ? (met up to 2)"]]
+    assert g3_capacity.capacity_plots(rows_of(RunStore(tmp_path / "none"), "g3")) == []   # no search: nothing
