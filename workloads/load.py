@@ -145,7 +145,11 @@ def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], Option
                 raise
             if tell():
                 process.send_signal(signal.SIGTERM)
-                return process.wait(timeout=STOP_WAIT_S)
+                try:
+                    return process.wait(timeout=STOP_WAIT_S)
+                except subprocess.TimeoutExpired:     # records already written stay; the process goes
+                    process.kill()
+                    return process.wait()
 
 
 def _end(process: subprocess.Popen) -> None:
