@@ -115,9 +115,10 @@ def run_probe(workload: Workload, target: Target, users: int, first_request: int
     """One probe of `target` at `users`, from `first_request` of the load order, stopped when decided."""
     segment = order_segment(workload, first_request, settings.max_requests, passes=True)
     tokens = {r.request_id: r.max_tokens for session in segment.sessions for r in session}
-    landed: list[dict] = []
+    landed: list[dict] = []             # the records read while the probe ran, up to its decision
 
     def decided(progress: LoadProgress) -> bool:
+        """Whether the records so far decide the probe (then the load stops: run_load reads nothing more)."""
         landed.extend(progress.new_records)
         misses = sum(slo.misses(r) for r in landed)
         errors = sum(not r.get("ok") for r in landed)
@@ -126,8 +127,11 @@ def run_probe(workload: Workload, target: Target, users: int, first_request: int
     started = time.monotonic()
     run = run_load(segment, target, users, settings.budget_s, directory, max_requests=len(segment.requests),
                    on_progress=decided, progress_every_s=settings.check_every_s)
-    records = read_records(run.records_dir)
-    # stopped because decided: the requests cut short were not late; out of budget: those past their limits were
+    # stopped because decided: the probe is the requests that decided it (those still in flight were cut short by
+    # the stop, not late, and are left out); out of requests or budget: every record, and those in flight past
+    # their limits count as late
+    every = read_records(run.records_dir)
+    records = list(landed) if run.ended_early else every
     late = 0 if run.ended_early else sum(
         1 for u in run.unanswered if u.get("state") == "unfinished" and u.get("sent_at") is not None
         and run.ended_at - u["sent_at"] > slo.longest_s(tokens.get(u["request_id"], 1)))
@@ -140,7 +144,7 @@ def run_probe(workload: Workload, target: Target, users: int, first_request: int
     return ProbeResult(target.name, probe, errors, _p90_ms([r["ttft_s"] for r in ok if r.get("ttft_s") is not None]),
                        _p90_ms([r["tpot_s"] for r in ok if r.get("tpot_s") is not None]),
                        (counted - misses) / counted if counted else None, late, run.ended_early, str(directory),
-                       len(records) + len(run.unanswered))
+                       len(every) + len(run.unanswered))
 
 
 @dataclass
