@@ -59,7 +59,7 @@ def _config_file(tmp_path: Path, data) -> Path:
     # a threshold naming a metric its gate does not judge (issue 12, 1.1)
     ({"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
                             {"metric": "throughput_gian", "min": 1, "max": 2}]}},
-     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, error_rate, disk_hit_share, no_reuse_ttft_cost, no_reuse_throughput_cost, found 'throughput_gian'"),
+     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, error_rate, disk_hit_share, capacity_gain, no_reuse_ttft_cost, no_reuse_throughput_cost, found 'throughput_gian'"),
     ({"g2": {"thresholds": [{"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
                             {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.7}]}},
      "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_storage_best' again (first at [0])"),
