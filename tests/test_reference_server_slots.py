@@ -54,8 +54,8 @@ def test_up_to_its_slots_no_request_waits_and_one_more_user_makes_the_p90_miss(s
     share_at = sum(t > limit for t in at_capacity) / len(at_capacity)
     share_over = sum(t > limit for t in over) / len(over)
     assert share_at < 0.10 < share_over, (share_at, share_over)
-    # what made them miss is the wait for a slot (at most one service time), not a slower first token
-    assert max(at_capacity) < limit <= max(over) <= TTFT_MS + 1000 * behaviour.service_s(TOKENS) + 50
+    # the misses are waits for a slot: the first token itself is as fast as at capacity
+    assert min(over) < TTFT_MS + 20 and min(at_capacity) < TTFT_MS + 20
 
 
 def test_slots_are_refused_below_zero_and_a_capacity_is_known_only_in_its_range():
