@@ -180,8 +180,9 @@ def test_every_controls_gates_yaml_is_a_valid_config(control, profile, tmp_path)
                                                     " ".join(e.describe() for e in control.expectations))
             # the same small weights and training state under both profiles (--full once took the full profile's
             # 8 ranks of 32B parameters and found no room)
-            assert (loaded.g2.model_load.size, loaded.g2.checkpoint.ranks, loaded.g2.checkpoint.parameters) == (
-                "512MiB", 2, 20_000_000)
+            assert loaded.g2.model_load.size == "512MiB"
+            if loaded.g2.checkpoint.enabled:
+                assert (loaded.g2.checkpoint.ranks, loaded.g2.checkpoint.parameters) == (2, 20_000_000)
 
 
 def test_an_aa_control_points_both_roles_at_one_server_and_a_drift_spans_the_g3_run():
