@@ -16,7 +16,6 @@ both meet the same minutes of the machine; the order within a round alternates (
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +196,3 @@ def slo_of(config) -> SLO:
     """The SLO of gates.yaml's `slo` section (gates.config.SLOConfig)."""
     return SLO(config.ttft_ms / 1e3, None if config.tpot_ms is None else config.tpot_ms / 1e3, config.percentile,
                config.max_error_share)
-
-
-def finite(value: float) -> Optional[float]:
-    return value if math.isfinite(value) else None
