@@ -591,12 +591,15 @@ class SLOConfig(StrictModel):
 
 
 class G3CapacityConfig(StrictModel):
-    """The capacity search: per target, the most closed-loop users at which `slo` holds (kvcore/capacity.py),
-    baseline and candidate probes in turn; each probe stops when its requests decide it."""
+    """The capacity search: per target, the most load at which `slo` holds (kvcore/capacity.py), baseline and
+    candidate probes in turn; each probe stops when its requests decide it. The load is closed-loop users, or with
+    `g3.replay: rate_multipliers` a multiple of the trace's arrival rate (open loop, in steps of `rate_step`)."""
 
     enabled: bool = Field(default=False, description="run the capacity search after the sweep (needs `slo`)")
-    start: Count = Field(default=1, ge=1, description="the first load probed (users)")
-    most: Count = Field(default=64, ge=1, description="the most users probed (the ramp doubles up to it)")
+    start: Level = Field(default=1, description="the first load probed (users, or a multiple of the trace's rate)")
+    most: Level = Field(default=64, description="the most load probed (the ramp doubles up to it)")
+    rate_step: Float = Field(default=0.25, gt=0, description="replay: rate_multipliers: the search's resolution, in "
+                             "multiples of the trace's rate (start and most are whole multiples of it)")
     probe_requests: Count = Field(default=400, ge=34, description="requests a probe sends at most (34: the fewest "
                                   "that decide a 10% allowance when none misses)")
     probe_budget_s: Float = Field(default=60, gt=0, description="seconds a probe may run before it is undecided")
@@ -604,9 +607,26 @@ class G3CapacityConfig(StrictModel):
 
     @model_validator(mode="after")
     def _start_within_most(self) -> "G3CapacityConfig":
+        for name in ("start", "most"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a load > 0, found {getattr(self, name)}")
         if self.start > self.most:
             raise ValueError(f"start: expected at most `most` ({self.most}), found {self.start}")
         return self
+
+    def unit(self, replay: str) -> float:
+        """The search's step: one user closed loop, `rate_step` open loop."""
+        return 1 if replay == "closed_loop" else self.rate_step
+
+    def check_loads(self, replay: str) -> None:
+        """start and most are whole multiples of the search's step for `replay`; else a ValueError naming the field."""
+        unit = self.unit(replay)
+        what = "a whole number of users (replay: closed_loop)" if unit == 1 else \
+            f"a whole multiple of rate_step ({unit:g}, replay: rate_multipliers)"
+        for name in ("start", "most"):
+            value = getattr(self, name)
+            if not math.isclose(round(value / unit) * unit, value) or (unit == 1 and not isinstance(value, int)):
+                raise ValueError(f"g3.capacity.{name}: expected {what}, found {value}")
 
 
 class G3Config(StrictModel):
@@ -898,9 +918,8 @@ class GatesConfig(StrictModel):
         if self.g3.capacity.enabled and self.slo is None:
             raise ValueError("slo: expected the objective g3.capacity searches under (slo: {ttft_ms: …, tpot_ms: …}) "
                              "with g3.capacity.enabled, found nothing")
-        if self.g3.capacity.enabled and self.g3.replay != "closed_loop":
-            raise ValueError("g3.capacity.enabled: expected replay: closed_loop (the search's loads are users), found "
-                             f"replay: {self.g3.replay}")
+        if self.g3.capacity.enabled:
+            self.g3.capacity.check_loads(self.g3.replay)
         return self
 
     @model_validator(mode="after")

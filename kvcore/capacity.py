@@ -1,19 +1,20 @@
 """A capacity search: the highest load at which a target meets its SLO, bracketed by decided probes.
 
-Loads are whole numbers (closed-loop concurrency). The search ramps from `start`, doubling, until a
+Loads are whole multiples of a `unit`: users (closed loop, unit 1) or a rate in steps of `unit` (open loop:
+multiples of a trace's arrival rate, e.g. 0.25). The search ramps from `start`, doubling, until a
 probe is decided "misses" (or `most` is reached), then bisects between the highest load decided
-"meets" and the lowest decided "misses" until they are one apart: the capacity is then the former.
+"meets" and the lowest decided "misses" until they are one unit apart: the capacity is then the former.
 Each probe is decided by `kvcore.attainment.MissShare` (valid while the probe looks after every chunk of
 requests); a probe whose budget ends undecided stops the search, its bracket left open there.
 
 A bracket is (low, high): `low` the highest load decided to meet (0 when none did), `high` the lowest
-decided to miss (None when none did). The capacity lies in [low, high - 1]; the bracket is closed when
-high - low == 1. Each bound rests on one probe's decision, each wrong with probability at most alpha,
+decided to miss (None when none did). The capacity lies in [low, high - unit]; the bracket is closed when
+high - low == unit. Each bound rests on one probe's decision, each wrong with probability at most alpha,
 so a closed bracket is right with probability at least 1 - alpha x (the probes it rests on: 2).
 The search assumes that a target that meets the SLO at a load meets it at every lower one.
 
 The capacity gain of a candidate over a baseline, candidate / baseline - 1, is bounded by the two
-brackets: at least low_c / (high_b - 1) - 1, at most (high_c - 1) / low_b - 1 (unbounded where a side is
+brackets: at least low_c / (high_b - unit) - 1, at most (high_c - unit) / low_b - 1 (unbounded where a side is
 open). It is judged against a rule as any interval is: PASS when the least gain clears it, FAIL when
 the most does not, otherwise INCONCLUSIVE (an open bracket decides only where its open side cannot
 change the verdict).
@@ -32,7 +33,7 @@ from .attainment import MEETS, MISSES, UNDECIDED
 class Probe:
     """One load probed: its decision and what it rests on."""
 
-    load: int
+    load: float                  # users (an int) or a rate
     decision: str                # MEETS, MISSES or UNDECIDED (budget spent first)
     requests: int
     misses: int
@@ -46,69 +47,85 @@ class Probe:
 
 @dataclass
 class CapacitySearch:
-    """The search's state for one target: `next_load()` to probe next (None: done), `record()` its result."""
+    """The search's state for one target: `next_load()` to probe next (None: done), `record()` its result.
+    `start` and `most` are loads, whole multiples of `unit` (1: users)."""
 
-    start: int = 1
-    most: int = 64
+    start: float = 1
+    most: float = 64
+    unit: float = 1
     probes: list[Probe] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.start <= self.most:
-            raise ValueError(f"start: expected 1..{self.most} (most), found {self.start}")
+        if not self.unit > 0:
+            raise ValueError(f"unit: expected a number > 0, found {self.unit}")
+        for name in ("start", "most"):
+            if not math.isclose(self._steps(getattr(self, name)) * self.unit, getattr(self, name)):
+                raise ValueError(f"{name}: expected a whole multiple of {self.unit:g} (the search's step), "
+                                 f"found {getattr(self, name):g}")
+        if not 1 <= self._steps(self.start) <= self._steps(self.most):
+            raise ValueError(f"start: expected {self.unit:g}..{self.most:g} (most), found {self.start:g}")
+
+    def _steps(self, load: float) -> int:
+        return round(load / self.unit)
+
+    def _load(self, steps: int):
+        """A load of `steps` units: an int when the unit is 1 (users)."""
+        return steps if self.unit == 1 else round(steps * self.unit, 9)
 
     @property
-    def low(self) -> int:
+    def low(self) -> float:
         return max((p.load for p in self.probes if p.decision == MEETS), default=0)
 
     @property
-    def high(self) -> Optional[int]:
+    def high(self) -> Optional[float]:
         return min((p.load for p in self.probes if p.decision == MISSES), default=None)
 
     @property
     def closed(self) -> bool:
-        return self.high is not None and self.high - self.low == 1
+        return self.high is not None and self._steps(self.high) - self._steps(self.low) == 1
 
     @property
     def stopped_undecided(self) -> bool:
         return any(p.decision == UNDECIDED for p in self.probes)
 
-    def next_load(self) -> Optional[int]:
+    def next_load(self) -> Optional[float]:
         if self.closed or self.stopped_undecided:
             return None
         if not self.probes:
             return self.start
-        low, high = self.low, self.high
+        low, high, most = self._steps(self.low), self.high, self._steps(self.most)
         if high is None:                                  # ramping: every probe so far met the SLO
-            return None if low >= self.most else min(2 * low, self.most)
-        return (low + high) // 2                           # bisecting (from 0 when the first load missed)
+            return None if low >= most else self._load(min(2 * low, most))
+        return self._load((low + self._steps(high)) // 2)   # bisecting (from 0 when the first load missed)
 
     def record(self, probe: Probe) -> None:
         expected = self.next_load()
-        if probe.load != expected:
+        if expected is None or not math.isclose(probe.load, expected):
             raise ValueError(f"probe load: expected {expected} (the search's next), found {probe.load}")
         self.probes.append(probe)
 
     @property
-    def capacity(self) -> Optional[int]:
+    def capacity(self) -> Optional[float]:
         """The capacity when the bracket is closed, else None."""
         return self.low if self.closed else None
 
     def bounds(self) -> tuple[float, float]:
-        """The least and most the capacity can be: [low, high - 1] (inf when no load was decided to miss)."""
-        return float(self.low), (math.inf if self.high is None else float(self.high - 1))
+        """The least and most the capacity can be: [low, high - unit] (inf when no load was decided to miss)."""
+        return float(self.low), (math.inf if self.high is None else float(self._load(self._steps(self.high) - 1)))
 
     def describe(self) -> str:
         """'capacity 4 (meets at 4, misses at 5; 5 probes)' or 'between 4 and 7 (… undecided at 6 …)'."""
         low, high = self.low, self.high
         undecided = [p.load for p in self.probes if p.decision == UNDECIDED]
         tail = f"{len(self.probes)} probe{'s' if len(self.probes) != 1 else ''}" + (
-            f", undecided at {undecided[0]} (budget spent)" if undecided else "")
+            f", undecided at {undecided[0]:g} (budget spent)" if undecided else "")
         if self.closed:
-            return f"{low} (meets at {low}, misses at {high}; {tail})" if low else \
-                f"0 (misses at {high}; {tail})"
-        upper = f"misses at {high}" if high is not None else f"met up to {low}, the most searched {self.most}" \
-            if low >= self.most else "no load decided to miss"
-        return f"between {low} and {'?' if high is None else high - 1} ({upper}; {tail})"
+            return f"{low:g} (meets at {low:g}, misses at {high:g}; {tail})" if low else \
+                f"0 (misses at {high:g}; {tail})"
+        upper = f"misses at {high:g}" if high is not None else f"met up to {low:g}, the most searched {self.most:g}" \
+            if self._steps(low) >= self._steps(self.most) else "no load decided to miss"
+        top = "?" if high is None else f"{self._load(self._steps(high) - 1):g}"
+        return f"between {low:g} and {top} ({upper}; {tail})"
 
 
 def capacity_gain(candidate: CapacitySearch, baseline: CapacitySearch) -> tuple[float, float, float]:

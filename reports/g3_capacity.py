@@ -1,7 +1,7 @@
-"""G3's capacity search in the report: each target's TTFT and TPOT p90 against users with the SLO's limits,
+"""G3's capacity search in the report: each target's TTFT and TPOT p90 against load with the SLO's limits,
 its goodput curve, and a table of every probe with its decision (gates/g3_main/test_g3_slo_capacity.py).
 
-Read from the `capacity_probe` and `capacity_users` measurements; a run without a capacity search draws
+Read from the `capacity_probe` and `capacity_users` (open loop: `capacity_rate`) measurements; a run without a capacity search draws
 nothing here.
 """
 
@@ -14,6 +14,7 @@ from . import plots
 from .rows import GateRows
 
 ROLES = ("baseline", "candidate")
+CAPACITIES = ("capacity_users", "capacity_rate")     # closed loop, open loop
 
 
 def _probes(rows: GateRows) -> list[dict]:
@@ -22,16 +23,16 @@ def _probes(rows: GateRows) -> list[dict]:
 
 def _capacities(rows: GateRows) -> dict[str, dict]:
     return {str((r.get("context") or {}).get("target")): r for r in rows.measurements
-            if r.get("metric") == "capacity_users"}
+            if r.get("metric") in CAPACITIES}
 
 
 def _points(probes: list[dict], target: str, key: str) -> list[tuple[float, float]]:
     found = {}
     for row in probes:
         context = row.get("context") or {}
-        users, value = number(context.get("users")), number(context.get(key))
-        if context.get("target") == target and users is not None and value is not None:
-            found[users] = value
+        load, value = number(context.get("load")), number(context.get(key))
+        if context.get("target") == target and load is not None and value is not None:
+            found[load] = value
     return sorted(found.items())
 
 
@@ -39,19 +40,20 @@ def _markers(rows: GateRows) -> list[tuple[float, str]]:
     """A dashed line at each target's capacity (closed brackets only)."""
     found = []
     for target, row in _capacities(rows).items():
-        users = number(row.get("value"))
-        if users is not None:
-            found.append((users, f"{target}: {users:g}"))
+        load = number(row.get("value"))
+        if load is not None:
+            found.append((load, f"{target}: {load:g}"))
     return found
 
 
 def capacity_plots(rows: GateRows) -> list[str]:
-    """TTFT p90 and TPOT p90 against users, each target a line, the SLO's limit as the band within it and each
-    target's found capacity marked; then goodput against users, the SLO's percentile as the band."""
+    """TTFT p90 and TPOT p90 against load, each target a line, the SLO's limit as the band within it and each
+    target's found capacity marked; then goodput against load, the SLO's percentile as the band."""
     probes = _probes(rows)
     if not probes:
         return []
     context = probes[0].get("context") or {}
+    axis = _load_axis(context)
     charts = []
     for key, limit_key, name in (("ttft_p90_ms", "ttft_limit_ms", "TTFT p90"),
                                  ("tpot_p90_ms", "tpot_limit_ms", "TPOT p90")):
@@ -60,22 +62,22 @@ def capacity_plots(rows: GateRows) -> list[str]:
             continue
         limit = number(context.get(limit_key))
         charts.append(plots.line_chart(
-            lines, f"G3 capacity search: {name} by users (each probe until decided)", "users (closed loop)",
+            lines, f"G3 capacity search: {name} by load (each probe until decided)", axis,
             f"{name} (ms)", band=(None, limit) if limit is not None else None, band_label="within the SLO",
             markers=_markers(rows), marker_label="capacity found"))
     goodput = [plots.Series(t, points) for t in ROLES if (points := _points(probes, t, "goodput"))]
     percentile = number(context.get("percentile"))
     if goodput:
         charts.append(plots.line_chart(
-            goodput, "G3 capacity search: goodput by users (requests within the SLO / requests counted)",
-            "users (closed loop)", "goodput", percent=True, y_reach=1.0,
+            goodput, "G3 capacity search: goodput by load (requests within the SLO / requests counted)",
+            axis, "goodput", percent=True, y_reach=1.0,
             band=(percentile / 100, None) if percentile is not None else None, band_label="the SLO's percentile",
             markers=_markers(rows), marker_label="capacity found"))
     return charts
 
 
 def capacity_tables(rows: GateRows) -> list[dict]:
-    """Every probe in the order it ran: target, users, decision, requests, misses, the miss share's interval,
+    """Every probe in the order it ran: target, load, decision, requests, misses, the miss share's interval,
     TTFT and TPOT p90, goodput; then each target's capacity."""
     probes = _probes(rows)
     if not probes:
@@ -84,7 +86,7 @@ def capacity_tables(rows: GateRows) -> list[dict]:
     for row in probes:
         c = row.get("context") or {}
         low, high = (c.get("interval") or [None, None])[:2]
-        cells = [str(c.get("target")), f"{number(c.get('users')) or 0:g}", str(c.get("decision")),
+        cells = [str(c.get("target")), f"{number(c.get('load')) or 0:g}", str(c.get("decision")),
                  f"{c.get('requests')}", f"{c.get('misses')}" + (f" ({c.get('late')} late)" if c.get("late") else ""),
                  f"[{format_percent(low)}, {format_percent(high)}]" if low is not None and high is not None else "",
                  _ms(c.get("ttft_p90_ms")), _ms(c.get("tpot_p90_ms")),
@@ -94,13 +96,20 @@ def capacity_tables(rows: GateRows) -> list[dict]:
         # a probe that misses is the search working, not a failure: only an undecided one is marked
         statuses.append("inconclusive" if c.get("decision") == "undecided" else "")
     found = [[target, str((row.get("context") or {}).get("line", ""))] for target, row in _capacities(rows).items()]
-    slo = str((probes[0].get("context") or {}).get("slo", ""))
+    first = probes[0].get("context") or {}
+    slo, unit = str(first.get("slo", "")), _load_axis(first)
     return [{"title": f"Capacity search: every probe, in the order it ran (SLO: {slo})",
-             "columns": ["target", "users", "decision", "requests", "misses", "miss share (95% sequence)",
+             "columns": ["target", unit, "decision", "requests", "misses", "miss share (95% sequence)",
                          "TTFT p90 (ms)", "TPOT p90 (ms)", "goodput", "seconds"],
              "rows": table, "statuses": statuses, "text_columns": [0, 2, 5]},
-            {"title": "Capacity within the SLO, per target (the most users decided to meet it)",
+            {"title": f"Capacity within the SLO, per target (the most load decided to meet it, {unit})",
              "columns": ["target", "capacity"], "rows": found, "text_columns": [0, 1]}]
+
+
+def _load_axis(context: dict) -> str:
+    """'users (closed loop)' or 'x the trace's rate (open loop)'."""
+    unit = str(context.get("load_unit") or "users")
+    return f"{unit} ({'closed' if unit == 'users' else 'open'} loop)"
 
 
 def _ms(value) -> str:

@@ -42,10 +42,10 @@ from kvcore.settings import parse_size
 from kvcore.verdict import judge
 from workloads.capacity_probe import slo_of
 from workloads.datasets import build_workload, sizer_for
-from workloads.sweep import SweepSettings
+from workloads.sweep import RATE_USERS
 
 from .calibration import Calibration, calibrate
-from .capacity import predicted_capacity
+from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
 from .queueing import DecodeCost, EngineModel
@@ -268,7 +268,7 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
     elif closed:
         levels = predict_g3(g3.replays, settings.levels, engine, seeds=seeds, **timing)
     else:
-        ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, SweepSettings().rate_users,
+        ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, RATE_USERS,
                                      settings.ttft_slo_ms / 1e3, **timing)
         levels = ladder.levels
     fleet = (f"; {inputs.candidate_nodes} candidate nodes ({inputs.routing}, pool {inputs.pool}) and "
@@ -316,7 +316,7 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
             f"{basis}; sustained {_multiplier(sustained.baseline)} baseline, {_multiplier(sustained.candidate)} "
             "candidate", {},
             interval=sustained.interval, valid=sustained.valid, invalid_reason=sustained.invalid_reason))
-    if closed and settings.capacity.enabled and config.slo is not None:
+    if settings.capacity.enabled and config.slo is not None:
         _capacity(plan, config, g3, engine, basis, seeds)
     if inputs.fleet and hits["candidate"]["pool_share"] is not None:
         plan.predictions.append(Prediction("g3", "cross_node_hit_ratio", hits["candidate"]["pool_share"], "%",
@@ -326,14 +326,19 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
 
 def _capacity(plan: Plan, config, g3: G3Replays, engine: EngineModel, basis: str, seeds: tuple) -> None:
     """Each target's capacity within the SLO (sizing/capacity.py: G3's search over the simulation of its replay at
-    the sweep's last level, the state its caches reach by the search), and the candidate's gain."""
-    search, slo = config.g3.capacity, slo_of(config.slo)
+    the sweep's last level, the state its caches reach by the search; open loop, that level's trace part at
+    multiples of its rate), and the candidate's gain."""
+    search, slo, top = config.g3.capacity, slo_of(config.slo), max(config.g3.levels)
+    closed = config.g3.replay == "closed_loop"
+    open_loop = None if closed else OpenLoop([a * top for a in g3.arrivals_s[top]], RATE_USERS,
+                                             search.unit(config.g3.replay))
+    metric, unit = ("capacity_users", "users") if closed else ("capacity_rate", "x the trace's rate")
     found = {}
     for role in ("baseline", "candidate"):
-        replay = g3.replays[role][max(config.g3.levels)]
-        found[role] = predicted_capacity(replay, engine, slo, search.start, search.most, seeds)
+        replay = g3.replays[role][top]
+        found[role] = predicted_capacity(replay, engine, slo, search.start, search.most, seeds, open_loop)
         if found[role] is not None:
-            plan.predictions.append(Prediction("g3", "capacity_users", found[role], "users",
+            plan.predictions.append(Prediction("g3", metric, found[role], unit,
                                                f"G3 capacity of the {role} within the SLO ({slo.describe()})",
                                                f"{basis}; the capacity search over the simulation",
                                                {"target": role}))

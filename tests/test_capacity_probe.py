@@ -11,6 +11,7 @@ from workloads.load import Target, free_port
 from workloads.requests import Workload, WorkloadRequest
 from workloads.server_behaviour import Behaviour
 from workloads.steady import order_segment
+from workloads.sweep import rate_multiplied, trace_segment
 
 TTFT_MS, ITL_MS, TOKENS = 40.0, 10.0, 4
 # half a service time above the TTFT: a request that waits for a slot misses it (Behaviour.capacity_at)
@@ -57,6 +58,41 @@ def test_the_search_finds_each_servers_known_capacity_probing_in_turn(slotted, t
     assert any("capacity: candidate at 5: misses" in line for line in said), said
 
 
+def _trace(requests: int, gap_s: float) -> Workload:
+    """A trace of one-request sessions arriving every `gap_s`."""
+    return Workload("trace", tuple((WorkloadRequest(f"r{i}", f"r{i}", 0, ({"role": "user", "content": f"hi {i}"},),
+                                                    TOKENS, 3, arrival_s=i * gap_s),) for i in range(requests)),
+                    trace=True)
+
+
+def test_open_loop_the_search_finds_each_servers_known_rate_capacity_in_steps_of_the_traces_rate(slotted, tmp_path):
+    base_rate, step = 10.0, 0.25                  # the trace's arrivals: 10 a second, evenly; loads in 0.25x steps
+    truth = {name: Behaviour(ttft_ms=TTFT_MS, itl_ms=ITL_MS, tokens=TOKENS, slots=slots).rate_capacity_per_s(TOKENS)
+             / base_rate for name, slots in (("baseline", 2), ("candidate", 4))}
+    assert truth == pytest.approx({"baseline": 2 / 0.07 / 10, "candidate": 4 / 0.07 / 10})   # 2.86x and 5.71x
+    settings = ProbeSettings(max_requests=240, budget_s=20, open_loop_users=16)
+    said = []
+    found = search_capacity(slotted, _trace(100, 1 / base_rate), SLO(SLO_TTFT_S), settings, 1, 16, tmp_path,
+                            say=said.append, unit=step)
+    for name, search in found.searches.items():
+        # the highest step below the rate the slots serve, or one step lower (a probe just below saturation can
+        # queue on the machine's jitter)
+        assert search.closed and truth[name] - 2 * step < search.capacity < truth[name], (name, search.describe())
+    assert [p.probe.load for p in found.probes if p.target == "baseline"][:3] == [1, 2, 4]
+    assert any("capacity: candidate at 8x the trace's rate: misses" in line for line in said), said
+    for result in found.probes:
+        assert result.probe.decision in (MEETS, MISSES), result.to_dict()
+    # a probe longer than the trace went round it, arrivals going on at the probe's rate
+    assert max(p.sent for p in found.probes) > 100
+
+
+def test_a_trace_segment_wraps_with_each_pass_under_its_own_ids_and_arrivals_going_on():
+    segment = trace_segment(_trace(3, 0.5), 2, 4)
+    assert [s[0].request_id for s in segment.sessions] == ["r2", "r0~1", "r1~1", "r2~1"]
+    assert [s[0].arrival_s for s in segment.sessions] == [1.0, 1.5, 2.0, 2.5]
+    assert [s[0].arrival_s for s in rate_multiplied(segment, 2.0).sessions] == [0.0, 0.25, 0.5, 0.75]
+
+
 def test_a_probe_whose_budget_ends_first_is_undecided(slotted, tmp_path):
     # one user, every request meeting the limit, for 1 s: fewer than the 34 requests that decide a 10% allowance
     result = run_probe(_workload(), slotted[1], 1, 0, SLO(0.090), ProbeSettings(max_requests=400, budget_s=1),
@@ -80,6 +116,8 @@ def test_a_record_misses_on_either_limit_or_a_failure():
     assert slo.misses({"ok": True, "ttft_s": 0.05, "tpot_s": 0.03})
     assert slo.misses({"ok": False, "ttft_s": None, "tpot_s": None})
     assert not slo.misses({"ok": True, "ttft_s": 0.05, "tpot_s": None})     # one token: no TPOT
+    # open loop, the time a request waited in the client for a user counts: its TTFT is from its arrival
+    assert slo.misses({"ok": True, "ttft_s": 0.05, "tpot_s": 0.01, "client_wait_s": 0.06})
     assert SLO(0.1).describe() == "TTFT p90 ≤ 100 ms, errors ≤ 0.1%"
     assert slo.longest_s(11) == pytest.approx(0.3)
 

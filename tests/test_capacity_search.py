@@ -53,3 +53,15 @@ def test_the_capacity_gain_is_bounded_by_both_brackets():
     estimate, least, most = capacity_gain(_search(100, most=16), _search(4))
     assert least == 16 / 4 - 1 and most == math.inf                             # open above: a least gain only
     assert capacity_gain(_search(4), _search(4)) == (0.0, 0.0, 0.0)            # A/A: no gain
+
+
+def test_open_loop_loads_are_whole_steps_of_a_rate_and_the_bracket_closes_one_step_apart():
+    search = CapacitySearch(0.5, 8.0, unit=0.25)
+    while (load := search.next_load()) is not None:
+        decision = MEETS if load <= 2.75 else MISSES
+        search.record(Probe(load, decision, 40, 0 if decision == MEETS else 40, (0.0, 0.1)))
+    assert [p.load for p in search.probes] == [0.5, 1.0, 2.0, 4.0, 3.0, 2.5, 2.75]
+    assert search.closed and search.capacity == 2.75 and search.bounds() == (2.75, 2.75)
+    assert search.describe() == "2.75 (meets at 2.75, misses at 3; 7 probes)"
+    with pytest.raises(ValueError, match=r"start: expected a whole multiple of 0.25 \(the search's step\), found 0.3"):
+        CapacitySearch(0.3, 8.0, unit=0.25)

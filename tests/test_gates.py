@@ -124,6 +124,11 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"checkpoint": {"parameters": 0}}}, "g2.checkpoint.parameters"),
     ({"g2": {"checkpoint": {"ranks": 0}}}, "g2.checkpoint.ranks: expected a value >= 1, found 0"),
     ({"g2": {"checkpoint": {"sync": False}}}, "g2.checkpoint.sync: unknown field"),
+    # the capacity search
+    ({"g3": {"capacity": {"enabled": True}}}, "slo: expected the objective g3.capacity searches under"),
+    ({"g3": {"capacity": {"start": 0}}}, "g3.capacity.start: expected a load > 0, found 0"),
+    ({"g3": {"capacity": {"enabled": True, "start": 1.5}}, "slo": {"ttft_ms": 100}},
+     "g3.capacity.start: expected a whole number of users (replay: closed_loop), found 1.5"),
 ])
 def test_a_bad_config_names_the_field_what_was_expected_and_what_was_found(tmp_path, data, message):
     with pytest.raises(ConfigError) as error:
@@ -382,3 +387,19 @@ def test_kvgates_admin_routes_reach_the_embedded_candidate_and_the_connector_in_
     assert cache_admin(connector, baseline) is None                      # vLLM alone: not kvgate's cache
     embedded = RunEndpoint("candidate", "http://127.0.0.1:5/v1", "m", admin=True)
     assert cache_admin(load_config(), embedded).admin.server_root == "http://127.0.0.1:5"
+
+
+def test_an_open_loop_capacity_search_takes_loads_in_steps_of_the_traces_rate(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {i * 100}, "input_length": 600, "output_length": 4, "hash_ids": [{i}]}}\n'
+                             for i in range(200)))
+    open_loop = {"g3": {"workload": {"kind": "trace", "path": str(trace)}, "replay": "rate_multipliers",
+                        "levels": [0.5, 1.0], "ttft_slo_ms": 500,
+                        "capacity": {"enabled": True, "start": 0.5, "most": 8, "rate_step": 0.25}},
+                 "slo": {"ttft_ms": 500}}
+    config = load_config(_config_file(tmp_path, open_loop))
+    assert config.g3.capacity.unit(config.g3.replay) == 0.25
+    open_loop["g3"]["capacity"]["start"] = 0.3
+    with pytest.raises(ConfigError, match=r"g3.capacity.start: expected a whole multiple of rate_step \(0.25, "
+                                          r"replay: rate_multipliers\), found 0.3"):
+        load_config(_config_file(tmp_path, open_loop))

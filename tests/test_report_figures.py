@@ -301,7 +301,7 @@ def test_g3_capacity_charts_draw_each_targets_probes_against_the_slos_limits_and
               ("candidate", 2, "meets", 41.2, 0.98), ("baseline", 2, "misses", 150.0, 0.5),
               ("baseline", 3, "undecided", 96.0, 0.88)]
     for target, users, decision, ttft, goodput in probes:
-        store.record("g3", "probe", "capacity_probe", decision == "meets", target=target, users=users,
+        store.record("g3", "probe", "capacity_probe", decision == "meets", target=target, load=users, load_unit="users",
                      decision=decision, requests=40, misses=round(40 * (1 - goodput)), interval=[0.0, 0.08],
                      ttft_p90_ms=ttft, tpot_p90_ms=10.0, goodput=goodput, late=0, seconds=3.5, **limits)
     store.record("g3", "capacity", "capacity_users", 1, "users", target="baseline", line="1 (meets at 1, misses at 2)")
@@ -317,4 +317,13 @@ def test_g3_capacity_charts_draw_each_targets_probes_against_the_slos_limits_and
     assert "TTFT p90 ≤ 95 ms" in probe_table["title"]
     assert capacities["rows"] == [["baseline", "1 (meets at 1, misses at 2)"],
                                   ["candidate", "between 2 and ? (met up to 2)"]]
+    assert "users (closed loop)" in ttft and probe_table["columns"][1] == "users (closed loop)"
     assert g3_capacity.capacity_plots(rows_of(RunStore(tmp_path / "none"), "g3")) == []   # no search: nothing
+    # open loop: loads are multiples of the trace's rate, and the capacity is `capacity_rate`
+    rates = RunStore(tmp_path / "rates")
+    rates.record("g3", "probe", "capacity_probe", True, target="baseline", load=0.5, load_unit="x the trace's rate",
+                 decision="meets", requests=40, misses=0, interval=[0.0, 0.08], ttft_p90_ms=30.0, goodput=1.0, **limits)
+    rates.record("g3", "capacity", "capacity_rate", 0.5, "x the trace's rate", target="baseline", line="0.5 (…)")
+    charts = g3_capacity.capacity_plots(rows_of(rates, "g3"))
+    assert "x the trace's rate (open loop)" in charts[0] and "baseline: 0.5" in charts[0]
+    assert g3_capacity.capacity_tables(rows_of(rates, "g3"))[1]["rows"] == [["baseline", "0.5 (…)"]]

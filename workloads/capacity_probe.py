@@ -1,11 +1,14 @@
-"""G3's capacity search against live targets: probes at a number of users, each decided from its requests.
+"""G3's capacity search against live targets: probes at a load, each decided from its requests.
 
-A probe is one closed-loop load (`run_load`, locust) of `users` sessions serving a segment of the
-workload's load order (`steady.order_segment`, as G3's matched pairs: every prefix returns at its
-service distance; a probe longer than the order goes round it again). Every second it reads the
+A probe is one load (`run_load`, locust). Closed loop, the load is a number of users serving a segment
+of the workload's load order (`steady.order_segment`, as G3's matched pairs: every prefix returns at its
+service distance; a probe longer than the order goes round it again). Open loop (a trace), the load is a
+multiple of the trace's arrival rate: a segment of the trace's requests arrives at that rate
+(`sweep.rate_multiplied`), sent by `open_loop_users` users, and a request's TTFT counts from its
+scheduled arrival (the time it waited in the client included: no coordinated omission). Every second it reads the
 requests that landed and stops as soon as they decide the SLO (kvcore/attainment.py): a request
 misses when it failed, when its TTFT or TPOT is over the limit, or when it did not finish in time
-(in flight at the end of a probe whose budget ran out, sent longer ago than its limits allow); a
+(due but unsent or in flight at the end of a probe whose budget ran out, due longer ago than its limits allow); a
 load also misses when its failed share is decided above `max_error_share`. A probe still undecided
 when its requests or its budget run out is UNDECIDED (kvcore/capacity.py then stops that search).
 
@@ -30,6 +33,7 @@ from kvcore.rundata import read_records
 from .load import LoadProgress, Target, run_load
 from .requests import Workload
 from .steady import order_segment
+from .sweep import rate_multiplied, trace_segment
 
 Say = Callable[[str], None]
 
@@ -54,6 +58,8 @@ class SLO:
         if not record.get("ok"):
             return True
         ttft, tpot = record.get("ttft_s"), record.get("tpot_s")
+        if ttft is not None:                # from its scheduled arrival (open loop; closed loop it waited none)
+            ttft += record.get("client_wait_s") or 0.0
         return ttft is None or ttft > self.ttft_s or (self.tpot_s is not None and tpot is not None
                                                        and tpot > self.tpot_s)
 
@@ -73,6 +79,13 @@ class ProbeSettings:
     budget_s: float
     confidence: float = 0.95
     check_every_s: float = 1.0
+    open_loop_users: Optional[int] = None   # open loop: loads are multiples of a trace's rate, sent by these users
+
+    def part(self, workload: Workload, load: float, first_request: int) -> tuple[Workload, int]:
+        """What a probe at `load` sends from `first_request` on, and with how many users."""
+        if self.open_loop_users is None:
+            return order_segment(workload, first_request, self.max_requests, passes=True), int(load)
+        return rate_multiplied(trace_segment(workload, first_request, self.max_requests), load), self.open_loop_users
 
 
 @dataclass
@@ -109,10 +122,11 @@ def _p90_ms(values: list[float]) -> Optional[float]:
     return float(np.percentile(values, 90)) * 1e3 if values else None
 
 
-def run_probe(workload: Workload, target: Target, users: int, first_request: int, slo: SLO,
+def run_probe(workload: Workload, target: Target, load: float, first_request: int, slo: SLO,
               settings: ProbeSettings, directory: Path) -> ProbeResult:
-    """One probe of `target` at `users`, from `first_request` of the load order, stopped when decided."""
-    segment = order_segment(workload, first_request, settings.max_requests, passes=True)
+    """One probe of `target` at `load` (users, or a multiple of the trace's rate), from `first_request` of the load
+    order, stopped when decided."""
+    segment, users = settings.part(workload, load, first_request)
     tokens = {r.request_id: r.max_tokens for session in segment.sessions for r in session}
     landed: list[dict] = []             # the records read while the probe ran, up to its decision
 
@@ -126,24 +140,29 @@ def run_probe(workload: Workload, target: Target, users: int, first_request: int
     started = time.monotonic()
     run = run_load(segment, target, users, settings.budget_s, directory, max_requests=len(segment.requests),
                    on_progress=decided, progress_every_s=settings.check_every_s)
-    # stopped because decided: the probe is the requests that decided it (those still in flight were cut short by
-    # the stop, not late, and are left out); out of requests or budget: every record, and those in flight past
-    # their limits count as late
+    # stopped because decided: the probe is the requests that decided it (those still due were cut short by the
+    # stop, not late, and are left out); out of requests or budget: every record, and those due (unsent or in
+    # flight) longer ago than their limits allow count as late
     every = read_records(run.records_dir)
     records = list(landed) if run.ended_early else every
     late = 0 if run.ended_early else sum(
-        1 for u in run.unanswered if u.get("state") == "unfinished" and u.get("sent_at") is not None
-        and run.ended_at - u["sent_at"] > slo.longest_s(tokens.get(u["request_id"], 1)))
+        1 for u in run.unanswered if _due_at(u) is not None
+        and run.ended_at - _due_at(u) > slo.longest_s(tokens.get(u["request_id"], 1)))
     misses = sum(slo.misses(r) for r in records) + late
     errors = sum(not r.get("ok") for r in records)
     counted = len(records) + late
     decision, share = decide(counted, misses, errors, slo, settings.confidence)
     ok = [r for r in records if r.get("ok")]
-    probe = Probe(users, decision, counted, misses, share.interval(), time.monotonic() - started)
+    probe = Probe(load, decision, counted, misses, share.interval(), time.monotonic() - started)
     return ProbeResult(target.name, probe, errors, _p90_ms([r["ttft_s"] for r in ok if r.get("ttft_s") is not None]),
                        _p90_ms([r["tpot_s"] for r in ok if r.get("tpot_s") is not None]),
                        (counted - misses) / counted if counted else None, late, run.ended_early, str(directory),
                        len(every) + len(run.unanswered))
+
+
+def _due_at(unanswered: dict) -> Optional[float]:
+    """When an unanswered request was due: its scheduled arrival (open loop), else when it was sent."""
+    return unanswered.get("scheduled_at") if unanswered.get("scheduled_at") is not None else unanswered.get("sent_at")
 
 
 @dataclass
@@ -154,11 +173,12 @@ class CapacityRun:
     probes: list[ProbeResult] = field(default_factory=list)
 
 
-def search_capacity(targets: list[Target], workload: Workload, slo: SLO, settings: ProbeSettings, start: int,
-                    most: int, out_dir: Path, first_request: int = 0, say: Say = lambda text: None) -> CapacityRun:
-    """Each target's capacity search, their probes in turn (AB, BA, ...) from the same place in the load order,
-    until every search has stopped."""
-    found = CapacityRun({t.name: CapacitySearch(start, most) for t in targets})
+def search_capacity(targets: list[Target], workload: Workload, slo: SLO, settings: ProbeSettings, start: float,
+                    most: float, out_dir: Path, first_request: int = 0, say: Say = lambda text: None,
+                    unit: float = 1) -> CapacityRun:
+    """Each target's capacity search (loads: multiples of `unit`), their probes in turn (AB, BA, ...) from the same
+    place in the load order, until every search has stopped."""
+    found = CapacityRun({t.name: CapacitySearch(start, most, unit) for t in targets})
     position, round_number = first_request, 0
     while any(s.next_load() is not None for s in found.searches.values()):
         order = targets if round_number % 2 == 0 else targets[::-1]
@@ -168,16 +188,27 @@ def search_capacity(targets: list[Target], workload: Workload, slo: SLO, setting
             load = search.next_load()
             if load is None:
                 continue
-            say(f"capacity: {target.name} at {load} user{'s' if load != 1 else ''} (round {round_number + 1})")
+            say(f"capacity: {target.name} at {describe_load(load, settings)} (round {round_number + 1})")
             result = run_probe(workload, target, load, position, slo, settings,
-                               out_dir / target.name / f"probe{len(found.probes) + 1}-u{load}")
+                               out_dir / target.name / f"probe{len(found.probes) + 1}-{_load_tag(load, settings)}")
             search.record(result.probe)
             found.probes.append(result)
             sent = max(sent, result.sent)
-            say(f"capacity: {target.name} at {load}: {describe_probe(result)}")
+            say(f"capacity: {target.name} at {describe_load(load, settings)}: {describe_probe(result)}")
         position += sent
         round_number += 1
     return found
+
+
+def describe_load(load: float, settings: ProbeSettings) -> str:
+    """'4 users' or '1.5x the trace's rate'."""
+    if settings.open_loop_users is not None:
+        return f"{load:g}x the trace's rate"
+    return f"{load:g} user{'s' if load != 1 else ''}"
+
+
+def _load_tag(load: float, settings: ProbeSettings) -> str:
+    return f"x{load:g}" if settings.open_loop_users is not None else f"u{load:g}"
 
 
 def describe_probe(result: ProbeResult) -> str:

@@ -96,6 +96,14 @@ class Behaviour:
             return None
         return self.slots
 
+    def rate_capacity_per_s(self, tokens: int) -> Optional[float]:
+        """The most requests per second the slots serve (open loop): `slots` / the service time. Evenly spaced
+        arrivals below it never wait; above it the queue grows without end, so every TTFT limit is soon missed.
+        None when the server has no slot limit or its timing drifts."""
+        if not self.slots or self.ttft_end_ms is not None or self.fast_above_inflight is not None:
+            return None
+        return self.slots / self.service_s(tokens)
+
     def error_status(self, number: int) -> Optional[int]:
         """The HTTP status request `number` (from 1) fails with, or None when it is answered."""
         for every_n, status in self.every:

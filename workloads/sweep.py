@@ -75,12 +75,15 @@ from .tier_hits import tier_line
 PERCENTILES = (50, 90, 99)
 
 
+RATE_USERS = 32     # users an open-loop step has to send its arrivals (each waits for its due time)
+
+
 @dataclass
 class SweepSettings:
     levels: tuple[int, ...] = (2, 4, 8)
     rates: tuple[float, ...] = ()          # requests (sessions) per second, open loop
     multipliers: tuple[float, ...] = ()    # a trace replayed open loop at m x its arrival rate
-    rate_users: int = 32                   # users available to a rate step
+    rate_users: int = RATE_USERS           # users available to a rate step
     duration_s: float = 30.0
     warmup_s: float = 5.0
     min_duration_s: float = 10.0
@@ -266,6 +269,24 @@ def trace_parts(workload: Workload, parts: int) -> list[Workload]:
         raise ValueError(f"a trace of {len(workload.sessions)} measured requests cannot give {parts} steps one each")
     return [replace(workload, name=f"{workload.name}[{i * size}:{(i + 1) * size}]",
                     sessions=workload.sessions[i * size:(i + 1) * size], warmup=()) for i in range(parts)]
+
+
+def trace_segment(trace: Workload, start: int, count: int) -> Workload:
+    """`count` of a trace's measured sessions from `start`, wrapping around it: a later pass's sessions are sent
+    again under their ids with the pass added ("r12~1"), arriving one trace span (plus its mean gap) later."""
+    sessions = trace.sessions
+    if not sessions:
+        raise ValueError("a trace with no measured requests has no segment")
+    arrivals = [r.arrival_s for s in sessions for r in s if r.arrival_s is not None]
+    span = (max(arrivals) - min(arrivals)) if arrivals else 0.0
+    period = span + (span / (len(arrivals) - 1) if len(arrivals) > 1 else 1.0)
+    picked = []
+    for i in range(start, start + count):
+        number = i // len(sessions)
+        picked.append(tuple(r if not number else replace(
+            r, request_id=f"{r.request_id}~{number}", session_id=f"{r.session_id}~{number}",
+            arrival_s=None if r.arrival_s is None else r.arrival_s + number * period) for r in sessions[i % len(sessions)]))
+    return replace(trace, name=f"{trace.name}[{start % len(sessions)}:+{count}]", sessions=tuple(picked), warmup=())
 
 
 def closed_loop(part: Workload) -> Workload:

@@ -1,4 +1,6 @@
-"""G3's capacity within the SLO: the most users each target serves with the SLO held, and the candidate's gain.
+"""G3's capacity within the SLO: the most load each target serves with the SLO held, and the candidate's gain.
+
+The load is closed-loop users, or (g3.replay: rate_multipliers) a multiple of the trace's arrival rate, open loop.
 
 With `g3.capacity.enabled` (and the `slo` section), after the sweep each target's capacity is searched
 (kvcore/capacity.py: ramp by doubling to the first load decided to miss, then bisect), baseline and
@@ -8,8 +10,8 @@ confidence sequence valid at every look (kvcore/attainment.py), and is undecided
 or budget run out first, which stops that search with its bracket open.
 
 Recorded: every probe (`capacity_probe`: its load, decision, requests and misses, the miss share's
-interval, TTFT and TPOT p90, goodput), each target's capacity (`capacity_users`: the bracket, and
-whether it closed). Judged: `capacity_gain`, the candidate's capacity over the baseline's − 1, its
+interval, TTFT and TPOT p90, goodput), each target's capacity (`capacity_users`, open loop `capacity_rate`:
+the bracket, and whether it closed). Judged: `capacity_gain`, the candidate's capacity over the baseline's − 1, its
 interval the least and the most the two brackets allow (kvcore.capacity.capacity_gain).
 """
 
@@ -24,6 +26,7 @@ from kvcore.capacity import capacity_gain
 from kvcore.g3_analysis import run_seed
 from workloads.capacity_probe import ProbeSettings, describe_probe, search_capacity, slo_of
 from workloads.datasets import build_workload, sizer_for
+from workloads.sweep import RATE_USERS
 
 ROLES = ("baseline", "candidate")
 
@@ -42,25 +45,28 @@ def capacity(gate_context, endpoints):
                               seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
     targets = [endpoints["candidate" if aa else role].target(role) for role in ROLES]
     slo = slo_of(config.slo)
-    found = search_capacity(targets, workload, slo, ProbeSettings(search.probe_requests, search.probe_budget_s,
-                                                                  search.confidence),
-                            search.start, search.most, gate_context.store.raw_dir("g3") / "capacity",
-                            say=lambda text: gate_context.store.set_progress("g3", text))
-    return {"found": found, "slo": slo}
+    open_loop = config.g3.replay != "closed_loop"
+    settings = ProbeSettings(search.probe_requests, search.probe_budget_s, search.confidence,
+                             open_loop_users=RATE_USERS if open_loop else None)
+    found = search_capacity(targets, workload, slo, settings, search.start, search.most,
+                            gate_context.store.raw_dir("g3") / "capacity",
+                            say=lambda text: gate_context.store.set_progress("g3", text),
+                            unit=search.unit(config.g3.replay))
+    return {"found": found, "slo": slo, "metric": "capacity_rate" if open_loop else "capacity_users",
+            "unit": "x the trace's rate" if open_loop else "users"}
 
 
 def test_each_probe_and_each_targets_capacity_are_recorded(capacity, record):
-    found, slo = capacity["found"], capacity["slo"]
+    found, slo, unit = capacity["found"], capacity["slo"], capacity["unit"]
     limits = {"slo": slo.describe(), "ttft_limit_ms": slo.ttft_s * 1e3, "percentile": slo.percentile,
               "tpot_limit_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3}
     for result in found.probes:
-        figures = result.to_dict()
-        record("capacity_probe", result.probe.decision == MEETS, users=result.probe.load,
-               **{k: v for k, v in figures.items() if k != "load"}, line=describe_probe(result), **limits)
+        record("capacity_probe", result.probe.decision == MEETS, **result.to_dict(), load_unit=unit,
+               line=describe_probe(result), **limits)
     for role in ROLES:
         search = found.searches[role]
         low, high = search.bounds()
-        record("capacity_users", search.capacity, "users", target=role, low=low,
+        record(capacity["metric"], search.capacity, unit, target=role, low=low,
                high=None if math.isinf(high) else high, closed=search.closed, probes=len(search.probes),
                line=search.describe(), slo=slo.describe())
     assert len(found.probes) == sum(len(s.probes) for s in found.searches.values())
