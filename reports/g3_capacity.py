@@ -11,7 +11,7 @@ from kvcore.percent import format_percent
 from kvcore.rundata import finite_number as number
 
 from . import plots
-from .rows import GateRows
+from .rows import GateRows, predicted
 
 ROLES = ("baseline", "candidate")
 CAPACITIES = ("capacity_users", "capacity_rate")     # closed loop, open loop
@@ -37,13 +37,21 @@ def _points(probes: list[dict], target: str, key: str) -> list[tuple[float, floa
 
 
 def _markers(rows: GateRows) -> list[tuple[float, str]]:
-    """A dashed line at each target's capacity (closed brackets only)."""
+    """A dashed line at each target's capacity (closed brackets only), and at its prediction."""
     found = []
     for target, row in _capacities(rows).items():
         load = number(row.get("value"))
         if load is not None:
             found.append((load, f"{target}: {load:g}"))
+        forecast = _predicted(rows, row)
+        if forecast is not None:
+            found.append((forecast, f"{target} predicted: {forecast:g}"))
     return found
+
+
+def _predicted(rows: GateRows, capacity: dict) -> float | None:
+    """The sizing model's capacity for the row's target, made before G3 (sizing/capacity.py)."""
+    return predicted(rows.predictions, str(capacity.get("metric")), target=(capacity.get("context") or {}).get("target"))
 
 
 def capacity_plots(rows: GateRows) -> list[str]:
@@ -95,15 +103,21 @@ def capacity_tables(rows: GateRows) -> list[dict]:
         table.append(cells)
         # a probe that misses is the search working, not a failure: only an undecided one is marked
         statuses.append("inconclusive" if c.get("decision") == "undecided" else "")
-    found = [[target, str((row.get("context") or {}).get("line", ""))] for target, row in _capacities(rows).items()]
+    found = []
+    for target, row in _capacities(rows).items():
+        forecast, measured = _predicted(rows, row), number(row.get("value"))
+        error = "" if forecast is None or not measured else format_percent(forecast / measured - 1, signed=True)
+        found.append([target, str((row.get("context") or {}).get("line", "")),
+                      "" if forecast is None else f"{forecast:g}", error])
     first = probes[0].get("context") or {}
     slo, unit = str(first.get("slo", "")), _load_axis(first)
     return [{"title": f"Capacity search: every probe, in the order it ran (SLO: {slo})",
              "columns": ["target", unit, "decision", "requests", "misses", "miss share (95% sequence)",
                          "TTFT p90 (ms)", "TPOT p90 (ms)", "goodput", "seconds"],
              "rows": table, "statuses": statuses, "text_columns": [0, 2, 5]},
-            {"title": f"Capacity within the SLO, per target (the most load decided to meet it, {unit})",
-             "columns": ["target", "capacity"], "rows": found, "text_columns": [0, 1]}]
+            {"title": f"Capacity within the SLO, per target (the most load decided to meet it, {unit}), beside the "
+                      "sizing model's prediction made before G3",
+             "columns": ["target", "capacity", "predicted", "error"], "rows": found, "text_columns": [0, 1]}]
 
 
 def _load_axis(context: dict) -> str:

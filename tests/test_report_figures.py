@@ -315,8 +315,8 @@ def test_g3_capacity_charts_draw_each_targets_probes_against_the_slos_limits_and
     assert [row[:3] for row in probe_table["rows"]] == [[t, str(u), d] for t, u, d, _, _ in probes]
     assert probe_table["statuses"] == ["", "", "", "", "inconclusive"]      # a probe that misses is no failure
     assert "TTFT p90 ≤ 95 ms" in probe_table["title"]
-    assert capacities["rows"] == [["baseline", "1 (meets at 1, misses at 2)"],
-                                  ["candidate", "between 2 and ? (met up to 2)"]]
+    assert capacities["rows"] == [["baseline", "1 (meets at 1, misses at 2)", "", ""],
+                                  ["candidate", "between 2 and ? (met up to 2)", "", ""]]
     assert "users (closed loop)" in ttft and probe_table["columns"][1] == "users (closed loop)"
     assert g3_capacity.capacity_plots(rows_of(RunStore(tmp_path / "none"), "g3")) == []   # no search: nothing
     # open loop: loads are multiples of the trace's rate, and the capacity is `capacity_rate`
@@ -326,4 +326,10 @@ def test_g3_capacity_charts_draw_each_targets_probes_against_the_slos_limits_and
     rates.record("g3", "capacity", "capacity_rate", 0.5, "x the trace's rate", target="baseline", line="0.5 (…)")
     charts = g3_capacity.capacity_plots(rows_of(rates, "g3"))
     assert "x the trace's rate (open loop)" in charts[0] and "baseline: 0.5" in charts[0]
-    assert g3_capacity.capacity_tables(rows_of(rates, "g3"))[1]["rows"] == [["baseline", "0.5 (…)"]]
+    assert g3_capacity.capacity_tables(rows_of(rates, "g3"))[1]["rows"] == [["baseline", "0.5 (…)", "", ""]]
+    # the sizing model's capacity, made before G3, beside the measured one with its error
+    store.add_predictions("before g3", [{"gate": "g3", "metric": "capacity_users", "value": 1.5, "unit": "users",
+                                         "context": {"target": "baseline"}}])
+    rows = rows_of(store, "g3")
+    assert g3_capacity.capacity_tables(rows)[1]["rows"][0][2:] == ["1.5", "+50.0%"]
+    assert "baseline predicted: 1.5" in g3_capacity.capacity_plots(rows)[0]
