@@ -77,17 +77,21 @@ class ReferenceServer:
         tokens = min(self.behaviour.tokens, max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 \
             else self.behaviour.tokens
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        head = {"id": f"cmpl-{id(writer):x}", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model}
         async with self.slots or contextlib.nullcontext():    # the wait for a slot is in the TTFT
-            await asyncio.sleep(ttft_s)
+            # each token at its time from the slot's start (not after the previous sleep: sleeps overrun, and a
+            # service that grew with its tokens would serve fewer requests a second than its slots promise)
+            start = asyncio.get_running_loop().time()
             for i in range(tokens):
-                if i:
-                    await asyncio.sleep(self.behaviour.itl_ms / 1000)
+                await asyncio.sleep(max(0.0, start + ttft_s + i * self.behaviour.itl_ms / 1000
+                                        - asyncio.get_running_loop().time()))
                 choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
-                await _event(writer, {"choices": [choice]})
+                await _event(writer, {**head, "choices": [choice]})
         done = {"index": 0, "delta": {}, "finish_reason": "length"} if chat else {"index": 0, "text": "",
                                                                                    "finish_reason": "length"}
-        await _event(writer, {"choices": [done]})
-        await _event(writer, {"choices": [], "usage": self.behaviour.usage(prompt_tokens_of(body), tokens)})
+        await _event(writer, {**head, "choices": [done]})
+        await _event(writer, {**head, "choices": [], "usage": self.behaviour.usage(prompt_tokens_of(body), tokens)})
         writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await writer.drain()
 

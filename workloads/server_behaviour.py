@@ -83,18 +83,30 @@ class Behaviour:
         """How long a request of `tokens` output tokens holds its slot: its TTFT and the ITLs after it."""
         return (self.ttft_ms + self.itl_ms * max(tokens - 1, 0)) / 1000
 
-    def capacity_at(self, ttft_limit_ms: float, tokens: int) -> Optional[int]:
-        """The most closed-loop users (no think time) at which a TTFT p90 <= `ttft_limit_ms` holds, for a server
-        with `slots` and a fixed TTFT (no drift): `slots` when the limit lies at or above the TTFT and below the TTFT
-        plus one service time. Up to `slots` users no request waits; above, a request that finds every slot busy
-        waits for one to end (at slots + 1 users about one request in every `slots`: over 10% for up to 8 slots,
-        tests/test_reference_server_slots.py). None when the server has no slot limit or the limit is outside
-        that range."""
+    def capacity_at(self, ttft_limit_ms: float, tokens: int, percentile: float = 90.0) -> Optional[int]:
+        """The most closed-loop users (no think time) at which a TTFT at `percentile` <= `ttft_limit_ms` holds, for a
+        server with `slots` and a fixed TTFT (no drift), whatever the users' phases: `slots` when the limit lies at
+        or above the TTFT and below `phase_free_limit_ms`. Up to `slots` users no request waits. At slots + 1 the
+        slots stay busy, so a request waits service / slots on average: all of them that long when the users'
+        phases are spread (the field's tools, which start users apart, see that), or one in `slots` a whole service
+        when they are in step (kvgate's load, whose users finish together at the same slots, sees that). Below the
+        bound the percentile misses in every mix of the two. None when the server has no slot limit or the limit
+        is outside that range."""
         if not self.slots or self.ttft_end_ms is not None or self.fast_above_inflight is not None:
             return None
-        if not self.ttft_ms <= ttft_limit_ms < self.ttft_ms + 1000 * self.service_s(tokens) or self.slots > 8:
+        bound = self.phase_free_limit_ms(tokens, percentile)
+        if bound is None or not self.ttft_ms <= ttft_limit_ms < bound:
             return None
         return self.slots
+
+    def phase_free_limit_ms(self, tokens: int, percentile: float = 90.0) -> Optional[float]:
+        """The TTFT limit below which slots + 1 closed-loop users miss the percentile in every phase: with a mean wait
+        of service / slots and no wait over one service, a share `allowed` = 1 - percentile / 100 may wait up to a
+        service, so the rest wait at least (service / slots - allowed x service) / (1 - allowed). None when that
+        is no wait (slots >= 1 / allowed)."""
+        service_ms, allowed = 1000 * self.service_s(tokens), 1 - percentile / 100
+        least_wait_ms = (service_ms / self.slots - allowed * service_ms) / (1 - allowed)
+        return self.ttft_ms + least_wait_ms if least_wait_ms > 0 else None
 
     def rate_capacity_per_s(self, tokens: int) -> Optional[float]:
         """The most requests per second the slots serve (open loop): `slots` / the service time. Evenly spaced
