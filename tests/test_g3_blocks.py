@@ -120,8 +120,10 @@ def test_a_level_without_three_valid_pairs_is_inconclusive_with_the_reason():
 def test_a_verdicts_reason_counts_the_causes_of_the_blocks_left_out_in_one_line():
     reasons = ["its 30 requests, each sent once, ran out after 3.2 s (a workload with more of them (a trace: a larger "
                "limit), or a shorter duration)", "2 completed requests < minimum 3; its 30 requests, each sent once, "
-               "ran out after 4.1 s (...)", "client saturated: CPU p90 97% > 90%"]
-    assert counted_causes(reasons) == "ran out of requests (2), completed requests < minimum (1), client saturated (1)"
+               "ran out after 4.1 s (...)", "client saturated: CPU p90 97% > 90%",
+               "client and server token counts disagree in 3 of 24 requests"]
+    assert counted_causes(reasons) == ("ran out of requests (2), completed requests < minimum (1), client saturated "
+                                       "(1), client and server token counts disagree in some requests (1)")
 
 
 def test_the_aa_line_counts_the_intervals_that_excluded_zero():

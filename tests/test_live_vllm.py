@@ -144,6 +144,11 @@ def test_kvgate_run_takes_a_live_vllm_through_g2_and_g3(live, tmp_path):
     assert preflight["candidate"]["abilities"]["clear_device_cache"]["available"]
     # G3: judged on valid block pairs, the hits counted by vLLM's own counters
     verdicts = {v["metric"]: v for v in gates["g3"]["verdicts"]}
+    # the disk share of lower-tier hits: not applicable to a vLLM that keeps nothing on disk, saying so (it FAILed
+    # at 0 of 0 before), so G3 is not failed by a check its candidate cannot take
+    assert "disk_hit_share" not in verdicts
+    unjudged = {row["metric"]: row for row in gates["g3"]["unjudged"]}
+    assert "not applicable: the candidate has no disk tier" in unjudged["disk_hit_share"]["reason"], unjudged
     ttft = verdicts["ttft_p50_reduction"]
     if ttft["value"] is None:   # no valid pair: only for the reasons a busy 2-core machine gives, which the
         # harness must then say: vLLM's CPU inference beside the load engine lags its event loop, or lags vLLM's own

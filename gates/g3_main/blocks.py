@@ -95,6 +95,7 @@ def cause(reason: str) -> str:
     if "ran out after" in reason:
         return "ran out of requests"
     head = reason.split(":", 1)[0] if ":" in reason else reason
+    head = re.sub(r"\b(in )?\d[\d,]* of \d[\d,]* ", "in some ", head)       # "disagree in 3 of 24 requests"
     return re.sub(r"\s+", " ", re.sub(r"\([^)]*\)|[-+]?\d[\d.,]*\s*(%|ms|s\b)?", "", head)).strip()
 
 

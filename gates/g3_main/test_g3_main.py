@@ -112,6 +112,7 @@ def sweep(gate_context, endpoints, adapters):
     frame = run_sweep([targets["baseline"], targets["candidate"]], workload, settings,
                       references=[targets[role] for role in roles if role == "recompute"])
     steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime), "embedded": embedded,
+             "candidate_lacks": adapters["candidate"].absent_tiers() if "candidate" in adapters else {},
              "hit_ratio_bound": _workload_bound(gate_context.config, workload), "aa": aa}
     for row in frame.to_dict("records"):
         in_window = step_measured_records(row)  # every block's window, as the pooled summary's
@@ -314,6 +315,9 @@ def test_disk_tier_share_of_the_candidates_lower_tier_hits_at_each_level(sweep, 
     """Of the candidate's hits below the device tier (host, disk, the pool), the share its disk tier served: a main
     gate whose candidate never reads its storage tests DRAM (kvcore/checks.py)."""
     label = f"G3 disk tier's share of the candidate's lower-tier hits at {_label(gate_context, level)}"
+    lacks = sweep["candidate_lacks"].get("disk")
+    if lacks:       # as G2's placed hits: a tier the engine says it has not is not applicable, and says why
+        not_run(label, "disk_hit_share", f"not applicable: the candidate has no disk tier ({lacks})")
     tiers = _step(sweep, "candidate", level)["summary"].get("hit_blocks_by_tier")
     if tiers is None:
         not_run(label, "disk_hit_share", "needs the candidate's hits per tier (kvgate serve's /metrics, or an "
