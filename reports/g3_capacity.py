@@ -37,16 +37,17 @@ def _points(probes: list[dict], target: str, key: str) -> list[tuple[float, floa
 
 
 def _markers(rows: GateRows) -> list[tuple[float, str]]:
-    """A dashed line at each target's capacity (closed brackets only), and at its prediction."""
-    found = []
+    """A dashed line at each target's capacity (closed brackets only), and at its prediction; one line, its labels
+    joined, where two fall on the same load ("baseline predicted, candidate predicted: 6")."""
+    found: dict[float, list[str]] = {}
     for target, row in _capacities(rows).items():
         load = number(row.get("value"))
         if load is not None:
-            found.append((load, f"{target}: {load:g}"))
+            found.setdefault(load, []).append(target)
         forecast = _predicted(rows, row)
         if forecast is not None:
-            found.append((forecast, f"{target} predicted: {forecast:g}"))
-    return found
+            found.setdefault(forecast, []).append(f"{target} predicted")
+    return [(load, f"{', '.join(names)}: {load:g}") for load, names in sorted(found.items())]
 
 
 def _predicted(rows: GateRows, capacity: dict) -> float | None:
@@ -72,15 +73,15 @@ def capacity_plots(rows: GateRows) -> list[str]:
         charts.append(plots.line_chart(
             lines, f"G3 capacity search: {name} by load (each probe until decided)", axis,
             f"{name} (ms)", band=(None, limit) if limit is not None else None, band_label="within the SLO",
-            markers=_markers(rows), marker_label="capacity found"))
+            markers=_markers(rows), marker_label="capacity found, predicted"))
     goodput = [plots.Series(t, points) for t in ROLES if (points := _points(probes, t, "goodput"))]
     percentile = number(context.get("percentile"))
     if goodput:
         charts.append(plots.line_chart(
-            goodput, "G3 capacity search: goodput by load (requests within the SLO / requests counted)",
+            goodput, "G3 capacity search: goodput by load (within the SLO / counted)",
             axis, "goodput", percent=True, y_reach=1.0,
             band=(percentile / 100, None) if percentile is not None else None, band_label="the SLO's percentile",
-            markers=_markers(rows), marker_label="capacity found"))
+            markers=_markers(rows), marker_label="capacity found, predicted"))
     return charts
 
 
@@ -115,7 +116,7 @@ def capacity_tables(rows: GateRows) -> list[dict]:
              "columns": ["target", unit, "decision", "requests", "misses", "miss share (95% sequence)",
                          "TTFT p90 (ms)", "TPOT p90 (ms)", "goodput", "seconds"],
              "rows": table, "statuses": statuses, "text_columns": [0, 2, 5]},
-            {"title": f"Capacity within the SLO, per target (the most load decided to meet it, {unit}), beside the "
+            {"title": f"Capacity within the SLO, per target: the most load decided to meet it, in {unit}, beside the "
                       "sizing model's prediction made before G3",
              "columns": ["target", "capacity", "predicted", "error"], "rows": found, "text_columns": [0, 1]}]
 

@@ -333,3 +333,7 @@ def test_g3_capacity_charts_draw_each_targets_probes_against_the_slos_limits_and
     rows = rows_of(store, "g3")
     assert g3_capacity.capacity_tables(rows)[1]["rows"][0][2:] == ["1.5", "+50.0%"]
     assert "baseline predicted: 1.5" in g3_capacity.capacity_plots(rows)[0]
+    store.add_predictions("before g3", [{"gate": "g3", "metric": "capacity_users", "value": 1.0, "unit": "users",
+                                         "context": {"target": "candidate"}}])
+    # a prediction on a measured capacity's load shares its line, both named
+    assert "baseline, candidate predicted: 1" in g3_capacity.capacity_plots(rows_of(store, "g3"))[0]
