@@ -4,6 +4,7 @@ and where it shows (results.json's verdicts, the report, the console line)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -49,6 +50,10 @@ def test_a_figure_is_held_to_the_prediction_made_before_its_gate_at_its_own_leve
 def test_the_error_rule_in_points_and_relative():
     assert error("hit_ratio", 0.966, 0.936) == (pytest.approx(0.03), "+3.0 points")
     assert error("output_tokens_per_s", 90.0, 100.0) == (pytest.approx(-0.1), "-10.0%")
+    # a capacity of 0 measured: exact when predicted 0, else no relative error (it printed "+nan%")
+    assert error("capacity_rate", 0.0, 0.0) == (0.0, "+0.0%")
+    value, text = error("capacity_rate", 0.5, 0.0)
+    assert math.isnan(value) and text == "no relative error (measured 0)"
 
 
 def test_results_json_and_the_report_carry_the_prediction_beside_each_verdict(tmp_path):
