@@ -125,7 +125,6 @@ def _config_file(tmp_path: Path, data) -> Path:
     ({"g2": {"checkpoint": {"ranks": 0}}}, "g2.checkpoint.ranks: expected a value >= 1, found 0"),
     ({"g2": {"checkpoint": {"sync": False}}}, "g2.checkpoint.sync: unknown field"),
     # the capacity search
-    ({"g3": {"capacity": {"enabled": True}}}, "slo: expected the objective g3.capacity searches under"),
     ({"g3": {"capacity": {"start": 0}}}, "g3.capacity.start: expected a load > 0, found 0"),
     ({"g3": {"capacity": {"enabled": True, "start": 1.5}}, "slo": {"ttft_ms": 100}},
      "g3.capacity.start: expected a whole number of users (replay: closed_loop), found 1.5"),
@@ -403,3 +402,18 @@ def test_an_open_loop_capacity_search_takes_loads_in_steps_of_the_traces_rate(tm
     with pytest.raises(ConfigError, match=r"g3.capacity.start: expected a whole multiple of rate_step \(0.25, "
                                           r"replay: rate_multipliers\), found 0.3"):
         load_config(_config_file(tmp_path, open_loop))
+
+
+def test_a_capacity_search_needs_an_slo_which_every_profile_gives():
+    # a file's `slo: null` keeps the profile's (an empty section: its defaults), so only a configuration built
+    # without a profile can lack it
+    import copy
+
+    from gates.config import GatesConfig, profile_defaults
+    for name in ("quick", "full"):
+        assert load_config(profile=name).slo is not None
+    data = copy.deepcopy(profile_defaults("quick"))
+    data.update(profile="quick", slo=None)
+    data["g3"]["capacity"] = {"enabled": True}
+    with pytest.raises(ValueError, match=r"slo: expected the objective g3.capacity searches under"):
+        GatesConfig.model_validate(data)
