@@ -30,6 +30,30 @@ from .attainment import MEETS, MISSES, UNDECIDED
 
 
 @dataclass(frozen=True)
+class LoadKind:
+    """What a search's load is: the capacity's measurement, its unit, and the loop it runs."""
+
+    metric: str
+    unit: str
+    loop: str
+
+    @property
+    def axis(self) -> str:
+        """'users (closed loop)'."""
+        return f"{self.unit} ({self.loop} loop)"
+
+
+USERS = LoadKind("capacity_users", "users", "closed")
+RATE = LoadKind("capacity_rate", "x the trace's rate", "open")   # a multiple of a trace's arrival rate
+LOAD_KINDS = (USERS, RATE)
+
+
+def load_kind(replay: str) -> LoadKind:
+    """The load G3's replay searches: users closed loop, a rate multiple for `rate_multipliers`."""
+    return USERS if replay == "closed_loop" else RATE
+
+
+@dataclass(frozen=True)
 class Probe:
     """One load probed: its decision and what it rests on."""
 

@@ -7,6 +7,7 @@ nothing here.
 
 from __future__ import annotations
 
+from kvcore.capacity import LOAD_KINDS, USERS
 from kvcore.percent import format_percent
 from kvcore.rundata import finite_number as number
 
@@ -14,7 +15,7 @@ from . import plots
 from .rows import GateRows, predicted
 
 ROLES = ("baseline", "candidate")
-CAPACITIES = ("capacity_users", "capacity_rate")     # closed loop, open loop
+CAPACITIES = tuple(kind.metric for kind in LOAD_KINDS)
 
 
 def _probes(rows: GateRows) -> list[dict]:
@@ -122,9 +123,8 @@ def capacity_tables(rows: GateRows) -> list[dict]:
 
 
 def _load_axis(context: dict) -> str:
-    """'users (closed loop)' or 'x the trace's rate (open loop)'."""
-    unit = str(context.get("load_unit") or "users")
-    return f"{unit} ({'closed' if unit == 'users' else 'open'} loop)"
+    """'users (closed loop)' or 'x the trace's rate (open loop)', by the probes' recorded unit."""
+    return next((kind.axis for kind in LOAD_KINDS if kind.unit == context.get("load_unit")), USERS.axis)
 
 
 def _ms(value) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from kvcore.capacity import USERS, load_kind
 from kvcore.checks import CHECKS
 from kvcore.judged import measurement_not_judged
 from kvcore.percent import format_percent
@@ -329,16 +330,15 @@ def _capacity(plan: Plan, config, g3: G3Replays, engine: EngineModel, basis: str
     the sweep's last level, the state its caches reach by the search; open loop, that level's trace part at
     multiples of its rate), and the candidate's gain."""
     search, slo, top = config.g3.capacity, slo_of(config.slo), max(config.g3.levels)
-    closed = config.g3.replay == "closed_loop"
-    open_loop = None if closed else OpenLoop([a * top for a in g3.arrivals_s[top]], RATE_USERS,
-                                             search.unit(config.g3.replay))
-    metric, unit = ("capacity_users", "users") if closed else ("capacity_rate", "x the trace's rate")
+    kind = load_kind(config.g3.replay)
+    open_loop = None if kind is USERS else OpenLoop([a * top for a in g3.arrivals_s[top]], RATE_USERS,
+                                                    search.unit(config.g3.replay))
     found = {}
     for role in ("baseline", "candidate"):
         replay = g3.replays[role][top]
         found[role] = predicted_capacity(replay, engine, slo, search.start, search.most, seeds, open_loop)
         if found[role] is not None:
-            plan.predictions.append(Prediction("g3", metric, found[role], unit,
+            plan.predictions.append(Prediction("g3", kind.metric, found[role], kind.unit,
                                                f"G3 capacity of the {role} within the SLO ({slo.describe()})",
                                                f"{basis}; the capacity search over the simulation",
                                                {"target": role}))

@@ -22,7 +22,7 @@ import math
 import pytest
 
 from kvcore.attainment import MEETS
-from kvcore.capacity import capacity_gain
+from kvcore.capacity import USERS, capacity_gain, load_kind
 from kvcore.g3_analysis import run_seed
 from workloads.capacity_probe import ProbeSettings, describe_probe, search_capacity, slo_of
 from workloads.datasets import build_workload, sizer_for
@@ -37,7 +37,7 @@ def capacity(gate_context, endpoints):
     search = config.g3.capacity
     if not search.enabled:
         pytest.skip("g3.capacity.enabled is off: no capacity search (the full profile runs it; "
-                    "examples/capacity.yaml on the embedded default)")
+                    "examples/capacity/embedded.yaml on the embedded default)")
     aa = config.aa
     if "candidate" not in endpoints or ("baseline" not in endpoints and not aa):
         pytest.skip("the capacity search needs a baseline and a candidate endpoint (an A/A run: a candidate)")
@@ -45,28 +45,27 @@ def capacity(gate_context, endpoints):
                               seed=run_seed(gate_context.store.run_info().get("run_id", "run")))
     targets = [endpoints["candidate" if aa else role].target(role) for role in ROLES]
     slo = slo_of(config.slo)
-    open_loop = config.g3.replay != "closed_loop"
+    kind = load_kind(config.g3.replay)
     settings = ProbeSettings(search.probe_requests, search.probe_budget_s, search.confidence,
-                             open_loop_users=RATE_USERS if open_loop else None)
+                             open_loop_users=None if kind is USERS else RATE_USERS)
     found = search_capacity(targets, workload, slo, settings, search.start, search.most,
                             gate_context.store.raw_dir("g3") / "capacity",
                             say=lambda text: gate_context.store.set_progress("g3", text),
                             unit=search.unit(config.g3.replay))
-    return {"found": found, "slo": slo, "metric": "capacity_rate" if open_loop else "capacity_users",
-            "unit": "x the trace's rate" if open_loop else "users"}
+    return {"found": found, "slo": slo, "kind": kind}
 
 
 def test_each_probe_and_each_targets_capacity_are_recorded(capacity, record):
-    found, slo, unit = capacity["found"], capacity["slo"], capacity["unit"]
+    found, slo, kind = capacity["found"], capacity["slo"], capacity["kind"]
     limits = {"slo": slo.describe(), "ttft_limit_ms": slo.ttft_s * 1e3, "percentile": slo.percentile,
               "tpot_limit_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3}
     for result in found.probes:
-        record("capacity_probe", result.probe.decision == MEETS, **result.to_dict(), load_unit=unit,
+        record("capacity_probe", result.probe.decision == MEETS, **result.to_dict(), load_unit=kind.unit,
                line=describe_probe(result), **limits)
     for role in ROLES:
         search = found.searches[role]
         low, high = search.bounds()
-        record(capacity["metric"], search.capacity, unit, target=role, low=low,
+        record(kind.metric, search.capacity, kind.unit, target=role, low=low,
                high=None if math.isinf(high) else high, closed=search.closed, probes=len(search.probes),
                line=search.describe(), slo=slo.describe())
     assert len(found.probes) == sum(len(s.probes) for s in found.searches.values())
