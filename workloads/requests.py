@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -61,6 +61,14 @@ def load_workload(path) -> Workload:
         for session in data["sessions"]
     )
     return Workload(data["name"], sessions, data.get("interleaved", False))
+
+
+def of_pass(request: WorkloadRequest, number: int) -> WorkloadRequest:
+    """The request as sent again in pass `number` over a workload (a capacity probe going round it), under its id with
+    the pass added ("u3-t1~2"), as ids are unique in a workload; the first pass's (0) unchanged."""
+    if not number:
+        return request
+    return replace(request, request_id=f"{request.request_id}~{number}", session_id=f"{request.session_id}~{number}")
 
 
 def load_order(workload: Workload, passes: int = 1) -> list[WorkloadRequest]:

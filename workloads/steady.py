@@ -21,13 +21,13 @@ consecutive pairs take consecutive segments, wrapping around the load order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from kvcore.percent import format_percent
 
 from .live import format_ms
-from .requests import Workload, WorkloadRequest, load_order
+from .requests import Workload, load_order, of_pass
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,6 @@ def order_segment(workload: Workload, start: int, count: int, passes: bool = Fal
     of a later pass sent again under its id with the pass added ("u3-t1~2"), as ids are unique in a workload."""
     order = load_order(workload)
     first = start % len(order)
-    picked = tuple((_of_pass(order[(first + i) % len(order)], (first + i) // len(order) if passes else 0),)
+    picked = tuple((of_pass(order[(first + i) % len(order)], (first + i) // len(order) if passes else 0),)
                    for i in range(count if passes else min(count, len(order))))
     return Workload(f"{workload.name}[{start % len(order)}:+{len(picked)}]", picked)
-
-
-def _of_pass(request: WorkloadRequest, number: int) -> WorkloadRequest:
-    """The request as sent in pass `number` of the segment over the load order: the first pass's unchanged (a matched
-    pair's segment never holds a request twice, and its ids stay those of the workload)."""
-    if not number:
-        return request
-    return replace(request, request_id=f"{request.request_id}~{number}", session_id=f"{request.session_id}~{number}")

@@ -68,7 +68,7 @@ from kvcore.rundata import read_records
 from .errors import StopRule, describe_errors, summarize_errors
 from .live import LiveStep, format_ms
 from .load import Target, run_load
-from .requests import Workload
+from .requests import Workload, of_pass
 from .steady import SteadyRule, order_segment
 from .tier_hits import tier_line
 
@@ -283,9 +283,8 @@ def trace_segment(trace: Workload, start: int, count: int) -> Workload:
     picked = []
     for i in range(start, start + count):
         number = i // len(sessions)
-        picked.append(tuple(r if not number else replace(
-            r, request_id=f"{r.request_id}~{number}", session_id=f"{r.session_id}~{number}",
-            arrival_s=None if r.arrival_s is None else r.arrival_s + number * period) for r in sessions[i % len(sessions)]))
+        picked.append(tuple(replace(of_pass(r, number), arrival_s=None if r.arrival_s is None
+                                    else r.arrival_s + number * period) for r in sessions[i % len(sessions)]))
     return replace(trace, name=f"{trace.name}[{start % len(sessions)}:+{count}]", sessions=tuple(picked), warmup=())
 
 
