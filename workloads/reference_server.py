@@ -82,10 +82,10 @@ class ReferenceServer:
         async with self.slots or contextlib.nullcontext():    # the wait for a slot is in the TTFT
             # each token at its time from the slot's start (not after the previous sleep: sleeps overrun, and a
             # service that grew with its tokens would serve fewer requests a second than its slots promise)
-            start = asyncio.get_running_loop().time()
+            clock = asyncio.get_running_loop()
+            start = clock.time()
             for i in range(tokens):
-                await asyncio.sleep(max(0.0, start + ttft_s + i * self.behaviour.itl_ms / 1000
-                                        - asyncio.get_running_loop().time()))
+                await asyncio.sleep(max(0.0, start + ttft_s + i * self.behaviour.itl_ms / 1000 - clock.time()))
                 choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
                 await _event(writer, {**head, "choices": [choice]})
         done = {"index": 0, "delta": {}, "finish_reason": "length"} if chat else {"index": 0, "text": "",

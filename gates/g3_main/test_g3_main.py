@@ -112,7 +112,7 @@ def sweep(gate_context, endpoints, adapters):
     frame = run_sweep([targets["baseline"], targets["candidate"]], workload, settings,
                       references=[targets[role] for role in roles if role == "recompute"])
     steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime), "embedded": embedded,
-             "candidate_lacks": adapters["candidate"].absent_tiers() if "candidate" in adapters else {},
+             "candidate_lacks": adapters["candidate"].absent_tiers(),
              "hit_ratio_bound": _workload_bound(gate_context.config, workload), "aa": aa}
     for row in frame.to_dict("records"):
         in_window = step_measured_records(row)  # every block's window, as the pooled summary's
