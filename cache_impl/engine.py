@@ -101,8 +101,11 @@ class EngineConfig(StrictModel):
 class Engine:
     """Continuous-batching engine. `submit()` from any thread; events arrive on the request's callback."""
 
-    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device | None = None,
+                 threads: Optional[int] = None) -> None:
+        """`threads`: torch's thread count on the engine's thread (default: the caller's)."""
         self.config = config
+        threads = threads or torch.get_num_threads()
         self.device = device or resolve_device(config.cache.device)
         self.tokenizer = ByteTokenizer()
         self.model, self.weights_load = self._weights(config)
@@ -118,7 +121,8 @@ class Engine:
         self.scheduler = Scheduler(config.max_running, config.max_waiting, self.max_context, args.vocab_size)
         self.runner = ModelRunner(self.model, self.device, self.block_size, max_idle_buffers=config.max_running)
         self.prefix_cache = PrefixCache(self.cache, self.block_size, self.counters)
-        self._loop = EngineLoop(self.scheduler, self.runner, self.prefix_cache, self.tokenizer, self.counters)
+        self._loop = EngineLoop(self.scheduler, self.runner, self.prefix_cache, self.tokenizer, self.counters,
+                                threads)
         self._thread = threading.Thread(target=self._loop.run, name="kvgate-engine", daemon=True)
 
     def _weights(self, config: EngineConfig) -> tuple[Transformer, WeightsLoad]:

@@ -29,12 +29,14 @@ class EngineLoop:
     """`run()` is the engine thread's body: steps until the scheduler is stopped and idle."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, prefix_cache: PrefixCache,
-                 tokenizer: ByteTokenizer, counters: collections.Counter) -> None:
+                 tokenizer: ByteTokenizer, counters: collections.Counter, threads: int) -> None:
         self.scheduler, self.runner, self.prefix_cache = scheduler, runner, prefix_cache
+        self.threads = threads  # torch's thread count on the engine's thread
         self.tokenizer, self.counters = tokenizer, counters
         self.starting: Optional[Sequence] = None  # the sequence being started (`_start`), if any
 
     def run(self) -> None:
+        torch.set_num_threads(self.threads)   # a new thread starts at the machine's default, not the caller's
         while (admitted := self.scheduler.next_admitted()) is not None:
             try:
                 self._step(admitted)

@@ -7,6 +7,12 @@ the process. In a 2-hour G4 soak of the embedded candidate the server's threads 
 about 1,400 s, a libgomp worker (gdb: gomp_thread_start) under a pool thread that had just run its
 first large copy: a step a soak reads as a leak (1 per 2 hours projects to 36 over 72 h), and on
 a 64-core host a step of 63. The engine's thread, which runs the model, keeps torch's setting.
+
+The engine's thread must also be the only thread with a team: libgomp counts every team's workers, and once
+they outnumber the cores its workers sleep between parallel regions instead of spinning. A server whose main
+thread ran one parallel operation (building the model) prefilled 8k tokens in 1.42 s where the same thread
+alone took 1.17 s (2 cores: 14,000 context switches against 120). `hand_threads_to_engine` keeps the main
+thread out of it.
 """
 
 from __future__ import annotations
@@ -46,3 +52,12 @@ def one_openmp_thread_here() -> bool:
         return False
     omp.omp_set_num_threads(1)
     return True
+
+
+def hand_threads_to_engine() -> int:
+    """Called on a server's main thread before it builds the engine: returns torch's thread count here (the
+    engine thread takes it, `Engine(threads=...)`), and from now on this thread's own torch operations run on it
+    alone, so the engine's team is the process's only one."""
+    threads = torch.get_num_threads()
+    one_openmp_thread_here()
+    return threads

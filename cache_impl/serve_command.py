@@ -140,6 +140,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn  # deferred: the serve command's stack (uvicorn, torch: seconds) loads for serving only
 
     from .engine import Engine, EngineConfig  # deferred: torch (seconds), for serving only
+    from .openmp import hand_threads_to_engine
     from .server import create_app  # deferred: torch (seconds), for serving only
 
     imports_done = time.time()          # Python, torch and the engine loaded: the start-up's first phase
@@ -157,7 +158,7 @@ def serve(args: argparse.Namespace) -> int:
         if admin_token is not None:
             print(f"{name}: warning: the admin routes listen on {args.host} over plain HTTP; anyone who "
                   f"sees the traffic sees the admin token", file=sys.stderr, flush=True)
-    engine = Engine(config)
+    engine = Engine(config, threads=hand_threads_to_engine())
     app = create_app(engine, api_key=api_key, admin_token=admin_token, imports_done=imports_done)
     remote = config.cache.remote
     room = engine.cache.disk_room() if engine.cache is not None else None

@@ -1,6 +1,7 @@
 """The embedded engine: greedy output with a cache hit from every tier equals recompute, and batching works."""
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -341,3 +342,43 @@ def test_the_snapshot_counts_the_buffer_the_cache_is_loading_into(engines):
         loop.prefix_cache.load = load
     assert len(seen) == 2 and all(counted == buffer + kept for buffer, counted, kept in seen)
     assert loop.starting is None
+
+
+
+ONE_TEAM = """
+import os, sys, threading, torch
+from cache_impl.openmp import hand_threads_to_engine
+from cache_impl.engine import Engine, EngineConfig, GenerationRequest
+before = len(os.listdir("/proc/self/task"))
+if sys.argv[1] == "team-first":
+    torch.randn(1000000).mul_(2)           # a parallel operation on the main thread: it starts a team
+hand_threads_to_engine()
+engine = Engine(EngineConfig.from_dict({"mode": "recompute", "preset": "tiny"}), threads=2)
+seen, done = [], threading.Event()
+def on_event(event):
+    seen.append(torch.get_num_threads())
+    done.set()
+engine.start()
+engine.submit(GenerationRequest([7] * 3000, 1, on_event))
+done.wait(60)
+print(torch.get_num_threads(), seen[0], len(os.listdir("/proc/self/task")) - before)
+engine.stop()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+def test_the_engines_thread_holds_the_processs_only_openmp_team():
+    """A server's main thread hands its threads to the engine's (libgomp lets every team's workers sleep between
+    parallel regions once the teams outnumber the cores: a prefill 20-40% slower on 2 cores)."""
+    import subprocess
+    import sys
+
+    def run(mode: str) -> tuple[int, ...]:
+        done = subprocess.run([sys.executable, "-c", ONE_TEAM, mode], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return tuple(map(int, done.stdout.split()))
+
+    main_threads, engine_threads, started = run("handed")
+    assert main_threads == 1 and engine_threads == 2
+    # the control: a main thread that ran one parallel operation first has one more thread, its team's worker
+    assert run("team-first") == (1, 2, started + 1)
