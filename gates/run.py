@@ -30,9 +30,7 @@ from kvcore.predictions import beside, beside_text
 from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
-from sizing.in_run import final_sizing
-from sizing.in_run import PREDICTED_GATES
-from sizing.in_run import PREDICTED_GATES, gate_lines, stage_plan
+from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
 from sizing.machine import probe_line
 from sizing.plan import comparison_lines
 from workloads.fio import FioError, fio_version
@@ -230,7 +228,7 @@ class GateRunner:
     def _sizing(self) -> None:
         """Predicted beside measured for every gate that ran (sizing.json), shown on the console."""
         try:
-            sizing = final_sizing(self.store, self.last_plan, self.config.sizing)
+            sizing = final_sizing(self.store, self.last_plan, self.config)
         except Exception as error:  # informational: never the run's outcome
             self.console.print(f"[dim]sizing model: no comparison ({type(error).__name__}: {error})[/dim]")
             return
@@ -268,8 +266,10 @@ class GateRunner:
         """This machine's speed at the embedded model's shapes, for the sizing model (sizing/machine.py)."""
         if self.config.targets.kind != "embedded" or not set(PREDICTED_GATES) & set(self.gates):
             return
-        with self.console.status("pre-flight: probing this machine for the sizing model …"):
-            probe = probe_machine(self.config.targets.embedded, endpoints)
+        with self.console.status("pre-flight: probing this machine and the recompute server's prefill for the sizing "
+                                 "model …"):
+            probe = probe_machine(self.config.targets.embedded, endpoints, max(self.config.g2.contexts),
+                                  self.store.run_info().get("run_id", "run"))
         self.store.write_machine_probe(probe)
         self.console.print(f"  [dim]{probe_line(probe)}[/dim]", highlight=False)
 

@@ -217,7 +217,8 @@ sizing:
                                   # G2 and G3 before G2 runs; null: from G2's own measurements onward
   runs:                           # G3 runs simulated per level, each its own draw of the machine's step noise
   hit_ratio_points:               # the model's tolerances (informational, never a gate):
-  figure_mape:                    # hit ratios within 5 points, TTFT / throughput within 15%
+  figure_mape:                    # G3's hit ratios and reductions within 5 points, TTFT / throughput within 15%,
+  g2_ttft_mape:                   # G2's TTFTs within 10%
   # What the plan needs of an external target (kind: external), which no endpoint tells; for the embedded
   # one it reads targets.embedded, and a field given here replaces what it reads there.
   # target:

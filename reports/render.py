@@ -53,8 +53,23 @@ def collect_results(store: RunStore) -> dict:
                    "measured_text": format_figure(row["measured"], row.get("unit", ""))}
                   for row in sizing.get("comparison", [])]
     return {"run": run, "overall": overall(gates), "claims": claims,
-            "sizing": {**sizing, "comparison": comparison}, "gates": gates, "preflight": store.preflight(),
+            "sizing": {**sizing, "comparison": comparison, "term_sources": term_sources(comparison)}, "gates": gates, "preflight": store.preflight(),
             "environment": run.get("environment", {})}
+
+
+def term_sources(comparison: list[dict]) -> list[dict]:
+    """Each TTFT term once, with its constant's source and its mean share of the errors it is in (in |ms| of the
+    error: each term's absolute contribution over all the terms' absolute contributions)."""
+    found: dict[str, dict] = {}
+    for row in comparison:
+        total = sum(abs(t["error_s"]) for t in row.get("terms") or ())
+        for t in row.get("terms") or ():
+            entry = found.setdefault(t["term"], {"term": t["term"], "source": t["source"], "shares": []})
+            if total:
+                entry["shares"].append(abs(t["error_s"]) / total)
+    return [{"term": e["term"], "source": e["source"],
+             "share_text": format_percent(sum(e["shares"]) / len(e["shares"])) if e["shares"] else "–"}
+            for e in found.values()]
 
 
 def _gate_result(store: RunStore, gate: str, requested: bool, predictions: list[dict]) -> dict:

@@ -22,18 +22,23 @@ from .targets import engine_facts
 PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model predicts (plan.py)
 
 
+def _plan_now(config, store: RunStore, gate: str) -> Plan:
+    """The plan from the config and what the run has measured so far (its own fits first, then a calibration
+    file, then the pre-flight's probes)."""
+    configured = None
+    if config.sizing.calibration is not None:
+        configured = Calibration.load(config.sizing.calibration)
+    measured = any(store.status(g) is not None for g in ("g1", "g2", "g3", "g4"))
+    # before G2 the file's constants; after it, the run's own first and the file's for the rest (G3's decode)
+    calibration = configured if store.status("g2") is None else None
+    return make_plan(config, store if measured else None, calibration, config.sizing, in_run=True,
+                     fill_from=configured, engines=engine_facts(store.preflight()), machine=run_probe_calibration(store))
+
+
 def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
     """The plan made before `gate` (recorded under "before <gate>"), or None and why not."""
     try:
-        configured = None
-        if config.sizing.calibration is not None:
-            configured = Calibration.load(config.sizing.calibration)
-        measured = any(store.status(g) is not None for g in ("g1", "g2", "g3", "g4"))
-        # before G2 the file's constants; after it, the run's own first and the file's for the rest (G3's decode)
-        calibration = configured if store.status("g2") is None else None
-        plan = make_plan(config, store if measured else None, calibration, config.sizing, in_run=True,
-                         fill_from=configured, engines=engine_facts(store.preflight()),
-                         machine=run_probe_calibration(store))
+        plan = _plan_now(config, store, gate)
     except Exception as error:  # the sizing model must never stop a run: say why it said nothing
         return None, f"no plan before {gate.upper()}: {type(error).__name__}: {error}"
     store.add_predictions(f"before {gate}", [p.to_dict() for p in plan.predictions if p.gate == gate])
@@ -45,14 +50,46 @@ def gate_lines(plan: Plan, gate: str) -> list[str]:
     return [p.reason for p in plan.predictions if p.gate == gate and p.status]
 
 
-def final_sizing(store: RunStore, plan: Optional[Plan], tolerances=None) -> dict:
+def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
     """Every gate's figures as predicted before it ran, beside what it measured, and the model's accuracy;
-    `plan`'s notes (the latest plan: what it could not predict, and why) go along."""
+    each TTFT's terms with their sources and their shares of its error (`error_shares`); `plan`'s notes (the
+    latest plan: what it could not predict, and why) go along."""
     stored = [r for r in store.predictions() if r.get("stage") == f"before {r.get('gate')}"]
     before = Plan(predictions=[Prediction(r["gate"], r["metric"], r["value"], r.get("unit", ""), r["label"],
                                           r.get("basis", ""), dict(r.get("context") or {}), r.get("status", ""),
                                           r.get("reason", ""), tuple(r["interval"]) if r.get("interval") else None,
-                                          r.get("valid", True), r.get("invalid_reason", "")) for r in stored])
-    compare(before, store, tolerances)
-    return {"comparison": before.comparison, "accuracy": before.accuracy,
-            "notes": list(plan.notes) if plan is not None else []}
+                                          r.get("valid", True), r.get("invalid_reason", ""),
+                                          tuple(r.get("terms") or ())) for r in stored])
+    compare(before, store, config.sizing)
+    notes = list(plan.notes) if plan is not None else []
+    try:
+        after = _plan_now(config, store, "end")
+    except Exception as error:  # informational: the shares are left out, the comparison stays
+        after = None
+        notes.append(f"no error shares: the constants refitted to this run failed ({type(error).__name__}: {error})")
+    if after is not None:
+        error_shares(before, after)
+    return {"comparison": before.comparison, "accuracy": before.accuracy, "notes": notes}
+
+
+def error_shares(before: Plan, after: Plan) -> None:
+    """Each compared TTFT's error split over its terms: a term's share is what its constant, as predicted
+    before the gate, puts beside the same term with the constants refitted to the run's own measurements
+    (`after`); what is left when every constant is the run's own is the model's form ("form"). TTFT terms add
+    up, so the shares add up to the error."""
+    refitted = {(p.gate, p.metric, p.label): {t["term"]: t["seconds"] for t in p.terms} for p in after.predictions
+                if p.terms}
+    predicted = {(p.gate, p.metric, p.label): p.terms for p in before.predictions if p.terms}
+    for row in before.comparison:
+        key = (row["gate"], row["metric"], row["label"])
+        terms, now = predicted.get(key), refitted.get(key)
+        if not terms or now is None or row.get("unit") != "ms":
+            continue
+        error_s = (row["predicted"] - row["measured"]) / 1e3
+        split = [{**term, "error_s": term["seconds"] - now.get(term["term"], 0.0)} for term in terms]
+        split.append({"term": "form", "seconds": None, "source": "what no constant explains: the run's own "
+                      "constants' prediction less the measurement", "error_s": sum(now.values()) - row["measured"] / 1e3})
+        for term in split:
+            term["share"] = term["error_s"] / error_s if error_s else None
+        row["terms"] = split
+        row["terms_text"] = "; ".join(f"{t['term']} {t['error_s'] * 1e3:+.1f} ms" for t in split)

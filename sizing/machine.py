@@ -1,20 +1,19 @@
-"""kvgate's own engine predicted before any G2 has measured it: the pre-flight's machine probe
-(cache_impl/machine_probe.py: this machine's matmul and attention FLOP/s at the embedded model's shapes,
-its decode step, its host copy GB/s; recorded in the run as machine_probe.json) turned into the sizing
-model's constants, standing in where a calibration's would go::
+"""kvgate's own engine predicted before any G2 has measured it, from the pre-flight's probes (gates/machine_probe.py,
+recorded in the run as machine_probe.json), standing in where a calibration's constants would go::
 
-    recompute(n) = a + b·n + c·n²                                   (timing.RecomputeCurve.roofline)
-    b = 2·matmul_params / matmul FLOP/s + 2·layers·dim·chunk / attention FLOP/s
-    c = 2·layers·dim / attention FLOP/s
-    a = the fixed overhead: the least first-token time of the pre-flight's two-token request sent once more
-        to every embedded server, now warm (HTTP, the tokenizer, a prompt of a few tokens, the first token's
-        sampling; a server's first answer carries its warm-up: 30 ms where a warm one takes a few)
+    recompute(n) = a + b·n + c·n²            fitted to the prefill probe: the recompute server's own first-token
+                                             times at five lengths across the run's range, over HTTP, one at a time
     decode(b) = the probe's step_s + per_sequence_s·b;   the host tier's GB/s = the probe's host copy
+
+The curve is measured where the cost lives. A roofline of the model's FLOPs (matmul and attention FLOP/s at its
+shapes, from the same probe) predicts the model's own prefill within ~10% but a third to a half of the server's
+first-token time: the engine's per-token work beyond its matmuls (elementwise operations, each chunk's
+allocations, the step loop) is most of it on a small model. The roofline is said beside the fit, and stands in
+when the prefill probe could not run.
 
 Last in line (plan.make_plan): a run's own G2 and G3, a calibration file and a configured roofline come
 first. Only the embedded targets are probed: an external engine's model is not kvgate's to count.
-Torch-free: the gates run the probe (gates/machine_probe.py) in its own process, on the machine and device the
-embedded engine uses; this module only reads its figures.
+Torch-free: this module only reads the probes' figures.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from .queueing import DecodeCost
 from .timing import RecomputeCurve
 
 SOURCE = "the pre-flight's machine probe"
+PREFILL_SOURCE = "the pre-flight's prefill probe"
 
 
 def probe_line(probe: dict) -> str:
@@ -39,26 +39,57 @@ def probe_line(probe: dict) -> str:
             f"{probe['threads']} threads): matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, attention "
             f"{probe['attention_flops'] / 1e9:.1f} GFLOP/s, decode {decode['step_s'] * 1e3:.2f} ms + "
             f"{decode['per_sequence_s'] * 1e3:.2f} ms per sequence, host copy {probe['host_copy_gbps']:.2f} GB/s "
-            f"({probe['seconds']:.1f} s){_overhead_words(probe.get('fixed_overhead_s'))}")
+            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}")
 
 
-def _overhead_words(seconds: Optional[float]) -> str:
-    return "; no warm first token, so no fixed overhead" if seconds is None else (
-        f"; a warm two-token request's first token {seconds * 1e3:.1f} ms")
+def _prefill_words(prefill: Optional[dict]) -> str:
+    if not prefill:
+        return "no prefill probe (no recompute server)"
+    if "error" in prefill:
+        return f"no prefill probe ({prefill['error']})"
+    points = ", ".join(f"{p['prompt_tokens']:,} tokens {p['seconds'] * 1e3:.0f} ms" for p in prefill["points"])
+    return f"the {prefill['role']} server's first token: {points} ({prefill['seconds']:.1f} s)"
+
+
+def prefill_points(probe: dict) -> list[tuple[int, float]]:
+    """(prompt tokens, median first-token seconds) of the prefill probe, [] when it did not run."""
+    prefill = probe.get("prefill") or {}
+    return [(p["prompt_tokens"], p["seconds"]) for p in prefill.get("points", [])]
+
+
+def roofline_curve(probe: dict) -> RecomputeCurve:
+    """The model's FLOPs over the probed FLOP/s, the prefill probe's shortest request as its intercept."""
+    points = prefill_points(probe)
+    overhead = min(points)[1] if points else 0.0
+    curve = RecomputeCurve.roofline(probe["matmul_params"], probe["layers"], probe["attention_dim"],
+                                    probe["matmul_flops"], overhead, attention_flops=probe["attention_flops"],
+                                    chunk_tokens=probe["chunk_tokens"])
+    return RecomputeCurve(curve.a, curve.b, curve.c, f"{SOURCE}: {curve.source}")
+
+
+def probe_curve(probe: dict) -> tuple[RecomputeCurve, str]:
+    """The recompute curve fitted to the prefill probe (the roofline when it has under 3 lengths), and a note
+    setting the roofline beside the fit at the longest length probed."""
+    roofline = roofline_curve(probe)
+    points = prefill_points(probe)
+    if len({n for n, _ in points}) < 3:
+        return roofline, f"recompute from the model's FLOPs alone ({roofline.source}): no prefill probe to fit"
+    fit = RecomputeCurve.fit(points)
+    fit = RecomputeCurve(fit.a, fit.b, fit.c, f"{PREFILL_SOURCE}: {fit.source}")
+    longest = max(n for n, _ in points)
+    return fit, (f"recompute from {fit.source}; the model's FLOPs alone ({roofline.source}) give "
+                 f"{roofline.seconds(longest) * 1e3:.0f} ms of its {fit.seconds(longest) * 1e3:.0f} ms at "
+                 f"{longest:,} tokens: the rest is the engine's work beyond its matmuls")
 
 
 def probe_calibration(probe: dict) -> Optional[Calibration]:
     """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe failed."""
     if not probe or "error" in probe:
         return None
-    overhead = probe.get("fixed_overhead_s")
-    curve = RecomputeCurve.roofline(probe["matmul_params"], probe["layers"], probe["attention_dim"],
-                                    probe["matmul_flops"], overhead or 0.0, attention_flops=probe["attention_flops"],
-                                    chunk_tokens=probe["chunk_tokens"])
-    curve = RecomputeCurve(curve.a, curve.b, curve.c, f"{SOURCE}: {curve.source}")
+    curve, note = probe_curve(probe)
     decode = DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
-    return Calibration(curve=curve, fixed_overhead_s=overhead, decode=decode, host_gbps=probe["host_copy_gbps"],
-                       source=SOURCE, notes=(probe_line(probe),))
+    return Calibration(curve=curve, decode=decode, host_gbps=probe["host_copy_gbps"],
+                       source=SOURCE, notes=(probe_line(probe), note))
 
 
 def run_probe_calibration(store: RunStore) -> Optional[Calibration]:

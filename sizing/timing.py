@@ -237,9 +237,21 @@ class TimingModel:
         return sum(self.tiers.load_seconds(tier, tokens * self.kv_bytes_per_token) for tier, tokens in cached.items())
 
     def ttft(self, prompt: int, cached: Mapping[str, int] | None = None) -> float:
+        return sum(self.terms(prompt, cached).values())
+
+    def terms(self, prompt: int, cached: Mapping[str, int] | None = None) -> dict[str, float]:
+        """The TTFT's seconds term by term ({"fixed", "per-token", "attention", "load <tier>"...}, summing to
+        `ttft`): the fixed overhead, the uncached tail's linear work and its attention (its b and c parts), and
+        each tier's load."""
         cached = dict(cached or {})
         total = self.checked(prompt, cached)
-        return self.overhead + self.load_seconds(cached) + self.curve.tail(prompt, total)
+        start = prompt - 1 if total >= prompt else total      # a full hit computes its last token's pass
+        terms = {"fixed": self.overhead, "per-token": self.curve.b * (prompt - start),
+                 "attention": self.curve.c * (prompt * prompt - start * start)}
+        for tier, tokens in cached.items():
+            if tokens:
+                terms[f"load {tier}"] = self.tiers.load_seconds(tier, tokens * self.kv_bytes_per_token)
+        return terms
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The sizing model before any G2, against kvgate's own engine: the pre-flight's machine probe (matmul and
-attention FLOP/s at the embedded model's shapes, its decode step, its host copy) becomes the recompute
-curve, the decode cost and the host tier's GB/s; a calibration file or the run's own G2 still come first;
-a real `kvgate run g2` shows G2 predicted beside measured."""
+"""The sizing model before any G2, against kvgate's own engine: the pre-flight's prefill probe (the recompute
+server's first tokens at a few lengths) becomes the recompute curve, the machine probe (matmul and attention
+FLOP/s at the embedded model's shapes, its decode step, its host copy) the decode cost, the host tier's GB/s and,
+without a prefill probe, a roofline; a calibration file or the run's own G2 still come first; a real
+`kvgate run g2` shows G2 predicted beside measured, each TTFT's error split over its terms."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gates.cli import main
 from gates.config import load_config
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
-from gates.machine_probe import run_machine_probe
+from gates.machine_probe import prefill_lengths, run_machine_probe
 from sizing.machine import probe_calibration
 from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
@@ -24,7 +25,14 @@ from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP
 from tests.recorded_runs import recorded_run
 
-OVERHEAD_S = 0.004         # a warm two-token request's first token (gates/machine_probe.py warm_first_token_s)
+SERVER = RecomputeCurve(0.004, 7.5e-5, 1.5e-8)   # a server's first-token seconds (the prefill probe's points)
+
+
+def _prefill(curve: RecomputeCurve, longest: int = 8192) -> dict:
+    """The prefill probe's figures as a server whose first tokens follow `curve` would give them."""
+    points = [{"context_tokens": n, "prompt_tokens": n - 4, "seconds": curve.seconds(n - 4)}
+              for n in prefill_lengths(longest)]
+    return {"role": "recompute", "points": points, "seconds": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +42,8 @@ def config():
 
 @pytest.fixture(scope="module")
 def probe(config):
-    """The real probe, on this machine, for the quick profile's embedded preset (and a warm first token)."""
-    return {**run_machine_probe(config.targets.embedded), "fixed_overhead_s": OVERHEAD_S}
+    """The real probe, on this machine, for the quick profile's embedded preset (and a prefill probe's points)."""
+    return {**run_machine_probe(config.targets.embedded), "prefill": _prefill(SERVER)}
 
 
 def _g2_ttfts(plan) -> dict[tuple[str, int], float]:
@@ -58,31 +66,53 @@ def test_the_probe_measures_this_machine_at_the_embedded_models_own_shapes(confi
     assert decode["step_s"] >= 0 and decode["per_sequence_s"] >= 0
 
 
-def test_before_any_run_g2_is_predicted_from_the_probed_rates_and_twice_the_rate_halves_the_compute(config, probe):
+def test_before_any_run_g2_is_predicted_from_the_servers_own_prefill_and_the_probes_host_copy(config, probe):
     machine = probe_calibration(probe)
     plan = make_plan(config, machine=machine)
     ttft = _g2_ttfts(plan)
     contexts = sorted(config.g2.contexts)
     assert set(ttft) == {(mode, c) for mode in ("recompute", "host-hit", "disk-cold") for c in contexts}
-    assert machine.fixed_overhead_s == OVERHEAD_S and machine.curve.a == OVERHEAD_S
+    # the curve is the server's, fitted to the prefill probe's lengths (none of them G2's)
+    assert not set(prefill_lengths(max(contexts))) & set(contexts) - {256}
+    for context in contexts:
+        assert ttft[("recompute", context)] == pytest.approx(SERVER.seconds(context - 4), rel=1e-6)
+    assert machine.curve.source.startswith("the pre-flight's prefill probe: fit of 5 recompute TTFTs")
+    roofline = next(note for note in plan.notes if "the model's FLOPs alone" in note)
+    assert "the rest is the engine's work beyond its matmuls" in roofline
     # what the probe measured goes where a calibration's constants would
     assert machine.decode == DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
     assert machine.host_gbps == probe["host_copy_gbps"]
     assert any(note.startswith(("machine probe (cpu", "machine probe (cuda")) for note in plan.notes)
-    # the prediction is derived from the probe: twice the FLOP/s, half the compute at every context
-    faster = {**probe, "matmul_flops": 2 * probe["matmul_flops"], "attention_flops": 2 * probe["attention_flops"]}
-    twice = _g2_ttfts(make_plan(config, machine=probe_calibration(faster)))
-    for context in contexts:
-        assert twice[("recompute", context)] - OVERHEAD_S == pytest.approx((ttft[("recompute", context)] - OVERHEAD_S) / 2)
+    # a hit: the fixed overhead, the uncached tail's share of the curve and the load, each with its source
+    longest = contexts[-1]
+    hit = next(p for p in plan.predictions if p.label == f"G2 TTFT host-hit at {longest} tokens")
+    terms = {t["term"]: t for t in hit.terms}
+    assert set(terms) == {"fixed", "per-token", "attention", "load host"}
+    assert sum(t["seconds"] for t in terms.values()) * 1e3 == pytest.approx(hit.value)
+    prompt = longest - 4
+    cached = prompt // 256 * 256
+    assert terms["fixed"]["seconds"] == pytest.approx(SERVER.a, rel=1e-6)
+    assert terms["per-token"]["seconds"] + terms["attention"]["seconds"] == pytest.approx(
+        SERVER.compute(prompt) - SERVER.compute(cached), rel=1e-6)
+    assert "prefill probe" in terms["per-token"]["source"] and "machine probe" in terms["load host"]["source"]
     # and from its host copy: twice the GB/s, half a host hit's load
     host = probe_calibration({**probe, "host_copy_gbps": 2 * probe["host_copy_gbps"]})
     quicker = _g2_ttfts(make_plan(config, machine=host))
-    longest = contexts[-1]
     load = ttft[("host-hit", longest)] - quicker[("host-hit", longest)]
-    assert load > 0 and quicker[("recompute", longest)] == ttft[("recompute", longest)]
-    assert ttft[("host-hit", longest)] - 2 * load == pytest.approx(quicker[("host-hit", longest)] - load)
+    assert load == pytest.approx(terms["load host"]["seconds"] / 2) and quicker[("recompute", longest)] == ttft[("recompute", longest)]
     # G3's decode cost is the probe's, not a lower bound estimated from the curve
     assert not any("estimated from G2's recompute curve" in note for note in plan.notes)
+
+
+def test_without_a_prefill_probe_the_models_flops_stand_in_and_twice_the_rate_halves_the_compute(config, probe):
+    bare = {key: value for key, value in probe.items() if key != "prefill"}
+    machine = probe_calibration(bare)
+    assert machine.curve.source.startswith("the pre-flight's machine probe: roofline")
+    ttft = _g2_ttfts(make_plan(config, machine=machine))
+    faster = {**bare, "matmul_flops": 2 * bare["matmul_flops"], "attention_flops": 2 * bare["attention_flops"]}
+    twice = _g2_ttfts(make_plan(config, machine=probe_calibration(faster)))
+    for context in config.g2.contexts:
+        assert twice[("recompute", context)] == pytest.approx(ttft[("recompute", context)] / 2)
 
 
 def test_a_failed_probe_leaves_the_plan_as_it_was(config):
@@ -137,7 +167,10 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     store = RunStore(tmp_path / "run")
     probe = store.machine_probe()
     assert probe["preset"] == "tiny" and probe["matmul_flops"] > 0        # what the predictions rest on, recorded
-    assert probe["fixed_overhead_s"] > 0
+    prefill = probe["prefill"]          # the recompute server's own first tokens, across G2's range
+    assert [p["context_tokens"] for p in prefill["points"]] == prefill_lengths(1100) == [16, 256, 640, 1024]
+    assert all(p["seconds"] > 0 and len(p["rounds"]) == 3 for p in prefill["points"])
+    assert [p["prompt_tokens"] for p in prefill["points"]] == [12, 252, 636, 1020]   # as its usage counted them
     before = [r for r in store.predictions() if r["stage"] == "before g2"]
     assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
         (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
@@ -150,7 +183,11 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
                         and m["context"] == {**m["context"], "mode": "recompute", "context_tokens": context})
         assert row["measured"] == measured and row["predicted"] > 0
         assert row["error"] == pytest.approx((row["predicted"] - measured) / measured)
-    assert any(a["label"] == "TTFT / throughput MAPE" for a in sizing["accuracy"])
+    assert any(a["label"] == "G2 TTFT MAPE" for a in sizing["accuracy"])
+    # each TTFT's error split over its terms (the constants refitted to the run's own G2), adding up to it
+    for row in (r for r in sizing["comparison"] if r["metric"] == "ttft_ms"):
+        assert sum(t["error_s"] for t in row["terms"]) * 1e3 == pytest.approx(row["predicted"] - row["measured"])
+        assert {t["term"] for t in row["terms"]} >= {"fixed", "per-token", "attention", "form"}
     assert any(note.startswith("machine probe (") for note in sizing["notes"])
     out = " ".join(capsys.readouterr().out.split())
     assert "machine probe (" in out and "G2 TTFT recompute at 1100 tokens" in out

@@ -48,7 +48,7 @@ def test_a_plan_from_a_run_predicts_g2_judges_it_and_sets_it_beside_the_measurem
     # the recorded run follows the fitted constants exactly: its G2 ratio is predicted with no error
     row = next(r for r in plan.comparison if r["metric"] == "disk_hit_ttft_vs_recompute")
     assert row["error"] == pytest.approx(0.0, abs=1e-6)
-    assert any(a["label"] == "TTFT / throughput MAPE" for a in plan.accuracy)
+    assert any(a["label"] == "G2 TTFT MAPE" for a in plan.accuracy)
     assert any("fitted to this same run" in note for note in plan.notes)
 
 
@@ -95,7 +95,7 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     store.record("g3", "test_ttft", "ttft_p50_reduction", reduction + 0.02, concurrency=2)
     ttft = predicted[("ttft_p50_ms", "candidate", 2)]
     store.record("g3", "test_ttft", "ttft_p50_ms", ttft / 0.9, "ms", target="candidate", concurrency=2)
-    sizing = final_sizing(store, plan, config.sizing)
+    sizing = final_sizing(store, plan, config)
     rows = {(r["metric"], r["context"].get("target")): r for r in sizing["comparison"]}
     assert rows[("hit_ratio", "candidate")]["error"] == pytest.approx(0.03)
     assert rows[("ttft_p50_reduction", None)]["error"] == pytest.approx(-0.02)
@@ -107,7 +107,8 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     g2 = next(r for r in store.predictions() if r["stage"] == "before g2" and r["metric"] == "disk_hit_ttft_vs_recompute")
     assert claims["speedup_over_recompute"]["predicted"] == pytest.approx(1 / g2["value"])
     accuracy = {a["label"]: a for a in sizing["accuracy"]}
-    assert "within 5" in accuracy["hit ratio error"]["text"] and "within 15%" in accuracy["TTFT / throughput MAPE"]["text"]
+    assert "within 5" in accuracy["G3 hit ratio / TTFT reduction error"]["text"]
+    assert "within 15%" in accuracy["G3 TTFT / throughput MAPE"]["text"]
 
 
 def test_a_runs_own_constants_come_first_and_an_earlier_calibration_fills_what_it_has_not_measured():
@@ -210,3 +211,31 @@ def test_model_load_and_checkpoint_seconds_come_from_the_judged_paths_figures(tm
     assert load["loader"] == "kvgate" and "× 0.95, the kvgate loader (G2's side-by-side ratio)" in load["basis"]
     assert save["writer"] == "kvgate" and save["basis"].endswith("× 0.75, the kvgate writer")
     assert save["value"] == pytest.approx(load_config(None).g2.checkpoint.spec().total_bytes / (2.0e9 * 0.75))
+
+
+def test_each_g2_ttfts_error_is_split_over_its_terms_and_the_shares_add_up_to_it():
+    from sizing.in_run import error_shares
+    from sizing.plan import Plan, Prediction
+
+    label = "G2 TTFT host-hit at 1024 tokens"
+    terms = ({"term": "fixed", "seconds": 0.004, "source": "probe"}, {"term": "per-token", "seconds": 0.020,
+             "source": "probe"}, {"term": "load host", "seconds": 0.001, "source": "machine"})
+    before = Plan(predictions=[Prediction("g2", "ttft_ms", 25.0, "ms", label, "", {"mode": "host-hit"}, terms=terms)])
+    before.comparison = [{"gate": "g2", "metric": "ttft_ms", "label": label, "unit": "ms", "predicted": 25.0,
+                          "measured": 30.0}]
+    refitted = ({"term": "fixed", "seconds": 0.005, "source": "G2"}, {"term": "per-token", "seconds": 0.023,
+                "source": "G2"}, {"term": "load host", "seconds": 0.001, "source": "G2"})
+    after = Plan(predictions=[Prediction("g2", "ttft_ms", 29.0, "ms", label, "", {"mode": "host-hit"}, terms=refitted)])
+    error_shares(before, after)
+    split = {t["term"]: t for t in before.comparison[0]["terms"]}
+    assert split["fixed"]["error_s"] == pytest.approx(-0.001) and split["per-token"]["error_s"] == pytest.approx(-0.003)
+    assert split["load host"]["error_s"] == pytest.approx(0.0) and split["form"]["error_s"] == pytest.approx(-0.001)
+    assert sum(t["error_s"] for t in split.values()) == pytest.approx(-0.005)      # the error, 25 − 30 ms
+    assert sum(t["share"] for t in split.values()) == pytest.approx(1.0)
+    assert split["per-token"]["share"] == pytest.approx(0.6) and split["fixed"]["source"] == "probe"
+    assert "per-token -3.0 ms" in before.comparison[0]["terms_text"]
+    # a figure with no refitted counterpart (or not in ms) is left whole
+    other = Plan(predictions=[], comparison=[{"gate": "g2", "metric": "ttft_ms", "label": "x", "unit": "ms",
+                                              "predicted": 1.0, "measured": 2.0}])
+    error_shares(other, after)
+    assert "terms" not in other.comparison[0]

@@ -240,6 +240,19 @@ def sizer_for(tokenizer: str | None) -> TextSizer:
     return _SIZERS[path]
 
 
+CHAT_FRAMING_TOKENS = 8     # room a one-message prompt leaves for the chat template's own tokens
+
+
+def context_request(context_tokens: int, request_id: str, tokenizer: str | None, max_tokens: int,
+                    purpose: str) -> WorkloadRequest:
+    """One user message sized so that, with the chat template's framing, the prompt fills `context_tokens`, its
+    text drawn from "<purpose>/<request_id>": G2's requests at each context length, and the pre-flight's prefill
+    probe at its own lengths."""
+    text = sizer_for(tokenizer).text(max(1, context_tokens - CHAT_FRAMING_TOKENS), f"{purpose}/{request_id}")
+    return WorkloadRequest(request_id, request_id, 0, ({"role": "user", "content": text},), max_tokens,
+                           context_tokens)
+
+
 # --------------------------------------------------------------------------- specs
 
 

@@ -30,7 +30,7 @@ from kvcore.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from gates.storage_best import StorageBest, storage_best
 from workloads.client import StreamingClient
-from workloads.datasets import sizer_for
+from workloads.datasets import context_request
 from workloads.requests import WorkloadRequest
 
 MODES = ("recompute", "host-hit", "disk-cold")
@@ -39,9 +39,7 @@ FILLER_EXTRA = 16      # tokens a filler prompt has beyond its planned KV: what 
 
 
 def _request(tokens: int, tag: str, endpoint, max_tokens: int = G2_OUTPUT_TOKENS) -> WorkloadRequest:
-    sizer = sizer_for(endpoint.tokenizer)
-    text = sizer.text(tokens - 8, f"g2/{tag}")  # room for the chat template's few tokens
-    return WorkloadRequest(tag, tag, 0, ({"role": "user", "content": text},), max_tokens, tokens)
+    return context_request(tokens, tag, endpoint.tokenizer, max_tokens, "g2")
 
 
 def _roles(endpoints):
