@@ -424,8 +424,9 @@ def render_text(plan: Plan) -> str:
         lines.append(f"  G3 workload, {role}: hit ratio {format_percent(hit['overall'])} ({per_tier}); "
                      f"infinite cache {format_percent(hit['infinite_cache_bound'])}{pool}")
     for prediction in plan.predictions:
-        lines.append(f"  {prediction.status or 'figure':<12} {prediction.reason or prediction.label}  "
-                     f"[{prediction.basis}]")
+        text = prediction.reason or (prediction.label if prediction.value is None else
+                                     f"{prediction.label}: {format_figure(prediction.value, prediction.unit)}")
+        lines.append(f"  {prediction.status or 'figure':<12} {text}  [{prediction.basis}]")
     for name, label in (("model_load_s", "model load"), ("checkpoint_save_s", "checkpoint save")):
         if name in plan.figures:
             figure = plan.figures[name]

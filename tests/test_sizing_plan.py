@@ -239,3 +239,22 @@ def test_each_g2_ttfts_error_is_split_over_its_terms_and_the_shares_add_up_to_it
                                               "predicted": 1.0, "measured": 2.0}])
     error_shares(other, after)
     assert "terms" not in other.comparison[0]
+
+
+def test_the_seeds_deployment_class_example_plans_with_its_own_layout_and_claims(tmp_path):
+    """examples/plan/seed-480b-tp8.yaml (a 480B-class MoE, TP8, an NVMe-oF array): its KV layout and its figures
+    judged by the seed's claims (fewer users than the example's 384, for the suite's time)."""
+    from pathlib import Path
+
+    example = yaml.safe_load((Path(__file__).parents[1] / "examples" / "plan" / "seed-480b-tp8.yaml").read_text())
+    example["g3"]["workload"]["users"] = 24
+    example["g3"]["levels"] = [4, 8]
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump(example))
+    plan = make_plan(load_config(tmp_path / "gates.yaml", "full"))
+    assert plan.figures["layout"]["bytes_per_token"] == 62 * 2 * 8 * 128 * 2          # 248 KiB of bf16 KV
+    g2 = {p.label: p for p in plan.predictions if p.gate == "g2"}
+    longest = "at 131072 tokens"
+    assert g2[f"G2 TTFT disk-cold {longest}"].value < g2[f"G2 TTFT recompute {longest}"].value
+    ratio = next(p for p in plan.predictions if p.metric == "disk_hit_ttft_vs_recompute")
+    assert ratio.status == "PASS" and "≤ 25%" in ratio.reason          # judged by the seed's "8-20x" claim's rule
+    assert any(p.metric == "ttft_p50_reduction" and p.status for p in plan.predictions)
