@@ -143,9 +143,7 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
 
     tiers = TierBandwidths.from_run(store, disk_gbps=_spec_disk_gbps(config), remote_gbps=inputs.pool_gbps) \
         if store is not None else TierBandwidths(disk_gbps=_spec_disk_gbps(config), remote_gbps=inputs.pool_gbps)
-    plan.figures["disk_gbps"] = {"value": tiers.disk_gbps,
-                                 "source": "G1 fio seq_read_gbps" if store is not None and store.latest(
-                                     "g1", "seq_read_gbps") else "the spec sheet (g1 seq_read_gbps threshold)"}
+    plan.figures["disk_gbps"] = {"value": tiers.disk_gbps, "source": TierBandwidths.disk_source(store)}
     if calibration is None and store is not None:
         calibration = calibrate(store.root, kv_bytes_per_token=shape.bytes_per_token)
     if fill_from is not None:
@@ -226,7 +224,8 @@ def term_sources(calibration: Calibration, tiers: TierBandwidths, disk_source: s
     """Where each TTFT term's constant came from (timing.TimingModel.terms' names)."""
     curve = calibration.curve.source if calibration.curve is not None else "none"
     fixed = curve if calibration.fixed_overhead_s is None else f"{calibration.source or 'the calibration'}"
-    host = calibration.source if calibration.host_gbps else "the default memcpy rate (timing.DEFAULT_HOST_GBPS)"
+    host = "the pre-flight's machine probe (its host copy)" if calibration.host_gbps else \
+        "the default memcpy rate (timing.DEFAULT_HOST_GBPS)"
     disk = disk_source + (f" × the tier's efficiency {tiers.efficiency['disk']:.2f} ({calibration.source})"
                           if "disk" in tiers.efficiency else "")
     return {"fixed": fixed, "per-token": curve, "attention": curve, "load host": f"{tiers.host_gbps:.2f} GB/s: {host}",

@@ -197,6 +197,15 @@ class TierBandwidths:
             return 0.0
         return self.overhead_s.get(tier, 0.0) + nbytes / (self.effective_gbps(tier) * 1e9)
 
+    @staticmethod
+    def disk_source(store: Optional[RunStore]) -> str:
+        """Where `from_run` takes the disk's GB/s from."""
+        if store is not None and (store.latest("g1", "storage_best_read_gbps") or {}).get("value"):
+            return "G1's storage sweep (the storage's best read)"
+        if store is not None and (store.latest("g1", "seq_read_gbps") or {}).get("value"):
+            return "G1's fio sequential read"
+        return "the spec sheet (g1 seq_read_gbps threshold)"
+
     @classmethod
     def from_run(cls, store: RunStore, **settings) -> "TierBandwidths":
         """The disk tier's raw GB/s from G1's storage sweep (the storage's best read, what G2's cold-read ratio
