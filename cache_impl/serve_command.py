@@ -140,7 +140,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn  # deferred: the serve command's stack (uvicorn, torch: seconds) loads for serving only
 
     from .engine import Engine, EngineConfig  # deferred: torch (seconds), for serving only
-    from .openmp import hand_threads_to_engine
+    from .openmp import hand_threads_to_engine  # deferred: torch (seconds), for serving only
     from .server import create_app  # deferred: torch (seconds), for serving only
 
     imports_done = time.time()          # Python, torch and the engine loaded: the start-up's first phase
