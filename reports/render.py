@@ -53,11 +53,12 @@ def collect_results(store: RunStore) -> dict:
                    "measured_text": format_figure(row["measured"], row.get("unit", ""))}
                   for row in sizing.get("comparison", [])]
     return {"run": run, "overall": overall(gates), "claims": claims,
-            "sizing": {**sizing, "comparison": comparison, "term_sources": term_sources(comparison)}, "gates": gates, "preflight": store.preflight(),
+            "sizing": {**sizing, "comparison": comparison, "term_sources": term_shares(comparison)}, "gates": gates,
+            "preflight": store.preflight(),
             "environment": run.get("environment", {})}
 
 
-def term_sources(comparison: list[dict]) -> list[dict]:
+def term_shares(comparison: list[dict]) -> list[dict]:
     """Each TTFT term once, with its constant's source and its mean share of the errors it is in (in |ms| of the
     error: each term's absolute contribution over all the terms' absolute contributions)."""
     found: dict[str, dict] = {}

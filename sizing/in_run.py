@@ -22,7 +22,7 @@ from .targets import engine_facts
 PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model predicts (plan.py)
 
 
-def _plan_now(config, store: RunStore, gate: str) -> Plan:
+def _plan_now(config, store: RunStore) -> Plan:
     """The plan from the config and what the run has measured so far (its own fits first, then a calibration
     file, then the pre-flight's probes)."""
     configured = None
@@ -38,7 +38,7 @@ def _plan_now(config, store: RunStore, gate: str) -> Plan:
 def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
     """The plan made before `gate` (recorded under "before <gate>"), or None and why not."""
     try:
-        plan = _plan_now(config, store, gate)
+        plan = _plan_now(config, store)
     except Exception as error:  # the sizing model must never stop a run: say why it said nothing
         return None, f"no plan before {gate.upper()}: {type(error).__name__}: {error}"
     store.add_predictions(f"before {gate}", [p.to_dict() for p in plan.predictions if p.gate == gate])
@@ -63,7 +63,7 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
     compare(before, store, config.sizing)
     notes = list(plan.notes) if plan is not None else []
     try:
-        after = _plan_now(config, store, "end")
+        after = _plan_now(config, store)
     except Exception as error:  # informational: the shares are left out, the comparison stays
         after = None
         notes.append(f"no error shares: the constants refitted to this run failed ({type(error).__name__}: {error})")

@@ -223,7 +223,7 @@ def decode_from_curve(curve, requests) -> DecodeCost:
 def term_sources(calibration: Calibration, tiers: TierBandwidths, disk_source: str) -> dict[str, str]:
     """Where each TTFT term's constant came from (timing.TimingModel.terms' names)."""
     curve = calibration.curve.source if calibration.curve is not None else "none"
-    fixed = curve if calibration.fixed_overhead_s is None else f"{calibration.source or 'the calibration'}"
+    fixed = curve if calibration.fixed_overhead_s is None else (calibration.source or "the calibration")
     host = "the pre-flight's machine probe (its host copy)" if calibration.host_gbps else \
         "the default memcpy rate (timing.DEFAULT_HOST_GBPS)"
     disk = disk_source + (f" × the tier's efficiency {tiers.efficiency['disk']:.2f} ({calibration.source})"
