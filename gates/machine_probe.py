@@ -1,7 +1,8 @@
 """The pre-flight's probes for the sizing model (sizing/machine.py reads their figures): this machine's speed at
 the embedded model's shapes (`python -m cache_impl.machine_probe`, in its own process, on the machine and device
-the embedded engine uses), and the prefill probe: the recompute server's own first-token times at a few prompt
-lengths across the run's range, over HTTP as the gates send them, one request at a time."""
+the embedded engine uses); the prefill probe: the recompute server's own first-token times at a few prompt
+lengths across the run's range, over HTTP as the gates send them, one request at a time; and the decode probe:
+the same server's gaps between streamed tokens with one sequence and with its full batch decoding."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from workloads.client import StreamingClient
@@ -22,6 +24,10 @@ PREFILL_SHORT = (CHAT_FRAMING_TOKENS + 8, 256)
 PREFILL_FRACTIONS = (3 / 16, 9 / 16, 15 / 16)
 PREFILL_ROUNDS = 3            # each length's figure is the median of its rounds
 PREFILL_TIMEOUT_S = 120.0     # per request
+# The decode probe: each sequence generates this many tokens after every other sequence's prompt is in (one
+# per step while the others' prompts are computed a block at a time), at least this many gaps timed
+DECODE_WINDOW_TOKENS = 32
+DECODE_MIN_GAPS = 8
 
 
 def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
@@ -46,14 +52,22 @@ def probe_machine(embedded, endpoints: dict, longest_context: int, run_id: str =
     """The probe's figures (`run_machine_probe`) with the prefill probe's (`prefill_probe`) under "prefill"."""
     probe = run_machine_probe(embedded)
     if "error" not in probe and PREFILL_ROLE in endpoints:
-        probe["prefill"] = prefill_probe(endpoints[PREFILL_ROLE], longest_context, run_id)
+        endpoint = endpoints[PREFILL_ROLE]
+        probe["prefill"] = prefill_probe(endpoint, longest_context, run_id)
+        probe["server_decode"] = decode_probe(endpoint, _fraction(longest_context, PREFILL_FRACTIONS[0]),
+                                              embedded.max_running, run_id)
     return probe
 
 
 def prefill_lengths(longest_context: int, block_tokens: int = 256) -> list[int]:
     """The context lengths the prefill probe sends (module constants), each a distinct length ≤ the longest."""
-    spread = {max(block_tokens, round(longest_context * f / 64) * 64) for f in PREFILL_FRACTIONS}
+    spread = {_fraction(longest_context, f, block_tokens) for f in PREFILL_FRACTIONS}
     return sorted({n for n in (*PREFILL_SHORT, *spread) if n <= longest_context})
+
+
+def _fraction(longest_context: int, fraction: float, block_tokens: int = 256) -> int:
+    """`fraction` of the longest context in whole 64s, at least one block."""
+    return max(block_tokens, round(longest_context * fraction / 64) * 64)
 
 
 def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int = PREFILL_ROUNDS) -> dict:
@@ -81,3 +95,71 @@ def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: i
     points = [{"context_tokens": n, "prompt_tokens": prompts[n], "seconds": statistics.median(times[n]),
                "rounds": times[n]} for n in lengths]
     return {"role": endpoint.role, "points": points, "seconds": time.monotonic() - started}
+
+
+def decode_probe(endpoint, context_tokens: int, max_running: int, run_id: str = "run",
+                 block_tokens: int = 256) -> dict:
+    """The server's decode step as its streams show it: the median gap between tokens with one sequence decoding
+    and with `max_running` (all sent at once, each prompt `context_tokens` long and new), timed only while every
+    sequence of the batch is past its prompt and none has finished (steps that compute no prompt).
+    {"role", "context_tokens", "batch_1_s", "batch_max_s", "max_batch", "step_s", "per_sequence_s", "gaps",
+    "seconds"}: decode(b) = step_s + per_sequence_s·b through the two; {"error": why} when either failed."""
+    started = time.monotonic()
+    tokens = DECODE_WINDOW_TOKENS + max_running * -(-context_tokens // block_tokens)
+    gaps = {}
+    for batch in sorted({1, max_running}):
+        gaps[batch] = _batch_gaps(endpoint, context_tokens, batch, tokens, f"{run_id}/decode-{batch}")
+        if isinstance(gaps[batch], str):
+            return {"role": endpoint.role, "error": gaps[batch]}
+    one, many = (statistics.median(gaps[b]) for b in (1, max_running))
+    per_sequence = max(0.0, (many - one) / (max_running - 1)) if max_running > 1 else 0.0
+    return {"role": endpoint.role, "context_tokens": context_tokens, "batch_1_s": one, "batch_max_s": many,
+            "max_batch": max_running, "step_s": max(0.0, one - per_sequence), "per_sequence_s": per_sequence,
+            "gaps": {str(b): len(g) for b, g in gaps.items()}, "seconds": time.monotonic() - started}
+
+
+def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_id: str) -> list[float] | str:
+    """The gaps between tokens (s) inside the window where all `batch` sequences decode; why not, as a str."""
+    records: list = [None] * batch
+    start = threading.Barrier(batch)
+
+    def one(i: int) -> None:
+        client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
+                                 timeout_s=PREFILL_TIMEOUT_S)
+        try:
+            request = context_request(context_tokens, f"{run_id}/{i}", endpoint.tokenizer, max_tokens,
+                                      "preflight-decode")
+            start.wait()
+            records[i] = client.send(request)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(batch)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PREFILL_TIMEOUT_S + 10)
+    failed = next((r for r in records if r is None or not r.ok or r.ttft_s is None), None)
+    if failed is not None or None in records:
+        why = "no answer" if failed is None else f"{failed.error_type}: {failed.error_message}"
+        return f"the decode probe's batch of {batch} failed: {why}"
+    gaps = window_gaps([_token_times(r) for r in records])
+    if len(gaps) < DECODE_MIN_GAPS:
+        return (f"the decode probe's batch of {batch} had {len(gaps)} gaps with every sequence decoding "
+                f"(under {DECODE_MIN_GAPS}: the server stopped its sequences early)")
+    return gaps
+
+
+def _token_times(record) -> list[float]:
+    """Each streamed token's arrival (wall-clock s) from the record's send time, TTFT and gaps."""
+    times = [record.sent_at + record.ttft_s]
+    for gap in record.itl_s:
+        times.append(times[-1] + gap)
+    return times
+
+
+def window_gaps(streams: list[list[float]]) -> list[float]:
+    """The gaps of every stream that lie wholly after the last stream's first token and before the first
+    stream's last: the steps where every stream was decoding."""
+    opens, closes = max(s[0] for s in streams), min(s[-1] for s in streams)
+    return [b - a for s in streams for a, b in zip(s, s[1:]) if a >= opens and b <= closes]

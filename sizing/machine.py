@@ -3,7 +3,10 @@ recorded in the run as machine_probe.json), standing in where a calibration's co
 
     recompute(n) = a + b·n + c·n²            fitted to the prefill probe: the recompute server's own first-token
                                              times at five lengths across the run's range, over HTTP, one at a time
-    decode(b) = the probe's step_s + per_sequence_s·b;   the host tier's GB/s = the probe's host copy
+    decode(b) = step_s + per_sequence_s·b   through the decode probe's two medians: the same server's gaps
+                                             between streamed tokens with 1 and with max_running sequences
+                                             decoding (the model's decode pass alone, in-process, without one)
+    the host tier's GB/s = the probe's host copy
 
 The curve is measured where the cost lives. A roofline of the model's FLOPs (matmul and attention FLOP/s at its
 shapes, from the same probe) predicts the model's own prefill within ~10% but a third to a half of the server's
@@ -28,6 +31,7 @@ from .timing import RecomputeCurve
 
 SOURCE = "the pre-flight's machine probe"
 PREFILL_SOURCE = "the pre-flight's prefill probe"
+DECODE_SOURCE = "the pre-flight's decode probe"
 
 
 def probe_line(probe: dict) -> str:
@@ -39,7 +43,18 @@ def probe_line(probe: dict) -> str:
             f"{probe['threads']} threads): matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, attention "
             f"{probe['attention_flops'] / 1e9:.1f} GFLOP/s, decode {decode['step_s'] * 1e3:.2f} ms + "
             f"{decode['per_sequence_s'] * 1e3:.2f} ms per sequence, host copy {probe['host_copy_gbps']:.2f} GB/s "
-            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}")
+            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}; "
+            f"{_decode_words(probe.get('server_decode'))}")
+
+
+def _decode_words(decode: Optional[dict]) -> str:
+    if not decode:
+        return "no decode probe"
+    if "error" in decode:
+        return f"no decode probe ({decode['error']})"
+    return (f"its gaps between tokens at {decode['context_tokens']:,} tokens: {decode['batch_1_s'] * 1e3:.2f} ms "
+            f"with one sequence, {decode['batch_max_s'] * 1e3:.2f} ms with {decode['max_batch']} "
+            f"({decode['seconds']:.1f} s)")
 
 
 def _prefill_words(prefill: Optional[dict]) -> str:
@@ -82,14 +97,29 @@ def probe_curve(probe: dict) -> tuple[RecomputeCurve, str]:
                  f"{longest:,} tokens: the rest is the engine's work beyond its matmuls")
 
 
+def probe_decode(probe: dict) -> tuple[DecodeCost, str]:
+    """The decode cost through the decode probe's two medians (the in-process pass when it did not run), and a
+    note setting the in-process pass beside it."""
+    model = DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
+    server = probe.get("server_decode") or {}
+    if "step_s" not in server:
+        return model, f"decode from the model's decode pass alone ({SOURCE}): no decode probe of the server"
+    decode = DecodeCost(server["step_s"], server["per_sequence_s"])
+    batch = server["max_batch"]
+    return decode, (f"decode from {DECODE_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
+                    f"{decode.per_sequence_s * 1e3:.2f} ms a sequence; the model's decode pass alone gives "
+                    f"{model.seconds(batch) * 1e3:.2f} ms of its {decode.seconds(batch) * 1e3:.2f} ms at a batch of "
+                    f"{batch}: the rest is the server's work per step (sampling, streaming, the step loop)")
+
+
 def probe_calibration(probe: dict) -> Optional[Calibration]:
     """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe failed."""
     if not probe or "error" in probe:
         return None
     curve, note = probe_curve(probe)
-    decode = DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
+    decode, decode_note = probe_decode(probe)
     return Calibration(curve=curve, decode=decode, host_gbps=probe["host_copy_gbps"],
-                       source=SOURCE, notes=(probe_line(probe), note))
+                       source=SOURCE, notes=(probe_line(probe), note, decode_note))
 
 
 def run_probe_calibration(store: RunStore) -> Optional[Calibration]:

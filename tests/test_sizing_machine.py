@@ -16,8 +16,8 @@ from gates.cli import main
 from gates.config import load_config
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
-from gates.machine_probe import prefill_lengths, run_machine_probe
-from sizing.machine import probe_calibration
+from gates.machine_probe import prefill_lengths, run_machine_probe, window_gaps
+from sizing.machine import probe_calibration, probe_decode
 from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve
@@ -115,6 +115,29 @@ def test_without_a_prefill_probe_the_models_flops_stand_in_and_twice_the_rate_ha
         assert twice[("recompute", context)] == pytest.approx(ttft[("recompute", context)] / 2)
 
 
+def test_the_decode_window_is_where_every_stream_decodes():
+    # three streams: the last one's first token at 0.30, the first to finish at 0.50
+    streams = [[0.10, 0.20, 0.30, 0.32, 0.40, 0.50], [0.15, 0.31, 0.33, 0.45, 0.60], [0.30, 0.34, 0.36, 0.52]]
+    gaps = window_gaps(streams)
+    assert gaps == pytest.approx([0.02, 0.08, 0.10, 0.02, 0.12, 0.04, 0.02])
+    # control: a stream that ends before another's first token leaves no step where all of them decoded
+    assert window_gaps([[0.0, 0.1, 0.2], [0.3, 0.4, 0.5]]) == []
+
+
+def test_the_servers_decode_gaps_stand_in_for_the_models_decode_pass(config, probe):
+    server = {"role": "recompute", "context_tokens": 1536, "batch_1_s": 0.002, "batch_max_s": 0.0076,
+              "max_batch": 8, "step_s": 0.0012, "per_sequence_s": 0.0008, "gaps": {"1": 79, "8": 282},
+              "seconds": 2.4}
+    decode, note = probe_decode({**probe, "server_decode": server})
+    assert decode == DecodeCost(0.0012, 0.0008) and "the pre-flight's decode probe" in note
+    assert probe_calibration({**probe, "server_decode": server}).decode == decode
+    # without it (or when it failed) the model's own decode pass, said so
+    for missing in ({}, {"server_decode": {"role": "recompute", "error": "boom"}}):
+        decode, note = probe_decode({**probe, **missing})
+        assert decode == DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
+        assert note.startswith("decode from the model's decode pass alone")
+
+
 def test_a_failed_probe_leaves_the_plan_as_it_was(config):
     assert probe_calibration({"error": "the machine probe exited 1: boom"}) is None
     assert probe_calibration({}) is None
@@ -171,6 +194,10 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     assert [p["context_tokens"] for p in prefill["points"]] == prefill_lengths(1100) == [16, 256, 640, 1024]
     assert all(p["seconds"] > 0 and len(p["rounds"]) == 3 for p in prefill["points"])
     assert [p["prompt_tokens"] for p in prefill["points"]] == [12, 252, 636, 1020]   # as its usage counted them
+    decode = probe["server_decode"]     # the same server's gaps between tokens, alone and with its full batch
+    assert decode["max_batch"] == SMALLEST["targets"]["embedded"]["max_running"] and decode["context_tokens"] == 256
+    assert min(decode["gaps"].values()) >= 8 and 0 < decode["batch_1_s"] and decode["step_s"] >= 0
+    assert decode["batch_max_s"] > 0
     before = [r for r in store.predictions() if r["stage"] == "before g2"]
     assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
         (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
@@ -189,5 +216,6 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
         assert sum(t["error_s"] for t in row["terms"]) * 1e3 == pytest.approx(row["predicted"] - row["measured"])
         assert {t["term"] for t in row["terms"]} >= {"fixed", "per-token", "attention", "form"}
     assert any(note.startswith("machine probe (") for note in sizing["notes"])
+    assert any(note.startswith("decode from the pre-flight's decode probe") for note in sizing["notes"])
     out = " ".join(capsys.readouterr().out.split())
     assert "machine probe (" in out and "G2 TTFT recompute at 1100 tokens" in out
