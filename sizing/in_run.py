@@ -61,6 +61,9 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
                                           r.get("valid", True), r.get("invalid_reason", ""),
                                           tuple(r.get("terms") or ())) for r in stored])
     compare(before, store, config.sizing)
+    for row in before.accuracy:
+        row["sample"] = constants_sample(config, row["gate"])
+        row["text"] += f"; {row['sample']}"
     notes = list(plan.notes) if plan is not None else []
     try:
         after = _plan_now(config, store)
@@ -70,6 +73,17 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
     if after is not None:
         error_shares(before, after)
     return {"comparison": before.comparison, "accuracy": before.accuracy, "notes": notes}
+
+
+def constants_sample(config, gate: str) -> str:
+    """Where the predictions of `gate` took their constants: in sample from this run's own pre-flight probes (and,
+    for G3, its G2), out of sample when a calibration file, another run's, gave any of them."""
+    file = config.sizing.calibration
+    if file is None:
+        return "in sample: constants from this run's pre-flight probes" + (" and its G2" if gate == "g3" else "")
+    if gate == "g3":
+        return f"out of sample where this run's G2 fits none: those constants from {file}"
+    return f"out of sample: constants from {file}"
 
 
 def error_shares(before: Plan, after: Plan) -> None:

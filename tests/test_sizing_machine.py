@@ -210,7 +210,8 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
                         and m["context"] == {**m["context"], "mode": "recompute", "context_tokens": context})
         assert row["measured"] == measured and row["predicted"] > 0
         assert row["error"] == pytest.approx((row["predicted"] - measured) / measured)
-    assert any(a["label"] == "G2 TTFT MAPE" for a in sizing["accuracy"])
+    mape = next(a for a in sizing["accuracy"] if a["label"] == "G2 TTFT MAPE")
+    assert mape["sample"].startswith("in sample") and mape["text"].endswith(mape["sample"])
     # each TTFT's error split over its terms (the constants refitted to the run's own G2), adding up to it
     for row in (r for r in sizing["comparison"] if r["metric"] == "ttft_ms"):
         assert sum(t["error_s"] for t in row["terms"]) * 1e3 == pytest.approx(row["predicted"] - row["measured"])
@@ -219,3 +220,14 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     assert any(note.startswith("decode from the pre-flight's decode probe") for note in sizing["notes"])
     out = " ".join(capsys.readouterr().out.split())
     assert "machine probe (" in out and "G2 TTFT recompute at 1100 tokens" in out
+
+
+def test_the_accuracy_says_whether_its_constants_came_from_this_run_or_another(config):
+    from pathlib import Path
+    from sizing.in_run import constants_sample
+
+    assert constants_sample(config, "g2") == "in sample: constants from this run's pre-flight probes"
+    assert constants_sample(config, "g3").endswith("pre-flight probes and its G2")
+    filed = config.model_copy(update={"sizing": config.sizing.model_copy(update={"calibration": Path("small.json")})})
+    assert constants_sample(filed, "g2") == "out of sample: constants from small.json"
+    assert constants_sample(filed, "g3").startswith("out of sample where this run's G2 fits none")
