@@ -6,6 +6,7 @@ the same server's gaps between streamed tokens with one sequence and with its fu
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -120,17 +121,17 @@ def decode_probe(endpoint, context_tokens: int, max_running: int, run_id: str = 
 
 def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_id: str) -> list[float] | str:
     """The gaps between tokens (s) inside the window where all `batch` sequences decode; why not, as a str."""
+    requests = [context_request(context_tokens, f"{run_id}/{i}", endpoint.tokenizer, max_tokens, "preflight-decode")
+                for i in range(batch)]
     records: list = [None] * batch
-    start = threading.Barrier(batch)
+    start = threading.Barrier(batch, timeout=PREFILL_TIMEOUT_S)    # sent together; a stuck peer breaks it
 
     def one(i: int) -> None:
         client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
                                  timeout_s=PREFILL_TIMEOUT_S)
         try:
-            request = context_request(context_tokens, f"{run_id}/{i}", endpoint.tokenizer, max_tokens,
-                                      "preflight-decode")
             start.wait()
-            records[i] = client.send(request)
+            records[i] = client.send(requests[i])
         finally:
             client.close()
 
@@ -139,10 +140,11 @@ def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_
         thread.start()
     for thread in threads:
         thread.join(PREFILL_TIMEOUT_S + 10)
-    failed = next((r for r in records if r is None or not r.ok or r.ttft_s is None), None)
-    if failed is not None or None in records:
-        why = "no answer" if failed is None else f"{failed.error_type}: {failed.error_message}"
-        return f"the decode probe's batch of {batch} failed: {why}"
+    if None in records:
+        return f"the decode probe's batch of {batch} failed: no answer within {PREFILL_TIMEOUT_S:.0f} s"
+    failed = next((r for r in records if not r.ok or r.ttft_s is None), None)
+    if failed is not None:
+        return f"the decode probe's batch of {batch} failed: {failed.error_type}: {failed.error_message}"
     gaps = window_gaps([_token_times(r) for r in records])
     if len(gaps) < DECODE_MIN_GAPS:
         return (f"the decode probe's batch of {batch} had {len(gaps)} gaps with every sequence decoding "
@@ -152,10 +154,7 @@ def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_
 
 def _token_times(record) -> list[float]:
     """Each streamed token's arrival (wall-clock s) from the record's send time, TTFT and gaps."""
-    times = [record.sent_at + record.ttft_s]
-    for gap in record.itl_s:
-        times.append(times[-1] + gap)
-    return times
+    return list(itertools.accumulate(record.itl_s, initial=record.sent_at + record.ttft_s))
 
 
 def window_gaps(streams: list[list[float]]) -> list[float]:

@@ -48,22 +48,25 @@ def probe_line(probe: dict) -> str:
 
 
 def _decode_words(decode: Optional[dict]) -> str:
-    if not decode:
-        return "no decode probe"
-    if "error" in decode:
-        return f"no decode probe ({decode['error']})"
-    return (f"its gaps between tokens at {decode['context_tokens']:,} tokens: {decode['batch_1_s'] * 1e3:.2f} ms "
-            f"with one sequence, {decode['batch_max_s'] * 1e3:.2f} ms with {decode['max_batch']} "
-            f"({decode['seconds']:.1f} s)")
+    return _probe_words("decode", decode, "", lambda d: (
+        f"its gaps between tokens at {d['context_tokens']:,} tokens: {d['batch_1_s'] * 1e3:.2f} ms with one "
+        f"sequence, {d['batch_max_s'] * 1e3:.2f} ms with {d['max_batch']} ({d['seconds']:.1f} s)"))
 
 
 def _prefill_words(prefill: Optional[dict]) -> str:
-    if not prefill:
-        return "no prefill probe (no recompute server)"
-    if "error" in prefill:
-        return f"no prefill probe ({prefill['error']})"
-    points = ", ".join(f"{p['prompt_tokens']:,} tokens {p['seconds'] * 1e3:.0f} ms" for p in prefill["points"])
-    return f"the {prefill['role']} server's first token: {points} ({prefill['seconds']:.1f} s)"
+    return _probe_words("prefill", prefill, " (no recompute server)", lambda p: (
+        f"the {p['role']} server's first token: "
+        + ", ".join(f"{q['prompt_tokens']:,} tokens {q['seconds'] * 1e3:.0f} ms" for q in p["points"])
+        + f" ({p['seconds']:.1f} s)"))
+
+
+def _probe_words(name: str, figures: Optional[dict], absent: str, words) -> str:
+    """A server probe's figures in words, or why there are none (`absent` when it did not run; or its error)."""
+    if not figures:
+        return f"no {name} probe{absent}"
+    if "error" in figures:
+        return f"no {name} probe ({figures['error']})"
+    return words(figures)
 
 
 def prefill_points(probe: dict) -> list[tuple[int, float]]:
