@@ -1,8 +1,9 @@
 """The pre-flight's probes for the sizing model (sizing/machine.py reads their figures): this machine's speed at
 the embedded model's shapes (`python -m cache_impl.machine_probe`, in its own process, on the machine and device
 the embedded engine uses); the prefill probe: the recompute server's own first-token times at a few prompt
-lengths across the run's range, over HTTP as the gates send them, one request at a time; and the decode probe:
-the same server's gaps between streamed tokens with one sequence and with its full batch decoding."""
+lengths across the run's range, over HTTP as the gates send them, one request at a time; and the decode probe
+(run just before G3, at G3's own context): the same server's gaps between streamed tokens with one sequence and
+with its full batch decoding."""
 
 from __future__ import annotations
 
@@ -53,10 +54,7 @@ def probe_machine(embedded, endpoints: dict, longest_context: int, run_id: str =
     """The probe's figures (`run_machine_probe`) with the prefill probe's (`prefill_probe`) under "prefill"."""
     probe = run_machine_probe(embedded)
     if "error" not in probe and PREFILL_ROLE in endpoints:
-        endpoint = endpoints[PREFILL_ROLE]
-        probe["prefill"] = prefill_probe(endpoint, longest_context, run_id)
-        probe["server_decode"] = decode_probe(endpoint, _fraction(longest_context, PREFILL_FRACTIONS[0]),
-                                              embedded.max_running, run_id)
+        probe["prefill"] = prefill_probe(endpoints[PREFILL_ROLE], longest_context, run_id)
     return probe
 
 

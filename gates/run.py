@@ -31,15 +31,15 @@ from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
-from sizing.machine import probe_line
-from sizing.plan import comparison_lines
+from sizing.machine import decode_words, probe_line
+from sizing.plan import comparison_lines, g3_decode_context
 from workloads.fio import FioError, fio_version
 from workloads.inventory import collect_inventory
 from workloads.processes import die_with_parent
 
 from .config import GatesConfig
 from .console import GateConsole, target_text
-from .machine_probe import probe_machine
+from .machine_probe import PREFILL_ROLE, decode_probe, probe_machine
 from .preflight import ability_line, failure_message, probe_engines, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
@@ -182,6 +182,7 @@ class GateRunner:
         self.console = console or GateConsole()
         self.suite_env: dict[str, str] = {}  # for the gate suites: the embedded servers' admin token
         self.last_plan = None                # the sizing model's latest plan (sizing/in_run.py)
+        self.endpoints: dict[str, Endpoint] = {}
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,6 +208,7 @@ class GateRunner:
             servers, endpoints, problem = None, {}, str(error)
         else:
             problem = ""
+        self.endpoints = endpoints
         with servers or nullcontext():
             problem = problem or (self._preflight(endpoints) if endpoints else "")
             statuses = [] if problem else self._run_gates()
@@ -273,6 +275,19 @@ class GateRunner:
         self.store.write_machine_probe(probe)
         self.console.print(f"  [dim]{probe_line(probe)}[/dim]", highlight=False)
 
+    def _probe_decode(self) -> None:
+        """Just before G3, beside the machine probe: the recompute server's decode steps at the median prompt of G3's
+        workload (sizing/machine.py's decode cost), timed at the gate's minute and context."""
+        probe, endpoint = self.store.machine_probe(), self.endpoints.get(PREFILL_ROLE)
+        if not probe or "error" in probe or endpoint is None:
+            return
+        context = g3_decode_context(self.config)
+        with self.console.status(f"before G3: timing the {PREFILL_ROLE} server's decode at {context:,} tokens …"):
+            probe["server_decode"] = decode_probe(endpoint, context, self.config.targets.embedded.max_running,
+                                                  self.store.run_info().get("run_id", "run"))
+        self.store.write_machine_probe(probe)
+        self.console.print(f"  [dim]before G3: {decode_words(probe['server_decode'])}[/dim]", highlight=False)
+
     def _targets(self, info: dict) -> tuple[Optional[EmbeddedServers], dict[str, Endpoint]]:
         if not NEEDS_TARGETS & set(self.gates):
             return None, {}
@@ -316,6 +331,8 @@ class GateRunner:
         """The sizing model's figures for `gate`, from the config and the gates measured so far (recorded)."""
         if gate not in PREDICTED_GATES:
             return                # nothing of it is predicted: no plan (a replay and a simulation) to make
+        if gate == "g3":
+            self._probe_decode()
         plan, problem = stage_plan(self.config, self.store, gate)
         self.last_plan = plan or self.last_plan
         for line in gate_lines(plan, gate) if plan is not None else [problem]:

@@ -5,7 +5,8 @@ recorded in the run as machine_probe.json), standing in where a calibration's co
                                              times at five lengths across the run's range, over HTTP, one at a time
     decode(b) = step_s + per_sequence_s·b   through the decode probe's two medians: the same server's gaps
                                              between streamed tokens with 1 and with max_running sequences
-                                             decoding (the model's decode pass alone, in-process, without one)
+                                             decoding, just before G3 at the median prompt of G3's workload
+                                             (the model's decode pass alone, in-process, without one)
     the host tier's GB/s = the probe's host copy
 
 The curve is measured where the cost lives. A roofline of the model's FLOPs (matmul and attention FLOP/s at its
@@ -31,7 +32,7 @@ from .timing import RecomputeCurve
 
 SOURCE = "the pre-flight's machine probe"
 PREFILL_SOURCE = "the pre-flight's prefill probe"
-DECODE_SOURCE = "the pre-flight's decode probe"
+DECODE_SOURCE = "the decode probe before G3"
 
 
 def probe_line(probe: dict) -> str:
@@ -43,14 +44,15 @@ def probe_line(probe: dict) -> str:
             f"{probe['threads']} threads): matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, attention "
             f"{probe['attention_flops'] / 1e9:.1f} GFLOP/s, decode {decode['step_s'] * 1e3:.2f} ms + "
             f"{decode['per_sequence_s'] * 1e3:.2f} ms per sequence, host copy {probe['host_copy_gbps']:.2f} GB/s "
-            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}; "
-            f"{_decode_words(probe.get('server_decode'))}")
+            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}"
+            + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else ""))
 
 
-def _decode_words(decode: Optional[dict]) -> str:
+def decode_words(decode: Optional[dict]) -> str:
+    """The decode probe's figures in words (or why there are none)."""
     return _probe_words("decode", decode, "", lambda d: (
-        f"its gaps between tokens at {d['context_tokens']:,} tokens: {d['batch_1_s'] * 1e3:.2f} ms with one "
-        f"sequence, {d['batch_max_s'] * 1e3:.2f} ms with {d['max_batch']} ({d['seconds']:.1f} s)"))
+        f"the {d['role']} server's gaps between tokens at {d['context_tokens']:,} tokens: {d['batch_1_s'] * 1e3:.2f} "
+        f"ms with one sequence, {d['batch_max_s'] * 1e3:.2f} ms with {d['max_batch']} ({d['seconds']:.1f} s)"))
 
 
 def _prefill_words(prefill: Optional[dict]) -> str:
@@ -106,7 +108,8 @@ def probe_decode(probe: dict) -> tuple[DecodeCost, str]:
     model = DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
     server = probe.get("server_decode") or {}
     if "step_s" not in server:
-        return model, f"decode from the model's decode pass alone ({SOURCE}): no decode probe of the server"
+        return model, (f"decode from the model's decode pass alone ({SOURCE}): no decode probe of the server (it runs "
+                       "just before G3)")
     decode = DecodeCost(server["step_s"], server["per_sequence_s"])
     batch = server["max_batch"]
     return decode, (f"decode from {DECODE_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "

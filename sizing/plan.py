@@ -44,7 +44,7 @@ from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 from kvcore.verdict import judge
 from workloads.capacity_probe import slo_of
-from workloads.datasets import build_workload, sizer_for
+from workloads.datasets import BYTE_TOKENIZER_ID as BYTE_SIZER, build_workload, sizer_for
 from workloads.sweep import RATE_USERS
 
 from .calibration import Calibration, calibrate
@@ -190,7 +190,14 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
 def _g3_workload(config, inputs, seed: int = 0):
     """G3's workload built as G3 builds it for the target (the byte sizer for kvgate's engine, the word
     sizer for others)."""
-    return build_workload(config.g3.workload, sizer_for("kvgate-byte-v1" if inputs.embedded else None), seed)
+    return build_workload(config.g3.workload, sizer_for(BYTE_SIZER if inputs.embedded else None), seed)
+
+
+def g3_decode_context(config) -> int:
+    """Where G3's sequences decode: the median prompt (tokens) of its workload as built for kvgate's engine (the
+    context the decode probe times the server's steps at, just before G3)."""
+    prompts = sorted(r.prompt_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
+    return prompts[(len(prompts) - 1) // 2]
 
 
 def _with_roofline(calibration: Calibration, roofline, layers: int) -> Calibration:

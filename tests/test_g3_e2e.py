@@ -9,8 +9,10 @@ import pytest
 import yaml
 
 from gates.cli import main
+from gates.config import load_config
 from gates.sequential import Looks, method
 from kvcore.rundata import RunStore
+from sizing.plan import g3_decode_context
 
 SHORT_G3 = {
     # the host tier (8 blocks of the tiny preset) below the workload's ~28 blocks: the disk serves the lower hits
@@ -97,6 +99,22 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     results = json.loads((run_dir / "results.json").read_text())
     assert code == (0 if results["overall"]["status"] == "passed" else 1)
     assert (run_dir / "index.html").read_text().count("<svg") >= 2
+
+
+def test_g3_is_predicted_from_the_servers_decode_timed_just_before_it_at_its_own_context(g3_run):
+    _, run_dir = g3_run
+    store = RunStore(run_dir)
+    config = load_config(run_dir / "config.yaml", None)
+    decode = store.machine_probe()["server_decode"]
+    assert decode["role"] == "recompute" and decode["max_batch"] == SHORT_G3["targets"]["embedded"]["max_running"]
+    # the median prompt of G3's own workload (6 users x 3 rounds of a 256-token system prompt, a 768-token document
+    # and growing turns): where G3's sequences decode, not a length of G2's
+    assert decode["context_tokens"] == g3_decode_context(config) and 1024 < decode["context_tokens"] < 2048
+    assert min(decode["gaps"].values()) >= 8 and decode["batch_max_s"] > decode["step_s"] >= 0
+    before = [r for r in store.predictions() if r["stage"] == "before g3"]
+    assert any(r["metric"] == "output_tokens_per_s" and r["value"] > 0 for r in before)   # it gave G3's throughput
+    notes = json.loads((run_dir / "sizing.json").read_text())["notes"]
+    assert any(n.startswith("decode from the decode probe before G3") for n in notes), notes
 
 
 def test_g3_routes_over_two_candidate_nodes_on_a_shared_pool_and_reports_cross_node_reuse(tmp_path):

@@ -129,7 +129,7 @@ def test_the_servers_decode_gaps_stand_in_for_the_models_decode_pass(config, pro
               "max_batch": 8, "step_s": 0.0012, "per_sequence_s": 0.0008, "gaps": {"1": 79, "8": 282},
               "seconds": 2.4}
     decode, note = probe_decode({**probe, "server_decode": server})
-    assert decode == DecodeCost(0.0012, 0.0008) and "the pre-flight's decode probe" in note
+    assert decode == DecodeCost(0.0012, 0.0008) and "the decode probe before G3" in note
     assert probe_calibration({**probe, "server_decode": server}).decode == decode
     # without it (or when it failed) the model's own decode pass, said so
     for missing in ({}, {"server_decode": {"role": "recompute", "error": "boom"}}):
@@ -194,10 +194,7 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     assert [p["context_tokens"] for p in prefill["points"]] == prefill_lengths(1100) == [16, 256, 640, 1024]
     assert all(p["seconds"] > 0 and len(p["rounds"]) == 3 for p in prefill["points"])
     assert [p["prompt_tokens"] for p in prefill["points"]] == [12, 252, 636, 1020]   # as its usage counted them
-    decode = probe["server_decode"]     # the same server's gaps between tokens, alone and with its full batch
-    assert decode["max_batch"] == SMALLEST["targets"]["embedded"]["max_running"] and decode["context_tokens"] == 256
-    assert min(decode["gaps"].values()) >= 8 and 0 < decode["batch_1_s"] and decode["step_s"] >= 0
-    assert decode["batch_max_s"] > 0
+    assert "server_decode" not in probe      # the decode is timed just before G3, which this run does not run
     before = [r for r in store.predictions() if r["stage"] == "before g2"]
     assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
         (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
@@ -217,7 +214,6 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
         assert sum(t["error_s"] for t in row["terms"]) * 1e3 == pytest.approx(row["predicted"] - row["measured"])
         assert {t["term"] for t in row["terms"]} >= {"fixed", "per-token", "attention", "form"}
     assert any(note.startswith("machine probe (") for note in sizing["notes"])
-    assert any(note.startswith("decode from the pre-flight's decode probe") for note in sizing["notes"])
     out = " ".join(capsys.readouterr().out.split())
     assert "machine probe (" in out and "G2 TTFT recompute at 1100 tokens" in out
 
