@@ -281,10 +281,14 @@ class GateRunner:
         probe, endpoint = self.store.machine_probe(), self.endpoints.get(PREFILL_ROLE)
         if not probe or "error" in probe or endpoint is None:
             return
-        context = g3_decode_context(self.config)
-        with self.console.status(f"before G3: timing the {PREFILL_ROLE} server's decode at {context:,} tokens …"):
-            probe["server_decode"] = decode_probe(endpoint, context, self.config.targets.embedded.max_running,
-                                                  self.store.run_info().get("run_id", "run"))
+        try:
+            context = g3_decode_context(self.config)
+        except Exception as error:  # the sizing model never stops a run: G3 itself says what its workload lacks
+            probe["server_decode"] = {"role": PREFILL_ROLE, "error": f"G3's workload: {type(error).__name__}: {error}"}
+        else:
+            with self.console.status(f"before G3: timing the {PREFILL_ROLE} server's decode at {context:,} tokens …"):
+                probe["server_decode"] = decode_probe(endpoint, context, self.config.targets.embedded.max_running,
+                                                      self.store.run_info().get("run_id", "run"))
         self.store.write_machine_probe(probe)
         self.console.print(f"  [dim]before G3: {decode_words(probe['server_decode'])}[/dim]", highlight=False)
 

@@ -138,6 +138,28 @@ def test_the_servers_decode_gaps_stand_in_for_the_models_decode_pass(config, pro
         assert note.startswith("decode from the model's decode pass alone")
 
 
+
+def test_a_g3_workload_that_cannot_be_built_leaves_the_decode_probe_an_error_not_the_run(tmp_path, config, probe,
+                                                                                         monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import gates.run
+    from gates.targets import Endpoint
+
+    def unbuildable(_config):
+        raise ValueError("no such trace")
+
+    monkeypatch.setattr(gates.run, "g3_decode_context", unbuildable)
+    runner = gates.run.GateRunner(config, tmp_path, "r", ["g3"], False, Console(file=io.StringIO(), width=200))
+    runner.store.write_machine_probe(probe)
+    runner.endpoints = {"recompute": Endpoint("recompute", "http://127.0.0.1:9/v1", "kvgate-small")}
+    runner._probe_decode()
+    decode = runner.store.machine_probe()["server_decode"]
+    assert decode == {"role": "recompute", "error": "G3's workload: ValueError: no such trace"}
+    assert probe_decode(runner.store.machine_probe())[1].startswith("decode from the model's decode pass alone")
+
 def test_a_failed_probe_leaves_the_plan_as_it_was(config):
     assert probe_calibration({"error": "the machine probe exited 1: boom"}) is None
     assert probe_calibration({}) is None
