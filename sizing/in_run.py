@@ -62,7 +62,8 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
                                           tuple(r.get("terms") or ())) for r in stored])
     compare(before, store, config.sizing)
     for row in before.accuracy:
-        row["sample"] = constants_sample(config, row["gate"], store.status("g2") is not None)
+        row["sample"] = constants_sample(config, row["gate"], store.status("g2") is not None,
+                                         probed="matmul_flops" in store.machine_probe())
         row["text"] += f"; {row['sample']}"
     notes = list(plan.notes) if plan is not None else []
     try:
@@ -75,13 +76,17 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
     return {"comparison": before.comparison, "accuracy": before.accuracy, "notes": notes}
 
 
-def constants_sample(config, gate: str, g2_ran: bool = True) -> str:
-    """Where the predictions of `gate` took their constants: in sample from this run's own pre-flight probes (and,
-    for G3 when G2 ran, its G2), out of sample when a calibration file, another run's, gave any of them."""
+def constants_sample(config, gate: str, g2_ran: bool = True, probed: bool = True) -> str:
+    """Where the predictions of `gate` took their constants: in sample from this run's own probes of the embedded
+    servers (`probed`) and, for G3 when G2 ran, its G2; out of sample when a calibration file, another run's, gave
+    any of them."""
     file = config.sizing.calibration
     with_g2 = gate == "g3" and g2_ran
     if file is None:
-        return "in sample: constants from this run's pre-flight probes" + (" and its G2" if with_g2 else "")
+        own = ["this run's probes of its servers"] if probed else []
+        if with_g2:
+            own.append("its G2" if own else "this run's G2")
+        return "in sample: constants from " + (" and ".join(own) or "the config alone")
     if with_g2:
         return f"out of sample where this run's G2 fits none: those constants from {file}"
     return f"out of sample: constants from {file}"

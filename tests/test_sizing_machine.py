@@ -244,9 +244,11 @@ def test_the_accuracy_says_whether_its_constants_came_from_this_run_or_another(c
     from pathlib import Path
     from sizing.in_run import constants_sample
 
-    assert constants_sample(config, "g2") == "in sample: constants from this run's pre-flight probes"
-    assert constants_sample(config, "g3").endswith("pre-flight probes and its G2")
-    assert constants_sample(config, "g3", g2_ran=False).endswith("pre-flight probes")     # G3 run without G2
+    assert constants_sample(config, "g2") == "in sample: constants from this run's probes of its servers"
+    assert constants_sample(config, "g3").endswith("probes of its servers and its G2")
+    assert constants_sample(config, "g3", g2_ran=False).endswith("probes of its servers")     # G3 run without G2
+    # an external engine is not probed: its G3 rests on its G2 alone
+    assert constants_sample(config, "g3", probed=False) == "in sample: constants from this run's G2"
     filed = config.model_copy(update={"sizing": config.sizing.model_copy(update={"calibration": Path("small.json")})})
     assert constants_sample(filed, "g2") == "out of sample: constants from small.json"
     assert constants_sample(filed, "g3").startswith("out of sample where this run's G2 fits none")
