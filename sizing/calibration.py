@@ -104,7 +104,8 @@ class Calibration:
                   if not getattr(self, name) and getattr(earlier, name)]
         if not taken:
             return self
-        note = f"{', '.join(taken)} from {earlier.source or 'the configured calibration'} (this run has not measured them)"
+        source = earlier.source or "the configured calibration"
+        note = f"{', '.join(taken)} from {source} (no gate of this run measured them)"
         answered = tuple(MISSING_NOTE[name] for name in taken if name in MISSING_NOTE)
         kept = tuple(n for n in self.notes if not n.startswith(answered))   # "no recompute curve: …" once one is taken
         return replace(self, **{name: getattr(earlier, name) for name in taken}, notes=(*kept, note))

@@ -31,6 +31,7 @@ from .queueing import DecodeCost
 from .timing import RecomputeCurve
 
 SOURCE = "the pre-flight's machine probe"
+PROBES_SOURCE = "this run's probes of the machine and its servers"
 PREFILL_SOURCE = "the pre-flight's prefill probe"
 DECODE_SOURCE = "the decode probe before G3"
 
@@ -125,7 +126,7 @@ def probe_calibration(probe: dict) -> Optional[Calibration]:
     curve, note = probe_curve(probe)
     decode, decode_note = probe_decode(probe)
     return Calibration(curve=curve, decode=decode, host_gbps=probe["host_copy_gbps"],
-                       source=SOURCE, notes=(probe_line(probe), note, decode_note))
+                       source=PROBES_SOURCE, notes=(probe_line(probe), note, decode_note))
 
 
 def run_probe_calibration(store: RunStore) -> Optional[Calibration]:

@@ -180,7 +180,7 @@ def test_a_calibration_file_and_the_runs_own_g2_come_before_the_probe(tmp_path, 
                 for r in store.predictions() if r["stage"] == "before g2" and r["metric"] == "ttft_ms"}
     for context in configured.g2.contexts:          # the file's curve, not the probe's
         assert recorded[("recompute", context)] == pytest.approx(RecomputeCurve(0.05, 3e-4, 2e-8).seconds(context - 4))
-    assert any("from the pre-flight's machine probe" in note and "curve" not in note.split(" from ")[0]
+    assert any("from this run's probes of the machine" in note and "curve" not in note.split(" from ")[0]
                for note in plan.notes)          # the probe fills only what the file lacks (its decode, the host)
 
     # after G2, the run's own fit of its G2 TTFTs; the probe gives what G3 has not measured yet (the decode)
@@ -190,8 +190,8 @@ def test_a_calibration_file_and_the_runs_own_g2_come_before_the_probe(tmp_path, 
         run.set_status(gate, "passed")
     run.write_machine_probe(probe)
     plan, problem = stage_plan(config, run, "g3")
-    taken = next(note for note in plan.notes if note.endswith("(this run has not measured them)"))
-    assert taken.startswith("decode") and "curve" not in taken and "the pre-flight's machine probe" in taken
+    taken = next(note for note in plan.notes if note.endswith("(no gate of this run measured them)"))
+    assert taken.startswith("decode") and "curve" not in taken and "this run's probes of the machine" in taken
 
 
 # --------------------------------------------------------------------------- a real run

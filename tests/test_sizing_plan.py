@@ -123,7 +123,7 @@ def test_a_runs_own_constants_come_first_and_an_earlier_calibration_fills_what_i
     filled = own.filled_from(earlier)
     assert filled.curve == own.curve and filled.tier_efficiency == {"disk": 0.83}     # measured here: kept
     assert filled.decode == earlier.decode and filled.jitter == 0.3                   # not measured yet: taken
-    assert filled.notes[-1] == "decode, jitter from /tmp/earlier (this run has not measured them)"
+    assert filled.notes[-1] == "decode, jitter from /tmp/earlier (no gate of this run measured them)"
     assert earlier.filled_from(earlier) is earlier                                    # nothing to fill
 
 
@@ -200,9 +200,9 @@ def test_a_constant_taken_from_an_earlier_calibration_drops_the_note_that_it_was
     probe = Calibration(curve=RecomputeCurve(0.02, 3e-4, 0.0), source="the pre-flight's machine probe")
     filled = own.filled_from(probe)          # the curve answers its note; the decode cost is still missing
     assert filled.notes == (missing[1], missing[2],
-                            "curve from the pre-flight's machine probe (this run has not measured them)")
+                            "curve from the pre-flight's machine probe (no gate of this run measured them)")
     both = own.filled_from(Calibration(curve=probe.curve, decode=DecodeCost(0.0063, 0.0022), source="earlier"))
-    assert both.notes == (missing[2], "curve, decode from earlier (this run has not measured them)")
+    assert both.notes == (missing[2], "curve, decode from earlier (no gate of this run measured them)")
 
 
 def test_model_load_and_checkpoint_seconds_come_from_the_judged_paths_figures(tmp_path):
