@@ -4,8 +4,13 @@ the node each goes to, and the hits each one gets from each tier (replayed throu
 What G3 sends (gates/g3_main, workloads/sweep.py), each part a load run of its own:
 
 - priming (`g3.prime`): every turn of every session once, in load order, or a trace's warm-up requests;
-- closed loop over a workload: one pass of its load order per level (the plan replays one pass after
-  the primer, and every level serves those hits);
+- closed loop over interleaved sessions: at each level, pairs of blocks, each block a segment of the load
+  order sent once by c users who start together, both targets serving the same segment (G3's matched
+  pairs, workloads/blocks.py), simulated block by block (`simulate_blocks`: each request's hits at the
+  moment the engine loads, its stores when the engine makes them, so a block's first c requests load
+  before any of the block stores);
+- closed loop over sequential sessions: one pass of its load order per level (the plan replays one pass
+  after the primer, and every level serves those hits);
 - a trace: its measured requests cut into one part per level (`trace_parts`), each level its own part,
   in order, never cycled; with `rate_multipliers` a part's requests arrive at their timestamps − the
   part's first, ÷ the multiplier (`rate_multiplied`).
@@ -13,10 +18,9 @@ What G3 sends (gates/g3_main, workloads/sweep.py), each part a load run of its o
 **Routing** (`workloads.routing.Router`, used here as is): a load run's process holds one router shared
 by its users (workloads/locustfile.py), so round-robin sends the k-th request the run sends to node
 k mod N, and a new run (the primer, each step) starts again at node 0; prefix-affinity hashes the
-conversation's opening. The k-th request sent is taken as the k-th of the load order: at concurrency
-c a user takes the next session as soon as it is free, and a session goes back in the queue when its
-turn is answered, so a real run drifts from that order a little (and with it which node serves a
-turn: round-robin over 16 sessions and 2 nodes keeps each session on one node in this order).
+conversation's opening. A matched block sends its segment in order, so its k-th request goes to node
+k mod N (round-robin over 16 sessions, 2 nodes and even segments keeps each session on one node; 15
+sessions move every session's next turn to the other node).
 
 The candidate's nodes share its pool; the baseline's nodes (kvgate starts as many, device-only) share
 nothing. Every request's hits come from one replay of all parts in sending order, so each part starts
@@ -25,8 +29,7 @@ from what the earlier ones left in the caches. Torch-free.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -34,6 +37,7 @@ import numpy as np
 from workloads.requests import Workload, WorkloadRequest
 from workloads.routing import Router
 from workloads.requests import load_order
+from workloads.steady import order_segment, requests_per_part
 from workloads.sweep import closed_loop, primer, rate_multiplied, trace_parts
 
 from .g3_figures import TargetReplay, combine, level_prediction
@@ -154,63 +158,65 @@ def _hit_figures(result: ReplayResult, measured: list) -> dict:
             "infinite_cache_bound": result.infinite_cache_bound, "pool_share": result.pool_share_of_hits}
 
 
-# --------------------------------------------------------------------------- live sessions
+# --------------------------------------------------------------------------- G3's matched blocks
 
 
-class SessionSource:
-    """G3's interleaved sessions as locust's users send them (workloads/locustfile.py `_run_next_turn`),
-    each request routed (`Router.pick`) and served by its node's cache at the moment it is sent.
+class BlockSource:
+    """One of G3's matched blocks (workloads/blocks.py): a segment of the load order, each request sent once and
+    in order by whichever user is free, routed by the block's own router (each block is a load run of its own),
+    each request's cache operations made when the engine makes them: its prefix loaded as it is sent (admitted at
+    once below max_running), its prompt's blocks stored and its hits promoted when its first token comes (after
+    its prefill), the blocks its output fills when it is answered. So a block's first c requests, sent together,
+    load before any of them stores, and a request still computing its prompt has evicted nothing yet."""
 
-    Sessions wait in a queue; a free user takes the first one's next turn, and the session goes back
-    to the end of the queue when that turn is answered (turns cycle when a run outlasts them). So the
-    order, hence each request's node and hits, comes from the timing simulation itself: at concurrency
-    c the turns answered out of order move sessions in the queue, and round-robin then sends a
-    session's next turn to another node, whose pool hits are what carries its reuse there.
-
-    A request's cache operations are all made as it is sent (the engine loads at admission and stores
-    after its prefill, so a request sent meanwhile on another node that needs those blocks would miss
-    them; a session's next turn is sent only after its answer, so G3's own sessions never do).
-    """
-
-    def __init__(self, workload: Workload, caches: list[CacheSimulator], keys: dict[str, RequestKeys],
+    def __init__(self, requests: Sequence[WorkloadRequest], caches: list[CacheSimulator], keys: dict[str, RequestKeys],
                  tokens: dict[str, int], block_tokens: int, router: Router) -> None:
-        self.sessions, self.caches, self.keys, self.tokens = workload.sessions, caches, keys, tokens
+        self.requests, self.caches, self.keys, self.tokens = list(requests), caches, keys, tokens
         self.block_tokens, self.router = block_tokens, router
-        self.ready, self.turn = deque(range(len(self.sessions))), [0] * len(self.sessions)
-        self.sent: list[list] = []          # per send: [session, request, hit row, node]
+        self.served: dict[int, tuple[RequestKeys, list[int], int]] = {}   # per send: its keys, hit row, node
+        self._next = 0
 
     def take(self) -> Optional[int]:
-        if not self.ready:
+        if self._next >= len(self.requests):
             return None
-        session = self.ready.popleft()
-        self.sent.append([session, self.sessions[session][self.turn[session]], None, None])
-        return len(self.sent) - 1
+        self._next += 1
+        return self._next - 1
 
     def serve(self, index: int) -> tuple[ServedRequest, int, None]:
-        sent = self.sent[index]
-        request = sent[1]
-        node = self.router.pick(request)
+        request = self.requests[index]
+        node, keys = self.router.pick(request), self.keys[request.request_id]
         cache = self.caches[node]
-        sent[2], sent[3] = cache.serve(self.keys[request.request_id]), node
-        cached = {tier: n * self.block_tokens for tier, n in zip(cache.names, sent[2]) if n}
+        row = cache.load(keys.prompt)
+        self.served[index] = (keys, row, node)
+        cached = {tier: n * self.block_tokens for tier, n in zip(cache.names, row) if n}
         return ServedRequest(self.tokens[request.request_id], request.max_tokens, cached), node, None
 
+    def first_token(self, index: int) -> None:
+        keys, row, node = self.served[index]
+        self.caches[node].after_prefill(keys, sum(row))
+
     def answered(self, index: int) -> None:
-        session = self.sent[index][0]
-        self.turn[session] = (self.turn[session] + 1) % len(self.sessions[session])
-        self.ready.append(session)
+        keys, _, node = self.served[index]
+        self.caches[node].store(keys.output)
 
 
-def live_sessions(g3, workload: Workload, inputs: TargetInputs) -> bool:
-    """Whether G3's closed loop over this workload is simulated with live sessions (interleaved turns)."""
+def matched_blocks(g3, workload: Workload, inputs: TargetInputs) -> bool:
+    """Whether G3's closed loop over this workload is simulated block by block as G3 runs it (matched pairs of
+    segments of an interleaved load order)."""
     return g3.replay == "closed_loop" and not workload.trace and workload.interleaved
 
 
-def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel,
-                      seeds: Sequence[int] = (0,)) -> tuple[list, dict]:
-    """G3's closed loop, level after level, each target's caches carried from the primer through every
-    step as its servers carry them: (a LevelPrediction per level, hit figures per target). With noise
-    (engine.jitter), the whole sweep once per seed, each level's runs combined (`queueing.combine`)."""
+WARMUP_PAIRS = 1    # the pairs G3's steady rule leaves out before it measures (it settles at pair 2 or later)
+
+
+def simulate_blocks(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel,
+                    seeds: Sequence[int] = (0,)) -> tuple[list, dict]:
+    """G3's closed loop as G3 runs it (workloads/blocks.py, matched): level after level, pairs of blocks, each
+    block both targets' serving of one segment of the load order (the first level's segments 8 requests a user,
+    the later ones what the baseline answered in `duration_s` at the level before, `steady.requests_per_part`),
+    `WARMUP_PAIRS` left out, then `min_blocks` measured; each target's caches carried from the primer through
+    every block, as its servers carry them. Returns (a LevelPrediction per level, hit figures per target); with
+    noise (engine.jitter), the whole sweep once per seed, each level's runs combined (`g3_figures.combine`)."""
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
     everything = [r for s in workload.sessions for r in s]
     keys = dict(zip((r.request_id for r in everything),
@@ -222,36 +228,51 @@ def simulate_sessions(g3, workload: Workload, inputs: TargetInputs, engine: Engi
     runs = {level: [] for level in g3.levels}
     counted = {role: {"rows": [], "blocks": 0, "bound": 0, "per_level": {level: [] for level in g3.levels}}
                for role in ("candidate", "baseline")}
+    roles = (("baseline", inputs.baseline_nodes), ("candidate", inputs.candidate_nodes))
     names = {}
     for seed in seeds:
-        simulated = {level: {} for level in g3.levels}
-        for role, nodes in (("candidate", inputs.candidate_nodes), ("baseline", inputs.baseline_nodes)):
-            caches = CacheSimulator.fleet(nodes, capacities[role])
-            names[role] = caches[0].names
+        caches, seen = {}, {}
+        for role, nodes in roles:
+            caches[role] = CacheSimulator.fleet(nodes, capacities[role])
+            names[role] = caches[role][0].names
+            seen[role] = set()              # what an infinite cache would hold, in this run's send order
             router = Router(nodes, inputs.routing)
-            seen: set = set()                  # what an infinite cache would hold, in this run's send order
             for request in primer:
-                caches[router.pick(request)].serve(keys[request.request_id])
-                infinite_cache_hits(seen, keys[request.request_id])
-            for level in g3.levels:
-                source = SessionSource(workload, caches, keys, tokens, inputs.block_tokens,
-                                       Router(nodes, inputs.routing))
-                done = simulate_source(source, level, [engine] * nodes, duration_s=g3.duration_s, seed=seed,
-                                       one_machine=inputs.embedded)
-                simulated[level][role] = done
-                window = [source.sent[r.index] for r in done if r.sent_s >= g3.warmup_s]
-                measured = {id(sent) for sent in window}
-                for sent in source.sent:               # every send, in order: each stores its blocks
-                    known = infinite_cache_hits(seen, keys[sent[1].request_id])
-                    counted[role]["bound"] += known if id(sent) in measured else 0
-                rows = [sent[2] for sent in window]
-                prompt_tokens = sum(tokens[sent[1].request_id] for sent in window)
-                counted[role]["per_level"][level].append(   # as G3 measures it: cached ÷ prompt tokens
-                    sum(map(sum, rows)) * inputs.block_tokens / prompt_tokens if prompt_tokens else 0.0)
-                counted[role]["rows"] += rows
-                counted[role]["blocks"] += sum(len(keys[sent[1].request_id].prompt) for sent in window)
+                caches[role][router.pick(request)].serve(keys[request.request_id])
+                infinite_cache_hits(seen[role], keys[request.request_id])
+        simulated = {level: {role: [] for role, _ in roles} for level in g3.levels}
+        start, rate = 0, None
         for level in g3.levels:
-            runs[level].append(level_prediction(level, simulated[level], g3.warmup_s, g3.min_requests))
+            count = requests_per_part(workload, level, rate, g3.duration_s)
+            clock = {role: 0.0 for role, _ in roles}     # each level's measured blocks from 0, back to back
+            for pair in range(WARMUP_PAIRS + g3.min_blocks):
+                segment = order_segment(workload, start, count).requests
+                start += count
+                for role, nodes in roles:
+                    source = BlockSource(segment, caches[role], keys, tokens, inputs.block_tokens,
+                                         Router(nodes, inputs.routing))
+                    done = simulate_source(source, level, [engine] * nodes, seed=seed, one_machine=inputs.embedded)
+                    span = max(r.done_s for r in done) - min(r.sent_s for r in done)
+                    if role == "baseline" and span > 0:
+                        rate = len(done) / span      # what sizes the next level's segments, as in G3
+                    measured = pair >= WARMUP_PAIRS
+                    for index in range(len(segment)):     # every send, in order: each stores its blocks
+                        known = infinite_cache_hits(seen[role], source.served[index][0])
+                        counted[role]["bound"] += known if measured else 0
+                    if not measured:
+                        continue
+                    offset = clock[role]            # so the level's window is its blocks' windows summed
+                    simulated[level][role] += [replace(r, sent_s=r.sent_s + offset, first_token_s=r.first_token_s
+                                                       + offset, done_s=r.done_s + offset) for r in done]
+                    clock[role] = offset + max(r.done_s for r in done)
+                    rows = [source.served[r.index][1] for r in done]
+                    prompt_tokens = sum(tokens[segment[r.index].request_id] for r in done)
+                    counted[role]["per_level"][level].append(   # as G3 measures it: cached ÷ prompt tokens
+                        sum(map(sum, rows)) * inputs.block_tokens / prompt_tokens if prompt_tokens else 0.0)
+                    counted[role]["rows"] += rows
+                    counted[role]["blocks"] += sum(len(source.served[r.index][0].prompt) for r in done)
+        for level in g3.levels:
+            runs[level].append(level_prediction(level, simulated[level], 0.0, g3.min_requests))
     hits = {}
     for role, c in counted.items():
         totals = {name: sum(row[i] for row in c["rows"]) for i, name in enumerate(names[role])}

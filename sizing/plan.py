@@ -11,8 +11,9 @@ How the pieces fit (each module's docstring has its formula):
    embedded chat template, or the word sizer's tokens for an external engine), primed as G3 primes it,
    each request routed by G3's own Router and served by its node's caches (a fleet's nodes share one
    pool) with the cache's own placement rules: hits per tier, request by request, and the
-   infinite-cache bound; interleaved sessions live inside the simulation of 4 (the order turns are
-   answered in decides the next turn's node), a trace or sequential sessions replayed beforehand;
+   infinite-cache bound; interleaved sessions block by block inside the simulation of 4 (G3's matched
+   pairs: each request's hits when the engine loads it, its stores when the engine makes them), a trace
+   or sequential sessions replayed beforehand;
 3. timing.py: TTFT of each request from its hits (fixed overhead + bytes ÷ each tier's GB/s + the
    recompute curve over the uncached tail); the curve, overheads, tier efficiencies, decode cost and
    step noise come from a calibration (a run's G2 and G3, `calibration.py`); the disk's raw GB/s from
@@ -50,7 +51,7 @@ from workloads.sweep import RATE_USERS
 from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
-from .g3_inputs import G3Replays, g3_replays, live_sessions, simulate_sessions
+from .g3_inputs import G3Replays, g3_replays, matched_blocks, simulate_blocks
 from .queueing import DecodeCost, EngineModel
 from .targets import engine_facts, target_inputs
 from .timing import RecomputeCurve, TierBandwidths, checkpoint_seconds, cold_read_vs_storage_best, model_load_seconds, predict_g2
@@ -278,15 +279,15 @@ def _g2(plan: Plan, config, timing, tiers: TierBandwidths, inputs, sources: dict
 
 def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs, throughput: bool = True) -> None:
     """G3's figures per level, each judged figure with G3's own interval over the simulated requests:
-    interleaved sessions live (their order, nodes and hits from the simulation, g3_inputs.SessionSource),
-    a trace or sequential sessions from the replay made beforehand."""
+    interleaved sessions block by block as G3 runs them (each block's hits and nodes from the simulation,
+    g3_inputs.BlockSource), a trace or sequential sessions from the replay made beforehand."""
     settings = config.g3
     closed = settings.replay == "closed_loop"
     timing = dict(duration_s=settings.duration_s, warmup_s=settings.warmup_s, min_requests=settings.min_requests)
     hits = g3.hits
     seeds = tuple(range(config.sizing.runs))
-    if live_sessions(settings, workload, inputs):
-        levels, live = simulate_sessions(settings, workload, inputs, engine, seeds)
+    if matched_blocks(settings, workload, inputs):
+        levels, live = simulate_blocks(settings, workload, inputs, engine, seeds)
         hits = live
         plan.figures["g3_hit_ratio"] = hits
     elif closed:

@@ -176,6 +176,7 @@ class _Node:
         self.arrivals: list = []            # (arrival s, order, _Active), a heap
         self.waiting: deque = deque()
         self.running: list[_Active] = []
+        self.prefilled: list[_Active] = []  # the requests whose last prompt chunk ran in the last step
 
     def next_start(self) -> Optional[float]:
         """When its next step starts (None: nothing to do and nothing coming)."""
@@ -195,6 +196,7 @@ class _Node:
         while self.arrivals and self.arrivals[0][0] <= self.t:
             self.waiting.append(heapq.heappop(self.arrivals)[2])
         t, step, finished = self.t, 0.0, []
+        self.prefilled = []
         noise = 1.0
         if engine.jitter and self.rng is not None:
             noise = float(np.exp(engine.jitter * self.rng.standard_normal() - engine.jitter ** 2 / 2))
@@ -206,6 +208,7 @@ class _Node:
         if prefilling is not None:
             step += noise * sharing * prefilling.chunks.popleft()
             if not prefilling.chunks:
+                self.prefilled.append(prefilling)
                 prefilling.generated, prefilling.first_token = 1, t + step
                 prefilling.last_token = prefilling.first_token
                 if prefilling.generated >= prefilling.request.output_tokens:
@@ -242,13 +245,16 @@ def _checked_replay(requests: Sequence[ServedRequest], engines: Sequence[EngineM
 
 
 class LoadSource(Protocol):
-    """What the load users send, asked as they send it (a replay fixed beforehand, or live sessions)."""
+    """What the load users send, asked as they send it (a replay fixed beforehand, or G3's blocks served live)."""
 
     def take(self) -> Optional[int]:
         """The next request a free user sends (an index), or None when none is ready (the user waits)."""
 
     def serve(self, index: int) -> tuple[ServedRequest, int, Optional[float]]:
         """The request as it is served now: its cached tokens per tier, its node, its arrival (open loop)."""
+
+    def first_token(self, index: int) -> None:
+        """Its prompt is computed (its first token is out): the engine stores the prompt's blocks now."""
 
     def answered(self, index: int) -> None:
         """Its last token came back."""
@@ -268,6 +274,9 @@ class ReplaySource:
     def serve(self, index: int) -> tuple[ServedRequest, int, Optional[float]]:
         arrival = None if self.arrivals_s is None else float(self.arrivals_s[index])
         return self.requests[index], self.nodes[index], arrival
+
+    def first_token(self, index: int) -> None:
+        return None
 
     def answered(self, index: int) -> None:
         return None
@@ -328,7 +337,7 @@ def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineMode
                          node=node_index, client_wait=now - scheduled)
         heapq.heappush(node.arrivals, (now + node.engine.timing.overhead, next(counter), active))
 
-    for _ in range(users):
+    for _ in range(users):          # every user at once (a block's locust users send within milliseconds)
         send(0.0)
     while True:
         starts = [(start, i) for i, node in enumerate(fleet) if (start := node.next_start()) is not None]
@@ -336,7 +345,10 @@ def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineMode
             break
         start, chosen = min(starts)
         sharing = sum(node.busy_at(start) for node in fleet) if one_machine else 1
-        for a, at in fleet[chosen].step(max(1, sharing)):
+        finished = fleet[chosen].step(max(1, sharing))
+        for a in fleet[chosen].prefilled:   # its blocks stored before anything sent at the step's end loads
+            source.first_token(a.index)
+        for a, at in finished:
             done.append(SimulatedRequest(a.index, a.sent, a.first_token, at, a.generated, tuple(a.itl),
                                          tuple(a.batch), a.node, a.client_wait))
             source.answered(a.index)

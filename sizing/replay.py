@@ -227,12 +227,16 @@ class CacheSimulator:
         """One request as the engine makes it: load its prompt's longest held prefix, store the rest of
         the prompt, promote the hits, store the blocks its output fills; its hit blocks per level."""
         row = self.load(request.prompt)
-        loaded = sum(row)
+        self.after_prefill(request, sum(row))
+        self.store(request.output)
+        return row
+
+    def after_prefill(self, request: RequestKeys, loaded: int) -> None:
+        """What the engine does once a request's prompt is computed: store the blocks after its `loaded` prefix,
+        then promote the loaded ones."""
         self.store(request.prompt[loaded:])
         if loaded:
             self.promote(request.prompt[:loaded])
-        self.store(request.output)
-        return row
 
     def store(self, keys: Iterable[Key]) -> int:
         """Store each block (`TieredKVCache._store_one`); returns how many were new."""

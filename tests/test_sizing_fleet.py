@@ -211,43 +211,50 @@ def test_a_config_with_sizing_target_survives_the_run_directorys_round_trip(tmp_
     assert shape.bytes_per_token == 61 * (512 + 64) * 2                  # DeepSeek-V3's latent in bf16
 
 
-# --------------------------------------------------------------------------- live sessions, noise, runs
+# --------------------------------------------------------------------------- G3's blocks, noise, runs
 
 
-def _fleet_config(tmp_path, **g3):
-    """Two nodes on a pool with the single-node workload and tiers given explicitly (16 sessions on 2 nodes:
-    each stays on its node unless turns are answered out of order; the fleet's own defaults, which move
-    every conversation across nodes, are gates/fleet.py's and tested there)."""
+def _fleet_config(tmp_path, sessions: int = 16, host: str = "1GiB", disk: str = "8GiB", **g3):
+    """Two nodes on a pool with the single-node workload (`sessions` conversations) and tiers given explicitly
+    (the fleet's own defaults, which move every conversation across nodes, are gates/fleet.py's and tested
+    there)."""
     from gates.config import profile_defaults
 
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump({
         "targets": {"embedded": {"candidate_nodes": 2, "pool": "redis", "device_capacity_blocks": 64,
-                                 "host_capacity": "1GiB", "disk_capacity": "8GiB"}},
-        "g3": {"workload": profile_defaults("quick")["g3"]["workload"], "levels": [2], "duration_s": 12, "warmup_s": 2,
-               **g3}}))
+                                 "host_capacity": host, "disk_capacity": disk}},
+        "g3": {"workload": {**profile_defaults("quick")["g3"]["workload"], "users": sessions}, "levels": [2],
+               "duration_s": 12, "warmup_s": 2, **g3}}))
     return load_config(path)
 
 
-def test_without_noise_round_robin_keeps_each_session_on_its_node_and_with_it_turns_move_to_the_pool(tmp_path):
-    from sizing.g3_inputs import simulate_sessions
+def test_g3s_blocks_route_by_send_order_so_a_session_keeps_its_node_only_when_the_sessions_divide_evenly(tmp_path):
+    from sizing.g3_inputs import simulate_blocks
     from workloads.datasets import ByteSizer, build_workload
 
-    config = _fleet_config(tmp_path)
-    inputs, _ = target_inputs(config)
-    workload = build_workload(config.g3.workload, ByteSizer(), 0)
-    timing = TimingModel(RecomputeCurve(0.01, 1e-4, 0.0), TierBandwidths(remote_gbps=0.15), KV, block_size=256)
+    timing = TimingModel(RecomputeCurve(0.01, 1e-4, 0.0), TierBandwidths(disk_gbps=1.0, remote_gbps=0.15), KV,
+                         block_size=256)
     quiet = EngineModel(timing, DecodeCost(0.004, 0.001), 8)
-    # 16 sessions in a queue, 2 users, 2 nodes: equal turns answered in send order keep session s on node s mod 2
-    _, hits = simulate_sessions(config.g3, workload, inputs, quiet)
-    assert hits["candidate"]["pool_share"] == 0 and hits["candidate"]["per_tier"]["remote"] == 0
+
+    def blocks(sessions: int, engine: EngineModel = quiet, seeds=(0,), **tiers):
+        config = _fleet_config(tmp_path, sessions, **tiers)
+        inputs, _ = target_inputs(config)
+        return simulate_blocks(config.g3, build_workload(config.g3.workload, ByteSizer(), 0), inputs, engine, seeds)
+
+    # each block is a load run with its own round-robin router: its k-th request goes to node k mod 2, and a block
+    # of the first level is 8 requests a user (16) of the interleaved order, where session s is every 16th
+    _, even = blocks(16)
+    assert even["candidate"]["pool_share"] == 0 and even["candidate"]["per_tier"]["remote"] == 0
     # no cache beats an infinite one over the same sends (the bound is counted on the simulated run itself)
-    assert all(0 < h["overall"] <= h["infinite_cache_bound"] for h in hits.values())
-    noisy = EngineModel(quiet.timing, quiet.decode, 8, jitter=0.4)
-    levels, moved = simulate_sessions(config.g3, workload, inputs, noisy, seeds=(0, 1, 2))
-    assert moved["candidate"]["pool_share"] > 0                     # a moved turn's history came from the pool
-    assert moved["baseline"]["per_level"][2] < hits["baseline"]["per_level"][2]   # and the baseline lost it
-    (level,) = levels
+    assert all(0 < h["overall"] <= h["infinite_cache_bound"] for h in even.values())
+    # 15 sessions: a session's next turn comes 15 requests later, on the other node; with tiers too small to keep
+    # what priming left on both, its history comes from the pool, which the baseline's nodes do not share
+    _, odd = blocks(15, host="1MiB", disk="16MiB")
+    assert odd["candidate"]["pool_share"] > 0.5 and odd["candidate"]["per_level"][2] > 0.9
+    assert odd["baseline"]["per_level"][2] < 0.2 < even["baseline"]["per_level"][2]
+    # with noise, the level's figures are the median of the runs' and its intervals span theirs
+    (level,), _ = blocks(16, EngineModel(quiet.timing, quiet.decode, 8, jitter=0.4), seeds=(0, 1, 2))
     assert len(level.runs) == 3 and level.g3.ttft_reduction == pytest.approx(
         sorted(run.ttft_reduction for run in level.runs)[1])
     assert level.g3.ttft_interval == (min(r.ttft_interval[0] for r in level.runs),
