@@ -4,6 +4,7 @@ predictions judged with G3's own intervals (INCONCLUSIVE near a threshold), and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -260,6 +261,32 @@ def test_g3s_blocks_route_by_send_order_so_a_session_keeps_its_node_only_when_th
     assert level.g3.ttft_interval == (min(r.ttft_interval[0] for r in level.runs),
                                       max(r.ttft_interval[1] for r in level.runs))
 
+
+def test_a_blocks_requests_sent_together_load_before_any_of_them_stores():
+    """The engine loads a request's prefix when it admits it and stores its prompt after its prefill: two
+    requests for one new prompt sent together both miss, where sent one after the other the second hits."""
+    from sizing.g3_inputs import BlockSource
+    from sizing.queueing import simulate_source
+    from workloads.datasets import ByteSizer, build_workload
+    from workloads.routing import Router
+    from sizing.sequences import embedded_chat_tokens, requests_block_keys
+
+    first = build_workload({"kind": "multi_round_qa", "users": 1, "rounds": 1, "system_prompt_tokens": 256,
+                            "document_tokens": 1024, "question_tokens": 16, "answer_tokens": 16,
+                            "output_tokens": 4}, ByteSizer(), 0).requests[0]
+    twins = [first, dataclasses.replace(first, request_id="twin")]
+    keys = dict(zip((r.request_id for r in twins), requests_block_keys(twins, embedded_chat_tokens, block_tokens=256)))
+    tokens = {r.request_id: len(embedded_chat_tokens(r)) for r in twins}
+    engine = EngineModel(TimingModel(RecomputeCurve(0.01, 1e-4, 0.0), TierBandwidths(), KV, block_size=256),
+                         DecodeCost(0.004, 0.001), 8)
+    hits = {}
+    for users in (2, 1):
+        source = BlockSource(twins, CacheSimulator.fleet(1, [TierCapacity("device", 64)]), keys, tokens, 256,
+                             Router(1, "round-robin"))
+        simulate_source(source, users, [engine])
+        hits[users] = [sum(source.served[i][1]) for i in range(2)]
+    prompt_blocks = len(keys["twin"].prompt)
+    assert prompt_blocks >= 4 and hits[2] == [0, 0] and hits[1] == [0, prompt_blocks]
 
 def test_a_fleet_plan_predicts_the_pools_share_and_judges_g3_with_intervals(tmp_path):
     store = recorded_run(tmp_path / "run")
