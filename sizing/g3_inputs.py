@@ -241,17 +241,19 @@ def simulate_blocks(g3, workload: Workload, inputs: TargetInputs, engine: Engine
                 caches[role][router.pick(request)].serve(keys[request.request_id])
                 infinite_cache_hits(seen[role], keys[request.request_id])
         simulated = {level: {role: [] for role, _ in roles} for level in g3.levels}
-        start, rate = 0, None
+        start, rate, block = 0, None, 0
         for level in g3.levels:
             count = requests_per_part(workload, level, rate, g3.duration_s)
             clock = {role: 0.0 for role, _ in roles}     # each level's measured blocks from 0, back to back
             for pair in range(WARMUP_PAIRS + g3.min_blocks):
                 segment = order_segment(workload, start, count).requests
                 start += count
+                block += 1
                 for role, nodes in roles:
                     source = BlockSource(segment, caches[role], keys, tokens, inputs.block_tokens,
                                          Router(nodes, inputs.routing))
-                    done = simulate_source(source, level, [engine] * nodes, seed=seed, one_machine=inputs.embedded)
+                    done = simulate_source(source, level, [engine] * nodes, seed=seed * 10_000 + block,
+                                           one_machine=inputs.embedded)   # each block's own noise, the same per seed
                     span = max(r.done_s for r in done) - min(r.sent_s for r in done)
                     if role == "baseline" and span > 0:
                         rate = len(done) / span      # what sizes the next level's segments, as in G3
