@@ -60,13 +60,8 @@ def probe_machine(embedded, endpoints: dict, longest_context: int, run_id: str =
 
 def prefill_lengths(longest_context: int, block_tokens: int = 256) -> list[int]:
     """The context lengths the prefill probe sends (module constants), each a distinct length ≤ the longest."""
-    spread = {_fraction(longest_context, f, block_tokens) for f in PREFILL_FRACTIONS}
+    spread = {max(block_tokens, round(longest_context * f / 64) * 64) for f in PREFILL_FRACTIONS}
     return sorted({n for n in (*PREFILL_SHORT, *spread) if n <= longest_context})
-
-
-def _fraction(longest_context: int, fraction: float, block_tokens: int = 256) -> int:
-    """`fraction` of the longest context in whole 64s, at least one block."""
-    return max(block_tokens, round(longest_context * fraction / 64) * 64)
 
 
 def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int = PREFILL_ROUNDS) -> dict:

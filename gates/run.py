@@ -31,7 +31,7 @@ from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
-from sizing.machine import decode_words, probe_line
+from sizing.machine import decode_words, probe_line, probe_ran
 from sizing.plan import comparison_lines, g3_decode_context
 from workloads.fio import FioError, fio_version
 from workloads.inventory import collect_inventory
@@ -279,7 +279,7 @@ class GateRunner:
         """Just before G3, beside the machine probe: the recompute server's decode steps at the median prompt of G3's
         workload (sizing/machine.py's decode cost), timed at the gate's minute and context."""
         probe, endpoint = self.store.machine_probe(), self.endpoints.get(PREFILL_ROLE)
-        if not probe or "error" in probe or endpoint is None:
+        if not probe_ran(probe) or endpoint is None:
             return
         try:
             context = g3_decode_context(self.config)

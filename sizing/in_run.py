@@ -14,7 +14,7 @@ from typing import Optional
 from kvcore.rundata import RunStore
 
 from .calibration import Calibration
-from .machine import run_probe_calibration
+from .machine import probe_ran, run_probe_calibration
 from .plan import Plan, Prediction, compare, make_plan
 from .targets import engine_facts
 
@@ -63,7 +63,7 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
     compare(before, store, config.sizing)
     for row in before.accuracy:
         row["sample"] = constants_sample(config, row["gate"], store.status("g2") is not None,
-                                         probed="matmul_flops" in store.machine_probe())
+                                         probed=probe_ran(store.machine_probe()))
         row["text"] += f"; {row['sample']}"
     notes = list(plan.notes) if plan is not None else []
     try:

@@ -119,9 +119,14 @@ def probe_decode(probe: dict) -> tuple[DecodeCost, str]:
                     f"{batch}: the rest is the server's work per step (sampling, streaming, the step loop)")
 
 
+def probe_ran(probe: dict) -> bool:
+    """Whether a run's machine probe (machine_probe.json) ran and gave figures: neither absent nor failed."""
+    return bool(probe) and "error" not in probe
+
+
 def probe_calibration(probe: dict) -> Optional[Calibration]:
     """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe failed."""
-    if not probe or "error" in probe:
+    if not probe_ran(probe):
         return None
     curve, note = probe_curve(probe)
     decode, decode_note = probe_decode(probe)
