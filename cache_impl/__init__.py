@@ -10,7 +10,7 @@
     cache.store(prompt_tokens, new_blocks, first_block=prefix.num_blocks)
     cache.promote(prompt_tokens, loaded_blocks)   # after the first token: keep the prefix on the device
 
-The names are imported on first use, so `import cache_impl.config` (what configs and the CLI
+The names are imported on first use, so `import cache_impl.cache.config` (what configs and the CLI
 read) does not import torch.
 """
 
@@ -18,9 +18,10 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "CacheConfig": "config", "ConfigError": "config", "DiskTierConfig": "config",
-    "Fingerprint": "keys", "KVLayout": "keys", "block_keys": "keys",
-    "LoadResult": "manager", "LoadedPrefix": "manager", "PrefixMatch": "manager", "TieredKVCache": "manager",
+    "CacheConfig": "cache.config", "ConfigError": "cache.config", "DiskTierConfig": "cache.config",
+    "Fingerprint": "cache.keys", "KVLayout": "cache.keys", "block_keys": "cache.keys",
+    "LoadResult": "cache.manager", "LoadedPrefix": "cache.manager", "PrefixMatch": "cache.manager",
+    "TieredKVCache": "cache.manager",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,11 @@
 """kvgate's own server (`kvgate serve --admin`): its admin routes and its per-tier counters.
 
-Routes (cache_impl/admin.py), all behind the admin token in the X-Kvgate-Admin-Token header:
+Routes (cache_impl/server/admin.py), all behind the admin token in the X-Kvgate-Admin-Token header:
 POST /admin/cache/flush (queued lower-tier writes published), POST /admin/cache/evict
 {"tiers": [...]} (device and/or host; evicted blocks are demoted, so they stay on disk), POST
 /admin/cache/drop-page-cache (flushes, then drops the disk tier's files from the page cache).
 
-Metrics (cache_impl/metrics_export.py): `kvgate_cache_hits_total{tier}` counts *blocks* served by
+Metrics (cache_impl/server/metrics_export.py): `kvgate_cache_hits_total{tier}` counts *blocks* served by
 each tier (device, host, disk, remote), each hit block counted once, on the tier it came from;
 `kvgate_prompt_tokens_reused_total` / `_computed_total` count tokens. A block is `block_size`
 tokens (cache.block_size, 256 by default), so a tier's hit tokens are its hit blocks x block_size.
@@ -17,14 +17,14 @@ import functools
 import os
 from typing import Callable, Optional
 
-from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from cache_impl.config import DEFAULT_BLOCK_SIZE
+from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
+from cache_impl.cache.config import DEFAULT_BLOCK_SIZE
 
 from .base import Capacity, Control, EngineAdapter, EngineSpec, assemble
 from .metrics import MetricMap, Scrape, Series
 from .steps import HttpStep, StepChain
 
-SOURCE = "kvgate cache_impl/metrics_export.py (kvgate_cache_hits_total{tier}, in blocks)"
+SOURCE = "kvgate cache_impl/server/metrics_export.py (kvgate_cache_hits_total{tier}, in blocks)"
 
 
 def kvgate_map(block_size: int) -> MetricMap:

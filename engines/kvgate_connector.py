@@ -1,6 +1,6 @@
 """kvgate's tiered cache inside vLLM (`engine: vllm`, `cache_layer: kvgate`): the connector's sidecar controls.
 
-The connector (cache_impl/vllm_connector.py) serves, on its own port (`admin_port` in vLLM's
+The connector (cache_impl/vllm/vllm_connector.py) serves, on its own port (`admin_port` in vLLM's
 kv_connector_extra_config; `cache_layer_url` here), kvgate's admin routes for the cache under vLLM, behind
 the admin token ($KVGATE_ADMIN_TOKEN, as for `kvgate serve --admin`): POST /admin/cache/flush,
 /admin/cache/evict {"tiers": ["host"]} (evicted blocks are demoted: they stay on disk),
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
+from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 
 from .base import EngineAdapter, EngineSpec
 from .kvgate import admin_controls
@@ -40,7 +40,7 @@ def connector_controls(spec: EngineSpec, admin_token: Optional[str] = None) -> L
     return LayerControls({name: found[name] for name in ("clear_lower_tiers", "drop_disk_page_cache")})
 
 
-WITNESS_SOURCE = "kvgate cache_impl/vllm_connector.py (kvgate_connector_loaded_tokens_total{tier}, its sidecar)"
+WITNESS_SOURCE = "kvgate cache_impl/vllm/vllm_connector.py (kvgate_connector_loaded_tokens_total{tier}, its sidecar)"
 
 
 def connector_witness(spec: EngineSpec) -> Optional[EngineAdapter]:

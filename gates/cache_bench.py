@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
-from cache_impl.buffers import aligned_empty
-from cache_impl.index import BlockIndex
-from cache_impl.keys import block_keys, token_array
+from cache_impl.platform.buffers import aligned_empty
+from cache_impl.cache.index import BlockIndex
+from cache_impl.cache.keys import block_keys, token_array
 from kvcore.settings import ConfigError
 from workloads.fio_sweep import SweepGrid
 

@@ -11,11 +11,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cache_impl import blockfiles
-from cache_impl.config import ConfigError
-from cache_impl.safetensors_dir import CheckpointFormatError
-from cache_impl.scrub import scrub
-from cache_impl.serve_command import SERVE_DESCRIPTION, SERVE_HELP, add_serve_arguments, load_yaml_section
+from cache_impl.cache import blockfiles
+from cache_impl.cache.config import ConfigError
+from cache_impl.weights.safetensors_dir import CheckpointFormatError
+from cache_impl.cache.scrub import scrub
+from cache_impl.server.serve_command import SERVE_DESCRIPTION, SERVE_HELP, add_serve_arguments, load_yaml_section
 from kvcore.printable import printable
 from kvcore.rundata import RunStore
 from kvcore.settings import load_yaml_mapping
@@ -208,15 +208,15 @@ def _add_export_weights(commands) -> None:
 
 
 def _export_weights(args: argparse.Namespace) -> int:
-    from cache_impl.model import PRESETS  # deferred: torch (seconds), for kvgate export-weights only
-    from cache_impl.weights import export_weights  # deferred: torch (seconds), for kvgate export-weights only
+    from cache_impl.engine.model import PRESETS  # deferred: torch (seconds), for kvgate export-weights only
+    from cache_impl.engine.weights import export_weights  # deferred: torch (seconds), for kvgate export-weights only
 
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset: expected one of {', '.join(PRESETS)}, found {args.preset!r}")
     if args.seed < 0:
         raise ConfigError(f"--seed: expected an integer >= 0, found {args.seed}")
     if args.format == "hf":
-        from cache_impl.hf_export import export_hf  # deferred: torch (seconds), for kvgate export-weights only
+        from cache_impl.engine.hf_export import export_hf  # deferred: torch (seconds), for kvgate export-weights only
 
         with _writing(args.dir):
             export_hf(args.dir, args.preset, args.seed, args.dtype, args.force)
@@ -264,7 +264,7 @@ def _add_scrub(commands) -> None:
 
 def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
     """The disk tier directories to scrub: --cache-dir, else from --config, else the serve default."""
-    from cache_impl.engine import EngineConfig  # deferred: torch (seconds), for kvgate scrub only
+    from cache_impl.engine.engine import EngineConfig  # deferred: torch (seconds), for kvgate scrub only
 
     if args.cache_dir:
         return list(args.cache_dir)

@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 import psutil
 from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
 
-from cache_impl.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
-from cache_impl.presets import PRESETS
-from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
+from cache_impl.cache.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
+from cache_impl.engine.presets import PRESETS
+from cache_impl.weights.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
 from gates.g2_baseline.side_by_side import Pairing
 from kvcore.checks import CHECKS, check_of, configurable_metrics
@@ -104,7 +104,7 @@ class TargetSettings(StrictModel):
         "assumes nothing; each control and the metric map come from this section"))
     cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
         "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang), kvgate "
-        "(vllm: kvgate's connector, cache_impl/vllm_connector.py)"))
+        "(vllm: kvgate's connector, cache_impl/vllm/vllm_connector.py)"))
     cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
         "lmcache: its internal API server (clears the host tier); kvgate: the connector's sidecar (admin_port)"))
     metrics_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
@@ -410,7 +410,7 @@ class ModelLoadConfig(StrictModel):
     @field_validator("path")
     @classmethod
     def _a_checkpoint(cls, path: Optional[Path]) -> Optional[Path]:
-        """An existing safetensors checkpoint, its headers read now (cache_impl.safetensors_dir), not at G2."""
+        """An existing safetensors checkpoint, its headers read now (cache_impl.weights.safetensors_dir), not at G2."""
         if path is not None:
             try:
                 read_safetensors_dir(path)

@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache_impl.engine import Engine, EngineConfig
-from cache_impl.tokenizer import ByteTokenizer
+from cache_impl.engine.engine import Engine, EngineConfig
+from cache_impl.engine.tokenizer import ByteTokenizer
 
 TARGETS_AT_LONGEST = {"host_speedup": 20.0, "disk_speedup": 15.0}
 OUTPUT_TOKENS = 4

@@ -49,8 +49,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from cache_impl import integrity
-from cache_impl.config import DEFAULT_BLOCK_SIZE
+from cache_impl.cache import integrity
+from cache_impl.cache.config import DEFAULT_BLOCK_SIZE
 from kvcore.settings import ConfigError, parse_size
 from sizing.layout import KVShape
 from sizing.sequences import workload_block_keys

@@ -1,5 +1,5 @@
 """The pre-flight's probes for the sizing model (sizing/machine.py reads their figures): this machine's speed at
-the embedded model's shapes (`python -m cache_impl.machine_probe`, in its own process, on the machine and device
+the embedded model's shapes (`python -m cache_impl.engine.machine_probe`, in its own process, on the machine and device
 the embedded engine uses); the prefill probe: the recompute server's own first-token times at a few prompt
 lengths across the run's range, over HTTP as the gates send them, one request at a time; and the decode probe
 (run just before G3, at G3's own context): the same server's gaps between streamed tokens with one sequence and
@@ -33,9 +33,9 @@ DECODE_MIN_GAPS = 8
 
 
 def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
-    """The probe's figures for the embedded targets' preset (`python -m cache_impl.machine_probe`), or
+    """The probe's figures for the embedded targets' preset (`python -m cache_impl.engine.machine_probe`), or
     {"error": why} when it could not run: the sizing model is informational, a probe never stops a run."""
-    command = [sys.executable, "-m", "cache_impl.machine_probe", "--preset", embedded.preset,
+    command = [sys.executable, "-m", "cache_impl.engine.machine_probe", "--preset", embedded.preset,
                "--max-batch", str(embedded.max_running)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)

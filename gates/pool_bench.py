@@ -25,11 +25,11 @@ from typing import Optional
 
 import torch
 
-from cache_impl.config import RemoteTierConfig
-from cache_impl.engine import Engine, EngineConfig
-from cache_impl.keys import Fingerprint, KVLayout
-from cache_impl.tiers.base import write_block
-from cache_impl.tiers.remote import RemoteTier, open_store
+from cache_impl.cache.config import RemoteTierConfig
+from cache_impl.engine.engine import Engine, EngineConfig
+from cache_impl.cache.keys import Fingerprint, KVLayout
+from cache_impl.cache.tiers.base import write_block
+from cache_impl.cache.tiers.remote import RemoteTier, open_store
 from workloads.stores import MooncakePool, RedisServer
 
 from .engine_bench import _prompt

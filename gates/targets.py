@@ -16,7 +16,7 @@ from typing import Optional
 
 import yaml
 
-from cache_impl.auth import ADMIN_TOKEN_ENV
+from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from kvcore.settings import parse_size
 from workloads.datasets import BYTE_TOKENIZER_ID
 from workloads.load import Target, free_port

@@ -1,5 +1,5 @@
 """The model loaders kvgate measures and serves with, by name, and how each reads: facts the config, the
-gates and the report share, torch-free (the loaders themselves are cache_impl/loaders.py)."""
+gates and the report share, torch-free (the loaders themselves are cache_impl/weights/loaders.py)."""
 
 LOADERS = ("kvgate", "safetensors", "runai_streamer", "fastsafetensors")
 # kvgate's own loader (the storage's best path: parallel O_DIRECT reads into huge pages); the others are the field's

@@ -26,7 +26,7 @@ Then, for a cache of `block_tokens`-token blocks (a tier holds whole blocks only
 Every layer is taken to cache every token: sliding-window or linear-attention layers (Gemma,
 Mistral's window, hybrid models) cache less, and a tier's own per-block overhead (the disk tier's
 4 KiB header) is the tier's to add. Torch-free: the embedded presets are copied below, pinned to
-`cache_impl.model.PRESETS` by the tests.
+`cache_impl.engine.model.PRESETS` by the tests.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class KVShape:
 
     @classmethod
     def from_preset(cls, name: str) -> "KVShape":
-        """The embedded engine's preset ("tiny", "small", "base"): float32 KV (see `cache_impl.model`)."""
+        """The embedded engine's preset ("tiny", "small", "base"): float32 KV (see `cache_impl.engine.model`)."""
         if name not in EMBEDDED_PRESETS:
             raise ConfigError(f"preset: expected one of {', '.join(EMBEDDED_PRESETS)}, found {name!r}")
         return EMBEDDED_PRESETS[name]
@@ -244,7 +244,7 @@ def _hf_dtype_bytes(cfg: Mapping[str, Any], kv_dtype: Optional[str], root: str) 
     return next(iter(sizes.values()))
 
 
-# The embedded engine's presets (cache_impl.model.PRESETS: n_layers, n_kv_heads, dim // n_heads), float32 KV.
+# The embedded engine's presets (cache_impl.engine.model.PRESETS: n_layers, n_kv_heads, dim // n_heads), float32 KV.
 EMBEDDED_PRESETS: dict[str, KVShape] = {
     "tiny": KVShape(layers=2, dtype_bytes=4, kv_heads=2, head_dim=16, source="preset tiny"),
     "small": KVShape(layers=4, dtype_bytes=4, kv_heads=2, head_dim=64, source="preset small"),

@@ -1,10 +1,10 @@
 """Hit ratio per tier of a workload: its block-key sequence replayed through the tiers' capacities.
 
-`CacheSimulator` is `cache_impl.manager.TieredKVCache` on keys alone (no bytes, no threads, no
-torch): its levels are the cache's own `cache_impl.placement.Level`s, each over a `KeysOnlyTier`
+`CacheSimulator` is `cache_impl.cache.manager.TieredKVCache` on keys alone (no bytes, no threads, no
+torch): its levels are the cache's own `cache_impl.cache.placement.Level`s, each over a `KeysOnlyTier`
 (the keys it holds, no bytes) with an `LRUAccount` of its blocks, and every decision (the prefix,
 the source level, victims, demotion targets) is the cache's `Placement`. It is called per request
-the way the embedded engine (`cache_impl.engine`) calls the cache:
+the way the embedded engine (`cache_impl.engine.engine`) calls the cache:
 
 1. load: the longest prefix of the prompt's block keys some level holds; each block is read from
    the highest level holding it, a hit on that level, whose LRU entry is refreshed. A pool (the
@@ -61,17 +61,17 @@ import sys
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Optional, Sequence, Union
 
-from cache_impl import integrity
-from cache_impl.config import CacheConfig
-from cache_impl.lru import LRUAccount
-from cache_impl.metrics import TierMetrics
-from cache_impl.placement import Level, Placement
+from cache_impl.cache import integrity
+from cache_impl.cache.config import CacheConfig
+from cache_impl.cache.lru import LRUAccount
+from cache_impl.cache.metrics import TierMetrics
+from cache_impl.cache.placement import Level, Placement
 from kvcore.settings import ConfigError
 
 Key = Hashable              # a block's key (the cache's are bytes; any hashable replays the same)
 WritePolicy = Literal["write-through", "write-back"]
 WRITE_POLICIES = ("write-through", "write-back")
-POOL_TIER = "remote"        # the shared pool's tier name (cache_impl.tiers.remote)
+POOL_TIER = "remote"        # the shared pool's tier name (cache_impl.cache.tiers.remote)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Block-key sequences of workloads and traces, in the order a load sends them, as the cache sees them.
 
 - `workload_block_keys`: any kvgate workload spec (or a built `Workload`) as the embedded engine
-  sees it: each request's prompt tokens are its chat template (`cache_impl.protocol.chat_tokens`
+  sees it: each request's prompt tokens are its chat template (`cache_impl.server.protocol.chat_tokens`
   with the byte tokenizer, or another `PromptTokenizer`), cut into whole blocks and keyed by
-  `cache_impl.keys.block_keys`, in `load_order`.
+  `cache_impl.cache.keys.block_keys`, in `load_order`.
 - `requests_block_keys`: the same for requests in a given order (a segment of a load: a primer, a
   trace part); `word_chat_tokens`: an external engine's prompts as the word sizer counts them.
 - `trace_block_keys`: a Mooncake trace's requests in the trace's order, keyed by their hash ids
@@ -21,9 +21,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import xxhash
 
-from cache_impl.keys import ROOT_PARENT, block_keys
-from cache_impl.protocol import Message, chat_tokens
-from cache_impl.tokenizer import ByteTokenizer
+from cache_impl.cache.keys import ROOT_PARENT, block_keys
+from cache_impl.server.protocol import Message, chat_tokens
+from cache_impl.engine.tokenizer import ByteTokenizer
 from kvcore.settings import ConfigError
 from workloads.datasets import (MOONCAKE_BLOCK_TOKENS, ByteSizer, TextSizer, TraceRecord, WordSizer,
                                 WorkloadSpec, build_workload)
@@ -55,7 +55,7 @@ def workload_block_keys(workload: Union[Workload, WorkloadSpec, Mapping[str, Any
     """Block keys of a workload (a spec, its mapping or file, or a built `Workload`) in load order.
 
     A spec is built with `sizer` (default: the embedded engine's `ByteSizer`) and `seed`. Prompt
-    keys are `cache_impl.keys.block_keys` of `tokenizer(request)` (default: the embedded chat
+    keys are `cache_impl.cache.keys.block_keys` of `tokenizer(request)` (default: the embedded chat
     route) over whole `block_tokens` blocks. With `outputs`, a request that generates all its
     max_tokens fills (prompt + max_tokens - 1) // B - prompt // B more blocks (the engine stores full
     blocks of computed positions; the last token's KV is never computed); their tokens are unknown,

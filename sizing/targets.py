@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from cache_impl import integrity
-from cache_impl.config import CacheConfig
+from cache_impl.cache import integrity
+from cache_impl.cache.config import CacheConfig
 from kvcore.settings import parse_size
 
 from .layout import KVShape
@@ -84,7 +84,7 @@ def engine_facts(preflight: list[dict]) -> dict[str, dict]:
 
 def pool_blocks(pool_bytes: int, block_nbytes: int) -> int:
     """Blocks a pool of `pool_bytes` holds: each value is the block file's 4 KiB header and the payload
-    (cache_impl/tiers/remote.py), not padded."""
+    (cache_impl/cache/tiers/remote.py), not padded."""
     return pool_bytes // (integrity.HEADER_BYTES + block_nbytes)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
-from cache_impl.auth import ADMIN_TOKEN_ENV
+from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from tests.blocks import BLOCK
 from tests.live_vllm import LiveModel, VllmServer, vllm_python
 from tests.servers import ADMIN_TOKEN
@@ -25,7 +25,7 @@ def admin_token_in_environment():
 @pytest.fixture(scope="session")
 def live_vllm_model(tmp_path_factory) -> LiveModel:
     """The live vLLM modules' model: kvgate's small one exported for vLLM (the venv installed on first use)."""
-    from cache_impl.hf_export import export_hf   # deferred: only the live modules need the exporter
+    from cache_impl.engine.hf_export import export_hf   # deferred: only the live modules need the exporter
 
     python = vllm_python()
     workdir = tmp_path_factory.mktemp("live-vllm")

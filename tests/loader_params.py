@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_impl.loaders import LOADERS, loader_unavailable
+from cache_impl.weights.loaders import LOADERS, loader_unavailable
 
 
 def available(loader: str):

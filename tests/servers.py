@@ -18,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_impl.auth import ADMIN_TOKEN_ENV
+from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from workloads.load import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ class ServerProcess:
                  entry: tuple[str, ...] = ("gates.cli", "serve")) -> None:
         """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache;
         `admin`: with the admin routes, guarded by ADMIN_TOKEN; `preset` None: no --preset (--weights names it);
-        `entry`: the module run with `python -m` and its arguments (("cache_impl.serve_command",): kvgate-serve)."""
+        `entry`: the module run with `python -m` and its arguments (("cache_impl.server.serve_command",): kvgate-serve)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.cache_dir = cache_dir or workdir / "cache"

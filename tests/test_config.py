@@ -3,7 +3,7 @@
 import pytest
 
 from cache_impl import CacheConfig, ConfigError, TieredKVCache
-from cache_impl.config import parse_size
+from cache_impl.cache.config import parse_size
 
 
 @pytest.mark.parametrize(

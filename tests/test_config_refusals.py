@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cache_impl.config import CacheConfig, ConfigError
+from cache_impl.cache.config import CacheConfig, ConfigError
 from gates.config import load_config
 from kvcore.settings import load_yaml_file
 from tests.servers import REPO

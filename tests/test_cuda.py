@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
-from cache_impl.engine import Engine, EngineConfig
+from cache_impl.engine.engine import Engine, EngineConfig
 from tests.blocks import blocks_for
 
 pytestmark = [
@@ -71,8 +71,8 @@ def test_an_engine_hit_on_cuda_equals_recompute(tmp_path):
 
 
 def test_kvgates_loader_fills_device_tensors_through_a_pinned_staging_buffer(tmp_path, monkeypatch):
-    from cache_impl import loaders
-    from cache_impl.safetensors_dir import write_random_checkpoint
+    from cache_impl.weights import loaders
+    from cache_impl.weights.safetensors_dir import write_random_checkpoint
 
     staging = []
     real = loaders._pinned_buffer

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cache_impl.config import ConfigError
-from cache_impl.tokenizer import TOKENIZER_ID, ByteTokenizer
+from cache_impl.cache.config import ConfigError
+from cache_impl.engine.tokenizer import TOKENIZER_ID, ByteTokenizer
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.datasets import (
     ByteSizer, LongDocQASpec, MultiRoundQASpec, RandomSpec, SharedPrefixSpec, TokenizerError, TokenizerSizer, TraceSpec, WordSizer,

@@ -1,4 +1,4 @@
-"""kvgate's read path at the storage's best (cache_impl/direct_io.py) and its model loader over it: every byte
+"""kvgate's read path at the storage's best (cache_impl/weights/direct_io.py) and its model loader over it: every byte
 of every span arrives once, in place, whatever the chunking and alignment, O_DIRECT where the filesystem
 takes it and buffered where it does not, and a file shorter than asked is an error naming it."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from cache_impl import direct_io, loaders
-from cache_impl.direct_io import Span, open_direct, read_spans
-from cache_impl.loaders import load_checkpoint, loaded_checksums, verify_loaded
-from cache_impl.safetensors_dir import file_checksums, read_safetensors_dir, write_safetensors_dir
+from cache_impl.weights import direct_io, loaders
+from cache_impl.weights.direct_io import Span, open_direct, read_spans
+from cache_impl.weights.loaders import load_checkpoint, loaded_checksums, verify_loaded
+from cache_impl.weights.safetensors_dir import file_checksums, read_safetensors_dir, write_safetensors_dir
 from kvcore.files import drop_cached_pages, process_read_bytes
 
 

@@ -5,11 +5,11 @@ import errno
 import pytest
 import torch
 
-from cache_impl.config import DiskTierConfig
-from cache_impl.keys import Fingerprint, KVLayout
-from cache_impl.tiers import disk_probe
-from cache_impl.tiers.base import write_block
-from cache_impl.tiers.disk import DiskTier
+from cache_impl.cache.config import DiskTierConfig
+from cache_impl.cache.keys import Fingerprint, KVLayout
+from cache_impl.cache.tiers import disk_probe
+from cache_impl.cache.tiers.base import write_block
+from cache_impl.cache.tiers.disk import DiskTier
 
 # 64 KiB blocks (a multiple of 4 KiB: O_DIRECT reads straight into them)
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=64)

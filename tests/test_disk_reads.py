@@ -4,13 +4,13 @@ import pytest
 import torch
 import xxhash
 
-from cache_impl import integrity
-from cache_impl.buffers import aligned_empty, byte_spans
-from cache_impl.config import DiskTierConfig
-from cache_impl.faults import flip_byte, truncate
-from cache_impl.keys import Fingerprint, KVLayout
-from cache_impl.tiers.base import write_block
-from cache_impl.tiers.disk import DiskTier
+from cache_impl.cache import integrity
+from cache_impl.platform.buffers import aligned_empty, byte_spans
+from cache_impl.cache.config import DiskTierConfig
+from cache_impl.cache.faults import flip_byte, truncate
+from cache_impl.cache.keys import Fingerprint, KVLayout
+from cache_impl.cache.tiers.base import write_block
+from cache_impl.cache.tiers.disk import DiskTier
 
 # A block's innermost run (block_size * head_dim * 4 bytes) is 4 KiB here: O_DIRECT can read into a view.
 ALIGNED = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=16)
@@ -144,7 +144,7 @@ def test_a_cuda_destination_is_filled_through_a_pinned_staging_buffer(tmp_path, 
 
 
 def test_large_host_buffers_start_on_a_huge_page_and_keep_their_bytes_while_views_live():
-    from cache_impl.buffers import HUGE_PAGE
+    from cache_impl.platform.buffers import HUGE_PAGE
 
     big = aligned_empty((4, HUGE_PAGE // 4), torch.float32, "cpu")             # 8 MiB: huge-page backed
     assert big.data_ptr() % HUGE_PAGE == 0 and big.is_contiguous() and big.shape == (4, HUGE_PAGE // 4)

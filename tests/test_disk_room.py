@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cache_impl.disk_room import DiskRoom, check_reserve
+from cache_impl.cache.disk_room import DiskRoom, check_reserve
 from kvcore.settings import ConfigError
 from tests.servers import REPO, ServerProcess, ask, distinct_prompt, free_port, http_client, metric_value, metrics
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from cache_impl.engine import Engine, EngineConfig, FinishEvent, GenerationRequest, QueueFullError
-from cache_impl.resident import PAGE
-from cache_impl.tokenizer import ByteTokenizer
+from cache_impl.engine.engine import Engine, EngineConfig, FinishEvent, GenerationRequest, QueueFullError
+from cache_impl.engine.resident import PAGE
+from cache_impl.engine.tokenizer import ByteTokenizer
 
 BLOCK = 256
 
@@ -287,7 +287,7 @@ def test_the_snapshot_says_the_kv_buffers_pages_in_memory_and_their_bound(engine
 
 
 def test_finished_requests_report_their_kv_to_the_heap_trimmer(engines):
-    # issue 13, item 6: a finished request's KV goes back to the OS (cache_impl/heap.py), not to a fragmented arena
+    # issue 13, item 6: a finished request's KV goes back to the OS (cache_impl/platform/heap.py), not to a fragmented arena
     engine = engines("recompute")
     engine.runner.heap.every_bytes = 1
     for length in (300, 700, 1100):
@@ -347,8 +347,8 @@ def test_the_snapshot_counts_the_buffer_the_cache_is_loading_into(engines):
 
 ONE_TEAM = """
 import os, sys, threading, torch
-from cache_impl.openmp import hand_threads_to_engine
-from cache_impl.engine import Engine, EngineConfig, GenerationRequest
+from cache_impl.platform.openmp import hand_threads_to_engine
+from cache_impl.engine.engine import Engine, EngineConfig, GenerationRequest
 before = len(os.listdir("/proc/self/task"))
 if sys.argv[1] == "team-first":
     torch.randn(1000000).mul_(2)           # a parallel operation on the main thread: it starts a team

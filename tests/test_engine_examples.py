@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cache_impl.hf_export import export_hf
+from cache_impl.engine.hf_export import export_hf
 from gates.config import EmbeddedTargets, load_config
 from engines import build_adapter, parse_metrics, spec_from_endpoint
 from engines.placement import plan_placement

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_impl.auth import ADMIN_TOKEN_HEADER
+from cache_impl.server.auth import ADMIN_TOKEN_HEADER
 from engines import Control, ControlError, EngineSpec, Unavailable, build_adapter, parse_metrics
 from engines import kvgate as kvgate_engine
 from engines.steps import CommandStep, DropLocalPages, HttpStep

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from cache_impl.faults import IO_FAULTS
-from cache_impl.tiers.disk import DiskTier
+from cache_impl.cache.faults import IO_FAULTS
+from cache_impl.cache.tiers.disk import DiskTier
 
 
 def _disk_only(make_cache):

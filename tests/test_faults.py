@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cache_impl.auth import ADMIN_TOKEN_HEADER
-from cache_impl.faults import BLOCK_FAULTS, EXPECTED_REASON
+from cache_impl.server.auth import ADMIN_TOKEN_HEADER
+from cache_impl.cache.faults import BLOCK_FAULTS, EXPECTED_REASON
 from gates.g4_soak.analysis import fault_outcome
 from tests.servers import ADMIN_TOKEN, Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
 from workloads.client import StreamingClient
@@ -328,7 +328,7 @@ def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_pr
     tiers and asks again, and the row says so; the damage is then read and counted."""
     from gates.config import FaultSpec
     from gates.g4_soak.fault_schedule import FaultSchedule
-    from cache_impl.faults import flip_byte
+    from cache_impl.cache.faults import flip_byte
     from workloads.faults import CacheAdmin
     from workloads.load import Target
     from workloads.requests import WorkloadRequest

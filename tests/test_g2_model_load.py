@@ -14,7 +14,7 @@ from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape, Pairing
 from gates.storage_best import StorageBest
 from kvcore.rules import Threshold
 from kvcore.stats import ratio_ci
-from cache_impl.safetensors_dir import CheckpointFormatError
+from cache_impl.weights.safetensors_dir import CheckpointFormatError
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 
@@ -83,7 +83,7 @@ def test_a_corrupted_shard_is_a_mismatch_of_that_round_not_a_crash(checkpoints, 
     prepared, _, _ = checkpoints
     copy = tmp_path / "copy"
     shutil.copytree(prepared.under_test.path, copy)
-    from cache_impl.safetensors_dir import read_safetensors_dir
+    from cache_impl.weights.safetensors_dir import read_safetensors_dir
 
     damaged = read_safetensors_dir(copy)
     entry = next(iter(damaged.tensors.values()))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cache_impl.config import ConfigError
+from cache_impl.cache.config import ConfigError
 from gates.cli import main
 from gates.config import load_config
 from gates.run import GateRunner, gate_status
@@ -342,7 +342,7 @@ def test_an_embedded_server_that_dies_at_start_is_said_at_once_with_its_reason(t
 
 
 def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path, monkeypatch):
-    from cache_impl.safetensors_dir import write_random_checkpoint
+    from cache_impl.weights.safetensors_dir import write_random_checkpoint
 
     monkeypatch.chdir(tmp_path)               # models/m below is relative: read from here, stored absolute
     write_random_checkpoint(tmp_path / "models" / "m", 1 << 20, shard_bytes=1 << 20)

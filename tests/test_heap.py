@@ -1,4 +1,4 @@
-"""cache_impl.heap: freed heap memory goes back to the OS once enough has been released (glibc)."""
+"""cache_impl.platform.heap: freed heap memory goes back to the OS once enough has been released (glibc)."""
 
 import json
 import os
@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from cache_impl.heap import HeapTrimmer, fix_mmap_threshold
+from cache_impl.platform.heap import HeapTrimmer, fix_mmap_threshold
 
 # Both child processes' start: 96 blocks of 1 MiB through glibc's malloc, touched, then all freed but
 # the last (which keeps the arena's top in use); the resident MiB.
 CHILD_PRELUDE = """
 import ctypes, json, os, threading
-from cache_impl.heap import HeapTrimmer, fix_mmap_threshold
+from cache_impl.platform.heap import HeapTrimmer, fix_mmap_threshold
 MiB, CHUNKS = 2**20, 96
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

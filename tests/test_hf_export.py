@@ -1,4 +1,4 @@
-"""The embedded model exported as a Hugging Face Llama directory (cache_impl/hf_export.py).
+"""The embedded model exported as a Hugging Face Llama directory (cache_impl/engine/hf_export.py).
 
 That vLLM serving the export answers token for token what `kvgate serve` answers is proven against a live
 vLLM (tests/test_live_vllm.py); here, what the directory holds."""
@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from cache_impl.hf_export import CHAT_TEMPLATE, export_hf, generatable_ids, llama_tensors
-from cache_impl.model import PRESETS, build_model
-from cache_impl.tokenizer import EOS, SPECIALS, ByteTokenizer, ChatMessage
+from cache_impl.engine.hf_export import CHAT_TEMPLATE, export_hf, generatable_ids, llama_tensors
+from cache_impl.engine.model import PRESETS, build_model
+from cache_impl.engine.tokenizer import EOS, SPECIALS, ByteTokenizer, ChatMessage
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from tests.torch_probe import imports_torch
 
 
 @pytest.mark.parametrize("module", ["gates.cli", "gates.config", "kvcore.rundata", "kvcore.verdict",
-                                    "reports.render", "cache_impl.config", "cache_impl.keys", "cache_impl.loaders",
-                                    "cache_impl.safetensors_dir", "cache_impl.placement", "cache_impl.lru",
+                                    "reports.render", "cache_impl.cache.config", "cache_impl.cache.keys", "cache_impl.weights.loaders",
+                                    "cache_impl.weights.safetensors_dir", "cache_impl.cache.placement", "cache_impl.cache.lru",
                                     "workloads.checkpoint", "workloads.service_load",
                                     "sizing.timing", "sizing.queueing", "sizing.calibration",
                                     "sizing.layout", "sizing.replay", "sizing.sequences",
@@ -20,7 +20,7 @@ from tests.torch_probe import imports_torch
                                     "engines.sglang", "engines.generic", "engines.placement",
                                     "engines.settings", "gates.selftest", "workloads.reference_server",
                                     "kvcore.g3_analysis", "kvcore.loader_names", "gates.plan_command",
-                                    "gates.machine_probe", "cache_impl.serve_command"])
+                                    "gates.machine_probe", "cache_impl.server.serve_command"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):
     assert not imports_torch(f"import {module}", tmp_path)
 
@@ -37,10 +37,10 @@ def test_help_init_and_report_do_not_import_torch(tmp_path):
 
 
 def test_kvgate_serve_help_does_not_import_torch(tmp_path):
-    code = ("from cache_impl.serve_command import main\n"
+    code = ("from cache_impl.server.serve_command import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n")
     assert not imports_torch(code, tmp_path)
 
 
 def test_the_probe_sees_torch_when_it_is_imported(tmp_path):
-    assert imports_torch("import cache_impl.manager", tmp_path)
+    assert imports_torch("import cache_impl.cache.manager", tmp_path)

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cache_impl import blockfiles, integrity
-from cache_impl.faults import delete, flip_byte, truncate
-from cache_impl.tiers.base import write_block
+from cache_impl.cache import blockfiles, integrity
+from cache_impl.cache.faults import delete, flip_byte, truncate
+from cache_impl.cache.tiers.base import write_block
 from tests.blocks import BLOCK, blocks_for, files_below, plant_links_and_strays
 
 

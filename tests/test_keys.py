@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from cache_impl.keys import Fingerprint, KVLayout, block_keys
+from cache_impl.cache.keys import Fingerprint, KVLayout, block_keys
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "key_vectors.json").read_text())["vectors"]
 
@@ -83,7 +83,7 @@ def test_layout_rejects_bad_values_naming_the_field():
 def test_a_token_array_a_list_and_a_uint32_ndarray_give_the_same_keys():
     import numpy as np
 
-    from cache_impl.keys import _token_bytes, block_keys, token_array
+    from cache_impl.cache.keys import _token_bytes, block_keys, token_array
 
     tokens = [(i * 7919) % 70000 for i in range(1000)]
     digest = bytes(range(16))

@@ -2,7 +2,7 @@
 
 import torch
 
-from cache_impl.kvbuffers import KVBuffers
+from cache_impl.engine.kvbuffers import KVBuffers
 
 
 def _buffers(max_idle: int = 2) -> KVBuffers:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from cache_impl.hf_export import generatable_ids
+from cache_impl.engine.hf_export import generatable_ids
 from engines import EngineSpec, build_adapter
 from tests.live_vllm import SERVED_NAME, VllmServer
 from tests.servers import REPO, TINY_SWEEP, started_server

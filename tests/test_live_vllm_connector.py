@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from cache_impl.auth import ADMIN_TOKEN_HEADER
+from cache_impl.server.auth import ADMIN_TOKEN_HEADER
 from engines.metrics import parse_metrics
 from tests.live_vllm import SERVED_NAME, VllmServer, kvgate_connector_config
 from tests.servers import REPO, TINY_SWEEP, free_port

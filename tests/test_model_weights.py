@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_impl.loaders import (LOADERS, check_destinations, load_checkpoint, loaded_checksums, loader_unavailable,
+from cache_impl.weights.loaders import (LOADERS, check_destinations, load_checkpoint, loaded_checksums, loader_unavailable,
                                 verify_loaded)
-from cache_impl.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, file_checksums,
+from cache_impl.weights.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, file_checksums,
                                         read_safetensors_dir, write_random_checkpoint, write_safetensors_dir)
 from kvcore.files import drop_cached_pages, process_read_bytes
 from kvcore.loader_names import READS_WITH_O_DIRECT
@@ -72,7 +72,7 @@ def test_the_shards_load_with_the_safetensors_library_and_equal_the_sidecar(chec
 
 
 def loaded_checksums_of(tensor: torch.Tensor) -> str:
-    from cache_impl.safetensors_dir import tensor_checksum
+    from cache_impl.weights.safetensors_dir import tensor_checksum
 
     return tensor_checksum(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cache_impl.tiers.remote import MooncakeStore, StoreUnavailable
+from cache_impl.cache.tiers.remote import MooncakeStore, StoreUnavailable
 
 
 class _Client:

@@ -23,6 +23,19 @@ MAY_IMPORT = {
     "reports": {"kvcore"},
     "gates": {"kvcore", "cache_impl", "workloads", "sizing", "engines", "reports"},
 }
+# Inside a room, its wings (sub-packages) go one way down too: each wing and the wings it may import. A
+# module at the room's top level (its front door: `__init__`, a compatibility path) may import any wing;
+# no wing imports the front door.
+WINGS = {
+    "cache_impl": {
+        "platform": set(),
+        "cache": {"platform"},
+        "weights": {"platform"},
+        "engine": {"platform", "cache", "weights"},
+        "server": {"platform", "cache", "weights", "engine"},
+        "vllm": {"platform", "cache", "weights", "engine", "server"},
+    },
+}
 DEFERRED = "# deferred:"
 
 
@@ -108,6 +121,29 @@ def arrows_up(root: Path) -> list[str]:
     return found
 
 
+def wing_of(module: str) -> tuple[str | None, str | None]:
+    """(room, wing) of a module in a room with wings; wing None for a module at the room's top level."""
+    parts = module.split(".")
+    room = parts[0] if parts[0] in WINGS else None
+    return room, (parts[1] if room and len(parts) > 2 else None)
+
+
+def wing_arrows_up(root: Path) -> list[str]:
+    """"FILE:LINE: ROOM: WING -> WING (MODULE)" for each import of a wing its wing may not import, inside a room
+    (a wing importing the room's front door is one: it is above every wing)."""
+    found = []
+    for imp in imports_of(root):
+        room, mine = wing_of(imp.module)
+        if room is None or mine is None:
+            continue
+        for target in imp.targets:
+            their_room, theirs = wing_of(target)
+            if their_room == room and theirs != mine and theirs not in WINGS[room][mine]:
+                found.append(f"{imp.path.relative_to(root)}:{imp.line}: {room}: {mine} -> {theirs or 'its front door'} "
+                             f"({target})")
+    return found
+
+
 def undeferred_function_imports(root: Path) -> list[str]:
     """"FILE:LINE: import of MODULE in a function without '# deferred: REASON'" for each."""
     return [f"{imp.path.relative_to(root)}:{imp.line}: import of {', '.join(imp.targets)} in a function without "
@@ -173,6 +209,33 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_each_room_imports_only_the_rooms_below_it():
     assert arrows_up(ROOT) == []
+
+
+def test_each_wing_imports_only_the_wings_below_it():
+    assert wing_arrows_up(ROOT) == []
+
+
+def test_every_wing_of_a_room_is_a_package_the_order_names():
+    for room, wings in WINGS.items():
+        assert {path.parent.name for path in (ROOT / room).glob("*/__init__.py")} == set(wings), room
+
+
+def test_the_wing_check_finds_an_arrow_up_inside_a_room_and_one_to_its_front_door(tmp_path):
+    _write(tmp_path, {})
+    for wing in ("platform", "cache", "engine"):
+        (tmp_path / "cache_impl" / wing).mkdir()
+        (tmp_path / "cache_impl" / wing / "__init__.py").write_text("")
+    for name, text in {
+        "cache_impl/platform/buffers.py": "from cache_impl.cache import keys\n",      # up a wing
+        "cache_impl/cache/keys.py": "from cache_impl.platform import buffers\n",     # down: fine
+        "cache_impl/cache/manager.py": "from cache_impl import shim\n",             # the front door
+        "cache_impl/engine/loop.py": "from cache_impl.cache.keys import Key\n",     # down: fine
+        "cache_impl/shim.py": "from cache_impl.engine.loop import x\n",             # the door looks in: fine
+    }.items():
+        (tmp_path / name).write_text(text)
+    assert wing_arrows_up(tmp_path) == [
+        "cache_impl/cache/manager.py:1: cache_impl: cache -> its front door (cache_impl.shim)",
+        "cache_impl/platform/buffers.py:1: cache_impl: platform -> cache (cache_impl.cache.keys)"]
 
 
 def test_an_import_inside_a_function_says_why_it_is_deferred():

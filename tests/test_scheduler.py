@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from cache_impl.generation import GenerationRequest, QueueFullError
-from cache_impl.scheduler import Scheduler
-from cache_impl.sequence import Sequence
+from cache_impl.engine.generation import GenerationRequest, QueueFullError
+from cache_impl.engine.scheduler import Scheduler
+from cache_impl.engine.sequence import Sequence
 
 
 def _request(prompt_len: int = 4, max_tokens: int = 4) -> GenerationRequest:
@@ -25,7 +25,7 @@ def _started(scheduler: Scheduler, request: GenerationRequest, generated: int = 
 
 
 def test_the_scheduler_imports_no_torch():
-    code = "import cache_impl.scheduler, sys; print('torch' in sys.modules)"
+    code = "import cache_impl.engine.scheduler, sys; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from cache_impl import blockfiles, integrity
-from cache_impl.faults import damage_block
-from cache_impl.scrub import scrub
+from cache_impl.cache import blockfiles, integrity
+from cache_impl.cache.faults import damage_block
+from cache_impl.cache.scrub import scrub
 from gates.cli import main
 from tests.blocks import BLOCK, blocks_for, files_below, plant_links_and_strays
 from tests.servers import REPO

@@ -1,5 +1,5 @@
-"""The serve command has one home, cache_impl/serve_command.py, and two names: `kvgate-serve` (its own console
-script, `python -m cache_impl.serve_command`) and `kvgate serve`. Both take the same options with the same help,
+"""The serve command has one home, cache_impl/server/serve_command.py, and two names: `kvgate-serve` (its own console
+script, `python -m cache_impl.server.serve_command`) and `kvgate serve`. Both take the same options with the same help,
 and each names itself in its messages."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cache_impl.serve_command import main
+from cache_impl.server.serve_command import main
 from tests.servers import REPO, TINY_MODEL, ServerProcess, ask, distinct_prompt
 
 
@@ -27,7 +27,7 @@ def _help(*command: str) -> tuple[str, str]:
 
 def test_kvgate_serve_and_kvgate_serve_entry_show_the_same_options_and_help():
     subcommand_usage, subcommand_rest = _help("gates.cli", "serve")
-    entry_usage, entry_rest = _help("cache_impl.serve_command")
+    entry_usage, entry_rest = _help("cache_impl.server.serve_command")
     assert subcommand_usage.startswith("usage: kvgate serve [-h] [--mode {tiered,device-only,recompute}]")
     assert entry_usage.startswith("usage: kvgate-serve [-h] [--mode {tiered,device-only,recompute}]")
     assert entry_usage.split()[2:] == subcommand_usage.split()[3:]
@@ -40,13 +40,13 @@ def test_kvgate_serve_and_kvgate_serve_entry_show_the_same_options_and_help():
 def test_the_console_script_names_the_serve_command_main():
     tomllib = pytest.importorskip("tomllib")   # Python 3.11+
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["kvgate-serve"] == "cache_impl.serve_command:main"
+    assert scripts["kvgate-serve"] == "cache_impl.server.serve_command:main"
     module, _, function = scripts["kvgate-serve"].partition(":")
     assert getattr(importlib.import_module(module), function) is main
 
 
 def test_a_port_out_of_range_is_a_usage_error_naming_the_entry():
-    result = subprocess.run([sys.executable, "-m", "cache_impl.serve_command", "--port", "0"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "cache_impl.server.serve_command", "--port", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "kvgate-serve: error: argument --port: expected a port number 1-65535, found 0" in result.stderr
@@ -63,7 +63,7 @@ def test_a_config_whose_engine_section_is_no_mapping_exits_2_naming_the_field(tm
 
 
 def test_the_entry_serves_completions_names_itself_on_its_start_line_and_stops_cleanly(tmp_path):
-    server = ServerProcess(tmp_path, mode="recompute", entry=("cache_impl.serve_command",))
+    server = ServerProcess(tmp_path, mode="recompute", entry=("cache_impl.server.serve_command",))
     try:
         server.wait_healthy()
         answer = ask(server, distinct_prompt("entry", length=300), max_tokens=4)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_impl.model import build_model
-from cache_impl.weights import export_weights
+from cache_impl.engine.model import build_model
+from cache_impl.engine.weights import export_weights
 from tests.servers import REPO, ServerProcess, ask, distinct_prompt, free_port, http_client
 from tests.loader_params import EACH_LOADER
-from cache_impl.safetensors_dir import CHECKSUMS_NAME, INDEX_NAME, read_safetensors_dir, write_safetensors_dir
+from cache_impl.weights.safetensors_dir import CHECKSUMS_NAME, INDEX_NAME, read_safetensors_dir, write_safetensors_dir
 
 PROMPT = distinct_prompt("weights from a directory", 600)
 

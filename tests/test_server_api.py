@@ -28,8 +28,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_impl import auth
-from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
+from cache_impl.server import auth
+from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from tests.servers import (ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, free_port, http_client, metric_value,
                            metrics, started_server)
 from workloads.faults import AdminClient

@@ -16,9 +16,9 @@ import time
 import psutil
 import pytest
 
-from cache_impl import integrity
-from cache_impl.config import RemoteTierConfig
-from cache_impl.tiers.remote import open_store
+from cache_impl.cache import integrity
+from cache_impl.cache.config import RemoteTierConfig
+from cache_impl.cache.tiers.remote import open_store
 from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, started_pool_nodes, started_server
 from workloads.faults import AdminClient, counter
 from workloads.stores import MooncakePool, RedisServer

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import yaml
 
-from cache_impl import integrity
+from cache_impl.cache import integrity
 from gates.config import load_config
 from sizing.plan import Prediction, _judged, make_plan
 from sizing.g3_figures import TargetReplay, predict_g3, predict_rate_ladder

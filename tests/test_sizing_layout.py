@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from cache_impl.keys import KVLayout
+from cache_impl.cache.keys import KVLayout
 from sizing.layout import EMBEDDED_PRESETS, KVShape
 from kvcore.settings import ConfigError
 
@@ -50,7 +50,7 @@ def test_tokens_and_blocks_a_tier_holds_are_whole():
 
 
 def test_the_embedded_presets_equal_the_engines_layout():
-    from cache_impl.model import PRESETS  # imports torch: only this test needs the model's own figures
+    from cache_impl.engine.model import PRESETS  # imports torch: only this test needs the model's own figures
 
     assert set(EMBEDDED_PRESETS) == set(PRESETS)
     for name, args in PRESETS.items():

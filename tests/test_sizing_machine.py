@@ -52,7 +52,7 @@ def _g2_ttfts(plan) -> dict[tuple[str, int], float]:
 
 
 def test_the_probe_measures_this_machine_at_the_embedded_models_own_shapes(config, probe):
-    from cache_impl.model import build_model
+    from cache_impl.engine.model import build_model
     import torch
 
     assert "error" not in probe and probe["preset"] == config.targets.embedded.preset

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from cache_impl import integrity, lru, placement
-from cache_impl.config import CacheConfig
-from cache_impl.keys import block_keys
-from cache_impl.metrics import TierMetrics
-from cache_impl.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
+from cache_impl.cache import integrity, lru, placement
+from cache_impl.cache.config import CacheConfig
+from cache_impl.cache.keys import block_keys
+from cache_impl.cache.metrics import TierMetrics
+from cache_impl.engine.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
 from gates.config import profile_defaults
 from sizing.replay import CacheSimulator, KeysOnlyTier, RequestKeys, TierCapacity, replay, tier_capacities
 from sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
@@ -345,8 +345,8 @@ def test_the_mooncake_trace_replays_with_its_reuse():
 
 def test_the_replay_gives_the_embedded_engines_hits_on_a_workload(tmp_path):
     """The whole chain: workload -> the engine's chat tokens -> block keys -> replay, against the engine itself."""
-    from cache_impl.engine import Engine, EngineConfig
-    from cache_impl.keys import KVLayout
+    from cache_impl.engine.engine import Engine, EngineConfig
+    from cache_impl.cache.keys import KVLayout
 
     block = 256
     nbytes = KVLayout(2, 2, 16, "float32", block).block_nbytes                # the tiny preset: 128 KiB a block

@@ -2,9 +2,9 @@
 
 import torch
 
-from cache_impl.keys import KVLayout
-from cache_impl.tiers import slots as slots_module
-from cache_impl.tiers.host import HostTier
+from cache_impl.cache.keys import KVLayout
+from cache_impl.cache.tiers import slots as slots_module
+from cache_impl.cache.tiers.host import HostTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
 

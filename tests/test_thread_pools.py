@@ -1,4 +1,4 @@
-"""Pools started whole: every worker running and set up before the first task (cache_impl/thread_pools.py)."""
+"""Pools started whole: every worker running and set up before the first task (cache_impl/platform/thread_pools.py)."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from cache_impl.thread_pools import started_pool
+from cache_impl.platform.thread_pools import started_pool
 
 
 def test_every_worker_is_running_and_set_up_before_the_pool_is_returned():
@@ -46,7 +46,7 @@ def test_a_set_up_that_fails_is_an_error_naming_the_pool_at_once_not_after_the_s
 TEAMS = """
 import json, os, sys, threading, torch
 from concurrent.futures import ThreadPoolExecutor
-from cache_impl.thread_pools import started_pool
+from cache_impl.platform.thread_pools import started_pool
 threads = lambda: len(os.listdir("/proc/self/task"))
 x = torch.randn(4_000_000)
 (x * 2).sum()                                   # the main thread's own team, before counting

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from cache_impl.config import ConfigError
+from cache_impl.cache.config import ConfigError
 from gates.cli import main
 from gates.client_bench import _peak_concurrency, _process
 from gates.config import load_config

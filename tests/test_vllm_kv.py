@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from cache_impl.config import CacheConfig
-from cache_impl.keys import Fingerprint, KVLayout
-from cache_impl.manager import TieredKVCache
-from cache_impl.vllm_kv import BlockRun, ConnectorSettings, LookupClient, LookupServer, Matched, PagedKV, \
+from cache_impl.cache.config import CacheConfig
+from cache_impl.cache.keys import Fingerprint, KVLayout
+from cache_impl.cache.manager import TieredKVCache
+from cache_impl.vllm.vllm_kv import BlockRun, ConnectorSettings, LookupClient, LookupServer, Matched, PagedKV, \
     RequestBook, StepPlan, files_digest, instance_fingerprint, lookup_address
 from kvcore.settings import ConfigError
 
@@ -225,8 +225,8 @@ def test_blocks_move_between_vllms_cuda_kv_and_the_cache():
 def test_the_sidecar_serves_kvgates_admin_routes_and_metrics_for_the_cache_and_answers_errors_as_openai(tmp_path):
     from fastapi.testclient import TestClient
 
-    from cache_impl.auth import ADMIN_TOKEN_HEADER
-    from cache_impl.connector_sidecar import ConnectorOwner, sidecar_app
+    from cache_impl.server.auth import ADMIN_TOKEN_HEADER
+    from cache_impl.vllm.connector_sidecar import ConnectorOwner, sidecar_app
 
     settings = ConnectorSettings.from_extra_config({"host_capacity_bytes": "1MiB", "disk": {"path": str(tmp_path)}})
     counters = {"kvgate_connector_saved_blocks": ("blocks stored", {(): 2.0}, ())}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from cache_impl.auth import ADMIN_TOKEN_ENV
+from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from gates.config import EmbeddedTargets, FaultSpec, profile_defaults
 from gates.g4_soak.fault_schedule import FaultSchedule
 from gates.g4_soak.soak import probe_requests, server_figures

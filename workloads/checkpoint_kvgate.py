@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from cache_impl.buffers import ALIGN, HUGE_PAGE, huge_page_empty
-from cache_impl.direct_io import Span, read_piece, address_of, copy_bytes, open_direct
+from cache_impl.platform.buffers import ALIGN, HUGE_PAGE, huge_page_empty
+from cache_impl.weights.direct_io import Span, read_piece, address_of, copy_bytes, open_direct
 
 CHUNK_BYTES = 16 << 20       # fio's best fsync'd write job here: direct, 16 MiB requests
 WRITERS_PER_FILE = 4         # chunks in flight per file

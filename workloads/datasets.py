@@ -35,8 +35,8 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tokenizers import Tokenizer
 
-from cache_impl.config import ConfigError, format_validation_error, load_yaml_file
-from cache_impl.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
+from cache_impl.cache.config import ConfigError, format_validation_error, load_yaml_file
+from cache_impl.engine.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
 from kvcore.settings import MAX_CONTEXT_TOKENS, ContextTokens, Count
 
 from .requests import Workload, WorkloadRequest

@@ -1,9 +1,9 @@
-"""The client side of fault injection: it drives the faults `cache_impl.faults` defines into a running
+"""The client side of fault injection: it drives the faults `cache_impl.cache.faults` defines into a running
 server, through the admin routes, and the admin client it acts through.
 
 - Stored blocks: the disk block files a prompt uses (asked of /admin/cache/locate, so a test or a
   soak damages exactly the blocks a request is about to load) are damaged in place
-  (`cache_impl.faults.damage_block`) and the upper tiers evicted, so the next request meets them.
+  (`cache_impl.cache.faults.damage_block`) and the upper tiers evicted, so the next request meets them.
 - Disk I/O: armed in the server's disk tier through /admin/faults (`AdminClient.arm`, `clear`).
 - `kill -9` of a server and its restart with the same command line, so it
   re-indexes the same directories.
@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_impl.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from cache_impl.faults import damage_block
+from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
+from cache_impl.cache.faults import damage_block
 
 from .processes import die_with_parent
 from .target_json import BadResponse, json_object, optional_count, optional_text, required_list, required_text

@@ -406,7 +406,7 @@ def check_free_space(job: FioJob) -> None:
 # there, fio's direct 16 MiB QD4 read made 0.65-1.95 MiB requests at 0.64-1.23 GB/s with 4 KiB pages
 # and 3.56-4.00 MiB requests at 1.68-2.30 GB/s with huge pages. The storage's best is measured with
 # the buffers that let it be reached (the cache's own buffers are huge-page backed too,
-# cache_impl/buffers.py). Where glibc lacks the tunable (before 2.35) or THP is off it changes nothing.
+# cache_impl/platform/buffers.py). Where glibc lacks the tunable (before 2.35) or THP is off it changes nothing.
 FIO_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 
 

@@ -112,7 +112,7 @@ class RedisServer(_Processes):
 
 # A get holds a lease on the value for this long; a transfer still running when it ends fails (LEASE_EXPIRED).
 # At 100 ms a get of a block on a busy machine (load average 6-8 on 2 cores) ran past it and a value
-# that was there read as a miss. Our removes are forced (cache_impl/tiers/remote.py), so nothing waits
+# that was there read as a miss. Our removes are forced (cache_impl/cache/tiers/remote.py), so nothing waits
 # on a lease: Mooncake's own default.
 LEASE_TTL_MS = 5000
 

@@ -1,7 +1,7 @@
 """Which cache tier served a target's hits: per-tier hit blocks from its nodes' /metrics, and their shares.
 
 kvgate's servers count every block a load served under the tier that served it
-(`kvgate_cache_hits_total{tier="device"|"host"|"disk"|"remote"}`, cache_impl/metrics_export.py;
+(`kvgate_cache_hits_total{tier="device"|"host"|"disk"|"remote"}`, cache_impl/server/metrics_export.py;
 `remote` is the pool the nodes share). A target of several nodes counts the sum over its nodes; a
 sweep step's hits are the difference of those sums read just before and just after the step
 (`SweepSettings.tier_hits`), so they cover the whole step, its warm-up too (counters have no time

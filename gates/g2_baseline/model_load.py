@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cache_impl.loaders import allocate_destinations, load_checkpoint, verify_loaded
-from cache_impl.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
+from cache_impl.weights.loaders import allocate_destinations, load_checkpoint, verify_loaded
+from cache_impl.weights.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
 from gates.sequential import Looks, Stopping, sample_until_decided
 from gates.storage_best import StorageBest
 from kvcore.files import drop_cached_pages
@@ -48,7 +48,7 @@ class LoaderRound:
 
     loader: str
     pair: Pair
-    summary: dict            # cache_impl.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
+    summary: dict            # cache_impl.weights.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
     identical: bool          # every tensor's checksum matched
     mismatch: str = ""       # what did not match, when not identical
     warmup: bool = False     # one of the WARMUP_ROUNDS: recorded and checked, not judged

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from cache_impl.loaders import loader_unavailable
-from cache_impl.safetensors_dir import CheckpointFormatError, read_safetensors_dir
+from cache_impl.weights.loaders import loader_unavailable
+from cache_impl.weights.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from gates.g2_baseline.model_load import (measure_aa_reads, measure_loaders, measure_speedup, median_phases,
                                           prepare_checkpoints)
 from gates.storage_best import storage_best
@@ -196,7 +196,7 @@ def _service_commands(gate_context, endpoints, available_loaders):
     if config.targets.kind != "embedded":
         pytest.skip("G2 service load: an external engine needs g2.model_load.launch and health_url")
     # deferred: torch (seconds), only when the gate exports the model's weights
-    from cache_impl.weights import export_weights
+    from cache_impl.engine.weights import export_weights
 
     embedded = config.targets.embedded
     directory = config.storage.path / SERVICE_DIR

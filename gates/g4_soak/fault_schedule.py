@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from cache_impl.faults import BLOCK_FAULTS
+from cache_impl.cache.faults import BLOCK_FAULTS
 from gates.config import FaultSpec
 from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl
 from workloads.client import StreamingClient

@@ -1,0 +1,147 @@
+"""Placement: which level holds which block, what may be evicted, and where an evicted block goes.
+
+No bytes move here and no thread runs here: the cache (`cache_impl.cache.manager`) asks, then moves
+bytes through the tiers, holding its lock around both. A `Level` is one tier of the cache with
+everything the cache keeps about it: its LRU account, its metrics and, for a tier written in
+the background, its write-behind queue.
+
+Rules:
+- the index holds a bit per level (bit = the level's rank, 0 = the device): a bit is set only
+  while that level holds a whole, readable copy; a level that manages its own capacity (a pool
+  shared by nodes, `accounted = False`) has no bits and no LRU;
+- a pinned block (being read by a load) is never chosen for eviction, nor is a block whose
+  write to that level is still queued (its capacity is reserved from the moment it is queued);
+- eviction demotes: a block leaving a level goes to the nearest lower accounted level that
+  does not hold it yet and can make room for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+from cache_impl.cache.index import BlockIndex
+from cache_impl.cache.keys import Key
+from cache_impl.cache.lru import LRUAccount
+from cache_impl.cache.metrics import TierMetrics
+
+if TYPE_CHECKING:  # annotations only: placement itself is torch-free (the sizing model replays with it)
+    from cache_impl.cache.tiers.base import Tier
+    from cache_impl.cache.writeback import WriteBehind
+
+
+@dataclass
+class Level:
+    """One tier of the cache and what the cache keeps about it."""
+
+    rank: int
+    tier: Tier
+    metrics: TierMetrics
+    lru: Optional[LRUAccount]       # None: the tier manages its own capacity
+    writer: Optional[WriteBehind]   # None: written at once, under the lock (a memory tier)
+    on_store: bool                  # the write policy writes a new block here when it is stored
+    min_free_bytes: int = 0         # room to leave free on the medium beneath the tier
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+    @property
+    def bit(self) -> int:
+        return 1 << self.rank
+
+
+class Placement:
+    """The index, the pins and the levels' LRU accounts; every method expects the cache's lock held."""
+
+    def __init__(self, levels: Sequence[Level]) -> None:
+        self.levels = list(levels)
+        self.index = BlockIndex()
+        self.pins: dict[Key, int] = {}
+
+    # -- where blocks are --------------------------------------------------------
+
+    def prefix(self, keys: Sequence[Key], extra: Optional[Mapping[Key, int]] = None) -> list[int]:
+        """Level masks of the leading keys held somewhere (`extra`: bits of levels asked just now)."""
+        if not extra:
+            return self.index.longest_prefix(keys)
+        masks = []
+        for key in keys:
+            mask = self.index.tiers_of(key) | extra.get(key, 0)
+            if not mask:
+                break
+            masks.append(mask)
+        return masks
+
+    def best(self, mask: int) -> Level:
+        """The highest level among a mask's bits (the fastest copy)."""
+        return self.levels[(mask & -mask).bit_length() - 1]
+
+    def holds(self, level: Level, key: Key) -> bool:
+        """The level has the block, or its write there is queued."""
+        return self.index.has(key, level.rank) or (level.writer is not None and key in level.writer)
+
+    def known(self, key: Key) -> bool:
+        """Some accounted level has the block or is about to."""
+        return bool(self.index.tiers_of(key)) or any(
+            level.writer is not None and level.lru is not None and key in level.writer for level in self.levels)
+
+    def where(self, key: Key) -> list[str]:
+        mask = self.index.tiers_of(key)
+        return [level.name for level in self.levels if mask & level.bit]
+
+    def lower(self, level: Level) -> list[Level]:
+        """Accounted levels below `level`, nearest first (where an evicted block may go)."""
+        return [other for other in self.levels[level.rank + 1:] if other.lru is not None]
+
+    # -- what may move ---------------------------------------------------------------
+
+    def is_protected(self, level: Level, key: Key) -> bool:
+        return key in self.pins or (level.writer is not None and key in level.writer)
+
+    def victims(self, level: Level, nbytes: int, shortfall: int = 0) -> Optional[list[Key]]:
+        """Least recently used unprotected blocks whose eviction makes room for `nbytes`
+        (and frees at least `shortfall` bytes of the medium); None when that cannot be done."""
+        return level.lru.victims(nbytes, lambda key: self.is_protected(level, key), shortfall)
+
+    def unprotected(self, level: Level) -> list[Key]:
+        return [key for key in level.lru if not self.is_protected(level, key)]
+
+    # -- recording moves -----------------------------------------------------------------
+
+    def reserve(self, level: Level, key: Key) -> None:
+        """Account a block whose write to the level is queued (not readable there yet)."""
+        level.lru.add(key, level.tier.stored_nbytes)
+
+    def publish(self, level: Level, key: Key) -> None:
+        """A reserved block is now whole on the level."""
+        self.index.add(key, level.rank)
+
+    def add(self, level: Level, key: Key) -> None:
+        self.reserve(level, key)
+        self.publish(level, key)
+
+    def remove(self, level: Level, key: Key) -> None:
+        if level.lru is not None:
+            level.lru.remove(key)
+        self.index.discard(key, level.rank)
+
+    def touch(self, level: Level, key: Key) -> None:
+        if level.lru is not None:
+            level.lru.touch(key)
+
+    def touch_everywhere(self, key: Key) -> None:
+        for level in self.levels:
+            self.touch(level, key)
+
+    def pin(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    def unpin(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            left = self.pins.get(key, 0) - 1
+            if left > 0:
+                self.pins[key] = left
+            else:
+                self.pins.pop(key, None)
