@@ -25,7 +25,9 @@ import numpy as np
 
 from kvcore.rundata import read_records
 from workloads.client import StreamingClient
-from workloads.load import Target, free_port, run_load
+from workloads.target import Target
+from workloads.processes import free_port
+from workloads.load import run_load
 from workloads.processes import die_with_parent
 from workloads.requests import Workload, WorkloadRequest
 

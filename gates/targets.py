@@ -19,7 +19,8 @@ import yaml
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from kvcore.settings import parse_size
 from workloads.datasets import BYTE_TOKENIZER_ID
-from workloads.load import Target, free_port
+from workloads.target import Target
+from workloads.processes import free_port
 from workloads.processes import die_with_parent
 from workloads.stores import MooncakePool, RedisServer
 

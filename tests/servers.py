@@ -19,7 +19,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
-from workloads.load import free_port
+from workloads.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 60

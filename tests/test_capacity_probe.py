@@ -7,7 +7,8 @@ import pytest
 from gates.client_bench import _process
 from kvcore.attainment import MEETS, MISSES, UNDECIDED
 from workloads.capacity_probe import SLO, ProbeSettings, decide, run_probe, search_capacity
-from workloads.load import Target, free_port
+from workloads.target import Target
+from workloads.processes import free_port
 from workloads.requests import Workload, WorkloadRequest
 from workloads.server_behaviour import Behaviour
 from workloads.steady import order_segment

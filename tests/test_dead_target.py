@@ -13,7 +13,8 @@ from workloads.blocks import run_sweep
 from workloads.client import Backoff, StreamingClient
 from kvcore.rundata import read_records
 from workloads.errors import DeadTargetDetector, StopRule, describe_errors, summarize_errors
-from workloads.load import Target, run_load
+from workloads.target import Target
+from workloads.load import run_load
 from workloads.requests import Workload, WorkloadRequest
 from workloads.sweep import SweepSettings, summarize_step
 

@@ -330,7 +330,7 @@ def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_pr
     from gates.g4_soak.fault_schedule import FaultSchedule
     from cache_impl.cache.faults import flip_byte
     from workloads.faults import CacheAdmin
-    from workloads.load import Target
+    from workloads.target import Target
     from workloads.requests import WorkloadRequest
 
     admin = AdminClient(tiered.base_url)

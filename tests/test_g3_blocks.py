@@ -20,7 +20,8 @@ from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_li
 from kvcore.rules import parse_rule
 from workloads.blocks import LevelSampling, block_order, run_sweep, step_measured_records
 from kvcore.rundata import read_records
-from workloads.load import Target, free_port
+from workloads.target import Target
+from workloads.processes import free_port
 from workloads.requests import Workload, WorkloadRequest, load_order
 from workloads.sweep import SweepSettings
 from workloads.steady import SteadyRule

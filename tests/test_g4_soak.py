@@ -23,7 +23,7 @@ from kvcore.rules import Threshold
 from kvcore.verdict import judge
 from kvcore.rundata import RunStore
 from workloads.faults import AdminClient
-from workloads.load import free_port
+from workloads.processes import free_port
 from workloads.server_behaviour import Behaviour
 
 SOAK = {

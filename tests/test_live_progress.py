@@ -18,7 +18,9 @@ from kvcore.rundata import RunStore
 from workloads.blocks import run_sweep
 from kvcore.rundata import read_records
 from workloads.live import LiveFigures, LiveStep
-from workloads.load import Target, free_port, run_load
+from workloads.target import Target
+from workloads.processes import free_port
+from workloads.load import run_load
 from workloads.requests import Workload, WorkloadRequest
 from workloads.sweep import SweepSettings, prime_targets
 

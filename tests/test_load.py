@@ -13,7 +13,8 @@ from tests.servers import started_server
 from workloads.blocks import run_sweep
 from workloads.client import StreamingClient
 from kvcore.rundata import read_records
-from workloads.load import Target, run_load
+from workloads.target import Target
+from workloads.load import run_load
 from workloads.requests import Workload, WorkloadRequest
 from workloads.sweep import SweepSettings, paced, prime_targets, read_client_samples, summarize_step
 

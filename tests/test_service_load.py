@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workloads.load import free_port
+from workloads.processes import free_port
 from workloads.service_load import ServiceStart, ServiceStartError, time_service_start
 
 

@@ -13,7 +13,7 @@ import pytest
 from tests.servers import ServerProcess, ask, distinct_prompt, started_pool_nodes
 from workloads.blocks import run_sweep
 from workloads.faults import AdminClient
-from workloads.load import Target
+from workloads.target import Target
 from workloads.requests import Workload, WorkloadRequest
 from workloads.stores import RedisServer
 from workloads.sweep import SweepSettings

@@ -18,7 +18,8 @@ from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.blocks import run_sweep
 from kvcore.rundata import read_records
 from workloads.datasets import ByteSizer, build_workload
-from workloads.load import Target, free_port
+from workloads.target import Target
+from workloads.processes import free_port
 from workloads.requests import load_order
 from workloads.sweep import SweepSettings, describe_replay, plan_steps, primer
 

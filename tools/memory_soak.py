@@ -33,7 +33,9 @@ from gates.targets import engine_settings
 from workloads.client import StreamingClient
 from workloads.datasets import build_workload, sizer_for
 from workloads.faults import AdminClient, CacheAdmin
-from workloads.load import Target, free_port, run_load
+from workloads.target import Target
+from workloads.processes import free_port
+from workloads.load import run_load
 
 ENGINE = engine_settings(EmbeddedTargets())   # the embedded candidate's settings
 G4_FAULTS = ("flip_byte", "read_error", "slow_disk", "truncate", "disk_full")

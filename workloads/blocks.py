@@ -39,7 +39,8 @@ import pandas as pd
 from kvcore.rundata import read_records
 from .errors import merge_error_summaries
 from .live import LiveFigures, LiveStep, step_name
-from .load import LoadProgress, LoadRun, Target, run_load
+from .load import LoadProgress, LoadRun, run_load
+from .target import Target
 from .requests import Workload
 from .steady import LAG, Settled, order_segment, requests_per_part, settle
 from .sweep import (DUE_COUNTS, Step, SweepSettings, plan_steps, read_client_samples, request_figures, step_line,

@@ -30,7 +30,8 @@ from kvcore.attainment import MISSES, UNDECIDED, MissShare
 from kvcore.capacity import CapacitySearch, Probe
 from kvcore.rundata import read_records
 
-from .load import LoadProgress, Target, run_load
+from .load import LoadProgress, run_load
+from .target import Target
 from .requests import Workload
 from .steady import order_segment
 from .sweep import rate_multiplied, trace_segment

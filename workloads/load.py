@@ -5,40 +5,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 from kvcore.files import JsonlTail, read_jsonl
 
 from .errors import StopRule
 from .requests import Workload, save_workload
-from .processes import die_with_parent
+from .processes import die_with_parent, free_port
+from .target import Target
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 STOP_WAIT_S = 30.0          # a load told to stop early: its users' requests in flight end (--stop-timeout 5)
-
-
-@dataclass(frozen=True)
-class Target:
-    """An OpenAI-compatible endpoint to load."""
-
-    name: str
-    url: str                               # base URL ending in /v1
-    model: str
-    api: Literal["chat", "completions"] = "chat"
-    api_key_env: Optional[str] = None      # name of the environment variable holding the key
-    temperature: float = 0.0
-    nodes: tuple[str, ...] = ()            # several nodes serving the target (base URLs); empty: `url` alone
-    routing: str = "round-robin"           # how requests pick a node (workloads.routing)
-
-    @property
-    def node_urls(self) -> tuple[str, ...]:
-        return self.nodes or (self.url,)
 
 
 @dataclass
@@ -62,12 +44,6 @@ class LoadProgress:
     started_at: float
     elapsed_s: float
     new_records: list[dict]        # request records landed since the previous call, in no particular order
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_load(workload: Workload, target: Target, users: int, duration_s: float, out_dir: Path,

@@ -1,9 +1,11 @@
-"""Child processes that end with their parent, so a killed harness never leaves servers or load running."""
+"""Local processes and ports: children that end with their parent, so a killed harness never leaves servers or
+load running, and a free port on loopback."""
 
 from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import sys
 
 _PR_SET_PDEATHSIG = 1
@@ -18,3 +20,9 @@ def die_with_parent() -> None:
     """
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .load import free_port
+from .processes import free_port
 from .processes import die_with_parent
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

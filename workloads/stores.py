@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .load import free_port
+from .processes import free_port
 from .processes import die_with_parent
 
 

@@ -67,7 +67,8 @@ from kvcore.percent import format_percent
 from kvcore.rundata import read_records
 from .errors import StopRule, describe_errors, summarize_errors
 from .live import LiveStep, format_ms
-from .load import Target, run_load
+from .target import Target
+from .load import run_load
 from .requests import Workload, of_pass
 from .steady import SteadyRule, order_segment
 from .tier_hits import tier_line

@@ -15,7 +15,7 @@ from typing import Mapping, Optional, Sequence
 from kvcore.percent import format_percent
 
 from .faults import AdminClient, AdminError, per_tier
-from .load import Target
+from .target import Target
 
 HIT_COUNTER = "kvgate_cache_hits_total"
 POOL_TIER = "remote"

@@ -24,7 +24,7 @@ from gates.g2_baseline.model_load import (measure_aa_reads, measure_loaders, mea
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.percent import format_percent
-from workloads.load import free_port
+from workloads.processes import free_port
 from workloads.service_load import ServiceStartError, time_service_start
 
 SERVICE_DIR = "model-load-service"

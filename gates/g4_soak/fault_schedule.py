@@ -24,7 +24,7 @@ from gates.config import FaultSpec
 from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl
 from workloads.client import StreamingClient
 from workloads.faults import CacheAdmin, damage_prompt_blocks, detection_counts, evict_until_on_disk_only
-from workloads.load import Target
+from workloads.target import Target
 from workloads.requests import WorkloadRequest
 
 # What each kind of fault should move among the cache's counters.

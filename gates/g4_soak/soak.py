@@ -39,7 +39,8 @@ from workloads.client import StreamingClient
 from workloads.errors import summarize_errors
 from workloads.faults import AdminClient, CacheAdmin, counter, gauge, per_tier
 from workloads.live import LiveFigures
-from workloads.load import Target, run_load
+from workloads.target import Target
+from workloads.load import run_load
 from workloads.requests import Workload, WorkloadRequest
 
 PROBE_MAX_TOKENS = 16

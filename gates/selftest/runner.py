@@ -20,7 +20,7 @@ import yaml
 
 from kvcore.files import write_json
 from workloads.client import StreamingClient, TargetError
-from workloads.load import free_port
+from workloads.processes import free_port
 from workloads.processes import die_with_parent
 
 from .controls import Control, Server, g3_run_seconds, gates_yaml
