@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from workloads.faults import AdminClient, CacheAdmin
-from workloads.tier_hits import read_tier_hits
+from workloads.probes.faults import AdminClient, CacheAdmin
+from workloads.probes.tier_hits import read_tier_hits
 
 from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
 from .metrics import TIERS, MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics
@@ -24,7 +24,7 @@ from .steps import CommandStep, ControlError, HttpStep, StepResult
 from .vllm import connector_cache_admin
 
 if TYPE_CHECKING:
-    from workloads.faults import CacheAdmin
+    from workloads.probes.faults import CacheAdmin
 
 
 
@@ -72,7 +72,7 @@ def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
 
 
 def cache_admin(config: Any, endpoint: Any) -> Optional["CacheAdmin"]:
-    """kvgate's admin routes over an endpoint's cache (workloads.faults.CacheAdmin), where its cache is kvgate's: a
+    """kvgate's admin routes over an endpoint's cache (workloads.probes.faults.CacheAdmin), where its cache is kvgate's: a
     `kvgate serve --admin` the harness started, or vLLM with kvgate's connector and its sidecar
     (`cache_layer: kvgate`, `cache_layer_url`); None for any other cache (its disk reads are not exported, faults
     cannot be injected into it)."""

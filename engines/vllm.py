@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from workloads.faults import AdminClient, CacheAdmin
+from workloads.probes.faults import AdminClient, CacheAdmin
 
 from .base import Capacity, Control, EngineAdapter, EngineSpec, assemble
 from .kvgate_connector import connector_controls, connector_tiers_lacking, connector_witness

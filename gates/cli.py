@@ -19,9 +19,9 @@ from cache_impl.server.serve_command import SERVE_DESCRIPTION, SERVE_HELP, add_s
 from kvcore.printable import printable
 from kvcore.rundata import RunStore
 from kvcore.settings import load_yaml_mapping
-from workloads.fio import FioError
+from workloads.storage.fio import FioError
 
-from .client_bench import ClientBenchSettings, format_client_report, run_client_bench
+from .benches.client_bench import ClientBenchSettings, format_client_report, run_client_bench
 from .config import load_config
 from .plan_command import add_plan
 from .run import GateRunner, available_gates, check_resume, check_storage_path, new_run_dir
@@ -332,7 +332,7 @@ def _add_engine_bench(commands) -> None:
 
 def _engine_bench(args: argparse.Namespace) -> int:
     # deferred: torch (seconds), for kvgate engine-bench only
-    from .engine_bench import EngineBenchSettings, format_engine_report, run_engine_bench
+    from .benches.engine_bench import EngineBenchSettings, format_engine_report, run_engine_bench
 
     figures = run_engine_bench(EngineBenchSettings(args.dir, args.contexts, args.rounds, args.preset))
     print(json.dumps(figures, indent=2) if args.json else format_engine_report(figures))
@@ -364,7 +364,7 @@ def _backends(text: str) -> tuple[str, ...]:
 
 def _pool_bench(args: argparse.Namespace) -> int:
     # deferred: torch (seconds), for kvgate pool-bench only
-    from .pool_bench import PoolBenchSettings, format_pool_report, run_pool_bench
+    from .benches.pool_bench import PoolBenchSettings, format_pool_report, run_pool_bench
 
     urls = {name: url for name, url in (("redis", args.redis), ("mooncake", args.mooncake)) if url}
     figures = run_pool_bench(PoolBenchSettings(args.dir, args.backends, args.prefix_mib, args.rounds, args.context,
@@ -438,7 +438,7 @@ def _selftest(args: argparse.Namespace) -> int:
 
 def _cache_bench(args: argparse.Namespace) -> int:
     # deferred: torch (seconds), for kvgate cache-bench only
-    from .cache_bench import BENCH_GRID, BenchSettings, format_report, run_cache_bench
+    from .benches.cache_bench import BENCH_GRID, BenchSettings, format_report, run_cache_bench
 
     figures = run_cache_bench(BenchSettings(
         directory=args.dir, prefix_mib=args.prefix_mib, rounds=args.rounds, read_workers=args.read_workers,

@@ -24,7 +24,7 @@ from cache_impl.cache.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
 from cache_impl.engine.presets import PRESETS
 from cache_impl.weights.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
-from gates.g2_baseline.side_by_side import Pairing
+from gates.side_by_side import Pairing
 from kvcore.checks import CHECKS, check_of, configurable_metrics
 from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.loader_names import KVGATE_LOADER, LOADERS
@@ -32,11 +32,11 @@ from kvcore.rules import Rule, parse_rule
 from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, Count, Float, Int, StrictModel,
                              format_validation_error, load_yaml_mapping, parse_size)
 from sizing.layout import KVShape
-from workloads.checkpoint import KVGATE_WRITER, STATE_PRESETS, WRITERS as CHECKPOINT_WRITERS, CheckpointSpec
-from workloads.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, read_trace, sizer_for
-from workloads.fio_sweep import SweepGrid
-from workloads.steady import SteadyRule
-from workloads.sweep import pairs_at_most
+from workloads.storage.checkpoint import KVGATE_WRITER, STATE_PRESETS, WRITERS as CHECKPOINT_WRITERS, CheckpointSpec
+from workloads.traffic.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, read_trace, sizer_for
+from workloads.storage.fio_sweep import SweepGrid
+from workloads.loadgen.steady import SteadyRule
+from workloads.loadgen.sweep import pairs_at_most
 
 from .fleet import fleet_defaults
 
@@ -256,7 +256,7 @@ def _each_once(values: list, noun: str = "value") -> list:
 
 
 class FioSweepConfig(StrictModel):
-    """G1's storage sweep (workloads/fio_sweep.py): the storage's best sequential read and fsync'd write,
+    """G1's storage sweep (workloads/storage/fio_sweep.py): the storage's best sequential read and fsync'd write,
     the yardstick G2's cold read, model loaders and checkpoint are judged against. Direct reads run every
     (read_bs, ioengine, iodepth, numjobs); buffered reads every (read_bs, numjobs), psync at depth 1;
     writes every (write_bs, write_numjobs, write_modes), fsync'd at the end."""
@@ -298,7 +298,7 @@ class FioSweepConfig(StrictModel):
         return self
 
     def grid(self):
-        """The sweep as workloads.fio_sweep runs it."""
+        """The sweep as workloads.storage.fio_sweep runs it."""
         return SweepGrid(read_bs=tuple(self.read_bs), iodepths=tuple(self.iodepths), numjobs=tuple(self.numjobs),
                          modes=tuple(self.modes), ioengines=tuple(self.ioengines), write_bs=tuple(self.write_bs),
                          write_numjobs=tuple(self.write_numjobs), write_modes=tuple(self.write_modes),
@@ -327,7 +327,7 @@ class G1Config(StrictModel):
 
 
 class PairsConfig(StrictModel):
-    """Sequential side-by-side pairs (gates/g2_baseline/side_by_side.py): at least `min`, then more until the
+    """Sequential side-by-side pairs (gates/side_by_side.py): at least `min`, then more until the
     anytime-valid interval decides the rule, at most `max`, none started once `budget_s` has passed. A plain
     number n means exactly n pairs (min = max = n)."""
 
@@ -353,7 +353,7 @@ class PairsConfig(StrictModel):
 
 
 LOADER_NAMES = LOADERS
-# workloads/checkpoint.py's presets as a model size is written: 8B, 32B, 70B, 405B, 1T, adapter
+# workloads/storage/checkpoint.py's presets as a model size is written: 8B, 32B, 70B, 405B, 1T, adapter
 STATE_PRESET_NAMES = tuple(name.upper() if name[0].isdigit() else name for name in STATE_PRESETS)
 
 
@@ -562,7 +562,7 @@ class G3NoReuseConfig(StrictModel):
 
 
 class G3SteadyConfig(StrictModel):
-    """When a level's warm-up pairs end (workloads/steady.py): two consecutive candidate blocks agree."""
+    """When a level's warm-up pairs end (workloads/loadgen/steady.py): two consecutive candidate blocks agree."""
 
     ttft_change: Float = Field(default=0.35, gt=0, description="the candidate's TTFT p50 within this fraction of the "
                                "block before")

@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
-from workloads.client import StreamingClient
-from workloads.datasets import CHAT_FRAMING_TOKENS, context_request
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.datasets import CHAT_FRAMING_TOKENS, context_request
 
 PROBE_TIMEOUT_S = 120.0       # the probe takes a second or two and torch's import; a stuck one is dropped
 PREFILL_ROLE = "recompute"    # the embedded server that computes every prompt from scratch

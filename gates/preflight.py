@@ -18,10 +18,10 @@ from typing import Optional
 
 from engines import Unavailable, endpoint_adapter
 from engines.metrics import MetricsError
-from workloads.client import StreamingClient, TargetError
-from workloads.datasets import sizer_for
-from workloads.errors import CONNECTION_ERRORS, describe_error
-from workloads.requests import WorkloadRequest
+from workloads.traffic.client import StreamingClient, TargetError
+from workloads.traffic.datasets import sizer_for
+from workloads.traffic.errors import CONNECTION_ERRORS, describe_error
+from workloads.traffic.requests import WorkloadRequest
 
 from .config import g2_contexts_problem
 from .targets import Endpoint
@@ -43,7 +43,7 @@ class PreflightResult:
     served: list[str] = field(default_factory=list)
     ttft_s: Optional[float] = None
     seconds: float = 0.0
-    sizer: str = ""                  # how prompts are sized in its tokens (workloads.datasets.sizer_for)
+    sizer: str = ""                  # how prompts are sized in its tokens (workloads.traffic.datasets.sizer_for)
     max_model_len: Optional[int] = None   # the model's context as GET /models gives it, where it does
 
     def line(self) -> str:

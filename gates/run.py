@@ -33,9 +33,9 @@ from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
 from sizing.machine import decode_words, probe_line, probe_ran
 from sizing.plan import comparison_lines, g3_decode_context
-from workloads.fio import FioError, fio_version
-from workloads.inventory import collect_inventory
-from workloads.processes import die_with_parent
+from workloads.storage.fio import FioError, fio_version
+from workloads.storage.inventory import collect_inventory
+from workloads.traffic.processes import die_with_parent
 
 from .config import GatesConfig
 from .console import GateConsole, target_text

@@ -1,6 +1,6 @@
 """The storage's best sequential read and fsync'd write, found once per run and read by the gates after.
 
-G1 runs the sweep (`fio.sweep`, workloads/fio_sweep.py) on `storage.path` and records every point
+G1 runs the sweep (`fio.sweep`, workloads/storage/fio_sweep.py) on `storage.path` and records every point
 (`storage_sweep_point`, its raw fio JSON in the gate's raw dir) and the two winners
 (`storage_best_read_gbps`, `storage_best_write_gbps`, their context the winning job's shape and
 the winner of each I/O mode, direct and buffered). G2 reads those records from the run store
@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from workloads.fio_sweep import FioShape, Sweep, SweepPoint, run_storage_sweep
+from workloads.storage.fio_sweep import FioShape, Sweep, SweepPoint, run_storage_sweep
 
-from gates.g2_baseline.side_by_side import FasterOf, FioRound
+from gates.side_by_side import FasterOf, FioRound
 
 BEST_READ, BEST_WRITE, POINT = "storage_best_read_gbps", "storage_best_write_gbps", "storage_sweep_point"
 SWEEP_DIR = "fio-sweep"       # under storage.path

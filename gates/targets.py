@@ -18,11 +18,11 @@ import yaml
 
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from kvcore.settings import parse_size
-from workloads.datasets import BYTE_TOKENIZER_ID
-from workloads.target import Target
-from workloads.processes import free_port
-from workloads.processes import die_with_parent
-from workloads.stores import MooncakePool, RedisServer
+from workloads.traffic.datasets import BYTE_TOKENIZER_ID
+from workloads.traffic.target import Target
+from workloads.traffic.processes import free_port
+from workloads.traffic.processes import die_with_parent
+from workloads.servers.stores import MooncakePool, RedisServer
 
 from .config import EmbeddedTargets, GatesConfig, TargetSettings
 

@@ -265,6 +265,6 @@ class RunStore:
 
 
 def read_records(directory: Path) -> list[dict]:
-    """Every request record of every load process in a directory (workloads/client.py's RecordWriter writes
+    """Every request record of every load process in a directory (workloads/traffic/client.py's RecordWriter writes
     one records-NAME.jsonl per process)."""
     return read_jsonl(directory, "records-*.jsonl")

@@ -35,7 +35,7 @@ FIGURES = (("ttft_p50_ms", "TTFT p50", "TTFT p50 (ms)", False),
            ("output_tokens_per_s", "output throughput", "output throughput (tokens/s)", False),
            ("hit_ratio", "prefix-cache hit ratio", "prompt tokens served from cache", True))
 DISTRIBUTIONS = (("ttft_s", "TTFT"), ("e2e_s", "E2E latency"))
-STEP_PREFIX = {"concurrency": "c", "multiplier": "x"}   # the sweep's step directories (workloads.sweep)
+STEP_PREFIX = {"concurrency": "c", "multiplier": "x"}   # the sweep's step directories (workloads.loadgen.sweep)
 
 
 @dataclass(frozen=True)

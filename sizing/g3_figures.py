@@ -181,7 +181,7 @@ def predict_rate_ladder(replays: Mapping[str, Replay], multipliers: Sequence[flo
                         slo_s: float, duration_s: Optional[float] = None, warmup_s: float = 0.0,
                         min_requests: int = 1) -> RatePrediction:
     """G3's open-loop ladder: at each multiplier m each target's requests (its own trace part) arrive
-    at `arrivals_s[m]` (the part's timestamps ÷ m, `workloads.sweep.rate_multiplied`), sent by `users`
+    at `arrivals_s[m]` (the part's timestamps ÷ m, `workloads.loadgen.sweep.rate_multiplied`), sent by `users`
     load users (a request waits in the client while all are busy); then G3's judgement of the ladder:
     per step the SLO latencies (client wait + TTFT, `analysis.slo_latencies`), the highest multiplier
     each target sustains with its TTFT p90 within `slo_s`, and the gain with its interval."""

@@ -1,12 +1,12 @@
 """G3's workload as each target serves it: the requests of every step in the order G3's load sends them,
 the node each goes to, and the hits each one gets from each tier (replayed through the target's tiers).
 
-What G3 sends (gates/g3_main, workloads/sweep.py), each part a load run of its own:
+What G3 sends (gates/g3_main, workloads/loadgen/sweep.py), each part a load run of its own:
 
 - priming (`g3.prime`): every turn of every session once, in load order, or a trace's warm-up requests;
 - closed loop over interleaved sessions: at each level, pairs of blocks, each block a segment of the load
   order sent once by c users who start together, both targets serving the same segment (G3's matched
-  pairs, workloads/blocks.py), simulated block by block (`simulate_blocks`: each request's hits at the
+  pairs, workloads/loadgen/blocks.py), simulated block by block (`simulate_blocks`: each request's hits at the
   moment the engine loads, its stores when the engine makes them, so a block's first c requests load
   before any of the block stores);
 - closed loop over sequential sessions: one pass of its load order per level (the plan replays one pass
@@ -15,8 +15,8 @@ What G3 sends (gates/g3_main, workloads/sweep.py), each part a load run of its o
   in order, never cycled; with `rate_multipliers` a part's requests arrive at their timestamps − the
   part's first, ÷ the multiplier (`rate_multiplied`).
 
-**Routing** (`workloads.routing.Router`, used here as is): a load run's process holds one router shared
-by its users (workloads/locustfile.py), so round-robin sends the k-th request the run sends to node
+**Routing** (`workloads.traffic.routing.Router`, used here as is): a load run's process holds one router shared
+by its users (workloads/loadgen/locustfile.py), so round-robin sends the k-th request the run sends to node
 k mod N, and a new run (the primer, each step) starts again at node 0; prefix-affinity hashes the
 conversation's opening. A matched block sends its segment in order, so its k-th request goes to node
 k mod N (round-robin over 16 sessions, 2 nodes and even segments keeps each session on one node; 15
@@ -34,11 +34,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from workloads.requests import Workload, WorkloadRequest
-from workloads.routing import Router
-from workloads.requests import load_order
-from workloads.steady import order_segment, requests_per_part
-from workloads.sweep import closed_loop, primer, rate_multiplied, trace_parts
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.traffic.routing import Router
+from workloads.traffic.requests import load_order
+from workloads.loadgen.steady import order_segment, requests_per_part
+from workloads.loadgen.sweep import closed_loop, primer, rate_multiplied, trace_parts
 
 from .g3_figures import TargetReplay, combine, level_prediction
 from .queueing import EngineModel, ServedRequest, simulate_source
@@ -162,7 +162,7 @@ def _hit_figures(result: ReplayResult, measured: list) -> dict:
 
 
 class BlockSource:
-    """One of G3's matched blocks (workloads/blocks.py): a segment of the load order, each request sent once and
+    """One of G3's matched blocks (workloads/loadgen/blocks.py): a segment of the load order, each request sent once and
     in order by whichever user is free, routed by the block's own router (each block is a load run of its own),
     each request's cache operations made when the engine makes them: its prefix loaded as it is sent (admitted at
     once below max_running), its prompt's blocks stored and its hits promoted when its first token comes (after
@@ -211,7 +211,7 @@ WARMUP_PAIRS = 1    # the pairs G3's steady rule leaves out before it measures (
 
 def simulate_blocks(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel,
                     seeds: Sequence[int] = (0,)) -> tuple[list, dict]:
-    """G3's closed loop as G3 runs it (workloads/blocks.py, matched): level after level, pairs of blocks, each
+    """G3's closed loop as G3 runs it (workloads/loadgen/blocks.py, matched): level after level, pairs of blocks, each
     block both targets' serving of one segment of the load order (the first level's segments 8 requests a user,
     the later ones what the baseline answered in `duration_s` at the level before, `steady.requests_per_part`),
     `WARMUP_PAIRS` left out, then `min_blocks` measured; each target's caches carried from the primer through

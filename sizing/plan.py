@@ -44,9 +44,9 @@ from kvcore.predictions import IN_MAPE, error as prediction_error, format_figure
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 from kvcore.verdict import judge
-from workloads.capacity_probe import slo_of
-from workloads.datasets import BYTE_TOKENIZER_ID as BYTE_SIZER, build_workload, sizer_for
-from workloads.sweep import RATE_USERS
+from workloads.loadgen.capacity_probe import slo_of
+from workloads.traffic.datasets import BYTE_TOKENIZER_ID as BYTE_SIZER, build_workload, sizer_for
+from workloads.loadgen.sweep import RATE_USERS
 
 from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity

@@ -146,7 +146,7 @@ class SimulatedRequest:
         return self.first_token_s - self.sent_s
 
     def record(self) -> dict:
-        """As G3's records have it (workloads/client.py), for G3's own analysis (kvcore/g3_analysis.py)."""
+        """As G3's records have it (workloads/traffic/client.py), for G3's own analysis (kvcore/g3_analysis.py)."""
         return {"ok": True, "sent_at": self.sent_s, "ttft_s": self.ttft_s, "e2e_s": self.done_s - self.sent_s,
                 "completion_tokens": self.output_tokens, "itl_s": list(self.itl_s),
                 "client_wait_s": self.client_wait_s, "node": self.node}

@@ -25,9 +25,9 @@ from cache_impl.cache.keys import ROOT_PARENT, block_keys
 from cache_impl.server.protocol import Message, chat_tokens
 from cache_impl.engine.tokenizer import ByteTokenizer
 from kvcore.settings import ConfigError
-from workloads.datasets import (MOONCAKE_BLOCK_TOKENS, ByteSizer, TextSizer, TraceRecord, WordSizer,
+from workloads.traffic.datasets import (MOONCAKE_BLOCK_TOKENS, ByteSizer, TextSizer, TraceRecord, WordSizer,
                                 WorkloadSpec, build_workload)
-from workloads.requests import Workload, WorkloadRequest, load_order
+from workloads.traffic.requests import Workload, WorkloadRequest, load_order
 
 from .replay import RequestKeys
 

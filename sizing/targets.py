@@ -29,7 +29,7 @@ from .layout import KVShape
 from .replay import TierCapacity, tier_capacities
 
 EMBEDDED_BLOCK_TOKENS = 256
-# the pool kvgate starts for its embedded fleet (workloads/stores.py: Redis maxmemory 512mb, Mooncake's
+# the pool kvgate starts for its embedded fleet (workloads/servers/stores.py: Redis maxmemory 512mb, Mooncake's
 # segment 512MB); a store also spends memory on its own keeping, so it holds somewhat fewer blocks
 EMBEDDED_POOL_BYTES = 512 * 2**20
 # what a node loads from the pool at when nothing says: `kvgate pool-bench` on loopback, 2-core VM (docs/results.md)

@@ -19,7 +19,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
-from workloads.processes import free_port
+from workloads.traffic.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 60
@@ -28,7 +28,7 @@ SHUTDOWN_TIMEOUT_S = 30
 # `kvgate serve` exits 0 after SIGTERM (a graceful drain); anything else is a failure.
 TEARDOWN_EXIT_CODES = (0,)
 # The admin token of every --admin server the tests start; tests/conftest.py puts it in this
-# process's environment, where workloads.faults.AdminClient looks for it (as in a gate suite).
+# process's environment, where workloads.probes.faults.AdminClient looks for it (as in a gate suite).
 ADMIN_TOKEN = secrets.token_urlsafe(24)
 
 

@@ -87,7 +87,7 @@ def test_engine_bench_reports_ttft_of_recompute_host_and_cold_disk_hits(tmp_path
 def test_engine_bench_stops_when_a_hit_generates_other_tokens_than_the_recompute():
     from types import SimpleNamespace
 
-    from gates.engine_bench import _ttft
+    from gates.benches.engine_bench import _ttft
 
     class Engine:
         def generate(self, prompt, max_tokens):
@@ -128,7 +128,7 @@ def test_pool_bench_measures_both_backends_and_a_cross_node_hit(tmp_path):
 @pytest.mark.parametrize("interval, mark", [([0.92, 1.3], "meets target"), ([0.4, 0.85], "BELOW TARGET"),
                                             ([0.5, 1.4], "not decided"), (None, "not decided")])
 def test_cache_bench_says_a_disk_figure_meets_its_target_only_when_its_interval_clears_it(interval, mark):
-    from gates.cache_bench import _headline
+    from gates.benches.cache_bench import _headline
 
     figures = {"disk_vs_storage_best": 0.95, "disk": {"auto": {"chosen": "direct"}, "direct": {"interval": interval}}}
     assert f"(target >= 0.9: {mark}" in _headline(figures, "disk_vs_storage_best")
@@ -136,7 +136,7 @@ def test_cache_bench_says_a_disk_figure_meets_its_target_only_when_its_interval_
 
 @pytest.mark.parametrize("interval, noted", [([1.5, 2.1], True), ([0.95, 1.3], False), (None, False)])
 def test_cache_bench_says_when_the_tier_beat_every_fio_job_beside_it(interval, noted):
-    from gates.cache_bench import _beyond_the_yardstick
+    from gates.benches.cache_bench import _beyond_the_yardstick
 
     lines = _beyond_the_yardstick({"interval": interval})
     assert bool(lines) == noted and all("below what this storage can do" in line for line in lines)

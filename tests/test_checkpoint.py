@@ -16,9 +16,9 @@ import pytest
 
 from kvcore.settings import ConfigError
 from tests.torch_probe import imports_torch
-from workloads.checkpoint import (KVGATE_WRITER, READERS, STATE_PRESETS, WRITERS, CheckpointError, CheckpointJob, CheckpointSpec, RestoreRound,
+from workloads.storage.checkpoint import (KVGATE_WRITER, READERS, STATE_PRESETS, WRITERS, CheckpointError, CheckpointJob, CheckpointSpec, RestoreRound,
                                   SaveRound, looks_complete, rounds_agree, spread)
-from workloads.rank_group import RankFailure
+from workloads.storage.rank_group import RankFailure
 
 SPEC = CheckpointSpec.for_state_bytes(32 * 2**20, ranks=2, tensor_bytes=2 * 2**20, seed=7)
 SMALL_FS_MIB = 16
@@ -96,7 +96,7 @@ def test_rounds_agree_when_their_spread_is_within_five_percent_of_the_median():
 
 
 def test_the_parent_side_does_not_import_torch(tmp_path):
-    assert not imports_torch("import workloads.checkpoint", tmp_path)
+    assert not imports_torch("import workloads.storage.checkpoint", tmp_path)
 
 
 # --- real rounds, 2 ranks ---

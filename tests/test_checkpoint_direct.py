@@ -1,4 +1,4 @@
-"""kvgate's DCP writer and reader (workloads/checkpoint_kvgate.py) with real files and real `dcp.save` / `dcp.load`.
+"""kvgate's DCP writer and reader (workloads/storage/checkpoint_kvgate.py) with real files and real `dcp.save` / `dcp.load`.
 
 In one process (DCP without a process group) unless a test says ranks: checkpoints of kvgate's writer read bit for
 bit through kvgate's reader and DCP's own, DCP's own writer's through kvgate's, and a full disk names the file.
@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.api import CheckpointException
 
-from workloads.checkpoint import READERS, CheckpointJob, CheckpointSpec, looks_complete
-from workloads.checkpoint_kvgate import (DirectWriteStream, HugePageBuffers, KvgateReader, KvgateWriter,
+from workloads.storage.checkpoint import READERS, CheckpointJob, CheckpointSpec, looks_complete
+from workloads.storage.checkpoint_kvgate import (DirectWriteStream, HugePageBuffers, KvgateReader, KvgateWriter,
                                          load_tensor_over, torch_save_crc32)
 
 CHUNK = 1 << 20

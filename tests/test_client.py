@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from workloads.client import RecordWriter, RequestRecord, measure_stream
+from workloads.traffic.client import RecordWriter, RequestRecord, measure_stream
 from kvcore.rundata import read_records
 
 
@@ -105,7 +105,7 @@ def test_a_field_of_the_wrong_type_makes_the_request_a_bad_response_naming_the_f
 
 
 def test_a_bad_response_record_is_an_error_and_good_fields_still_read_as_before():
-    from workloads.client import _apply
+    from workloads.traffic.client import _apply
 
     record = RequestRecord("r", "s", 0, "t", 1.0, 1.0, 0.0)
     bad = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1,
@@ -144,8 +144,8 @@ def test_a_keep_alive_connection_the_server_closed_is_replaced_once(tmp_path):
     import sys
     import time
 
-    from workloads.client import StreamingClient
-    from workloads.requests import WorkloadRequest
+    from workloads.traffic.client import StreamingClient
+    from workloads.traffic.requests import WorkloadRequest
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ from cache_impl.cache.config import CacheConfig, ConfigError
 from gates.config import load_config
 from kvcore.settings import load_yaml_file
 from tests.servers import REPO
-from workloads.datasets import load_spec
+from workloads.traffic.datasets import load_spec
 
 MULTI_ROUND = {"kind": "multi_round_qa", "users": 16, "rounds": 4, "system_prompt_tokens": 256,
                "document_tokens": 1536, "question_tokens": 32, "answer_tokens": 64, "output_tokens": 16}

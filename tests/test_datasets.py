@@ -12,11 +12,11 @@ import pytest
 from cache_impl.cache.config import ConfigError
 from cache_impl.engine.tokenizer import TOKENIZER_ID, ByteTokenizer
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
-from workloads.datasets import (
+from workloads.traffic.datasets import (
     ByteSizer, LongDocQASpec, MultiRoundQASpec, RandomSpec, SharedPrefixSpec, TokenizerError, TokenizerSizer, TraceSpec, WordSizer,
     build_workload, load_spec, reuse_summary, sizer_for,
 )
-from workloads.requests import Workload, WorkloadRequest
+from workloads.traffic.requests import Workload, WorkloadRequest
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "workloads" / "specs"
 BYTES, WORDS = ByteSizer(), WordSizer()

@@ -9,14 +9,14 @@ import pytest
 
 from kvcore.g3_analysis import level_figures
 from tests.servers import free_port
-from workloads.blocks import run_sweep
-from workloads.client import Backoff, StreamingClient
+from workloads.loadgen.blocks import run_sweep
+from workloads.traffic.client import Backoff, StreamingClient
 from kvcore.rundata import read_records
-from workloads.errors import DeadTargetDetector, StopRule, describe_errors, summarize_errors
-from workloads.target import Target
-from workloads.load import run_load
-from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, summarize_step
+from workloads.traffic.errors import DeadTargetDetector, StopRule, describe_errors, summarize_errors
+from workloads.traffic.target import Target
+from workloads.loadgen.load import run_load
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.loadgen.sweep import SweepSettings, summarize_step
 
 
 def _workload(sessions: int = 4) -> Workload:
@@ -101,7 +101,7 @@ def test_the_error_summary_reaches_the_g3_verdict_reason_named_by_target():
 @pytest.fixture
 def reference_server():
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "workloads.reference_server", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "workloads.servers.reference_server", "--port", str(port),
                                "--ttft-ms", "20", "--itl-ms", "5", "--tokens", "4"])
     client = StreamingClient(f"http://127.0.0.1:{port}/v1", "m")
     deadline = time.monotonic() + 30
@@ -155,7 +155,7 @@ def test_a_g4_window_counts_its_errors_by_type():
 
 
 def test_the_g4_windows_error_summaries_merge_into_one_by_type():
-    from workloads.errors import describe_errors, merge_error_summaries
+    from workloads.traffic.errors import describe_errors, merge_error_summaries
 
     windows = [{"connection_refused": {"count": 3, "example": "Connection refused"}},
                {}, None,

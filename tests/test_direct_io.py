@@ -125,7 +125,7 @@ def test_a_range_is_read_straight_into_one_buffer_whatever_its_alignment(tmp_pat
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * (1 << 20) + 123])
 @pytest.mark.parametrize("pieces", [1, 7])
 def test_a_direct_write_stream_writes_exactly_what_it_was_given_whatever_the_sizes(tmp_path, nbytes, pieces):
-    from workloads.checkpoint_kvgate import DirectWriteStream
+    from workloads.storage.checkpoint_kvgate import DirectWriteStream
 
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     path = tmp_path / "out.bin"
@@ -138,7 +138,7 @@ def test_a_direct_write_stream_writes_exactly_what_it_was_given_whatever_the_siz
 
 
 def test_a_direct_write_that_fails_names_the_file(tmp_path, small_tmpfs):
-    from workloads.checkpoint_kvgate import DirectWriteStream
+    from workloads.storage.checkpoint_kvgate import DirectWriteStream
 
     full = small_tmpfs(4) / "full.bin"
     with pytest.raises(OSError) as raised:

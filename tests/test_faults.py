@@ -25,8 +25,8 @@ from cache_impl.server.auth import ADMIN_TOKEN_HEADER
 from cache_impl.cache.faults import BLOCK_FAULTS, EXPECTED_REASON
 from gates.g4_soak.analysis import fault_outcome
 from tests.servers import ADMIN_TOKEN, Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
-from workloads.client import StreamingClient
-from workloads.faults import AdminClient, AdminError, counter, damage_prompt_blocks, detection_counts, kill_and_restart
+from workloads.traffic.client import StreamingClient
+from workloads.probes.faults import AdminClient, AdminError, counter, damage_prompt_blocks, detection_counts, kill_and_restart
 
 BLOCK = 256
 
@@ -329,9 +329,9 @@ def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_pr
     from gates.config import FaultSpec
     from gates.g4_soak.fault_schedule import FaultSchedule
     from cache_impl.cache.faults import flip_byte
-    from workloads.faults import CacheAdmin
-    from workloads.target import Target
-    from workloads.requests import WorkloadRequest
+    from workloads.probes.faults import CacheAdmin
+    from workloads.traffic.target import Target
+    from workloads.traffic.requests import WorkloadRequest
 
     admin = AdminClient(tiered.base_url)
     messages = ({"role": "user", "content": distinct_prompt("published between damage and probe")},)

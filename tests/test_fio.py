@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.fio import (
+from workloads.storage.fio import (
     ClatStats,
     FioError,
     FioJob,
@@ -251,7 +251,7 @@ def test_size_beyond_free_space_raises_fio_error_mentioning_free_space(tmp_path)
 
 
 def test_fio_runs_with_glibcs_huge_page_tunable_added_to_the_users_own(monkeypatch):
-    from workloads.fio import FIO_MALLOC_TUNABLE, fio_environment
+    from workloads.storage.fio import FIO_MALLOC_TUNABLE, fio_environment
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0")
     env = fio_environment()

@@ -11,14 +11,14 @@ import pytest
 
 from gates.g2_baseline.cold_read import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, TierColdLoad,
                                          disk_counters, measure_pairs, own_pattern, paired_ratio)
-from gates.g2_baseline.side_by_side import FasterOf
-from workloads.fio_sweep import FioShape
+from gates.side_by_side import FasterOf
+from workloads.storage.fio_sweep import FioShape
 from kvcore.rules import Threshold
 from kvcore.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
-from workloads.client import StreamingClient
-from workloads.faults import AdminClient
-from workloads.requests import WorkloadRequest
+from workloads.traffic.client import StreamingClient
+from workloads.probes.faults import AdminClient
+from workloads.traffic.requests import WorkloadRequest
 
 RULE = Threshold("cold_read_vs_storage_best", ">=", 0.8)
 # what one fio job gave on this disk within minutes (GB/s): a single one of them decides nothing

@@ -10,7 +10,7 @@ import pytest
 
 from gates.g2_baseline.model_load import (RANDOM_DIR, WARMUP_ROUNDS, measure_loaders, measure_speedup,
                                           median_phases, prepare_checkpoints)
-from gates.g2_baseline.side_by_side import MIN_PAIRS, FioShape, Pairing
+from gates.side_by_side import MIN_PAIRS, FioShape, Pairing
 from gates.storage_best import StorageBest
 from kvcore.rules import Threshold
 from kvcore.stats import ratio_ci

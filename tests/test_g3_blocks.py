@@ -12,19 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gates.client_bench import _process
+from gates.benches.client_bench import _process
 from kvcore.g3_analysis import level_figures
 from gates.g3_main.blocks import counted_causes, excludes_null, level_pairs, level_sampler, pair_figures
 from kvcore.verdict import judge
 from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_line, ratio_excludes_one
 from kvcore.rules import parse_rule
-from workloads.blocks import LevelSampling, block_order, run_sweep, step_measured_records
+from workloads.loadgen.blocks import LevelSampling, block_order, run_sweep, step_measured_records
 from kvcore.rundata import read_records
-from workloads.target import Target
-from workloads.processes import free_port
-from workloads.requests import Workload, WorkloadRequest, load_order
-from workloads.sweep import SweepSettings
-from workloads.steady import SteadyRule
+from workloads.traffic.target import Target
+from workloads.traffic.processes import free_port
+from workloads.traffic.requests import Workload, WorkloadRequest, load_order
+from workloads.loadgen.sweep import SweepSettings
+from workloads.loadgen.steady import SteadyRule
 
 REDUCTION = parse_rule({"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25})
 GAIN = parse_rule({"metric": "throughput_gain", "min": 0.29, "max": 0.40})
@@ -182,7 +182,7 @@ def _workload(sessions: int = 6) -> Workload:
 def servers():
     """Two reference servers with fixed timing: TTFT 40 ms (the baseline) and 20 ms (the candidate)."""
     ports = [free_port(), free_port()]
-    command = [sys.executable, "-m", "workloads.reference_server", "--itl-ms", "5", "--tokens", "4"]
+    command = [sys.executable, "-m", "workloads.servers.reference_server", "--itl-ms", "5", "--tokens", "4"]
     with _process(command + ["--port", str(ports[0]), "--ttft-ms", "40"], ports[0], "/health"), \
             _process(command + ["--port", str(ports[1]), "--ttft-ms", "20"], ports[1], "/health"):
         yield [Target(role, f"http://127.0.0.1:{port}/v1", "reference") for role, port in zip(ROLES, ports)]
@@ -237,7 +237,7 @@ def test_one_server_as_both_sides_measures_no_difference_and_cannot_pass_the_rul
 
 def test_a_trace_pair_replays_the_same_sub_part_and_is_measured_on_the_same_requests(servers, tmp_path):
     from tests.traces import write_trace
-    from workloads.datasets import ByteSizer, build_workload
+    from workloads.traffic.datasets import ByteSizer, build_workload
 
     rows = [{"timestamp": 100 * i, "input_length": 256, "output_length": 4, "hash_ids": [1, 100 + i]}
             for i in range(200)]
@@ -325,7 +325,7 @@ def test_matched_pairs_serve_the_same_requests_after_a_warm_up_that_ended_on_the
 
 
 def test_a_candidate_that_never_settles_is_measured_from_its_last_warm_up_pair_and_says_so():
-    from workloads.steady import Settled, settle
+    from workloads.loadgen.steady import Settled, settle
 
     rule = SteadyRule(ttft_change=0.1, max_pairs=2)
     falling = [{"ttft_p50_s": t, "hit_ratio": None} for t in (0.4, 0.3, 0.2, 0.15)]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gates.cli import main
-from gates.client_bench import _process
+from gates.benches.client_bench import _process
 from gates.config import ConfigError, load_config
 from gates.g4_soak.analysis import drift, drift_power, excluded_window_rows, fault_span, faults_summary, \
     growth_horizon, growth_power, project_growth, windows_touched
@@ -22,9 +22,9 @@ from kvcore.stats import mann_kendall
 from kvcore.rules import Threshold
 from kvcore.verdict import judge
 from kvcore.rundata import RunStore
-from workloads.faults import AdminClient
-from workloads.processes import free_port
-from workloads.server_behaviour import Behaviour
+from workloads.probes.faults import AdminClient
+from workloads.traffic.processes import free_port
+from workloads.servers.server_behaviour import Behaviour
 
 SOAK = {
     "targets": {"embedded": {"preset": "tiny", "max_running": 4, "device_capacity_blocks": 8,
@@ -535,7 +535,7 @@ def test_the_reference_server_leaks_a_descriptor_per_request_when_told_and_its_m
     with pytest.raises(ValueError, match="leak_fd_every: expected 0"):
         Behaviour(leak_fd_every=-1)
     port = free_port()
-    command = [sys.executable, "-m", "workloads.reference_server", "--port", str(port), "--ttft-ms", "1",
+    command = [sys.executable, "-m", "workloads.servers.reference_server", "--port", str(port), "--ttft-ms", "1",
                "--itl-ms", "1", "--tokens", "2", "--leak-fd-every", "1"]
     with _process(command, port, "/health"):
         admin = AdminClient(f"http://127.0.0.1:{port}", timeout_s=10)

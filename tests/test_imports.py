@@ -10,15 +10,15 @@ from tests.torch_probe import imports_torch
 @pytest.mark.parametrize("module", ["gates.cli", "gates.config", "kvcore.rundata", "kvcore.verdict",
                                     "reports.render", "cache_impl.cache.config", "cache_impl.cache.keys", "cache_impl.weights.loaders",
                                     "cache_impl.weights.safetensors_dir", "cache_impl.cache.placement", "cache_impl.cache.lru",
-                                    "workloads.checkpoint", "workloads.service_load",
+                                    "workloads.storage.checkpoint", "workloads.probes.service_load",
                                     "sizing.timing", "sizing.queueing", "sizing.calibration",
                                     "sizing.layout", "sizing.replay", "sizing.sequences",
-                                    "kvcore.predictions", "workloads.live", "gates.fleet", "workloads.tier_hits",
+                                    "kvcore.predictions", "workloads.loadgen.live", "gates.fleet", "workloads.probes.tier_hits",
                                     "sizing.targets", "sizing.g3_inputs", "sizing.g3_figures",
                                     "sizing.plan",
                                     "engines", "engines.kvgate", "engines.vllm",
                                     "engines.sglang", "engines.generic", "engines.placement",
-                                    "engines.settings", "gates.selftest", "workloads.reference_server",
+                                    "engines.settings", "gates.selftest", "workloads.servers.reference_server",
                                     "kvcore.g3_analysis", "kvcore.loader_names", "gates.plan_command",
                                     "gates.machine_probe", "cache_impl.server.serve_command"])
 def test_reading_configs_keys_and_run_data_does_not_import_torch(module, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.inventory import (
+from workloads.storage.inventory import (
     SECTIONS,
     block_devices,
     capacity_of,

@@ -10,19 +10,19 @@ import time
 
 import pytest
 
-from gates.client_bench import _process
+from gates.benches.client_bench import _process
 from gates.g4_soak.soak import LiveWindow, WindowFeed, finished_at
 from gates.run import plain_progress_lines
 from kvcore.files import JsonlTail, append_jsonl
 from kvcore.rundata import RunStore
-from workloads.blocks import run_sweep
+from workloads.loadgen.blocks import run_sweep
 from kvcore.rundata import read_records
-from workloads.live import LiveFigures, LiveStep
-from workloads.target import Target
-from workloads.processes import free_port
-from workloads.load import run_load
-from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, prime_targets
+from workloads.loadgen.live import LiveFigures, LiveStep
+from workloads.traffic.target import Target
+from workloads.traffic.processes import free_port
+from workloads.loadgen.load import run_load
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.loadgen.sweep import SweepSettings, prime_targets
 
 
 def _workload(sessions: int = 6) -> Workload:
@@ -33,7 +33,7 @@ def _workload(sessions: int = 6) -> Workload:
 @pytest.fixture(scope="module")
 def reference():
     port = free_port()
-    command = [sys.executable, "-m", "workloads.reference_server", "--port", str(port), "--ttft-ms", "20",
+    command = [sys.executable, "-m", "workloads.servers.reference_server", "--port", str(port), "--ttft-ms", "20",
                "--itl-ms", "5", "--tokens", "4"]
     with _process(command, port, "/health"):
         yield Target("reference", f"http://127.0.0.1:{port}/v1", "reference")

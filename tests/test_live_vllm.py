@@ -25,11 +25,11 @@ from cache_impl.engine.hf_export import generatable_ids
 from engines import EngineSpec, build_adapter
 from tests.live_vllm import SERVED_NAME, VllmServer
 from tests.servers import REPO, TINY_SWEEP, started_server
-from workloads.datasets import sizer_for
+from workloads.traffic.datasets import sizer_for
 
 pytestmark = [pytest.mark.live_vllm, pytest.mark.slow]
 
-# Why a G3 step on a busy 2-core machine may not measure vLLM (workloads.sweep's validity reasons): the load
+# Why a G3 step on a busy 2-core machine may not measure vLLM (workloads.loadgen.sweep's validity reasons): the load
 # engine's own lag, or vLLM's streamed tokens merged into fewer chunks than its usage counts
 LOAD_REASONS = ("client saturated", "client and server token counts disagree")
 

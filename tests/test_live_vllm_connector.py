@@ -25,7 +25,7 @@ from cache_impl.server.auth import ADMIN_TOKEN_HEADER
 from engines.metrics import parse_metrics
 from tests.live_vllm import SERVED_NAME, VllmServer, kvgate_connector_config
 from tests.servers import REPO, TINY_SWEEP, free_port
-from workloads.datasets import sizer_for
+from workloads.traffic.datasets import sizer_for
 
 pytestmark = [pytest.mark.live_vllm, pytest.mark.slow]
 

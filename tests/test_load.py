@@ -10,13 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tests.servers import started_server
-from workloads.blocks import run_sweep
-from workloads.client import StreamingClient
+from workloads.loadgen.blocks import run_sweep
+from workloads.traffic.client import StreamingClient
 from kvcore.rundata import read_records
-from workloads.target import Target
-from workloads.load import run_load
-from workloads.requests import Workload, WorkloadRequest
-from workloads.sweep import SweepSettings, paced, prime_targets, read_client_samples, summarize_step
+from workloads.traffic.target import Target
+from workloads.loadgen.load import run_load
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.loadgen.sweep import SweepSettings, paced, prime_targets, read_client_samples, summarize_step
 
 SYSTEM = "You answer questions about the document. " * 12
 
@@ -266,7 +266,7 @@ def test_a_sweep_against_a_hostile_server_over_http_does_not_crash_and_its_step_
 
 
 def test_paced_sessions_arrive_as_a_poisson_process_at_the_requested_rate():
-    from workloads.sweep import paced
+    from workloads.loadgen.sweep import paced
 
     workload = paced(_workload(sessions=3), rate_per_s=5.0, duration_s=40, seed=1)
     starts = [s[0].arrival_s for s in workload.sessions]
@@ -302,7 +302,7 @@ def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed(tmp
     pid_file = tmp_path / "child.pid"
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from workloads.processes import die_with_parent\n"
+        "from workloads.traffic.processes import die_with_parent\n"
         f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent)\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n")])

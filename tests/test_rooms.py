@@ -8,6 +8,7 @@ they never run."""
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,13 @@ WINGS = {
         "engine": {"platform", "cache", "weights"},
         "server": {"platform", "cache", "weights", "engine"},
         "vllm": {"platform", "cache", "weights", "engine", "server"},
+    },
+    "workloads": {
+        "traffic": set(),
+        "probes": {"traffic"},
+        "loadgen": {"traffic", "probes"},
+        "storage": {"traffic"},
+        "servers": {"traffic"},
     },
 }
 DEFERRED = "# deferred:"
@@ -144,6 +152,20 @@ def wing_arrows_up(root: Path) -> list[str]:
     return found
 
 
+def suite_of(module: str) -> str | None:
+    """The gate suite a module of gates/ is in (gates/g1_arrival/ ... gates/g4_soak/), None outside one."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "gates" and len(parts) > 1 and re.fullmatch(r"g\d_\w+", parts[1]) else None
+
+
+def suite_arrows_in(root: Path) -> list[str]:
+    """"FILE:LINE: MODULE -> SUITE" for each import of a gate suite from outside it: a suite is the top of gates/,
+    what it shares with the rest of gates/ lives beside the harness (gates/side_by_side.py, gates/sequential.py)."""
+    return [f"{imp.path.relative_to(root)}:{imp.line}: {imp.module} -> {suite_of(target)} ({target})"
+            for imp in imports_of(root) for target in imp.targets
+            if suite_of(target) is not None and suite_of(target) != suite_of(imp.module)]
+
+
 def undeferred_function_imports(root: Path) -> list[str]:
     """"FILE:LINE: import of MODULE in a function without '# deferred: REASON'" for each."""
     return [f"{imp.path.relative_to(root)}:{imp.line}: import of {', '.join(imp.targets)} in a function without "
@@ -238,6 +260,27 @@ def test_the_wing_check_finds_an_arrow_up_inside_a_room_and_one_to_its_front_doo
         "cache_impl/platform/buffers.py:1: cache_impl: platform -> cache (cache_impl.cache.keys)"]
 
 
+def test_no_module_outside_a_gate_suite_imports_the_suite():
+    assert suite_arrows_in(ROOT) == []
+
+
+def test_the_suite_check_finds_the_harness_importing_a_suite(tmp_path):
+    _write(tmp_path, {})
+    for suite in ("g2_baseline", "g3_main"):
+        (tmp_path / "gates" / suite).mkdir()
+        (tmp_path / "gates" / suite / "__init__.py").write_text("")
+    for name, text in {
+        "gates/g2_baseline/pairs.py": "x = 1\n",
+        "gates/g2_baseline/test_g2.py": "from gates.g2_baseline.pairs import x\n",   # inside its suite: fine
+        "gates/config.py": "from gates.g2_baseline.pairs import x\n",                 # the harness reaching up
+        "gates/g3_main/blocks.py": "from gates.g2_baseline import pairs\n",            # one suite from another
+    }.items():
+        (tmp_path / name).write_text(text)
+    assert suite_arrows_in(tmp_path) == [
+        "gates/config.py:1: gates.config -> g2_baseline (gates.g2_baseline.pairs)",
+        "gates/g3_main/blocks.py:1: gates.g3_main.blocks -> g2_baseline (gates.g2_baseline.pairs)"]
+
+
 def test_an_import_inside_a_function_says_why_it_is_deferred():
     assert undeferred_function_imports(ROOT) == []
 
@@ -262,7 +305,7 @@ def _write(root: Path, files: dict[str, str]) -> None:
 def test_the_checks_find_an_arrow_up_an_undeferred_import_and_a_circle(tmp_path):
     _write(tmp_path, {
         "kvcore/low.py": "from gates import config\n",                      # up two floors
-        "reports/page.py": "from workloads.client import x\n",              # reports reads only kvcore
+        "reports/page.py": "from workloads.traffic.client import x\n",              # reports reads only kvcore
         "cache_impl/lazy.py": "def f():\n    from kvcore import low\n",    # no reason given
         "cache_impl/heavy.py": "def f():\n    import torch  # deferred: torch takes seconds\n",
         "cache_impl/heavy2.py": "def f():\n    # deferred: an optional package\n    import redis\n",
@@ -273,7 +316,7 @@ def test_the_checks_find_an_arrow_up_an_undeferred_import_and_a_circle(tmp_path)
     })
     assert arrows_up(tmp_path) == ["kvcore/low.py:1: kvcore -> gates (gates.config)",
                                    "workloads/typed.py:3: workloads -> gates (gates.run)",
-                                   "reports/page.py:1: reports -> workloads (workloads.client)"]
+                                   "reports/page.py:1: reports -> workloads (workloads.traffic.client)"]
     assert undeferred_function_imports(tmp_path) == [
         "cache_impl/lazy.py:2: import of kvcore.low in a function without '# deferred: REASON'"]
     assert circles(tmp_path) == [["kvcore.a", "kvcore.b"]]

@@ -21,10 +21,10 @@ from gates.selftest.controls import (COMPARED, G3_SETTINGS, G4_SETTINGS, NULL_GA
 from gates.selftest.expectations import (ClaimNotMet, MustFail, MustNotPass, MustPass, RefusedAtPreflight,
                                          format_verdict, invalid_steps, run_completed)
 from gates.selftest.runner import ControlResult, ServerStartError, start_server, stop_server
-from workloads.client import StreamingClient
-from workloads.requests import WorkloadRequest
-from workloads.server_behaviour import Behaviour, parse_every
-from workloads.steady import requests_per_part
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.requests import WorkloadRequest
+from workloads.servers.server_behaviour import Behaviour, parse_every
+from workloads.loadgen.steady import requests_per_part
 
 REQUEST = WorkloadRequest("r", "s", 0, ({"role": "user", "content": "one two three four"},), 4, 8)
 

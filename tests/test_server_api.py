@@ -32,7 +32,7 @@ from cache_impl.server import auth
 from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from tests.servers import (ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, free_port, http_client, metric_value,
                            metrics, started_server)
-from workloads.faults import AdminClient
+from workloads.probes.faults import AdminClient
 
 MODEL = "kvgate-tiny"
 BLOCK_SIZE = 256

@@ -20,8 +20,8 @@ from cache_impl.cache import integrity
 from cache_impl.cache.config import RemoteTierConfig
 from cache_impl.cache.tiers.remote import open_store
 from tests.servers import Oracle, ServerProcess, ask, distinct_prompt, started_pool_nodes, started_server
-from workloads.faults import AdminClient, counter
-from workloads.stores import MooncakePool, RedisServer
+from workloads.probes.faults import AdminClient, counter
+from workloads.servers.stores import MooncakePool, RedisServer
 
 BLOCK = 256
 NEEDS = {"redis": ["redis-server"], "mooncake": ["mooncake_master", "mooncake_http_metadata_server",

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from gates.g2_baseline.side_by_side import FIO_BLOCK, FioFilesRead, FioFreshWrite, FioShape, SideBySideError
+from gates.side_by_side import FIO_BLOCK, FioFilesRead, FioFreshWrite, FioShape, SideBySideError
 from kvcore.files import drop_cached_pages
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")

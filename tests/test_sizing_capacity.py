@@ -4,7 +4,7 @@ from sizing.g3_figures import TargetReplay
 from sizing.queueing import DecodeCost, EngineModel, ServedRequest
 from sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
 from tests.recorded_runs import KV
-from workloads.capacity_probe import SLO
+from workloads.loadgen.capacity_probe import SLO
 
 
 def _engine() -> EngineModel:

@@ -29,7 +29,7 @@ from tests.recorded_runs import KV, recorded_run
 def test_a_fleets_replay_gives_two_real_caches_hits_on_one_real_pool(make_cache, layout, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/run installs it; see the README)")
-    from workloads.stores import RedisServer
+    from workloads.servers.stores import RedisServer
 
     with RedisServer(tmp_path / "redis") as pool:
         nodes = [make_cache(device_capacity_blocks=4, host_capacity_bytes=6 * layout.block_nbytes,
@@ -232,7 +232,7 @@ def _fleet_config(tmp_path, sessions: int = 16, host: str = "1GiB", disk: str = 
 
 def test_g3s_blocks_route_by_send_order_so_a_session_keeps_its_node_only_when_the_sessions_divide_evenly(tmp_path):
     from sizing.g3_inputs import simulate_blocks
-    from workloads.datasets import ByteSizer, build_workload
+    from workloads.traffic.datasets import ByteSizer, build_workload
 
     timing = TimingModel(RecomputeCurve(0.01, 1e-4, 0.0), TierBandwidths(disk_gbps=1.0, remote_gbps=0.15), KV,
                          block_size=256)
@@ -267,8 +267,8 @@ def test_a_blocks_requests_sent_together_load_before_any_of_them_stores():
     requests for one new prompt sent together both miss, where sent one after the other the second hits."""
     from sizing.g3_inputs import BlockSource
     from sizing.queueing import simulate_source
-    from workloads.datasets import ByteSizer, build_workload
-    from workloads.routing import Router
+    from workloads.traffic.datasets import ByteSizer, build_workload
+    from workloads.traffic.routing import Router
     from sizing.sequences import embedded_chat_tokens, requests_block_keys
 
     first = build_workload({"kind": "multi_round_qa", "users": 1, "rounds": 1, "system_prompt_tokens": 256,
@@ -336,7 +336,7 @@ def test_a_rate_multiplier_plan_predicts_the_sustained_rate_gain(tmp_path):
 
 def test_routing_is_g3s_own_router_afresh_for_each_load_run():
     from sizing.g3_inputs import Segment, route
-    from workloads.datasets import ByteSizer, build_workload
+    from workloads.traffic.datasets import ByteSizer, build_workload
 
     workload = build_workload(load_config(None, "quick").g3.workload, ByteSizer(), 0)
     order = Segment(tuple(r for s in workload.sessions for r in s))       # sessions one after another

@@ -26,7 +26,7 @@ from sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_comp
 from kvcore.settings import ConfigError
 from tests.blocks import BLOCK
 from tests.cache_requests import conversations, request_keys, serve_request
-from workloads.datasets import TraceRecord, build_workload, ByteSizer, read_trace
+from workloads.traffic.datasets import TraceRecord, build_workload, ByteSizer, read_trace
 
 MOONCAKE_TRACE = Path("/work/shared/data/mooncake-traces/conversation_trace.jsonl")
 MIB, GIB = 2**20, 2**30
@@ -70,7 +70,7 @@ def test_the_replay_gives_the_real_caches_hits_per_tier_request_by_request(make_
 def test_a_pool_below_the_disk_serves_what_the_local_tiers_lost(make_cache, layout, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/run installs it; see the README)")
-    from workloads.stores import RedisServer
+    from workloads.servers.stores import RedisServer
 
     with RedisServer(tmp_path / "redis") as pool:
         cache = make_cache(device_capacity_blocks=4, host_capacity_bytes=6 * layout.block_nbytes,

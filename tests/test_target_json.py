@@ -1,5 +1,5 @@
 """Whatever a target answers, a field of the wrong type is a clear error naming it, never a traceback:
-the admin/metrics reader (workloads/faults.py) and pre-flight (gates/preflight.py) over real HTTP on loopback."""
+the admin/metrics reader (workloads/probes/faults.py) and pre-flight (gates/preflight.py) over real HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from gates.preflight import check_node
 from gates.targets import Endpoint
-from workloads.faults import AdminClient, AdminError
-from workloads.target_json import BadResponse, optional_count, required_text
+from workloads.probes.faults import AdminClient, AdminError
+from workloads.traffic.target_json import BadResponse, optional_count, required_text
 
 # path -> (content type, body) that a hostile target answers
 HOSTILE = {

@@ -11,13 +11,13 @@ import shutil
 import pytest
 
 from tests.servers import ServerProcess, ask, distinct_prompt, started_pool_nodes
-from workloads.blocks import run_sweep
-from workloads.faults import AdminClient
-from workloads.target import Target
-from workloads.requests import Workload, WorkloadRequest
-from workloads.stores import RedisServer
-from workloads.sweep import SweepSettings
-from workloads.tier_hits import read_tier_hits, target_tier_hits, tier_difference, tier_line, tier_shares
+from workloads.loadgen.blocks import run_sweep
+from workloads.probes.faults import AdminClient
+from workloads.traffic.target import Target
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.servers.stores import RedisServer
+from workloads.loadgen.sweep import SweepSettings
+from workloads.probes.tier_hits import read_tier_hits, target_tier_hits, tier_difference, tier_line, tier_shares
 
 BLOCKS = 5   # distinct_prompt's 1,400 characters: 5 whole 256-token blocks
 

@@ -11,17 +11,17 @@ import yaml
 
 from cache_impl.cache.config import ConfigError
 from gates.cli import main
-from gates.client_bench import _peak_concurrency, _process
+from gates.benches.client_bench import _peak_concurrency, _process
 from gates.config import load_config
 from kvcore.g3_analysis import Ladder, due_latencies, goodput, sustained_rate_gain
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
-from workloads.blocks import run_sweep
+from workloads.loadgen.blocks import run_sweep
 from kvcore.rundata import read_records
-from workloads.datasets import ByteSizer, build_workload
-from workloads.target import Target
-from workloads.processes import free_port
-from workloads.requests import load_order
-from workloads.sweep import SweepSettings, describe_replay, plan_steps, primer
+from workloads.traffic.datasets import ByteSizer, build_workload
+from workloads.traffic.target import Target
+from workloads.traffic.processes import free_port
+from workloads.traffic.requests import load_order
+from workloads.loadgen.sweep import SweepSettings, describe_replay, plan_steps, primer
 
 BYTES = ByteSizer()
 
@@ -120,7 +120,7 @@ def test_the_replay_sentence_says_which_replay_ran(tmp_path):
 @pytest.fixture(scope="module")
 def reference():
     port = free_port()
-    command = [sys.executable, "-m", "workloads.reference_server", "--port", str(port), "--ttft-ms", "30",
+    command = [sys.executable, "-m", "workloads.servers.reference_server", "--port", str(port), "--ttft-ms", "30",
                "--itl-ms", "5", "--tokens", "4"]
     with _process(command, port, "/health"):
         yield Target("reference", f"http://127.0.0.1:{port}/v1", "reference")
@@ -151,7 +151,7 @@ def test_every_request_due_in_an_open_loop_step_counts_never_sent_and_unfinished
     """A target too slow for the trace's rate: due requests that never went out, and those still in flight
     when the step ended, are counted (the issue's 1x replay recorded 53 of 107), and meet no objective."""
     port = free_port()
-    command = [sys.executable, "-m", "workloads.reference_server", "--port", str(port), "--ttft-ms", "9000",
+    command = [sys.executable, "-m", "workloads.servers.reference_server", "--port", str(port), "--ttft-ms", "9000",
                "--itl-ms", "5", "--tokens", "4"]
     with _process(command, port, "/health"):
         slow = Target("slow", f"http://127.0.0.1:{port}/v1", "reference")
@@ -166,7 +166,7 @@ def test_every_request_due_in_an_open_loop_step_counts_never_sent_and_unfinished
 
 
 def test_the_due_counts_take_the_window_s_unanswered_requests_by_when_they_were_sent_or_due():
-    from workloads.sweep import summarize_step
+    from workloads.loadgen.sweep import summarize_step
 
     done = [{"sent_at": 10.0 + i, "ok": True, "ttft_s": 0.1, "e2e_s": 0.2, "tpot_s": 0.1, "itl_s": [0.1],
              "completion_tokens": 2, "content_chunks": 2, "prompt_tokens": 10, "cached_tokens": 0,

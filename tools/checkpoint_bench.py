@@ -1,4 +1,4 @@
-"""Checkpoint save and cold restore on one storage, a few rounds: `workloads.checkpoint` from the shell.
+"""Checkpoint save and cold restore on one storage, a few rounds: `workloads.storage.checkpoint` from the shell.
 
 `python3 tools/checkpoint_bench.py DIR [--state 512MiB | --preset adapter] [--ranks 2] [--rounds 3]
 [--thread-count 1] [--json]`
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvcore.percent import format_percent
 from kvcore.settings import parse_size
-from workloads.checkpoint import STATE_PRESETS, CheckpointJob, CheckpointSpec, rounds_agree, spread
+from workloads.storage.checkpoint import STATE_PRESETS, CheckpointJob, CheckpointSpec, rounds_agree, spread
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ Two families, each acting where a real fault would:
 The hooks cost nothing when nothing is armed: the disk tier's `faults` is None then, and
 `FaultPoints` installs itself there only while a fault is armed (and takes itself away when the
 last one is cleared or has run out), so the production path is the plain tier. The client that
-drives these faults from outside (the admin client, the G4 schedule) is `workloads.faults`.
+drives these faults from outside (the admin client, the G4 schedule) is `workloads.probes.faults`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import pytest
 
 from gates.storage_best import BEST_READ, BEST_WRITE, sweep_storage
 from kvcore.rules import Threshold
-from workloads.fio import FioMatrix, run_matrix
-from workloads.inventory import capacity_of, collect_inventory
+from workloads.storage.fio import FioMatrix, run_matrix
+from workloads.storage.inventory import capacity_of, collect_inventory
 
 GiB = 2**30
 

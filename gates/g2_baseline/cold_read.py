@@ -20,7 +20,7 @@ load counted: equal draws from this storage's stalls on both sides.
 
 Pairs are taken until the interval decides (`g2.cold_read_pairs`: min, max, budget_s). In A/A mode
 (`aa`) the best job stands on both sides: the interval must hold 1.0. Pairs, their judged ratio and
-fio's sides are gates/g2_baseline/side_by_side.py's; this module is the tier's side.
+fio's sides are gates/side_by_side.py's; this module is the tier's side.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from workloads.client import StreamingClient
-from workloads.faults import AdminClient, per_tier
-from workloads.requests import WorkloadRequest
+from workloads.traffic.client import StreamingClient
+from workloads.probes.faults import AdminClient, per_tier
+from workloads.traffic.requests import WorkloadRequest
 
-from .side_by_side import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, SideBySideError, measure_pairs,
+from gates.side_by_side import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, SideBySideError, measure_pairs,
                            own_pattern, paired_ratio)
 
 __all__ = ["MIN_PAIRS", "WARMUP_PAIRS", "METRIC", "ColdReadError", "FioRegions", "Pair", "Pairing", "Reading",

@@ -1,10 +1,10 @@
 """G2's model service loading: a real safetensors checkpoint on the storage under test, read cold by
 each loader, each load beside the storage's best read job (G1's sweep) reading the very same files
-(gates/g2_baseline/side_by_side.py).
+(gates/side_by_side.py).
 
 A vendor's "1399 → 150 s" is a service start, so two figures are kept apart: the loaders' own GB/s
 (what the storage gives a loader, judged against the storage's best: `model_load_vs_storage_best`),
-and a server's start timed from outside per loader (workloads/service_load.py), phase by phase.
+and a server's start timed from outside per loader (workloads/probes/service_load.py), phase by phase.
 
 Rounds alternate: in round i every loader loads once (pages dropped first, `cold` checked from the
 process's own device reads), each followed by the best job reading the same files; so each loader's
@@ -33,7 +33,7 @@ from kvcore.loader_names import READS_WITH_O_DIRECT
 from kvcore.settings import parse_size
 from kvcore.stats import ratio_ci
 
-from .side_by_side import FasterOf, FioFilesRead, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
+from gates.side_by_side import FasterOf, FioFilesRead, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
 
 Progress = Callable[[str], None]
 RANDOM_DIR = "model-load"        # under storage.path (and baseline_path): the random checkpoint, removed at the end

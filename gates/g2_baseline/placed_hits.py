@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 from engines import ControlError, EngineAdapter, MetricsError, Unavailable
 from engines.placement import Placement, plan_placement
-from workloads.client import StreamingClient
-from workloads.requests import WorkloadRequest
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.requests import WorkloadRequest
 
 PLACED = {"host-hit": "host", "disk-cold": "disk"}    # mode -> the tier its prefix is left in
 

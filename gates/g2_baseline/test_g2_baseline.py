@@ -24,14 +24,14 @@ from engines import cache_admin
 from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
                                          measure_pairs, own_pattern, paired_ratio)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
-from gates.g2_baseline.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
+from gates.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
 from gates.sequential import Looks, Stopping
 from kvcore.stats import ratio_ci
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from gates.storage_best import StorageBest, storage_best
-from workloads.client import StreamingClient
-from workloads.datasets import context_request
-from workloads.requests import WorkloadRequest
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.datasets import context_request
+from workloads.traffic.requests import WorkloadRequest
 
 MODES = ("recompute", "host-hit", "disk-cold")
 BLOCK_TOKENS = 256     # kvgate's block: a hit serves the prompt's whole blocks (an engine with smaller ones, more)

@@ -1,10 +1,10 @@
-"""G2 checkpoint saving on the storage under test (g2.checkpoint; workloads/checkpoint.py).
+"""G2 checkpoint saving on the storage under test (g2.checkpoint; workloads/storage/checkpoint.py).
 
 Written the way training writes it: torch.distributed.checkpoint from `ranks` gloo processes, model +
 optimizer state, fsync'd before a save counts, DCP's metadata last. Each writer (g2.checkpoint.writers:
 kvgate's own, at the storage's best, and DCP's FileSystemWriter) saves in turn, each save followed by
 the storage's best fsync'd write job (G1's sweep) writing as many bytes (a fresh file, fsync'd:
-gates/g2_baseline/side_by_side.py), so each writer's ratio is a paired one; the others save in the first `min`
+gates/side_by_side.py), so each writer's ratio is a paired one; the others save in the first `min`
 rounds, then rounds are taken until the judged writer's anytime-valid interval decides, the others shown
 beside it. Rules from MLPerf Storage's
 checkpoint workload: the slowest rank's time is the save's, bytes written come from the files, writes
@@ -22,13 +22,13 @@ from typing import Optional
 
 import pytest
 
-from gates.g2_baseline.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
+from gates.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
 from gates.sequential import sample_until_decided
 from kvcore.percent import format_percent
 from kvcore.stats import ratio_ci
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
-from workloads.checkpoint import READER_OF, READERS, WRITER_NAMES, CheckpointError, CheckpointJob, RankFailure, spread
+from workloads.storage.checkpoint import READER_OF, READERS, WRITER_NAMES, CheckpointError, CheckpointJob, RankFailure, spread
 
 CHECKPOINT_DIR = "checkpoint"      # under storage.path (and baseline_path): the rounds' checkpoints, removed after
 # a job's first two saves ran at 0.42-0.53 GB/s here against 1.1-1.3 after, in every job: measured and shown,

@@ -24,8 +24,8 @@ from gates.g2_baseline.model_load import (measure_aa_reads, measure_loaders, mea
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.percent import format_percent
-from workloads.processes import free_port
-from workloads.service_load import ServiceStartError, time_service_start
+from workloads.traffic.processes import free_port
+from workloads.probes.service_load import ServiceStartError, time_service_start
 
 SERVICE_DIR = "model-load-service"
 METRIC = "model_load_vs_storage_best"   # under storage.path: the embedded model's exported weights

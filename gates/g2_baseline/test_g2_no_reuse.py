@@ -25,9 +25,9 @@ import pytest
 
 from gates.no_reuse import reuse_found, unjudged_reason
 from kvcore.stats import ratio_ci
-from workloads.client import StreamingClient
-from workloads.datasets import sizer_for
-from workloads.requests import WorkloadRequest
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.datasets import sizer_for
+from workloads.traffic.requests import WorkloadRequest
 
 ROLES = ("candidate", "baseline")
 

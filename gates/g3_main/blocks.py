@@ -1,7 +1,7 @@
 """G3's judged figures from alternating blocks: the pairs' ratios and their interval, valid at every look.
 
 Per level the baseline and the candidate ran pairs of short blocks back to back in ABBA order
-(workloads/blocks.py). Per pair k: the TTFT ratio = candidate block TTFT p50 / baseline block TTFT
+(workloads/loadgen/blocks.py). Per pair k: the TTFT ratio = candidate block TTFT p50 / baseline block TTFT
 p50, the throughput ratio = candidate output tokens/s / baseline's. `ttft_p50_reduction` = 1 - the
 geometric mean TTFT ratio and `throughput_gain` = the geometric mean throughput ratio - 1, each with
 the interval of `gates.sequential.log_ratio_sequence` over the pairs' log ratios: the repeated
@@ -28,7 +28,7 @@ from typing import Callable, Optional
 from kvcore.g3_analysis import LevelFigures
 from gates.sequential import (METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Looks, log_ratio_sequence, method,
                               sample_until_decided)
-from workloads.blocks import LevelSampling
+from workloads.loadgen.blocks import LevelSampling
 
 JUDGED_PER_LEVEL = {True: ("ttft_p50_reduction", "throughput_gain"), False: ("ttft_p50_reduction",)}
 

@@ -1,8 +1,8 @@
 """G3 main gate: under a concurrency sweep the tiered candidate beats the baseline by the promised margin.
 
 Baseline and candidate run the same workload, same seed, at each level as pairs of short blocks in
-turn, ABBA... (workloads/blocks.py); both blocks of a pair serve the same requests, a segment of the
-workload's load order sent once, measured from its first (workloads/steady.py). A level's first
+turn, ABBA... (workloads/loadgen/blocks.py); both blocks of a pair serve the same requests, a segment of the
+workload's load order sent once, measured from its first (workloads/loadgen/steady.py). A level's first
 pairs are its warm-up, until the candidate's blocks stop changing (`g3.steady`; recorded as
 `g3_warmup_pairs`, said in each verdict). The recompute reference (when there is one) runs one block
 per level beside them, shown, never judged side by side. Per level the TTFT p50 reduction and the
@@ -32,7 +32,7 @@ replay ran is recorded as the `replay` measurement.
 
 Which tier served the hits (embedded targets): each step's hit blocks per tier, the nodes'
 /metrics counters read just before and after it and summed over the nodes
-(workloads/tier_hits.py), are recorded as `hit_tier_share` per target, level and tier (tier
+(workloads/probes/tier_hits.py), are recorded as `hit_tier_share` per target, level and tier (tier
 `remote` is the shared pool) and shown in the step's progress line. A fleet's sizing, its
 working set beside each node's tiers (gates/fleet.py), is recorded as `fleet_working_set_blocks`.
 """
@@ -54,11 +54,11 @@ from kvcore.predictions import prediction_for
 from kvcore.rundata import read_records
 from sizing.g3_inputs import g3_replays
 from sizing.targets import target_inputs
-from workloads.blocks import run_sweep, step_measured_records
-from workloads.datasets import build_workload, sizer_for
-from workloads.errors import describe_errors
-from workloads.sweep import SweepSettings, describe_replay, prime_targets
-from workloads.tier_hits import POOL_TIER, read_tier_hits, tier_shares
+from workloads.loadgen.blocks import run_sweep, step_measured_records
+from workloads.traffic.datasets import build_workload, sizer_for
+from workloads.traffic.errors import describe_errors
+from workloads.loadgen.sweep import SweepSettings, describe_replay, prime_targets
+from workloads.probes.tier_hits import POOL_TIER, read_tier_hits, tier_shares
 
 
 def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> dict[tuple[str, int], float]:
@@ -251,7 +251,7 @@ def _judge_pairs(sweep, gate_context, record, verdict, level, metric: str, words
 
 def test_each_level_is_measured_after_its_warm_up(sweep, gate_context, record):
     """Each level's warm-up pairs ran until the candidate's consecutive blocks agreed (g3.steady), and were left out:
-    recorded with the candidate's blocks' figures that ended it (workloads/steady.py)."""
+    recorded with the candidate's blocks' figures that ended it (workloads/loadgen/steady.py)."""
     found = {}
     for (role, level), step in _levels(sweep).items():
         warm = step["summary"]["sampling"].get("warmup") if role == "candidate" else None

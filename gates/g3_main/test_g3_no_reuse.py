@@ -24,10 +24,10 @@ import pytest
 
 from kvcore.g3_analysis import level_figures, run_seed
 from gates.no_reuse import reuse_found, unjudged_reason
-from workloads.blocks import run_sweep, step_measured_records
+from workloads.loadgen.blocks import run_sweep, step_measured_records
 from kvcore.rundata import read_records
-from workloads.datasets import build_workload, sizer_for
-from workloads.sweep import SweepSettings
+from workloads.traffic.datasets import build_workload, sizer_for
+from workloads.loadgen.sweep import SweepSettings
 
 ROLES = ("baseline", "candidate")
 

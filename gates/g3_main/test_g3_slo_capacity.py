@@ -5,7 +5,7 @@ The load is closed-loop users, or (g3.replay: rate_multipliers) a multiple of th
 With `g3.capacity.enabled` (and the `slo` section), after the sweep each target's capacity is searched
 (kvcore/capacity.py: ramp by doubling to the first load decided to miss, then bisect), baseline and
 candidate probing in turn from the same place in the workload's load order
-(workloads/capacity_probe.py). Each probe stops as soon as its requests decide the SLO with a
+(workloads/loadgen/capacity_probe.py). Each probe stops as soon as its requests decide the SLO with a
 confidence sequence valid at every look (kvcore/attainment.py), and is undecided when its requests
 or budget run out first, which stops that search with its bracket open.
 
@@ -24,9 +24,9 @@ import pytest
 from kvcore.attainment import MEETS
 from kvcore.capacity import USERS, capacity_gain, load_kind
 from kvcore.g3_analysis import run_seed
-from workloads.capacity_probe import ProbeSettings, describe_probe, search_capacity, slo_of
-from workloads.datasets import build_workload, sizer_for
-from workloads.sweep import RATE_USERS
+from workloads.loadgen.capacity_probe import ProbeSettings, describe_probe, search_capacity, slo_of
+from workloads.traffic.datasets import build_workload, sizer_for
+from workloads.loadgen.sweep import RATE_USERS
 
 ROLES = ("baseline", "candidate")
 

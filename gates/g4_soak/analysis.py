@@ -70,7 +70,7 @@ from gates.config import FULL_SOAK_S
 from kvcore.percent import format_percent
 from kvcore.predictions import format_figure
 from kvcore.stats import mann_kendall, sen_slope_ci
-from workloads.errors import describe_errors
+from workloads.traffic.errors import describe_errors
 
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0  # FaultSchedule's, for rows written before they carried their own
 WORSE = ("increasing", "decreasing")
@@ -162,7 +162,7 @@ class FailedRequests:
     failed: int
     requests: int
     max_share: float
-    errors: str                      # by type, each with a sample (workloads.errors.describe_errors)
+    errors: str                      # by type, each with a sample (workloads.traffic.errors.describe_errors)
     kind: str = "errors"
 
     def describe(self) -> str:

@@ -35,13 +35,13 @@ import numpy as np
 from gates.config import FaultSpec
 from gates.g4_soak.fault_schedule import FaultSchedule
 from kvcore.files import JsonlTail, append_jsonl, read_jsonl_file as read_jsonl, write_json
-from workloads.client import StreamingClient
-from workloads.errors import summarize_errors
-from workloads.faults import AdminClient, CacheAdmin, counter, gauge, per_tier
-from workloads.live import LiveFigures
-from workloads.target import Target
-from workloads.load import run_load
-from workloads.requests import Workload, WorkloadRequest
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.errors import summarize_errors
+from workloads.probes.faults import AdminClient, CacheAdmin, counter, gauge, per_tier
+from workloads.loadgen.live import LiveFigures
+from workloads.traffic.target import Target
+from workloads.loadgen.load import run_load
+from workloads.traffic.requests import Workload, WorkloadRequest
 
 PROBE_MAX_TOKENS = 16
 

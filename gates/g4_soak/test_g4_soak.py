@@ -23,10 +23,10 @@ from gates.g4_soak.analysis import RUNTIME_GROWTH, drift, drift_power, excluded_
 from gates.g4_soak.soak import RUNTIME_GAUGES, Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from kvcore.rules import Threshold
-from workloads.datasets import build_workload, sizer_for
-from workloads.errors import describe_errors, merge_error_summaries
-from workloads.faults import AdminClient, CacheAdmin
-from workloads.tier_hits import tier_difference, tier_shares
+from workloads.traffic.datasets import build_workload, sizer_for
+from workloads.traffic.errors import describe_errors, merge_error_summaries
+from workloads.probes.faults import AdminClient, CacheAdmin
+from workloads.probes.tier_hits import tier_difference, tier_shares
 
 
 @pytest.fixture(scope="module")

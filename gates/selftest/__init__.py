@@ -1,7 +1,7 @@
 """`kvgate selftest`: known-bad and known-null candidates through the real gates (issue 22 §4).
 
 Each control (`controls.py`) starts what it needs (mock OpenAI servers with a controlled behaviour,
-`workloads/reference_server.py`; `kvgate serve`; or the embedded targets), runs the real gate as
+`workloads/servers/reference_server.py`; `kvgate serve`; or the embedded targets), runs the real gate as
 `kvgate run` would, and says which verdicts it got against what it should have got
 (`expectations.py`): nothing in the serial-read, failing, invalid-only and drifting controls may PASS,
 the A/A's compared verdicts must FAIL, the leak must FAIL G4's descriptor check, and each such check

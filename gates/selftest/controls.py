@@ -1,6 +1,6 @@
 """The negative and positive controls of `kvgate selftest` (issue 22 §4), as data.
 
-A control names the servers it needs (mock OpenAI servers: `workloads/reference_server.py` with a
+A control names the servers it needs (mock OpenAI servers: `workloads/servers/reference_server.py` with a
 behaviour from flags; or `kvgate serve`), which role each serves, the gates it runs, the gates.yaml
 sections beside the targets, and what its verdicts must be (`expectations.py`). The G3 settings of
 every mock control come from one dict per profile (`G3_SETTINGS`), so that a G3 key (blocks, budgets)
@@ -75,7 +75,7 @@ LOCUST_START_S = 3.0    # what a block's locust process takes to start sending, 
 BASELINE_TIMING = ("--ttft-ms", "200", "--itl-ms", "20")
 # the capacity controls: a mock of fixed timing with service slots has a known capacity at a TTFT limit between its
 # TTFT and a bound below which one user more than its slots misses whatever the users' phases
-# (workloads.server_behaviour.Behaviour.capacity_at): 40 ms, then 7 ITLs of 10 ms (110 ms a service), so at p90
+# (workloads.servers.server_behaviour.Behaviour.capacity_at): 40 ms, then 7 ITLs of 10 ms (110 ms a service), so at p90
 # 4 slots' bound is 58.3 ms and 3 slots' 68.5 ms: a limit of 55 ms leaves 15 ms over the TTFT for the machine's
 # jitter. The search's probes stop when decided (34 requests when every one meets), the sweep before it is kept
 # short (3 pairs)

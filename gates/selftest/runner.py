@@ -19,9 +19,9 @@ from typing import Callable, Optional
 import yaml
 
 from kvcore.files import write_json
-from workloads.client import StreamingClient, TargetError
-from workloads.processes import free_port
-from workloads.processes import die_with_parent
+from workloads.traffic.client import StreamingClient, TargetError
+from workloads.traffic.processes import free_port
+from workloads.traffic.processes import die_with_parent
 
 from .controls import Control, Server, g3_run_seconds, gates_yaml
 from .expectations import Finding, invalid_steps, run_completed
@@ -87,7 +87,7 @@ def _command(server: Server, port: int, profile: str, directory: Path) -> list[s
         return [sys.executable, "-m", "gates.cli", "serve", "--mode", "tiered", "--port", str(port),
                 "--cache-dir", str(directory / "kv-serve")]
     drift = ("--drift-s", f"{g3_run_seconds(profile):g}") if server.drifts else ()
-    return [sys.executable, "-m", "workloads.reference_server", "--port", str(port), *server.flags, *drift]
+    return [sys.executable, "-m", "workloads.servers.reference_server", "--port", str(port), *server.flags, *drift]
 
 
 def start_server(name: str, server: Server, profile: str, directory: Path) -> Started:

@@ -1,0 +1,111 @@
+"""Steady state for side-by-side blocks: when a level's warm-up ends, and what each matched pair serves.
+
+Warm-up: a level's first block pairs run until the candidate (the second target) stops changing: its
+block's TTFT p50 within `ttft_change` of its block two pairs before, and its hit ratio within
+`hit_ratio_points` of it. Two pairs apart, because in ABBA order a candidate block alternately follows
+the baseline's block and its own, and on a shared machine that alone moves its TTFT (on the 2-core VM
+a candidate block run after the baseline's was 1.4-1.8x slower than one after its own); blocks in
+the same place of the order are compared. The pairs from the first agreeing block on are measured,
+those before it are the warm-up, left out of every figure and said (`Settled.line`). A level that has
+not settled after `max_pairs` warm-up pairs is measured from there anyway, and says so.
+
+Matched pairs: both blocks of a pair serve the same requests, each sent once, in the same order: a
+segment of the workload's load order (the order one user would send it: round by round when the
+sessions interleave), so a faster target cannot run its sessions further ahead, and every turn returns
+to its session's prefix after as many requests as in the whole workload (after priming's pass, the
+first segment continues it). The segment is sized, once per level, so that the first target (the
+baseline) takes about `duration_s` at its latest request rate, with at least two requests per user;
+consecutive pairs take consecutive segments, wrapping around the load order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from kvcore.percent import format_percent
+
+from workloads.loadgen.live import format_ms
+from workloads.traffic.requests import Workload, load_order, of_pass
+
+
+@dataclass(frozen=True)
+class SteadyRule:
+    """When the candidate has stopped warming up: two consecutive blocks agree within these."""
+
+    # |TTFT p50 / the block two pairs before's - 1| at most: above a steady candidate's block-to-block noise (on the
+    # 2-core VM, blocks of 16-28 requests two pairs apart in steady state differed by 3-29%, over 8 comparisons)
+    ttft_change: float = 0.35
+    hit_ratio_points: float = 0.05    # |hit ratio - the block before's| at most (where the target reports one)
+    max_pairs: int = 3                # warm-up pairs left out at most before the level is measured anyway
+
+    def agree(self, before: dict, after: dict) -> bool:
+        """Whether two consecutive blocks of the candidate agree (a block without a TTFT never does)."""
+        ttft = (before.get("ttft_p50_s"), after.get("ttft_p50_s"))
+        if not all(isinstance(t, (int, float)) and t > 0 for t in ttft):
+            return False
+        if abs(ttft[1] / ttft[0] - 1.0) > self.ttft_change:
+            return False
+        hits = (before.get("hit_ratio"), after.get("hit_ratio"))
+        return None in hits or abs(hits[1] - hits[0]) <= self.hit_ratio_points
+
+    def describe(self) -> str:
+        return (f"the candidate's TTFT p50 within ±{format_percent(self.ttft_change, 0)} and its hit ratio within "
+                f"{self.hit_ratio_points * 100:g} points of its block {LAG} pairs before")
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How a level's warm-up ended: pairs left out, whether the candidate settled, its blocks' figures."""
+
+    warmup_pairs: int
+    settled: bool
+    trail: tuple[dict, ...]           # the candidate's warm-up blocks and the first measured one(s)
+    rule: SteadyRule
+
+    def line(self) -> str:
+        """'warm-up: 1 pair left out, settled at pair 2 (TTFT p50 46 ms → 34 ms → 33 ms → 35 ms, hit ratio …)'."""
+        ttft = " → ".join(format_ms(b.get("ttft_p50_s")) for b in self.trail)
+        hits = [b.get("hit_ratio") for b in self.trail]
+        hit_text = (", hit ratio " + " → ".join(format_percent(h, 0) for h in hits)) if None not in hits else ""
+        left = f"{self.warmup_pairs} pair{'s' if self.warmup_pairs != 1 else ''} left out"
+        if self.settled:
+            return f"warm-up: {left}, settled at pair {self.warmup_pairs + 1} (TTFT p50 {ttft}{hit_text})"
+        return (f"warm-up: {left}, not settled ({self.rule.describe()} never held: TTFT p50 {ttft}{hit_text}); "
+                f"measured from pair {self.warmup_pairs + 1}")
+
+    def to_dict(self) -> dict:
+        return {"pairs": self.warmup_pairs, "settled": self.settled, "line": self.line(),
+                "rule": self.rule.describe()}
+
+
+LAG = 2        # pairs between the candidate blocks compared: the same place in the ABBA order
+
+
+def settle(candidate_blocks: list[dict], rule: SteadyRule) -> Optional[int]:
+    """The index of the first pair whose candidate block agrees with its block `LAG` pairs later (None: none yet)."""
+    for k in range(len(candidate_blocks) - LAG):
+        if rule.agree(candidate_blocks[k], candidate_blocks[k + LAG]):
+            return k
+    return None
+
+
+def requests_per_part(workload: Workload, users: int, rate_per_s: Optional[float], duration_s: float) -> int:
+    """Requests in a matched pair's segment: what the baseline serves in about `duration_s` at `rate_per_s`
+    (unknown yet: eight per user), at least two per user, at most one pass of the workload."""
+    wanted = 8 * users if not rate_per_s else math.ceil(rate_per_s * duration_s)
+    return max(1, min(len(workload.requests), max(2 * users, wanted)))
+
+
+def order_segment(workload: Workload, start: int, count: int, passes: bool = False) -> Workload:
+    """`count` requests of the workload's load order from `start`, wrapping around it, each its own one-request
+    session, sent in that order: what one matched pair serves. A session's next turn stays as many requests after
+    its previous one as in the whole workload, so every prefix returns at the distance it does in service.
+    At most one pass of the order, unless `passes` (a capacity probe's requests): then as many as `count`, a request
+    of a later pass sent again under its id with the pass added ("u3-t1~2"), as ids are unique in a workload."""
+    order = load_order(workload)
+    first = start % len(order)
+    picked = tuple((of_pass(order[(first + i) % len(order)], (first + i) // len(order) if passes else 0),)
+                   for i in range(count if passes else min(count, len(order))))
+    return Workload(f"{workload.name}[{start % len(order)}:+{len(picked)}]", picked)

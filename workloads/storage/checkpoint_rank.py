@@ -1,0 +1,153 @@
+"""One rank of a `CheckpointJob`: joins the gloo process group, builds its state once, answers commands.
+
+Run as `python -m workloads.storage.checkpoint_rank --spec JSON` with MASTER_ADDR, MASTER_PORT, RANK and
+WORLD_SIZE set (the parent does it). Commands come one JSON line each on stdin, answers go one
+JSON line each to the original stdout; anything else printed goes to stderr, so a stray print can
+never be taken for an answer.
+
+- {"cmd": "save", "directory", "thread_count", "writer"} -> {"ok", "seconds", "direct", "failures": {rank: message}}
+- {"cmd": "restore", "directory", "reader"} -> {"ok", "seconds", "read_bytes", "differences", "failures"}
+
+`writer` and `reader`: "kvgate" (workloads/storage/checkpoint_kvgate.py: DCP's planning and metadata, O_DIRECT I/O at
+the storage's best) or "dcp" (DCP's FileSystemWriter / FileSystemReader).
+- {"cmd": "exit"} (or end of input): leave the process group and exit.
+
+Every rank times its own part between two barriers: the save's seconds run from the first barrier
+to the end of its `dcp.save` and the directory's fsync (DCP fsyncs each file it writes and, on
+rank 0, its `.metadata` before the rename; the rename is made durable by the directory's fsync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Callable, TextIO
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from kvcore.files import fsync_directory, process_read_bytes
+
+from workloads.storage.checkpoint import KVGATE_WRITER, CheckpointSpec
+from workloads.storage.checkpoint_kvgate import HugePageBuffers, KvgateReader, KvgateWriter
+from workloads.storage.checkpoint_state import build_state, differences, empty_state
+from workloads.storage.checkpoint_writer import ErrorKeepingWriter
+
+
+def _describe(error: BaseException) -> str:
+    """An OSError as the OS says it ('[Errno 28] No space left on device: ...'); else 'Type: message'."""
+    return str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+
+
+def _failures(error: BaseException, rank: int) -> dict[str, str]:
+    """{rank: message} of every rank's failure (a CheckpointException carries all of them)."""
+    if isinstance(error, CheckpointException):
+        return {str(r): _describe(exc) for r, (exc, _trace) in error.failures.items()}
+    return {str(rank): _describe(error)}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(work: Callable[[], None], rank: int, device: torch.device) -> tuple[float, dict[str, str]]:
+    """Run `work` between barriers; its seconds (this rank's) and the failures it raised."""
+    dist.barrier()
+    start = time.perf_counter()
+    failures: dict[str, str] = {}
+    try:
+        work()
+        _synchronize(device)
+    except (Exception, CheckpointException) as error:
+        failures = _failures(error, rank)
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    return seconds, failures
+
+
+def save(state: dict, directory: str, thread_count: int, rank: int, device: torch.device,
+         kind: str = KVGATE_WRITER, buffers: HugePageBuffers | None = None) -> dict:
+    """`buffers`: kvgate's writer's buffers, kept over the rank's saves and restores (warm memory)."""
+    if kind == KVGATE_WRITER:
+        writer = KvgateWriter(directory, sync_files=True, thread_count=thread_count, buffers=buffers)
+    else:
+        writer = ErrorKeepingWriter(directory, sync_files=True, thread_count=thread_count)
+
+    def work() -> None:
+        dcp.save(state, storage_writer=writer)
+        fsync_directory(directory)
+
+    seconds, failures = _timed(work, rank, device)
+    first_error = getattr(writer, "first_error", None)
+    if failures and first_error is not None:            # the OS's reason, not the zip writer's echo of it
+        failures[str(rank)] = str(first_error)
+    return {"ok": not failures, "seconds": seconds, "failures": failures,
+            "direct": getattr(writer, "direct", False)}
+
+
+def restore(spec: CheckpointSpec, state: dict, directory: str, rank: int, device: torch.device,
+            kind: str = KVGATE_WRITER, buffers: HugePageBuffers | None = None) -> dict:
+    fresh = empty_state(spec, rank, device)
+    before = process_read_bytes()
+    reader = KvgateReader(directory, buffers=buffers) if kind == KVGATE_WRITER else dcp.FileSystemReader(directory)
+    seconds, failures = _timed(lambda: dcp.load(fresh, storage_reader=reader), rank, device)
+    read_bytes = process_read_bytes() - before
+    found = [] if failures else differences(spec, rank, state, fresh)
+    return {"ok": not failures, "seconds": seconds, "read_bytes": read_bytes, "differences": found,
+            "failures": failures}
+
+
+def serve(spec: CheckpointSpec, rank: int, device: torch.device, commands: TextIO, answers: TextIO) -> None:
+    def answer(message: dict) -> None:
+        answers.write(json.dumps(message) + "\n")
+        answers.flush()
+
+    state = build_state(spec, rank, device)
+    buffers = HugePageBuffers()
+    answer({"ready": True, "rank": rank, "device": str(device), "state_bytes": spec.rank_bytes(rank)})
+    for line in commands:
+        command = json.loads(line)
+        kind = command.get("cmd")
+        if kind == "exit":
+            return
+        if kind == "save":
+            answer(save(state, command["directory"], int(command.get("thread_count", 1)), rank, device,
+                        command.get("writer", KVGATE_WRITER), buffers))
+        elif kind == "restore":
+            answer(restore(spec, state, command["directory"], rank, device, command.get("reader", KVGATE_WRITER),
+                           buffers))
+        else:
+            answer({"ok": False, "failures": {str(rank): f"unknown command {kind!r}"}})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="the CheckpointSpec as JSON")
+    parser.add_argument("--collective-timeout-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())     # stray prints go to stderr, not the answer pipe
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    spec = CheckpointSpec.from_json(args.spec)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.collective_timeout_s))
+    try:
+        serve(spec, rank, device, sys.stdin, answers)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
