@@ -65,7 +65,7 @@ def test_a_figure_above_the_band_is_met_with_a_note_and_a_gate_not_run_is_said(t
 
 
 def test_with_every_g3_verdict_inconclusive_the_claims_are_not_measured_and_say_the_invalid_reason(tmp_path):
-    """The issue's run: all four G3 verdicts INCONCLUSIVE, yet the sheet printed "met" at 40.7% and 29.2%."""
+    """A run where all four G3 verdicts INCONCLUSIVE, yet the sheet printed "met" at 40.7% and 29.2%."""
     store = RunStore(tmp_path)
     store.set_status("g3", "inconclusive")
     lag = "candidate: client saturated: event-loop lag 212 ms > 50 ms"

@@ -1,4 +1,4 @@
-"""Inputs that cannot be meant are refused at load, exit 2 naming the field, before any work (issue 26, 5-10).
+"""Inputs that cannot be meant are refused at load, exit 2 naming the field, before any work.
 
 Each case is checked twice: `load_config` (or the loader it uses) raises ConfigError with the field path,
 and the real `kvgate plan --config F` exits 2 saying so, in a subprocess with a generous timeout (before these

@@ -287,7 +287,7 @@ def test_the_snapshot_says_the_kv_buffers_pages_in_memory_and_their_bound(engine
 
 
 def test_finished_requests_report_their_kv_to_the_heap_trimmer(engines):
-    # issue 13, item 6: a finished request's KV goes back to the OS (cache_impl/platform/heap.py), not to a fragmented arena
+    # a finished request's KV goes back to the OS (cache_impl/platform/heap.py), not to a fragmented arena
     engine = engines("recompute")
     engine.runner.heap.every_bytes = 1
     for length in (300, 700, 1100):

@@ -56,7 +56,7 @@ def test_drift_needs_three_windows():
     assert "2 windows to judge" in result.invalid_reason
 
 
-# --- the fault windows and drift judged by its size (issue 12, item 1.5) ----------------------
+# --- the fault windows and drift judged by its size ----------------------
 
 WINDOW_S = 60.0
 ISSUE_FAULTS = [("flip_byte", 300), ("read_error", 600), ("slow_disk", 900), ("truncate", 1200), ("disk_full", 1500)]
@@ -91,7 +91,7 @@ def _judged(windows, faults, tolerance=0.05):
 
 
 def test_the_issue_soak_with_its_fault_windows_left_out_passes_the_throughput_drift_check():
-    # issue 12: ~280 tok/s throughout, the lowest windows (245, 259) the faults' own, in the later half
+    # a soak seen at ~280 tok/s throughout, the lowest windows (245, 259) the faults' own, in the later half
     windows = _soak_windows(change=0.006, dips={20: 245.0, 25: 259.0})
     faults = [_fault_row(kind, at) for kind, at in ISSUE_FAULTS]
     values = [w["output_tokens_per_s"] for w in windows]
@@ -205,7 +205,7 @@ def test_the_drift_tolerance_is_a_fraction_between_0_and_1(tmp_path, value, mess
     assert load_config(path).g4.drift_tolerance == 0.1 and load_config().g4.drift_tolerance == 0.25
 
 
-# --- memory growth projected over the horizon (issue 13, item 6) --------------------------------
+# --- memory growth projected over the horizon --------------------------------
 
 def _memory_windows(slope=0.76, noise=2.0, count=30, seed=0):
     """rss_minus_cache_mib of a 30-minute soak in 60 s windows: 326 MiB rising by `slope` a window."""
@@ -260,7 +260,7 @@ def test_the_growth_horizon_is_72_hours_for_a_soak_of_30_minutes_or_more_and_say
     assert _horizon(load_config(profile="full")).seconds == 72 * 3600
     quick = _horizon(load_config())
     assert quick.seconds == 120 and "a soak under 30 min certifies no longer uptime" in quick.words()
-    path.write_text(yaml.safe_dump({"g4": {"duration_s": 1800, "window_s": 60}}))      # the issue's 30-min soak
+    path.write_text(yaml.safe_dump({"g4": {"duration_s": 1800, "window_s": 60}}))      # a 30-min soak
     long = _horizon(load_config(path))
     assert long.seconds == 72 * 3600
     assert long.words() == ("projected over 72 h (the uptime a soak of 30 min or more certifies, "
@@ -279,7 +279,7 @@ def test_the_growth_horizon_is_72_hours_for_a_soak_of_30_minutes_or_more_and_say
         load_config(path)
 
 
-# --- how long a soak would decide (issue 28, item 4) -------------------------------------------
+# --- how long a soak would decide -------------------------------------------
 
 def _noisy(count, level=100.0, noise=3.0, slope=0.0, seed=0, metric="m"):
     values = level + slope * np.arange(count) + np.random.default_rng(seed).normal(0.0, noise, count)
@@ -292,7 +292,7 @@ def _width(windows, worse="decreasing"):
 
 
 def test_the_power_estimate_is_the_windows_at_which_the_interval_narrows_below_the_tolerance():
-    """The issue's INCONCLUSIVE throughput: 3% noise between windows. The estimate is checked against what it
+    """An INCONCLUSIVE throughput: 3% noise between windows. The estimate is checked against what it
     promises: soaks of the estimated length give intervals about as wide as the tolerance, shorter ones wider."""
     measured = drift(_noisy(200), "m", "decreasing")             # enough windows to know the noise to ~5%
     tolerance = 0.02
@@ -328,7 +328,7 @@ def test_the_growth_power_estimate_falls_with_the_horizon_and_the_noise():
     assert growth_power(noisier, 512.0, "MiB", WINDOW_S, 72 * 3600).windows > at_72h.windows
 
 
-# --- the server's runtime, projected as memory is (issue 28, item 3) ---------------------------
+# --- the server's runtime, projected as memory is ---------------------------
 
 def test_a_descriptor_leak_of_one_a_window_fails_the_projected_growth_and_a_steady_count_passes():
     leaking = [{"index": i, "start_s": WINDOW_S * i, "open_fds": 40 + i} for i in range(30)]

@@ -56,7 +56,7 @@ def _config_file(tmp_path: Path, data) -> Path:
      "g4.faults[0].delay_ms: expected a value <= 60000.0, found 600000"),
     ("- just\n- a list\n", "expected a mapping at the top level, found list"),
     ("g1: [unclosed\n", "expected valid YAML"),
-    # a threshold naming a metric its gate does not judge (issue 12, 1.1)
+    # a threshold naming a metric its gate does not judge
     ({"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
                             {"metric": "throughput_gian", "min": 1, "max": 2}]}},
      "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, error_rate, disk_hit_share, capacity_gain, no_reuse_ttft_cost, no_reuse_throughput_cost, found 'throughput_gian'"),

@@ -187,7 +187,7 @@ def _failed(sent_at, error_type, message):
 
 
 def test_a_step_whose_errors_pass_the_error_share_is_invalid_with_its_errors_by_type_and_a_sample():
-    """The issue's hostile server: 500 to every 3rd request, 400 to every 7th (43% failed) was a valid step."""
+    """A hostile server: 500 to every 3rd request, 400 to every 7th (43% failed) was a valid step."""
     records = []
     for i in range(1, 43):
         if i % 3 == 0:

@@ -37,7 +37,7 @@ def test_the_error_schedule_fails_every_nth_request_with_its_status_the_first_di
     statuses = {n: behaviour.error_status(n) for n in range(1, 22)}
     assert {n for n, s in statuses.items() if s == 500} == {3, 6, 9, 12, 15, 18, 21}
     assert {n for n, s in statuses.items() if s == 400} == {7, 14}
-    assert sum(s is not None for s in statuses.values()) == 9          # 43% of 21, as in issue 22 §3
+    assert sum(s is not None for s in statuses.values()) == 9          # 43% of 21
 
 
 def test_an_error_fraction_fails_that_share_spread_evenly_and_never_the_first_requests():

@@ -1,4 +1,4 @@
-"""G3 on a trace: priming never sends a measured request, and levels offer different loads (issue 12, 1.4)."""
+"""G3 on a trace: priming never sends a measured request, and levels offer different loads."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_a_rate_multiplier_step_replays_its_part_open_loop(reference, tmp_path):
 
 def test_every_request_due_in_an_open_loop_step_counts_never_sent_and_unfinished_ones_too(tmp_path):
     """A target too slow for the trace's rate: due requests that never went out, and those still in flight
-    when the step ended, are counted (the issue's 1x replay recorded 53 of 107), and meet no objective."""
+    when the step ended, are counted (a 1x replay once recorded 53 of 107), and meet no objective."""
     port = free_port()
     command = [sys.executable, "-m", "workloads.servers.reference_server", "--port", str(port), "--ttft-ms", "9000",
                "--itl-ms", "5", "--tokens", "4"]

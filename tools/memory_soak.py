@@ -1,5 +1,5 @@
 """A standalone soak of `kvgate serve` (tiered, small preset, the embedded candidate's settings) under
-G4's quick-profile load, sampling the server's memory every interval (issue 13, item 6).
+G4's quick-profile load, sampling the server's memory every interval.
 
 `python3 tools/memory_soak.py OUT_DIR [--minutes 9] [--interval 60] [--tracemalloc FRAMES] [--trim-every S]
 [--evict-at S ...] [--faults-every S [--fault-kinds KIND ...]] [--env K=V ...]`

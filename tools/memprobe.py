@@ -1,6 +1,6 @@
 """Runs `kvgate serve` with a sampler thread that appends the process's memory figures to a JSONL file.
 
-Diagnostic only (issue 13, item 6): `python3 tools/memprobe.py OUT.jsonl INTERVAL_S [TRACEMALLOC_FRAMES [TRIM_EVERY_S]] -- serve ARGS`.
+Diagnostic only: `python3 tools/memprobe.py OUT.jsonl INTERVAL_S [TRACEMALLOC_FRAMES [TRIM_EVERY_S]] -- serve ARGS`.
 Each row: VmRSS and smaps_rollup (anonymous, file), glibc's mallinfo2 (arena bytes, mmapped
 bytes, in use, free inside the arenas), and with tracemalloc on the traced total and the ten
 source lines whose traced memory grew most since the previous row.

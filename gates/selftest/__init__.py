@@ -1,4 +1,4 @@
-"""`kvgate selftest`: known-bad and known-null candidates through the real gates (issue 22 §4).
+"""`kvgate selftest`: known-bad and known-null candidates through the real gates.
 
 Each control (`controls.py`) starts what it needs (mock OpenAI servers with a controlled behaviour,
 `workloads/servers/reference_server.py`; `kvgate serve`; or the embedded targets), runs the real gate as

@@ -1,4 +1,4 @@
-"""The negative and positive controls of `kvgate selftest` (issue 22 §4), as data.
+"""The negative and positive controls of `kvgate selftest`, as data.
 
 A control names the servers it needs (mock OpenAI servers: `workloads/servers/reference_server.py` with a
 behaviour from flags; or `kvgate serve`), which role each serves, the gates it runs, the gates.yaml
@@ -21,7 +21,7 @@ from typing import Optional
 from .expectations import ClaimNotMet, Expectation, MustFail, MustNotPass, MustPass, RefusedAtPreflight
 
 COMPARED = ("ttft_p50_reduction", "throughput_gain")   # G3's side-by-side verdicts at each level
-# G2's cold-read ratio against the storage's best (issue 22 §1; a run of today's G2 is read as cold_read_vs_fio)
+# G2's cold-read ratio against the storage's best (a run of today's G2 is read as cold_read_vs_fio)
 COLD_READ = ("cold_read_vs_storage_best",)
 MOCK_MODEL = "mock"
 TOKENS = 8
@@ -99,7 +99,7 @@ class Server:
 class Control:
     """One control: what it starts, what it runs, what it must get."""
 
-    key: str                                # "a-aa-mock": the letter of issue 22 §4, then a name
+    key: str                                # "a-aa-mock": the control's letter, then a name
     title: str
     gates: tuple[str, ...]
     expectations: tuple[Expectation, ...]

@@ -50,7 +50,7 @@ def verdict_rows(results: dict) -> list[dict]:
     return [v for gate in results.get("gates") or [] for v in gate.get("verdicts") or []]
 
 
-# a metric's former names (issue 22 §1 renamed G2's cold-read ratio): a run of older gates is read under those
+# a metric's former names (G2's cold-read ratio was renamed): a run of older gates is read under those
 FORMER_NAMES: dict[str, tuple[str, ...]] = {"cold_read_vs_storage_best": ("cold_read_vs_fio",)}
 
 
