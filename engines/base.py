@@ -1,21 +1,6 @@
 """One engine adapter: cache control, capacities for placement by pressure, tier accounting from /metrics.
 
-Gates ask an `EngineAdapter`, never a URL path of one engine. Each ability is optional: an
-engine without it reports it unavailable with the reason (`abilities()`), and calling it raises
-`Unavailable` naming the engine, the ability and why, so a gate can make its check
-INCONCLUSIVE naming what was missing rather than pass or skip silently.
-
-The control abilities, and what each leaves behind:
-- `clear_device_cache`: empties the device prefix cache;
-- `clear_lower_tiers`: empties the offload tiers below the device (host DRAM, and on some engines
-  the disk or pool tier with it);
-- `drop_disk_page_cache`: drops the disk tier's files from the page cache (the tier keeps them),
-  so a disk hit reads the storage device.
-Each available control states `clears`, the tiers the call really empties (SGLang's /flush_cache
-empties HiCache's host tier with the device's), which is what placement by route plans with.
-
-The engine adapters (engines/kvgate.py, vllm.py, sglang.py, generic.py) are builders of
-this one class from an `EngineSpec`: profiles as data, not subclasses.
+How it works: docs/methods/cache-and-engines.md (engines/base.py).
 """
 
 from __future__ import annotations

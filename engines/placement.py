@@ -1,18 +1,6 @@
 """Leaving a prefix in one tier before a hit from it is measured: by route where the engine has one, else by pressure.
 
-By route: after the prefix is cached, the controls whose `clears` cover every tier above the
-target and leave the target itself (kvgate: evict device, then host; SGLang's /flush_cache also
-empties HiCache's host tier, so it can place on L3 storage but never on the host). A cold disk hit
-needs the page-cache drop too.
-
-By pressure (no admin route at all, as LMCache's long-document benchmark measures offload hits):
-after the prefix is cached, send distinct filler prompts whose KV exceeds the capacity of every
-tier above the target; LRU eviction pushes the prefix down. The fillers must write
-capacity x (1 + margin) tokens: the margin covers approximate LRU (vLLM frees blocks in a queue,
-SGLang evicts radix leaves) and blocks that fillers fill only partly. Capacities are summed over
-the tiers pushed through: right for tiers that demote on eviction, more than needed for tiers
-that hold a copy of what is above them (write-through), never too few. Either way the hit is
-then checked against the tier accounting, never assumed.
+How it works: docs/methods/cache-and-engines.md (engines/placement.py).
 """
 
 from __future__ import annotations

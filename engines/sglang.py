@@ -1,18 +1,6 @@
 """SGLang (`sglang.launch_server`), with or without HiCache (`--enable-hierarchical-cache`) and its L3 storage.
 
-Names from SGLang 0.5.23 (the PyPI wheel):
-- sglang/srt/entrypoints/http_server.py: `POST /flush_cache` (answers 400 while requests run or
-  wait) resets the radix tree; with HiCache that reset also empties the host pool
-  (unified_radix_cache.py: `cache_controller.mem_pool_host.clear()`), so it clears device and host
-  together. `POST /hicache/storage-backend/clear` empties the L3 storage backend. No route empties
-  the host tier alone.
-- sglang/srt/observability/metrics_collector.py: `sglang:cached_tokens_total{cache_source}` with
-  cache_source device, host, storage (L3 attached) or total (no breakdown), and
-  `sglang:prompt_tokens_total` (label is_streaming); `sglang:max_total_num_tokens`, the KV pool's
-  size in tokens. Labels model_name, engine_type (+ tp_rank, pp_rank on scheduler gauges).
-  Needs `--enable-metrics`.
-L3 storage is local files (`--hicache-storage-backend file`: the disk tier) or a pool (mooncake,
-3fs, nixl: the remote tier); `cache_layer: mooncake` says which.
+How it works: docs/methods/cache-and-engines.md (engines/sglang.py).
 """
 
 from __future__ import annotations

@@ -1,46 +1,6 @@
 """A multi-node embedded run's defaults, derived in one place from the single-node ones.
 
-With `targets.embedded.candidate_nodes: N` > 1 the single-node defaults stop measuring what a fleet
-is for: N device tiers (the baseline) hold most of the single-node workload, so the baseline hits
-almost as often as the candidate, and each candidate node's host and disk tiers keep their own copy
-of every conversation after its first load, so the shared pool serves almost nothing. A
-disaggregated deployment is sized the other way round: the fleet's users grow with its nodes, and
-each node's local tiers hold a part of the fleet's working set, so a conversation's KV written by
-one node is read from the pool by another. `fleet_defaults` gives the values below for the fields
-the user's file does not set (an explicit setting always wins); the baseline fleet keeps the
-candidate's node count, routing and per-node device tier (gates/targets.py starts both from one
-engine setting).
-
-The arithmetic, for the single-node G3 workload of U users (`users`; `documents` or `groups` for the
-other kinds that have them) and closed-loop levels L, with B the bytes of one block of KV
-(`KVShape.bytes_per_token` × the block size)::
-
-    users   U_N = the smallest count >= N × U with gcd(U_N, N) = 1
-                  (interleaved turns round-robin over N nodes: with U_N a multiple of N the same
-                  conversation would come back to the same node every round)
-    levels  L_N = N × L                      (each node sees the single-node concurrency)
-    W       = distinct block keys of the U_N-user workload, prompts and outputs
-              (sizing.sequences.workload_block_keys, as the embedded engine keys them)
-    S       = ⌈W / N⌉ blocks per node        (the node's share of the fleet's working set, < W)
-    disk    = min(its default, S × file_nbytes(B)) bytes   S blocks (a file: a 4 KiB header, the payload padded
-                                                           to 4 KiB)
-    host    = min(its default, ⌈S / 2⌉ × B) bytes
-    device  = min(its default, ⌈S / 4⌉) blocks             (the baseline's nodes get the same)
-    pool    = max(its default, 2 × W × B) bytes            (the whole working set, and room for the store's
-                                                           overhead)
-
-A local tier is only ever made smaller than its single-node default, the pool only larger. Each
-local tier holds more than the one above it: the cache writes through, so a lower tier as small as
-the one above holds the same blocks and never serves a hit.
-
-The quick profile on two nodes: U = 16 → U_N = 33, L = 2, 4, 8 → 4, 8, 16; the small preset's
-B = 2 (K, V) × 4 layers × 2 KV heads × 64 dims × 4 bytes × 256 tokens = 1 MiB; W = 232 blocks,
-S = 116: per node disk 116 × (4 KiB + 1 MiB) (was 8 GiB), host 58 MiB (was 1 GiB), device 29 blocks
-(was 64); pool 512 MiB (2 × 232 MiB is less than its default). Between two turns of one
-conversation every other conversation has a turn, and round-robin routing spreads those turns
-over the nodes, so a node touches up to about W blocks before a conversation returns to it: more
-than the S its tiers hold, and the returning turn's KV comes mostly from the pool (or, with
-prefix-affinity routing, from the node's own tiers, which then hold its share of the conversations).
+How it works: docs/methods/cache-and-engines.md (gates/fleet.py).
 """
 
 from __future__ import annotations
@@ -62,7 +22,7 @@ SHARE_DIVISORS = {"disk_capacity": 1, "host_capacity": 2, "device_capacity_block
 
 @dataclass(frozen=True)
 class FleetSizing:
-    """A fleet's working set beside each node's tier capacities, in blocks (the module docstring's W, S)."""
+    """A fleet's working set beside each node's tier capacities, in blocks (W, S: docs/methods/cache-and-engines.md)."""
 
     nodes: int
     working_set_blocks: int      # W

@@ -1,41 +1,6 @@
 """Intervals over paired rounds or blocks that stay valid while sampling stops on a decision.
 
-A side-by-side figure (the tier against fio, the candidate against the baseline) is measured in
-rounds or blocks: each yields one paired ratio, subject over yardstick, measured in the same
-minute. Ratios are judged in log space (the log of a ratio of medians is near Gaussian and its
-sign symmetric): the figure is the geometric mean of the pairs' ratios, the interval's ends exp of
-an interval for the mean log ratio, whose width comes from the variation *between* pairs (drift
-between minutes is inside it). A gate looks after every pair and stops as soon as the interval
-clears the rule, so the interval must hold at every look at once: a fixed-n t interval looked at
-after every pair misses the mean far more often than its 5%.
-
-With the looks fixed in advance (`Looks`: after every pair from the 3rd to the most a measurement
-may take, known before any data), the interval is the repeated confidence interval of a
-group-sequential design for a mean with unknown variance (Jennison & Turnbull, "Interim analyses:
-the repeated confidence interval approach", JRSS B 51(3), 1989; Pocock, "Group sequential methods
-in the design and analysis of clinical trials", Biometrika 64(2), 1977): at n pairs with mean m and
-sample SD s, m +- lam * shape(n) * s / sqrt(n), where lam is the `confidence` quantile of
-max_n |T_n| / shape(n) over the looks, T_n the t statistic of a null path. The t path is pivotal
-(free of the mean and sigma), so one Monte Carlo simulation of Gaussian paths calibrates lam for
-every measurement with that schedule. Two shapes, chosen per schedule before any data by the
-smaller sum of half-widths over the looks: Pocock's constant t boundary (short schedules: narrowest
-at 3-5 pairs) and the shape of Lai's sequence (below) calibrated to the finite horizon (long ones).
-
-Without a schedule (`looks=None`) the interval is Lai's (1976) t confidence sequence, valid at any
-number of pairs: the scale-invariant likelihood ratio mixed over a N(0, tau^2) prior on the
-standardized effect (Lai, "On confidence sequences", Ann. Statist. 4(2), 1976; Wang & Ramdas,
-"Anytime-valid t-tests and confidence sequences for Gaussian means with unknown variance", 2023).
-For n observations with mean m and sum of squared deviations S, the mixture martingale at a
-candidate mean mu is
-
-    M_n(mu) = (1 + n tau^2)^(-1/2) * (1 - tau^2 T / ((1 + n tau^2) Q))^(-n/2),
-    T = (sum (x_i - mu))^2,  Q = sum (x_i - mu)^2,
-
-and {mu : M_n(mu) < 1/alpha} is, solved in closed form, m +- sqrt(R S / (n (n - R))) with
-R = (1 + n tau^2) / tau^2 * (1 - (alpha^2 / (1 + n tau^2))^(1/n)) (the whole line while R >= n);
-by Ville's inequality it misses the mean at any n with probability <= alpha. tau^2 = 10 keeps it
-finite from 3 pairs, at the price of a wide interval there (7.6 s at 3 pairs against a fixed-n t
-interval's 2.5 s): what a known schedule buys back.
+How it works: docs/methods/confidence-sequence.md (gates/sequential.py).
 """
 
 from __future__ import annotations
@@ -50,7 +15,7 @@ import numpy as np
 
 from kvcore.rules import Rule
 
-TAU2 = 10.0                 # Lai's mixture's prior variance of the standardized effect (see the module's docstring)
+TAU2 = 10.0                 # Lai's mixture's prior variance of the standardized effect (docs/methods/confidence-sequence.md)
 MIN_PAIRS_FOR_AN_INTERVAL = 3
 SHAPES = ("constant", "lai")  # the boundary shapes a schedule chooses between (see `boundary`)
 CALIBRATION_PATHS = 200_000   # simulated null paths per schedule: lam's Monte Carlo error is ~0.5%

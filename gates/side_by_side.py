@@ -1,25 +1,6 @@
 """A figure judged against the storage's best on the same storage, measured side by side: sequential pairs.
 
-This storage swings 2-3x between minutes, so a ratio whose two sides ran minutes apart is a draw.
-Each round is a *pair* measured back to back: the subject (the disk tier's cold load, a model
-loader, a checkpoint save) and then the storage's best job (G1's sweep: gates/storage_best.py)
-moving at least as many bytes on the same storage; optionally a third, diagnostic leg: fio in the
-subject's own pattern (its I/O mode and parallelism), recorded and shown, never judged. The yardstick
-is the storage's best, never fio restricted to the subject's habits: a subject that reads too
-serially must show as slow.
-
-Pairs are taken until the interval decides the rule, or `max` pairs, or the time budget
-(gates.sequential.sample_until_decided). The figure is the geometric mean of the pairs' ratios
-and its interval the repeated confidence interval over their logs of a schedule fixed in advance,
-a look after every pair from the 3rd to `max` (gates.sequential.log_ratio_sequence with
-`Pairing.looks()`), so looking after every pair does not inflate the error rate; the record says
-how many pairs decided it, why sampling stopped, and the interval's method. Fewer than MIN_PAIRS
-pairs is never judged.
-
-fio's sides, one per kind of subject, each in a given `FioShape` (the best job's, or the subject's own):
-- `FioRegions`: a region of one file laid out at the first pair, in turn (G2's cold read);
-- `FioFilesRead`: a sequential read of the very files the subject read (a model's shards), read only;
-- `FioFreshWrite`: a sequential write of a fresh file, fsync'd before it counts as done (a checkpoint save).
+How it works: docs/methods/side-by-side.md (gates/side_by_side.py).
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """Whether a load meets an SLO, decided from its requests while it runs: a binomial confidence sequence.
 
-An SLO of percentiles ("TTFT p90 <= 500 ms and TPOT p90 <= 50 ms") holds at a load when at most
-`allowed` (here 1 - 0.90 = 10%) of its requests miss a limit; a request misses when its TTFT or its
-TPOT is over its limit, when it failed, or when it did not finish (an unfinished request is a miss).
-The miss share p is a Bernoulli mean, so the question "p <= allowed?" is decided by an interval for p
-that stays valid however often it is looked at: a probe looks after every chunk of requests and stops as
-soon as the interval lies on one side of `allowed`.
-
-The interval is the beta-binomial mixture confidence sequence (Robbins, "Statistical methods related to
-the law of the iterated logarithm", Ann. Math. Statist. 41(5), 1970; Howard, Ramdas, McAuliffe & Sekhon,
-"Time-uniform, nonparametric, nonasymptotic confidence sequences", Ann. Statist. 49(2), 2021, §3): after
-n requests with s misses, for a candidate share p
-
-    M_n(p) = B(a + s, b + n - s) / B(a, b) / (p^s (1 - p)^(n - s)),
-
-the likelihood ratio of a Beta(a, b) mixture against p. At the true p it is a nonnegative martingale
-starting at 1, so by Ville's inequality P(exists n: M_n(p) >= 1/alpha) <= alpha, and
-{p : M_n(p) < 1/alpha} covers p at every n at once. M_n(p) grows as p moves away from s/n, so the load
-is decided "meets" when s/n < allowed and M_n(allowed) >= 1/alpha (every p >= allowed is excluded),
-"misses" when s/n > allowed and M_n(allowed) >= 1/alpha. The prior's mean is `allowed` / 2 with
-a + b = 5 (Beta(0.25, 4.75) at a 10% allowance): a load where every request meets its limits is decided
-after 34 requests (a fixed-n binomial test needs 29, and cannot be looked at on the way), one where every
-request misses after 5.
-
-MLPerf LoadGen's early-stopping rule answers the same question for one fixed sample; the mixture is
-chosen here because a probe looks after every chunk.
+How it works: docs/methods/confidence-sequence.md (kvcore/attainment.py).
 """
 
 from __future__ import annotations

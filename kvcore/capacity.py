@@ -1,23 +1,6 @@
 """A capacity search: the highest load at which a target meets its SLO, bracketed by decided probes.
 
-Loads are whole multiples of a `unit`: users (closed loop, unit 1) or a rate in steps of `unit` (open loop:
-multiples of a trace's arrival rate, e.g. 0.25). The search ramps from `start`, doubling, until a
-probe is decided "misses" (or `most` is reached), then bisects between the highest load decided
-"meets" and the lowest decided "misses" until they are one unit apart: the capacity is then the former.
-Each probe is decided by `kvcore.attainment.MissShare` (valid while the probe looks after every chunk of
-requests); a probe whose budget ends undecided stops the search, its bracket left open there.
-
-A bracket is (low, high): `low` the highest load decided to meet (0 when none did), `high` the lowest
-decided to miss (None when none did). The capacity lies in [low, high - unit]; the bracket is closed when
-high - low == unit. Each bound rests on one probe's decision, each wrong with probability at most alpha,
-so a closed bracket is right with probability at least 1 - alpha x (the probes it rests on: 2).
-The search assumes that a target that meets the SLO at a load meets it at every lower one.
-
-The capacity gain of a candidate over a baseline, candidate / baseline - 1, is bounded by the two
-brackets: at least low_c / (high_b - unit) - 1, at most (high_c - unit) / low_b - 1 (unbounded where a side is
-open). It is judged against a rule as any interval is: PASS when the least gain clears it, FAIL when
-the most does not, otherwise INCONCLUSIVE (an open bracket decides only where its open side cannot
-change the verdict).
+How it works: docs/methods/confidence-sequence.md (kvcore/capacity.py).
 """
 
 from __future__ import annotations

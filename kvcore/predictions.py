@@ -1,19 +1,6 @@
 """A measured figure beside what the sizing model predicted for it, and the error between them.
 
-The sizing model records its predictions in the run store (predictions.jsonl), each with the stage it
-was made at ("before g3": from the config and what the gates before G3 measured). A figure of a gate
-has a prediction when one made before that gate names the same metric and the same place (context
-keys: level, context length, target, G2's mode). One definition of the error, used by the console's verdict
-lines, results.json and the sizing section:
-
-- fractions that are themselves differences or shares (hit ratios, reductions, gains, the cold-read
-  ratio) are compared in points: predicted − measured (a 96.6% hit ratio predicted for 93.6%
-  measured is +3.0 points; a relative error of a reduction near 100% would magnify noise);
-- every other figure (TTFTs, G2's by context length among them, throughputs, G2's TTFT ratio) as a relative error,
-  (predicted − measured) / measured, whose mean over a run is the model's MAPE.
-
-Only a judged figure has an error (kvcore.judged): a verdict that was INCONCLUSIVE, and a measurement of
-an invalid step, are shown beside their prediction but not compared (`measurement_not_judged`).
+How it works: docs/methods/sizing-model.md (kvcore/predictions.py).
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """The run data's schema, below both `gates/` (which write it) and `reports/` (which read it).
 
-Layout of `reports/runs/<run-id>/` (or `--out`)::
-
-    run.json                          RunInfo: run id, profile, gates, started_at, environment, targets
-    preflight.json                    one row per target node: answered, served its model, streamed (or what failed)
-    config.yaml                       the resolved configuration the run used
-    gates/<gate>/measurements.jsonl   one Measurement per line, appended as measured
-    gates/<gate>/verdicts.jsonl       one Verdict per line, appended as judged
-    gates/<gate>/unjudged.jsonl       one Unjudged per line: a check measured with no rule to judge it
-    gates/<gate>/errors.jsonl         one Errored per line: a check that erred outside its verdict, with the reason
-    gates/<gate>/status.json          the gate's outcome once it ended (or "not run")
-    predictions.jsonl                 the sizing model's predicted figures, one per line, by stage ("before g3")
-    sizing.json                       predicted beside measured with the errors, and the model's accuracy
-    gates/<gate>/progress.json        what the gate is doing now ("writing the checkpoint: 0.6 / 1.1 GB"), for the console
-    gates/<gate>/progress.jsonl       its step lines ("step 4 / 9, c=4, baseline: done, ..."), one per line, appended
-    gates/<gate>/junit.xml            pytest's JUnit report of the gate's suite
-    gates/<gate>/raw/                 raw files (fio JSON, request records, soak windows)
-    results.json, junit.xml, index.html   rendered by `reports` from the above
-
-A row's `context` says where a figure belongs, under these names (the renderer reads them,
-never the reason text): `concurrency` (a G3 level), `multiplier` (a G3 rate multiplier), `context_tokens`,
-`target` (a role or a node), `node`, `mode`, `window`, `window_start_s`, `pair`.
+How it works: docs/methods/measurement.md (kvcore/rundata.py).
 """
 
 from __future__ import annotations

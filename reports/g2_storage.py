@@ -2,17 +2,7 @@
 with its phases, and bar charts against the storage's best job's line. Reads only the measurements' rows (the suites'
 metrics and their `context` keys, kvcore.rundata), never reason strings.
 
-Rows read (written by gates/g2_baseline/test_g2_model_load.py and test_g2_checkpoint.py):
-- `model_load_round`: one cold load (value GB/s); context loader, round, seconds, bytes, fio_gbps,
-  ratio, cold, identical, phases {open, read, deserialize, copy}, storage ("under test" or "baseline");
-- `model_load_loader`: a loader's side-by-side ratio (value); context loader, loader_gbps, fio_gbps,
-  interval, pairs, warm_gbps and warm_read_device (one load with the files in the page cache);
-- `service_load`: one timed server start (value: seconds to the first token); context loader, round,
-  phases {imports, weights, ready, first_token}, weights {loader, seconds, bytes};
-- `model_load_loader` also says `judged_loader` (g2.model_load.judged) when it is the judged one;
-- `checkpoint_save_round` / `checkpoint_restore_round`: one save or cold restore (value GB/s); context
-  round, slowest_s, rank_seconds, bytes, fio_gbps (saves), ratio (saves), equal and cold (restores),
-  storage, writer (and reader, restores).
+How it works: docs/methods/storage-best.md (reports/g2_storage.py).
 """
 
 from __future__ import annotations

@@ -5,17 +5,7 @@ block pairs were sampled: blocks run, decided after N blocks or why not, the int
 (`sampling_tables`), and each block (`block_tables`). An A/A run opens the section with its count
 of intervals that excluded 0 (kvcore.aa).
 
-A level is a concurrency (closed loop) or a rate multiplier (`multiplier` in the rows' context).
-Predictions are those made before G3 ran (stage "before g3"), matched by metric, target and level.
-
-The distributions come from the raw per-request records of each step: the `step_valid` row of a
-(target, level) says where each of its blocks' records are (`blocks`: `records_dir`, relative to the
-run directory, when its measured window began, `window_start`, and a trace pair's requests left out,
-`left_out_ids`); a CDF holds exactly the windows' completed requests that G3 pooled. A run of one
-step per target records `records_dir` and `window_start` on the row itself. A run recorded before
-those keys existed is read from the sweep's directory layout
-(gates/g3/raw/sweep/<target>/<c|x><level>/records), every completed request of the step, and the
-panel says that its warm-up is included.
+How it works: docs/methods/measurement.md (reports/g3_main.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """A matplotlib figure as an SVG element to inline in the report: offline, self-contained, deterministic.
 
-Each chart is its own `matplotlib.figure.Figure` on a `FigureCanvasSVG` (never pyplot's global
-figures), drawn under the report's style (`style`, a scoped rc context: fonts, colours, and the
-two SVG settings that only rcParams carry). What `to_svg` writes and why:
-
-- text stays text (`svg.fonttype: none`), drawn in the page's own sans-serif fonts: no font
-  files, nothing fetched, and every title and label can be found in the page;
-- no XML declaration, DOCTYPE or namespace URLs (inline SVG in HTML needs none; `<use>` takes
-  a plain `href`), no `<metadata>` block, no `<style>` (inside inline SVG it would apply to the
-  whole page: its one rule is in the page's CSS, CHART_CSS), never a script;
-- deterministic: no date, ids hashed with a salt of the chart's own title (`svg.hashsalt`), so
-  a re-render of the same data writes the same bytes; only the ids something refers to are kept
-  (matplotlib names every group "figure_1", "axes_1", ... in each chart), so two charts in one
-  page never share an id;
-- a `<title>` for screen readers; user strings are escaped by matplotlib and never read as
-  mathtext (`literal` escapes `$`).
-
-Layout is fixed margins in inches (`place`) rather than a constrained layout, which draws each
-chart several times to measure it (three times the cost, and the report renders at the end of
-every run): tick labels are short, and long category labels are measured with the font's own
-metrics (`text_width_in`).
+How it works: docs/methods/measurement.md (reports/svg_figure.py).
 """
 
 from __future__ import annotations
@@ -85,7 +66,7 @@ def new_figure(height: float = HEIGHT_IN, width: float = WIDTH_IN) -> Figure:
 
 def place(figure: Figure, left: float = 0.85, bottom: float = 0.55, top: float = 0.4, right: float = 0.2,
            **spacing: float) -> None:
-    """The axes' margins in inches (see the module's docstring for why fixed ones)."""
+    """The axes' margins in inches (why fixed ones: docs/methods/measurement.md)."""
     width, height = figure.get_size_inches()
     figure.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
                            **spacing)
@@ -106,7 +87,7 @@ def text_width_in(labels: Sequence[str], size: float) -> float:
 
 
 def to_svg(figure: Figure, title: str, wide: bool = False) -> str:
-    """The figure as an inline <svg> element (see the module's docstring for what is removed and why);
+    """The figure as an inline <svg> element (what is removed and why: docs/methods/measurement.md);
     `wide`: the page gives it a whole row."""
     buffer = io.StringIO()
     figure.savefig(buffer, format="svg", metadata=NO_METADATA)

@@ -1,34 +1,6 @@
 """The sizing model's free constants fitted to a recorded run, saved as JSON for a later plan to read.
 
-From G2 (one request at a time, so nothing queues and every TTFT is one request's service time):
-
-- **recompute curve and fixed overhead**, jointly over every G2 TTFT (the medians per mode and
-  context), by non-negative least squares in relative terms (each row ÷ its own TTFT)::
-
-      recompute:  f + b·n + c·n²                           = TTFT
-      host hit:   f + b·(n−h) + c·(n²−h²)                  = TTFT − h·B / host GB/s
-      disk hit:   f + b·(n−h) + c·(n²−h²) + overhead_disk  = TTFT − h·B / disk GB/s
-
-  with n the prompt (context − 4 tokens: sizing/timing.py), h its whole blocks, B the KV bytes
-  per token, f the fixed overhead (also the curve's intercept: the same server path serves all
-  three). The hits pin the curve's slope at each context, which the recompute rows alone (three
-  noisy points for three coefficients) leave loose; a full hit's row uses the one-token pass.
-  With no hit rows, the recompute rows alone (`RecomputeCurve.fit`).
-- **disk tier efficiency**: G2's `cold_read_vs_storage_best`, the tier's cold-read GB/s over the storage's best read
-  job's, side by side; the disk rows above subtract loads at that measured tier GB/s, so `overhead_disk` is what a
-  disk hit costs beyond its reads (opening, planning, verifying).
-- **loader efficiency** per loader (`model_load_loader`: loader GB/s ÷ the storage's best read job's, side by side),
-  **checkpoint efficiency** (`checkpoint_write_vs_storage_best`), **service start** (the median of
-  `service_load` minus its weights' load seconds).
-
-From G3's raw records (closed loop, per level), the **decode step cost**: a decode step of b sequences
-costs `step_s + per_sequence_s·b`; the candidate's measured mean gap between tokens at each level is
-matched by sizing/queueing.py's simulation of that level's recorded requests (their prompts,
-cached tokens and outputs). A simulated gap is decode(b) plus the chunks and loads of that step, so
-each round fits (step_s, per_sequence_s) ≥ 0 to measured − simulated non-decode share against the
-mean batch, then simulates again (a few rounds: the schedule moves little). Then the **step noise**
-(`fit_jitter`): the machine's step-to-step swing, as the spread of each request's gaps between tokens
-beyond what the simulated schedule gives them.
+How it works: docs/methods/sizing-model.md (sizing/calibration.py).
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """G3's workload as each target serves it: the requests of every step in the order G3's load sends them,
 the node each goes to, and the hits each one gets from each tier (replayed through the target's tiers).
 
-What G3 sends (gates/g3_main, workloads/loadgen/sweep.py), each part a load run of its own:
-
-- priming (`g3.prime`): every turn of every session once, in load order, or a trace's warm-up requests;
-- closed loop over interleaved sessions: at each level, pairs of blocks, each block a segment of the load
-  order sent once by c users who start together, both targets serving the same segment (G3's matched
-  pairs, workloads/loadgen/blocks.py), simulated block by block (`simulate_blocks`: each request's hits at the
-  moment the engine loads, its stores when the engine makes them, so a block's first c requests load
-  before any of the block stores);
-- closed loop over sequential sessions: one pass of its load order per level (the plan replays one pass
-  after the primer, and every level serves those hits);
-- a trace: its measured requests cut into one part per level (`trace_parts`), each level its own part,
-  in order, never cycled; with `rate_multipliers` a part's requests arrive at their timestamps − the
-  part's first, ÷ the multiplier (`rate_multiplied`).
-
-**Routing** (`workloads.traffic.routing.Router`, used here as is): a load run's process holds one router shared
-by its users (workloads/loadgen/locustfile.py), so round-robin sends the k-th request the run sends to node
-k mod N, and a new run (the primer, each step) starts again at node 0; prefix-affinity hashes the
-conversation's opening. A matched block sends its segment in order, so its k-th request goes to node
-k mod N (round-robin over 16 sessions, 2 nodes and even segments keeps each session on one node; 15
-sessions move every session's next turn to the other node).
-
-The candidate's nodes share its pool; the baseline's nodes (kvgate starts as many, device-only) share
-nothing. Every request's hits come from one replay of all parts in sending order, so each part starts
-from what the earlier ones left in the caches. Torch-free.
+How it works: docs/methods/sizing-model.md (sizing/g3_inputs.py).
 """
 
 from __future__ import annotations

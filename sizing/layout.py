@@ -1,32 +1,6 @@
 """A model's KV cache layout: bytes per token and per block, and how many tokens a tier holds.
 
-Formulas (every size in bytes; `dtype_bytes` is the KV cache element size: 4 float32, 2 bf16/fp16, 1 fp8):
-
-- Multi-head / grouped-query attention (Llama, Qwen, Mistral, kvgate's own presets). Every layer keeps a
-  key and a value vector per KV head per token::
-
-      bytes_per_token = 2 (K and V) × layers × kv_heads × head_dim × dtype_bytes
-
-  Llama-3-70B in bf16: 2 × 80 × 8 × 128 × 2 = 327,680 B = 320 KiB per token.
-- Multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank` in its config). Every layer keeps one
-  compressed latent of `kv_lora_rank` elements plus the decoupled RoPE key of `qk_rope_head_dim`
-  elements per token, shared by all heads; keys and values are both rebuilt from the latent, so
-  there is no factor 2::
-
-      bytes_per_token = layers × (kv_lora_rank + qk_rope_head_dim) × dtype_bytes
-
-  DeepSeek-V3 in bf16: 61 × (512 + 64) × 2 = 70,272 B per token.
-
-Then, for a cache of `block_tokens`-token blocks (a tier holds whole blocks only)::
-
-    bytes_per_block = bytes_per_token × block_tokens
-    blocks_in(N bytes) = ⌊N / bytes_per_block⌋,   tokens a tier holds = blocks_in(N) × block_tokens
-    tokens_in(N bytes) = ⌊N / bytes_per_token⌋    (no block rounding)
-
-Every layer is taken to cache every token: sliding-window or linear-attention layers (Gemma,
-Mistral's window, hybrid models) cache less, and a tier's own per-block overhead (the disk tier's
-4 KiB header) is the tier's to add. Torch-free: the embedded presets are copied below, pinned to
-`cache_impl.engine.model.PRESETS` by the tests.
+How it works: docs/methods/sizing-model.md (sizing/layout.py).
 """
 
 from __future__ import annotations

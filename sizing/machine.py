@@ -1,23 +1,7 @@
 """kvgate's own engine predicted before any G2 has measured it, from the pre-flight's probes (gates/machine_probe.py,
 recorded in the run as machine_probe.json), standing in where a calibration's constants would go::
 
-    recompute(n) = a + b·n + c·n²            fitted to the prefill probe: the recompute server's own first-token
-                                             times at five lengths across the run's range, over HTTP, one at a time
-    decode(b) = step_s + per_sequence_s·b   through the decode probe's two medians: the same server's gaps
-                                             between streamed tokens with 1 and with max_running sequences
-                                             decoding, just before G3 at the median prompt of G3's workload
-                                             (the model's decode pass alone, in-process, without one)
-    the host tier's GB/s = the probe's host copy
-
-The curve is measured where the cost lives. A roofline of the model's FLOPs (matmul and attention FLOP/s at its
-shapes, from the same probe) predicts the model's own prefill within ~10% but a third to a half of the server's
-first-token time: the engine's per-token work beyond its matmuls (elementwise operations, each chunk's
-allocations, the step loop) is most of it on a small model. The roofline is said beside the fit, and stands in
-when the prefill probe could not run.
-
-Last in line (plan.make_plan): a run's own G2 and G3, a calibration file and a configured roofline come
-first. Only the embedded targets are probed: an external engine's model is not kvgate's to count.
-Torch-free: this module only reads the probes' figures.
+How it works: docs/methods/sizing-model.md (sizing/machine.py).
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
 """`kvgate plan`: every gate's figures predicted from the config (and a run's measurements when given),
 each with the verdict it would get.
 
-How the pieces fit (each module's docstring has its formula):
-
-1. targets.py + layout.py: the targets as the plan models them: KV bytes per token and per block of
-   the model under test (the embedded preset, or `sizing.target`'s config.json or explicit layout for
-   an external engine), each tier's blocks (device; host and disk bytes ÷ block bytes; the pool's
-   bytes ÷ its values'), the nodes of each fleet and their routing;
-2. sequences.py + replay.py + g3_inputs.py: G3's workload as block keys (its prompts through the
-   embedded chat template, or the word sizer's tokens for an external engine), primed as G3 primes it,
-   each request routed by G3's own Router and served by its node's caches (a fleet's nodes share one
-   pool) with the cache's own placement rules: hits per tier, request by request, and the
-   infinite-cache bound; interleaved sessions block by block inside the simulation of 4 (G3's matched
-   pairs: each request's hits when the engine loads it, its stores when the engine makes them), a trace
-   or sequential sessions replayed beforehand;
-3. timing.py: TTFT of each request from its hits (fixed overhead + bytes ÷ each tier's GB/s + the
-   recompute curve over the uncached tail); the curve, overheads, tier efficiencies, decode cost and
-   step noise come from a calibration (a run's G2 and G3, `calibration.py`); the disk's raw GB/s from
-   the run's G1 fio, else the spec sheet (g1's seq_read_gbps threshold); the pool's from
-   `sizing.target.pool_gbps`, else pool-bench's loopback figure. G2's disk-hit / recompute ratio and
-   cold-read ratio;
-4. queueing.py + g3_figures.py: G3 per level, a step-level simulation of each engine's scheduler in a
-   closed loop (or the open loop of a trace's arrivals × a multiplier): each target's TTFT p50 and
-   throughput, and the reduction, the gain (or the sustained-rate gain) with G3's own bootstrap
-   intervals, judged by G3's rules (INCONCLUSIVE when the interval straddles);
-5. model load and checkpoint seconds: bytes ÷ (fio's GB/s × the measured efficiency).
-
-A figure whose inputs are missing is left out with a note saying what it needs. Torch-free.
+How it works: docs/methods/sizing-model.md (sizing/plan.py).
 """
 
 from __future__ import annotations

@@ -2,48 +2,7 @@
 (or an open loop of a trace's arrivals), hence the candidate's TTFT p50 reduction and throughput gain
 over the baseline (sizing/g3_figures.py judges them as G3 does).
 
-**The model: a step-level simulation of the engine's own scheduler** (`simulate`, `simulate_source`).
-`c` users each send a request, wait for its last token and send the next one, taking requests in the
-replay's order (as G3's locust users take turns), with nothing between two requests but the fixed
-overhead. One server, the engine, repeats a step::
-
-    step = Σ loads of the requests admitted now        (the cached prefix, read before anything runs)
-         + one prefill chunk of the first prefilling request (FIFO; chunks are block-aligned, ≤ 1 block)
-         + decode(b) = step_s + per_sequence_s · b      (one token for each of the b generating requests)
-
-at most `max_running` requests at once (the rest wait, FIFO). A chunk covering positions [s, e)
-costs compute(e) − compute(s) (the recompute curve, so a request's chunks add up to its uncached
-tail: sizing/timing.py); a full hit's only chunk is the one-token pass. A request's first
-token comes at the end of its last chunk; it then decodes in that same step, and finishes after its
-output tokens. TTFT = first token − sent, the fixed overhead (HTTP, tokenizing: outside the
-scheduler thread, so it delays the request, not the others) included; at c = 1 that is exactly
-`TimingModel.ttft`, and throughput is outputs / (TTFT + (outputs − 1) · decode(1)).
-
-- **A fleet** (several engines, `nodes[i]` the node of request i, or a `LoadSource` that routes as it
-  sends): each node steps on its own, the next step simulated is the one that starts first, so a
-  request one node answers frees its user for whichever node the next request goes to. Nodes sharing
-  one machine (`one_machine`: kvgate's embedded fleet) each had the machine to itself when their costs
-  were measured, so a step's loads and prefill chunk (the multi-threaded work) take as many times their
-  cost as there are nodes busy when it starts; its decode (small, bound by per-operation overheads on
-  one thread) does not. Calibrated on a run of one node; a fleet on separate machines shares nothing.
-- **Open loop** (`arrivals_s`: a trace at a multiple of its rate): a free user takes the next request
-  and sends it at its arrival, or late when every user was busy (its `client_wait_s`), as locust's
-  users do; `predict_rate_ladder` then judges the ladder as G3 does (`analysis.sustained_rate_gain`).
-- **Noise** (`EngineModel.jitter`, fitted from G3's gaps between tokens: calibration.py): each step's
-  seconds × a lognormal factor of mean 1, drawn per node from a seed. Without it two equal requests
-  on two nodes finish in send order forever; with it they finish either way, as in a run, and a
-  session queued behind the other moves to the other node. The same seed gives the same run.
-
-G3's figures from the simulated runs, with G3's own intervals: sizing/g3_figures.py.
-
-Why this and not mean-value analysis or processor sharing: (1) G3 judges a p50 and MVA gives only
-means; (2) the engine is not a product-form station: its step time depends on the mix of phases
-running (a prefill chunk beside a batch of decodes), and prefill is FIFO one chunk per step while
-decode is shared by all, neither FCFS-exponential nor PS; (3) the service demands are known request
-by request (hits and misses from the replay), so simulating the discipline itself is exact for
-those costs and takes milliseconds per level. Left out: CPU the write-behind mover and the load
-client take from the engine, and a decode step's growth with context length beyond what
-`per_sequence_s` absorbs.
+How it works: docs/methods/sizing-model.md (sizing/queueing.py).
 """
 
 from __future__ import annotations

@@ -1,57 +1,6 @@
 """Hit ratio per tier of a workload: its block-key sequence replayed through the tiers' capacities.
 
-`CacheSimulator` is `cache_impl.cache.manager.TieredKVCache` on keys alone (no bytes, no threads, no
-torch): its levels are the cache's own `cache_impl.cache.placement.Level`s, each over a `KeysOnlyTier`
-(the keys it holds, no bytes) with an `LRUAccount` of its blocks, and every decision (the prefix,
-the source level, victims, demotion targets) is the cache's `Placement`. It is called per request
-the way the embedded engine (`cache_impl.engine.engine`) calls the cache:
-
-1. load: the longest prefix of the prompt's block keys some level holds; each block is read from
-   the highest level holding it, a hit on that level, whose LRU entry is refreshed. A pool (the
-   last level, not accounted by the node: a store shared by nodes) is asked for the blocks after
-   the prefix the local levels hold (`TieredKVCache._ask_shared_levels`: its leading run of them),
-   and the prefix goes on through local and pool blocks alike.
-2. store, each prompt block after the prefix in order: a block some accounted level holds is only
-   refreshed on every level; otherwise it is put on the device, and on every lower level the write
-   policy stores to (write-through: all; write-back: none) and on the pool. A block the device
-   cannot take goes to every lower level at once.
-3. promote, once the first token is out: each hit block is put on every accounted level the write
-   policy stores to that lacks it (write-back: the device only), then refreshed everywhere.
-4. store of the blocks the generated tokens fill, as 2.
-
-Putting a block on a full level first evicts its least recently used block. An evicted block is
-demoted to the nearest lower accounted level: nothing if that level holds it already, else it is
-put there (evicting in turn); when that level cannot take it, the next one. The last accounted
-level's evictions leave the cache (the pool is never a demotion target; the disk tier, which has
-no in-memory copy to demote, is always the last accounted level).
-
-**A fleet** (`replay(..., nodes=...)`: kvgate's `candidate_nodes`): one simulator per node, each with
-its own device, host and disk levels, all sharing one pool level (`CacheSimulator.fleet`): what a
-node stores goes to the pool as above (a put of a block the pool has refreshes it, as Redis's SET NX
-looks the key up), and a block another node stored is a pool hit on this one. The pool keeps
-`blocks` values (its capacity ÷ the 4 KiB header + the payload) and evicts the least recently put or
-read one (Redis's allkeys-lru reads and puts refresh; its EXISTS does not, nor does the simulator's
-lookup). Requests are routed by `nodes[i]`, the node request i went to.
-
-Assumptions (each a difference from a real run): requests one after another (at concurrency c the
-engine interleaves the stores of c requests: the same operations, another order); every background
-write done before the next request (`TieredKVCache.flush`), and a disk larger than what one request
-queues to it (a block whose write is queued cannot be evicted, so a smaller one skips it for an older
-victim); the disk's filesystem has room (else the cache evicts earlier); no read fails
-verification; a pool keeps what it is given up to its capacity, least recently put or read first
-(the store's own policy decides in reality: Redis samples a few keys for its LRU, Mooncake evicts by
-its own watermarks and leases, and each value costs the store more than its bytes); in a fleet,
-a block another node stored is in the pool by the time this node asks (its write-behind put done).
-
-Figures, over the counted requests (after `warmup`)::
-
-    hit ratio of tier t = Σ blocks read from t / Σ prompt blocks   (full blocks only)
-    overall hit ratio  = Σ over tiers of the above
-    infinite_cache_bound = Σ blocks of the longest prompt prefix stored by an earlier request / Σ prompt blocks
-
-Keys chain their prefix, so the bound is the share of blocks seen before, whatever the capacity; a
-finite cache hits a block only if an earlier request stored it and it lies in such a prefix, so the
-bound is at least any capacity's overall ratio.
+How it works: docs/methods/sizing-model.md (sizing/replay.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """What the sizing model reads of the targets: the model's KV layout, the block size, each tier's capacity,
 the nodes of each fleet and how requests are routed to them.
 
-- **Embedded** (`targets.kind: embedded`): the preset's layout (float32 KV), kvgate's 256-token blocks,
-  `targets.embedded`'s device blocks, host and disk bytes. With `candidate_nodes: N` kvgate runs N
-  tiered nodes (each its own device, host and disk tiers) on one pool (`pool: redis | mooncake`, the
-  store the harness starts: `EMBEDDED_POOL_BYTES`) and, so that throughput compares equal fleets,
-  N device-only baseline nodes (no pool), both routed by `targets.routing` (gates/targets.py).
-- **External** (`targets.kind: external`): nothing of this can be read from an OpenAI endpoint, so it
-  comes from `sizing.target` (gates/config.py `TargetSizing`): the layout (a config.json or explicit
-  fields), the block size, the device's KV tokens (vLLM and SGLang print theirs at start-up), host,
-  disk and pool bytes. The candidate has `1 + len(targets.candidate_nodes)` nodes; the baseline one.
-  Without `sizing.target` the embedded preset stands in, with a note saying so.
-
-`sizing.target`'s fields, when given, replace the embedded ones too (a what-if plan). A tier of 0 bytes
-is absent. Torch-free.
+How it works: docs/methods/sizing-model.md (sizing/targets.py).
 """
 
 from __future__ import annotations

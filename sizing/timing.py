@@ -1,30 +1,7 @@
 """Seconds the sizing model predicts: a prompt's prefill, a request's TTFT with part of its prompt cached
 in some tier, G2's figures, and model-load and checkpoint times.
 
-Units: tokens, bytes, seconds, GB/s (10^9 bytes per second).
-
-**Recompute curve.** Prefill of a prompt of n tokens from scratch takes `a + b·n + c·n²` seconds: `b·n`
-the per-token work (every weight matrix is applied to every token), `c·n²` attention (each token
-attends to every earlier one), `a` what does not depend on the prompt (HTTP, tokenizing, the first
-token's sampling). Fitted to G2's recompute TTFTs by least squares with non-negative coefficients,
-or from a FLOPs roofline when there are none.
-
-**TTFT of a prompt of n tokens with h of them cached** (h = Σ h_T over the tiers T that served them)::
-
-    TTFT = fixed_overhead + Σ_T [overhead_T + h_T · kv_bytes_per_token / (gbps_T · efficiency_T)]
-                          + compute(n) − compute(h)                    compute(n) = b·n + c·n²
-
-The compute of the uncached tail, attention over the cached part included, is taken as the
-difference of the cumulative curve: `compute(n) − compute(h) = b·(n−h) + c·(n²−h²)`, i.e. the tail's
-tokens each attend to every earlier position, cached or not. For kvgate's engine this is not an
-approximation: it prefills in block-aligned chunks from position 0 in every mode, so a hit computes
-exactly the chunks a recompute computes after the cached blocks. For engines that prefill the tail
-in one pass it is the same FLOPs. A full hit (h = n, the prompt ends on a block boundary) still
-computes the first token's logits: a one-token pass, `compute(n) − compute(n−1)`. The loads are
-summed, not overlapped: the engine loads a request's prefix before it computes anything, tier by
-tier. `fixed_overhead` defaults to the curve's `a` (the same server path serves both), and a tier's
-`overhead_T` (default 0) is what a hit from it costs beyond its bytes (planning, opening files,
-verifying), fitted by calibration.
+How it works: docs/methods/sizing-model.md (sizing/timing.py).
 """
 
 from __future__ import annotations

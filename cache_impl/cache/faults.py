@@ -1,21 +1,6 @@
 """Faults in the cache's disk tier, for fault-injection tests and soaks: every kind, and the armed state.
 
-Two families, each acting where a real fault would:
-- I/O faults (`IO_FAULTS`), armed in a running cache (by the server's admin route, /admin/faults,
-  or a test) and acted out by hooks the disk tier calls:
-  - `disk_full`: a block write fails with ENOSPC after its data is written (staged) and before
-    it is published, so nothing becomes visible (as when the device fills);
-  - `write_error` / `read_error`: the write or the read fails with EIO;
-  - `slow_disk`: every block write, and every batch of block reads, takes `delay_s` longer (the
-    write's delay falls between writing the data and publishing it).
-  A fault lasts `duration_s` (None: until cleared); every block it acts on is counted.
-- Stored-block faults (`BLOCK_FAULTS`): a block file damaged in place (a flipped payload byte, a
-  cut, a deletion, another block's bytes), which the cache must refuse with `EXPECTED_REASON`.
-
-The hooks cost nothing when nothing is armed: the disk tier's `faults` is None then, and
-`FaultPoints` installs itself there only while a fault is armed (and takes itself away when the
-last one is cleared or has run out), so the production path is the plain tier. The client that
-drives these faults from outside (the admin client, the G4 schedule) is `workloads.probes.faults`.
+How it works: docs/methods/fault-oracle.md (cache_impl/cache/faults.py).
 """
 
 from __future__ import annotations

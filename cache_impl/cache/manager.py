@@ -1,22 +1,6 @@
 """TieredKVCache: lookup, load, store, promote, evict (demote).
 
-The cache is a list of levels, top-down: device, host DRAM, disk, and a pool shared with other
-nodes, each present when configured. It talks to each tier only through the tier protocol
-(`cache_impl.cache.tiers.base`); which level holds what, and what may be evicted, is
-`cache_impl.cache.placement`'s; lower tiers are written in the background by
-`cache_impl.cache.writeback`; I/O faults armed in `faults` hook into the disk tier (`cache_impl.cache.faults`).
-
-One lock guards the metadata; bytes move outside it, protected by pins:
-- a load pins its blocks while it copies them into the caller's memory, so they stay put;
-- blocks are immutable and content-addressed: storing a key that is already cached only
-  refreshes its recency, it never overwrites;
-- a block being written to a tier is visible only once the write completed and (on disk, in
-  the pool) was published whole.
-
-A load copies each block straight from the highest level holding it into the caller's
-memory (the request's KV): nothing is staged in a device slot on the way. `promote` then
-keeps a copy of what was just loaded on the levels the write policy stores to, off the
-request's critical path.
+How it works: docs/methods/cache-and-engines.md (cache_impl/cache/manager.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Placement: which level holds which block, what may be evicted, and where an evicted block goes.
 
-No bytes move here and no thread runs here: the cache (`cache_impl.cache.manager`) asks, then moves
-bytes through the tiers, holding its lock around both. A `Level` is one tier of the cache with
-everything the cache keeps about it: its LRU account, its metrics and, for a tier written in
-the background, its write-behind queue.
-
-Rules:
-- the index holds a bit per level (bit = the level's rank, 0 = the device): a bit is set only
-  while that level holds a whole, readable copy; a level that manages its own capacity (a pool
-  shared by nodes, `accounted = False`) has no bits and no LRU;
-- a pinned block (being read by a load) is never chosen for eviction, nor is a block whose
-  write to that level is still queued (its capacity is reserved from the moment it is queued);
-- eviction demotes: a block leaving a level goes to the nearest lower accounted level that
-  does not hold it yet and can make room for it.
+How it works: docs/methods/cache-and-engines.md (cache_impl/cache/placement.py).
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """This machine's speed at the embedded model's shapes, measured in about a second: what the sizing model
 divides the model's FLOPs and bytes by before any G2 has measured the engine (sizing/machine.py).
 
-Run where the engine runs (the device `cache.device: auto` picks: CUDA when present, else the CPU), at the
-engine's dtype (float32 weights and KV), each figure from the fastest of repeated timings within its budget
-(as timeit takes the least): the machine's own speed, not whatever else ran during that second. On a shared
-2-core machine a call of a few hundred µs took 120 ms in a quarter of the repeats (a thread of its parallel
-region waiting for a core), and in most of them while a neighbour's tests ran; G2 then measures one request
-at a time on an otherwise idle engine:
-
-- **matmul FLOP/s**: a prefill chunk (one 256-token block: the engine prefills block by block) through
-  one layer's weight matrices, x [T, in] @ Wᵀ [in, out] for wqkv, wo, w13 and w2, 2·T·in·out FLOPs each;
-- **attention FLOP/s**: one chunk's attention over a long prefix as `Transformer.prefill` computes it
-  (scaled_dot_product_attention, grouped-query, the additive causal mask of `_causal_mask`):
-  q [1, H, T, D] against ATTENTION_KEYS keys, 4·T·keys·dim FLOPs (q·kᵀ, then the values' mix);
-- **decode step**: the model's own decode pass (`Transformer.decode`, seeded weights) over a batch of 1 and
-  of `max_batch` sequences at DECODE_CONTEXT tokens, `step_s + per_sequence_s·b` through the two points.
-  A decode step of a model this small is bound by each operation's fixed cost (dozens of small kernels per
-  layer, one attention call per sequence), not by its FLOPs or its weights' bytes: a matmul-only figure
-  would miss most of it, so the step is timed as the engine runs it;
-- **host copy GB/s**: HOST_COPY_BYTES copied from host memory (pinned under CUDA) to the engine's device:
-  what a host-tier hit moves.
-
-The model's FLOPs terms go along (`matmul_params`: the weights every prompt token multiplies, `layers`,
-`attention_dim` = heads × head_dim, `chunk_tokens`), so the sizing model, torch-free, needs no preset.
-
-    python -m cache_impl.engine.machine_probe --preset small --max-batch 8     # one JSON object
+How it works: docs/methods/sizing-model.md (cache_impl/engine/machine_probe.py).
 """
 
 from __future__ import annotations

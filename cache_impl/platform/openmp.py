@@ -1,18 +1,6 @@
 """One OpenMP thread for a helper thread's torch operations, so that helper threads start no thread teams.
 
-On the CPU torch parallelises an operation over OpenMP, and OpenMP keeps a team of worker
-threads for every thread that has entered a parallel region: a disk reader or write-behind worker
-that copies a large tensor once gets a team of its own (cores - 1 threads) that lives as long as
-the process. In a 2-hour G4 soak of the embedded candidate the server's threads went 29 -> 30 at
-about 1,400 s, a libgomp worker (gdb: gomp_thread_start) under a pool thread that had just run its
-first large copy: a step a soak reads as a leak (1 per 2 hours projects to 36 over 72 h), and on
-a 64-core host a step of 63. The engine's thread, which runs the model, keeps torch's setting.
-
-The engine's thread must also be the only thread with a team: libgomp counts every team's workers, and once
-they outnumber the cores its workers sleep between parallel regions instead of spinning. A server whose main
-thread ran one parallel operation (building the model) prefilled 8k tokens in 1.42 s where the same thread
-alone took 1.17 s (2 cores: 14,000 context switches against 120). `hand_threads_to_engine` keeps the main
-thread out of it.
+How it works: docs/methods/cache-and-engines.md (cache_impl/platform/openmp.py).
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """kvgate's tiered KV cache inside vLLM: a v1 KV connector (host DRAM, disk and shared-pool tiers below vLLM's KV).
 
-Start vLLM with it (kvgate importable by vLLM's Python: `tools/install_vllm_cpu.sh` installs it there)::
-
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvgateConnector",
-        "kv_connector_module_path": "cache_impl.vllm.vllm_connector", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"host_capacity_bytes": "4GiB",
-            "disk": {"path": "/nvme/kv", "capacity_bytes": "200GiB"}, "admin_port": 8101}}'
-
-What each half does (the call order of vLLM's example_connector.py):
-- scheduler: `get_num_new_matched_tokens` asks kvgate's index for the prompt's longest cached prefix of
-  whole vLLM blocks beyond what vLLM holds itself (never the last token); `update_state_after_alloc`
-  notes the blocks to load; `get_external_cache_hit_sources` says which tier each came from, so vLLM's
-  `vllm:prompt_tokens_cached_by_source_total{source="host"|"disk"|"p2p"}` counts them;
-  `build_connector_meta` hands the worker this step's loads and the prompt blocks the step completes.
-- both: a request's keys are scoped by its `cache_salt` (`on_new_request`), as vLLM scopes its own prefix
-  cache, so requests with different salts (tenants) never share a block.
-- worker: `register_kv_caches` opens the cache (its fingerprint: the weight files, the tokenizer,
-  vLLM's KV layout); `start_load_kv` loads verified blocks and copies them into vLLM's KV before the
-  forward pass (synchronous); a block that fails verification or vanished is reported by
-  `get_block_ids_with_load_errors`, and vLLM (kv_load_failure_policy "recompute") recomputes from it:
-  never a wrong answer; `wait_for_save` copies the blocks the step completed out of vLLM's KV and stores
-  them (host at once, disk and pool by kvgate's write-behind, which holds its own copy, so vLLM may free
-  its blocks at once: no asynchronous saves to report).
-
-The cache lives in the worker, with vLLM's KV. The scheduler (another process: vLLM's CPU build always runs
-its worker apart) computes a prompt's block keys itself and asks the worker's cache which leading blocks it
-holds, over a Unix socket named after vLLM's engine id (vllm_kv.LookupServer): always the cache's state of
-now, so the source vLLM counts is where the block is. One worker per instance (tensor and pipeline parallel
-size 1): other layouts are refused at start-up. The sidecar (`admin_port`) serves kvgate's admin routes and /metrics for the cache (connector_sidecar.py).
+How it works: docs/methods/cache-and-engines.md (cache_impl/vllm/vllm_connector.py).
 """
 
 from __future__ import annotations

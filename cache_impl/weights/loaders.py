@@ -1,34 +1,6 @@
 """Model loaders from the field, measured the same way: phases, bytes, and whether the load was cold.
 
-Each loader fills one destination tensor per checkpoint tensor (an engine's parameters, already
-allocated, as an engine's are before it loads) and reports seconds per phase:
-
-- `open`: index, headers, file handles (and for the streamers, starting their reads);
-- `read`: the bytes coming off the storage;
-- `deserialize`: tensors made over the bytes read;
-- `copy`: into the destination tensors on the device. This materialises every byte, so an mmap'd
-  tensor that was never touched cannot pass for loaded.
-
-A loader that does not separate two phases has its time in one of them; `LoadResult.folded` says
-which (`{"read": "copy"}`: the reads happen inside the copy, as mmap page faults). A streaming
-loader keeps reading while tensors are copied: its `read` is the time spent waiting for bytes.
-
-- `kvgate`: kvgate's own, the storage's best path (`cache_impl.weights.direct_io`, the disk tier's read path):
-  each shard's data section read by `concurrency` threads (reads in flight) in 2 MiB O_DIRECT chunks into
-  huge-page buffers, each chunk's bytes copied into the tensors it holds by the thread that read it (on a GPU
-  through a pinned staging buffer). Reads and copies overlap, so `read` holds all three.
-- `safetensors`: what most engines do by default (vLLM's default weights iterator):
-  `safe_open(file, framework="pt")`, `get_tensor(name)`, then the parameter's `copy_`.
-- `runai_streamer`: Run:ai Model Streamer's `SafetensorsStreamer` (vLLM's `--load-format
-  runai_streamer`): C++ threads read the files (O_DIRECT) into CPU buffers, tensors are handed
-  over as their bytes arrive. `concurrency` is its thread count (RUNAI_STREAMER_CONCURRENCY).
-- `fastsafetensors`: `SafeTensorsFileLoader` with `nogds=True` (no GPU Direct Storage here): the
-  files are read whole (O_DIRECT), by `concurrency` threads, into one buffer on the device, then
-  tensors are views of it.
-
-`device_read_bytes` is the growth of /proc/self/io's read_bytes over the load (all threads of the
-process): after `kvcore.files.drop_cached_pages(checkpoint.files)` a load is `cold` when it covers
-the tensors' bytes. torch and the loaders are imported inside the functions.
+How it works: docs/methods/storage-best.md (cache_impl/weights/loaders.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Checkpoint directories as models ship them: sharded safetensors files and their index.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header (tensor name ->
-dtype, shape, [begin, end) in the data section; `__metadata__` -> strings) and the data section,
-the tensors back to back with no gap. A model directory holds either `model.safetensors.index.json`
-(`{"metadata": {"total_size": N}, "weight_map": {tensor: file}}`) and its shards, a single
-`model.safetensors`, or some `*.safetensors` files.
-
-`read_safetensors_dir` parses and checks every header against the file sizes and the index
-without reading the data and without writing anything (an existing model directory is read only);
-`write_safetensors_dir` streams tensors into shards that the `safetensors` library loads, beside
-an index and a checksum sidecar (xxh3-64 of each tensor's bytes, `kvgate-checksums.json`);
-`write_random_checkpoint` makes an LLM-shaped checkpoint of random weights.
-
-Torch-free: the gate's configuration and reports read these without the seconds torch costs.
+How it works: docs/methods/storage-best.md (cache_impl/weights/safetensors_dir.py).
 """
 
 from __future__ import annotations

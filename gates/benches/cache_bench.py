@@ -1,19 +1,6 @@
 """`kvgate cache-bench`: the cache's tiers against fio and memcpy, side by side in one run.
 
-(a) disk tier: cold load of a >= 256 MiB prefix vs the storage's best
-    sequential read (a quick fio sweep of its own on the same directory),
-    in both of the tier's I/O modes (O_DIRECT; buffered after dropping the
-    pages), with fio in the tier's own pattern as a diagnostic
-    (gates/benches/cache_bench_disk.py);
-(b) host tier: load of the same prefix from DRAM vs one plain torch copy of
-    the same number of bytes;
-(c) longest-prefix lookup for a 128k-token prompt with 1M blocks indexed (the prompt as the engine
-    hands it: a uint32 token array),
-    computing the prompt's keys included, and the index's memory per block.
-
-Timings on shared machines are noisy, so each pair is measured back to back
-over several rounds; a disk ratio is the geometric mean of the rounds' ratios
-with an anytime-valid interval, the host ratio the median of them.
+How it works: docs/methods/storage-best.md (gates/benches/cache_bench.py).
 """
 
 from __future__ import annotations

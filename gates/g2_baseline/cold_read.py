@@ -1,26 +1,6 @@
 """G2's cold-read bandwidth, side by side with the storage's best: sequential pairs, anytime-valid.
 
-This storage swings 2-3x between minutes (one fio job gave 1.3-3.5 GB/s on one disk), so a ratio
-whose two sides ran minutes apart is a draw. Each round is a *pair*, measured back to back:
-
-1. the tier: a set of `g2.cold_read_prefixes` longest-context prefixes placed on disk only (the upper
-   tiers evicted, the disk tier's pages dropped) and loaded; its bandwidth is the server's own disk
-   bytes read over disk load seconds, both as those requests moved them. `g2.cold_read_sets` sets are
-   stored once, at the first round; round i loads set i mod sets;
-2. the storage's best read job (G1's sweep, gates/storage_best.py): a sequential read of region
-   i mod sets of one file laid out at the first round on the same storage (pages dropped), at least as
-   many bytes as the tier read, in the winning block size, I/O mode, engine, queue depth and jobs: the
-   judged yardstick;
-3. fio in the tier's own pattern (its I/O mode, 1 MiB requests, queue depth = its read workers): a
-   diagnostic ("at its own parallelism the tier reaches X of fio"), recorded and shown, never judged.
-
-The yardstick runs each I/O mode's fastest sweep job that streams the bytes fio moves (StorageBest.for_bytes)
-and counts the faster; the tier loads as many times a pair (side_by_side.measure_pairs(draws=...)), its faster
-load counted: equal draws from this storage's stalls on both sides.
-
-Pairs are taken until the interval decides (`g2.cold_read_pairs`: min, max, budget_s). In A/A mode
-(`aa`) the best job stands on both sides: the interval must hold 1.0. Pairs, their judged ratio and
-fio's sides are gates/side_by_side.py's; this module is the tier's side.
+How it works: docs/methods/side-by-side.md (gates/g2_baseline/cold_read.py).
 """
 
 from __future__ import annotations

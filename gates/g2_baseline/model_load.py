@@ -2,18 +2,7 @@
 each loader, each load beside the storage's best read job (G1's sweep) reading the very same files
 (gates/side_by_side.py).
 
-A vendor's "1399 → 150 s" is a service start, so two figures are kept apart: the loaders' own GB/s
-(what the storage gives a loader, judged against the storage's best: `model_load_vs_storage_best`),
-and a server's start timed from outside per loader (workloads/probes/service_load.py), phase by phase.
-
-Rounds alternate: in round i every loader loads once (pages dropped first, `cold` checked from the
-process's own device reads), each followed by the best job reading the same files; so each loader's
-ratio is a paired one, and all loaders met the same minutes of the disk. The field's loaders run in the
-first `min` rounds; rounds are then taken until the judged loader's anytime-valid interval decides the
-rule (g2.model_load.rounds: min, max, budget_s):
-kvgate's own by default (the instrument at the storage's best, so the storage is what is judged), the
-field's loaders beside it as how much of the storage they use. With `baseline_path`, the judged loader
-then alternates between the two storages for the speedup.
+How it works: docs/methods/side-by-side.md (gates/g2_baseline/model_load.py).
 """
 
 from __future__ import annotations

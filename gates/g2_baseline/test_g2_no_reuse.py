@@ -1,20 +1,6 @@
 """G2's no-reuse control: what offload costs when nothing is reused.
 
-A tiered cache stores every prompt's KV on its way down the tiers, whether or not it comes back;
-that store is the cost a deployment pays on traffic with no shared prefixes (one-off prompts,
-a reuse ratio near zero). The control sends prompts that share no prefix, one at a time, to the
-tiered candidate and to the baseline in alternating pairs (candidate first in even pairs,
-baseline first in odd ones, so neither side always follows the other's store), and judges:
-
-- `no_reuse_ttft_cost`: the candidate's median TTFT over the baseline's, minus 1 (+0.03: 3%
-  slower to its first token), with a paired bootstrap interval;
-- `no_reuse_throughput_cost`: 1 minus the candidate's median per-request output rate (output
-  tokens ÷ E2E) over the baseline's (+0.03: 3% fewer tokens per second).
-
-Both at most 5% in the full profile (shown, not judged, in the quick one: kvcore/checks.py says why).
-Every request's cached tokens are checked (gates/no_reuse.py): the control holds only when neither
-side reused anything, so a cost near zero cannot come from hits.
-Works on any candidate: it needs no admin route, only the two endpoints.
+How it works: docs/methods/side-by-side.md (gates/g2_baseline/test_g2_no_reuse.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """G3's judged figures from alternating blocks: the pairs' ratios and their interval, valid at every look.
 
-Per level the baseline and the candidate ran pairs of short blocks back to back in ABBA order
-(workloads/loadgen/blocks.py). Per pair k: the TTFT ratio = candidate block TTFT p50 / baseline block TTFT
-p50, the throughput ratio = candidate output tokens/s / baseline's. `ttft_p50_reduction` = 1 - the
-geometric mean TTFT ratio and `throughput_gain` = the geometric mean throughput ratio - 1, each with
-the interval of `gates.sequential.log_ratio_sequence` over the pairs' log ratios: the repeated
-confidence interval of a schedule fixed in advance, a look after every pair from the 3rd to the
-level's most blocks (`Looks`; `PairFigures.method` says which boundary). The interval comes from
-the variation between pairs, so drift between the baseline's minute and the candidate's is inside
-it, and G3 may look after every pair and stop as soon as it decides (`level_sampler`).
-
-A pair with an invalid block is left out of the interval and counted; a level with fewer than
-`MIN_PAIRS_FOR_AN_INTERVAL` valid pairs has no interval and is INCONCLUSIVE, with the reason.
-Within-block request statistics stay for the figures and the tables (pooled per target and level).
-
-A/A (`aa: true`): the candidate against itself; an interval that excludes the null (0 reduction,
-0 gain) is a false decision of the harness (`excludes_null`).
+How it works: docs/methods/side-by-side.md (gates/g3_main/blocks.py).
 """
 
 from __future__ import annotations

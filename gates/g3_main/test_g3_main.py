@@ -1,40 +1,6 @@
 """G3 main gate: under a concurrency sweep the tiered candidate beats the baseline by the promised margin.
 
-Baseline and candidate run the same workload, same seed, at each level as pairs of short blocks in
-turn, ABBA... (workloads/loadgen/blocks.py); both blocks of a pair serve the same requests, a segment of the
-workload's load order sent once, measured from its first (workloads/loadgen/steady.py). A level's first
-pairs are its warm-up, until the candidate's blocks stop changing (`g3.steady`; recorded as
-`g3_warmup_pairs`, said in each verdict). The recompute reference (when there is one) runs one block
-per level beside them, shown, never judged side by side. Per level the TTFT p50 reduction and the
-throughput gain are judged from the pairs' ratios with repeated confidence intervals over the pairs
-(gates/g3_main/blocks.py), and pairs are added until that interval decides every rule of the level,
-or `max_blocks`, or `level_budget_s`: the verdict says how many blocks decided it and why sampling
-stopped. A pair with an invalid block (client saturated, too few requests) is left out; a level
-without 3 valid pairs is INCONCLUSIVE. Each block is recorded as `g3_block`.
-
-A/A (`aa: true`, `kvgate run g3 --aa`): the baseline role is the candidate itself (the same server,
-no recompute reference); each judged interval that excludes 0 is recorded as a false decision
-(`g3_aa_false_decision`): a PASS there is exactly the false PASS the mode exists to count.
-
-With `prime` on (the default) the baseline and the candidate are first sent
-every turn of every session once, in load order, so prefixes return as they do in
-service: the baseline keeps what its device memory holds, the candidate what
-all its tiers hold (the recompute reference keeps nothing, and is not primed).
-A trace is primed with its warm-up requests instead, never a measured one.
-
-`g3.replay` says what a level is. closed_loop (the default, for traces too):
-a concurrency. rate_multipliers (traces): a multiple of the trace's arrival
-rate, open loop; TTFT p50 reduction is judged at each multiplier, and
-throughput as the gain in the highest multiplier each target sustains within
-`ttft_slo_ms` (`sustained_rate_gain`), not per level: at the same offered rate
-below saturation both targets serve that rate. The sentence saying which
-replay ran is recorded as the `replay` measurement.
-
-Which tier served the hits (embedded targets): each step's hit blocks per tier, the nodes'
-/metrics counters read just before and after it and summed over the nodes
-(workloads/probes/tier_hits.py), are recorded as `hit_tier_share` per target, level and tier (tier
-`remote` is the shared pool) and shown in the step's progress line. A fleet's sizing, its
-working set beside each node's tiers (gates/fleet.py), is recorded as `fleet_working_set_blocks`.
+How it works: docs/methods/side-by-side.md (gates/g3_main/test_g3_main.py).
 """
 
 from __future__ import annotations

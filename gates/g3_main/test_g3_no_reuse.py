@@ -1,19 +1,6 @@
 """G3's no-reuse control: what offload costs under load when nothing is reused.
 
-One closed-loop level (`g3.no_reuse.level`) of prompts that share no prefix (a random workload),
-run against the baseline and then the tiered candidate, neither primed. The tiered candidate
-stores every prompt's KV down its tiers (the write-behind mover's work, on the same CPUs and
-disks as serving) and never gets to load one; the control judges what that costs:
-
-- `no_reuse_ttft_cost` = −(G3's TTFT p50 reduction): the candidate's TTFT p50 over the baseline's − 1;
-- `no_reuse_throughput_cost` = −(G3's throughput gain): 1 − the candidate's output tokens/s over the
-  baseline's;
-
-with G3's own intervals (kvcore/g3_analysis.py level_figures), at most 5% in the full profile
-(shown, not judged, in the quick one: kvcore/checks.py says why). Each
-request is sent at most once (a step that runs out of requests ends early and is invalid, saying
-so); every request's cached tokens are checked too (gates/no_reuse.py), so a cost near zero cannot
-come from hits.
+How it works: docs/methods/side-by-side.md (gates/g3_main/test_g3_no_reuse.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """G3's capacity within the SLO: the most load each target serves with the SLO held, and the candidate's gain.
 
-The load is closed-loop users, or (g3.replay: rate_multipliers) a multiple of the trace's arrival rate, open loop.
-
-With `g3.capacity.enabled` (and the `slo` section), after the sweep each target's capacity is searched
-(kvcore/capacity.py: ramp by doubling to the first load decided to miss, then bisect), baseline and
-candidate probing in turn from the same place in the workload's load order
-(workloads/loadgen/capacity_probe.py). Each probe stops as soon as its requests decide the SLO with a
-confidence sequence valid at every look (kvcore/attainment.py), and is undecided when its requests
-or budget run out first, which stops that search with its bracket open.
-
-Recorded: every probe (`capacity_probe`: its load, decision, requests and misses, the miss share's
-interval, TTFT and TPOT p90, goodput), each target's capacity (`capacity_users`, open loop `capacity_rate`:
-the bracket, and whether it closed). Judged: `capacity_gain`, the candidate's capacity over the baseline's − 1, its
-interval the least and the most the two brackets allow (kvcore.capacity.capacity_gain).
+How it works: docs/methods/confidence-sequence.md (gates/g3_main/test_g3_slo_capacity.py).
 """
 
 from __future__ import annotations

@@ -1,62 +1,6 @@
 """G4's judged figures from the soak's rows: which windows the injected faults touched, and drift.
 
-Drift is judged on the windows the faults left alone, whose requests did not fail more than
-`g4.max_error_share` (a window of failures measures the failures), after the warm-up (`g4.warmup_s`: the
-windows starting within it hold caches filling and memory ramping up, not the system's course). A window overlapping a fault's span, from
-its injection to the end of its effect (the damage done, or the I/O fault disarmed after
-`duration_s`) plus its recovery (`recovered_after_s`, or the whole recovery timeout when the probe
-never came back), measures the fault, not the system's course over time: in a 30-minute soak
-the two windows of a read_error and a slow_disk were its lowest and made a flat throughput a
-"significant downward trend". Those windows are reported apart; the fault checks judge them.
-
-A trend is judged by its size, with the statistics deciding only how sure we are of it:
-
-- The figure is the **drift fraction**: the Theil-Sen line's change from the first to the last
-  judged window (slope × their distance in windows) over the level (the median window), signed
-  so that positive is worse (TTFT or memory up, throughput down). It is judged against a
-  tolerance (`g4.drift_tolerance`, 5% by default): the change a reviewer would call drift.
-- Its interval is the Sen slope's distribution-free 95% interval (Hollander & Wolfe; built on
-  the Mann-Kendall variance, so it excludes 0 when the Mann-Kendall test rejects "no trend").
-  When the test does not reject, the interval is stretched to include 0, so that rounding in
-  the interval's ranks can never let a trend that is not significant FAIL.
-- PASS when the whole interval is within the tolerance, FAIL when all of it is beyond (so the
-  trend is significant AND large), INCONCLUSIVE when it straddles.
-
-Why not a p-value alone: a p-value measures how sure we are that the slope is not zero, not how
-large it is. At 72 h in 60 s windows (4,320 of them) with 3% noise between windows, a decline
-of 1% over the whole soak has p < 0.001 and would fail a gate no one should fail; at 4 windows
-(the quick profile's 6 less its 2 fault windows) no slope can be significant (Mann-Kendall's
-smallest p there is 0.09), so a p-value alone would pass a 30% decline. Why a large change that
-is not significant is not a PASS either: absence of evidence is not evidence of absence. If the
-soak is too short or too noisy to tell a 5% drift from none, the interval straddles the
-tolerance and the verdict says so (INCONCLUSIVE); a longer soak settles it. Caveat: Mann-Kendall
-and the Sen interval assume independent windows; serially correlated windows make the interval
-too narrow, which the practical tolerance absorbs for small slopes (a narrow interval around a
-small change still passes).
-
-Memory is judged the same way, on the same windows: a fault may hold memory while it lasts (a
-write-behind backlog during disk_full, retried reads) without leaking it; a leak it causes
-stays after recovery and shows in the windows that follow. One rule for every trend figure
-keeps them comparable, and leaving a few windows of hundreds out costs little.
-
-Memory growth is also judged in MiB: the same slope, with its interval, carried over the uptime the
-run certifies (`growth_horizon`: `g4.memory_growth_horizon_s`; unset, 72 h for a soak of 30 minutes
-or more, the soak's own length for a shorter one, and the verdict says which), not over the soak
-that measured it. A 30-minute soak rising 0.76 MiB a minute grew 23 MiB while it ran and would have
-grown 3.2 GiB by 72 h; judged over its own 30 minutes it passed a 512 MiB limit. PASS when the
-projected interval is under the limit, FAIL when all of it is over, INCONCLUSIVE when a soak too short
-or too noisy to tell straddles it. The server's runtime is projected the same way (open descriptors,
-threads, event-loop tasks, the disk tier's temp files: `RUNTIME_GROWTH`): a leak of any is as fatal.
-
-How long a soak would decide (`Power`): from the judged windows' own noise (the standard deviation of
-their residuals about the Theil-Sen line; the fault and failed windows are already left out), the number
-of judged windows at which the interval would be narrower than the tolerance (a drift) or the limit (a
-projected growth), and the soak that holds them at this run's share of warm-up and fault windows. With σ
-the residual spread, n windows and Sen's interval 5% wider than least squares' would be (`SEN_WIDTH`, as
-measured on normal noise), the drift fraction's interval is 1.05·2·z·σ/level·√(12(n−1)/(n(n+1))) wide,
-about 1.05·2·z·(σ/level)·√(12/n), and a growth's is 1.05·2·z·σ·√(12/(n(n²−1)))·(horizon / window). It is
-an estimate (windows assumed independent), printed in each trend's verdict so that a reviewer of an
-INCONCLUSIVE one knows whether a longer soak, not a better system, is what is missing.
+How it works: docs/methods/soak-trends.md (gates/g4_soak/analysis.py).
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """The G4 soak: constant load measured in windows, with consistency probes, resumable after a kill.
 
-Everything lands in the gate's raw directory as it happens:
-- `probes.json`: the fixed probe prompts and the answers recorded at the start (temperature 0);
-- `windows.jsonl`: one row per completed window (appended; a resumed soak continues the numbering);
-- `load-<segment>/`: the load engine's raw records of each (re)started stretch;
-- `faults.jsonl`: one row per scheduled fault, with what the system did (see `fault_schedule`).
-A resumed soak reads them back, keeps every completed window and fault, and runs only the remaining time.
-
-While a window runs, `on_live` is told its figures so far every `live_every_s` (`LiveWindow`): the
-records are read as they land (`WindowFeed`), each poll only what was appended since the last.
-
-A window holds the requests that completed in it, and its throughput is their tokens over the time
-from the previous window's last completion to its own (`CompletedWindow.span_s`): the spans tile the
-soak without gaps, each request counts once, and no window is cut in the middle of a request. (Windows
-by send time lost the requests still running at their end, one to `concurrency` of them, a
-window-to-window noise of the harness's own making in every trend G4 judges.)
-
-Each window also records the server's runtime from its /metrics (`RUNTIME_GAUGES`): open file
-descriptors, OS threads, event-loop tasks, the disk tier's temp files and blocks, which G4 trends and
-projects like memory (a leak of any is as fatal at 72 h).
+How it works: docs/methods/soak-trends.md (gates/g4_soak/soak.py).
 """
 
 from __future__ import annotations

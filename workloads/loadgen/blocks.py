@@ -1,28 +1,6 @@
 """Running a sweep: every step as alternating short blocks of the two targets side by side.
 
-At each step (a concurrency level, a request rate, a trace rate multiplier) the baseline (A) and the
-candidate (B) run in pairs of blocks, one `run_load` (locust process) per block, in a balanced order:
-pair k runs A then B for even k and B then A for odd k (ABBA...), so drift over the minutes falls on
-both targets alike and the variation between pairs holds it. How many pairs a step takes is the
-`SweepSettings.sample_level` callback's to say (a gate samples until its interval decides); without
-one, `min_blocks` pairs. One target alone runs its blocks in a row. A reference target (the
-recompute reference) runs one block per step, before the pairs: it is shown beside them, never
-judged side by side.
-
-A block run by time is measured from `warmup_s` after its first request was sent, not from the load
-process's start (locust's first sends come seconds after it), so throughput and requests/s are over
-time the target was loaded. With `SweepSettings.matched` both blocks of a pair serve one part sent
-once and are measured from their first request (workloads/loadgen/steady.py): a segment of the load order,
-or, on a trace, the pair's own slice of the step's part (`sweep.pairs_at_most` slices); with
-`SweepSettings.steady` a step's first pairs are its warm-up, left out. A pair of parts sent once is
-measured on the requests both of its blocks measured: a request one block did not send or finish
-(or, by time, one block's warm-up took) is left out of both and counted (`left_out`).
-
-A dead target (`SweepSettings.stop_rule`) ends its step's sampling; its later steps are not run.
-
-Rows: one per (target, step), pooled over its blocks for the tables and percentiles (`blocks`: its
-block rows, each with its own window and directory; `sampling`: pairs taken, decided, why sampling
-stopped). Block k's raw records are in <out_dir>/<target>/<step>[-block<k+1>]/records.
+How it works: docs/methods/side-by-side.md (workloads/loadgen/blocks.py).
 """
 
 from __future__ import annotations
@@ -108,7 +86,7 @@ def run_sweep(targets: Sequence[Target], workload: Workload, settings: SweepSett
               references: Sequence[Target] = ()) -> pd.DataFrame:
     """Every step × target, as blocks: `targets` is one target, or the pair side by side (A, B: the
     baseline first); `references` run one block per step. One row per (target, step), pooled over its
-    blocks (see the module's docstring); the raw records stay in out_dir."""
+    blocks (docs/methods/side-by-side.md); the raw records stay in out_dir."""
     if not 1 <= len(targets) <= 2:
         raise ValueError(f"targets: expected one target or a pair side by side, found {len(targets)}")
     return pd.DataFrame(_Sweep(list(targets), list(references), settings, plan_steps(workload, settings)).run())

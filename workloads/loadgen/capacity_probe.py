@@ -1,20 +1,6 @@
 """G3's capacity search against live targets: probes at a load, each decided from its requests.
 
-A probe is one load (`run_load`, locust). Closed loop, the load is a number of users serving a segment
-of the workload's load order (`steady.order_segment`, as G3's matched pairs: every prefix returns at its
-service distance; a probe longer than the order goes round it again). Open loop (a trace), the load is a
-multiple of the trace's arrival rate: a segment of the trace's requests arrives at that rate
-(`sweep.rate_multiplied`), sent by `open_loop_users` users, and a request's TTFT counts from its
-scheduled arrival (the time it waited in the client included: no coordinated omission). Every second it reads the
-requests that landed and stops as soon as they decide the SLO (kvcore/attainment.py): a request
-misses when it failed, when its TTFT or TPOT is over the limit, or when it did not finish in time
-(due but unsent or in flight at the end of a probe whose budget ran out, due longer ago than its limits allow); a
-load also misses when its failed share is decided above `max_error_share`. A probe still undecided
-when its requests or its budget run out is UNDECIDED (kvcore/capacity.py then stops that search).
-
-Baseline and candidate probe in turn, round by round, each at its own search's next load, both
-from the same place in the load order (the same requests, as far as the shorter probe goes), so
-both meet the same minutes of the machine; the order within a round alternates (AB, BA, ...).
+How it works: docs/methods/confidence-sequence.md (workloads/loadgen/capacity_probe.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """Steady state for side-by-side blocks: when a level's warm-up ends, and what each matched pair serves.
 
-Warm-up: a level's first block pairs run until the candidate (the second target) stops changing: its
-block's TTFT p50 within `ttft_change` of its block two pairs before, and its hit ratio within
-`hit_ratio_points` of it. Two pairs apart, because in ABBA order a candidate block alternately follows
-the baseline's block and its own, and on a shared machine that alone moves its TTFT (on the 2-core VM
-a candidate block run after the baseline's was 1.4-1.8x slower than one after its own); blocks in
-the same place of the order are compared. The pairs from the first agreeing block on are measured,
-those before it are the warm-up, left out of every figure and said (`Settled.line`). A level that has
-not settled after `max_pairs` warm-up pairs is measured from there anyway, and says so.
-
-Matched pairs: both blocks of a pair serve the same requests, each sent once, in the same order: a
-segment of the workload's load order (the order one user would send it: round by round when the
-sessions interleave), so a faster target cannot run its sessions further ahead, and every turn returns
-to its session's prefix after as many requests as in the whole workload (after priming's pass, the
-first segment continues it). The segment is sized, once per level, so that the first target (the
-baseline) takes about `duration_s` at its latest request rate, with at least two requests per user;
-consecutive pairs take consecutive segments, wrapping around the load order.
+How it works: docs/methods/side-by-side.md (workloads/loadgen/steady.py).
 """
 
 from __future__ import annotations

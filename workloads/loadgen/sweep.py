@@ -1,56 +1,6 @@
 """Concurrency sweeps: what a sweep is (its settings and steps), and a step's summary from raw records.
 
-`workloads.loadgen.blocks.run_sweep` runs it: each step as alternating blocks of the two targets side by
-side (ABBA...), one locust process per block; here is what every block and step shares.
-
-Window rule: a request belongs to a block's measured window when it was sent
-after the warm-up (`warmup_s` from the block's first request; `summarize_step`'s
-`step_start`). Percentiles come from
-the raw per-request figures of those requests; throughput is their output
-tokens (and count) divided by the time from the window's start to the last
-completion. A step is invalid, with its reasons listed, when it ran shorter
-than `min_duration_s`, completed fewer than `min_requests`, more than `max_error_share` of its
-measured requests failed (a step of failures is not a measurement of the target), its client was
-saturated (CPU or event-loop lag), or client and server token counts disagree.
-An invalid step's reasons end with its errors by type, each with a sample message
-(`workloads.traffic.errors`), counted over the whole step, warm-up included.
-
-A dead target: a step whose target stops answering (`SweepSettings.stop_rule`: connection
-errors in a row, or for so long, with no answer between them) ends early and says so; the
-sweep runs no later step against that target and lists them as not run, with the reason.
-
-Priming: before the first step a target can be sent every turn of every session
-once, in the workload's order (`prime_targets`), the same requests for every target.
-Every prefix a step then sends is a return, at the distance it has in service, and a
-short step measures reuse rather than the first visits of its sessions.
-A trace is primed with its warm-up requests instead (the trace's requests
-before the measured ones), never with a measured request.
-
-Trace replay (`Workload.trace`): the measured requests are cut into as many
-consecutive parts as there are steps per target, and step i replays part i
-once, in the trace's order, never cycling, so no step measures requests an
-earlier step already sent (each target sees the trace once, in order, as in
-service). Two ways to replay a part:
-
-- closed loop (`levels`, the default for traces): N users send the part's
-  requests in order, each the next one as soon as its previous one is
-  answered; arrival times are dropped. The offered load is N concurrent users,
-  so levels differ in load and throughput is what each target serves at N.
-- rate multipliers (`multipliers`): open loop, request k of the part sent at
-  (its timestamp - the part's first) / m, with `rate_users` users; the trace's
-  arrival pattern is kept and its rate multiplied by m. Below saturation every
-  target serves the offered rate, so throughput says nothing there; what
-  differs is latency, and the highest multiplier a target sustains within a
-  TTFT objective (kvcore/g3_analysis.py).
-
-Closed loop is the default because it measures throughput at every level:
-an open-loop replay at the trace's own rate offers every target the same
-requests per second, which is why throughput gains at "concurrency levels"
-of an open-loop trace replay were identical runs.
-
-Progress: `on_step` is told a line as each step starts and ends; `on_live`, every `live_every_s`
-while a step runs, its figures so far (`workloads.loadgen.live.LiveStep`: requests, errors and TTFT p50 of
-its measured window, beside the sizing model's prediction for the step when there is one).
+How it works: docs/methods/side-by-side.md (workloads/loadgen/sweep.py).
 """
 
 from __future__ import annotations

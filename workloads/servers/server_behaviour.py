@@ -1,28 +1,6 @@
 """What the reference server does with each request: its latencies, errors and usage, as pure functions.
 
-The reference server (`workloads/servers/reference_server.py`) measures the load engine with fixed timing;
-the same server, given a `Behaviour`, is also the controllable candidate of `kvgate selftest`'s
-negative controls:
-
-- latency: TTFT and ITL in ms; TTFT may drift linearly over the server's uptime (`ttft_end_ms` reached
-  at `drift_s`, constant after), which makes a sequential baseline-then-candidate run show a false gain
-  when it falls; and a TTFT of its own above a number of requests in flight (`fast_above_inflight`:
-  better only at a concurrency);
-- errors: a schedule by request number (`every`: (n, status) pairs, e.g. 500 to every 3rd and 400 to every
-  7th; the first that divides it wins) and a share of requests (`fraction` with `fraction_status`, spread
-  evenly: request k fails when floor(k·f) steps up);
-- service slots (`slots`): at most that many requests are served at once, each holding its slot from its
-  TTFT's start to its last token; the others wait their turn, first come first served, and the wait is in
-  their TTFT. With a fixed TTFT, ITL and output length the server's capacity at an SLO is known
-  (`capacity_at`): a capacity search must find it;
-- a leak: every `leak_fd_every`-th request opens a file descriptor it never closes (G4's known-bad
-  candidate: its /metrics' `process_open_fds` grows one per that many requests);
-- usage: the completion tokens it reports (`usage_token_offset` makes client and server counts disagree)
-  and `prompt_tokens_details.cached_tokens` (`cached_tokens`; `cached_tokens_as_string`: a field of the
-  wrong type, "128" instead of 128).
-
-Requests are numbered from 1 in arrival order, over completion requests only (GET /v1/models and
-/health never count), so a schedule is reproducible from a run's request count.
+How it works: docs/methods/measurement.md (workloads/servers/server_behaviour.py).
 """
 
 from __future__ import annotations

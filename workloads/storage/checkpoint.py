@@ -1,24 +1,6 @@
 """Checkpoint save and restore the way training does it: `torch.distributed.checkpoint` from N ranks.
 
-The training state is what mixed-precision Adam training holds: MLPerf Storage's checkpoint
-workload counts about 14 bytes per parameter (bf16 weights 2 B + fp32 master weights 4 B + Adam
-exp_avg 4 B + exp_avg_sq 4 B). `CheckpointJob` starts `ranks` real processes
-(`python -m workloads.storage.checkpoint_rank`, gloo backend over 127.0.0.1), each holding its
-data-parallel shard of that state (parameters / ranks of it, built once from the seed), and
-drives rounds over pipes:
-
-- `save(directory, writer=...)`: every rank times `dcp.save(...)` through kvgate's writer (the default:
-  workloads/storage/checkpoint_kvgate.py, O_DIRECT at the storage's best) or DCP's `FileSystemWriter(sync_files=True)`
-  (each file fsynced; the directory fsynced after DCP's `.metadata` rename), between two barriers.
-  The round's time is the slowest rank's (MLPerf's rule), its bytes those of the files written.
-- `restore(directory, reader=...)`: the files' pages are dropped first; every rank `dcp.load`s into fresh
-  tensors (kvgate's reader or DCP's `FileSystemReader`), compares them bit for bit with what it holds,
-  and reports its /proc/self/io read bytes.
-
-A save that fails (ENOSPC, EIO) leaves no `.metadata` (DCP writes it last, as `.metadata.tmp`
-renamed; a half-written temp file is removed), so `looks_complete` says False. A rank that dies
-or hangs is a `RankFailure` naming it, never a hang. This module does not import torch: the
-parent only launches and coordinates (`looks_complete` imports DCP's metadata reader when called).
+How it works: docs/methods/storage-best.md (workloads/storage/checkpoint.py).
 """
 
 from __future__ import annotations

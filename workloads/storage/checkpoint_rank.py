@@ -1,20 +1,6 @@
 """One rank of a `CheckpointJob`: joins the gloo process group, builds its state once, answers commands.
 
-Run as `python -m workloads.storage.checkpoint_rank --spec JSON` with MASTER_ADDR, MASTER_PORT, RANK and
-WORLD_SIZE set (the parent does it). Commands come one JSON line each on stdin, answers go one
-JSON line each to the original stdout; anything else printed goes to stderr, so a stray print can
-never be taken for an answer.
-
-- {"cmd": "save", "directory", "thread_count", "writer"} -> {"ok", "seconds", "direct", "failures": {rank: message}}
-- {"cmd": "restore", "directory", "reader"} -> {"ok", "seconds", "read_bytes", "differences", "failures"}
-
-`writer` and `reader`: "kvgate" (workloads/storage/checkpoint_kvgate.py: DCP's planning and metadata, O_DIRECT I/O at
-the storage's best) or "dcp" (DCP's FileSystemWriter / FileSystemReader).
-- {"cmd": "exit"} (or end of input): leave the process group and exit.
-
-Every rank times its own part between two barriers: the save's seconds run from the first barrier
-to the end of its `dcp.save` and the directory's fsync (DCP fsyncs each file it writes and, on
-rank 0, its `.metadata` before the rename; the rename is made durable by the directory's fsync).
+How it works: docs/methods/storage-best.md (workloads/storage/checkpoint_rank.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """The storage's own best: a short fio sweep of sequential reads and fsync'd writes, every point kept.
 
-A storage ratio divides by the best the storage delivers, never by fio restricted to the subject's
-own habits (DESIGN.md, "the yardstick is the storage's best"). `SweepGrid` is the sweep as data
-(gates.yaml `fio.sweep`): sequential reads over block size, queue depth, jobs, ioengine and I/O
-mode (direct; buffered with `invalidate=1`), and sequential writes over block size, jobs and I/O
-mode, each fsync'd at its end (`end_fsync=1`: a write counts once it is on the device).
-`run_storage_sweep` runs every point and returns them all; `best_point` picks the fastest of a
-kind, whose `FioShape` (block size, mode, engine, depth, jobs) is then applied to the subjects'
-own bytes (G2: a fresh region as large as the tier's load, a model's files, a checkpoint's bytes).
-
-How each point runs:
-- reads: one file of `size` laid out (and fsync'd) once before the first point, not timed; each
-  point reads it whole (its jobs a slice each, `offset_increment`), `runtime_s` at most, never
-  wrapping round (no `time_based`: a second pass of a buffered read would come from the page
-  cache). Buffered points run psync jobs at queue depth 1: libaio completes a buffered read before
-  it takes the next, so queue depth means nothing there; jobs give the parallelism.
-- writes: a fresh file per point (`size` over its jobs), removed after it ran.
-- io_uring is probed once (a one-request job); where fio or the kernel lack it, its points are
-  left out and the sweep says so.
-On a virtual machine the host may cache the disk, so later reads of the laid-out file can beat the
-device; that makes the yardstick stricter, never easier.
+How it works: docs/methods/storage-best.md (workloads/storage/fio_sweep.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """The streaming client: the one definition of TTFT, ITL, TPOT and E2E (vLLM's benchmark semantics).
 
-- TTFT: monotonic time from sending the request to the first SSE chunk that
-  carries generated text (a role-only or empty chunk does not count). A stream
-  with no text at all (a token whose bytes do not decode yet, streamed by vLLM
-  as an empty content) takes its first token chunk: content or text present,
-  not the role's announcement.
-- ITL: each gap between consecutive content chunks.
-- TPOT: (E2E - TTFT) / (output tokens - 1).
-- E2E: from sending to the last chunk.
-- Token counts come from the server's `usage` (requested with
-  `stream_options.include_usage`); when it is missing the client's own count
-  of content chunks is used and `tokens_from_usage` is False.
-
-`measure_stream` turns timed SSE lines into figures and is a pure function, so
-the definitions are tested on hand-made streams. `StreamingClient.send` does
-the HTTP (the standard library's http.client, which also runs under locust's gevent).
-
-After a connection error (`workloads.traffic.errors.CONNECTION_ERRORS`) the client waits before its
-next request, 50 ms doubling up to 2 s (`Backoff`), and answers at full speed again after the
-first answered request: a dead target costs a few attempts a second, not a busy loop. The wait
-comes before the next request is sent, so it shows as that request's client wait.
+How it works: docs/methods/measurement.md (workloads/traffic/client.py).
 """
 
 from __future__ import annotations

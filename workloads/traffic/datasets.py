@@ -1,24 +1,6 @@
 """Deterministic workloads as data: a YAML spec and a seed build a `Workload`.
 
-    spec = load_spec("workloads/specs/multi_round_qa.yaml")
-    workload = build_workload(spec, sizer_for("kvgate-byte-v1"), seed=0)
-
-Five kinds, one builder function each: `multi_round_qa` (LMCache's multi-round
-QA shape), `long_doc_qa`, `shared_prefix`, `random` and `trace` (replay of a
-Mooncake trace JSONL file). All sizes are in tokens.
-
-Texts are synthetic and sized for the target's tokenizer by a `TextSizer`.
-Every text is a deterministic function of (seed, purpose, index): it is drawn
-from `random.Random` seeded with a string such as ``"7/multi_round_qa/document/3"``
-(never Python's `hash()`), so the same spec and seed give the same workload on
-every machine, and baseline and candidate targets receive identical prompts.
-Two workloads built with the same seed may share texts (a document of user 0,
-for instance); build with different seeds when they must not.
-
-A request's `prompt_tokens` is the sum of its message contents' sizes as the
-sizer counts them; the chat template's own tokens (role markers, BOS) are the
-target's and are not counted. With `ByteSizer` it is exactly the number of
-characters of all message contents together.
+How it works: docs/methods/measurement.md (workloads/traffic/datasets.py).
 """
 
 from __future__ import annotations

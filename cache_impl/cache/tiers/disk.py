@@ -1,25 +1,6 @@
 """Disk tier: one verified file per block in a directory (local NVMe or a shared mount).
 
-Files live under `<path>/<fingerprint hex>/<first two key hex digits>/<key hex>.kvb`,
-so caches of different models can share one directory without seeing each
-other (the layout, and how files are reached without following links, is
-`cache_impl.cache.blockfiles`). Writes publish atomically (temp file + rename). A read is
-one preadv of the file's header and payload straight into the caller's tensor (its
-contiguous runs, `cache_impl.platform.buffers.byte_spans`: a block-shaped view of a request's KV
-is read in place), optionally cold (page cache dropped first) or O_DIRECT; where the
-tensor cannot take it (O_DIRECT into memory that is not page-aligned, a CUDA tensor, an
-innermost dim that is strided) it goes through an aligned per-thread staging buffer
-(pinned for CUDA) and one copy. `read_workers` threads read, and each verifies what it
-read (see `cache_impl.cache.integrity`). `io_mode: auto` picks buffered or O_DIRECT at start by
-timing both on this storage (`cache_impl.cache.tiers.disk_probe`): which is faster depends on
-the storage and on the block size (measured on the development VM: O_DIRECT about twice
-buffered at 1 MiB blocks, buffered about twice O_DIRECT at 64 MiB). While an I/O fault is armed
-(`cache_impl.cache.faults`), `faults` holds the hooks a publish and a batch of reads call first; else None.
-
-Measured before keeping this layout (figures in the commit that made this read path): a
-prototype appending a prefix's blocks to one file, read in large coalesced requests, was
-no faster with O_DIRECT at 1, 16 and 64 MiB blocks, and at most 0.1-0.2 of fio ahead on
-buffered cold reads; neither reached 0.9 of fio at 1 MiB on the 2-core development VM.
+How it works: docs/methods/storage-best.md (cache_impl/cache/tiers/disk.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """`io_mode: auto`: the disk tier times its own cold reads both ways on its storage and keeps the faster.
 
-Which of buffered and O_DIRECT reads faster depends on the storage (a local NVMe drive, a network
-volume, a virtual machine's disk) and on the block size. On the development VM's virtio disk
-O_DIRECT read 1 MiB blocks at about twice buffered, and buffered read 64 MiB blocks at about twice
-O_DIRECT: the page cache's readahead builds 3-4 MiB requests within a large file, while a block file
-of 1 MiB can only ever be a 1 MiB request, and an O_DIRECT request into 4 KiB pages stops at the
-device's segment limit (254 segments there, ~1 MiB). No single default is right for all, so the tier
-measures at start, with its own read path (the reads it will make, verification included): it writes
-at least PROBE_BYTES of probe blocks (random keys and bytes, at least 2 blocks), then `rounds` rounds
-each reading them all once buffered and once O_DIRECT, cold (written back and dropped from the page
-cache before every read), alternating which mode goes first, and keeps the mode with the higher median.
-
-The probe blocks are deleted afterwards and never indexed; a crash mid-probe leaves block files whose
-keys no prompt can produce, which re-index and eviction treat like any other block. A probe that
-cannot write or read (a full disk, an I/O error) leaves the tier buffered and says why.
+How it works: docs/methods/storage-best.md (cache_impl/cache/tiers/disk_probe.py).
 """
 
 from __future__ import annotations
