@@ -72,7 +72,8 @@ def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
 
 
 def cache_admin(config: Any, endpoint: Any) -> Optional["CacheAdmin"]:
-    """kvgate's admin routes over an endpoint's cache (workloads.probes.faults.CacheAdmin), where its cache is kvgate's: a
+    """kvgate's admin routes over an endpoint's cache (workloads.probes.faults.CacheAdmin), where its cache is kvgate's:
+    a
     `kvgate serve --admin` the harness started, or vLLM with kvgate's connector and its sidecar
     (`cache_layer: kvgate`, `cache_layer_url`); None for any other cache (its disk reads are not exported, faults
     cannot be injected into it)."""

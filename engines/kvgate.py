@@ -17,8 +17,8 @@ import functools
 import os
 from typing import Callable, Optional
 
-from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from cache_impl.cache.config import DEFAULT_BLOCK_SIZE
+from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 
 from .base import Capacity, Control, EngineAdapter, EngineSpec, assemble
 from .metrics import MetricMap, Scrape, Series

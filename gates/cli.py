@@ -13,9 +13,9 @@ from pathlib import Path
 
 from cache_impl.cache import blockfiles
 from cache_impl.cache.config import ConfigError
-from cache_impl.weights.safetensors_dir import CheckpointFormatError
 from cache_impl.cache.scrub import scrub
 from cache_impl.server.serve_command import SERVE_DESCRIPTION, SERVE_HELP, add_serve_arguments, load_yaml_section
+from cache_impl.weights.safetensors_dir import CheckpointFormatError
 from kvcore.printable import printable
 from kvcore.rundata import RunStore
 from kvcore.settings import load_yaml_mapping
@@ -62,9 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_run(commands)
-    bench = _bench_parser(commands, "cache-bench", "cache tier figures against the storage's best and memcpy on this machine",
-                          "Measure the disk tier against the storage's best (a quick fio sweep), the host tier against memcpy, and prefix lookup.",
-                          "directory on the storage to measure (default: %(default)s)")
+    bench = _bench_parser(
+        commands,
+        "cache-bench",
+        "cache tier figures against the storage's best and memcpy on this machine",
+        "Measure the disk tier against the storage's best (a quick fio sweep), the host tier against memcpy, "
+        "and prefix lookup.",
+        "directory on the storage to measure (default: %(default)s)",
+    )
     bench.add_argument("--prefix-mib", type=_positive_int, default=256, help="size of the cached prefix (default: 256)")
     bench.add_argument("--rounds", type=_positive_int, default=8,
                        help="back-to-back rounds per comparison, their order alternating (default: 8)")
@@ -340,10 +345,14 @@ def _engine_bench(args: argparse.Namespace) -> int:
 
 
 def _add_pool_bench(commands) -> None:
-    bench = _bench_parser(commands, "pool-bench", "the shared pool on Redis and Mooncake Store: bandwidth, cross-node TTFT",
-                          "Remote-tier load of a cold prefix against a plain client get of the same bytes, and a "
-                          "node B hit on a prefix node A computed against recompute, per backend.",
-                          "where the nodes' disk tiers go")
+    bench = _bench_parser(
+        commands,
+        "pool-bench",
+        "the shared pool on Redis and Mooncake Store: bandwidth, cross-node TTFT",
+        "Remote-tier load of a cold prefix against a plain client get of the same bytes, and a "
+        "node B hit on a prefix node A computed against recompute, per backend.",
+        "where the nodes' disk tiers go",
+    )
     bench.add_argument("--backends", type=_backends, default=("redis", "mooncake"),
                        help="comma-separated: redis, mooncake (default: both)")
     bench.add_argument("--redis", metavar="URL", help="a running Redis (default: one is started on loopback)")
@@ -429,8 +438,11 @@ def _selftest(args: argparse.Namespace) -> int:
         print(json.dumps(suite.to_dict(), indent=2))
     else:
         wrong = [r.key for r in suite.results if not r.ok]
-        print(f"selftest: {len(suite.results) - len(wrong)} of {len(suite.results)} controls behaved"
-              + (f"; WRONG: {', '.join(wrong)}" if wrong else "") + f" ({suite.seconds:.0f} s); {out / 'selftest.json'}")
+        print(
+            f"selftest: {len(suite.results) - len(wrong)} of {len(suite.results)} controls behaved"
+            + (f"; WRONG: {', '.join(wrong)}" if wrong else "")
+            + f" ({suite.seconds:.0f} s); {out / 'selftest.json'}"
+        )
         # the closing line a CI log reader takes a test runner's count from: a control behaving is a pass
         print(f"selftest: {len(suite.results) - len(wrong)} passed, {len(wrong)} failed")
     return 0 if suite.ok else 1

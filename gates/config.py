@@ -18,7 +18,15 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 from urllib.parse import urlsplit
 
 import psutil
-from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cache_impl.cache.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
 from cache_impl.engine.presets import PRESETS
@@ -29,14 +37,26 @@ from kvcore.checks import CHECKS, check_of, configurable_metrics
 from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.loader_names import KVGATE_LOADER, LOADERS
 from kvcore.rules import Rule, parse_rule
-from kvcore.settings import (MAX_BYTES, MAX_COUNT, ConfigError, ContextTokens, Count, Float, Int, StrictModel,
-                             format_validation_error, load_yaml_mapping, parse_size)
+from kvcore.settings import (
+    MAX_BYTES,
+    MAX_COUNT,
+    ConfigError,
+    ContextTokens,
+    Count,
+    Float,
+    Int,
+    StrictModel,
+    format_validation_error,
+    load_yaml_mapping,
+    parse_size,
+)
 from sizing.layout import KVShape
-from workloads.storage.checkpoint import KVGATE_WRITER, STATE_PRESETS, WRITERS as CHECKPOINT_WRITERS, CheckpointSpec
-from workloads.traffic.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, read_trace, sizer_for
-from workloads.storage.fio_sweep import SweepGrid
 from workloads.loadgen.steady import SteadyRule
 from workloads.loadgen.sweep import pairs_at_most
+from workloads.storage.checkpoint import KVGATE_WRITER, STATE_PRESETS, CheckpointSpec
+from workloads.storage.checkpoint import WRITERS as CHECKPOINT_WRITERS
+from workloads.storage.fio_sweep import SweepGrid
+from workloads.traffic.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, read_trace, sizer_for
 
 from .fleet import fleet_defaults
 
@@ -428,8 +448,10 @@ class ModelLoadConfig(StrictModel):
     @model_validator(mode="after")
     def _launch_with_health(self) -> "ModelLoadConfig":
         if (self.launch is None) != (self.health_url is None):
-            raise ValueError("launch and health_url: expected both (the start command and the URL that answers "
-                             f"when it is ready) or neither, found launch={self.launch!r} health_url={self.health_url!r}")
+            raise ValueError(
+                "launch and health_url: expected both (the start command and the URL that answers "
+                f"when it is ready) or neither, found launch={self.launch!r} health_url={self.health_url!r}"
+            )
         return self
 
 

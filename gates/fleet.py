@@ -63,7 +63,8 @@ def fleet_users(single: int, nodes: int) -> int:
 
 
 def working_set_blocks(workload: Mapping[str, Any], block_tokens: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Distinct block keys (prompts and outputs) of every request of a workload spec, as the embedded engine keys them."""
+    """Distinct block keys (prompts and outputs) of every request of a workload spec, as the embedded engine
+    keys them."""
     keys = set()
     try:
         requests = workload_block_keys(dict(workload), block_tokens=block_tokens)
@@ -84,7 +85,8 @@ def _is_fleet(config) -> bool:
 
 
 def fleet_sizing(config) -> Optional[FleetSizing]:
-    """A validated config's (`GatesConfig`) G3 working set beside its per-node tiers; None unless several embedded nodes."""
+    """A validated config's (`GatesConfig`) G3 working set beside its per-node tiers; None unless several embedded
+    nodes."""
     if not _is_fleet(config):
         return None
     embedded = config.targets.embedded

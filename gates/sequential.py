@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcore.rules import Rule
 
-TAU2 = 10.0                 # Lai's mixture's prior variance of the standardized effect (docs/methods/confidence-sequence.md)
+TAU2 = 10.0  # Lai's mixture's prior variance of the standardized effect (docs/methods/confidence-sequence.md)
 MIN_PAIRS_FOR_AN_INTERVAL = 3
 SHAPES = ("constant", "lai")  # the boundary shapes a schedule chooses between (see `boundary`)
 CALIBRATION_PATHS = 200_000   # simulated null paths per schedule: lam's Monte Carlo error is ~0.5%

@@ -11,8 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from gates.sequential import (METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Looks, Stopping, log_ratio_sequence, method,
-                              sample_until_decided)
+from gates.sequential import (
+    METHOD,
+    MIN_PAIRS_FOR_AN_INTERVAL,
+    Looks,
+    Stopping,
+    log_ratio_sequence,
+    method,
+    sample_until_decided,
+)
 from workloads.storage.fio import FioJob, FioResult, run_fio
 from workloads.storage.fio_sweep import FioShape
 

@@ -19,9 +19,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from workloads.storage.fio_sweep import FioShape, Sweep, SweepPoint, run_storage_sweep
-
 from gates.side_by_side import FasterOf, FioRound
+from workloads.storage.fio_sweep import FioShape, Sweep, SweepPoint, run_storage_sweep
 
 BEST_READ, BEST_WRITE, POINT = "storage_best_read_gbps", "storage_best_write_gbps", "storage_sweep_point"
 SWEEP_DIR = "fio-sweep"       # under storage.path
@@ -93,9 +92,14 @@ class StorageBest:
 
     def context(self, kind: str = "read") -> dict:
         """The yardstick as a record's context: the overall winner, each mode's winner, the source."""
-        return {"best": self.winner(kind)[0].to_dict(), "best_source": self.source,
-                "best_modes": {mode: {**s.to_dict(), "sweep_gbps": gbps} for mode, (s, gbps) in self.per_mode(kind).items()},
-                **({"best_streams_bytes": self.streams} if self.streams is not None else {})}
+        return {
+            "best": self.winner(kind)[0].to_dict(),
+            "best_source": self.source,
+            "best_modes": {
+                mode: {**s.to_dict(), "sweep_gbps": gbps} for mode, (s, gbps) in self.per_mode(kind).items()
+            },
+            **({"best_streams_bytes": self.streams} if self.streams is not None else {}),
+        }
 
 
 def in_flight(shape: FioShape) -> int:

@@ -18,11 +18,10 @@ import yaml
 
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from kvcore.settings import parse_size
-from workloads.traffic.datasets import BYTE_TOKENIZER_ID
-from workloads.traffic.target import Target
-from workloads.traffic.processes import free_port
-from workloads.traffic.processes import die_with_parent
 from workloads.servers.stores import MooncakePool, RedisServer
+from workloads.traffic.datasets import BYTE_TOKENIZER_ID
+from workloads.traffic.processes import die_with_parent, free_port
+from workloads.traffic.target import Target
 
 from .config import EmbeddedTargets, GatesConfig, TargetSettings
 

@@ -372,6 +372,9 @@ def _commented(text: str, annotated: str, comment: Optional[str]) -> str:
 
 def _claims_section() -> str:
     """The claims sheet with the seed playbook's figures, one flow mapping per claim (kvcore/claims.py)."""
-    lines = [f"  - {{{', '.join(f'{key}: {json.dumps(value, ensure_ascii=False)}' for key, value in claim.items() if value not in ('', None))}}}"
-             for claim in DEFAULT_CLAIMS]
+    lines = [
+        "  - {" + ", ".join(f"{key}: {json.dumps(value, ensure_ascii=False)}" for key, value in claim.items()
+                            if value not in ("", None)) + "}"
+        for claim in DEFAULT_CLAIMS
+    ]
     return CLAIMS_HEADER + "\n".join(lines) + "\n"

@@ -76,34 +76,95 @@ NO_REUSE_CHECKS = tuple(Check(metric, meaning, "lower", "%") for metric, meaning
      "side by side")))
 
 G2_CHECKS = (
-    Check("cached_fraction_min", "least share of a placed prefix served from the cache", "higher", "%",
-          default=_at_least("cached_fraction_min", 0.99)),
-    Check("placed_tier_verified", "share of G2's placed hits the engine's tier accounting attributes to the placed "
-          "tier alone", "higher", "%", default=_exactly("placed_tier_verified", 1.0)),
-    Check("disk_hit_ttft_vs_recompute", "cold disk hit TTFT / recompute TTFT at the longest context", "lower", "%",
-          default=_at_most("disk_hit_ttft_vs_recompute", 0.25)),
-    Check("cold_read_vs_storage_best", "cold-read KV bandwidth / the storage's best sequential read (G1's sweep), "
-          "side by side", "higher", "%", default=_at_least("cold_read_vs_storage_best", 0.8)),
+    Check(
+        "cached_fraction_min",
+        "least share of a placed prefix served from the cache",
+        "higher",
+        "%",
+        default=_at_least("cached_fraction_min", 0.99),
+    ),
+    Check(
+        "placed_tier_verified",
+        "share of G2's placed hits the engine's tier accounting attributes to the placed tier alone",
+        "higher",
+        "%",
+        default=_exactly("placed_tier_verified", 1.0),
+    ),
+    Check(
+        "disk_hit_ttft_vs_recompute",
+        "cold disk hit TTFT / recompute TTFT at the longest context",
+        "lower",
+        "%",
+        default=_at_most("disk_hit_ttft_vs_recompute", 0.25),
+    ),
+    Check(
+        "cold_read_vs_storage_best",
+        "cold-read KV bandwidth / the storage's best sequential read (G1's sweep), side by side",
+        "higher",
+        "%",
+        default=_at_least("cold_read_vs_storage_best", 0.8),
+    ),
     # model service loading (g2.model_load) and checkpoint saving (g2.checkpoint) on the storage under test
-    Check("model_load_vs_storage_best", "the judged loader's cold GB/s (g2.model_load.judged: kvgate's own by "
-          "default) / the storage's best sequential read job reading the same files, side by side", "higher", "%", default=_at_least("model_load_vs_storage_best", 0.8)),
-    Check("model_load_identical", "loaded tensors equal to the checkpoint's (a checksum per tensor), every loader "
-          "and round", "higher", "%", default=_exactly("model_load_identical", 1.0)),
-    Check("model_load_speedup_vs_baseline", "the judged loader's cold load seconds on g2.model_load.baseline_path "
-          "over the storage under test's, side by side", "in band", "×",
-          default=Band("model_load_speedup_vs_baseline", 6.2, 9.3)),
-    Check("service_load_started", "server starts that loaded the weights and streamed a first token, every loader",
-          "higher", "%", default=_exactly("service_load_started", 1.0)),
-    Check("checkpoint_saves_complete", "saves that completed (every rank fsync'd, DCP's metadata written)", "higher",
-          "%", default=_exactly("checkpoint_saves_complete", 1.0)),
-    Check("checkpoint_write_vs_storage_best", "checkpoint write GB/s (bytes / the slowest rank's seconds) / the "
-          "storage's best fsync'd sequential write job writing as many bytes, side by side", "higher", "%",
-          default=_at_least("checkpoint_write_vs_storage_best", 0.7)),
-    Check("checkpoint_restore_identical", "restored state equal to the saved state, bit for bit, every rank",
-          "higher", "%", default=_exactly("checkpoint_restore_identical", 1.0)),
-    Check("checkpoint_speedup_vs_baseline", "checkpoint save seconds on g2.checkpoint.baseline_path over the storage "
-          "under test's, side by side", "higher", "×", default=_at_least("checkpoint_speedup_vs_baseline", 1.9)),
-    *NO_REUSE_CHECKS,            # g2.no_reuse: one request at a time
+    Check(
+        "model_load_vs_storage_best",
+        "the judged loader's cold GB/s (g2.model_load.judged: kvgate's own by "
+        "default) / the storage's best sequential read job reading the same files, side by side",
+        "higher",
+        "%",
+        default=_at_least("model_load_vs_storage_best", 0.8),
+    ),
+    Check(
+        "model_load_identical",
+        "loaded tensors equal to the checkpoint's (a checksum per tensor), every loader and round",
+        "higher",
+        "%",
+        default=_exactly("model_load_identical", 1.0),
+    ),
+    Check(
+        "model_load_speedup_vs_baseline",
+        "the judged loader's cold load seconds on g2.model_load.baseline_path "
+        "over the storage under test's, side by side",
+        "in band",
+        "×",
+        default=Band("model_load_speedup_vs_baseline", 6.2, 9.3),
+    ),
+    Check(
+        "service_load_started",
+        "server starts that loaded the weights and streamed a first token, every loader",
+        "higher",
+        "%",
+        default=_exactly("service_load_started", 1.0),
+    ),
+    Check(
+        "checkpoint_saves_complete",
+        "saves that completed (every rank fsync'd, DCP's metadata written)",
+        "higher",
+        "%",
+        default=_exactly("checkpoint_saves_complete", 1.0),
+    ),
+    Check(
+        "checkpoint_write_vs_storage_best",
+        "checkpoint write GB/s (bytes / the slowest rank's seconds) / the "
+        "storage's best fsync'd sequential write job writing as many bytes, side by side",
+        "higher",
+        "%",
+        default=_at_least("checkpoint_write_vs_storage_best", 0.7),
+    ),
+    Check(
+        "checkpoint_restore_identical",
+        "restored state equal to the saved state, bit for bit, every rank",
+        "higher",
+        "%",
+        default=_exactly("checkpoint_restore_identical", 1.0),
+    ),
+    Check(
+        "checkpoint_speedup_vs_baseline",
+        "checkpoint save seconds on g2.checkpoint.baseline_path over the storage under test's, side by side",
+        "higher",
+        "×",
+        default=_at_least("checkpoint_speedup_vs_baseline", 1.9),
+    ),
+    *NO_REUSE_CHECKS,  # g2.no_reuse: one request at a time
 )
 
 G3_CHECKS = (

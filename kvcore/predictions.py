@@ -42,8 +42,10 @@ def error(metric: str, predicted: float, measured: float) -> tuple[float, str]:
     if metric in IN_POINTS:
         difference = predicted - measured
         return difference, format_percent(difference, signed=True, symbol=False) + " points"
-    if not measured:                # a capacity of 0: exact when predicted so, else no relative error
-        return (0.0, format_percent(0.0, signed=True)) if not predicted else (math.nan, "no relative error (measured 0)")
+    if not measured:  # a capacity of 0: exact when predicted so, else no relative error
+        return (
+            (0.0, format_percent(0.0, signed=True)) if not predicted else (math.nan, "no relative error (measured 0)")
+        )
     relative = (predicted - measured) / measured
     return relative, format_percent(relative, signed=True)
 

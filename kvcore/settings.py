@@ -117,7 +117,9 @@ def field_path(root: str, loc: tuple) -> str:
 
 
 # A validator's message may name a field inside the value it checked: "[1].metric: expected …".
-_INNER_FIELD = re.compile(r"^((?:\[\d+\]\.?)?[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*|\[\d+\]): (expected .*)$", re.S)
+_INNER_FIELD = re.compile(
+    r"^((?:\[\d+\]\.?)?[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*|\[\d+\]): (expected .*)$", re.S
+)
 
 
 def format_validation_error(error: ValidationError, root: str) -> str:

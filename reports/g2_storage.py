@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Optional
 
-from kvcore.percent import format_percent
 from kvcore.loader_names import READS_WITH_O_DIRECT
+from kvcore.percent import format_percent
 from kvcore.rundata import finite_number
 
 from . import plots
@@ -90,10 +90,25 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
                          f"{sum(1 for c in contexts if c.get('cold'))} / {len(contexts)}",
                          f"{sum(1 for c in contexts if c.get('identical'))} / {len(contexts)}",
                          _warm(ratio)])
-        tables.append({"title": "Model load: cold rounds per loader (medians), beside the storage's best read job reading the same files",
-                       "columns": ["loader", "GB/s", "best job GB/s", "loader / best", *(f"{p} s" for p in LOAD_PHASES),
-                                   "total s", "bytes", "cold rounds", "identical rounds", "warm GB/s"],
-                       "rows": rows})
+        tables.append(
+            {
+                "title": "Model load: cold rounds per loader (medians), beside the storage's best read job reading "
+                "the same files",
+                "columns": [
+                    "loader",
+                    "GB/s",
+                    "best job GB/s",
+                    "loader / best",
+                    *(f"{p} s" for p in LOAD_PHASES),
+                    "total s",
+                    "bytes",
+                    "cold rounds",
+                    "identical rounds",
+                    "warm GB/s",
+                ],
+                "rows": rows,
+            }
+        )
     starts = _rows(measurements, "service_load")
     if starts:
         rows = []
@@ -105,10 +120,22 @@ def model_load_tables(measurements: list[dict]) -> list[dict]:
             rows.append([loader, *(_seconds(_median((c.get("phases") or {}).get(p) for c in contexts))
                                    for p in SERVICE_PHASES),
                          _seconds(_median(r.get("value") for r in rounds)), _gbps(gbps), str(len(rounds))])
-        tables.append({"title": "Service load: process start to first token, per loader (seconds, medians; cold)",
-                       "columns": ["loader", "imports (Python, torch)", "model + weights", "ready", "first token", "total",
-                                   "weights GB/s", "starts"],
-                       "rows": rows})
+        tables.append(
+            {
+                "title": "Service load: process start to first token, per loader (seconds, medians; cold)",
+                "columns": [
+                    "loader",
+                    "imports (Python, torch)",
+                    "model + weights",
+                    "ready",
+                    "first token",
+                    "total",
+                    "weights GB/s",
+                    "starts",
+                ],
+                "rows": rows,
+            }
+        )
     return tables
 
 
@@ -116,9 +143,13 @@ def checkpoint_tables(measurements: list[dict]) -> list[dict]:
     """Every save beside fio's write, every cold restore: round by round, with each rank's seconds."""
     tables = []
     for metric, title, extra in (
-            ("checkpoint_save_round", "Checkpoint save: each round, beside the storage's best fsync'd write job writing as many bytes",
-             ("best job GB/s", "save / best")),
-            ("checkpoint_restore_round", "Checkpoint restore: each round, pages dropped first", ("equal", "cold"))):
+        (
+            "checkpoint_save_round",
+            "Checkpoint save: each round, beside the storage's best fsync'd write job writing as many bytes",
+            ("best job GB/s", "save / best"),
+        ),
+        ("checkpoint_restore_round", "Checkpoint restore: each round, pages dropped first", ("equal", "cold")),
+    ):
         rounds = _rows(measurements, metric)
         if not rounds:
             continue
@@ -126,8 +157,11 @@ def checkpoint_tables(measurements: list[dict]) -> list[dict]:
         for r in rounds:
             c = r.get("context") or {}
             ranks = ", ".join(_seconds(finite_number(s)) for s in c.get("rank_seconds") or [])
-            tail = ([_gbps(finite_number(c.get("fio_gbps"))), _percent(finite_number(c.get("ratio")))] if metric.endswith("save_round")
-                    else ["yes" if c.get("equal") else "NO", "yes" if c.get("cold") else "no"])
+            tail = (
+                [_gbps(finite_number(c.get("fio_gbps"))), _percent(finite_number(c.get("ratio")))]
+                if metric.endswith("save_round")
+                else ["yes" if c.get("equal") else "NO", "yes" if c.get("cold") else "no"]
+            )
             path = c.get("writer", "") if metric.endswith("save_round") else \
                 f"{c.get('reader', '')} reader, {c.get('writer', '')} checkpoint"
             rows.append([str(c.get("storage", "under test")), str(path),

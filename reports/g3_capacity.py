@@ -1,7 +1,8 @@
 """G3's capacity search in the report: each target's TTFT and TPOT p90 against load with the SLO's limits,
 its goodput curve, and a table of every probe with its decision (gates/g3_main/test_g3_slo_capacity.py).
 
-Read from the `capacity_probe` and `capacity_users` (open loop: `capacity_rate`) measurements; a run without a capacity search draws
+Read from the `capacity_probe` and `capacity_users` (open loop: `capacity_rate`) measurements; a run without a capacity
+search draws
 nothing here.
 """
 
@@ -53,7 +54,9 @@ def _markers(rows: GateRows) -> list[tuple[float, str]]:
 
 def _predicted(rows: GateRows, capacity: dict) -> float | None:
     """The sizing model's capacity for the row's target, made before G3 (sizing/capacity.py)."""
-    return predicted(rows.predictions, str(capacity.get("metric")), target=(capacity.get("context") or {}).get("target"))
+    return predicted(
+        rows.predictions, str(capacity.get("metric")), target=(capacity.get("context") or {}).get("target")
+    )
 
 
 def capacity_plots(rows: GateRows) -> list[str]:

@@ -18,8 +18,7 @@ from kvcore.percent import format_percent
 from kvcore.rundata import read_records
 
 from . import plots
-from .rows import (GateRows, accepted, geometric, interval, metric_words, number, predicted_series, rule_of,
-                   series)
+from .rows import GateRows, accepted, geometric, interval, metric_words, number, predicted_series, rule_of, series
 
 FIGURES = (("ttft_p50_ms", "TTFT p50", "TTFT p50 (ms)", False),
            ("output_tokens_per_s", "output throughput", "output throughput (tokens/s)", False),
@@ -99,9 +98,20 @@ def step_records(rows: GateRows, level: Level) -> dict[tuple[str, float], tuple[
         blocks = context.get("blocks")
         if not isinstance(blocks, list):   # one step per target: its window on the row itself
             recorded = context.get("records_dir")
-            blocks = [{"records_dir": recorded or str(rows.store.gate_dir("g3").relative_to(rows.store.root) / "raw"
-                                                      / "sweep" / target / f"{STEP_PREFIX[level.key]}{at:g}" / "records"),
-                       "window_start": context.get("window_start")}]
+            blocks = [
+                {
+                    "records_dir": recorded
+                    or str(
+                        rows.store.gate_dir("g3").relative_to(rows.store.root)
+                        / "raw"
+                        / "sweep"
+                        / target
+                        / f"{STEP_PREFIX[level.key]}{at:g}"
+                        / "records"
+                    ),
+                    "window_start": context.get("window_start"),
+                }
+            ]
         found = [_window_records(rows.store.root / str(block.get("records_dir")), block) for block in blocks
                  if isinstance(block, dict)]
         steps[(target, at)] = ([r for records in found for r in records],
@@ -149,7 +159,11 @@ def step_tables(rows: GateRows) -> list[dict]:
     for row in rows.measurements:
         context = row.get("context") or {}
         at = number(context.get(level.key))
-        if at is not None and "target" in context and row.get("metric") in {m for m, _ in STEP_COLUMNS} | {"step_valid"}:
+        if (
+            at is not None
+            and "target" in context
+            and row.get("metric") in {m for m, _ in STEP_COLUMNS} | {"step_valid"}
+        ):
             steps.setdefault((at, str(context["target"])), {})[str(row["metric"])] = row
     if not steps:
         return []
@@ -257,7 +271,9 @@ def hit_ratio_warnings(rows: GateRows) -> list[str]:
         candidate = str(context.get("target", "")).startswith("candidate")
         if row.get("metric") != "hit_ratio_bound" or not context.get("far_below") or at is None or not candidate:
             continue
-        found.append(f"{context.get('target')} at {level.label(at)}: hit ratio {format_percent(float(context['measured']))}, "
-                     f"far below the {format_percent(float(row['value']))} its workload allows (an infinite cache over one "
-                     f"primed pass): its tiers, or its engine's prefix matching, lose reuse the workload has")
+        found.append(
+            f"{context.get('target')} at {level.label(at)}: hit ratio {format_percent(float(context['measured']))}, "
+            f"far below the {format_percent(float(row['value']))} its workload allows (an infinite cache over one "
+            f"primed pass): its tiers, or its engine's prefix matching, lose reuse the workload has"
+        )
     return found

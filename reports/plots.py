@@ -18,8 +18,19 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator, PercentFormatter
 
-from .svg_figure import (CHART_CSS, HEIGHT_IN, STYLE, WIDE_IN, literal, new_figure, place, set_title, style,
-                         text_width_in, to_svg)
+from .svg_figure import (
+    CHART_CSS,
+    HEIGHT_IN,
+    STYLE,
+    WIDE_IN,
+    literal,
+    new_figure,
+    place,
+    set_title,
+    style,
+    text_width_in,
+    to_svg,
+)
 
 __all__ = ["CHART_CSS", "Bar", "Distribution", "Dot", "Panel", "Series", "bar_chart", "cdf_chart", "dot_chart",
            "empty_chart", "fmt_tick", "line_chart", "to_svg"]
@@ -163,7 +174,8 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
     """Lines with points; intervals as error bars; predictions dashed and hollow beside the measured lines.
 
     `band` (lo, hi; either may be None: a bound) is shaded across the chart; `markers` are dashed
-    vertical lines with a label (injected faults), named `marker_label` in the legend; `spans` (x from, x to, label) are shaded grey
+    vertical lines with a label (injected faults), named `marker_label` in the legend; `spans` (x from, x to, label) are
+    shaded grey
     from top to bottom (windows left out). `percent`: y values are fractions, shown as percents.
     `y_reach`: the y axis goes at least this high (1.0: a share shown up to 100%).
     """
@@ -211,9 +223,18 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
         for at, words in markers:
             if finite(at):
                 axes.axvline(at, color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), zorder=2)
-                axes.annotate(literal(words), (at, 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
-                              textcoords="offset points", color=MARKER_COLOR, fontsize=7.5, rotation=90,
-                              va="bottom", bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.85})
+                axes.annotate(
+                    literal(words),
+                    (at, 0.02),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(3, 0),
+                    textcoords="offset points",
+                    color=MARKER_COLOR,
+                    fontsize=7.5,
+                    rotation=90,
+                    va="bottom",
+                    bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.85},
+                )
         _y_format(axes, percent)
         set_title(figure, title)
         axes.set_xlabel(literal(x_label))
@@ -302,18 +323,24 @@ def dot_chart(dots: Sequence[Dot], title: str, x_label: str, *, percent: bool = 
                 axes.plot([dot.predicted], [row], ls="none", marker="D", ms=7, mfc="white", mec=PALETTE[3], mew=1.6,
                           zorder=5)
             if finite(dot.threshold):
-                axes.plot([dot.threshold], [row], ls="none", marker="|", ms=18, mew=2.2, color=REFERENCE_COLOR, zorder=3)
+                axes.plot(
+                    [dot.threshold], [row], ls="none", marker="|", ms=18, mew=2.2, color=REFERENCE_COLOR, zorder=3
+                )
         legend = [Line2D([], [], ls="none", marker="o", ms=7, color="#6b7280",
                          label="measured, 95% interval (coloured by verdict)")]
         if any(finite(d.predicted) for d in dots):
             legend.append(Line2D([], [], ls="none", marker="D", ms=7, mfc="white", mec=PALETTE[3], mew=1.6,
                                  label="predicted before the gate"))
         if any(finite(d.threshold) for d in dots):
-            legend.append(Line2D([], [], ls="none", marker="|", ms=12, mew=2.2, color=REFERENCE_COLOR, label="threshold"))
+            legend.append(
+                Line2D([], [], ls="none", marker="|", ms=12, mew=2.2, color=REFERENCE_COLOR, label="threshold")
+            )
         axes.set_yticks(range(len(dots)), names)
         axes.set_ylim(len(dots) - 0.5, -0.5)
         axes.grid(axis="y", visible=False)
-        axes.xaxis.set_major_formatter(PercentFormatter(xmax=1.0, decimals=None) if percent else FuncFormatter(fmt_tick))
+        axes.xaxis.set_major_formatter(
+            PercentFormatter(xmax=1.0, decimals=None) if percent else FuncFormatter(fmt_tick)
+        )
         axes.set_xlim(left=min(0.0, axes.get_xlim()[0]))
         set_title(figure, title)
         axes.set_xlabel(literal(x_label))

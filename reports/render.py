@@ -203,8 +203,12 @@ PLOTTERS: dict[str, Callable[[GateRows], list[str]]] = {
 }
 TABLERS: dict[str, Callable[[GateRows], list[dict]]] = {
     "g1": lambda rows: g1_arrival.spec_table(rows) + storage_yardstick.sweep_tables(rows.measurements),
-    "g2": lambda rows: (storage_yardstick.pairs_tables(rows.measurements) + g2_storage.model_load_tables(rows.measurements)
-                        + g2_storage.checkpoint_tables(rows.measurements) + storage_yardstick.sweep_tables(rows.measurements)),
+    "g2": lambda rows: (
+        storage_yardstick.pairs_tables(rows.measurements)
+        + g2_storage.model_load_tables(rows.measurements)
+        + g2_storage.checkpoint_tables(rows.measurements)
+        + storage_yardstick.sweep_tables(rows.measurements)
+    ),
     "g3": lambda rows: g3_main.g3_tables(rows) + g3_capacity.capacity_tables(rows),
     "g4": g4_soak.fault_tables,
 }

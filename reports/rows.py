@@ -9,9 +9,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvcore.rules import Band, Rule, Threshold, stored_rule
 from kvcore.predictions import made_before
-from kvcore.rundata import RunStore, finite_number as number
+from kvcore.rules import Band, Rule, Threshold, stored_rule
+from kvcore.rundata import RunStore
+from kvcore.rundata import finite_number as number
 
 Points = list[tuple[float, float]]
 

@@ -19,8 +19,16 @@ from kvcore.rundata import RunStore
 from kvcore.settings import ConfigError, load_yaml_file
 
 from .queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
-from .timing import (DEFAULT_HOST_GBPS, G2_PROMPT_SHORTFALL, TIERS, RecomputeCurve, TierBandwidths, TimingModel,
-                     check_number, nonnegative_least_squares)
+from .timing import (
+    DEFAULT_HOST_GBPS,
+    G2_PROMPT_SHORTFALL,
+    TIERS,
+    RecomputeCurve,
+    TierBandwidths,
+    TimingModel,
+    check_number,
+    nonnegative_least_squares,
+)
 
 FORMAT = 1
 DECODE_ROUNDS = 4
@@ -325,8 +333,10 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
         disk_gbps = float(g1["value"]) if g1 is not None and g1.get("value") else None
     share = store.latest("g2", "cached_fraction_min")
     if share is not None and share.get("value") is not None and share["value"] < 1.0:
-        notes.append(f"G2's hits reused {format_percent(share['value'], 0)} of the blocks at least, not every one: the fit "
-                     "takes every whole block as cached")
+        notes.append(
+            f"G2's hits reused {format_percent(share['value'], 0)} of the blocks at least, not every one: the fit "
+            "takes every whole block as cached"
+        )
     rows = _g2_rows(store)
     recompute = [(c - G2_PROMPT_SHORTFALL, s) for mode, c, s in rows if mode == "recompute"]
     contexts = len({n for n, _ in recompute})
@@ -341,7 +351,9 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
     if not rows:
         notes.append(f"{MISSING_NOTE['curve']} this run has no G2 TTFTs (G2 did not run, or measured none)")
     else:
-        notes.append(f"{MISSING_NOTE['curve']} G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)")
+        notes.append(
+            f"{MISSING_NOTE['curve']} G2 recorded recompute TTFTs at fewer than 3 context lengths (2 with hits)"
+        )
     return None, None, efficiency, overhead, disk_gbps
 
 
@@ -382,8 +394,10 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
                                                                     block_size, notes)
     decode = jitter = None
     if curve is None or kv_bytes_per_token is None:
-        notes.append(f"{MISSING_NOTE['decode']} fitting it replays G3's requests, which needs the recompute curve and the "
-                     "KV bytes per token")
+        notes.append(
+            f"{MISSING_NOTE['decode']} fitting it replays G3's requests, which needs the recompute curve and the "
+            "KV bytes per token"
+        )
     else:
         timing = TimingModel(curve, TierBandwidths(host_gbps=host_gbps, disk_gbps=disk_gbps, overhead_s=overhead),
                              kv_bytes_per_token, block_size, fixed)

@@ -2,7 +2,8 @@
 
 Each probe of a target at `users` is the target's replay sent once in closed loop by that many users
 (sizing/queueing.py); open loop, a probe at a multiple m of the trace's rate sends the replay at its
-arrival times ÷ m by the load's users (a request waiting for a free one is late by that). Its simulated requests judged against the SLO as G3 judges a probe's
+arrival times ÷ m by the load's users (a request waiting for a free one is late by that). Its simulated requests judged
+against the SLO as G3 judges a probe's
 (workloads.loadgen.capacity_probe.SLO.misses: TTFT or TPOT over its limit); the probe meets the SLO when at most
 the SLO's allowance of them miss. The search ramps and bisects as G3's does, so the predicted
 capacity is the one G3 would find if the simulation were the target. With noise (engine.jitter) one

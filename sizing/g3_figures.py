@@ -18,8 +18,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from kvcore.g3_analysis import (Ladder, LevelFigures, SustainedFigures, level_figures, slo_latencies,
-                                    sustained_rate_gain)
+from kvcore.g3_analysis import Ladder, LevelFigures, SustainedFigures, level_figures, slo_latencies, sustained_rate_gain
 from kvcore.settings import ConfigError
 
 from .queueing import EngineModel, ServedRequest, SimulatedRequest, simulate

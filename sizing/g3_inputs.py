@@ -11,11 +11,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from workloads.traffic.requests import Workload, WorkloadRequest
-from workloads.traffic.routing import Router
-from workloads.traffic.requests import load_order
 from workloads.loadgen.steady import order_segment, requests_per_part
 from workloads.loadgen.sweep import closed_loop, primer, rate_multiplied, trace_parts
+from workloads.traffic.requests import Workload, WorkloadRequest, load_order
+from workloads.traffic.routing import Router
 
 from .g3_figures import TargetReplay, combine, level_prediction
 from .queueing import EngineModel, ServedRequest, simulate_source

@@ -18,7 +18,6 @@ from .machine import probe_ran, run_probe_calibration
 from .plan import Plan, Prediction, compare, make_plan
 from .targets import engine_facts
 
-
 PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model predicts (plan.py)
 
 
@@ -31,8 +30,16 @@ def _plan_now(config, store: RunStore) -> Plan:
     measured = any(store.status(g) is not None for g in ("g1", "g2", "g3", "g4"))
     # before G2 the file's constants; after it, the run's own first and the file's for the rest (G3's decode)
     calibration = configured if store.status("g2") is None else None
-    return make_plan(config, store if measured else None, calibration, config.sizing, in_run=True,
-                     fill_from=configured, engines=engine_facts(store.preflight()), machine=run_probe_calibration(store))
+    return make_plan(
+        config,
+        store if measured else None,
+        calibration,
+        config.sizing,
+        in_run=True,
+        fill_from=configured,
+        engines=engine_facts(store.preflight()),
+        machine=run_probe_calibration(store),
+    )
 
 
 def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
@@ -107,8 +114,14 @@ def error_shares(before: Plan, after: Plan) -> None:
             continue
         error_s = (row["predicted"] - row["measured"]) / 1e3
         split = [{**term, "error_s": term["seconds"] - now.get(term["term"], 0.0)} for term in terms]
-        split.append({"term": "form", "seconds": None, "source": "what no constant explains: the run's own "
-                      "constants' prediction less the measurement", "error_s": sum(now.values()) - row["measured"] / 1e3})
+        split.append(
+            {
+                "term": "form",
+                "seconds": None,
+                "source": "what no constant explains: the run's own constants' prediction less the measurement",
+                "error_s": sum(now.values()) - row["measured"] / 1e3,
+            }
+        )
         for term in split:
             term["share"] = term["error_s"] / error_s if error_s else None
         row["terms"] = split

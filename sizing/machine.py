@@ -109,7 +109,8 @@ def probe_ran(probe: dict) -> bool:
 
 
 def probe_calibration(probe: dict) -> Optional[Calibration]:
-    """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe failed."""
+    """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe
+    failed."""
     if not probe_ran(probe):
         return None
     curve, note = probe_curve(probe)

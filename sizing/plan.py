@@ -7,7 +7,6 @@ How it works: docs/methods/sizing-model.md (sizing/plan.py).
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -15,13 +14,15 @@ from kvcore.capacity import USERS, load_kind
 from kvcore.checks import CHECKS
 from kvcore.judged import measurement_not_judged
 from kvcore.percent import format_percent
-from kvcore.predictions import IN_MAPE, error as prediction_error, format_figure, same_place
+from kvcore.predictions import IN_MAPE, format_figure, same_place
+from kvcore.predictions import error as prediction_error
 from kvcore.rundata import RunStore
 from kvcore.settings import parse_size
 from kvcore.verdict import judge
 from workloads.loadgen.capacity_probe import slo_of
-from workloads.traffic.datasets import BYTE_TOKENIZER_ID as BYTE_SIZER, build_workload, sizer_for
 from workloads.loadgen.sweep import RATE_USERS
+from workloads.traffic.datasets import BYTE_TOKENIZER_ID as BYTE_SIZER
+from workloads.traffic.datasets import build_workload, sizer_for
 
 from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity
@@ -29,7 +30,15 @@ from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, g3_replays, matched_blocks, simulate_blocks
 from .queueing import DecodeCost, EngineModel
 from .targets import engine_facts, target_inputs
-from .timing import RecomputeCurve, TierBandwidths, checkpoint_seconds, cold_read_vs_storage_best, model_load_seconds, predict_g2
+from .timing import (
+    RecomputeCurve,
+    TierBandwidths,
+    checkpoint_seconds,
+    cold_read_vs_storage_best,
+    model_load_seconds,
+    predict_g2,
+)
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -142,10 +151,12 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
         if decode is None:
             first = next(iter(g3.replays["candidate"].values()))
             decode = decode_from_curve(timing.curve, first.requests)
-            plan.notes.append(f"G3's decode cost is estimated from G2's recompute curve ({decode.per_sequence_s * 1e3:.2f} ms "
-                              "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
-                              "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
-                              "prefill, which the curve does measure); a calibration from an earlier G3 gives both")
+            plan.notes.append(
+                f"G3's decode cost is estimated from G2's recompute curve ({decode.per_sequence_s * 1e3:.2f} ms "
+                "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
+                "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
+                "prefill, which the curve does measure); a calibration from an earlier G3 gives both"
+            )
         try:
             _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0),
                 inputs, throughput=calibration.decode is not None)
@@ -247,9 +258,16 @@ def _g2(plan: Plan, config, timing, tiers: TierBandwidths, inputs, sources: dict
         f"G2 cold disk hit / recompute at {longest.context_tokens} tokens",
         f"TTFT model: disk hit {longest.disk_hit_s * 1e3:.0f} ms, recompute {longest.recompute_s * 1e3:.0f} ms",
         {"context_tokens": longest.context_tokens}))
-    plan.predictions.append(Prediction(
-        "g2", "cold_read_vs_storage_best", cold_read_vs_storage_best(tiers), "%", "G2 cold-read KV bandwidth / the storage's best read",
-        "the disk tier's efficiency (calibrated, else 1)"))
+    plan.predictions.append(
+        Prediction(
+            "g2",
+            "cold_read_vs_storage_best",
+            cold_read_vs_storage_best(tiers),
+            "%",
+            "G2 cold-read KV bandwidth / the storage's best read",
+            "the disk tier's efficiency (calibrated, else 1)",
+        )
+    )
 
 
 def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs, throughput: bool = True) -> None:
@@ -402,7 +420,9 @@ def render_text(plan: Plan) -> str:
         lines.append(f"  {role} holds (tokens): {held}")
     for role, hit in plan.figures["g3_hit_ratio"].items():
         per_tier = ", ".join(f"{tier} {format_percent(ratio)}" for tier, ratio in hit["per_tier"].items())
-        pool = "" if hit.get("pool_share") is None else f"; the pool's share of hits {format_percent(hit['pool_share'])}"
+        pool = (
+            "" if hit.get("pool_share") is None else f"; the pool's share of hits {format_percent(hit['pool_share'])}"
+        )
         lines.append(f"  G3 workload, {role}: hit ratio {format_percent(hit['overall'])} ({per_tier}); "
                      f"infinite cache {format_percent(hit['infinite_cache_bound'])}{pool}")
     for prediction in plan.predictions:

@@ -125,7 +125,9 @@ class CacheSimulator:
         _check_levels(capacities, write_policy)
         through = write_policy == "write-through"
         self.write_policy = write_policy
-        levels = [_level(rank, tier, rank == 0 or through or not tier.accounted) for rank, tier in enumerate(capacities)]
+        levels = [
+            _level(rank, tier, rank == 0 or through or not tier.accounted) for rank, tier in enumerate(capacities)
+        ]
         if _pool is not None and levels[-1].lru is None:
             levels[-1] = _pool               # a fleet's one pool, shared by every node's cache
         self.placement = Placement(levels)

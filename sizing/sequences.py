@@ -22,11 +22,18 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import xxhash
 
 from cache_impl.cache.keys import ROOT_PARENT, block_keys
-from cache_impl.server.protocol import Message, chat_tokens
 from cache_impl.engine.tokenizer import ByteTokenizer
+from cache_impl.server.protocol import Message, chat_tokens
 from kvcore.settings import ConfigError
-from workloads.traffic.datasets import (MOONCAKE_BLOCK_TOKENS, ByteSizer, TextSizer, TraceRecord, WordSizer,
-                                WorkloadSpec, build_workload)
+from workloads.traffic.datasets import (
+    MOONCAKE_BLOCK_TOKENS,
+    ByteSizer,
+    TextSizer,
+    TraceRecord,
+    WordSizer,
+    WorkloadSpec,
+    build_workload,
+)
 from workloads.traffic.requests import Workload, WorkloadRequest, load_order
 
 from .replay import RequestKeys

@@ -107,8 +107,10 @@ def target_inputs(config, engines: Optional[dict] = None) -> tuple[TargetInputs,
             notes.append(f"the candidate's device KV: {said} tokens, as its engine says "
                          f"({engines['candidate'].get('device_kv_source') or 'its metrics'})")
         elif given is None or given.device_kv_tokens is None:
-            notes.append("targets.kind is external and sizing.target.device_kv_tokens is not given (the engine prints "
-                         f"it at start-up): the embedded device tier ({embedded.device_capacity_blocks} blocks) stands in")
+            notes.append(
+                "targets.kind is external and sizing.target.device_kv_tokens is not given (the engine prints "
+                f"it at start-up): the embedded device tier ({embedded.device_capacity_blocks} blocks) stands in"
+            )
         baseline = engines.get("baseline", {})
         if baseline.get("device_kv_tokens") == 0:
             inputs["baseline_device_blocks"] = 0

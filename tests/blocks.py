@@ -27,7 +27,9 @@ def blocks_for(layout: KVLayout, tokens: list[int]) -> list[torch.Tensor]:
 
 def files_below(root: Path) -> dict[str, bytes]:
     """Every regular file below `root` (links not followed) with its bytes, by relative path."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
+    }
 
 
 def plant_links_and_strays(fp_dir: Path, outside: Path) -> list[Path]:

@@ -1,4 +1,5 @@
-"""Fixtures for the cache tests: a small KV layout, caches on a temp disk directory, a small tmpfs (blocks: tests/blocks.py)."""
+"""Fixtures for the cache tests: a small KV layout, caches on a temp disk directory, a small tmpfs (blocks:
+tests/blocks.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
+from tests.answering import answering  # noqa: F401  (the fixture: a real HTTP server on 127.0.0.1)
 from tests.blocks import BLOCK
 from tests.live_vllm import LiveModel, VllmServer, vllm_python
 from tests.servers import ADMIN_TOKEN
@@ -25,7 +27,7 @@ def admin_token_in_environment():
 @pytest.fixture(scope="session")
 def live_vllm_model(tmp_path_factory) -> LiveModel:
     """The live vLLM modules' model: kvgate's small one exported for vLLM (the venv installed on first use)."""
-    from cache_impl.engine.hf_export import export_hf   # deferred: only the live modules need the exporter
+    from cache_impl.engine.hf_export import export_hf  # deferred: only the live modules need the exporter
 
     python = vllm_python()
     workdir = tmp_path_factory.mktemp("live-vllm")

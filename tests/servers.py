@@ -73,7 +73,8 @@ class ServerProcess:
                  entry: tuple[str, ...] = ("gates.cli", "serve")) -> None:
         """`engine`: settings of the config file's `engine:` section; `cache_dir`: default workdir/cache;
         `admin`: with the admin routes, guarded by ADMIN_TOKEN; `preset` None: no --preset (--weights names it);
-        `entry`: the module run with `python -m` and its arguments (("cache_impl.server.serve_command",): kvgate-serve)."""
+        `entry`: the module run with `python -m` and its arguments (("cache_impl.server.serve_command",):
+        kvgate-serve)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.cache_dir = cache_dir or workdir / "cache"

@@ -36,8 +36,11 @@ def test_cache_bench_json_reports_the_headline_ratios_against_the_storages_best_
         by_shape = d["best_rounds_gbps_by_shape"]
         assert set(by_shape) == set(disk["best"]["shapes"]) == {"direct", "buffered"}   # the grid has both modes
         assert d["best_rounds_gbps"] == [max(r) for r in zip(*by_shape.values())]          # the faster, round by round
-        for name, shape in disk["best"]["shapes"].items():                                 # each its mode's winner
-            assert f"--bs={shape['bs']}" in d["best_jobs"][name] and f"--numjobs={shape['numjobs']}" in d["best_jobs"][name]
+        for name, shape in disk["best"]["shapes"].items():  # each its mode's winner
+            assert (
+                f"--bs={shape['bs']}" in d["best_jobs"][name]
+                and f"--numjobs={shape['numjobs']}" in d["best_jobs"][name]
+            )
             assert ("--direct=1" in d["best_jobs"][name]) == (name == "direct")
     auto = disk["auto"]                                   # io_mode auto's start-up probe on the bench's storage
     assert set(auto["gbps"]) == {"direct", "buffered"} and all(len(g) == 3 for g in auto["gbps"].values())
@@ -120,7 +123,9 @@ def test_pool_bench_measures_both_backends_and_a_cross_node_hit(tmp_path):
     for result in figures["backends"].values():
         bandwidth, cross = result["bandwidth"], result["cross_node"]
         assert bandwidth["prefix_bytes"] == 4 * 2**20 and bandwidth["tier_gbps"] > 0 < bandwidth["plain_get_gbps"]
-        assert bandwidth["tier_vs_plain"] == pytest.approx(bandwidth["plain_rounds_s"][0] / bandwidth["tier_rounds_s"][0])
+        assert bandwidth["tier_vs_plain"] == pytest.approx(
+            bandwidth["plain_rounds_s"][0] / bandwidth["tier_rounds_s"][0]
+        )
         assert cross["cached_tokens"] == 1024           # node B reused every block node A computed, from the pool
         assert cross["node_b_speedup"] == pytest.approx(cross["recompute_ttft_ms"] / cross["node_b_ttft_ms"])
 

@@ -7,12 +7,12 @@ import pytest
 from gates.benches.client_bench import _process
 from kvcore.attainment import MEETS, MISSES, UNDECIDED
 from workloads.loadgen.capacity_probe import SLO, ProbeSettings, decide, run_probe, search_capacity
-from workloads.traffic.target import Target
-from workloads.traffic.processes import free_port
-from workloads.traffic.requests import Workload, WorkloadRequest
-from workloads.servers.server_behaviour import Behaviour
 from workloads.loadgen.steady import order_segment
 from workloads.loadgen.sweep import rate_multiplied, trace_segment
+from workloads.servers.server_behaviour import Behaviour
+from workloads.traffic.processes import free_port
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.traffic.target import Target
 
 TTFT_MS, ITL_MS, TOKENS = 40.0, 10.0, 8
 # 15 ms over the TTFT, below the limit at which one user more than 4 slots (110 ms a service) could meet it in some
@@ -31,8 +31,17 @@ def _workload(sessions: int = 8, rounds: int = 2) -> Workload:
 def slotted():
     """Two reference servers of fixed timing: 2 service slots (the baseline) and 4 (the candidate)."""
     ports = [free_port(), free_port()]
-    command = [sys.executable, "-m", "workloads.servers.reference_server", "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
-               "--tokens", str(TOKENS)]
+    command = [
+        sys.executable,
+        "-m",
+        "workloads.servers.reference_server",
+        "--ttft-ms",
+        str(TTFT_MS),
+        "--itl-ms",
+        str(ITL_MS),
+        "--tokens",
+        str(TOKENS),
+    ]
     with _process(command + ["--port", str(ports[0]), "--slots", "2"], ports[0], "/health"), \
             _process(command + ["--port", str(ports[1]), "--slots", "4"], ports[1], "/health"):
         yield [Target(role, f"http://127.0.0.1:{port}/v1", "reference")

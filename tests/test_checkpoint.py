@@ -16,8 +16,20 @@ import pytest
 
 from kvcore.settings import ConfigError
 from tests.torch_probe import imports_torch
-from workloads.storage.checkpoint import (KVGATE_WRITER, READERS, STATE_PRESETS, WRITERS, CheckpointError, CheckpointJob, CheckpointSpec, RestoreRound,
-                                  SaveRound, looks_complete, rounds_agree, spread)
+from workloads.storage.checkpoint import (
+    KVGATE_WRITER,
+    READERS,
+    STATE_PRESETS,
+    WRITERS,
+    CheckpointError,
+    CheckpointJob,
+    CheckpointSpec,
+    RestoreRound,
+    SaveRound,
+    looks_complete,
+    rounds_agree,
+    spread,
+)
 from workloads.storage.rank_group import RankFailure
 
 SPEC = CheckpointSpec.for_state_bytes(32 * 2**20, ranks=2, tensor_bytes=2 * 2**20, seed=7)

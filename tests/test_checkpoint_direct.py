@@ -1,4 +1,5 @@
-"""kvgate's DCP writer and reader (workloads/storage/checkpoint_kvgate.py) with real files and real `dcp.save` / `dcp.load`.
+"""kvgate's DCP writer and reader (workloads/storage/checkpoint_kvgate.py) with real files and real `dcp.save` /
+`dcp.load`.
 
 In one process (DCP without a process group) unless a test says ranks: checkpoints of kvgate's writer read bit for
 bit through kvgate's reader and DCP's own, DCP's own writer's through kvgate's, and a full disk names the file.
@@ -22,8 +23,14 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTra
 from torch.distributed.checkpoint.api import CheckpointException
 
 from workloads.storage.checkpoint import READERS, CheckpointJob, CheckpointSpec, looks_complete
-from workloads.storage.checkpoint_kvgate import (DirectWriteStream, HugePageBuffers, KvgateReader, KvgateWriter,
-                                         load_tensor_over, torch_save_crc32)
+from workloads.storage.checkpoint_kvgate import (
+    DirectWriteStream,
+    HugePageBuffers,
+    KvgateReader,
+    KvgateWriter,
+    load_tensor_over,
+    torch_save_crc32,
+)
 
 CHUNK = 1 << 20
 
@@ -135,12 +142,14 @@ def test_a_kvgate_checkpoint_restores_bit_for_bit_through_kvgates_reader_and_dcp
     if _on_ext4(tmp_path):
         assert writer.direct
     buffers = HugePageBuffers()
-    for _ in range(2):                                 # the second restore reads into the first's buffers
+    allocated = None
+    for restore in range(2):                           # the second restore reads into the first's buffers
         reader = KvgateReader(str(tmp_path / "ckpt"), chunk_bytes=64 * 1024, buffers=buffers)
         _assert_bit_equal(state, _load(tmp_path / "ckpt", reader, state))
         if _on_ext4(tmp_path):
             assert reader.direct
-        allocated = buffers.allocated if _ == 0 else allocated
+        if restore == 0:
+            allocated = buffers.allocated
     assert buffers.allocated == allocated
     _assert_bit_equal(state, _load(tmp_path / "ckpt", FileSystemReader(str(tmp_path / "ckpt")), state))
 

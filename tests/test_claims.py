@@ -3,10 +3,10 @@ figures come from judged verdicts only (PASS / FAIL), never from an INCONCLUSIVE
 
 from __future__ import annotations
 
-from kvcore.verdict import judge
-from kvcore.rundata import RunStore
 from kvcore.claims import DEFAULT_CLAIMS, MET, NOT_MEASURED, NOT_MET, Claim, claims_table
 from kvcore.rules import Band, Threshold
+from kvcore.rundata import RunStore
+from kvcore.verdict import judge
 
 RULES = {"ttft_p50_reduction": Threshold("ttft_p50_reduction", ">=", 0.25),
          "throughput_gain": Band("throughput_gain", 0.29, 0.40),
@@ -36,8 +36,13 @@ def test_recorded_figures_meet_miss_or_cannot_test_each_claim(tmp_path):
     _judged(store, "g2", "cold_read_vs_storage_best", 0.93, measured={"tier_gbps": 1.21, "fio_gbps": 1.3})
     _judged(store, "g2", "checkpoint_write_vs_storage_best", 0.76, measured={"save_gbps": 1.28, "fio_gbps": 1.69})
     # the sizing model's figures predicted before G3 ran (and one made before another gate, which must not count)
-    store.add_predictions("before g3", [{"gate": "g3", "metric": "throughput_gain", "value": v, "context": {"concurrency": c}}
-                                        for c, v in ((2, 0.41), (4, 0.35), (8, 0.52))])
+    store.add_predictions(
+        "before g3",
+        [
+            {"gate": "g3", "metric": "throughput_gain", "value": v, "context": {"concurrency": c}}
+            for c, v in ((2, 0.41), (4, 0.35), (8, 0.52))
+        ],
+    )
     store.add_predictions("before g4", [{"gate": "g3", "metric": "throughput_gain", "value": 0.01}])
     rows = {row["id"]: row for row in claims_table(store, _claims())}
     # the lowest level's reduction (29%) is inside the 26-32% band

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from workloads.traffic.client import RecordWriter, RequestRecord, measure_stream
 from kvcore.rundata import read_records
+from workloads.traffic.client import RecordWriter, RequestRecord, measure_stream
 
 
 def _data(payload) -> str:

@@ -5,7 +5,8 @@ import shutil
 import threading
 
 import torch
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from cache_impl import CacheConfig, TieredKVCache

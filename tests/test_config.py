@@ -11,12 +11,18 @@ from cache_impl.cache.config import parse_size
     [
         ({"block_size": 0}, "cache.block_size: expected a value >= 1, found 0"),
         ({"block_size": "big"}, "cache.block_size: expected an integer, found 'big'"),
-        ({"write_policy": "sometimes"}, "cache.write_policy: expected one of 'write-through' or 'write-back', found 'sometimes'"),
+        (
+            {"write_policy": "sometimes"},
+            "cache.write_policy: expected one of 'write-through' or 'write-back', found 'sometimes'",
+        ),
         ({"blok_size": 16}, "cache.blok_size: unknown field"),
         ({"host_capacity_bytes": "lots"}, "cache.host_capacity_bytes: expected a byte size"),
         ({"disk": {"capacity_bytes": "1GiB"}}, "cache.disk.path: expected a value (required), found nothing"),
         ({"disk": {"path": "/tmp/x", "read_workers": 0}}, "cache.disk.read_workers: expected a value >= 1, found 0"),
-        ({"disk": {"path": "/tmp/x", "io_mode": "mmap"}}, "cache.disk.io_mode: expected one of 'buffered', 'direct' or 'auto', found 'mmap'"),
+        (
+            {"disk": {"path": "/tmp/x", "io_mode": "mmap"}},
+            "cache.disk.io_mode: expected one of 'buffered', 'direct' or 'auto', found 'mmap'",
+        ),
         ({"disk": {"path": "/tmp/x", "cold_read": True}}, "cache.disk.cold_read: unknown field"),
     ],
 )
@@ -30,7 +36,9 @@ def test_sizes_accept_bytes_and_units():
     assert parse_size(4096) == 4096
     assert parse_size("512MiB") == 512 * 2**20
     assert parse_size("2 GB") == 2 * 10**9
-    config = CacheConfig.from_dict({"host_capacity_bytes": "1GiB", "disk": {"path": "/tmp/x", "capacity_bytes": "3GiB"}})
+    config = CacheConfig.from_dict(
+        {"host_capacity_bytes": "1GiB", "disk": {"path": "/tmp/x", "capacity_bytes": "3GiB"}}
+    )
     assert config.host_capacity_bytes == 2**30 and config.disk.capacity_bytes == 3 * 2**30
 
 

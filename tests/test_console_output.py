@@ -13,7 +13,6 @@ import yaml
 
 from kvcore.printable import printable
 from tests.servers import REPO, free_port
-from tests.answering import answering  # noqa: F401  (the fixture: a real HTTP server on 127.0.0.1)
 
 HOSTILE = "evil\x1b[31mRED\x00\x01\x02\x03\x04\x05\x06\x07\x08[/x]\x9b\ud800model"
 SHOWN = "evil\\x1b[31mRED\\x00\\x01\\x02\\x03\\x04\\x05\\x06\\x07\\x08[/x]\\x9b\\ud800model"

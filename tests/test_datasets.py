@@ -13,8 +13,19 @@ from cache_impl.cache.config import ConfigError
 from cache_impl.engine.tokenizer import TOKENIZER_ID, ByteTokenizer
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.traffic.datasets import (
-    ByteSizer, LongDocQASpec, MultiRoundQASpec, RandomSpec, SharedPrefixSpec, TokenizerError, TokenizerSizer, TraceSpec, WordSizer,
-    build_workload, load_spec, reuse_summary, sizer_for,
+    ByteSizer,
+    LongDocQASpec,
+    MultiRoundQASpec,
+    RandomSpec,
+    SharedPrefixSpec,
+    TokenizerError,
+    TokenizerSizer,
+    TraceSpec,
+    WordSizer,
+    build_workload,
+    load_spec,
+    reuse_summary,
+    sizer_for,
 )
 from workloads.traffic.requests import Workload, WorkloadRequest
 

@@ -8,15 +8,15 @@ import time
 import pytest
 
 from kvcore.g3_analysis import level_figures
+from kvcore.rundata import read_records
 from tests.servers import free_port
 from workloads.loadgen.blocks import run_sweep
-from workloads.traffic.client import Backoff, StreamingClient
-from kvcore.rundata import read_records
-from workloads.traffic.errors import DeadTargetDetector, StopRule, describe_errors, summarize_errors
-from workloads.traffic.target import Target
 from workloads.loadgen.load import run_load
-from workloads.traffic.requests import Workload, WorkloadRequest
 from workloads.loadgen.sweep import SweepSettings, summarize_step
+from workloads.traffic.client import Backoff, StreamingClient
+from workloads.traffic.errors import DeadTargetDetector, StopRule, describe_errors, summarize_errors
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.traffic.target import Target
 
 
 def _workload(sessions: int = 4) -> Workload:

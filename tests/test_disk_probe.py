@@ -51,8 +51,10 @@ def test_auto_reads_the_probe_blocks_both_ways_keeps_the_faster_and_leaves_no_pr
     tier.close()
 
 
-@pytest.mark.parametrize("direct, buffered, chosen", [([3, 1, 3], [2, 2, 2], "direct"), ([1, 9, 1], [2, 2, 2], "buffered"),
-                                                      ([2, 2, 2], [2, 2, 2], "buffered")])
+@pytest.mark.parametrize(
+    "direct, buffered, chosen",
+    [([3, 1, 3], [2, 2, 2], "direct"), ([1, 9, 1], [2, 2, 2], "buffered"), ([2, 2, 2], [2, 2, 2], "buffered")],
+)
 def test_the_probe_keeps_the_mode_with_the_higher_median_and_buffered_on_a_tie(tmp_path, monkeypatch, direct,
                                                                                buffered, chosen):
     monkeypatch.setattr(disk_probe, "PROBE_BYTES", LAYOUT.block_nbytes)

@@ -5,12 +5,12 @@ import torch
 import xxhash
 
 from cache_impl.cache import integrity
-from cache_impl.platform.buffers import aligned_empty, byte_spans
 from cache_impl.cache.config import DiskTierConfig
 from cache_impl.cache.faults import flip_byte, truncate
 from cache_impl.cache.keys import Fingerprint, KVLayout
 from cache_impl.cache.tiers.base import write_block
 from cache_impl.cache.tiers.disk import DiskTier
+from cache_impl.platform.buffers import aligned_empty, byte_spans
 
 # A block's innermost run (block_size * head_dim * 4 bytes) is 4 KiB here: O_DIRECT can read into a view.
 ALIGNED = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=16)

@@ -159,7 +159,9 @@ def test_a_full_queue_refuses_new_requests(engines):
 def test_a_cancelled_request_finishes_as_cancelled_and_frees_its_slot(engines):
     engine = engines("recompute", max_running=1)
     events, finished = [], threading.Event()
-    request = GenerationRequest(_prompt(30, 50), 3000 - 60, lambda e: (events.append(e), getattr(e, "finish_reason", None) and finished.set()))
+    request = GenerationRequest(
+        _prompt(30, 50), 3000 - 60, lambda e: (events.append(e), getattr(e, "finish_reason", None) and finished.set())
+    )
     engine.submit(request)
     request.cancelled.set()
     assert finished.wait(30)
@@ -209,7 +211,9 @@ def test_the_default_preset_also_answers_a_cold_disk_hit_exactly_like_recompute(
         recompute.stop()
 
 
-def _collecting_request(tokens: list[int], max_tokens: int, **sampling) -> tuple[GenerationRequest, list, threading.Event]:
+def _collecting_request(
+    tokens: list[int], max_tokens: int, **sampling
+) -> tuple[GenerationRequest, list, threading.Event]:
     events, done = [], threading.Event()
 
     def on_event(event) -> None:

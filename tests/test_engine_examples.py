@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from cache_impl.engine.hf_export import export_hf
-from gates.config import EmbeddedTargets, load_config
 from engines import build_adapter, parse_metrics, spec_from_endpoint
 from engines.placement import plan_placement
-from sizing.layout import KVShape
+from gates.config import EmbeddedTargets, load_config
 from gates.targets import engine_settings
 from kvcore.settings import parse_size
+from sizing.layout import KVShape
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "engines"
@@ -26,29 +26,65 @@ GIB = 2**30
 # empties; and the baseline's engine (the same engine without offload).
 TABLE = {
     "vllm-lmcache.yaml": {
-        "engine": "vllm+lmcache", "baseline": "vllm",
-        "clear_device_cache": ("device",), "clear_lower_tiers": ("host",), "drop_disk_page_cache": (),
-        "device_kv_tokens": True, "host_kv_tokens": True, "tier_accounting": True},
+        "engine": "vllm+lmcache",
+        "baseline": "vllm",
+        "clear_device_cache": ("device",),
+        "clear_lower_tiers": ("host",),
+        "drop_disk_page_cache": (),
+        "device_kv_tokens": True,
+        "host_kv_tokens": True,
+        "tier_accounting": True,
+    },
     "sglang-hicache.yaml": {
-        "engine": "sglang+hicache", "baseline": "sglang",
-        "clear_device_cache": ("device", "host"), "clear_lower_tiers": ("disk",), "drop_disk_page_cache": (),
-        "device_kv_tokens": True, "host_kv_tokens": True, "tier_accounting": True},
+        "engine": "sglang+hicache",
+        "baseline": "sglang",
+        "clear_device_cache": ("device", "host"),
+        "clear_lower_tiers": ("disk",),
+        "drop_disk_page_cache": (),
+        "device_kv_tokens": True,
+        "host_kv_tokens": True,
+        "tier_accounting": True,
+    },
     "vllm-mooncake.yaml": {
-        "engine": "vllm+mooncake", "baseline": "vllm",
-        "clear_device_cache": ("device",), "clear_lower_tiers": ("device", "remote"), "drop_disk_page_cache": None,
-        "device_kv_tokens": True, "host_kv_tokens": False, "tier_accounting": True},
-    "vllm-cpu.yaml": {               # claimed by the profile; the pre-flight's probe finds the lower clear not applicable
-        "engine": "vllm", "baseline": "vllm",
-        "clear_device_cache": ("device",), "clear_lower_tiers": ("device", "host"), "drop_disk_page_cache": None,
-        "device_kv_tokens": True, "host_kv_tokens": False, "tier_accounting": True},
-    "vllm-kvgate.yaml": {            # kvgate's connector: its sidecar empties the host tier and drops disk pages
-        "engine": "vllm+kvgate", "baseline": "vllm",
-        "clear_device_cache": ("device",), "clear_lower_tiers": ("host",), "drop_disk_page_cache": (),
-        "device_kv_tokens": True, "host_kv_tokens": False, "tier_accounting": True},
+        "engine": "vllm+mooncake",
+        "baseline": "vllm",
+        "clear_device_cache": ("device",),
+        "clear_lower_tiers": ("device", "remote"),
+        "drop_disk_page_cache": None,
+        "device_kv_tokens": True,
+        "host_kv_tokens": False,
+        "tier_accounting": True,
+    },
+    "vllm-cpu.yaml": {  # claimed by the profile; the pre-flight's probe finds the lower clear not applicable
+        "engine": "vllm",
+        "baseline": "vllm",
+        "clear_device_cache": ("device",),
+        "clear_lower_tiers": ("device", "host"),
+        "drop_disk_page_cache": None,
+        "device_kv_tokens": True,
+        "host_kv_tokens": False,
+        "tier_accounting": True,
+    },
+    "vllm-kvgate.yaml": {  # kvgate's connector: its sidecar empties the host tier and drops disk pages
+        "engine": "vllm+kvgate",
+        "baseline": "vllm",
+        "clear_device_cache": ("device",),
+        "clear_lower_tiers": ("host",),
+        "drop_disk_page_cache": (),
+        "device_kv_tokens": True,
+        "host_kv_tokens": False,
+        "tier_accounting": True,
+    },
     "kvgate-serve-generic.yaml": {
-        "engine": "generic", "baseline": "generic",
-        "clear_device_cache": None, "clear_lower_tiers": None, "drop_disk_page_cache": (),
-        "device_kv_tokens": True, "host_kv_tokens": True, "tier_accounting": True},
+        "engine": "generic",
+        "baseline": "generic",
+        "clear_device_cache": None,
+        "clear_lower_tiers": None,
+        "drop_disk_page_cache": (),
+        "device_kv_tokens": True,
+        "host_kv_tokens": True,
+        "tier_accounting": True,
+    },
 }
 
 

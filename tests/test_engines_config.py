@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gates.config import load_config
 from engines import build_adapter, spec_from_endpoint
 from engines.metrics import parse_metrics
+from gates.config import load_config
 from kvcore.settings import ConfigError
 
 DATA = Path(__file__).resolve().parent / "data" / "metrics"

@@ -109,8 +109,10 @@ def test_probing_finds_what_a_vllm_really_allows(recorder):
     vllm = adapter("vllm", recorder.root)
     assert vllm.abilities()["clear_device_cache"].available        # claimed by the profile ...
     probed = vllm.probe()
-    assert not probed["clear_device_cache"].available               # ... refused by the engine
-    assert "HTTP 404" in probed["clear_device_cache"].how and "VLLM_SERVER_DEV_MODE=1" in probed["clear_device_cache"].how
+    assert not probed["clear_device_cache"].available  # ... refused by the engine
+    assert (
+        "HTTP 404" in probed["clear_device_cache"].how and "VLLM_SERVER_DEV_MODE=1" in probed["clear_device_cache"].how
+    )
     assert not probed["clear_lower_tiers"].available
     assert probed["clear_lower_tiers"].how.startswith("not applicable: vllm:cache_config_info kv_offloading_size=None")
     assert ("POST", "/reset_prefix_cache?reset_external=true", None) not in recorder.seen()   # never called
@@ -333,8 +335,8 @@ def test_placement_by_pressure_reads_the_device_capacity_from_one_metrics_page(r
 def test_an_external_two_node_candidates_hits_are_summed_over_each_nodes_own_metrics(tmp_path):
     import yaml
 
-    from gates.config import load_config
     from engines import endpoint_adapter, hit_reader
+    from gates.config import load_config
     from gates.targets import external_endpoints
 
     nodes = [Recorder(), Recorder()]

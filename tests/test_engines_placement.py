@@ -9,7 +9,6 @@ from engines import EngineSpec, build_adapter
 from engines import kvgate as kvgate_engine
 from engines.placement import PlacementError, plan_placement, pressure_plan, route_plan
 
-
 # -- by pressure -------------------------------------------------------------------------------------------
 
 

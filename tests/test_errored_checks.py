@@ -86,7 +86,7 @@ def test_every_errored_check_is_a_row_with_its_reason_in_the_store_console_json_
     # the console: each errored check as it happened, and the gate's status with the first one's reason
     assert f"ERROR        test_write_reaches_the_spec: {ROOM}" in console
     assert f"ERROR        test_read_reaches_the_spec: RuntimeError: {EMPTY}" in console
-    assert f"G1 arrival acceptance: ERROR" in console and "3 checks errored" in console
+    assert "G1 arrival acceptance: ERROR" in console and "3 checks errored" in console
     assert "second line" not in console and "crashed outside its verdict" not in console
 
     results = json.loads((run_dir / "results.json").read_text())

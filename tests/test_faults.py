@@ -21,12 +21,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cache_impl.server.auth import ADMIN_TOKEN_HEADER
 from cache_impl.cache.faults import BLOCK_FAULTS, EXPECTED_REASON
+from cache_impl.server.auth import ADMIN_TOKEN_HEADER
 from gates.g4_soak.analysis import fault_outcome
 from tests.servers import ADMIN_TOKEN, Oracle, ServerProcess, ask, distinct_prompt, http_client, started_server
+from workloads.probes.faults import (
+    AdminClient,
+    AdminError,
+    counter,
+    damage_prompt_blocks,
+    detection_counts,
+    kill_and_restart,
+)
 from workloads.traffic.client import StreamingClient
-from workloads.probes.faults import AdminClient, AdminError, counter, damage_prompt_blocks, detection_counts, kill_and_restart
 
 BLOCK = 256
 
@@ -326,12 +333,12 @@ def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_pr
     the flipped byte put back for one request that loads the block from disk, then flipped again, the disk's copy
     left damaged). The probe is then served that copy and never reads the disk's: the fault step evicts the upper
     tiers and asks again, and the row says so; the damage is then read and counted."""
+    from cache_impl.cache.faults import flip_byte
     from gates.config import FaultSpec
     from gates.g4_soak.fault_schedule import FaultSchedule
-    from cache_impl.cache.faults import flip_byte
     from workloads.probes.faults import CacheAdmin
-    from workloads.traffic.target import Target
     from workloads.traffic.requests import WorkloadRequest
+    from workloads.traffic.target import Target
 
     admin = AdminClient(tiered.base_url)
     messages = ({"role": "user", "content": distinct_prompt("published between damage and probe")},)

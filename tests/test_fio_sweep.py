@@ -86,7 +86,9 @@ def test_g2_reads_g1s_best_from_the_run_store_and_sweeps_itself_when_g1_did_not_
     assert len([m for m in store.measurements("g2") if m["metric"] == POINT]) == len(points)
     best = FioShape(True, "io_uring", 32, 4, "16M")
     store.record("g1", "storage_sweep", BEST_READ, 5.2, "GB/s", kind="read", **best.to_dict())
-    store.record("g1", "storage_sweep", BEST_WRITE, 2.1, "GB/s", kind="write", **FioShape(False, "psync", 1, 4).to_dict())
+    store.record(
+        "g1", "storage_sweep", BEST_WRITE, 2.1, "GB/s", kind="write", **FioShape(False, "psync", 1, 4).to_dict()
+    )
     found = storage_best(config, store)                        # G1 ran: its winners, whatever G2 measured
     assert found.read == best and found.read_gbps == 5.2 and found.source == "G1's sweep"
 

@@ -9,15 +9,25 @@ import shutil
 
 import pytest
 
-from gates.g2_baseline.cold_read import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, TierColdLoad,
-                                         disk_counters, measure_pairs, own_pattern, paired_ratio)
+from gates.g2_baseline.cold_read import (
+    MIN_PAIRS,
+    FioRegions,
+    Pair,
+    Pairing,
+    Reading,
+    TierColdLoad,
+    disk_counters,
+    measure_pairs,
+    own_pattern,
+    paired_ratio,
+)
 from gates.side_by_side import FasterOf
-from workloads.storage.fio_sweep import FioShape
 from kvcore.rules import Threshold
 from kvcore.verdict import FAIL, INCONCLUSIVE, PASS, judge
 from tests.servers import TINY_MODEL, distinct_prompt, started_server
-from workloads.traffic.client import StreamingClient
 from workloads.probes.faults import AdminClient
+from workloads.storage.fio_sweep import FioShape
+from workloads.traffic.client import StreamingClient
 from workloads.traffic.requests import WorkloadRequest
 
 RULE = Threshold("cold_read_vs_storage_best", ">=", 0.8)

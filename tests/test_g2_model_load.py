@@ -8,13 +8,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from gates.g2_baseline.model_load import (RANDOM_DIR, WARMUP_ROUNDS, measure_loaders, measure_speedup,
-                                          median_phases, prepare_checkpoints)
+from cache_impl.weights.safetensors_dir import CheckpointFormatError
+from gates.g2_baseline.model_load import (
+    RANDOM_DIR,
+    WARMUP_ROUNDS,
+    measure_loaders,
+    measure_speedup,
+    median_phases,
+    prepare_checkpoints,
+)
 from gates.side_by_side import MIN_PAIRS, FioShape, Pairing
 from gates.storage_best import StorageBest
 from kvcore.rules import Threshold
 from kvcore.stats import ratio_ci
-from cache_impl.weights.safetensors_dir import CheckpointFormatError
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 

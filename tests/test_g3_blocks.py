@@ -4,7 +4,6 @@ until it decides, the warm-up from each block's first request, and real sweeps a
 from __future__ import annotations
 
 import math
-
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,18 +12,18 @@ import numpy as np
 import pytest
 
 from gates.benches.client_bench import _process
-from kvcore.g3_analysis import level_figures
 from gates.g3_main.blocks import counted_causes, excludes_null, level_pairs, level_sampler, pair_figures
-from kvcore.verdict import judge
 from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_line, ratio_excludes_one
+from kvcore.g3_analysis import level_figures
 from kvcore.rules import parse_rule
-from workloads.loadgen.blocks import LevelSampling, block_order, run_sweep, step_measured_records
 from kvcore.rundata import read_records
-from workloads.traffic.target import Target
+from kvcore.verdict import judge
+from workloads.loadgen.blocks import LevelSampling, block_order, run_sweep, step_measured_records
+from workloads.loadgen.steady import SteadyRule
+from workloads.loadgen.sweep import SweepSettings
 from workloads.traffic.processes import free_port
 from workloads.traffic.requests import Workload, WorkloadRequest, load_order
-from workloads.loadgen.sweep import SweepSettings
-from workloads.loadgen.steady import SteadyRule
+from workloads.traffic.target import Target
 
 REDUCTION = parse_rule({"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25})
 GAIN = parse_rule({"metric": "throughput_gain", "min": 0.29, "max": 0.40})
@@ -209,7 +208,9 @@ def test_a_known_good_pair_passes_in_abba_blocks_measured_from_each_blocks_first
         assert block["first_sent_at"] == min(r["sent_at"] for r in records) > block["started_at"]
         assert block["window_start"] == pytest.approx(block["first_sent_at"] + settings.warmup_s)
         assert block["requests"] == sum(r["sent_at"] >= block["window_start"] for r in records)
-    assert len(step_measured_records(baseline)) == baseline["requests"] == sum(b["requests"] for b in baseline["blocks"])
+    assert (
+        len(step_measured_records(baseline)) == baseline["requests"] == sum(b["requests"] for b in baseline["blocks"])
+    )
     figures = pair_figures(level_pairs(baseline, candidate))
     verdict = judge("g3", "c2", "G3 TTFT p50 reduction at c=2", figures.ttft_reduction, REDUCTION, unit="%",
                     interval=figures.ttft_interval, valid=figures.valid, invalid_reason=figures.invalid_reason)

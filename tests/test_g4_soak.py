@@ -13,18 +13,27 @@ import psutil
 import pytest
 import yaml
 
-from gates.cli import main
 from gates.benches.client_bench import _process
+from gates.cli import main
 from gates.config import ConfigError, load_config
-from gates.g4_soak.analysis import drift, drift_power, excluded_window_rows, fault_span, faults_summary, \
-    growth_horizon, growth_power, project_growth, windows_touched
-from kvcore.stats import mann_kendall
+from gates.g4_soak.analysis import (
+    drift,
+    drift_power,
+    excluded_window_rows,
+    fault_span,
+    faults_summary,
+    growth_horizon,
+    growth_power,
+    project_growth,
+    windows_touched,
+)
 from kvcore.rules import Threshold
-from kvcore.verdict import judge
 from kvcore.rundata import RunStore
+from kvcore.stats import mann_kendall
+from kvcore.verdict import judge
 from workloads.probes.faults import AdminClient
-from workloads.traffic.processes import free_port
 from workloads.servers.server_behaviour import Behaviour
+from workloads.traffic.processes import free_port
 
 SOAK = {
     "targets": {"embedded": {"preset": "tiny", "max_running": 4, "device_capacity_blocks": 8,
@@ -421,7 +430,9 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
         assert row["probe_during"]["identical"], row                  # no wrong answer while it lasted
         assert row["recovered_after_s"] is not None, row
         assert row["at_s"] <= row["injected_s"] <= row["ended_s"] and row["recovery_timeout_s"] > 0, row
-    assert rows[0]["detail"]["key"] and rows[0]["probe_during"]["cached_tokens"] < rows[0]["probe_during"]["prompt_tokens"]
+    assert (
+        rows[0]["detail"]["key"] and rows[0]["probe_during"]["cached_tokens"] < rows[0]["probe_during"]["prompt_tokens"]
+    )
     store = RunStore(run_dir)
     verdicts = {v["metric"]: v for v in store.verdicts("g4")}
     assert verdicts["faults_handled_fraction"]["status"] == "PASS", verdicts["faults_handled_fraction"]["reason"]
@@ -429,12 +440,17 @@ def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_sys
     # which tier served the soak's hits: the faults' probes were loaded from disk, so the disk served some
     shares = {m["context"]["tier"]: m for m in store.measurements("g4") if m["metric"] == "hit_tier_share"}
     assert {"device", "host", "disk"} <= set(shares) and shares["disk"]["context"]["hits"] > 0
-    assert abs(sum(m["value"] for m in shares.values()) - 1) < 1e-9 and shares["disk"]["context"]["counted_in"] == "blocks"
+    assert (
+        abs(sum(m["value"] for m in shares.values()) - 1) < 1e-9 and shares["disk"]["context"]["counted_in"] == "blocks"
+    )
     assert verdicts["error_rate"]["status"] == "PASS"
     left_out = {m["context"]["window"] for m in store.measurements("g4") if m["metric"] == "drift_excluded_window"}
     assert {int(f["at_s"] // SOAK["g4"]["window_s"]) for f in FAULTS} <= left_out   # each fault's own window
-    assert 0 in left_out                                                           # the warm-up's window
-    assert f"{len(left_out)} windows of warm-up, faults or errors left out" in verdicts["throughput_drift_fraction"]["reason"]
+    assert 0 in left_out  # the warm-up's window
+    assert (
+        f"{len(left_out)} windows of warm-up, faults or errors left out"
+        in verdicts["throughput_drift_fraction"]["reason"]
+    )
     unjudged = {u["metric"]: u for u in store.unjudged("g4")}
     assert "ttft_p99_drift_fraction" not in verdicts and "cannot power it (g4.measured_only)" in \
         unjudged["ttft_p99_drift_fraction"]["reason"]

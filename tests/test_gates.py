@@ -23,112 +23,213 @@ def _config_file(tmp_path: Path, data) -> Path:
     return path
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"g2": {"contextz": [1024]}}, "g2.contextz: unknown field"),
-    ({"g2": {"contexts": "many"}}, "g2.contexts: expected a list, found 'many'"),
-    ({"g2": {"contexts": []}}, "g2.contexts"),
-    ({"g2": {"cold_read_pairs": 2}}, "g2.cold_read_pairs.min: expected a value >= 3, found 2"),
-    ({"g2": {"cold_read_pairs": {"min": 6, "max": 4}}}, "g2.cold_read_pairs.max: expected at least min (6), found 4"),
-    ({"g2": {"model_load": {"rounds": {"budget_s": 0}}}}, "g2.model_load.rounds.budget_s: expected a value > 0"),
-    ({"fio": {"sweep": {"iodepths": [4, 4]}}}, "fio.sweep.iodepths: expected each value once, found [4] repeated"),
-    ({"fio": {"sweep": {"ioengines": ["posixaio"]}}}, "fio.sweep.ioengines[0]"),
-    ({"fio": {"sweep": {"size": "8M"}}}, "fio.sweep.size: expected at least the largest request size"),
-    ({"g3": {"levels": [2, "four"]}}, "g3.levels[1]: expected a finite number, found 'four'"),
-    ({"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
-     "g1.thresholds[0]: expected keys {metric, op, value} (threshold) or {metric, min, max} (band), "
-     "found {metric, value}"),
-    ({"g1": {"thresholds": [{"metric": "x", "op": "=>", "value": 1}]}}, "g1.thresholds[0].op: expected one of"),
-    ({"g3": {"thresholds": [{"metric": "throughput_gain", "min": 0.5, "max": 0.3}]}},
-     "g3.thresholds[0].max: expected max >= min (0.5), found 0.3"),
-    ({"targets": {"kind": "external"}}, "targets: expected baseline and candidate endpoints"),
-    ({"targets": {"kind": "external", "baseline": {"url": "10.0.0.1:8000", "model": "m"},
-                  "candidate": {"url": "http://h/v1", "model": "m"}}}, "targets.baseline.url"),
-    ({"fio": {"iodepth": 0}}, "fio.iodepth: expected a value >= 1, found 0"),
-    ({"profile": "medium"}, "profile: expected one of ['full', 'quick'], found 'medium'"),
-    ({"g4": {"faults": [{"kind": "meteor", "at_s": 3}]}}, "g4.faults[0].kind: expected one of"),
-    ({"g4": {"duration_s": 20}}, "g4: expected every fault's at_s < duration_s (20), found faults[1].at_s"),
-    ({"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 0}]}},
-     "g4.faults[0].delay_ms: expected a value > 0.0, found 0"),
-    # what the server's /admin/faults would refuse mid-soak is refused at load
-    ({"g4": {"faults": [{"kind": "read_error", "at_s": 3, "duration_s": 1e9}]}},
-     "g4.faults[0].duration_s: expected a value <= 86400.0, found 1000000000.0"),
-    ({"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 600000}]}},
-     "g4.faults[0].delay_ms: expected a value <= 60000.0, found 600000"),
-    ("- just\n- a list\n", "expected a mapping at the top level, found list"),
-    ("g1: [unclosed\n", "expected valid YAML"),
-    # a threshold naming a metric its gate does not judge
-    ({"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
-                            {"metric": "throughput_gian", "min": 1, "max": 2}]}},
-     "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, error_rate, disk_hit_share, capacity_gain, no_reuse_ttft_cost, no_reuse_throughput_cost, found 'throughput_gian'"),
-    ({"g2": {"thresholds": [{"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
-                            {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.7}]}},
-     "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_storage_best' again (first at [0])"),
-    ({"g1": {"thresholds": [{"metric": "cpu_cores", "op": ">=", "value": 2}]}},
-     "g1.thresholds[0].metric: expected one of seq_read_gbps"),
-    # values that cannot be meant (1.6)
-    ({"g3": {"levels": [0, -2]}}, "g3.levels: expected concurrencies (integers >= 1) for replay: closed_loop, found [0, -2]"),
-    ({"g3": {"levels": [True]}}, "g3.levels[0]: expected a finite number, found True"),
-    ({"g3": {"duration_s": 1e400}}, "g3.duration_s: expected a finite number, found inf"),
-    ({"g3": {"duration_s": 10, "warmup_s": 10}}, "g3.warmup_s: expected less than duration_s (10), found 10"),
-    ({"g4": {"duration_s": 5, "window_s": 10, "warmup_s": 0, "faults": []}}, "g4.window_s: expected at most duration_s (5), found 10"),
-    ({"g2": {"rounds": 2.0}}, "g2.rounds: expected an integer, found 2.0"),
-    # section 2: every field at load, before any server starts
-    ({"g3": {"workload": {"kind": "multi_round_qa", "userz": 4}}}, "g3.workload.userz: unknown field"),
-    ({"g3": {"workload": {"kind": "nonexistent_kind"}}}, "g3.workload.kind: expected one of"),
-    ({"targets": {"embedded": {"host_capacity": "1XB"}}},
-     "targets.embedded.host_capacity: expected a byte size (integer or string like '4GiB'), found '1XB'"),
-    (b"g1: {thresholds: []}\n# caf\xe9\n", "expected a UTF-8 text file, found byte 0xe9 at offset 26"),
-    # what a stranger found next: values the servers or the gates would only refuse later
-    ({"targets": {"embedded": {"host_capacity": "99999TiB"}}},
-     "targets.embedded.host_capacity: expected at most this host's memory"),
-    ({"targets": {"embedded": {"seed": 10**23}}}, "targets.embedded.seed: expected a value <= 9223372036854775807"),
-    ({"fio": {"size": "1XB"}}, "fio.size: expected a byte size"),
-    ({"fio": {"verify_size": "0"}}, "fio.verify_size: expected a byte size > 0, found '0'"),
-    ({"fio": {"ioengine": "; rm -rf /"}}, "fio.ioengine: expected"),
-    ({"storage": {"path": ""}}, "storage.path: expected a directory path, found an empty string"),
-    ({"g3": {"levels": [2, 2, 4]}}, "g3.levels: expected each level once, found [2] repeated"),
-    ({"g4": {"window_s": 0.001}}, "g4.window_s: expected a value >= 1"),
-    ({"targets": {"candidate_nodes": ["http://127.0.0.1:9000/v1"]}},
-     "targets.candidate_nodes: expected none for kind: embedded"),
-    ({"targets": {"kind": "external", "baseline": {"url": "http://", "model": "m"},
-                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}},
-     "targets.baseline.url: expected http(s)://host[:port]/v1 with a host, found 'http://'"),
-    ({"targets": {"kind": "external", "baseline": {"url": "http://127.0.0.1:99999/v1", "model": "m"},
-                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}},
-     "targets.baseline.url: expected a port in 1-65535 in the URL"),
-    ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m", "api_key_env": "KVGATE_NOPE"},
-                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}},
-     "targets.baseline.api_key_env: expected the environment variable 'KVGATE_NOPE' to hold the API key, found it "
-     "unset"),
-    ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m"},
-                  "candidate": {"url": "http://h:8000/v1", "model": "m"}}, "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]}},
-     "g4.faults: expected no fault schedule for an external candidate without kvgate's cache"),
-    ({"targets": {"kind": "external", "baseline": {"url": "http://h:1/v1", "model": "m"},
-                  "candidate": {"url": "http://h:8000/v1", "model": "m", "engine": "vllm", "cache_layer": "kvgate"}},
-      "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]}},
-     "g4.faults: expected no fault schedule for an external candidate without kvgate's cache"),
-    # model load and checkpoint save
-    ({"g2": {"model_load": {"loaders": ["safetensor"]}}}, "g2.model_load.loaders[0]: expected one of"),
-    ({"g2": {"model_load": {"loaders": ["safetensors", "safetensors"]}}},
-     "g2.model_load.loaders: expected each loader once, found ['safetensors'] repeated"),
-    ({"g2": {"model_load": {"rounds": 2}}}, "g2.model_load.rounds.min: expected a value >= 3, found 2"),
-    ({"g2": {"checkpoint": {"rounds": {"min": 2}}}}, "g2.checkpoint.rounds.min: expected a value >= 3, found 2"),
-    ({"g2": {"model_load": {"size": "1XB"}}}, "g2.model_load.size: expected a byte size"),
-    ({"g2": {"model_load": {"launch": "vllm serve m"}}},
-     "g2.model_load: launch and health_url: expected both (the start command and the URL that answers when it is "
-     "ready) or neither"),
-    ({"g2": {"model_load": {"launch": [], "health_url": "http://127.0.0.1:8000/health"}}},
-     "g2.model_load.launch: expected a command"),
-    ({"g2": {"model_load": {"path": ""}}}, "g2.model_load.path: expected a directory path, found an empty string"),
-    ({"g2": {"checkpoint": {"parameters": "7B"}}}, "g2.checkpoint.parameters"),
-    ({"g2": {"checkpoint": {"parameters": 0}}}, "g2.checkpoint.parameters"),
-    ({"g2": {"checkpoint": {"ranks": 0}}}, "g2.checkpoint.ranks: expected a value >= 1, found 0"),
-    ({"g2": {"checkpoint": {"sync": False}}}, "g2.checkpoint.sync: unknown field"),
-    # the capacity search
-    ({"g3": {"capacity": {"start": 0}}}, "g3.capacity.start: expected a load > 0, found 0"),
-    ({"g3": {"capacity": {"enabled": True, "start": 1.5}}, "slo": {"ttft_ms": 100}},
-     "g3.capacity.start: expected a whole number of users (replay: closed_loop), found 1.5"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"g2": {"contextz": [1024]}}, "g2.contextz: unknown field"),
+        ({"g2": {"contexts": "many"}}, "g2.contexts: expected a list, found 'many'"),
+        ({"g2": {"contexts": []}}, "g2.contexts"),
+        ({"g2": {"cold_read_pairs": 2}}, "g2.cold_read_pairs.min: expected a value >= 3, found 2"),
+        (
+            {"g2": {"cold_read_pairs": {"min": 6, "max": 4}}},
+            "g2.cold_read_pairs.max: expected at least min (6), found 4",
+        ),
+        ({"g2": {"model_load": {"rounds": {"budget_s": 0}}}}, "g2.model_load.rounds.budget_s: expected a value > 0"),
+        ({"fio": {"sweep": {"iodepths": [4, 4]}}}, "fio.sweep.iodepths: expected each value once, found [4] repeated"),
+        ({"fio": {"sweep": {"ioengines": ["posixaio"]}}}, "fio.sweep.ioengines[0]"),
+        ({"fio": {"sweep": {"size": "8M"}}}, "fio.sweep.size: expected at least the largest request size"),
+        ({"g3": {"levels": [2, "four"]}}, "g3.levels[1]: expected a finite number, found 'four'"),
+        (
+            {"g1": {"thresholds": [{"metric": "seq_read_gbps", "value": 1}]}},
+            "g1.thresholds[0]: expected keys {metric, op, value} (threshold) or {metric, min, max} (band), "
+            "found {metric, value}",
+        ),
+        ({"g1": {"thresholds": [{"metric": "x", "op": "=>", "value": 1}]}}, "g1.thresholds[0].op: expected one of"),
+        (
+            {"g3": {"thresholds": [{"metric": "throughput_gain", "min": 0.5, "max": 0.3}]}},
+            "g3.thresholds[0].max: expected max >= min (0.5), found 0.3",
+        ),
+        ({"targets": {"kind": "external"}}, "targets: expected baseline and candidate endpoints"),
+        (
+            {
+                "targets": {
+                    "kind": "external",
+                    "baseline": {"url": "10.0.0.1:8000", "model": "m"},
+                    "candidate": {"url": "http://h/v1", "model": "m"},
+                }
+            },
+            "targets.baseline.url",
+        ),
+        ({"fio": {"iodepth": 0}}, "fio.iodepth: expected a value >= 1, found 0"),
+        ({"profile": "medium"}, "profile: expected one of ['full', 'quick'], found 'medium'"),
+        ({"g4": {"faults": [{"kind": "meteor", "at_s": 3}]}}, "g4.faults[0].kind: expected one of"),
+        ({"g4": {"duration_s": 20}}, "g4: expected every fault's at_s < duration_s (20), found faults[1].at_s"),
+        (
+            {"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 0}]}},
+            "g4.faults[0].delay_ms: expected a value > 0.0, found 0",
+        ),
+        # what the server's /admin/faults would refuse mid-soak is refused at load
+        (
+            {"g4": {"faults": [{"kind": "read_error", "at_s": 3, "duration_s": 1e9}]}},
+            "g4.faults[0].duration_s: expected a value <= 86400.0, found 1000000000.0",
+        ),
+        (
+            {"g4": {"faults": [{"kind": "slow_disk", "at_s": 3, "delay_ms": 600000}]}},
+            "g4.faults[0].delay_ms: expected a value <= 60000.0, found 600000",
+        ),
+        ("- just\n- a list\n", "expected a mapping at the top level, found list"),
+        ("g1: [unclosed\n", "expected valid YAML"),
+        # a threshold naming a metric its gate does not judge
+        (
+            {
+                "g3": {
+                    "thresholds": [
+                        {"metric": "ttft_p50_reduction", "op": ">=", "value": -1},
+                        {"metric": "throughput_gian", "min": 1, "max": 2},
+                    ]
+                }
+            },
+            "g3.thresholds[1].metric: expected one of ttft_p50_reduction, throughput_gain, sustained_rate_gain, "
+            "error_rate, disk_hit_share, capacity_gain, no_reuse_ttft_cost, no_reuse_throughput_cost, "
+            "found 'throughput_gian'",
+        ),
+        (
+            {
+                "g2": {
+                    "thresholds": [
+                        {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.8},
+                        {"metric": "cold_read_vs_storage_best", "op": ">=", "value": 0.7},
+                    ]
+                }
+            },
+            "g2.thresholds[1].metric: expected each metric once, found 'cold_read_vs_storage_best' again "
+            "(first at [0])",
+        ),
+        (
+            {"g1": {"thresholds": [{"metric": "cpu_cores", "op": ">=", "value": 2}]}},
+            "g1.thresholds[0].metric: expected one of seq_read_gbps",
+        ),
+        # values that cannot be meant (1.6)
+        (
+            {"g3": {"levels": [0, -2]}},
+            "g3.levels: expected concurrencies (integers >= 1) for replay: closed_loop, found [0, -2]",
+        ),
+        ({"g3": {"levels": [True]}}, "g3.levels[0]: expected a finite number, found True"),
+        ({"g3": {"duration_s": 1e400}}, "g3.duration_s: expected a finite number, found inf"),
+        ({"g3": {"duration_s": 10, "warmup_s": 10}}, "g3.warmup_s: expected less than duration_s (10), found 10"),
+        (
+            {"g4": {"duration_s": 5, "window_s": 10, "warmup_s": 0, "faults": []}},
+            "g4.window_s: expected at most duration_s (5), found 10",
+        ),
+        ({"g2": {"rounds": 2.0}}, "g2.rounds: expected an integer, found 2.0"),
+        # section 2: every field at load, before any server starts
+        ({"g3": {"workload": {"kind": "multi_round_qa", "userz": 4}}}, "g3.workload.userz: unknown field"),
+        ({"g3": {"workload": {"kind": "nonexistent_kind"}}}, "g3.workload.kind: expected one of"),
+        (
+            {"targets": {"embedded": {"host_capacity": "1XB"}}},
+            "targets.embedded.host_capacity: expected a byte size (integer or string like '4GiB'), found '1XB'",
+        ),
+        (b"g1: {thresholds: []}\n# caf\xe9\n", "expected a UTF-8 text file, found byte 0xe9 at offset 26"),
+        # what a stranger found next: values the servers or the gates would only refuse later
+        (
+            {"targets": {"embedded": {"host_capacity": "99999TiB"}}},
+            "targets.embedded.host_capacity: expected at most this host's memory",
+        ),
+        ({"targets": {"embedded": {"seed": 10**23}}}, "targets.embedded.seed: expected a value <= 9223372036854775807"),
+        ({"fio": {"size": "1XB"}}, "fio.size: expected a byte size"),
+        ({"fio": {"verify_size": "0"}}, "fio.verify_size: expected a byte size > 0, found '0'"),
+        ({"fio": {"ioengine": "; rm -rf /"}}, "fio.ioengine: expected"),
+        ({"storage": {"path": ""}}, "storage.path: expected a directory path, found an empty string"),
+        ({"g3": {"levels": [2, 2, 4]}}, "g3.levels: expected each level once, found [2] repeated"),
+        ({"g4": {"window_s": 0.001}}, "g4.window_s: expected a value >= 1"),
+        (
+            {"targets": {"candidate_nodes": ["http://127.0.0.1:9000/v1"]}},
+            "targets.candidate_nodes: expected none for kind: embedded",
+        ),
+        (
+            {
+                "targets": {
+                    "kind": "external",
+                    "baseline": {"url": "http://", "model": "m"},
+                    "candidate": {"url": "http://h:8000/v1", "model": "m"},
+                }
+            },
+            "targets.baseline.url: expected http(s)://host[:port]/v1 with a host, found 'http://'",
+        ),
+        (
+            {
+                "targets": {
+                    "kind": "external",
+                    "baseline": {"url": "http://127.0.0.1:99999/v1", "model": "m"},
+                    "candidate": {"url": "http://h:8000/v1", "model": "m"},
+                }
+            },
+            "targets.baseline.url: expected a port in 1-65535 in the URL",
+        ),
+        (
+            {
+                "targets": {
+                    "kind": "external",
+                    "baseline": {"url": "http://h:1/v1", "model": "m", "api_key_env": "KVGATE_NOPE"},
+                    "candidate": {"url": "http://h:8000/v1", "model": "m"},
+                }
+            },
+            "targets.baseline.api_key_env: expected the environment variable 'KVGATE_NOPE' to hold the API key, "
+            "found it unset",
+        ),
+        (
+            {
+                "targets": {
+                    "kind": "external",
+                    "baseline": {"url": "http://h:1/v1", "model": "m"},
+                    "candidate": {"url": "http://h:8000/v1", "model": "m"},
+                },
+                "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]},
+            },
+            "g4.faults: expected no fault schedule for an external candidate without kvgate's cache",
+        ),
+        (
+            {
+                "targets": {
+                    "kind": "external",
+                    "baseline": {"url": "http://h:1/v1", "model": "m"},
+                    "candidate": {"url": "http://h:8000/v1", "model": "m", "engine": "vllm", "cache_layer": "kvgate"},
+                },
+                "g4": {"faults": [{"kind": "flip_byte", "at_s": 1}]},
+            },
+            "g4.faults: expected no fault schedule for an external candidate without kvgate's cache",
+        ),
+        # model load and checkpoint save
+        ({"g2": {"model_load": {"loaders": ["safetensor"]}}}, "g2.model_load.loaders[0]: expected one of"),
+        (
+            {"g2": {"model_load": {"loaders": ["safetensors", "safetensors"]}}},
+            "g2.model_load.loaders: expected each loader once, found ['safetensors'] repeated",
+        ),
+        ({"g2": {"model_load": {"rounds": 2}}}, "g2.model_load.rounds.min: expected a value >= 3, found 2"),
+        ({"g2": {"checkpoint": {"rounds": {"min": 2}}}}, "g2.checkpoint.rounds.min: expected a value >= 3, found 2"),
+        ({"g2": {"model_load": {"size": "1XB"}}}, "g2.model_load.size: expected a byte size"),
+        (
+            {"g2": {"model_load": {"launch": "vllm serve m"}}},
+            "g2.model_load: launch and health_url: expected both (the start command and the URL that answers "
+            "when it is ready) or neither",
+        ),
+        (
+            {"g2": {"model_load": {"launch": [], "health_url": "http://127.0.0.1:8000/health"}}},
+            "g2.model_load.launch: expected a command",
+        ),
+        ({"g2": {"model_load": {"path": ""}}}, "g2.model_load.path: expected a directory path, found an empty string"),
+        ({"g2": {"checkpoint": {"parameters": "7B"}}}, "g2.checkpoint.parameters"),
+        ({"g2": {"checkpoint": {"parameters": 0}}}, "g2.checkpoint.parameters"),
+        ({"g2": {"checkpoint": {"ranks": 0}}}, "g2.checkpoint.ranks: expected a value >= 1, found 0"),
+        ({"g2": {"checkpoint": {"sync": False}}}, "g2.checkpoint.sync: unknown field"),
+        # the capacity search
+        ({"g3": {"capacity": {"start": 0}}}, "g3.capacity.start: expected a load > 0, found 0"),
+        (
+            {"g3": {"capacity": {"enabled": True, "start": 1.5}}, "slo": {"ttft_ms": 100}},
+            "g3.capacity.start: expected a whole number of users (replay: closed_loop), found 1.5",
+        ),
+    ],
+)
 def test_a_bad_config_names_the_field_what_was_expected_and_what_was_found(tmp_path, data, message):
     with pytest.raises(ConfigError) as error:
         load_config(_config_file(tmp_path, data))
@@ -359,7 +460,10 @@ def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path, monkeypa
     assert (spec.parameters, spec.ranks) == (70_553_706_496, 8)
     assert 70_553_706_496 * 14 * 0.999 < spec.total_bytes < 70_553_706_496 * 14 * 1.001
     # the profile's parameter count is replaced, not merged with a preset
-    assert load_config(_config_file(tmp_path, {"g2": {"checkpoint": {"parameters": 1000}}})).g2.checkpoint.parameters == 1000
+    assert (
+        load_config(_config_file(tmp_path, {"g2": {"checkpoint": {"parameters": 1000}}})).g2.checkpoint.parameters
+        == 1000
+    )
 
 
 def test_the_g2_control_configs_load_as_a_short_g2_and_the_serial_one_reads_with_one_worker():

@@ -19,7 +19,9 @@ def _fingerprint(spec: dict) -> Fingerprint:
     )
 
 
-@pytest.mark.parametrize("vector", VECTORS, ids=lambda v: f"bs{v['fingerprint']['layout']['block_size']}-n{len(v['tokens'])}")
+@pytest.mark.parametrize(
+    "vector", VECTORS, ids=lambda v: f"bs{v['fingerprint']['layout']['block_size']}-n{len(v['tokens'])}"
+)
 def test_keys_match_published_conformance_vectors(vector):
     fp = _fingerprint(vector["fingerprint"])
     assert fp.hex == vector["fingerprint_digest"]

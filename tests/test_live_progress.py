@@ -14,15 +14,14 @@ from gates.benches.client_bench import _process
 from gates.g4_soak.soak import LiveWindow, WindowFeed, finished_at
 from gates.run import plain_progress_lines
 from kvcore.files import JsonlTail, append_jsonl
-from kvcore.rundata import RunStore
+from kvcore.rundata import RunStore, read_records
 from workloads.loadgen.blocks import run_sweep
-from kvcore.rundata import read_records
 from workloads.loadgen.live import LiveFigures, LiveStep
-from workloads.traffic.target import Target
-from workloads.traffic.processes import free_port
 from workloads.loadgen.load import run_load
-from workloads.traffic.requests import Workload, WorkloadRequest
 from workloads.loadgen.sweep import SweepSettings, prime_targets
+from workloads.traffic.processes import free_port
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.traffic.target import Target
 
 
 def _workload(sessions: int = 6) -> Workload:

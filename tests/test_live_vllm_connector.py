@@ -249,4 +249,6 @@ def test_kvgate_run_gates_vllm_with_kvgates_connector_through_g2_and_g4_with_fau
     assert g4["probe_identical_fraction"]["value"] == 1.0, g4["probe_identical_fraction"]
     faults = {row["kind"]: row for row in map(json.loads, (out / "gates" / "g4" / "raw" / "faults.jsonl")
                                               .read_text().splitlines())}
-    assert faults["flip_byte"]["detected"]["corrupt_blocks"] >= 1 and faults["read_error"]["detected"]["read_errors"] >= 1
+    assert (
+        faults["flip_byte"]["detected"]["corrupt_blocks"] >= 1 and faults["read_error"]["detected"]["read_errors"] >= 1
+    )

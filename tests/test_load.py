@@ -9,14 +9,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvcore.rundata import read_records
 from tests.servers import started_server
 from workloads.loadgen.blocks import run_sweep
-from workloads.traffic.client import StreamingClient
-from kvcore.rundata import read_records
-from workloads.traffic.target import Target
 from workloads.loadgen.load import run_load
-from workloads.traffic.requests import Workload, WorkloadRequest
 from workloads.loadgen.sweep import SweepSettings, paced, prime_targets, read_client_samples, summarize_step
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.traffic.target import Target
 
 SYSTEM = "You answer questions about the document. " * 12
 
@@ -111,11 +111,15 @@ def test_a_sweep_returns_one_valid_row_per_level_and_target(target, tmp_path):
                              out_dir=tmp_path, on_step=said.append)
     frame = run_sweep([target], _workload(), settings)
     # progress: a line as each step starts and one with its figures as it ends
-    assert said[0] == "step 1 / 2, c=1, embedded: running for 6 s" and said[1].startswith("step 1 / 2, c=1, embedded: done, ")
+    assert said[0] == "step 1 / 2, c=1, embedded: running for 6 s" and said[1].startswith(
+        "step 1 / 2, c=1, embedded: done, "
+    )
     assert "TTFT p50" in said[1] and "errors 0.0%" in said[1] and len(said) == 4
     assert list(frame["concurrency"]) == [1, 3] and list(frame["target"]) == ["embedded", "embedded"]
     _valid_unless_the_machine_is_busy(frame)
-    assert (frame["completed"] > 0).all() and (frame["ttft_p50_s"] > 0).all() and (frame["output_tokens_per_s"] > 0).all()
+    assert (
+        (frame["completed"] > 0).all() and (frame["ttft_p50_s"] > 0).all() and (frame["output_tokens_per_s"] > 0).all()
+    )
     assert (frame["hit_ratio"] > 0).all() and (frame["error_rate"] == 0).all()
 
 

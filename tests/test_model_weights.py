@@ -14,10 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_impl.weights.loaders import (LOADERS, check_destinations, load_checkpoint, loaded_checksums, loader_unavailable,
-                                verify_loaded)
-from cache_impl.weights.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, file_checksums,
-                                        read_safetensors_dir, write_random_checkpoint, write_safetensors_dir)
+from cache_impl.weights.loaders import (
+    LOADERS,
+    check_destinations,
+    load_checkpoint,
+    loaded_checksums,
+    loader_unavailable,
+    verify_loaded,
+)
+from cache_impl.weights.safetensors_dir import (
+    CHECKSUMS_NAME,
+    INDEX_NAME,
+    CheckpointFormatError,
+    file_checksums,
+    read_safetensors_dir,
+    write_random_checkpoint,
+    write_safetensors_dir,
+)
 from kvcore.files import drop_cached_pages, process_read_bytes
 from kvcore.loader_names import READS_WITH_O_DIRECT
 from tests.loader_params import EACH_LOADER
@@ -80,11 +93,17 @@ def loaded_checksums_of(tensor: torch.Tensor) -> str:
 def test_the_index_maps_each_tensor_to_its_shard_and_totals_the_bytes(checkpoint):
     index = json.loads((checkpoint.path / INDEX_NAME).read_text())
     count = len(checkpoint.files)
-    assert [f.name for f in checkpoint.files] == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-    assert index["metadata"]["total_size"] == checkpoint.tensor_bytes == sum(t.nbytes for t in checkpoint.tensors.values())
+    assert [f.name for f in checkpoint.files] == [
+        f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)
+    ]
+    assert (
+        index["metadata"]["total_size"] == checkpoint.tensor_bytes == sum(t.nbytes for t in checkpoint.tensors.values())
+    )
     assert index["weight_map"] == {name: entry.file.name for name, entry in checkpoint.tensors.items()}
-    assert all(f.stat().st_size <= SHARD + (1 << 20) for f in checkpoint.files[:-1])   # about shard_bytes each
-    assert "model.layers.0.mlp.up_proj.weight" in checkpoint.tensors and "model.embed_tokens.weight" in checkpoint.tensors
+    assert all(f.stat().st_size <= SHARD + (1 << 20) for f in checkpoint.files[:-1])  # about shard_bytes each
+    assert (
+        "model.layers.0.mlp.up_proj.weight" in checkpoint.tensors and "model.embed_tokens.weight" in checkpoint.tensors
+    )
     assert checkpoint.notes == ()
 
 

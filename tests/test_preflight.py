@@ -9,7 +9,6 @@ import yaml
 
 from gates.preflight import check_node, failure_message, run_preflight
 from gates.targets import Endpoint
-from tests.answering import answering  # noqa: F401  (the fixture: a real HTTP server on 127.0.0.1)
 from tests.servers import REPO, TINY_MODEL, free_port, started_server
 
 

@@ -77,4 +77,8 @@ def test_a_template_key_the_configuration_lacks_is_an_error_naming_its_path():
     with pytest.raises(KeyError, match="g3.no_such_key: in the template but not in the configuration"):
         fill("g3:\n  levels:\n  no_such_key:       # a typo\n", {"g3": {"levels": [2]}}, {})
     with pytest.raises(KeyError, match=r"g1.thresholds: the template comments on \['gone'\], which the profile lacks"):
-        fill("g1:\n  thresholds:\n    - gone  # a metric no longer judged\n", {"g1": {"thresholds": [{"metric": "x"}]}}, {})
+        fill(
+            "g1:\n  thresholds:\n    - gone  # a metric no longer judged\n",
+            {"g1": {"thresholds": [{"metric": "x"}]}},
+            {},
+        )

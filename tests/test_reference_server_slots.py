@@ -7,9 +7,9 @@ import pytest
 
 from gates.selftest.controls import Server
 from gates.selftest.runner import start_server, stop_server
+from workloads.servers.server_behaviour import Behaviour
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.requests import WorkloadRequest
-from workloads.servers.server_behaviour import Behaviour
 
 TTFT_MS, ITL_MS, TOKENS, SLOTS = 40.0, 10.0, 8, 3          # 110 ms a service
 REQUEST = WorkloadRequest("s", "u", 0, ({"role": "user", "content": "hello there"},), 2, TOKENS)

@@ -182,10 +182,26 @@ def test_g4_faults_table_reads_the_recorded_fields_and_marks_older_rows_not_reco
     assert table["columns"] == ["fault", "at", "detected by", "answer unchanged", "recovered after", "injection error",
                                 "handled"]
     assert table["rows"] == [
-        ["flip_byte", "12 s", "corrupt_blocks (+1)", "yes (1536 of 1830 prompt tokens from cache)", "1.1 s", "", "PASS"],
-        ["read_error", "30 s", "NOT detected (read_errors did not move)", "NO (0 of 1830 prompt tokens from cache)",
-         "not recovered", "", "FAIL"],
-        ["slow_disk", "50 s", "not recorded", "not recorded", "2.5 s", "", "FAIL"]]
+        [
+            "flip_byte",
+            "12 s",
+            "corrupt_blocks (+1)",
+            "yes (1536 of 1830 prompt tokens from cache)",
+            "1.1 s",
+            "",
+            "PASS",
+        ],
+        [
+            "read_error",
+            "30 s",
+            "NOT detected (read_errors did not move)",
+            "NO (0 of 1830 prompt tokens from cache)",
+            "not recovered",
+            "",
+            "FAIL",
+        ],
+        ["slow_disk", "50 s", "not recorded", "not recorded", "2.5 s", "", "FAIL"],
+    ]
     assert table["statuses"] == ["PASS", "FAIL", "FAIL"]
 
 

@@ -530,8 +530,10 @@ def test_the_storage_sweep_and_g2s_sequential_pairs_are_tables_with_the_best_job
     table = g2[g2.index("sequential pairs (Lai"):]
     assert "decided after 7 pairs" in table and "[0.30, 0.60]" in table and ">0.98<" in table
     assert "direct, io_uring, iodepth 32, 4 jobs, 16M" in table        # no picks recorded: the sweep's winner
-    streaming = {"direct": {**shape, "numjobs": 1, "bs": "1M", "sweep_gbps": 1.7},
-                 "buffered": {**shape, "direct": False, "ioengine": "psync", "iodepth": 1, "bs": "1M", "sweep_gbps": 1.5}}
+    streaming = {
+        "direct": {**shape, "numjobs": 1, "bs": "1M", "sweep_gbps": 1.7},
+        "buffered": {**shape, "direct": False, "ioengine": "psync", "iodepth": 1, "bs": "1M", "sweep_gbps": 1.5},
+    }
     store.record("g2", "model load", "model_load_vs_storage_best", 0.7, "%", pairs=5, interval=[0.5, 0.9],
                  stopping={"pairs": 5, "decided": False, "why": "budget"}, best=shape, best_modes=streaming,
                  best_source="G1's sweep", aa=False)

@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from cache_impl.platform.buffers import huge_page_empty
 from cache_impl.engine.resident import PAGE, resident_bytes
+from cache_impl.platform.buffers import huge_page_empty
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) is Linux's")
 

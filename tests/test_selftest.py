@@ -16,15 +16,31 @@ import yaml
 from gates.cli import main
 from gates.config import load_config, profile_defaults
 from gates.selftest import CONTROLS, controls_for
-from gates.selftest.controls import (COMPARED, G3_SETTINGS, G4_SETTINGS, NULL_GAIN, GOOD_COLD_READ, Server,
-                                     gates_yaml, g3_run_seconds)
-from gates.selftest.expectations import (ClaimNotMet, MustFail, MustNotPass, MustPass, RefusedAtPreflight,
-                                         format_verdict, invalid_steps, run_completed)
+from gates.selftest.controls import (
+    COMPARED,
+    G3_SETTINGS,
+    G4_SETTINGS,
+    GOOD_COLD_READ,
+    NULL_GAIN,
+    Server,
+    g3_run_seconds,
+    gates_yaml,
+)
+from gates.selftest.expectations import (
+    ClaimNotMet,
+    MustFail,
+    MustNotPass,
+    MustPass,
+    RefusedAtPreflight,
+    format_verdict,
+    invalid_steps,
+    run_completed,
+)
 from gates.selftest.runner import ControlResult, ServerStartError, start_server, stop_server
+from workloads.loadgen.steady import requests_per_part
+from workloads.servers.server_behaviour import Behaviour, parse_every
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.requests import WorkloadRequest
-from workloads.servers.server_behaviour import Behaviour, parse_every
-from workloads.loadgen.steady import requests_per_part
 
 REQUEST = WorkloadRequest("r", "s", 0, ({"role": "user", "content": "one two three four"},), 4, 8)
 

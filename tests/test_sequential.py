@@ -8,8 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from gates.sequential import (METHOD, TAU2, Looks, boundary_of, decides, lai_factor, log_ratio_sequence, method,
-                              sample_until_decided, t_confidence_sequence)
+from gates.sequential import (
+    METHOD,
+    TAU2,
+    Looks,
+    boundary_of,
+    decides,
+    lai_factor,
+    log_ratio_sequence,
+    method,
+    sample_until_decided,
+    t_confidence_sequence,
+)
 from kvcore.rules import Band, Threshold
 
 
@@ -162,7 +172,9 @@ def test_sampling_stops_when_decided_at_the_most_allowed_or_when_the_budget_is_s
     stop = sample_until_decided(take, interval, [rule], minimum=3, maximum=20, budget_s=1e9, clock=lambda: now[0])
     assert stop.decided and stop.pairs == 3 and stop.why == "decided after 3 pairs"
     values.clear()
-    straddling = lambda: (0.7, 0.9)
+    def straddling():
+        return 0.7, 0.9
+
     stop = sample_until_decided(take, straddling, [rule], minimum=3, maximum=5, budget_s=1e9, clock=lambda: now[0])
     assert not stop.decided and stop.pairs == 5 and "most allowed" in stop.why
     stop = sample_until_decided(take, straddling, [rule], minimum=3, maximum=50, budget_s=35, clock=lambda: now[0])

@@ -20,9 +20,9 @@ import torch
 
 from cache_impl.engine.model import build_model
 from cache_impl.engine.weights import export_weights
-from tests.servers import REPO, ServerProcess, ask, distinct_prompt, free_port, http_client
-from tests.loader_params import EACH_LOADER
 from cache_impl.weights.safetensors_dir import CHECKSUMS_NAME, INDEX_NAME, read_safetensors_dir, write_safetensors_dir
+from tests.loader_params import EACH_LOADER
+from tests.servers import REPO, ServerProcess, ask, distinct_prompt, free_port, http_client
 
 PROMPT = distinct_prompt("weights from a directory", 600)
 
@@ -83,7 +83,9 @@ def test_export_writes_the_models_tensors_in_shards_with_an_index_naming_the_pre
     written = read_safetensors_dir(weights)
     model = build_model("tiny", 0, torch.device("cpu"))
     assert len(written.files) >= 3 and (weights / INDEX_NAME).is_file() and written.checksums is not None
-    assert written.metadata["kvgate.preset"] == "tiny" and json.loads(written.metadata["kvgate.model_args"])["dim"] == 64
+    assert (
+        written.metadata["kvgate.preset"] == "tiny" and json.loads(written.metadata["kvgate.model_args"])["dim"] == 64
+    )
     assert {name: list(t.shape) for name, t in model.state_dict().items()} == {
         name: list(entry.shape) for name, entry in written.tensors.items()}
     assert all(entry.dtype == "F32" for entry in written.tensors.values())
@@ -145,8 +147,14 @@ def test_a_damaged_shard_exits_2_naming_the_file(weights, tmp_path, damage):
 def test_a_checkpoint_of_another_shape_exits_2_naming_the_tensor(tmp_path):
     tensors = dict(build_model("tiny", 0, torch.device("cpu")).state_dict())
     tensors["layers.1.wo.weight"] = tensors["layers.1.wo.weight"][:, :32].contiguous()
-    write_safetensors_dir(tmp_path / "odd", ((name, str(t.dtype), list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
-                                            for name, t in sorted(tensors.items())), shard_bytes=1 << 20)
+    write_safetensors_dir(
+        tmp_path / "odd",
+        (
+            (name, str(t.dtype), list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+            for name, t in sorted(tensors.items())
+        ),
+        shard_bytes=1 << 20,
+    )
     result = serve_exit("--preset", "tiny", "--weights", str(tmp_path / "odd"))
     assert result.returncode == 2, result.stderr
     assert ("tensor layers.1.wo.weight: expected float32 [64, 64] (the preset tiny), found float32 [64, 32]"

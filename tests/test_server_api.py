@@ -30,8 +30,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cache_impl.server import auth
 from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from tests.servers import (ADMIN_TOKEN, REPO, SHUTDOWN_TIMEOUT_S, ServerProcess, free_port, http_client, metric_value,
-                           metrics, started_server)
+from tests.servers import (
+    ADMIN_TOKEN,
+    REPO,
+    SHUTDOWN_TIMEOUT_S,
+    ServerProcess,
+    free_port,
+    http_client,
+    metric_value,
+    metrics,
+    started_server,
+)
 from workloads.probes.faults import AdminClient
 
 MODEL = "kvgate-tiny"
@@ -287,7 +296,7 @@ BAD_REQUESTS = [
           (COMPLETIONS, {"prompt": "hi"}, "top_k", 5), (COMPLETIONS, {"prompt": "hi"}, "stop", "\n"),
           (CHAT, {"messages": HI}, "stop", ["a"]), (COMPLETIONS, {"prompt": "hi"}, "stop_token_ids", [1]),
           (COMPLETIONS, {"prompt": "hi"}, "suffix", "z"), (COMPLETIONS, {"prompt": "hi"}, "logit_bias", {"1": 5}),
-          (CHAT, {"messages": HI}, "min_tokens", 3), 
+          (CHAT, {"messages": HI}, "min_tokens", 3),
           (CHAT, {"messages": HI}, "response_format", {"type": "json_object"}),
           (CHAT, {"messages": HI}, "tools", [{"type": "function", "function": {"name": "f"}}]),
           (CHAT, {"messages": HI}, "tool_choice", "required"),

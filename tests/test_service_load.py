@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from workloads.traffic.processes import free_port
 from workloads.probes.service_load import ServiceStart, ServiceStartError, time_service_start
+from workloads.traffic.processes import free_port
 
 
 def _serve(port: int, *extra: str) -> list[str]:

@@ -59,5 +59,7 @@ def test_fio_fresh_write_moves_at_least_the_subjects_bytes_fsyncd_and_leaves_not
 def test_a_request_is_halved_until_the_smallest_slice_holds_eight(tmp_path):
     shard = tmp_path / "model.safetensors"
     shard.write_bytes(b"\x01" * (8 * FIO_BLOCK))
-    argv = FioFilesRead([shard], FioShape(direct=True, ioengine="io_uring", iodepth=32, numjobs=4, bs="16M")).job().argv()
+    argv = (
+        FioFilesRead([shard], FioShape(direct=True, ioengine="io_uring", iodepth=32, numjobs=4, bs="16M")).job().argv()
+    )
     assert {"--bs=262144", "--numjobs=4", "--size=25%", "--offset_increment=25%", "--readonly"} <= set(argv)

@@ -13,13 +13,13 @@ import yaml
 
 from cache_impl.cache import integrity
 from gates.config import load_config
-from sizing.plan import Prediction, _judged, make_plan
+from kvcore.settings import ConfigError
 from sizing.g3_figures import TargetReplay, predict_g3, predict_rate_ladder
+from sizing.plan import Prediction, _judged, make_plan
 from sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate
 from sizing.replay import CacheSimulator, RequestKeys, TierCapacity, replay, tier_capacities
 from sizing.targets import EMBEDDED_POOL_BYTES, pool_blocks, target_inputs
 from sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
-from kvcore.settings import ConfigError
 from tests.cache_requests import conversations, request_keys, serve_request
 from tests.recorded_runs import KV, recorded_run
 
@@ -169,7 +169,11 @@ def test_an_external_targets_layout_and_capacities_come_from_sizing_target(tmp_p
     assert (inputs.device_blocks, inputs.host_bytes, inputs.disk_bytes) == (100_000 // 16, 32 << 30, 0)
     assert (inputs.candidate_nodes, inputs.baseline_nodes, inputs.pool, inputs.pool_gbps) == (2, 1, "external", 2.0)
     levels = {t.name: t.blocks for t in inputs.capacities()["candidate"]}
-    assert levels == {"device": 6250, "host": (32 << 30) // (16 * 320 * 1024), "remote": (64 << 30) // (4096 + 16 * 320 * 1024)}
+    assert levels == {
+        "device": 6250,
+        "host": (32 << 30) // (16 * 320 * 1024),
+        "remote": (64 << 30) // (4096 + 16 * 320 * 1024),
+    }
     assert notes == []
     plan = make_plan(config)
     assert plan.figures["layout"]["bytes_per_token"] == 320 * 1024 and not any("stands in" in n for n in plan.notes)
@@ -267,9 +271,9 @@ def test_a_blocks_requests_sent_together_load_before_any_of_them_stores():
     requests for one new prompt sent together both miss, where sent one after the other the second hits."""
     from sizing.g3_inputs import BlockSource
     from sizing.queueing import simulate_source
+    from sizing.sequences import embedded_chat_tokens, requests_block_keys
     from workloads.traffic.datasets import ByteSizer, build_workload
     from workloads.traffic.routing import Router
-    from sizing.sequences import embedded_chat_tokens, requests_block_keys
 
     first = build_workload({"kind": "multi_round_qa", "users": 1, "rounds": 1, "system_prompt_tokens": 256,
                             "document_tokens": 1024, "question_tokens": 16, "answer_tokens": 16,

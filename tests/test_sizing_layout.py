@@ -8,8 +8,8 @@ import re
 import pytest
 
 from cache_impl.cache.keys import KVLayout
-from sizing.layout import EMBEDDED_PRESETS, KVShape
 from kvcore.settings import ConfigError
+from sizing.layout import EMBEDDED_PRESETS, KVShape
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 

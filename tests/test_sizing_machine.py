@@ -14,16 +14,16 @@ import yaml
 
 from gates.cli import main
 from gates.config import load_config
+from gates.machine_probe import prefill_lengths, run_machine_probe, window_gaps
+from kvcore.rundata import RunStore
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
-from gates.machine_probe import prefill_lengths, run_machine_probe, window_gaps
 from sizing.machine import probe_calibration, probe_decode
 from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve
-from kvcore.rundata import RunStore
-from tests.servers import TINY_SWEEP
 from tests.recorded_runs import recorded_run
+from tests.servers import TINY_SWEEP
 
 SERVER = RecomputeCurve(0.004, 7.5e-5, 1.5e-8)   # a server's first-token seconds (the prefill probe's points)
 
@@ -52,8 +52,9 @@ def _g2_ttfts(plan) -> dict[tuple[str, int], float]:
 
 
 def test_the_probe_measures_this_machine_at_the_embedded_models_own_shapes(config, probe):
-    from cache_impl.engine.model import build_model
     import torch
+
+    from cache_impl.engine.model import build_model
 
     assert "error" not in probe and probe["preset"] == config.targets.embedded.preset
     model = build_model(probe["preset"], 0, torch.device("cpu"))
@@ -99,7 +100,10 @@ def test_before_any_run_g2_is_predicted_from_the_servers_own_prefill_and_the_pro
     host = probe_calibration({**probe, "host_copy_gbps": 2 * probe["host_copy_gbps"]})
     quicker = _g2_ttfts(make_plan(config, machine=host))
     load = ttft[("host-hit", longest)] - quicker[("host-hit", longest)]
-    assert load == pytest.approx(terms["load host"]["seconds"] / 2) and quicker[("recompute", longest)] == ttft[("recompute", longest)]
+    assert (
+        load == pytest.approx(terms["load host"]["seconds"] / 2)
+        and quicker[("recompute", longest)] == ttft[("recompute", longest)]
+    )
     # G3's decode cost is the probe's, not a lower bound estimated from the curve
     assert not any("estimated from G2's recompute curve" in note for note in plan.notes)
 
@@ -242,6 +246,7 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
 
 def test_the_accuracy_says_whether_its_constants_came_from_this_run_or_another(config):
     from pathlib import Path
+
     from sizing.in_run import constants_sample
 
     assert constants_sample(config, "g2") == "in sample: constants from this run's probes of its servers"

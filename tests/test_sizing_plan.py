@@ -10,10 +10,10 @@ import yaml
 
 from gates.cli import main
 from gates.config import load_config
-from sizing.plan import make_plan
-from kvcore.settings import ConfigError
 from kvcore.claims import claims_table, run_claims
 from kvcore.rundata import RunStore
+from kvcore.settings import ConfigError
+from sizing.plan import make_plan
 from tests.recorded_runs import recorded_run
 
 
@@ -105,7 +105,9 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     claims = {row["id"]: row for row in claims_table(store, run_claims(store))}
     assert claims["ttft_p50_reduction"]["predicted"] == pytest.approx(min(
         v for (metric, _, _), v in predicted.items() if metric == "ttft_p50_reduction"))
-    g2 = next(r for r in store.predictions() if r["stage"] == "before g2" and r["metric"] == "disk_hit_ttft_vs_recompute")
+    g2 = next(
+        r for r in store.predictions() if r["stage"] == "before g2" and r["metric"] == "disk_hit_ttft_vs_recompute"
+    )
     assert claims["speedup_over_recompute"]["predicted"] == pytest.approx(1 / g2["value"])
     accuracy = {a["label"]: a for a in sizing["accuracy"]}
     assert "within 5" in accuracy["G3 hit ratio / TTFT reduction error"]["text"]
@@ -138,7 +140,9 @@ def test_a_flops_roofline_stands_in_for_the_recompute_curve_before_any_run(tmp_p
     assert curve.compute(8192) == pytest.approx((2 * 3e6 * 8192 + 2 * 4 * 8192 ** 2 * 256) / 5e10)
     g2 = {p.metric: p for p in plan.predictions if p.gate == "g2"}
     assert "disk_hit_ttft_vs_recompute" in g2 and g2["disk_hit_ttft_vs_recompute"].status in ("PASS", "FAIL")
-    assert any(note.startswith("recompute from sizing.roofline (roofline: 3e+06 params, 4 layers") for note in plan.notes)
+    assert any(
+        note.startswith("recompute from sizing.roofline (roofline: 3e+06 params, 4 layers") for note in plan.notes
+    )
     path.write_text("sizing:\n  roofline: {device_tflops: 0.05, params: eight, attention_dim: 256}\n")
     with pytest.raises(ConfigError, match=r"sizing.roofline.params: .*expected a parameter count \(8.03e9, 8B\), "
                                           r"found 'eight'"):

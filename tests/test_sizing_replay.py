@@ -20,13 +20,19 @@ from cache_impl.cache.keys import block_keys
 from cache_impl.cache.metrics import TierMetrics
 from cache_impl.engine.tokenizer import ASSISTANT, BOS, END, SYSTEM, USER
 from gates.config import profile_defaults
-from sizing.replay import CacheSimulator, KeysOnlyTier, RequestKeys, TierCapacity, replay, tier_capacities
-from sizing.sequences import (SIZING_DIGEST, embedded_chat_tokens, embedded_completion_tokens, load_order,
-                                    trace_block_keys, workload_block_keys)
 from kvcore.settings import ConfigError
+from sizing.replay import CacheSimulator, KeysOnlyTier, RequestKeys, TierCapacity, replay, tier_capacities
+from sizing.sequences import (
+    SIZING_DIGEST,
+    embedded_chat_tokens,
+    embedded_completion_tokens,
+    load_order,
+    trace_block_keys,
+    workload_block_keys,
+)
 from tests.blocks import BLOCK
 from tests.cache_requests import conversations, request_keys, serve_request
-from workloads.traffic.datasets import TraceRecord, build_workload, ByteSizer, read_trace
+from workloads.traffic.datasets import ByteSizer, TraceRecord, build_workload, read_trace
 
 MOONCAKE_TRACE = Path("/work/shared/data/mooncake-traces/conversation_trace.jsonl")
 MIB, GIB = 2**20, 2**30
@@ -92,7 +98,9 @@ def test_a_pool_below_the_disk_serves_what_the_local_tiers_lost(make_cache, layo
 
 def test_the_replays_placement_is_the_caches_own():
     # no mirror: the replay decides with cache_impl's Placement and LRUAccount objects, over keys-only tiers
-    sim = CacheSimulator([TierCapacity("device", 2), TierCapacity("host", 3), TierCapacity("remote", 4, accounted=False)])
+    sim = CacheSimulator(
+        [TierCapacity("device", 2), TierCapacity("host", 3), TierCapacity("remote", 4, accounted=False)]
+    )
     assert type(sim.placement) is placement.Placement
     assert all(type(level) is placement.Level for level in sim.levels)
     assert [type(level.lru) for level in sim.levels] == [lru.LRUAccount, lru.LRUAccount, type(None)]
@@ -345,8 +353,8 @@ def test_the_mooncake_trace_replays_with_its_reuse():
 
 def test_the_replay_gives_the_embedded_engines_hits_on_a_workload(tmp_path):
     """The whole chain: workload -> the engine's chat tokens -> block keys -> replay, against the engine itself."""
-    from cache_impl.engine.engine import Engine, EngineConfig
     from cache_impl.cache.keys import KVLayout
+    from cache_impl.engine.engine import Engine, EngineConfig
 
     block = 256
     nbytes = KVLayout(2, 2, 16, "float32", block).block_nbytes                # the tiny preset: 128 KiB a block

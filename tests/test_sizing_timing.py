@@ -7,15 +7,21 @@ import json
 
 import pytest
 
+from kvcore.rundata import RunStore
+from kvcore.settings import ConfigError
 from sizing.calibration import Calibration, calibrate
 from sizing.g3_figures import predict_g3, summarize
 from sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
-from sizing.timing import (RecomputeCurve, TierBandwidths, TimingModel, checkpoint_seconds, cold_read_vs_storage_best,
-                                 model_load_seconds, predict_g2)
-from kvcore.rundata import RunStore
-from kvcore.settings import ConfigError
+from sizing.timing import (
+    RecomputeCurve,
+    TierBandwidths,
+    TimingModel,
+    checkpoint_seconds,
+    cold_read_vs_storage_best,
+    model_load_seconds,
+    predict_g2,
+)
 from tests.recorded_runs import B_, C_, DISK_OVERHEAD, KV, PER_SEQ, STEP, F, recorded_run
-
 
 
 def _model(**tiers) -> TimingModel:

@@ -60,7 +60,9 @@ def test_bootstrap_ci_takes_other_statistics_including_ones_without_axis():
     sample = lognormal(300, seed=4)
     lo, hi = bootstrap_ci(sample, statistic=np.mean)
     assert lo < sample.mean() < hi
-    p90 = lambda xs: float(np.percentile(xs, 90))  # no axis argument
+    def p90(xs):  # no axis argument
+        return float(np.percentile(xs, 90))
+
     lo, hi = bootstrap_ci(sample, statistic=p90, resamples=300)
     assert lo < p90(sample) < hi
 

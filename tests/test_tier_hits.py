@@ -12,12 +12,12 @@ import pytest
 
 from tests.servers import ServerProcess, ask, distinct_prompt, started_pool_nodes
 from workloads.loadgen.blocks import run_sweep
-from workloads.probes.faults import AdminClient
-from workloads.traffic.target import Target
-from workloads.traffic.requests import Workload, WorkloadRequest
-from workloads.servers.stores import RedisServer
 from workloads.loadgen.sweep import SweepSettings
+from workloads.probes.faults import AdminClient
 from workloads.probes.tier_hits import read_tier_hits, target_tier_hits, tier_difference, tier_line, tier_shares
+from workloads.servers.stores import RedisServer
+from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.traffic.target import Target
 
 BLOCKS = 5   # distinct_prompt's 1,400 characters: 5 whole 256-token blocks
 

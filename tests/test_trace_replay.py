@@ -10,18 +10,18 @@ import pytest
 import yaml
 
 from cache_impl.cache.config import ConfigError
-from gates.cli import main
 from gates.benches.client_bench import _peak_concurrency, _process
+from gates.cli import main
 from gates.config import load_config
 from kvcore.g3_analysis import Ladder, due_latencies, goodput, sustained_rate_gain
+from kvcore.rundata import read_records
 from tests.traces import TRACE_PATH, needs_real_trace, write_trace
 from workloads.loadgen.blocks import run_sweep
-from kvcore.rundata import read_records
+from workloads.loadgen.sweep import SweepSettings, describe_replay, plan_steps, primer
 from workloads.traffic.datasets import ByteSizer, build_workload
-from workloads.traffic.target import Target
 from workloads.traffic.processes import free_port
 from workloads.traffic.requests import load_order
-from workloads.loadgen.sweep import SweepSettings, describe_replay, plan_steps, primer
+from workloads.traffic.target import Target
 
 BYTES = ByteSizer()
 
@@ -202,9 +202,10 @@ def test_sustained_rate_gain_is_the_ratio_of_the_highest_multipliers_within_the_
 
 
 def test_failed_requests_never_meet_the_slo():
-    fast, failing = [0.1] * 20, [0.1] * 15 + [math.inf] * 5          # a quarter failed: p90 is a failure
-    figures = sustained_rate_gain(_ladder((1, fast, True), (2, failing, True)), _ladder((1, fast, True), (2, fast, True)),
-                                  slo_s=1.0)
+    fast, failing = [0.1] * 20, [0.1] * 15 + [math.inf] * 5  # a quarter failed: p90 is a failure
+    figures = sustained_rate_gain(
+        _ladder((1, fast, True), (2, failing, True)), _ladder((1, fast, True), (2, fast, True)), slo_s=1.0
+    )
     assert (figures.baseline, figures.candidate, figures.gain, figures.interval) == (1, 2, 1.0, (1.0, 1.0))
 
 
@@ -223,7 +224,9 @@ def test_a_lowest_step_invalid_for_client_lag_is_said_as_such_never_blamed_on_th
     lagged = Ladder(((1, False, "client saturated: event-loop lag 180 ms > 50 ms", tuple(fast)),))
     figures = sustained_rate_gain(lagged, _ladder((1, fast, True)), slo_s=1.0)
     assert not figures.valid and figures.gain is None
-    assert figures.invalid_reason == "baseline: the 1x step was invalid (client saturated: event-loop lag 180 ms > 50 ms)"
+    assert (
+        figures.invalid_reason == "baseline: the 1x step was invalid (client saturated: event-loop lag 180 ms > 50 ms)"
+    )
 
 
 # --------------------------------------------------------------------------- config

@@ -11,8 +11,19 @@ import torch
 from cache_impl.cache.config import CacheConfig
 from cache_impl.cache.keys import Fingerprint, KVLayout
 from cache_impl.cache.manager import TieredKVCache
-from cache_impl.vllm.vllm_kv import BlockRun, ConnectorSettings, LookupClient, LookupServer, Matched, PagedKV, \
-    RequestBook, StepPlan, files_digest, instance_fingerprint, lookup_address
+from cache_impl.vllm.vllm_kv import (
+    BlockRun,
+    ConnectorSettings,
+    LookupClient,
+    LookupServer,
+    Matched,
+    PagedKV,
+    RequestBook,
+    StepPlan,
+    files_digest,
+    instance_fingerprint,
+    lookup_address,
+)
 from kvcore.settings import ConfigError
 
 BS = 4
@@ -117,7 +128,7 @@ def test_a_resumed_request_takes_its_new_blocks():
     book.allocated("r", 4)
     plan = StepPlan()
     book.cached_request("r", [20, 21, 22], resumed=True, computed=4, scheduled=5, plan=plan)
-    assert [(l.first, l.end, l.block_ids) for l in plan.loads] == [(0, 1, (20,))]
+    assert [(load.first, load.end, load.block_ids) for load in plan.loads] == [(0, 1, (20,))]
     assert [(s.first, s.end, s.block_ids) for s in plan.saves] == [(1, 2, (21,))]
     book.finished("r")
     assert len(book) == 0

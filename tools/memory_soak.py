@@ -30,12 +30,12 @@ from gates.config import EmbeddedTargets, FaultSpec, profile_defaults
 from gates.g4_soak.fault_schedule import FaultSchedule
 from gates.g4_soak.soak import probe_requests, server_figures
 from gates.targets import engine_settings
+from workloads.loadgen.load import run_load
+from workloads.probes.faults import AdminClient, CacheAdmin
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import build_workload, sizer_for
-from workloads.probes.faults import AdminClient, CacheAdmin
-from workloads.traffic.target import Target
 from workloads.traffic.processes import free_port
-from workloads.loadgen.load import run_load
+from workloads.traffic.target import Target
 
 ENGINE = engine_settings(EmbeddedTargets())   # the embedded candidate's settings
 G4_FAULTS = ("flip_byte", "read_error", "slow_disk", "truncate", "disk_full")

@@ -1,1 +1,2 @@
-"""The tiered KV cache: keys, the index and placement, the tiers (device, host, disk, remote), write-behind, integrity and scrub, fault injection."""
+"""The tiered KV cache: keys, the index and placement, the tiers (device, host, disk, remote), write-behind, integrity
+and scrub, fault injection."""

@@ -14,9 +14,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, ValidationError, field_validator
 
-from kvcore.settings import Count, ConfigError, StrictModel, format_validation_error, load_yaml_file, parse_size
-
 from cache_impl.cache.keys import KVLayout
+from kvcore.settings import ConfigError, Count, StrictModel, format_validation_error, parse_size
 
 # 256 tokens per block: large enough that one block of a real model's KV is
 # a megabyte or more (large sequential I/O on the disk tier, few keys per
@@ -33,7 +32,12 @@ class DiskTierConfig(StrictModel):
     capacity_bytes: int = Field(default=8 * 2**30, description="bytes of block files kept")
     min_free_bytes: int = Field(default=256 * 2**20, ge=0, description="room to leave free on the filesystem: "
                                 "below it, the tier evicts its oldest blocks before it writes")
-    read_workers: int = Field(default=16, ge=1, le=256, description="parallel block reads (the tier's queue depth: reads wait on the device, not the CPU)")
+    read_workers: int = Field(
+        default=16,
+        ge=1,
+        le=256,
+        description="parallel block reads (the tier's queue depth: reads wait on the device, not the CPU)",
+    )
     io_mode: Literal["buffered", "direct", "auto"] = Field(
         default="buffered", description="buffered page-cache reads, O_DIRECT, or auto: whichever a start-up probe "
         "on this storage, at this block size, finds faster"

@@ -19,7 +19,10 @@ import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 import numpy as np
 import xxhash

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from cache_impl.cache import integrity
-from cache_impl.platform.buffers import aligned_empty
 from cache_impl.cache.config import CacheConfig, ConfigError
 from cache_impl.cache.disk_room import DiskRoom
 from cache_impl.cache.faults import FaultPoints
@@ -28,6 +27,7 @@ from cache_impl.cache.tiers.disk import DiskTier
 from cache_impl.cache.tiers.host import HostTier
 from cache_impl.cache.tiers.remote import RemoteTier
 from cache_impl.cache.writeback import WriteBehind
+from cache_impl.platform.buffers import aligned_empty
 
 
 def resolve_device(setting: str) -> torch.device:

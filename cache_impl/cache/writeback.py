@@ -15,8 +15,8 @@ from typing import Callable, Optional
 import torch
 
 from cache_impl.cache.keys import Key
-from cache_impl.platform.thread_pools import started_pool
 from cache_impl.cache.tiers.base import Tier, write_block
+from cache_impl.platform.thread_pools import started_pool
 
 WORKERS = 2
 

@@ -24,13 +24,11 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from kvcore.loader_names import KVGATE_LOADER, LOADERS
-
 from cache_impl.cache.config import CacheConfig, ConfigError, Count, StrictModel, format_validation_error, parse_size
-from cache_impl.engine.engine_loop import EngineLoop
-from cache_impl.engine.generation import FinishEvent, Generation, GenerationRequest, QueueFullError, TokenEvent
 from cache_impl.cache.keys import Fingerprint
 from cache_impl.cache.manager import TieredKVCache, resolve_device
+from cache_impl.engine.engine_loop import EngineLoop
+from cache_impl.engine.generation import FinishEvent, Generation, GenerationRequest, QueueFullError, TokenEvent
 from cache_impl.engine.model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
 from cache_impl.engine.model_runner import ModelRunner
 from cache_impl.engine.prefix_cache import PrefixCache
@@ -38,6 +36,7 @@ from cache_impl.engine.resident import resident_bytes
 from cache_impl.engine.scheduler import Scheduler
 from cache_impl.engine.tokenizer import ByteTokenizer
 from cache_impl.engine.weights import WeightsLoad, load_weights, seeded_weights
+from kvcore.loader_names import KVGATE_LOADER, LOADERS
 
 __all__ = ["Engine", "EngineConfig", "FinishEvent", "Generation", "GenerationRequest", "QueueFullError",
            "TokenEvent"]

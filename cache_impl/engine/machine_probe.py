@@ -121,7 +121,9 @@ def probe(preset: str, device_setting: str = "auto", max_batch: int = 8) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cache_impl.engine.machine_probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cache_impl.engine.machine_probe", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--max-batch", type=int, default=8, help="the engine's max_running (default 8)")

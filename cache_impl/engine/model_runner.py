@@ -15,14 +15,14 @@ from typing import Any, Optional
 
 import torch
 
-from cache_impl.platform.buffers import aligned_empty
-from cache_impl.engine.generation import GenerationRequest
-from cache_impl.platform.heap import HeapTrimmer
 from cache_impl.cache.keys import token_array
+from cache_impl.engine.generation import GenerationRequest
 from cache_impl.engine.kvbuffers import KVBuffers
 from cache_impl.engine.model import Transformer
 from cache_impl.engine.sequence import Sequence
 from cache_impl.engine.tokenizer import GENERATABLE
+from cache_impl.platform.buffers import aligned_empty
+from cache_impl.platform.heap import HeapTrimmer
 
 KV_DTYPE = torch.float32
 

@@ -35,8 +35,10 @@ def _storage_span(tensor: torch.Tensor) -> tuple[int, int]:
 
 def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     """The page-aligned [start, end) address ranges the host tensors span, merged where they overlap."""
-    spans = sorted((start // PAGE * PAGE, -(-end // PAGE) * PAGE)
-                   for start, end in map(_storage_span, (t for t in tensors if t.device.type == "cpu" and t.nbytes > 0)))
+    spans = sorted(
+        (start // PAGE * PAGE, -(-end // PAGE) * PAGE)
+        for start, end in map(_storage_span, (t for t in tensors if t.device.type == "cpu" and t.nbytes > 0))
+    )
     merged: list[tuple[int, int]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:

@@ -10,8 +10,8 @@ import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from cache_impl.engine.generation import GenerationRequest
 from cache_impl.cache.keys import token_array
+from cache_impl.engine.generation import GenerationRequest
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,14 @@ import codecs
 from dataclasses import dataclass
 
 BOS, EOS, SYSTEM, USER, ASSISTANT, END = range(256, 262)
-SPECIALS = {"<|bos|>": BOS, "<|eos|>": EOS, "<|system|>": SYSTEM, "<|user|>": USER, "<|assistant|>": ASSISTANT, "<|end|>": END}
+SPECIALS = {
+    "<|bos|>": BOS,
+    "<|eos|>": EOS,
+    "<|system|>": SYSTEM,
+    "<|user|>": USER,
+    "<|assistant|>": ASSISTANT,
+    "<|end|>": END,
+}
 VOCAB_SIZE = 262
 TOKENIZER_ID = "kvgate-byte-v1"
 GENERATABLE = [10, *range(32, 127), EOS]

@@ -22,11 +22,16 @@ from typing import Optional
 
 import torch
 
-from cache_impl.weights.loaders import DEFAULT_CONCURRENCY, check_destinations, load_checkpoint, verify_loaded
-from cache_impl.weights.safetensors_dir import (CHECKSUMS_NAME, INDEX_NAME, CheckpointFormatError, SafetensorsDir,
-                                       read_safetensors_dir, write_safetensors_dir)
-
 from cache_impl.engine.model import PRESETS, ModelArgs, Transformer, build_model
+from cache_impl.weights.loaders import DEFAULT_CONCURRENCY, check_destinations, load_checkpoint, verify_loaded
+from cache_impl.weights.safetensors_dir import (
+    CHECKSUMS_NAME,
+    INDEX_NAME,
+    CheckpointFormatError,
+    SafetensorsDir,
+    read_safetensors_dir,
+    write_safetensors_dir,
+)
 
 PRESET_KEY = "kvgate.preset"
 MODEL_ARGS_KEY = "kvgate.model_args"

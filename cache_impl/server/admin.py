@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
-from cache_impl.server.auth import ADMIN_TOKEN_HEADER, secret_matches
 from cache_impl.cache.faults import FAULT_LIMITS
+from cache_impl.server.auth import ADMIN_TOKEN_HEADER, secret_matches
 from cache_impl.server.http_body import JsonBody
 from cache_impl.server.protocol import ApiError, ChatCompletionRequest, chat_tokens, parse_request
 
 if TYPE_CHECKING:
-    from cache_impl.engine.engine import Engine
     from cache_impl.cache.manager import TieredKVCache
+    from cache_impl.engine.engine import Engine
 
 
 class CacheOwner(Protocol):

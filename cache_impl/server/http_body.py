@@ -103,7 +103,9 @@ def _check_shape(document: object) -> None:
                 _check_text(key, entry)
                 if type(item) not in _SCALARS:
                     stack.append((item, entry, key, depth + 1))
-        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:  # a list of token ids is passed over at C speed
+        elif (
+            isinstance(value, list) and not set(map(type, value)) <= _SCALARS
+        ):  # a list of token ids is passed over at C speed
             stack.extend((item, entry, index, depth + 1) for index, item in enumerate(value)
                          if type(item) not in _SCALARS)
 

@@ -39,8 +39,12 @@ class EngineCollector:
         yield _gauge("kvgate_engine_kv_buffer_bytes", "bytes of the request KV buffers the engine holds: the "
                      "running requests', the one being started and the finished ones kept for reuse",
                      snap["kv_buffer_bytes"])
-        yield _gauge("kvgate_engine_kv_buffer_resident_bytes", "of those buffers, the bytes of their pages in the "
-                     "server's memory now (a buffer's pages are resident once touched)", snap["kv_buffer_resident_bytes"])
+        yield _gauge(
+            "kvgate_engine_kv_buffer_resident_bytes",
+            "of those buffers, the bytes of their pages in the "
+            "server's memory now (a buffer's pages are resident once touched)",
+            snap["kv_buffer_resident_bytes"],
+        )
         yield _gauge("kvgate_engine_kv_buffer_limit_bytes", "the most the request KV buffers may hold by design: "
                      "max_running running and as many kept, each at the model's context", snap["kv_buffer_limit_bytes"])
         yield _counter("kvgate_prompt_tokens_computed", "prompt tokens run through the model",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import reprlib
-
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator

@@ -17,14 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from cache_impl.cache.config import ConfigError, RemoteTierConfig
+from cache_impl.platform.heap import fix_mmap_threshold
+from cache_impl.server.auth import admin_token_from_env, api_key_from_env
+from cache_impl.weights.safetensors_dir import CheckpointFormatError
 from kvcore.loader_names import LOADERS
 from kvcore.printable import printable
 from kvcore.settings import load_yaml_mapping
-
-from cache_impl.server.auth import admin_token_from_env, api_key_from_env
-from cache_impl.cache.config import ConfigError, RemoteTierConfig
-from cache_impl.platform.heap import fix_mmap_threshold
-from cache_impl.weights.safetensors_dir import CheckpointFormatError
 
 SERVE_HELP = "serve the embedded engine over an OpenAI-compatible HTTP API"
 SERVE_DESCRIPTION = ("Run the embedded torch engine on the tiered KV cache behind /v1/completions and "

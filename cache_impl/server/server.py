@@ -28,13 +28,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cache_impl.server.admin import EngineOwner, add_admin_routes
-from cache_impl.server.http_errors import add_error_handlers
-from cache_impl.server.auth import secret_matches
 from cache_impl.engine.engine import Engine, FinishEvent, GenerationRequest, QueueFullError, TokenEvent
-from cache_impl.server.http_body import JsonBody
-from cache_impl.server.metrics_export import EngineCollector, RuntimeCollector
 from cache_impl.platform.thread_pools import loop_offload_pool
+from cache_impl.server.admin import EngineOwner, add_admin_routes
+from cache_impl.server.auth import secret_matches
+from cache_impl.server.http_body import JsonBody
+from cache_impl.server.http_errors import add_error_handlers
+from cache_impl.server.metrics_export import EngineCollector, RuntimeCollector
 from cache_impl.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, chat_tokens, parse_request
 
 DEFAULT_MAX_TOKENS = 16

@@ -22,11 +22,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from tokenizers import Tokenizer
 
+from cache_impl.platform.thread_pools import loop_offload_pool
 from cache_impl.server.admin import add_admin_routes
 from cache_impl.server.http_body import JsonBody
 from cache_impl.server.http_errors import add_error_handlers
 from cache_impl.server.metrics_export import CacheCollector, RuntimeCollector
-from cache_impl.platform.thread_pools import loop_offload_pool
 from cache_impl.server.protocol import ApiError
 
 if TYPE_CHECKING:

@@ -21,8 +21,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cache_impl.cache.keys import token_array
 from cache_impl.cache.manager import TieredKVCache
-from cache_impl.vllm.vllm_kv import EXTRA, ConnectorSettings, LookupClient, LookupServer, Matched, PagedKV, RequestBook, StepPlan, \
-    instance_fingerprint, lookup_address
+from cache_impl.vllm.vllm_kv import (
+    EXTRA,
+    ConnectorSettings,
+    LookupClient,
+    LookupServer,
+    Matched,
+    PagedKV,
+    RequestBook,
+    StepPlan,
+    instance_fingerprint,
+    lookup_address,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

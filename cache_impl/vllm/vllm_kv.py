@@ -7,7 +7,8 @@ connector module, so all of this is tested in kvgate's own environment.
 
 One kvgate block is one vLLM block (the cache's block size is vLLM's): kvgate block i of a prompt is
 the request's vLLM block `block_ids[i]`. A request's keys are scoped by its `cache_salt` as vLLM scopes its
-own prefix cache (keys.salted_digest): requests with different salts never share a block. A block holds, per attention layer, the bytes of that vLLM
+own prefix cache (keys.salted_digest): requests with different salts never share a block. A block holds, per attention
+layer, the bytes of that vLLM
 block exactly as vLLM lays them out (the CPU backend's [heads, block, 2 x head_dim], FlashAttention's
 [2, block, heads, head_dim], ...), so loads and saves are plain copies; the layout's name is part of
 the fingerprint, so an instance with another layout never reads them.
@@ -26,10 +27,9 @@ from typing import Any, Literal, Optional, Sequence
 import xxhash
 from pydantic import Field, ValidationError, field_validator
 
-from kvcore.settings import ConfigError, StrictModel, format_validation_error, parse_size
-
 from cache_impl.cache.config import CacheConfig, DiskTierConfig, RemoteTierConfig
 from cache_impl.cache.keys import Fingerprint, Key, KVLayout, block_keys, salted_digest
+from kvcore.settings import ConfigError, StrictModel, format_validation_error, parse_size
 
 EXTRA = "kv_connector_extra_config"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

@@ -15,11 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
+from cache_impl.weights.safetensors_dir import (
+    CheckpointFormatError,
+    SafetensorsDir,
+    file_checksums,
+    read_safetensors_dir,
+    tensor_checksum,
+    write_safetensors_dir,
+)
 from kvcore.files import process_read_bytes
 from kvcore.loader_names import LOADERS
-
-from cache_impl.weights.safetensors_dir import (CheckpointFormatError, SafetensorsDir, file_checksums, read_safetensors_dir,
-                              tensor_checksum, write_safetensors_dir)
 
 if TYPE_CHECKING:
     import torch
@@ -125,8 +130,10 @@ def load_checkpoint(checkpoint: SafetensorsDir, loader: str, device: Union[str, 
     except (ImportError, CheckpointFormatError):
         raise
     except Exception as error:  # the files passed our checks; a loader that still fails says so in one line
-        raise CheckpointFormatError(f"{checkpoint.path}: expected {loader} to load it, it failed: "
-                                    f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
+        raise CheckpointFormatError(
+            f"{checkpoint.path}: expected {loader} to load it, it failed: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        ) from None
     _synchronize(destinations)
     seconds = time.perf_counter() - start
     read = process_read_bytes() - read_before

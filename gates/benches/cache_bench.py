@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
-from cache_impl.platform.buffers import aligned_empty
 from cache_impl.cache.index import BlockIndex
 from cache_impl.cache.keys import block_keys, token_array
+from cache_impl.platform.buffers import aligned_empty
 from kvcore.settings import ConfigError
 from workloads.storage.fio_sweep import SweepGrid
 
@@ -304,9 +304,12 @@ def format_report(figures: dict) -> str:
             f"    {mode:<14} tier {d['tier_gbps']:.2f} GB/s   best {d['best_gbps']:.2f} GB/s   ratio {d['ratio']:.2f} "
             f"{_bounds(d['interval'])}",
             f"    {'':<14} {_rounds(d['ratio_rounds'])}",
-            f"    {'':<14} best jobs per round: " + "; ".join(
-                f"{name} " + " ".join(f"{g:.2f}" for g in gbps) for name, gbps in d["best_rounds_gbps_by_shape"].items()),
-            f"    {'':<14} diagnostics, not judged: fio in the tier's own pattern {d['fio_same_pattern_gbps']:.2f} GB/s "
+            f"    {'':<14} best jobs per round: "
+            + "; ".join(
+                f"{name} " + " ".join(f"{g:.2f}" for g in gbps) for name, gbps in d["best_rounds_gbps_by_shape"].items()
+            ),
+            f"    {'':<14} diagnostics, not judged: fio in the tier's own pattern "
+            f"{d['fio_same_pattern_gbps']:.2f} GB/s "
             f"(ratio {d['ratio_same_pattern']:.2f}), one file per block {d['fio_same_layout_gbps']:.2f} GB/s "
             f"(ratio {d['ratio_same_layout']:.2f})",
         ]
@@ -327,9 +330,11 @@ def format_report(figures: dict) -> str:
         f"(c) longest-prefix lookup, {lookup['prompt_tokens'] // 1024}k-token prompt, "
         f"{lookup['indexed_blocks']:,} blocks indexed, keys computed",
         f"    lookup_ms = {figures['lookup_ms']:.2f} median, {lookup['lookup_ms_max']:.2f} max  "
-        f"(target <= {LOOKUP_MS_TARGET:g}: {_mark(figures['lookup_ms'] <= LOOKUP_MS_TARGET)}), from the prompt's uint32 "
+        f"(target <= {LOOKUP_MS_TARGET:g}: {_mark(figures['lookup_ms'] <= LOOKUP_MS_TARGET)}), "
+        f"from the prompt's uint32 "
         f"token array, as the engine hands it",
-        f"    from a Python list of ints instead (converted on every lookup): {lookup['from_list_ms_median']:.2f} ms median",
+        f"    from a Python list of ints instead (converted on every lookup): "
+        f"{lookup['from_list_ms_median']:.2f} ms median",
         f"    index memory {lookup['index_bytes_per_block']:.0f} bytes per block",
         "",
         "Disk ratios: geometric mean of back-to-back rounds with Lai's anytime-valid 95% interval; host: median of",

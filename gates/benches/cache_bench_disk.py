@@ -20,8 +20,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Optional
 
-from gates.side_by_side import FasterOf, FioRegions
 from gates.sequential import METHOD, log_ratio_sequence
+from gates.side_by_side import FasterOf, FioRegions
 from workloads.storage.fio import FioJob, run_fio
 from workloads.storage.fio_sweep import SweepGrid, run_storage_sweep
 

@@ -24,12 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from kvcore.rundata import read_records
-from workloads.traffic.client import StreamingClient
-from workloads.traffic.target import Target
-from workloads.traffic.processes import free_port
 from workloads.loadgen.load import run_load
-from workloads.traffic.processes import die_with_parent
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.processes import die_with_parent, free_port
 from workloads.traffic.requests import Workload, WorkloadRequest
+from workloads.traffic.target import Target
 
 
 @dataclass
@@ -199,19 +198,24 @@ def format_client_report(figures: dict) -> str:
     f, s = figures["fidelity"], figures["scale"]
     fid_ok = abs(f["difference_percent"]) <= 5
     add_ok = s["added_ttft_p50_ms"] is not None and s["added_ttft_p50_ms"] <= 1 and s["peak_concurrent_streams"] >= 200
-    return "\n".join([
-        "kvgate client-bench",
-        "",
-        f"(1) fidelity on the embedded server, {f['requests']} requests alternating:",
-        f"    our client TTFT p50 {f['ours_ttft_p50_ms']:.2f} ms, minimal asyncio timer {f['minimal_ttft_p50_ms']:.2f} ms"
-        f"  -> {f['difference_percent']:+.1f}%  (target within ±5%: {'meets target' if fid_ok else 'OUTSIDE TARGET'})",
-        f"    the official openai client on the same requests: TTFT p50 {f['openai_client_ttft_p50_ms']:.2f} ms"
-        if f["openai_client_ttft_p50_ms"] else "    (openai client not installed: no comparison)",
-        f"(2) scale against the reference server (TTFT {s['server_ttft_ms']:.0f} ms), {s['streams']} users, "
-        f"{s['workers'] or 1} locust process(es):",
-        f"    peak concurrent streams {s['peak_concurrent_streams']}, {s['requests']} measured requests, "
-        f"{s['errors']} errors",
-        f"    TTFT p50 {s['ttft_p50_ms']:.2f} ms (p99 {s['ttft_p99_ms']:.2f}) vs one stream "
-        f"{s['single_stream_ttft_p50_ms']:.2f} ms -> added {s['added_ttft_p50_ms']:.2f} ms"
-        f"  (target <= 1 ms at >= 200 streams: {'meets target' if add_ok else 'OUTSIDE TARGET'})",
-    ])
+    return "\n".join(
+        [
+            "kvgate client-bench",
+            "",
+            f"(1) fidelity on the embedded server, {f['requests']} requests alternating:",
+            f"    our client TTFT p50 {f['ours_ttft_p50_ms']:.2f} ms, "
+            f"minimal asyncio timer {f['minimal_ttft_p50_ms']:.2f} ms"
+            f"  -> {f['difference_percent']:+.1f}%  "
+            f"(target within ±5%: {'meets target' if fid_ok else 'OUTSIDE TARGET'})",
+            f"    the official openai client on the same requests: TTFT p50 {f['openai_client_ttft_p50_ms']:.2f} ms"
+            if f["openai_client_ttft_p50_ms"]
+            else "    (openai client not installed: no comparison)",
+            f"(2) scale against the reference server (TTFT {s['server_ttft_ms']:.0f} ms), {s['streams']} users, "
+            f"{s['workers'] or 1} locust process(es):",
+            f"    peak concurrent streams {s['peak_concurrent_streams']}, {s['requests']} measured requests, "
+            f"{s['errors']} errors",
+            f"    TTFT p50 {s['ttft_p50_ms']:.2f} ms (p99 {s['ttft_p99_ms']:.2f}) vs one stream "
+            f"{s['single_stream_ttft_p50_ms']:.2f} ms -> added {s['added_ttft_p50_ms']:.2f} ms"
+            f"  (target <= 1 ms at >= 200 streams: {'meets target' if add_ok else 'OUTSIDE TARGET'})",
+        ]
+    )

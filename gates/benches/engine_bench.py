@@ -112,7 +112,8 @@ def format_engine_report(figures: dict) -> str:
     ]
     for c in figures["contexts"]:
         lines.append(
-            f"{c['context_tokens']:>8} {c['cached_tokens']:>7} {c['recompute_ttft_ms']:>10.1f} {c['host_ttft_ms']:>9.1f} "
+            f"{c['context_tokens']:>8} {c['cached_tokens']:>7} {c['recompute_ttft_ms']:>10.1f} "
+            f"{c['host_ttft_ms']:>9.1f} "
             f"{c['disk_cold_ttft_ms']:>10.1f} {c['host_speedup']:>6.1f}x {c['disk_speedup']:>6.1f}x"
         )
     targets = figures["targets_at_longest"]

@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from cache_impl.cache.config import RemoteTierConfig
-from cache_impl.engine.engine import Engine, EngineConfig
 from cache_impl.cache.keys import Fingerprint, KVLayout
 from cache_impl.cache.tiers.base import write_block
 from cache_impl.cache.tiers.remote import RemoteTier, open_store
+from cache_impl.engine.engine import Engine, EngineConfig
 from workloads.servers.stores import MooncakePool, RedisServer
 
 from .engine_bench import _prompt

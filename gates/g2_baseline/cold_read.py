@@ -8,12 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from workloads.traffic.client import StreamingClient
+from gates.side_by_side import (
+    MIN_PAIRS,
+    FioRegions,
+    Pair,
+    Pairing,
+    Reading,
+    SideBySideError,
+    measure_pairs,
+    own_pattern,
+    paired_ratio,
+)
 from workloads.probes.faults import AdminClient, per_tier
+from workloads.traffic.client import StreamingClient
 from workloads.traffic.requests import WorkloadRequest
-
-from gates.side_by_side import (MIN_PAIRS, FioRegions, Pair, Pairing, Reading, SideBySideError, measure_pairs,
-                           own_pattern, paired_ratio)
 
 __all__ = ["MIN_PAIRS", "WARMUP_PAIRS", "METRIC", "ColdReadError", "FioRegions", "Pair", "Pairing", "Reading",
            "TierColdLoad", "disk_counters", "measure_pairs", "own_pattern", "paired_ratio"]

@@ -14,15 +14,19 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from cache_impl.weights.loaders import allocate_destinations, load_checkpoint, verify_loaded
-from cache_impl.weights.safetensors_dir import CheckpointFormatError, SafetensorsDir, read_safetensors_dir, write_random_checkpoint
+from cache_impl.weights.safetensors_dir import (
+    CheckpointFormatError,
+    SafetensorsDir,
+    read_safetensors_dir,
+    write_random_checkpoint,
+)
 from gates.sequential import Looks, Stopping, sample_until_decided
+from gates.side_by_side import FasterOf, FioFilesRead, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
 from gates.storage_best import StorageBest
 from kvcore.files import drop_cached_pages
 from kvcore.loader_names import READS_WITH_O_DIRECT
 from kvcore.settings import parse_size
 from kvcore.stats import ratio_ci
-
-from gates.side_by_side import FasterOf, FioFilesRead, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
 
 Progress = Callable[[str], None]
 RANDOM_DIR = "model-load"        # under storage.path (and baseline_path): the random checkpoint, removed at the end
@@ -37,7 +41,7 @@ class LoaderRound:
 
     loader: str
     pair: Pair
-    summary: dict            # cache_impl.weights.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
+    summary: dict  # cache_impl.weights.loaders.LoadResult.summary(): phases, folded, seconds, bytes, cold, ...
     identical: bool          # every tensor's checksum matched
     mismatch: str = ""       # what did not match, when not identical
     warmup: bool = False     # one of the WARMUP_ROUNDS: recorded and checked, not judged
@@ -162,7 +166,9 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], judged: str,
         # each), then the rounds go to the judged loader until it decides
         diagnostic = warmup or index - WARMUP_ROUNDS < pairing.min
         for loader in (loaders if diagnostic else [judged]):
-            which = "warm-up round, not judged" if warmup else f"round {index - WARMUP_ROUNDS + 1} (at most {pairing.max})"
+            which = (
+                "warm-up round, not judged" if warmup else f"round {index - WARMUP_ROUNDS + 1} (at most {pairing.max})"
+            )
             progress(f"model load: {which}, {loader} "
                      f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then the storage's best jobs on the same files)")
             for tensor in destinations.values():

@@ -19,16 +19,25 @@ from typing import Optional
 
 import pytest
 
-from gates.config import G2_OUTPUT_TOKENS
 from engines import cache_admin
-from gates.g2_baseline.cold_read import (METRIC, WARMUP_PAIRS, ColdReadError, FioRegions, Pair, TierColdLoad,
-                                         measure_pairs, own_pattern, paired_ratio)
+from gates.config import G2_OUTPUT_TOKENS
+from gates.g2_baseline.cold_read import (
+    METRIC,
+    WARMUP_PAIRS,
+    ColdReadError,
+    FioRegions,
+    Pair,
+    TierColdLoad,
+    measure_pairs,
+    own_pattern,
+    paired_ratio,
+)
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
-from gates.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
 from gates.sequential import Looks, Stopping
-from kvcore.stats import ratio_ci
-from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
+from gates.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
 from gates.storage_best import StorageBest, storage_best
+from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
+from kvcore.stats import ratio_ci
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import context_request
 from workloads.traffic.requests import WorkloadRequest
@@ -43,7 +52,8 @@ def _request(tokens: int, tag: str, endpoint, max_tokens: int = G2_OUTPUT_TOKENS
 
 
 def _roles(endpoints):
-    """The candidate, and the endpoint whose TTFT is recompute's (the recompute reference, else the candidate's miss)."""
+    """The candidate, and the endpoint whose TTFT is recompute's (the recompute reference, else the candidate's
+    miss)."""
     candidate = endpoints.get("candidate")
     if candidate is None:
         pytest.skip("G2 needs a candidate endpoint")
@@ -244,8 +254,15 @@ def test_disk_hit_ttft_is_a_fraction_of_recompute_at_the_longest_context(gate_co
     doubts = [f"round {h.round}: {h.why}" for h in disk_hits if h.verified is not True]
     if "page cache NOT dropped" in baseline_runs["placement"]["disk-cold"]:
         doubts.insert(0, f"the disk hits may be warm: {baseline_runs['placement']['disk-cold']}")
-    record("disk_hit_ttft_vs_recompute", ratio, context_tokens=longest, disk_ms=disk * 1e3, recompute_ms=recompute * 1e3,
-           interval=list(interval), recompute_from=baseline_runs["recompute_from"])
+    record(
+        "disk_hit_ttft_vs_recompute",
+        ratio,
+        context_tokens=longest,
+        disk_ms=disk * 1e3,
+        recompute_ms=recompute * 1e3,
+        interval=list(interval),
+        recompute_from=baseline_runs["recompute_from"],
+    )
     verdict(f"{label} ({disk * 1e3:.0f} / {recompute * 1e3:.0f} ms)", "disk_hit_ttft_vs_recompute", ratio, unit="%",
             interval=interval, valid=not doubts, invalid_reason="; ".join(doubts[:2]),
             context={"context_tokens": longest})

@@ -22,13 +22,21 @@ from typing import Optional
 
 import pytest
 
-from gates.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
 from gates.sequential import sample_until_decided
-from kvcore.percent import format_percent
-from kvcore.stats import ratio_ci
+from gates.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
-from workloads.storage.checkpoint import READER_OF, READERS, WRITER_NAMES, CheckpointError, CheckpointJob, RankFailure, spread
+from kvcore.percent import format_percent
+from kvcore.stats import ratio_ci
+from workloads.storage.checkpoint import (
+    READER_OF,
+    READERS,
+    WRITER_NAMES,
+    CheckpointError,
+    CheckpointJob,
+    RankFailure,
+    spread,
+)
 
 CHECKPOINT_DIR = "checkpoint"      # under storage.path (and baseline_path): the rounds' checkpoints, removed after
 # a job's first two saves ran at 0.42-0.53 GB/s here against 1.1-1.3 after, in every job: measured and shown,
@@ -170,7 +178,7 @@ def test_checkpoint_write_reaches_the_storages_best(gate_context, job, saves, re
     judged = paired_ratio(pairs, saves["stopping"], saves["looks"])
     seconds = [p.subject.seconds for p in pairs]
     disagree = spread(seconds) if len(seconds) > 1 else 0.0
-    flag = (f"; rounds disagree by {format_percent(disagree, 0)} (MLPerf Storage asks for 5%)" if disagree > 0.05 else "")
+    flag = f"; rounds disagree by {format_percent(disagree, 0)} (MLPerf Storage asks for 5%)" if disagree > 0.05 else ""
     record(METRIC, judged.value, "%", **judged.record_context(), save_gbps=judged.subject_gbps,
            rounds_spread=disagree, writer=judged_writer.writer,
            field_writers=writer_shares(saves["figures"], judged_writer.writer), **best.context("write"))
@@ -233,8 +241,10 @@ def test_restored_state_equals_the_saved_state(gate_context, job, saves, record,
                          **({"error": restore.error} if restore.error else {}))
     equal = sum(r.equal for r in restores)
     cold = sum(r.cold for r in restores)
-    by_reader = "; ".join(f"{reader} reader median {statistics.median(r.gbps for r in restores if r.reader == reader):.2f} GB/s"
-                          for reader in dict.fromkeys(r.reader for r in restores))
+    by_reader = "; ".join(
+        f"{reader} reader median {statistics.median(r.gbps for r in restores if r.reader == reader):.2f} GB/s"
+        for reader in dict.fromkeys(r.reader for r in restores)
+    )
     first = next((r.error or "; ".join(r.differences[:2]) for r in restores if not r.equal), "")
     record("checkpoint_restore_identical", equal / len(restores), "%", cold_rounds=cold,
            restore_gbps={reader: statistics.median(r.gbps for r in restores if r.reader == reader)

@@ -4,7 +4,8 @@ A safetensors checkpoint (an existing model, read only, or a random one written 
 by each loader in alternating rounds beside the storage's best read job (G1's sweep) reading the same
 files, until the judged loader's anytime-valid interval decides (g2.model_load.judged: kvgate's own by
 default, so the storage is judged; the field's loaders beside it as diagnostics); every load is checked
-tensor by tensor, and with a baseline path the judged loader's speedup over it is judged too. Then a server is started per loader and timed to its first token: the embedded
+tensor by tensor, and with a baseline path the judged loader's speedup over it is judged too. Then a server is started
+per loader and timed to its first token: the embedded
 `kvgate serve --weights`, or the external engine's own `launch` command.
 """
 
@@ -19,13 +20,18 @@ import pytest
 
 from cache_impl.weights.loaders import loader_unavailable
 from cache_impl.weights.safetensors_dir import CheckpointFormatError, read_safetensors_dir
-from gates.g2_baseline.model_load import (measure_aa_reads, measure_loaders, measure_speedup, median_phases,
-                                          prepare_checkpoints)
+from gates.g2_baseline.model_load import (
+    measure_aa_reads,
+    measure_loaders,
+    measure_speedup,
+    median_phases,
+    prepare_checkpoints,
+)
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.percent import format_percent
-from workloads.traffic.processes import free_port
 from workloads.probes.service_load import ServiceStartError, time_service_start
+from workloads.traffic.processes import free_port
 
 SERVICE_DIR = "model-load-service"
 METRIC = "model_load_vs_storage_best"   # under storage.path: the embedded model's exported weights

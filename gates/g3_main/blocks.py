@@ -10,9 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Looks, log_ratio_sequence, method, sample_until_decided
 from kvcore.g3_analysis import LevelFigures
-from gates.sequential import (METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Looks, log_ratio_sequence, method,
-                              sample_until_decided)
 from workloads.loadgen.blocks import LevelSampling
 
 JUDGED_PER_LEVEL = {True: ("ttft_p50_reduction", "throughput_gain"), False: ("ttft_p50_reduction",)}
@@ -51,9 +50,13 @@ def pair_figures(pairs: list[tuple[dict, dict]], looks: Optional[Looks] = None) 
     `looks` (the schedule the pairs were sampled under: `level_looks`), or (None) Lai's sequence, valid at any n."""
     usable = [(a, b) for a, b in pairs if _usable(a) and _usable(b)]
     left_out = [(k, a, b) for k, (a, b) in enumerate(pairs) if not (_usable(a) and _usable(b))]
-    reasons = "; ".join(f"pair {k + 1}: " + ", ".join(f"{row['target']} block: {row.get('invalid_reasons') or 'no figure'}"
-                                                       for row in (a, b) if not _usable(row))
-                        for k, a, b in left_out)
+    reasons = "; ".join(
+        f"pair {k + 1}: "
+        + ", ".join(
+            f"{row['target']} block: {row.get('invalid_reasons') or 'no figure'}" for row in (a, b) if not _usable(row)
+        )
+        for k, a, b in left_out
+    )
     if len(usable) < MIN_PAIRS_FOR_AN_INTERVAL:
         causes = counted_causes([row.get("invalid_reasons") or "no figure" for _, a, b in left_out for row in (a, b)
                                  if not _usable(row)])

@@ -21,10 +21,10 @@ from kvcore.rundata import read_records
 from sizing.g3_inputs import g3_replays
 from sizing.targets import target_inputs
 from workloads.loadgen.blocks import run_sweep, step_measured_records
-from workloads.traffic.datasets import build_workload, sizer_for
-from workloads.traffic.errors import describe_errors
 from workloads.loadgen.sweep import SweepSettings, describe_replay, prime_targets
 from workloads.probes.tier_hits import POOL_TIER, read_tier_hits, tier_shares
+from workloads.traffic.datasets import build_workload, sizer_for
+from workloads.traffic.errors import describe_errors
 
 
 def predicted_ttft_p50_s(predictions: list[dict], roles: list[str], levels) -> dict[tuple[str, int], float]:

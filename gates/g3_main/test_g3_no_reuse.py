@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.g3_analysis import level_figures, run_seed
 from gates.no_reuse import reuse_found, unjudged_reason
-from workloads.loadgen.blocks import run_sweep, step_measured_records
+from kvcore.g3_analysis import level_figures, run_seed
 from kvcore.rundata import read_records
-from workloads.traffic.datasets import build_workload, sizer_for
+from workloads.loadgen.blocks import run_sweep, step_measured_records
 from workloads.loadgen.sweep import SweepSettings
+from workloads.traffic.datasets import build_workload, sizer_for
 
 ROLES = ("baseline", "candidate")
 
 
 @pytest.fixture(scope="module")
 def control(gate_context, endpoints):
-    """Each target's step of the control: {"summary": sweep row, "records": its measured ok records, "all": every record}."""
+    """Each target's step of the control: {"summary": sweep row, "records": its measured ok records, "all": every
+    record}."""
     g3 = gate_context.config.g3
     config = g3.no_reuse
     if not config.enabled:
@@ -71,8 +72,15 @@ def test_offload_costs_little_in_ttft_under_load_when_nothing_is_reused(gate_con
     cost = None if figures.ttft_reduction is None else -figures.ttft_reduction
     for role in ROLES:
         summary = control[role]["summary"]
-        record("no_reuse_ttft_p50_ms", (summary["ttft_p50_s"] or 0) * 1e3, "ms", target=role, concurrency=level,
-               requests=summary["requests"], cached_tokens=sum(r.get("cached_tokens") or 0 for r in control[role]["all"]))
+        record(
+            "no_reuse_ttft_p50_ms",
+            (summary["ttft_p50_s"] or 0) * 1e3,
+            "ms",
+            target=role,
+            concurrency=level,
+            requests=summary["requests"],
+            cached_tokens=sum(r.get("cached_tokens") or 0 for r in control[role]["all"]),
+        )
     record("no_reuse_ttft_cost", cost, "%", interval=_negated(figures.ttft_interval), concurrency=level)
     verdict(f"G3 no-reuse control: tiered TTFT p50 / baseline's − 1 at c={level}", "no_reuse_ttft_cost", cost,
             unit="%", interval=_negated(figures.ttft_interval), valid=valid, invalid_reason=reasons,

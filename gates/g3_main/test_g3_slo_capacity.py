@@ -13,8 +13,8 @@ from kvcore.attainment import MEETS
 from kvcore.capacity import USERS, capacity_gain, load_kind
 from kvcore.g3_analysis import run_seed
 from workloads.loadgen.capacity_probe import ProbeSettings, describe_probe, search_capacity, slo_of
-from workloads.traffic.datasets import build_workload, sizer_for
 from workloads.loadgen.sweep import RATE_USERS
+from workloads.traffic.datasets import build_workload, sizer_for
 
 ROLES = ("baseline", "candidate")
 
@@ -69,8 +69,15 @@ def test_capacity_gain_within_the_slo(capacity, gate_context, record, verdict):
              f"{baseline.describe()}")
     context = {"target": "candidate", "bracket_closed": baseline.closed and candidate.closed}
     if baseline.low == 0:
-        verdict(label, "capacity_gain", None, unit="%", valid=False, context=context,
-                invalid_reason="the baseline met the SLO at no load searched: a lower g3.capacity.start or a looser slo")
+        verdict(
+            label,
+            "capacity_gain",
+            None,
+            unit="%",
+            valid=False,
+            context=context,
+            invalid_reason="the baseline met the SLO at no load searched: a lower g3.capacity.start or a looser slo",
+        )
     elif math.isinf(most):
         # the candidate met the SLO at the most searched: its gain is at least `least`, which decides a PASS only
         rule = gate_context.rule("capacity_gain")

@@ -110,8 +110,11 @@ class FailedRequests:
     kind: str = "errors"
 
     def describe(self) -> str:
-        return (f"{self.failed} of {self.requests} requests failed ({format_percent(self.failed / self.requests)} > "
-                f"{format_percent(self.max_share, 4, trim=True)} allowed, g4.max_error_share)" + (f": {self.errors}" if self.errors else ""))
+        return (
+            f"{self.failed} of {self.requests} requests failed ({format_percent(self.failed / self.requests)} > "
+            f"{format_percent(self.max_share, 4, trim=True)} allowed, g4.max_error_share)"
+            + (f": {self.errors}" if self.errors else "")
+        )
 
 
 def failed_requests(window: dict, max_share: float) -> Optional[FailedRequests]:

@@ -21,11 +21,12 @@ from typing import Optional
 
 from cache_impl.cache.faults import BLOCK_FAULTS
 from gates.config import FaultSpec
-from kvcore.files import append_jsonl, read_jsonl_file as read_jsonl
-from workloads.traffic.client import StreamingClient
+from kvcore.files import append_jsonl
+from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.probes.faults import CacheAdmin, damage_prompt_blocks, detection_counts, evict_until_on_disk_only
-from workloads.traffic.target import Target
+from workloads.traffic.client import StreamingClient
 from workloads.traffic.requests import WorkloadRequest
+from workloads.traffic.target import Target
 
 # What each kind of fault should move among the cache's counters.
 DETECTED_BY = {"flip_byte": "corrupt_blocks", "truncate": "corrupt_blocks", "delete": "corrupt_blocks",

@@ -7,7 +7,8 @@ appended as they complete, so a soak killed with the harness resumes with
 `kvgate run g4 --resume RUN_DIR` and loses no completed window.
 
 The configured fault schedule (g4.faults) is injected into the candidate's
-cache during the soak (the embedded candidate, or vLLM with kvgate's connector); each fault must be detected, must not change any
+cache during the soak (the embedded candidate, or vLLM with kvgate's connector); each fault must be detected, must not
+change any
 probe's answer, and the probe must be served from the cache again afterwards.
 """
 
@@ -18,15 +19,26 @@ from typing import Optional
 import pytest
 
 from engines import cache_admin, hit_reader
-from gates.g4_soak.analysis import RUNTIME_GROWTH, drift, drift_power, excluded_window_rows, fault_facts, \
-    fault_outcome, faults_summary, growth_horizon, growth_power, project_growth, windows_touched
+from gates.g4_soak.analysis import (
+    RUNTIME_GROWTH,
+    drift,
+    drift_power,
+    excluded_window_rows,
+    fault_facts,
+    fault_outcome,
+    faults_summary,
+    growth_horizon,
+    growth_power,
+    project_growth,
+    windows_touched,
+)
 from gates.g4_soak.soak import RUNTIME_GAUGES, Soak, SoakSettings, window_line
 from kvcore.files import read_jsonl_file as read_jsonl
 from kvcore.rules import Threshold
-from workloads.traffic.datasets import build_workload, sizer_for
-from workloads.traffic.errors import describe_errors, merge_error_summaries
 from workloads.probes.faults import AdminClient, CacheAdmin
 from workloads.probes.tier_hits import tier_difference, tier_shares
+from workloads.traffic.datasets import build_workload, sizer_for
+from workloads.traffic.errors import describe_errors, merge_error_summaries
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +145,21 @@ def test_no_drift_beyond_the_tolerance_outside_the_fault_windows(gate_context, w
     if power is not None:
         record(f"{judged}_power", power.windows, "windows", **power.context())
     measured_only = judged in config.measured_only
-    verdict(f"G4 {label} over the soak ({result.words(unit)}" + (f"; {power.words()}" if power else "") + ")",
-            judged, result.fraction, rule=None if measured_only else Threshold(judged, "<=", config.drift_tolerance),
-            unjudged_reason=(f"this profile's soak cannot power it (g4.measured_only){'; ' + power.words() if power else ''}"
-                             if measured_only else ""), unit="%", interval=result.interval,
-            valid=not result.invalid_reason, invalid_reason=result.invalid_reason)
+    verdict(
+        f"G4 {label} over the soak ({result.words(unit)}" + (f"; {power.words()}" if power else "") + ")",
+        judged,
+        result.fraction,
+        rule=None if measured_only else Threshold(judged, "<=", config.drift_tolerance),
+        unjudged_reason=(
+            f"this profile's soak cannot power it (g4.measured_only){'; ' + power.words() if power else ''}"
+            if measured_only
+            else ""
+        ),
+        unit="%",
+        interval=result.interval,
+        valid=not result.invalid_reason,
+        invalid_reason=result.invalid_reason,
+    )
 
 
 def _record_trend_line(record, windows, metric: str, result) -> None:

@@ -20,8 +20,7 @@ import yaml
 
 from kvcore.files import write_json
 from workloads.traffic.client import StreamingClient, TargetError
-from workloads.traffic.processes import free_port
-from workloads.traffic.processes import die_with_parent
+from workloads.traffic.processes import die_with_parent, free_port
 
 from .controls import Control, Server, g3_run_seconds, gates_yaml
 from .expectations import Finding, invalid_steps, run_completed

@@ -15,15 +15,23 @@ import numpy as np
 import pandas as pd
 
 from kvcore.rundata import read_records
-from workloads.traffic.errors import merge_error_summaries
 from workloads.loadgen.live import LiveFigures, LiveStep, step_name
 from workloads.loadgen.load import LoadProgress, LoadRun, run_load
-from workloads.traffic.target import Target
-from workloads.traffic.requests import Workload
 from workloads.loadgen.steady import LAG, Settled, order_segment, requests_per_part, settle
-from workloads.loadgen.sweep import (DUE_COUNTS, Step, SweepSettings, plan_steps, read_client_samples, request_figures, step_line,
-                    summarize_step)
+from workloads.loadgen.sweep import (
+    DUE_COUNTS,
+    Step,
+    SweepSettings,
+    plan_steps,
+    read_client_samples,
+    request_figures,
+    step_line,
+    summarize_step,
+)
 from workloads.probes.tier_hits import tier_difference
+from workloads.traffic.errors import merge_error_summaries
+from workloads.traffic.requests import Workload
+from workloads.traffic.target import Target
 
 
 def block_order(pair: int) -> tuple[int, int]:
@@ -70,8 +78,8 @@ class _Block:
     samples: list[dict]
     hits: Optional[dict]
     where: str                    # the console's name of it ("step 1 / 3, c=2, block 1 of 3, baseline")
-    max_requests: Optional[int] = None   # its part's requests, each sent once (None: as many as its time allows)
-    matched: bool = False         # its pair serves the same requests, measured from the first (workloads.loadgen.steady)
+    max_requests: Optional[int] = None  # its part's requests, each sent once (None: as many as its time allows)
+    matched: bool = False  # its pair serves the same requests, measured from the first (workloads.loadgen.steady)
 
     @property
     def first_sent_at(self) -> float:

@@ -15,12 +15,11 @@ import numpy as np
 from kvcore.attainment import MISSES, UNDECIDED, MissShare
 from kvcore.capacity import CapacitySearch, Probe
 from kvcore.rundata import read_records
-
 from workloads.loadgen.load import LoadProgress, run_load
-from workloads.traffic.target import Target
-from workloads.traffic.requests import Workload
 from workloads.loadgen.steady import order_segment
 from workloads.loadgen.sweep import rate_multiplied, trace_segment
+from workloads.traffic.requests import Workload
+from workloads.traffic.target import Target
 
 Say = Callable[[str], None]
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvcore.files import JsonlTail, read_jsonl
-
 from workloads.traffic.errors import StopRule
-from workloads.traffic.requests import Workload, save_workload
 from workloads.traffic.processes import die_with_parent, free_port
+from workloads.traffic.requests import Workload, save_workload
 from workloads.traffic.target import Target
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvcore.percent import format_percent
-
 from workloads.loadgen.live import format_ms
 from workloads.traffic.requests import Workload, load_order, of_pass
 

@@ -13,15 +13,14 @@ import numpy as np
 
 from kvcore.files import read_jsonl
 from kvcore.percent import format_percent
-
 from kvcore.rundata import read_records
-from workloads.traffic.errors import StopRule, describe_errors, summarize_errors
 from workloads.loadgen.live import LiveStep, format_ms
-from workloads.traffic.target import Target
 from workloads.loadgen.load import run_load
-from workloads.traffic.requests import Workload, of_pass
 from workloads.loadgen.steady import SteadyRule, order_segment
 from workloads.probes.tier_hits import tier_line
+from workloads.traffic.errors import StopRule, describe_errors, summarize_errors
+from workloads.traffic.requests import Workload, of_pass
+from workloads.traffic.target import Target
 
 PERCENTILES = (50, 90, 99)
 
@@ -170,9 +169,13 @@ def _invalid_reasons(ok: list[dict], samples: list[dict], start: float, end: flo
     cpu = [s["cpu_percent"] for s in in_window]
     lag = [s["loop_lag_s"] for s in in_window]
     if cpu and np.percentile(cpu, 90) > settings.max_client_cpu_percent:
-        reasons.append(f"client saturated: CPU p90 {np.percentile(cpu, 90):.0f}% > {settings.max_client_cpu_percent:.0f}%")
+        reasons.append(
+            f"client saturated: CPU p90 {np.percentile(cpu, 90):.0f}% > {settings.max_client_cpu_percent:.0f}%"
+        )
     if lag and max(lag) > settings.max_loop_lag_s:
-        reasons.append(f"client saturated: event-loop lag {max(lag) * 1e3:.0f} ms > {settings.max_loop_lag_s * 1e3:.0f} ms")
+        reasons.append(
+            f"client saturated: event-loop lag {max(lag) * 1e3:.0f} ms > {settings.max_loop_lag_s * 1e3:.0f} ms"
+        )
     # A server may put several tokens in one chunk: tolerate a few such requests. A token with no text yet
     # (vLLM streams it as an empty content) is a chunk still, and a closing chunk with no token is no batching.
     mismatched = [r for r in ok if r["tokens_from_usage"] and _chunks_disagree(r)]
@@ -309,11 +312,17 @@ def step_line(summary: dict) -> str:
     due, finished = summary.get("due"), summary.get("finished")
     missing = (f" ({due} due, {summary.get('sent')} sent, {finished} finished)"
                if due is not None and finished is not None and due != finished else "")
-    return (f"{summary.get('requests', 0)} requests{missing}, errors {format_percent(errors or 0)}, "
-            f"TTFT p50 {format_ms(ttft)}, "
-            f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, hit ratio {'-' if hits is None else format_percent(hits, 0)}"
-            + (", " + tier_line(summary["hit_blocks_by_tier"], summary.get("tier_unit", "blocks"))
-               if summary.get("hit_blocks_by_tier") is not None else ""))
+    return (
+        f"{summary.get('requests', 0)} requests{missing}, errors {format_percent(errors or 0)}, "
+        f"TTFT p50 {format_ms(ttft)}, "
+        f"{summary.get('output_tokens_per_s') or 0:.1f} tokens/s, "
+        f"hit ratio {'-' if hits is None else format_percent(hits, 0)}"
+        + (
+            ", " + tier_line(summary["hit_blocks_by_tier"], summary.get("tier_unit", "blocks"))
+            if summary.get("hit_blocks_by_tier") is not None
+            else ""
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -362,8 +371,16 @@ def plan_steps(workload: Workload, settings: SweepSettings) -> list[Step]:
             steps.append(Step(kind, value, paced(parts[i] if parts else workload, value, settings.duration_s),
                               settings.rate_users, None))
         elif kind == "multiplier":
-            steps.append(Step(kind, value, rate_multiplied(parts[i], value), settings.rate_users,
-                              len(parts[i].sessions), _pair_parts(parts[i], settings, lambda p: rate_multiplied(p, value))))
+            steps.append(
+                Step(
+                    kind,
+                    value,
+                    rate_multiplied(parts[i], value),
+                    settings.rate_users,
+                    len(parts[i].sessions),
+                    _pair_parts(parts[i], settings, lambda p: rate_multiplied(p, value)),
+                )
+            )
         elif parts:
             steps.append(Step(kind, value, closed_loop(parts[i]), int(value), len(parts[i].sessions),
                               _pair_parts(parts[i], settings, closed_loop)))

@@ -24,11 +24,17 @@ from typing import Callable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from cache_impl.cache.faults import damage_block
-
+from cache_impl.server.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from workloads.traffic.processes import die_with_parent
-from workloads.traffic.target_json import BadResponse, json_object, optional_count, optional_text, required_list, required_text
+from workloads.traffic.target_json import (
+    BadResponse,
+    json_object,
+    optional_count,
+    optional_text,
+    required_list,
+    required_text,
+)
 
 # -- the server's admin routes ---------------------------------------------------------
 
@@ -108,7 +114,8 @@ class AdminClient:
         return self._call("GET", "/health")
 
     def metrics(self) -> dict[tuple, float]:
-        """Every sample of /metrics as {(name, (label, value), ...): value} (AdminError when it is not Prometheus text)."""
+        """Every sample of /metrics as {(name, (label, value), ...): value} (AdminError when it is not Prometheus
+        text)."""
         samples = {}
         try:
             for family in text_string_to_metric_families(self._call("GET", "/metrics")):

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kvcore.files import drop_cached_pages
-
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.processes import die_with_parent
 from workloads.traffic.requests import WorkloadRequest

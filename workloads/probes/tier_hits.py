@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Mapping, Optional, Sequence
 
 from kvcore.percent import format_percent
-
 from workloads.probes.faults import AdminClient, AdminError, per_tier
 from workloads.traffic.target import Target
 

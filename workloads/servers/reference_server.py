@@ -7,7 +7,8 @@ the first after the TTFT, then one every ITL, then the finish chunk, a usage chu
 `data: [DONE]`. Plain asyncio, HTTP/1.1 with keep-alive and chunked encoding, so that it costs as
 little as possible and whatever latency a client adds above the TTFT is the client's (or the
 machine's). What it does with each request (drifting latency, an error schedule, usage that lies
-or has a field of the wrong type, a descriptor leak) is a `workloads.servers.server_behaviour.Behaviour`, from the flags; with
+or has a field of the wrong type, a descriptor leak) is a `workloads.servers.server_behaviour.Behaviour`, from the
+flags; with
 none it is the plain fixed-timing reference. Run: `python -m workloads.servers.reference_server --port 8010`.
 """
 
@@ -171,8 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="usage.prompt_tokens_details.cached_tokens (capped at the prompt's tokens)")
     parser.add_argument("--cached-tokens-as-string", action="store_true",
                         help="send cached_tokens as a string, a field of the wrong type")
-    parser.add_argument("--slots", type=int, default=0, metavar="N",
-                        help="serve at most N requests at once, the rest wait their turn (a known capacity; 0: no limit)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve at most N requests at once, the rest wait their turn (a known capacity; 0: no limit)",
+    )
     parser.add_argument("--leak-fd-every", type=int, default=0, metavar="N",
                         help="every N-th request keeps a file descriptor open for good (a leak G4 must catch)")
     return parser

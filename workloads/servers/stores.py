@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from workloads.traffic.processes import free_port
-from workloads.traffic.processes import die_with_parent
+from workloads.traffic.processes import die_with_parent, free_port
 
 
 class StoreStartError(RuntimeError):
@@ -102,10 +101,28 @@ class RedisServer(_Processes):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 20) -> "RedisServer":
-        process, log = self.spawn("redis", [
-            _program("redis-server"), "--bind", "127.0.0.1", "--protected-mode", "yes", "--port", str(self.port), "--save", "",
-            "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
-            "--dir", str(self.workdir)])
+        process, log = self.spawn(
+            "redis",
+            [
+                _program("redis-server"),
+                "--bind",
+                "127.0.0.1",
+                "--protected-mode",
+                "yes",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory",
+                self.maxmemory,
+                "--maxmemory-policy",
+                "allkeys-lru",
+                "--dir",
+                str(self.workdir),
+            ],
+        )
         _wait_port(self.port, process, log, timeout_s)
         return self
 

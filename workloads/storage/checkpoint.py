@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 
 from kvcore.files import drop_cached_pages, fsync_directory
 from kvcore.settings import ConfigError
-
 from workloads.storage.rank_group import RankFailure, RankGroup
 
 METADATA_NAME = ".metadata"

@@ -18,7 +18,8 @@ import io
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future as _ThreadFuture, ThreadPoolExecutor
+from concurrent.futures import Future as _ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator, Optional
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from cache_impl.platform.buffers import ALIGN, HUGE_PAGE, huge_page_empty
-from cache_impl.weights.direct_io import Span, read_piece, address_of, copy_bytes, open_direct
+from cache_impl.weights.direct_io import Span, address_of, copy_bytes, open_direct, read_piece
 
 CHUNK_BYTES = 16 << 20       # fio's best fsync'd write job here: direct, 16 MiB requests
 WRITERS_PER_FILE = 4         # chunks in flight per file

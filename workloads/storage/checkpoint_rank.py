@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from kvcore.files import fsync_directory, process_read_bytes
-
 from workloads.storage.checkpoint import KVGATE_WRITER, CheckpointSpec
 from workloads.storage.checkpoint_kvgate import HugePageBuffers, KvgateReader, KvgateWriter
 from workloads.storage.checkpoint_state import build_state, differences, empty_state

@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from workloads.traffic.processes import free_port
-from workloads.traffic.processes import die_with_parent
+from workloads.traffic.processes import die_with_parent, free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STDERR_TAIL_CHARS = 1500

@@ -1,1 +1,2 @@
-"""What a load sends and how it is timed: workloads and their requests, datasets and tokenizers' sizers, the target and its routing, the streaming client (the one timing definition), request errors, local processes and ports."""
+"""What a load sends and how it is timed: workloads and their requests, datasets and tokenizers' sizers, the target and
+its routing, the streaming client (the one timing definition), request errors, local processes and ports."""

@@ -11,16 +11,23 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from pathlib import Path
 from typing import Iterable, Literal, Optional
-
-from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from urllib.parse import urlsplit
 
 from workloads.traffic.errors import CONNECTION_ERRORS
 from workloads.traffic.requests import WorkloadRequest
-from workloads.traffic.target_json import BadResponse, json_object, optional_count, optional_list, optional_object, optional_text, \
-    required_list, required_text
+from workloads.traffic.target_json import (
+    BadResponse,
+    json_object,
+    optional_count,
+    optional_list,
+    optional_object,
+    optional_text,
+    required_list,
+    required_text,
+)
 
 
 @dataclass
@@ -46,7 +53,7 @@ class RequestRecord:
     completion_tokens: Optional[int] = None
     cached_tokens: Optional[int] = None
     content_chunks: int = 0
-    token_chunks: int = 0             # chunks carrying a token, its text perhaps empty (vLLM streams undecoded bytes so)
+    token_chunks: int = 0  # chunks carrying a token, its text perhaps empty (vLLM streams undecoded bytes so)
     tokens_from_usage: bool = False
     finish_reason: Optional[str] = None
     worker: str = ""
@@ -377,8 +384,16 @@ def _timed_lines(response) -> Iterable[tuple[float, str]]:
 
 def _apply(record: RequestRecord, m: StreamMetrics) -> None:
     record.ttft_s, record.e2e_s, record.tpot_s, record.itl_s = m.ttft_s, m.e2e_s, m.tpot_s, m.itl_s
-    record.prompt_tokens, record.completion_tokens, record.cached_tokens = m.prompt_tokens, m.completion_tokens, m.cached_tokens
-    record.content_chunks, record.tokens_from_usage, record.finish_reason = m.content_chunks, m.tokens_from_usage, m.finish_reason
+    record.prompt_tokens, record.completion_tokens, record.cached_tokens = (
+        m.prompt_tokens,
+        m.completion_tokens,
+        m.cached_tokens,
+    )
+    record.content_chunks, record.tokens_from_usage, record.finish_reason = (
+        m.content_chunks,
+        m.tokens_from_usage,
+        m.finish_reason,
+    )
     record.token_chunks = m.token_chunks
     if m.error:
         _failed(record, m.error_type or "stream_error", m.error)

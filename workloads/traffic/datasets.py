@@ -17,10 +17,15 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tokenizers import Tokenizer
 
-from cache_impl.cache.config import ConfigError, format_validation_error, load_yaml_file
 from cache_impl.engine.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
-from kvcore.settings import MAX_CONTEXT_TOKENS, ContextTokens, Count
-
+from kvcore.settings import (
+    MAX_CONTEXT_TOKENS,
+    ConfigError,
+    ContextTokens,
+    Count,
+    format_validation_error,
+    load_yaml_file,
+)
 from workloads.traffic.requests import Workload, WorkloadRequest
 
 # Tokens per hash id in Mooncake traces.
@@ -277,7 +282,9 @@ class MultiRoundQASpec(_Spec):
     kind: Literal["multi_round_qa"] = Field(description="workload kind")
     users: Count = Field(ge=1, description="conversations (sessions), one per user")
     rounds: Count = Field(ge=1, description="requests per conversation")
-    system_prompt_tokens: ContextTokens = Field(default=0, ge=0, description="system prompt shared by all users; 0: none")
+    system_prompt_tokens: ContextTokens = Field(
+        default=0, ge=0, description="system prompt shared by all users; 0: none"
+    )
     document_tokens: ContextTokens = Field(ge=0, description="per-user document, sent in the first user message")
     question_tokens: ContextTokens = Field(ge=1, description="the user's message of each round")
     answer_tokens: ContextTokens = Field(ge=1, description="synthetic assistant answer kept in the history")
@@ -295,7 +302,9 @@ class MultiRoundQASpec(_Spec):
         # round r (from 0): system + document + (r + 1) questions + r answers
         opening, turn = self.system_prompt_tokens + self.document_tokens, self.question_tokens + self.answer_tokens
         last = opening + self.rounds * turn - self.answer_tokens
-        per_user = self.rounds * opening + turn * self.rounds * (self.rounds - 1) // 2 + self.rounds * self.question_tokens
+        per_user = (
+            self.rounds * opening + turn * self.rounds * (self.rounds - 1) // 2 + self.rounds * self.question_tokens
+        )
         return self.users * self.rounds, "users × rounds", last, "in the last round", self.users * per_user
 
 
@@ -307,7 +316,9 @@ class LongDocQASpec(_Spec):
     document_tokens: ContextTokens = Field(ge=1, description="size of each document")
     questions_per_document: Count = Field(ge=1, description="questions asked about each document")
     question_tokens: ContextTokens = Field(ge=1, description="size of each question")
-    system_prompt_tokens: ContextTokens = Field(default=0, ge=0, description="system prompt shared by all requests; 0: none")
+    system_prompt_tokens: ContextTokens = Field(
+        default=0, ge=0, description="system prompt shared by all requests; 0: none"
+    )
     output_tokens: ContextTokens = Field(ge=1, description="max_tokens per request")
     order: Literal["grouped", "interleaved"] = Field(
         default="interleaved",
@@ -417,12 +428,16 @@ class TraceSpec(_Spec):
         default=0, ge=0, description="the trace's first N requests warm the targets up (priming) and are never "
         "measured; 0: no warm-up")
     limit: Optional[Count] = Field(default=None, ge=1, description="measure only the N requests after the warm-up")
-    block_tokens: ContextTokens = Field(default=MOONCAKE_BLOCK_TOKENS, ge=1, description="tokens per hash id in the trace")
+    block_tokens: ContextTokens = Field(
+        default=MOONCAKE_BLOCK_TOKENS, ge=1, description="tokens per hash id in the trace"
+    )
     time_scale: float = Field(default=1.0, gt=0, description="arrival_s = timestamp / 1000 * time_scale")
     length_scale: float = Field(
         default=1.0, gt=0, description="scales input, output and block sizes together (reuse structure kept)"
     )
-    max_output_tokens: Optional[ContextTokens] = Field(default=None, ge=1, description="cap on max_tokens after scaling")
+    max_output_tokens: Optional[ContextTokens] = Field(
+        default=None, ge=1, description="cap on max_tokens after scaling"
+    )
 
 
 WorkloadSpec = Union[MultiRoundQASpec, LongDocQASpec, SharedPrefixSpec, RandomSpec, TraceSpec]

@@ -13,14 +13,14 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from cache_impl.cache import blockfiles, integrity
-from cache_impl.platform import buffers
 from cache_impl.cache.config import DiskTierConfig
 from cache_impl.cache.disk_room import check_reserve, filesystem_room
 from cache_impl.cache.faults import FaultPoints
 from cache_impl.cache.keys import Fingerprint, Key
-from cache_impl.platform.thread_pools import started_pool
 from cache_impl.cache.tiers.base import Discovered, cpu_bytes
 from cache_impl.cache.tiers.disk_probe import IoProbe, probe_io_mode
+from cache_impl.platform import buffers
+from cache_impl.platform.thread_pools import started_pool
 
 
 class DiskTier:

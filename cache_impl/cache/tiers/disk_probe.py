@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cache_impl.platform.buffers import aligned_empty
 from cache_impl.cache.tiers.base import write_block
+from cache_impl.platform.buffers import aligned_empty
 
 if TYPE_CHECKING:
     from cache_impl.cache.tiers.disk import DiskTier

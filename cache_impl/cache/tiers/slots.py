@@ -6,9 +6,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from cache_impl.platform.buffers import aligned_empty
 from cache_impl.cache.keys import Key, KVLayout
 from cache_impl.cache.tiers.base import Discovered
+from cache_impl.platform.buffers import aligned_empty
 
 
 class SlotPool:
