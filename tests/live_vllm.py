@@ -60,7 +60,7 @@ def _imports_vllm(python: Path) -> bool:
 
 def _imports_connector(python: Path) -> bool:
     """kvgate's connector, from this checkout, is importable by the venv (the installer puts it there)."""
-    check = ("import cache_impl.vllm.vllm_connector as c, os, sys; "
+    check = ("import cache_impl.vllm_connector as c, os, sys; "
              "sys.exit(not os.path.samefile(os.path.dirname(os.path.dirname(c.__file__)), sys.argv[1]))")
     return subprocess.run([str(python), "-c", check, str(REPO)], capture_output=True, timeout=300,
                           cwd="/").returncode == 0
