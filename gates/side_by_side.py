@@ -174,7 +174,7 @@ def measure_pairs(subject_round: Round, fio_round: FioRound, pairing: Pairing, r
     times from this storage's noise, a subject run once draws once. Every job here stalls now and then (on
     the development VM a direct 4 x 16 MiB read of 128 MiB ran at 0.57-0.77 GB/s in 4 of 16 runs, 1.74-2.10
     in the rest); the faster of two runs misses a stall that a single run meets, so a subject run once is
-    judged against a luckier yardstick whatever its speed (by simulation, tests/test_g2_cold_read.py: a
+    judged against a luckier yardstick whatever its speed (by simulation, tests/gates/test_g2_cold_read.py: a
     subject exactly as fast as the storage came out at 0.83 [0.76, 0.91] of it over 400 pairs). With
     `draws` = the yardstick's jobs an equal subject comes out at 1 (the A/A of this is the best jobs on
     both sides)."""

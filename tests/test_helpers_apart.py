@@ -23,7 +23,7 @@ def _imported_modules(path: Path) -> list[str]:
 
 def _is_test_module(module: str) -> bool:
     parts = module.split(".")
-    return len(parts) == 2 and parts[0] == "tests" and (parts[1].startswith("test_") or parts[1] == "conftest")
+    return len(parts) >= 2 and parts[0] == "tests" and (parts[-1].startswith("test_") or parts[-1] == "conftest")
 
 
 def test_no_module_under_tests_imports_a_test_module_or_conftest():
@@ -34,7 +34,8 @@ def test_no_module_under_tests_imports_a_test_module_or_conftest():
 
 def test_the_rule_sees_each_way_of_importing_a_test_module(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("import tests.test_keys\nfrom tests.test_stats import x\nfrom tests import test_plots\n"
-                     "from .conftest import BLOCK\nfrom tests.servers import REPO\nimport tests.blocks\n")
+    probe.write_text("import tests.cache_impl.test_keys\nfrom tests.kvcore.test_stats import x\n"
+                     "from tests.reports import test_plots\nfrom .conftest import BLOCK\n"
+                     "from tests.servers import REPO\nimport tests.blocks\n")
     assert [m for m in _imported_modules(probe) if _is_test_module(m)] == [
-        "tests.test_keys", "tests.test_stats", "tests.test_plots", "tests.conftest"]
+        "tests.cache_impl.test_keys", "tests.kvcore.test_stats", "tests.reports.test_plots", "tests.conftest"]

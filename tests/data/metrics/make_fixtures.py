@@ -3,8 +3,8 @@
 Each exposition is what the engine's own registry writes (prometheus_client, as every one of
 them uses): the metric names, types and label names are those of the engine's source, cited in
 each file's first lines; only the values are chosen, one request's worth, written out in
-tests/test_engines_metrics.py. kvgate's fixtures are captured from a real `kvgate serve` instead
-(tests/test_engines_kvgate.py says how). Run: python tests/data/metrics/make_fixtures.py
+tests/engines/test_engines_metrics.py. kvgate's fixtures are captured from a real `kvgate serve` instead
+(tests/engines/test_engines_kvgate.py says how). Run: python tests/data/metrics/make_fixtures.py
 """
 
 from __future__ import annotations

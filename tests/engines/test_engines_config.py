@@ -13,7 +13,7 @@ from engines.metrics import parse_metrics
 from gates.config import load_config
 from kvcore.settings import ConfigError
 
-DATA = Path(__file__).resolve().parent / "data" / "metrics"
+DATA = Path(__file__).resolve().parents[1] / "data" / "metrics"
 BASELINE = {"url": "http://127.0.0.1:8001/v1", "model": "m"}
 
 

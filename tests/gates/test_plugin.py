@@ -14,7 +14,7 @@ import yaml
 from gates.config import load_config
 from kvcore.rundata import RunStore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SUITE = '''
 def test_records_only(record):

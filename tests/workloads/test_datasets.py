@@ -29,7 +29,7 @@ from workloads.traffic.datasets import (
 )
 from workloads.traffic.requests import Workload, WorkloadRequest
 
-SPECS_DIR = Path(__file__).resolve().parent.parent / "workloads" / "specs"
+SPECS_DIR = Path(__file__).resolve().parents[2] / "workloads" / "specs"
 BYTES, WORDS = ByteSizer(), WordSizer()
 
 MULTI_ROUND = {

@@ -152,8 +152,8 @@ def test_a_flops_roofline_stands_in_for_the_recompute_curve_before_any_run(tmp_p
 
 
 def test_an_external_plan_models_what_the_engines_said_at_pre_flight(tmp_path):
-    # a live vLLM pair (tests/test_live_vllm.py): the baseline without prefix caching, the candidate with 262,144
-    # tokens of device KV and no tier below it; the plan had predicted 0% G3 reduction and a G2 cold-read PASS
+    # a live vLLM pair (tests/engines/test_live_vllm.py): the baseline without prefix caching, the candidate with
+    # 262,144 tokens of device KV and no tier below it; the plan had predicted 0% G3 reduction and a G2 cold-read PASS
     path = tmp_path / "gates.yaml"
     path.write_text("targets:\n  kind: external\n"
                     "  baseline: {url: 'http://127.0.0.1:1/v1', model: m, engine: vllm}\n"

@@ -27,7 +27,7 @@ from workloads.storage.fio import (
     verify_job,
 )
 
-DATA = Path(__file__).parent / "data" / "fio"
+DATA = Path(__file__).parents[1] / "data" / "fio"
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 
 

@@ -9,7 +9,7 @@ import xxhash
 
 from cache_impl.cache.keys import Fingerprint, KVLayout, block_keys
 
-VECTORS = json.loads((Path(__file__).parent / "data" / "key_vectors.json").read_text())["vectors"]
+VECTORS = json.loads((Path(__file__).parents[1] / "data" / "key_vectors.json").read_text())["vectors"]
 
 
 def _fingerprint(spec: dict) -> Fingerprint:

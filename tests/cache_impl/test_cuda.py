@@ -1,7 +1,7 @@
 """The cache and the engine on a CUDA device: device tier in GPU memory, host tier pinned.
 
 Skipped where there is no CUDA device (these machines); run on a GPU machine with
-`python3 -m pytest -q -m cuda tests/test_cuda.py`.
+`python3 -m pytest -q -m cuda tests/cache_impl/test_cuda.py`.
 """
 
 from __future__ import annotations

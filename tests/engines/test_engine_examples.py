@@ -17,9 +17,9 @@ from gates.targets import engine_settings
 from kvcore.settings import parse_size
 from sizing.layout import KVShape
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "engines"
-METRICS = Path(__file__).resolve().parent / "data" / "metrics"
+METRICS = Path(__file__).resolve().parents[1] / "data" / "metrics"
 GIB = 2**30
 
 # The README table, per file: each ability of the candidate, available or not, and the tiers a control
