@@ -110,7 +110,11 @@ def test_g3_is_predicted_from_the_servers_decode_timed_just_before_it_at_its_own
     # the median prompt of G3's own workload (6 users x 3 rounds of a 256-token system prompt, a 768-token document
     # and growing turns): where G3's sequences decode, not a length of G2's
     assert decode["context_tokens"] == g3_decode_context(config) and 1024 < decode["context_tokens"] < 2048
-    assert min(decode["gaps"].values()) >= 8 and decode["batch_max_s"] > decode["step_s"] >= 0
+    assert min(decode["gaps"].values()) >= 8 and decode["batch_1_s"] > 0 and decode["batch_max_s"] > 0
+    # decode(b) = step_s + per_sequence_s·b through the two medians (never negative)
+    per_sequence = max(0.0, (decode["batch_max_s"] - decode["batch_1_s"]) / (decode["max_batch"] - 1))
+    assert decode["per_sequence_s"] == pytest.approx(per_sequence)
+    assert decode["step_s"] == pytest.approx(max(0.0, decode["batch_1_s"] - per_sequence))
     before = [r for r in store.predictions() if r["stage"] == "before g3"]
     assert any(r["metric"] == "output_tokens_per_s" and r["value"] > 0 for r in before)   # it gave G3's throughput
     notes = json.loads((run_dir / "sizing.json").read_text())["notes"]

@@ -14,7 +14,7 @@ from kvcore.settings import ConfigError
 
 # each profile's validated configuration as it was when the profiles were Python dicts in gates/config.py
 # (storage.path as given, before it is made absolute); a deliberate change to a profile updates this file
-VALIDATED = Path(__file__).with_name("data") / "profiles_validated.json"
+VALIDATED = Path(__file__).parents[1] / "data" / "profiles_validated.json"
 
 
 @pytest.mark.parametrize("name", PROFILE_NAMES)

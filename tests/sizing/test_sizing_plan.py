@@ -251,7 +251,7 @@ def test_the_seeds_deployment_class_example_plans_with_its_own_layout_and_claims
     judged by the seed's claims (fewer users than the example's 384, for the suite's time)."""
     from pathlib import Path
 
-    example = yaml.safe_load((Path(__file__).parents[1] / "examples" / "plan" / "seed-480b-tp8.yaml").read_text())
+    example = yaml.safe_load((Path(__file__).parents[2] / "examples" / "plan" / "seed-480b-tp8.yaml").read_text())
     example["g3"]["workload"]["users"] = 24
     example["g3"]["levels"] = [4, 8]
     (tmp_path / "gates.yaml").write_text(yaml.safe_dump(example))
