@@ -25,13 +25,14 @@ import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cache_impl.cache.config import CacheConfig, ConfigError, Count, StrictModel, format_validation_error, parse_size
-from cache_impl.cache.keys import Fingerprint
+from cache_impl.cache.keys import Fingerprint, KVLayout
 from cache_impl.cache.manager import TieredKVCache, resolve_device
 from cache_impl.engine.engine_loop import EngineLoop
 from cache_impl.engine.generation import FinishEvent, Generation, GenerationRequest, QueueFullError, TokenEvent
 from cache_impl.engine.model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
 from cache_impl.engine.model_runner import ModelRunner
 from cache_impl.engine.prefix_cache import PrefixCache
+from cache_impl.engine.presets import ModelArgs
 from cache_impl.engine.resident import resident_bytes
 from cache_impl.engine.scheduler import Scheduler
 from cache_impl.engine.tokenizer import ByteTokenizer
@@ -44,6 +45,12 @@ __all__ = ["Engine", "EngineConfig", "FinishEvent", "Generation", "GenerationReq
 CacheMode = Literal["recompute", "device-only", "tiered"]
 LoadFormat = Literal[LOADERS]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvgate" / "kv"
+KV_DTYPE = "float32"        # the embedded model computes, and keeps its KV, in float32
+
+
+def kv_layout(cache: CacheConfig, args: ModelArgs) -> KVLayout:
+    """The embedded model's KV in `cache`'s blocks: the layout the engine keys and stores."""
+    return cache.layout(args.n_layers, args.n_kv_heads, args.head_dim, KV_DTYPE)
 
 
 class EngineConfig(StrictModel):
@@ -111,7 +118,7 @@ class Engine:
         args = self.model.args
         self.model_name = f"kvgate-{self.weights_load.preset}"
         self.max_context = args.max_seq_len
-        self.layout = config.cache.layout(args.n_layers, args.n_kv_heads, args.head_dim, "float32")
+        self.layout = kv_layout(config.cache, args)
         self.block_size = self.layout.block_size
         self.fingerprint = Fingerprint(weights_digest(self.model), self.tokenizer.id, self.layout)
         cache_config = config.cache_for_mode()

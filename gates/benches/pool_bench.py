@@ -25,11 +25,12 @@ from typing import Optional
 
 import torch
 
-from cache_impl.cache.config import RemoteTierConfig
+from cache_impl.cache.config import CacheConfig, RemoteTierConfig
 from cache_impl.cache.keys import Fingerprint, KVLayout
 from cache_impl.cache.tiers.base import write_block
 from cache_impl.cache.tiers.remote import RemoteTier, open_store
-from cache_impl.engine.engine import Engine, EngineConfig
+from cache_impl.engine.engine import Engine, EngineConfig, kv_layout
+from cache_impl.engine.presets import PRESETS
 from workloads.servers.stores import MooncakePool, RedisServer
 
 from .engine_bench import _prompt
@@ -46,13 +47,13 @@ class PoolBenchSettings:
     urls: Optional[dict] = None          # backend -> URL of a running pool (else one is started here)
 
 
-def _layout() -> KVLayout:
-    # the `small` preset's KV: 4 layers x 2 x 2 KV heads x 256 tokens x 64 head dim, float32 = 1 MiB a block
-    return KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32", block_size=256)
+def _layout(preset: str) -> KVLayout:
+    """The preset's KV layout as the embedded engine keeps it (small: 1 MiB a 256-token block)."""
+    return kv_layout(CacheConfig(), PRESETS[preset])
 
 
 def bench_bandwidth(config: RemoteTierConfig, settings: PoolBenchSettings) -> dict:
-    layout = _layout()
+    layout = _layout(settings.preset)
     fingerprint = Fingerprint(weights_digest=f"pool-bench-{time.time_ns()}", tokenizer_id="bench", layout=layout)
     tier = RemoteTier(config, fingerprint)
     if not tier.wait_connected(30):
