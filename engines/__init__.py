@@ -72,9 +72,8 @@ def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
 
 
 def cache_admin(config: Any, endpoint: Any) -> Optional["CacheAdmin"]:
-    """kvgate's admin routes over an endpoint's cache (workloads.probes.faults.CacheAdmin), where its cache is kvgate's:
-    a
-    `kvgate serve --admin` the harness started, or vLLM with kvgate's connector and its sidecar
+    """kvgate's admin routes over an endpoint's cache (workloads.probes.faults.CacheAdmin), where its cache is
+    kvgate's: a `kvgate serve --admin` the harness started, or vLLM with kvgate's connector and its sidecar
     (`cache_layer: kvgate`, `cache_layer_url`); None for any other cache (its disk reads are not exported, faults
     cannot be injected into it)."""
     if endpoint.admin:
@@ -99,8 +98,9 @@ def hit_reader(endpoint: Any, adapter: EngineAdapter, config: Any = None) -> tup
     nodes = [adapter, *(build_adapter(replace(spec, server_root=root, metrics_url=None)) for root in roots[1:])]
 
     def read() -> Optional[dict]:
-        totals = [node.hit_totals() for node in nodes]
-        if any(total is None for total in totals):       # a node that cannot be read: no figure, not a partial one
+        read_totals = [node.hit_totals() for node in nodes]
+        totals = [total for total in read_totals if total is not None]
+        if len(totals) < len(read_totals):     # a node that cannot be read: no figure, not a partial one
             return None
         return {tier: sum(total.get(tier, 0.0) for total in totals) for tier in dict.fromkeys(
             tier for total in totals for tier in total)}

@@ -168,8 +168,8 @@ class TierHits:
         for node in hits:
             for tier, tokens in node.tiers.items():
                 tiers[tier] = tiers.get(tier, 0.0) + tokens
-        prompts = [node.prompt_tokens for node in hits]
-        return TierHits(tiers, sum(prompts) if hits and None not in prompts else None,
+        prompts = [node.prompt_tokens for node in hits if node.prompt_tokens is not None]
+        return TierHits(tiers, sum(prompts) if hits and len(prompts) == len(hits) else None,
                         " + ".join(dict.fromkeys(node.source for node in hits)))
 
     def verifies(self, tier: str) -> tuple[Optional[bool], str]:

@@ -45,7 +45,8 @@ def route_plan(adapter: EngineAdapter, tier: str) -> tuple[Optional[RoutePlan], 
     above = set(TIERS[: TIERS.index(tier)])
     abilities = adapter.abilities()
     clearing = [abilities["clear_device_cache"], abilities["clear_lower_tiers"]]
-    steps, cleared = [], set()
+    steps: list = []
+    cleared: set[str] = set()
     for ability in clearing:  # device first: kvgate demotes what it evicts, so the host is emptied after
         if ability.available and tier not in ability.clears and set(ability.clears) & (above - cleared):
             steps.append(ability.name)

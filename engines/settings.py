@@ -4,7 +4,7 @@ the edge like the rest of the config: an unknown key or a bad value names its fi
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,7 +12,10 @@ from kvcore.settings import Float, StrictModel
 
 from .metrics import TIER_NAMES, TIERS
 
-Tier = Literal[TIERS]
+if TYPE_CHECKING:
+    Tier = str                  # the checker cannot read a Literal built from a tuple
+else:
+    Tier = Literal[TIERS]       # one of TIERS, checked by pydantic
 ENGINES = ("kvgate", "vllm", "sglang", "generic")
 CACHE_LAYERS = {"lmcache": ("vllm",), "hicache": ("sglang",), "mooncake": ("vllm", "sglang"), "kvgate": ("vllm",)}
 DEFAULT_CLEARS = {"clear_device_cache": ["device"], "clear_lower_tiers": ["host"], "drop_disk_page_cache": []}

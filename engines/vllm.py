@@ -35,7 +35,7 @@ BY_SOURCE = {"device": "device", "host": "host", "disk": "disk", "p2p": "remote"
 def vllm_maps(cache_layer: Optional[str]) -> tuple[MetricMap, ...]:
     """By source where vLLM says it; else device + connector. The connector's tier: native offloading keeps
     its KV in host DRAM; LMCache's may be host, disk or remote (folded: 'lower'); Mooncake's is the pool."""
-    by_source = {}
+    by_source: dict[str, list[Series]] = {}
     for source, tier in BY_SOURCE.items():
         by_source.setdefault(tier, []).append(Series("vllm:prompt_tokens_cached_by_source_total", {"source": source}))
     prompt = (Series("vllm:prompt_tokens_total"),)
@@ -68,7 +68,7 @@ def build(spec: EngineSpec) -> EngineAdapter:
     reset = spec.route("/reset_prefix_cache")
     controls = {"clear_device_cache": Control(HttpStep("POST", reset, None, spec.bearer, _success, DEV_MODE),
                                               ("device",))}
-    missing = {}
+    missing: dict[str, str] = {}
     if spec.cache_layer in ("lmcache", "kvgate"):
         found = (lmcache_controls if spec.cache_layer == "lmcache" else connector_controls)(spec)
         controls.update(found.controls)
@@ -112,6 +112,8 @@ def connector_cache_admin(spec: EngineSpec, model: str) -> CacheAdmin:
                                f"found {text.strip()[:200]!r}")
         return tokens
 
+    if not spec.cache_layer_url:
+        raise ControlError("vllm+kvgate: cache_layer_url must name the connector's sidecar")
     return CacheAdmin(AdminClient(spec.cache_layer_url.rstrip("/")), reset.run, chat_token_ids)
 
 

@@ -140,7 +140,8 @@ class Ladder:
         never = sum(math.isinf(latency) for latency in latencies)
         late = "no first token (failed, never sent or unfinished)" if math.isinf(p) else f"{p * 1e3:.0f} ms"
         return (f"its TTFT p{SLO_PERCENTILE} at {multiplier:g}x was {late} > {slo_s * 1e3:g} ms (goodput "
-                f"{format_percent(met, 0)} of {len(latencies)} due requests, {never} without a first token)")
+                f"{'-' if met is None else format_percent(met, 0)} of {len(latencies)} due requests, "
+                f"{never} without a first token)")
 
     def resampled(self, slo_s: float, rng: np.random.Generator, resamples: int) -> np.ndarray:
         """The highest sustained multiplier (NaN: none) in each of `resamples` resamples of every step's requests."""

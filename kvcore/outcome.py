@@ -34,7 +34,8 @@ def overall_status(gates: Sequence[Mapping]) -> tuple[str, Optional[Mapping]]:
     not_passed = [g for g in requested if g["status"] != PASSED]
     if not requested or not_passed:
         unfinished = [g for g in not_passed if not _stopped(g)]
-        return INCOMPLETE, (unfinished or not_passed or [None])[0]
+        first = unfinished or not_passed
+        return INCOMPLETE, first[0] if first else None
     return PASSED, None
 
 

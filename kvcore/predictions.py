@@ -56,7 +56,9 @@ def beside(row: dict, predictions: Iterable[dict]) -> Optional[dict]:
     (INCONCLUSIVE: invalid or undecided, kvcore.judged) shows its prediction with no error: error None,
     error_text saying why it is not compared."""
     prediction = prediction_for(row, predictions)
-    value, measured = finite_number(prediction.get("value")) if prediction else None, finite_number(row.get("value"))
+    if prediction is None:
+        return None
+    value, measured = finite_number(prediction.get("value")), finite_number(row.get("value"))
     if value is None:
         return None
     shown = {"predicted": value, "predicted_status": str(prediction.get("status") or "")}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 
 def parse_size(value: Any) -> int:
     """Parse a byte size: an integer, or a string such as "512MiB" or "4GB"; at most MAX_BYTES."""
-    nbytes = None
+    nbytes: float | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"expected a byte size >= 0, found {value}")
@@ -91,7 +91,7 @@ _EXPECTATIONS = {
 }
 
 
-def _expected(item: dict) -> str:
+def _expected(item: Mapping[str, Any]) -> str:
     kind, ctx = item["type"], item.get("ctx", {})
     if kind in _EXPECTATIONS:
         return _EXPECTATIONS[kind]

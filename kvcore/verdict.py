@@ -118,7 +118,7 @@ def judge(gate: str, check: str, label: str, value: Optional[float], rule: Rule,
         return verdict(INCONCLUSIVE, f"{label}: no measurement (needs {needs}) → INCONCLUSIVE{invalid}")
 
     figure = fmt.value(value) + fmt.interval(interval)
-    if is_band:
+    if isinstance(rule, Band):
         place = "below" if value < rule.min else ("above" if value > rule.max else "in")
         head = f"{label}: {figure} {place} {rule_text}"
     else:
@@ -127,7 +127,7 @@ def judge(gate: str, check: str, label: str, value: Optional[float], rule: Rule,
     if not valid:
         return verdict(INCONCLUSIVE, f"{head} → INCONCLUSIVE{invalid}")
 
-    if is_band:
+    if isinstance(rule, Band):
         if interval is not None and rule.straddles(*interval):
             return verdict(INCONCLUSIVE, f"{head} → INCONCLUSIVE (interval straddles the band's minimum)")
         if value < rule.min:

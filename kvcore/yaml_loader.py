@@ -72,7 +72,8 @@ class CheckedLoader(yaml.SafeLoader):
         return size
 
     def _walk_mapping(self, node: MappingNode, loc: tuple, walk: _Walk) -> int:
-        size, lines = 0, {}
+        size = 0
+        lines: dict[object, int] = {}     # each key's line, to name both of a repeated key
         for key_node, value_node in node.value:
             if key_node.tag == _MERGE_TAG:
                 size += self._walk(value_node, loc, walk)
