@@ -79,9 +79,10 @@ def judged_plots(rows: GateRows, level: Level) -> list[str]:
                               for points in guesses.values()]
         words = metric_words(metric, unit)
         band = accepted(rule_of(verdicts[0]))
+        levels = [p[0] for p in measured.points if p[0] is not None]
         charts.append(plots.line_chart(lines, f"G3 {words} by {level.words}", level.axis,
                                        f"{words} (%)" if unit == "%" else words, percent=unit == "%", band=band,
-                                       band_label="passes", log_x=geometric([p[0] for p in measured.points])))
+                                       band_label="passes", log_x=geometric(levels)))
     return charts
 
 

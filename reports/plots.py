@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypeGuard
 
+from matplotlib.artist import Artist
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator, PercentFormatter
@@ -38,7 +39,7 @@ PALETTE = ("#2563eb", "#ea580c", "#059669", "#7c3aed", "#db2777", "#0891b2", "#6
 STATUS_COLORS = {"PASS": "#16a34a", "FAIL": "#dc2626", "INCONCLUSIVE": "#d97706"}
 REFERENCE_COLOR, MARKER_COLOR, BAND_COLOR, SPAN_COLOR = "#111827", "#b91c1c", "#16a34a", "#6b7280"
 MAX_CDF_STEPS = 200            # a CDF curve drawn from at most this many quantiles (its n is the records')
-Point = tuple[float, float]
+Point = tuple[Optional[float], Optional[float]]   # a point without both figures is not drawn
 Interval = tuple[float, float]
 
 
@@ -60,7 +61,7 @@ class Bar:
     """One bar; `reference` (a spec, fio's figure) is drawn as a line across this bar alone."""
 
     label: str
-    value: float
+    value: Optional[float]                 # None: no figure, the bar is left out
     reference: Optional[float] = None
     status: str = ""
 
@@ -96,7 +97,7 @@ class Panel:
 
 # ---------------------------------------------------------------- helpers
 
-def finite(value: object) -> bool:
+def finite(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -217,7 +218,7 @@ def line_chart(series: Sequence[Series], title: str, x_label: str, y_label: str,
         shaded = [(a, b) for a, b, _ in spans if finite(a) and finite(b) and a < b]
         for a, b in shaded:
             axes.axvspan(a, b, color=SPAN_COLOR, alpha=0.15, lw=0, zorder=0)
-        extra = [Patch(color=SPAN_COLOR, alpha=0.15, lw=0, label=literal(span_label))] if shaded else []
+        extra: list[Artist] = [Patch(color=SPAN_COLOR, alpha=0.15, lw=0, label=literal(span_label))] if shaded else []
         if marker_label and any(finite(at) for at, _ in markers):
             extra.append(Line2D([], [], color=MARKER_COLOR, lw=1.2, ls=(0, (4, 3)), label=literal(marker_label)))
         for at, words in markers:
@@ -263,7 +264,7 @@ def bar_chart(bars: Sequence[Bar], title: str, unit: str, *, reference_label: st
         positions = list(range(len(bars)))
         colours = [STATUS_COLORS.get(s, PALETTE[0]) for s in statuses]
         labels = [literal(b.label) for b in bars]
-        values = [b.value for b in bars]
+        values = [b.value for b in bars if b.value is not None]   # every one: the bars left are finite
         if horizontal:
             names = [_wrapped(t, 40) for t in labels]
             place(figure, left=text_width_in(names, STYLE["font.size"]) + 0.3)
@@ -284,7 +285,9 @@ def bar_chart(bars: Sequence[Bar], title: str, unit: str, *, reference_label: st
                 axes.vlines(value, i - 0.42, i + 0.42, color=REFERENCE_COLOR, lw=2.4, zorder=4)
             else:
                 axes.hlines(value, i - 0.42, i + 0.42, color=REFERENCE_COLOR, lw=2.4, zorder=4)
-        extra = [Line2D([], [], color=REFERENCE_COLOR, lw=2.4, label=literal(reference_label))] if references else []
+        extra: list[Artist] = (
+            [Line2D([], [], color=REFERENCE_COLOR, lw=2.4, label=literal(reference_label))] if references else []
+        )
         if line is not None and finite(line[0]):
             (axes.axvline if horizontal else axes.axhline)(line[0], color=REFERENCE_COLOR, lw=1.2, ls="--",
                                                            label=literal(line[1]), zorder=2)
@@ -353,6 +356,7 @@ def cdf_steps(values: Sequence[float]) -> tuple[list[float], list[float]]:
     MAX_CDF_STEPS values the curve is drawn through evenly spaced order statistics (the last included)."""
     ordered = sorted(float(v) for v in values if finite(v))
     n = len(ordered)
+    picks: Sequence[int]
     if n <= MAX_CDF_STEPS:
         picks = range(n)
     else:

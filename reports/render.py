@@ -242,8 +242,9 @@ def fmt_value(value: Any) -> str:
 
 def fmt_with_unit(value: Any, unit: Any) -> str:
     """A judged figure with its unit; "%" figures are fractions (0.312 -> "31.2%"), as in verdict reasons."""
-    if unit == "%" and number(value) is not None:
-        return format_percent(number(value))
+    fraction = number(value) if unit == "%" else None
+    if fraction is not None:
+        return format_percent(fraction)
     text = fmt_value(value)
     return f"{text} {unit}" if unit and text else text
 

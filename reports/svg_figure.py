@@ -10,7 +10,7 @@ import io
 import re
 from contextlib import contextmanager
 from html import escape
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import matplotlib
 from matplotlib.backends.backend_svg import FigureCanvasSVG
@@ -19,7 +19,7 @@ from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import text_to_path
 
 WIDTH_IN, HEIGHT_IN, WIDE_IN = 7.0, 3.8, 10.5
-STYLE = {
+STYLE: dict[str, Any] = {
     "svg.fonttype": "none",
     "font.family": "sans-serif",
     "font.sans-serif": ["DejaVu Sans", "Arial", "Helvetica"],
@@ -54,7 +54,8 @@ def literal(text: object) -> str:
 def style(title: str) -> Iterator[None]:
     """Draw and write a chart under the report's style, its SVG ids salted with its title."""
     salt = hashlib.blake2b(title.encode(), digest_size=6).hexdigest()
-    with matplotlib.rc_context({**STYLE, "svg.hashsalt": salt}):
+    rc: dict[Any, Any] = {**STYLE, "svg.hashsalt": salt}
+    with matplotlib.rc_context(rc):
         yield
 
 
