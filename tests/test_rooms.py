@@ -2,8 +2,7 @@
 rooms below it, no module imports itself round a circle, and an import inside a function is there only to
 defer a heavy or optional package, saying so with a `# deferred: REASON` comment on its first line or the
 line above it. Every import counts, at module level and in functions, under `if TYPE_CHECKING:` too (an
-annotation naming a room above is an arrow up); only the circle check leaves TYPE_CHECKING imports out, as
-they never run."""
+annotation naming a room above is an arrow up, a type-only import round a circle is a circle)."""
 
 from __future__ import annotations
 
@@ -173,12 +172,11 @@ def undeferred_function_imports(root: Path) -> list[str]:
 
 
 def circles(root: Path) -> list[list[str]]:
-    """The groups of product modules that import each other round a circle (TYPE_CHECKING imports left out)."""
+    """The groups of product modules that import each other round a circle, a type-only import (under
+    TYPE_CHECKING) counted too: a module that needs another's type only names a Protocol of its own."""
     modules = product_modules(root)
     graph: dict[str, set[str]] = {module: set() for module in modules}
     for imp in imports_of(root):
-        if imp.type_checking:
-            continue
         for target in imp.targets:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -311,6 +309,8 @@ def test_the_checks_find_an_arrow_up_an_undeferred_import_and_a_circle(tmp_path)
         "cache_impl/heavy2.py": "def f():\n    # deferred: an optional package\n    import redis\n",
         "kvcore/a.py": "from . import b\n",
         "kvcore/b.py": "from .a import name\n",
+        "kvcore/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvcore.d import D\n",
+        "kvcore/d.py": "from kvcore.c import C\n",                           # a circle through a type
         "workloads/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gates.run import X\n",
         "gates/config.py": "from cache_impl.heavy import f\nfrom reports import page\n",
     })
@@ -319,4 +319,4 @@ def test_the_checks_find_an_arrow_up_an_undeferred_import_and_a_circle(tmp_path)
                                    "reports/page.py:1: reports -> workloads (workloads.traffic.client)"]
     assert undeferred_function_imports(tmp_path) == [
         "cache_impl/lazy.py:2: import of kvcore.low in a function without '# deferred: REASON'"]
-    assert circles(tmp_path) == [["kvcore.a", "kvcore.b"]]
+    assert circles(tmp_path) == [["kvcore.a", "kvcore.b"], ["kvcore.c", "kvcore.d"]]

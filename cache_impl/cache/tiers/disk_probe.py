@@ -10,19 +10,26 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from cache_impl.cache.tiers.base import write_block
+from cache_impl.cache.keys import Key
+from cache_impl.cache.tiers.base import Tier, write_block
 from cache_impl.platform.buffers import aligned_empty
-
-if TYPE_CHECKING:
-    from cache_impl.cache.tiers.disk import DiskTier
 
 PROBE_BYTES = 64 * 2**20
 PROBE_ROUNDS = 3
 MODES = ("buffered", "direct")
+
+
+class ProbedDisk(Tier, Protocol):
+    """What the probe uses of a disk tier (cache_impl.cache.tiers.disk.DiskTier), beyond any tier's interface."""
+
+    payload_nbytes: int
+    io_mode: str
+
+    def drop_block_pages(self, key: Key) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ def probe_blocks(payload_nbytes: int) -> int:
     return max(2, math.ceil(PROBE_BYTES / payload_nbytes))
 
 
-def probe_io_mode(tier: "DiskTier", rounds: int = PROBE_ROUNDS) -> IoProbe:
+def probe_io_mode(tier: ProbedDisk, rounds: int = PROBE_ROUNDS) -> IoProbe:
     """Time `tier`'s cold reads of fresh probe blocks in both modes; the faster by median (ties: buffered)."""
     started = time.perf_counter()
     n = probe_blocks(tier.payload_nbytes)
@@ -75,7 +82,7 @@ def probe_io_mode(tier: "DiskTier", rounds: int = PROBE_ROUNDS) -> IoProbe:
     return replace(measured, chosen="direct" if measured.median("direct") > measured.median("buffered") else "buffered")
 
 
-def _cold_read_gbps(tier: "DiskTier", mode: str, keys: list[bytes], outs: torch.Tensor) -> float:
+def _cold_read_gbps(tier: ProbedDisk, mode: str, keys: list[bytes], outs: torch.Tensor) -> float:
     """Drop the probe blocks' pages, then time one read of them all in `mode`; OSError when one is refused."""
     for key in keys:
         tier.drop_block_pages(key)
