@@ -62,5 +62,6 @@ def predicted_capacity(replay: TargetReplay, engine: EngineModel, slo: SLO, star
     """The capacity the search would find over the simulation (the median over `seeds` with noise); None when a
     search met the SLO up to `most` (open above)."""
     seeds = seeds if engine.jitter else seeds[:1]
-    found = [predicted_search(replay, engine, slo, start, most, seed, open_loop).capacity for seed in seeds]
-    return None if any(c is None for c in found) else float(statistics.median(found))
+    searched = [predicted_search(replay, engine, slo, start, most, seed, open_loop).capacity for seed in seeds]
+    found = [c for c in searched if c is not None]
+    return float(statistics.median(found)) if len(found) == len(searched) else None

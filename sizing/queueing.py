@@ -150,7 +150,10 @@ class _Node:
     def step(self, sharing: float = 1.0) -> list[tuple[_Active, float]]:
         """Run one step (the module's formula) from `next_start()`, its seconds × `sharing` (nodes sharing
         one machine's cores); the requests it finished, with when."""
-        self.t = self.next_start()
+        start = self.next_start()
+        if start is None:
+            raise RuntimeError("a step of a node with nothing to do")   # callers step only a node that has a start
+        self.t = start
         engine = self.engine
         while self.arrivals and self.arrivals[0][0] <= self.t:
             self.waiting.append(heapq.heappop(self.arrivals)[2])

@@ -131,7 +131,7 @@ def trace_block_keys(records: Sequence[TraceRecord], block_tokens: Optional[int]
     for n, record in enumerate(records):
         ids, length = record.hash_ids, record.input_length
         covered = min(length, len(ids) * trace_block_tokens)
-        prompt = []
+        prompt: list[tuple] = []         # a trace block's (hash id, tokens) or this request's own ("own", n, end)
         for end in range(size, length + 1, size):
             if end <= covered:
                 at = (end - 1) // trace_block_tokens

@@ -217,6 +217,7 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     probe = store.machine_probe()
     assert probe["preset"] == "tiny" and probe["matmul_flops"] > 0        # what the predictions rest on, recorded
     prefill = probe["prefill"]          # the recompute server's own first tokens, across G2's range
+    assert "points" in prefill, prefill     # a probe that failed says why
     assert [p["context_tokens"] for p in prefill["points"]] == prefill_lengths(1100) == [16, 256, 640, 1024]
     assert all(p["seconds"] > 0 and len(p["rounds"]) == 3 for p in prefill["points"])
     assert [p["prompt_tokens"] for p in prefill["points"]] == [12, 252, 636, 1020]   # as its usage counted them
