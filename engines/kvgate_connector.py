@@ -27,18 +27,17 @@ from .steps import ControlError, http_call
 def connector_controls(spec: EngineSpec, admin_token: Optional[str] = None) -> LayerControls:
     """Emptying the connector's host tier (its blocks stay on disk) and dropping its disk files' pages."""
     token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
-    why, url = None, spec.cache_layer_url
+    url = spec.cache_layer_url
+    if url and token:
+        root = url.rstrip("/")
+        found = admin_controls(lambda path: root + path, {ADMIN_TOKEN_HEADER: token})
+        return LayerControls({name: found[name] for name in ("clear_lower_tiers", "drop_disk_page_cache")})
     if not url:
         why = ("vllm+kvgate: set cache_layer_url to the connector's sidecar (http://127.0.0.1:<admin_port of "
                "kv_connector_extra_config>)")
-    elif not token:
+    else:
         why = f"vllm+kvgate: the connector's admin routes need its admin token in ${ADMIN_TOKEN_ENV}"
-    if why or not url or not token:
-        why = why or "vllm+kvgate: no sidecar or no admin token"
-        return LayerControls(missing={"clear_lower_tiers": why, "drop_disk_page_cache": why})
-    root = url.rstrip("/")
-    found = admin_controls(lambda path: root + path, {ADMIN_TOKEN_HEADER: token})
-    return LayerControls({name: found[name] for name in ("clear_lower_tiers", "drop_disk_page_cache")})
+    return LayerControls(missing={"clear_lower_tiers": why, "drop_disk_page_cache": why})
 
 
 WITNESS_SOURCE = "kvgate cache_impl/vllm/vllm_connector.py (kvgate_connector_loaded_tokens_total{tier}, its sidecar)"
