@@ -37,7 +37,7 @@ def build_adapter(spec: EngineSpec) -> EngineAdapter:
 
 
 def spec_from_endpoint(endpoint: Any) -> EngineSpec:
-    """The spec of an external target from its validated gates.yaml section (gates.config.TargetSettings)."""
+    """The spec of an external target from its validated gates.yaml section (engines.settings.TargetSettings)."""
     api_key = os.environ.get(endpoint.api_key_env) if endpoint.api_key_env else None
     root = endpoint.url.rstrip("/").removesuffix("/v1")
     control = {name: Control(_step(step, root, api_key), tuple(clears))

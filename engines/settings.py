@@ -1,14 +1,19 @@
-"""gates.yaml's settings of an external target's engine (`targets.<role>.control`, `.metric_map`), validated at
-the edge like the rest of the config: an unknown key or a bad value names its field path."""
+"""gates.yaml's section of an external target (`targets.baseline`, `candidate`, `recompute`: TargetSettings) and
+its engine's settings (`.control`, `.metric_map`), validated at the edge like the rest of the config: an unknown
+key or a bad value names its field path. Composed by gates/config.py."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from kvcore.settings import Float, StrictModel
+from kvcore.settings import Float, Positive, StrictModel, absolute_path
+from workloads.traffic.datasets import TokenizerError, is_tokenizer_path, sizer_for
 
 from .metrics import TIER_NAMES, TIERS
 
@@ -101,3 +106,84 @@ class MetricMapConfig(StrictModel):
 
     def tiers(self) -> dict[str, list[MetricSeries]]:
         return {tier: getattr(self, tier) for tier in TIER_NAMES if getattr(self, tier)}
+
+
+class TargetSettings(StrictModel):
+    """One external target's section of gates.yaml (`targets.baseline`, `candidate`, `recompute`): what the user
+    says of it. A run resolves it into the one runtime `Endpoint` (gates/targets.py: Endpoint.from_settings)."""
+
+    url: str = Field(pattern=r"^https?://", description="base URL ending in /v1")
+    model: str = Field(min_length=1)
+    api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
+    api: Literal["chat", "completions"] = "chat"
+    engine: Literal[ENGINES] = Field(default="generic", description=(
+        "the engine serving it (engines/): its cache controls and metric names. generic (default): kvgate "
+        "assumes nothing; each control and the metric map come from this section"))
+    cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
+        "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang), kvgate "
+        "(vllm: kvgate's connector, cache_impl/vllm/vllm_connector.py)"))
+    cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+        "lmcache: its internal API server (clears the host tier); kvgate: the connector's sidecar (admin_port)"))
+    metrics_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+        "the engine's Prometheus page (default: the URL without /v1, + /metrics)"))
+    cache_dir: Optional[Path] = Field(default=None, description=(
+        "the disk tier's directory when it is on this host: its page cache is dropped by fadvise"))
+    device_kv_tokens: Optional[Positive] = Field(default=None, description=(
+        "device KV capacity in tokens (default: from the engine's metrics where it says)"))
+    host_kv_tokens: Optional[Positive] = Field(default=None, description="host tier KV capacity in tokens")
+    control: ControlConfig = Field(default_factory=ControlConfig, description=(
+        "cache-control steps, each an HTTP call or a command; they replace the engine's own"))
+    metric_map: Optional[MetricMapConfig] = Field(default=None, description="generic: per tier, its hit counters")
+    tokenizer: Optional[str] = Field(default=None, description=(
+        "how prompts are sized in its tokens: a tokenizer.json or the model's directory (loaded with Hugging Face "
+        "tokenizers), or kvgate-byte-v1 (a `kvgate serve`); none or another name: in words, an approximation"))
+
+    _cache_dir = field_validator("cache_dir", mode="before")(lambda cls, v: absolute_path(v))
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_loads(cls, value: Optional[str]) -> Optional[str]:
+        if value is None or not is_tokenizer_path(value):
+            return value
+        try:
+            sizer_for(value)
+        except TokenizerError as error:
+            raise ValueError(str(error)) from None
+        return str(Path(value).expanduser().resolve())
+
+    @property
+    def metrics_endpoint(self) -> str:
+        return self.metrics_url or f"{self.url.rstrip('/').removesuffix('/v1')}/metrics"
+
+    @model_validator(mode="after")
+    def _engine_settings_fit(self) -> "TargetSettings":
+        if self.cache_layer is not None and self.engine not in CACHE_LAYERS[self.cache_layer]:
+            raise ValueError(f"cache_layer: expected {self.cache_layer} only with engine "
+                             f"{' or '.join(CACHE_LAYERS[self.cache_layer])}, found engine {self.engine}")
+        if self.cache_layer_url is not None and self.cache_layer not in ("lmcache", "kvgate"):
+            raise ValueError(f"cache_layer_url: expected only with cache_layer: lmcache (its internal API server) "
+                             f"or kvgate (the connector's sidecar), found cache_layer {self.cache_layer}")
+        if self.metric_map is not None and self.engine != "generic":
+            raise ValueError(f"metric_map: expected only with engine: generic ({self.engine}'s metric names are "
+                             f"known), found engine {self.engine}")
+        return self
+
+    @field_validator("url")
+    @classmethod
+    def _host_and_port(cls, url: str) -> str:
+        parts = urlsplit(url)
+        try:
+            parts.port
+        except ValueError:
+            raise ValueError(f"expected a port in 1-65535 in the URL, found {url!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"expected http(s)://host[:port]/v1 with a host, found {url!r}")
+        return url
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_is_set(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None and not os.environ.get(name):
+            raise ValueError(f"expected the environment variable {name!r} to hold the API key, found it "
+                             f"{'empty' if name in os.environ else 'unset'}")
+        return name

@@ -10,16 +10,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
-import os
-import shlex
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args
-from urllib.parse import urlsplit
+from typing import Annotated, Any, Literal, Optional, get_args
 
 import psutil
 from pydantic import (
-    ConfigDict,
     Field,
     PlainSerializer,
     PlainValidator,
@@ -28,18 +23,13 @@ from pydantic import (
     model_validator,
 )
 
-from cache_impl.cache.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
 from cache_impl.engine.presets import PRESETS
-from cache_impl.weights.safetensors_dir import CheckpointFormatError, read_safetensors_dir
-from engines.settings import CACHE_LAYERS, ENGINES, ControlConfig, MetricMapConfig
-from gates.side_by_side import Pairing
+from engines.settings import TargetSettings
 from kvcore.checks import CHECKS, check_of, configurable_metrics
 from kvcore.claims import DEFAULT_CLAIMS, Claim
-from kvcore.loader_names import KVGATE_LOADER, LOADERS
 from kvcore.rules import Rule, parse_rule
+from kvcore.sampling import PairsConfig
 from kvcore.settings import (
-    MAX_BYTES,
-    MAX_COUNT,
     ConfigError,
     ContextTokens,
     Count,
@@ -49,14 +39,15 @@ from kvcore.settings import (
     format_validation_error,
     load_yaml_mapping,
     parse_size,
+    repeated,
+    size_text,
 )
-from sizing.layout import KVShape
-from workloads.loadgen.steady import SteadyRule
+from sizing.settings import SizingConfig
+from workloads.loadgen.settings import G3CapacityConfig, G3SteadyConfig, Level, SLOConfig
 from workloads.loadgen.sweep import pairs_at_most
-from workloads.storage.checkpoint import KVGATE_WRITER, STATE_PRESETS, CheckpointSpec
-from workloads.storage.checkpoint import WRITERS as CHECKPOINT_WRITERS
-from workloads.storage.fio_sweep import SweepGrid
-from workloads.traffic.datasets import TokenizerError, check_trace, is_tokenizer_path, load_spec, read_trace, sizer_for
+from workloads.probes.settings import FaultSpec
+from workloads.storage.settings import CheckpointConfig, FioConfig, InventoryConfig, ModelLoadConfig, StorageConfig
+from workloads.traffic.datasets import check_trace, load_spec, read_trace
 
 from .fleet import fleet_defaults
 
@@ -85,111 +76,10 @@ def _thresholds_of(gate: str):
     return field_validator("thresholds")(lambda cls, rules: _declared_thresholds(gate, rules))
 
 
-def _size(value: Any) -> str:
-    parse_size(value)
-    return value if isinstance(value, str) else str(value)
-
-
-def _repeated(values: list) -> list:
-    """The values that appear more than once, sorted (an "each once" check says them)."""
-    return sorted({v for v in values if values.count(v) > 1})
-
-
-def _absolute_path(value: Any) -> Any:
-    """A directory path made absolute now (the suites run elsewhere and must read the same place)."""
-    if isinstance(value, str) and not value.strip():
-        raise ValueError("expected a directory path, found an empty string")
-    return Path(value).absolute() if isinstance(value, (str, Path)) else value
-
-
-Positive = Annotated[Count, Field(ge=1)]
-
-
 FULL_SOAK_S = 72 * 3600  # the full profile's soak: the uptime a soak of 30 min or more certifies (g4 growth checks)
 PROFILES_DIR = Path(__file__).with_name("profiles")   # quick.yaml, full.yaml: each profile's defaults
 ProfileName = Literal["quick", "full"]
 PROFILE_NAMES: tuple[str, ...] = get_args(ProfileName)
-
-
-class TargetSettings(StrictModel):
-    """One external target's section of gates.yaml (`targets.baseline`, `candidate`, `recompute`): what the user
-    says of it. A run resolves it into the one runtime `Endpoint` (gates/targets.py: Endpoint.from_settings)."""
-
-    url: str = Field(pattern=r"^https?://", description="base URL ending in /v1")
-    model: str = Field(min_length=1)
-    api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
-    api: Literal["chat", "completions"] = "chat"
-    engine: Literal[ENGINES] = Field(default="generic", description=(
-        "the engine serving it (engines/): its cache controls and metric names. generic (default): kvgate "
-        "assumes nothing; each control and the metric map come from this section"))
-    cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
-        "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang), kvgate "
-        "(vllm: kvgate's connector, cache_impl/vllm/vllm_connector.py)"))
-    cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
-        "lmcache: its internal API server (clears the host tier); kvgate: the connector's sidecar (admin_port)"))
-    metrics_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
-        "the engine's Prometheus page (default: the URL without /v1, + /metrics)"))
-    cache_dir: Optional[Path] = Field(default=None, description=(
-        "the disk tier's directory when it is on this host: its page cache is dropped by fadvise"))
-    device_kv_tokens: Optional[Positive] = Field(default=None, description=(
-        "device KV capacity in tokens (default: from the engine's metrics where it says)"))
-    host_kv_tokens: Optional[Positive] = Field(default=None, description="host tier KV capacity in tokens")
-    control: ControlConfig = Field(default_factory=ControlConfig, description=(
-        "cache-control steps, each an HTTP call or a command; they replace the engine's own"))
-    metric_map: Optional[MetricMapConfig] = Field(default=None, description="generic: per tier, its hit counters")
-    tokenizer: Optional[str] = Field(default=None, description=(
-        "how prompts are sized in its tokens: a tokenizer.json or the model's directory (loaded with Hugging Face "
-        "tokenizers), or kvgate-byte-v1 (a `kvgate serve`); none or another name: in words, an approximation"))
-
-    _cache_dir = field_validator("cache_dir", mode="before")(lambda cls, v: _absolute_path(v))
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer_loads(cls, value: Optional[str]) -> Optional[str]:
-        if value is None or not is_tokenizer_path(value):
-            return value
-        try:
-            sizer_for(value)
-        except TokenizerError as error:
-            raise ValueError(str(error)) from None
-        return str(Path(value).expanduser().resolve())
-
-    @property
-    def metrics_endpoint(self) -> str:
-        return self.metrics_url or f"{self.url.rstrip('/').removesuffix('/v1')}/metrics"
-
-    @model_validator(mode="after")
-    def _engine_settings_fit(self) -> "TargetSettings":
-        if self.cache_layer is not None and self.engine not in CACHE_LAYERS[self.cache_layer]:
-            raise ValueError(f"cache_layer: expected {self.cache_layer} only with engine "
-                             f"{' or '.join(CACHE_LAYERS[self.cache_layer])}, found engine {self.engine}")
-        if self.cache_layer_url is not None and self.cache_layer not in ("lmcache", "kvgate"):
-            raise ValueError(f"cache_layer_url: expected only with cache_layer: lmcache (its internal API server) "
-                             f"or kvgate (the connector's sidecar), found cache_layer {self.cache_layer}")
-        if self.metric_map is not None and self.engine != "generic":
-            raise ValueError(f"metric_map: expected only with engine: generic ({self.engine}'s metric names are "
-                             f"known), found engine {self.engine}")
-        return self
-
-    @field_validator("url")
-    @classmethod
-    def _host_and_port(cls, url: str) -> str:
-        parts = urlsplit(url)
-        try:
-            parts.port
-        except ValueError:
-            raise ValueError(f"expected a port in 1-65535 in the URL, found {url!r}") from None
-        if not parts.hostname:
-            raise ValueError(f"expected http(s)://host[:port]/v1 with a host, found {url!r}")
-        return url
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_is_set(cls, name: Optional[str]) -> Optional[str]:
-        if name is not None and not os.environ.get(name):
-            raise ValueError(f"expected the environment variable {name!r} to hold the API key, found it "
-                             f"{'empty' if name in os.environ else 'unset'}")
-        return name
 
 
 class EmbeddedTargets(StrictModel):
@@ -200,7 +90,7 @@ class EmbeddedTargets(StrictModel):
     host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")
     disk_capacity: str = Field(default="8GiB", description="disk tier of the tiered mode (under storage.path)")
 
-    _sizes = field_validator("host_capacity", "disk_capacity", mode="before")(lambda cls, v: _size(v))
+    _sizes = field_validator("host_capacity", "disk_capacity", mode="before")(lambda cls, v: size_text(v))
 
     @field_validator("host_capacity")
     @classmethod
@@ -219,7 +109,7 @@ class EmbeddedTargets(StrictModel):
     pool_capacity: str = Field(default="512MiB", description="the memory the harness's pool holds (redis "
                                "maxmemory, mooncake's segment); several nodes: sized to the fleet (gates/fleet.py)")
 
-    _pool_size = field_validator("pool_capacity", mode="before")(lambda cls, v: _size(v))
+    _pool_size = field_validator("pool_capacity", mode="before")(lambda cls, v: size_text(v))
 
 
 class TargetsConfig(StrictModel):
@@ -244,270 +134,10 @@ class TargetsConfig(StrictModel):
         return self
 
 
-class StorageConfig(StrictModel):
-    path: Path = Field(default=Path("kvgate-storage"), description="the storage under test (fio, disk tier); "
-                       "a relative path is taken from the directory kvgate runs in and stored absolute")
-
-    # absolute now: the gate suites run in another directory and must measure the same storage
-    _absolute = field_validator("path", mode="before")(lambda cls, v: _absolute_path(v))
-
-
-class InventoryConfig(StrictModel):
-    min_cpu_cores: Optional[Count] = Field(default=None, ge=1)
-    min_memory_gib: Optional[Float] = Field(default=None, gt=0, le=MAX_BYTES / 2**30)
-    min_free_gib: Optional[Float] = Field(default=None, gt=0, le=MAX_BYTES / 2**30, description="free space at "
-                                          "storage.path")
-    min_gpus: Optional[Count] = Field(default=None, ge=0)
-    min_nics: Optional[Count] = Field(default=None, ge=0)
-    rdma_required: bool = False
-
-
-def _fio_size(value: Any) -> Any:
-    if parse_size(value) <= 0:
-        raise ValueError(f"expected a byte size > 0, found {value!r}")
-    return value
-
-
-def _each_once(values: list, noun: str = "value") -> list:
-    repeated = _repeated(values)
-    if repeated:
-        raise ValueError(f"expected each {noun} once, found {repeated} repeated")
-    return values
-
-
-class FioSweepConfig(StrictModel):
-    """G1's storage sweep (workloads/storage/fio_sweep.py): the storage's best sequential read and fsync'd write,
-    the yardstick G2's cold read, model loaders and checkpoint are judged against. Direct reads run every
-    (read_bs, ioengine, iodepth, numjobs); buffered reads every (read_bs, numjobs), psync at depth 1;
-    writes every (write_bs, write_numjobs, write_modes), fsync'd at the end."""
-
-    read_bs: list[str] = Field(default_factory=lambda: ["1M", "4M", "16M"], min_length=1,
-                               description="request sizes of the read points")
-    iodepths: list[Positive] = Field(default_factory=lambda: [1, 4, 16, 32], min_length=1,
-                                     description="queue depths of the direct read points")
-    numjobs: list[Annotated[Int, Field(ge=1, le=64)]] = Field(default_factory=lambda: [1, 4], min_length=1,
-                                                               description="parallel jobs of the read points")
-    modes: list[Literal["direct", "buffered"]] = Field(default_factory=lambda: ["direct", "buffered"], min_length=1,
-                                                       description="direct; buffered with invalidate=1")
-    ioengines: list[Literal["libaio", "io_uring"]] = Field(
-        default_factory=lambda: ["libaio", "io_uring"], min_length=1,
-        description="engines of the direct read points (one the host lacks is probed and left out)")
-    write_bs: list[str] = Field(default_factory=lambda: ["1M", "4M", "16M"], min_length=1)
-    write_numjobs: list[Annotated[Int, Field(ge=1, le=64)]] = Field(default_factory=lambda: [1, 4], min_length=1)
-    write_modes: list[Literal["direct", "buffered"]] = Field(default_factory=lambda: ["direct", "buffered"],
-                                                             min_length=1)
-    size: str = Field(default="4G", description="bytes each point moves (its jobs a share each)")
-    runtime_s: Float = Field(default=5.0, gt=0, description="the most seconds a point runs")
-
-    _sizes = field_validator("size", mode="before")(lambda cls, v: _fio_size(v))
-    _lists = field_validator("read_bs", "iodepths", "numjobs", "modes", "ioengines", "write_bs", "write_numjobs",
-                             "write_modes")(lambda cls, v: _each_once(v))
-
-    @field_validator("read_bs", "write_bs", mode="before")
-    @classmethod
-    def _block_sizes(cls, values: Any) -> Any:
-        if isinstance(values, list):
-            return [_fio_size(v) if isinstance(v, str) else v for v in values]
-        return values
-
-    @model_validator(mode="after")
-    def _blocks_fit_the_size(self) -> "FioSweepConfig":
-        largest = max(parse_size(bs) for bs in self.read_bs + self.write_bs)
-        if largest > parse_size(self.size):
-            raise ValueError(f"size: expected at least the largest request size ({largest} bytes), found {self.size!r}")
-        return self
-
-    def grid(self):
-        """The sweep as workloads.storage.fio_sweep runs it."""
-        return SweepGrid(read_bs=tuple(self.read_bs), iodepths=tuple(self.iodepths), numjobs=tuple(self.numjobs),
-                         modes=tuple(self.modes), ioengines=tuple(self.ioengines), write_bs=tuple(self.write_bs),
-                         write_numjobs=tuple(self.write_numjobs), write_modes=tuple(self.write_modes),
-                         size=self.size, runtime_s=self.runtime_s)
-
-
-class FioConfig(StrictModel):
-    size: str = "256M"
-    runtime_s: Float = Field(default=5.0, gt=0)
-    iodepth: Count = Field(default=16, ge=1)
-    numjobs: Count = Field(default=1, ge=1)
-    direct: bool = True
-    ioengine: str = Field(default="libaio", pattern=r"^[a-z][a-z0-9_]*$", description="an fio ioengine name")
-    verify: bool = True
-    verify_size: str = "64M"
-    sweep: FioSweepConfig = Field(default_factory=FioSweepConfig, description=(
-        "G1's sweep for the storage's best sequential read and fsync'd write (G2's yardstick)"))
-
-    _sizes = field_validator("size", "verify_size", mode="before")(lambda cls, v: _fio_size(v))
-
-
 class G1Config(StrictModel):
     _declared = _thresholds_of("g1")
 
     thresholds: list[RuleField]
-
-
-class PairsConfig(StrictModel):
-    """Sequential side-by-side pairs (gates/side_by_side.py): at least `min`, then more until the
-    anytime-valid interval decides the rule, at most `max`, none started once `budget_s` has passed. A plain
-    number n means exactly n pairs (min = max = n)."""
-
-    min: Count = Field(default=5, ge=3, description="pairs always taken (3: the fewest an interval is given for)")
-    max: Count = Field(default=12, ge=3, description="the most pairs taken when the interval does not decide")
-    budget_s: Float = Field(default=300.0, gt=0, description="seconds after which no pair is started")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _a_count(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return {"min": value, "max": value}
-        return value
-
-    @model_validator(mode="after")
-    def _max_at_least_min(self) -> "PairsConfig":
-        if self.max < self.min:
-            raise ValueError(f"max: expected at least min ({self.min}), found {self.max}")
-        return self
-
-    def pairing(self):
-        return Pairing(self.min, self.max, self.budget_s)
-
-
-LOADER_NAMES = LOADERS
-# workloads/storage/checkpoint.py's presets as a model size is written: 8B, 32B, 70B, 405B, 1T, adapter
-STATE_PRESET_NAMES = tuple(name.upper() if name[0].isdigit() else name for name in STATE_PRESETS)
-
-
-def _command(value: Any) -> Any:
-    """A start command as argv: a list of strings, or one string split as a shell would (no shell runs it)."""
-    if isinstance(value, str):
-        value = shlex.split(value)
-    if not isinstance(value, list) or not value or not all(isinstance(a, str) and a for a in value):
-        raise ValueError(f"expected a command (a string or a list of non-empty strings), found {value!r}")
-    return value
-
-
-def _judged_among(judged: str, measured: list[str], noun: str) -> None:
-    """The judged path (a loader, a checkpoint writer) is one of those measured."""
-    if judged not in measured:
-        raise ValueError(f"judged: expected one of the {noun}s measured ({', '.join(measured)}), found {judged!r} "
-                         f"(add it to {noun}s, or name the {noun} to judge)")
-
-
-class ModelLoadConfig(StrictModel):
-    """G2's model service loading: a safetensors checkpoint read cold by each loader, beside fio reading
-    the same files, and (embedded or `launch`) a server's start to its first token."""
-
-    enabled: bool = True
-    path: Optional[Path] = Field(default=None, description="an existing model directory (safetensors shards, read "
-                                 "only, never written); null: a random checkpoint of `size` is written under "
-                                 "storage.path")
-    size: str = Field(default="1GiB", description="the random checkpoint's size (without `path`)")
-    shard_size: str = Field(default="256MiB", description="the random checkpoint's shard size")
-    loaders: list[Literal[LOADER_NAMES]] = Field(default_factory=lambda: list(LOADER_NAMES), min_length=1,
-        description="the loaders measured, each beside the storage's best read job; those not judged are shown as "
-                    "how much of the storage they use")
-    judged: Literal[LOADER_NAMES] = Field(default=KVGATE_LOADER, description=(
-        "the loader whose ratio is judged: kvgate (its own path, at the storage's best: the storage is judged), "
-        "or a field loader (a joint test of one serving stack's loader)"))
-    parallel: Int = Field(default=16, ge=1, le=256, description="reads in flight of kvgate's loader and read "
-                          "threads of the streaming loaders")
-    rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
-        "cold rounds, every loader once per round, each load beside the storage's best read job reading the same "
-        "files; taken until the judged loader's interval decides"))
-    baseline_path: Optional[Path] = Field(default=None, description=(
-        "a directory on the baseline storage (e.g. the NFS mount the vendor compares with): with `path`, the same "
-        "model there; without, the random checkpoint is written there too. Unset: the speedup is not run"))
-    service: bool = Field(default=True, description="embedded: time `kvgate serve --weights` per loader, start to "
-                          "first token")
-    launch: Optional[list[str]] = Field(default=None, description="external: the engine's own start command, timed "
-                                        "start → health_url ready → first token")
-    health_url: Optional[str] = Field(default=None, pattern=r"^https?://")
-
-    _sizes = field_validator("size", "shard_size", mode="before")(lambda cls, v: _fio_size(v))
-    _paths = field_validator("path", "baseline_path", mode="before")(lambda cls, v: _absolute_path(v))
-    _argv = field_validator("launch", mode="before")(lambda cls, v: None if v is None else _command(v))
-
-    @field_validator("path")
-    @classmethod
-    def _a_checkpoint(cls, path: Optional[Path]) -> Optional[Path]:
-        """An existing safetensors checkpoint, its headers read now (cache_impl.weights.safetensors_dir), not at G2."""
-        if path is not None:
-            try:
-                read_safetensors_dir(path)
-            except CheckpointFormatError as error:
-                raise ValueError(str(error)) from None
-        return path
-
-    _loaders_once = field_validator("loaders")(lambda cls, v: _each_once(v, "loader"))
-
-    @model_validator(mode="after")
-    def _judged_is_measured(self) -> "ModelLoadConfig":
-        _judged_among(self.judged, self.loaders, "loader")
-        return self
-
-    @model_validator(mode="after")
-    def _launch_with_health(self) -> "ModelLoadConfig":
-        if (self.launch is None) != (self.health_url is None):
-            raise ValueError(
-                "launch and health_url: expected both (the start command and the URL that answers "
-                f"when it is ready) or neither, found launch={self.launch!r} health_url={self.health_url!r}"
-            )
-        return self
-
-
-def _parameters(value: Any) -> Any:
-    """A checkpoint's parameters as given: a count in 1..MAX_COUNT, or a model size's name (STATE_PRESET_NAMES)."""
-    if value in STATE_PRESET_NAMES or (type(value) is int and 1 <= value <= MAX_COUNT):
-        return value
-    raise ValueError(f"expected a parameter count (an integer in 1..{MAX_COUNT}) or a model size "
-                     f"({', '.join(STATE_PRESET_NAMES)}), found {value!r}")
-
-
-Parameters = Annotated[Union[str, int], PlainValidator(_parameters)]
-
-
-class CheckpointConfig(StrictModel):
-    """G2's checkpoint saving: torch.distributed.checkpoint with `ranks` gloo processes saving model +
-    optimizer state, beside fio writing as many bytes; then restored cold."""
-
-    enabled: bool = True
-    ranks: Int = Field(default=2, ge=1, le=64, description="training ranks, one process each (gloo)")
-    parameters: Parameters = Field(default=20_000_000,
-        description="parameters of the saved state: a count, or a model size of MLPerf Storage's checkpoint "
-                    "workload (8B, 70B, 405B, 1T), 32B (the vendor's 8-rank job) or adapter (a LoRA adapter)")
-    bytes_per_parameter: Float = Field(default=14.0, ge=2, le=64, description=(
-        "bytes of state per parameter: 14 is bf16 weights + fp32 master weights + Adam's two moments"))
-    thread_count: Int = Field(default=1, ge=1, le=64, description="each rank's write threads (files written at once)")
-    writers: list[Literal[CHECKPOINT_WRITERS]] = Field(
-        default_factory=lambda: list(CHECKPOINT_WRITERS), min_length=1, description=(
-            "the writers measured, each save beside the storage's best fsync'd write job: kvgate (its own: DCP's "
-            "planner and metadata, aligned O_DIRECT writes from huge pages, parallel) and dcp (DCP's "
-            "FileSystemWriter); those not judged are shown as how much of the storage they use"))
-    judged: Literal[CHECKPOINT_WRITERS] = Field(default=KVGATE_WRITER, description=(
-        "the writer whose ratio is judged: kvgate (the storage is judged), or dcp (a joint test of DCP's own "
-        "writer); its checkpoint is restored by each reader"))
-    rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
-        "saves (after two warm-up saves of each writer), each beside the storage's best fsync'd write job writing "
-        "as many bytes; taken until the judged writer's interval decides"))
-    restores: Count = Field(default=3, ge=1, description="cold restores of the last save, each checked bit for bit")
-    baseline_path: Optional[Path] = Field(default=None, description=(
-        "a directory on the baseline storage: the speedup of the storage under test over it. Unset: not run"))
-
-    _paths = field_validator("baseline_path", mode="before")(lambda cls, v: _absolute_path(v))
-
-    _writers_once = field_validator("writers")(lambda cls, v: _each_once(v, "writer"))
-
-    @model_validator(mode="after")
-    def _judged_is_measured(self) -> "CheckpointConfig":
-        _judged_among(self.judged, self.writers, "writer")
-        return self
-
-    def spec(self) -> CheckpointSpec:
-        """The state the ranks save: `parameters` (a count, or a preset's) at `bytes_per_parameter`."""
-        fields = {"bytes_per_parameter": self.bytes_per_parameter, "ranks": self.ranks}
-        if isinstance(self.parameters, str):
-            return CheckpointSpec.from_preset(self.parameters.lower(), **fields)
-        return CheckpointSpec(parameters=self.parameters, **fields)
 
 
 class NoReuseConfig(StrictModel):
@@ -553,18 +183,6 @@ class G2Config(StrictModel):
     thresholds: list[RuleField]
 
 
-def _level(value: Any) -> Union[int, float]:
-    """A G3 level as given: an int stays an int (a concurrency), a float a float (a multiplier)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"expected a finite number, found {value!r}")
-    if abs(value) > MAX_COUNT:
-        raise ValueError(f"expected a value <= {MAX_COUNT}, found {value!r}")
-    return value
-
-
-Level = Annotated[Union[int, float], PlainValidator(_level)]
-
-
 NO_REUSE_WORKLOAD = {"kind": "random", "name": "no-reuse", "requests": 1000,
                      "input_tokens": {"distribution": "uniform", "min": 512, "max": 2048},
                      "output_tokens": {"distribution": "fixed", "mean": 32}}
@@ -581,74 +199,6 @@ class G3NoReuseConfig(StrictModel):
     level: Count = Field(default=4, ge=1, description="the concurrency the control runs at")
     duration_s: Optional[Float] = Field(default=None, gt=0, description="seconds per target (default g3.duration_s)")
     warmup_s: Optional[Float] = Field(default=None, ge=0, description="warm-up left out (default g3.warmup_s)")
-
-
-class G3SteadyConfig(StrictModel):
-    """When a level's warm-up pairs end (workloads/loadgen/steady.py): two consecutive candidate blocks agree."""
-
-    ttft_change: Float = Field(default=0.35, gt=0, description="the candidate's TTFT p50 within this fraction of the "
-                               "block before")
-    hit_ratio_points: Float = Field(default=0.05, ge=0, le=1, description="its hit ratio within this many points "
-                                    "(a fraction) of the block before")
-    max_pairs: Count = Field(default=3, ge=1, description="warm-up pairs at most; a level not settled by then is "
-                             "measured from the last and says so")
-
-    def rule(self) -> SteadyRule:
-        return SteadyRule(self.ttft_change, self.hit_ratio_points, self.max_pairs)
-
-
-class SLOConfig(StrictModel):
-    """The service-level objective a request meets: its TTFT and its TPOT within their limits at a percentile of
-    the requests, errors within their share. G3's capacity search (g3.capacity) finds the most load at which it
-    holds (kvcore/attainment.py: a request misses when a latency is over its limit, it failed, or it never
-    finished)."""
-
-    percentile: Float = Field(default=90, gt=50, lt=100, description="the percentile both limits hold at (90: at "
-                              "most 10% of the requests may miss)")
-    ttft_ms: Float = Field(gt=0, description="TTFT limit at the percentile, ms")
-    tpot_ms: Optional[Float] = Field(default=None, gt=0, description="time per output token limit at the "
-                                     "percentile, ms (after the first token; none: TTFT alone)")
-    max_error_share: Float = Field(default=0.001, ge=0, lt=1, description="a load whose failed share is decided above "
-                                   "this misses the SLO")
-
-
-class G3CapacityConfig(StrictModel):
-    """The capacity search: per target, the most load at which `slo` holds (kvcore/capacity.py), baseline and
-    candidate probes in turn; each probe stops when its requests decide it. The load is closed-loop users, or with
-    `g3.replay: rate_multipliers` a multiple of the trace's arrival rate (open loop, in steps of `rate_step`)."""
-
-    enabled: bool = Field(default=False, description="run the capacity search after the sweep (needs `slo`)")
-    start: Level = Field(default=1, description="the first load probed (users, or a multiple of the trace's rate)")
-    most: Level = Field(default=64, description="the most load probed (the ramp doubles up to it)")
-    rate_step: Float = Field(default=0.25, gt=0, description="replay: rate_multipliers: the search's resolution, in "
-                             "multiples of the trace's rate (start and most are whole multiples of it)")
-    probe_requests: Count = Field(default=400, ge=34, description="requests a probe sends at most (34: the fewest "
-                                  "that decide a 10% allowance when none misses)")
-    probe_budget_s: Float = Field(default=60, gt=0, description="seconds a probe may run before it is undecided")
-    confidence: Float = Field(default=0.95, gt=0.5, lt=1, description="each probe's confidence sequence level")
-
-    @model_validator(mode="after")
-    def _start_within_most(self) -> "G3CapacityConfig":
-        for name in ("start", "most"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected a load > 0, found {getattr(self, name)}")
-        if self.start > self.most:
-            raise ValueError(f"start: expected at most `most` ({self.most}), found {self.start}")
-        return self
-
-    def unit(self, replay: str) -> float:
-        """The search's step: one user closed loop, `rate_step` open loop."""
-        return 1 if replay == "closed_loop" else self.rate_step
-
-    def check_loads(self, replay: str) -> None:
-        """start and most are whole multiples of the search's step for `replay`; else a ValueError naming the field."""
-        unit = self.unit(replay)
-        what = "a whole number of users (replay: closed_loop)" if unit == 1 else \
-            f"a whole multiple of rate_step ({unit:g}, replay: rate_multipliers)"
-        for name in ("start", "most"):
-            value = getattr(self, name)
-            if not math.isclose(round(value / unit) * unit, value) or (unit == 1 and not isinstance(value, int)):
-                raise ValueError(f"g3.capacity.{name}: expected {what}, found {value}")
 
 
 class G3Config(StrictModel):
@@ -714,9 +264,9 @@ class G3Config(StrictModel):
 
     @model_validator(mode="after")
     def _levels_mean_the_replay(self) -> "G3Config":
-        repeated = _repeated(self.levels)
-        if repeated:
-            raise ValueError(f"levels: expected each level once, found {repeated} repeated")
+        twice = repeated(self.levels)
+        if twice:
+            raise ValueError(f"levels: expected each level once, found {twice} repeated")
         if self.replay == "closed_loop":
             bad = [v for v in self.levels if not isinstance(v, int) or v < 1]
             if bad:
@@ -735,24 +285,6 @@ class G3Config(StrictModel):
             raise ValueError("ttft_slo_ms: expected the TTFT objective a sustained rate meets for replay: "
                              "rate_multipliers, found nothing")
         return self
-
-
-SCHEDULED_FAULTS = BLOCK_FAULTS + IO_FAULTS
-
-
-class FaultSpec(StrictModel):
-    """A fault injected into the candidate's cache during the soak (kvgate's: embedded, or its connector in vLLM).
-
-    Stored-block faults damage a disk block of the first consistency probe's prompt and evict
-    the upper tiers, so the next probe must load it; I/O faults are armed for `duration_s`.
-    """
-
-    kind: Literal[SCHEDULED_FAULTS]
-    at_s: Float = Field(ge=0, description="seconds after the soak's start")
-    duration_s: Float = Field(default=10, gt=0, le=FAULT_LIMITS["duration_s"],
-                              description="I/O faults: how long the fault stays armed")
-    delay_ms: Float = Field(default=50, gt=0, le=FAULT_LIMITS["delay_ms"],
-                            description="slow_disk: added delay per block read or write")
 
 
 # the only checks a profile may measure without judging: a quick soak cannot power a latency or throughput trend
@@ -801,108 +333,6 @@ class G4Config(StrictModel):
         return self
 
 
-class TargetSizing(StrictModel):
-    """What the sizing model needs of the target under test that kvgate cannot read from it: the model's KV
-    layout, the block size and each tier's capacity (an external engine's; for the embedded one they
-    replace what targets.embedded gives). The candidate has every tier given; the baseline the device only.
-    `model_config` is pydantic's own name, so the field is `model_config_path`, read as `model_config`."""
-
-    model_config = ConfigDict(**StrictModel.model_config, populate_by_name=True, protected_namespaces=())
-
-    model_config_path: Optional[Path] = Field(default=None, alias="model_config", description=(
-        "the model's Hugging Face config.json (its layers, KV heads, head dim, dtype; MLA: kv_lora_rank)"))
-    kv_dtype: Optional[str] = Field(default=None, description="the KV cache's dtype when not the model's (fp8)")
-    kv_layout: Optional[dict] = Field(default=None, description=(
-        "instead of model_config: {layers, dtype, kv_heads, head_dim} or, MLA, {layers, dtype, kv_lora_rank, "
-        "qk_rope_head_dim}"))
-    block_size: Optional[Count] = Field(default=None, ge=1, description="tokens per KV block (vLLM 16, kvgate 256)")
-    device_kv_tokens: Optional[Count] = Field(default=None, ge=1, description=(
-        "tokens the device KV cache holds (vLLM: 'GPU KV cache size: N tokens'; SGLang: max_total_num_tokens)"))
-    host_capacity: Optional[str] = Field(default=None, description="host DRAM tier bytes (0: none)")
-    disk_capacity: Optional[str] = Field(default=None, description="disk tier bytes (0: none)")
-    pool_capacity: Optional[str] = Field(default=None, description="the shared pool's bytes (its store's memory)")
-    pool_gbps: Optional[Float] = Field(default=None, gt=0, description="GB/s a node loads from the pool at")
-    max_running: Optional[Count] = Field(default=None, ge=1, description=(
-        "requests an engine runs at once (vLLM --max-num-seqs; default: targets.embedded.max_running)"))
-
-    _sizes = field_validator("host_capacity", "disk_capacity", "pool_capacity", mode="before")(
-        lambda cls, v: v if v is None else _size(v))
-    _paths = field_validator("model_config_path", mode="before")(lambda cls, v: v if v is None else _absolute_path(v))
-
-    @model_validator(mode="after")
-    def _one_layout(self) -> "TargetSizing":
-        if self.model_config_path is not None and self.kv_layout is not None:
-            raise ValueError("kv_layout: expected either model_config or kv_layout, found both")
-        if self.kv_dtype is not None and self.model_config_path is None:
-            raise ValueError(f"kv_dtype: expected it beside model_config (kv_layout names its own dtype), "
-                             f"found {self.kv_dtype!r} without one")
-        self.shape()  # read now: a missing file or field is an error at load, with its path
-        return self
-
-    def shape(self):
-        """The KV layout given (sizing/layout.py's KVShape), or None when neither is."""
-        if self.kv_layout is not None:
-            return KVShape.from_fields(self.kv_layout, root="kv_layout")
-        if self.model_config_path is not None:
-            try:
-                return KVShape.from_hf_config(self.model_config_path, self.kv_dtype)
-            except ConfigError as error:
-                raise ValueError(f"model_config: expected a config.json with the model's KV layout, found "
-                                 f"{error}") from None
-        return None
-
-
-COUNT_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
-
-
-class RooflineConfig(StrictModel):
-    """A recompute curve from FLOPs before any G2 has measured one (sizing/timing.py RecomputeCurve.roofline):
-    prefill of n tokens = (2·params·n + 2·layers·n²·attention_dim) ÷ the device's achievable FLOP/s."""
-
-    device_tflops: Float = Field(gt=0, description="the device's achievable dense TFLOP/s (peak x utilisation)")
-    params: Float = Field(gt=0, le=MAX_COUNT, description="the model's parameter count: 8.03e9, or 8.03B (K, M, B, T)")
-    attention_dim: Count = Field(ge=1, description="attention heads x head dim (4096 for Llama-3.1-8B)")
-    layers: Optional[Count] = Field(default=None, ge=1, description="layers (default: the KV layout's)")
-    overhead_s: Float = Field(default=0.0, ge=0, description="fixed seconds per request (HTTP, tokenizing)")
-
-    @field_validator("params", mode="before")
-    @classmethod
-    def _count(cls, value: Any) -> Any:
-        """"8B", "70.6B", "3e6" (YAML reads an exponent without a sign as text) as a number; anything else as given."""
-        if not isinstance(value, str):
-            return value
-        text, scale = value.strip(), 1.0
-        if text[-1:].upper() in COUNT_SUFFIXES:
-            text, scale = text[:-1], COUNT_SUFFIXES[text[-1].upper()]
-        try:
-            return float(text) * scale
-        except ValueError:
-            raise ValueError(f"expected a parameter count (8.03e9, 8B), found {value!r}") from None
-
-
-class SizingConfig(StrictModel):
-    """The sizing model in `kvgate run` (sizing/): where its constants come from before the run has
-    measured them, its tolerances (informational: it never passes or fails a gate), and what it needs of
-    the target that the target does not tell (`target`)."""
-
-    target: Optional[TargetSizing] = Field(default=None, description=(
-        "the target's KV layout and tier capacities (needed for targets.kind: external)"))
-
-    calibration: Optional[Path] = Field(default=None, description=(
-        "constants fitted to an earlier run on this machine (`kvgate plan --calibrate RUN_DIR`): G2's and G3's "
-        "figures are predicted before G2 runs; without it, from G2's own measurements onward"))
-    roofline: Optional[RooflineConfig] = Field(default=None, description=(
-        "a FLOPs roofline standing in for the recompute curve where no run or calibration gives one"))
-    runs: Int = Field(default=5, ge=1, le=100, description=(
-        "G3 runs simulated per level, each with its own draw of the machine's step noise (a calibrated "
-        "jitter): the figure is their median, its interval spans theirs"))
-    hit_ratio_points: Float = Field(default=0.05, gt=0, le=1, description="largest hit-ratio error it accepts")
-    figure_mape: Float = Field(default=0.15, gt=0, le=10, description="largest G3 TTFT / throughput MAPE it accepts")
-    g2_ttft_mape: Float = Field(default=0.10, gt=0, le=10, description="largest G2 TTFT MAPE it accepts")
-
-    _paths = field_validator("calibration", mode="before")(lambda cls, v: _absolute_path(v))
-
-
 class GatesConfig(StrictModel):
     profile: ProfileName = "quick"
     aa: bool = Field(default=False, description=(
@@ -926,9 +356,9 @@ class GatesConfig(StrictModel):
     @field_validator("claims")
     @classmethod
     def _claims_once(cls, claims: list[Claim]) -> list[Claim]:
-        repeated = _repeated([c.id for c in claims])
-        if repeated:
-            raise ValueError(f"expected each claim id once, found {repeated} repeated")
+        twice = repeated([c.id for c in claims])
+        if twice:
+            raise ValueError(f"expected each claim id once, found {twice} repeated")
         for i, claim in enumerate(claims):
             known = [c.metric for c in CHECKS[claim.gate]]
             if claim.metric not in known:

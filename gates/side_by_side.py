@@ -20,6 +20,7 @@ from gates.sequential import (
     method,
     sample_until_decided,
 )
+from kvcore.sampling import PairsConfig
 from workloads.storage.fio import FioJob, FioResult, run_fio
 from workloads.storage.fio_sweep import FioShape
 
@@ -151,6 +152,11 @@ class Pairing:
     min: int = 5
     max: int = 12
     budget_s: float = 120.0
+
+    @classmethod
+    def of(cls, settings: PairsConfig) -> "Pairing":
+        """The pairing gates.yaml's settings ask for (a budget of null: no limit)."""
+        return cls(settings.min, settings.max, math.inf if settings.budget_s is None else settings.budget_s)
 
     def looks(self) -> Looks:
         """The schedule the pairs' interval is calibrated for: a look after every pair from the 3rd to `max`."""

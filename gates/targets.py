@@ -17,13 +17,14 @@ from typing import Optional
 import yaml
 
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
+from engines.settings import TargetSettings
 from kvcore.settings import parse_size
 from workloads.servers.stores import MooncakePool, RedisServer
 from workloads.traffic.datasets import BYTE_TOKENIZER_ID
 from workloads.traffic.processes import die_with_parent, free_port
 from workloads.traffic.target import Target
 
-from .config import EmbeddedTargets, GatesConfig, TargetSettings
+from .config import EmbeddedTargets, GatesConfig
 
 EMBEDDED_ROLES = {"recompute": "recompute", "baseline": "device-only", "candidate": "tiered"}
 

@@ -181,3 +181,40 @@ class StrictModel(BaseModel):
     """Settings models: unknown keys are errors, values are frozen once validated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+
+# Field checks the settings models of every room share.
+
+def size_text(value: Any) -> str:
+    """A byte size (parse_size) kept as the text the user wrote it in."""
+    parse_size(value)
+    return value if isinstance(value, str) else str(value)
+
+
+def repeated(values: list) -> list:
+    """The values that appear more than once, sorted (an "each once" check says them)."""
+    return sorted({v for v in values if values.count(v) > 1})
+
+
+def absolute_path(value: Any) -> Any:
+    """A directory path made absolute now (the suites run elsewhere and must read the same place)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("expected a directory path, found an empty string")
+    return Path(value).absolute() if isinstance(value, (str, Path)) else value
+
+
+Positive = Annotated[Count, Field(ge=1)]
+
+
+def positive_size(value: Any) -> Any:
+    """A byte size > 0, kept as given."""
+    if parse_size(value) <= 0:
+        raise ValueError(f"expected a byte size > 0, found {value!r}")
+    return value
+
+
+def each_once(values: list, noun: str = "value") -> list:
+    twice = repeated(values)
+    if twice:
+        raise ValueError(f"expected each {noun} once, found {twice} repeated")
+    return values

@@ -26,12 +26,13 @@ from pathlib import Path
 import yaml
 
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
-from gates.config import EmbeddedTargets, FaultSpec, profile_defaults
+from gates.config import EmbeddedTargets, profile_defaults
 from gates.g4_soak.fault_schedule import FaultSchedule
 from gates.g4_soak.soak import probe_requests, server_figures
 from gates.targets import engine_settings
 from workloads.loadgen.load import run_load
 from workloads.probes.faults import AdminClient, CacheAdmin
+from workloads.probes.settings import FaultSpec
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import build_workload, sizer_for
 from workloads.traffic.processes import free_port

@@ -34,7 +34,7 @@ from gates.g2_baseline.cold_read import (
 )
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
 from gates.sequential import Looks, Stopping
-from gates.side_by_side import MIN_YARDSTICK_BYTES, FasterOf
+from gates.side_by_side import MIN_YARDSTICK_BYTES, FasterOf, Pairing
 from gates.storage_best import StorageBest, storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.stats import ratio_ci
@@ -172,7 +172,7 @@ def cold_read_pairs(gate_context, endpoints):
                 aa_side = best.best_of("read", lambda mode, shape: stack.enter_context(
                     FioRegions(directory, sets, shape, name=f"g2-aa-read-{mode}", min_bytes=MIN_YARDSTICK_BYTES)))
                 subject, same_pattern, draws = (lambda i: aa_side(i, nbytes)), None, 1
-            pairs, stopping = measure_pairs(subject, best_side, pairing.pairing(), [rule] if rule else [],
+            pairs, stopping = measure_pairs(subject, best_side, Pairing.of(pairing), [rule] if rule else [],
                                             warmup=WARMUP_PAIRS, same_pattern=same_pattern, on_pair=said,
                                             draws=draws)
             jobs = "; ".join(_job_text(side) for side in best_side.sides.values()), _job_text(own_side)
@@ -180,7 +180,7 @@ def cold_read_pairs(gate_context, endpoints):
         pytest.fail(f"G2 cold read: {error}", pytrace=False)
     finally:
         client.close()
-    return ColdReadRun(pairs, stopping, best, best_side, *jobs, aa=config.aa, looks=pairing.pairing().looks())
+    return ColdReadRun(pairs, stopping, best, best_side, *jobs, aa=config.aa, looks=Pairing.of(pairing).looks())
 
 
 def test_ttft_by_context_length_for_recompute_host_and_cold_disk_hits(gate_context, baseline_runs, record, verdict,

@@ -23,7 +23,7 @@ from typing import Optional
 import pytest
 
 from gates.sequential import sample_until_decided
-from gates.side_by_side import FioFreshWrite, Pair, Reading, measure_pairs, paired_ratio
+from gates.side_by_side import FioFreshWrite, Pair, Pairing, Reading, measure_pairs, paired_ratio
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.percent import format_percent
@@ -98,7 +98,7 @@ def saves(gate_context, job):
     best = storage_best(config, store).for_bytes(job.spec.total_bytes)   # the fastest jobs that stream a save
     fio_side = best.best_of("write", lambda mode, shape: FioFreshWrite(config.storage.path / "fio-checkpoint", shape,
                                                                       f"g2-fresh-write-{mode}"))
-    pairing, rule = settings.rounds.pairing(), config.rule("g2", METRIC)
+    pairing, rule = Pairing.of(settings.rounds), config.rule("g2", METRIC)
     looks = pairing.looks()          # the judged writer's schedule, fixed before the first save
     figures = {writer: WriterFigures(writer) for writer in settings.writers}
 
@@ -199,7 +199,7 @@ def test_aa_the_best_write_job_against_itself(gate_context, record):
     if not config.aa:
         pytest.skip("not an A/A run (aa: false)")
     settings = config.g2.checkpoint
-    nbytes, pairing, rule = settings.spec().total_bytes, settings.rounds.pairing(), config.rule("g2", METRIC)
+    nbytes, pairing, rule = settings.spec().total_bytes, Pairing.of(settings.rounds), config.rule("g2", METRIC)
     best = storage_best(config, store).for_bytes(nbytes)
     directory = config.storage.path / "fio-checkpoint"
     first, second = (best.best_of("write", lambda mode, shape: FioFreshWrite(directory, shape, f"{name}-{mode}"))

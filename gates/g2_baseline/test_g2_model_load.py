@@ -27,6 +27,7 @@ from gates.g2_baseline.model_load import (
     median_phases,
     prepare_checkpoints,
 )
+from gates.side_by_side import Pairing
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.percent import format_percent
@@ -85,7 +86,7 @@ def loader_figures(gate_context, checkpoints, available_loaders):
                      **round_.context())
 
     figures, yardstick = measure_loaders(checkpoints.under_test, available_loaders, settings.judged,
-                                         settings.rounds.pairing(),
+                                         Pairing.of(settings.rounds),
                                          [rule] if rule else [], settings.parallel, best,
                                          lambda text: store.set_progress("g2", text), on_round)
     for loader, f in figures.items():
@@ -149,7 +150,7 @@ def test_aa_the_best_read_job_against_itself_on_the_same_files(gate_context, che
         pytest.skip("not an A/A run (aa: false)")
     best = storage_best(config, store).for_bytes(checkpoints.under_test.tensor_bytes)
     rule = config.rule("g2", METRIC)
-    judged = measure_aa_reads(checkpoints.under_test, config.g2.model_load.rounds.pairing(), [rule] if rule else [],
+    judged = measure_aa_reads(checkpoints.under_test, Pairing.of(config.g2.model_load.rounds), [rule] if rule else [],
                               best, lambda text: store.set_progress("g2", text))
     record(G2_AA_FALSE_DECISION, ratio_excludes_one(judged.interval), of=METRIC, **judged.aa_context(),
            **best.context("read"))

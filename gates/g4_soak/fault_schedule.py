@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 from cache_impl.cache.faults import BLOCK_FAULTS
-from gates.config import FaultSpec
 from kvcore.files import append_jsonl
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.probes.faults import CacheAdmin, damage_prompt_blocks, detection_counts, evict_until_on_disk_only
+from workloads.probes.settings import FaultSpec
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.requests import WorkloadRequest
 from workloads.traffic.target import Target

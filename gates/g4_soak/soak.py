@@ -14,13 +14,13 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from gates.config import FaultSpec
 from gates.g4_soak.fault_schedule import FaultSchedule
 from kvcore.files import JsonlTail, append_jsonl, write_json
 from kvcore.files import read_jsonl_file as read_jsonl
 from workloads.loadgen.live import LiveFigures
 from workloads.loadgen.load import run_load
 from workloads.probes.faults import AdminClient, CacheAdmin, counter, gauge, per_tier
+from workloads.probes.settings import FaultSpec
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.errors import summarize_errors
 from workloads.traffic.requests import Workload, WorkloadRequest

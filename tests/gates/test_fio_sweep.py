@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from gates.config import FioSweepConfig
 from gates.side_by_side import Pair, Reading
 from gates.storage_best import BEST_READ, BEST_WRITE, POINT, record_winners, storage_best
 from kvcore.rundata import RunStore
 from workloads.storage.fio_sweep import FioShape, Sweep, SweepGrid, best_point, read_job, run_storage_sweep, write_job
+from workloads.storage.settings import FioSweepConfig
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
 TINY = SweepGrid(read_bs=("1M",), iodepths=(1, 4), numjobs=(1, 2), modes=("direct", "buffered"),

@@ -334,9 +334,9 @@ def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_pr
     left damaged). The probe is then served that copy and never reads the disk's: the fault step evicts the upper
     tiers and asks again, and the row says so; the damage is then read and counted."""
     from cache_impl.cache.faults import flip_byte
-    from gates.config import FaultSpec
     from gates.g4_soak.fault_schedule import FaultSchedule
     from workloads.probes.faults import CacheAdmin
+    from workloads.probes.settings import FaultSpec
     from workloads.traffic.requests import WorkloadRequest
     from workloads.traffic.target import Target
 

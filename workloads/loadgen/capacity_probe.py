@@ -210,6 +210,6 @@ def describe_probe(result: ProbeResult) -> str:
 
 
 def slo_of(config) -> SLO:
-    """The SLO of gates.yaml's `slo` section (gates.config.SLOConfig)."""
+    """The SLO of gates.yaml's `slo` section (workloads.loadgen.settings.SLOConfig)."""
     return SLO(config.ttft_ms / 1e3, None if config.tpot_ms is None else config.tpot_ms / 1e3, config.percentile,
                config.max_error_share)
