@@ -201,6 +201,24 @@ class G3NoReuseConfig(StrictModel):
     warmup_s: Optional[Float] = Field(default=None, ge=0, description="warm-up left out (default g3.warmup_s)")
 
 
+# gates.yaml's earlier keys for G3's block pairs, each with the `g3.blocks` field it is, and G3's own defaults
+FLAT_BLOCK_KEYS = {"min_blocks": "min", "max_blocks": "max", "level_budget_s": "budget_s"}
+G3_BLOCKS = {"min": 3, "max": 5, "budget_s": None}
+
+
+def fold_flat_block_keys(g3: Any, defaults: Optional[dict] = None) -> Any:
+    """A g3 section whose earlier spelling of its block pairs (`min_blocks`, `max_blocks`, `level_budget_s`) is
+    read as `blocks`' min, max and budget_s, over `defaults`; ValueError when both spellings are given."""
+    if not isinstance(g3, dict) or not any(key in g3 for key in FLAT_BLOCK_KEYS):
+        return g3
+    given = {FLAT_BLOCK_KEYS[key]: g3[key] for key in FLAT_BLOCK_KEYS if key in g3}
+    if "blocks" in g3:
+        raise ValueError(f"blocks: expected either blocks or {', '.join(k for k in FLAT_BLOCK_KEYS if k in g3)} (its "
+                         "earlier spelling), found both")
+    rest = {key: item for key, item in g3.items() if key not in FLAT_BLOCK_KEYS}
+    return rest | {"blocks": (defaults or {}) | given}
+
+
 class G3Config(StrictModel):
     """G3's sweep. `replay` says what a level is: closed_loop, concurrent users (every workload);
     rate_multipliers, multiples of a trace's arrival rate (trace workloads; needs `ttft_slo_ms`)."""
@@ -222,12 +240,9 @@ class G3Config(StrictModel):
                             "blocks run by time (the no-reuse control's default); matched pairs are measured from "
                             "their first request, after the level's warm-up pairs (steady)")
     steady: G3SteadyConfig = Field(default_factory=G3SteadyConfig, description="when a level's warm-up pairs end")
-    min_blocks: Count = Field(default=3, ge=3, description="blocks per target per level, at least (an interval over "
-                            "block pairs needs 3)")
-    max_blocks: Count = Field(default=5, description="blocks per target per level at most, while the interval has "
-                            "not decided every rule of the level")
-    level_budget_s: Optional[Float] = Field(default=None, gt=0, description="seconds a level may take before no "
-                                            "further block pair starts (default: no limit)")
+    blocks: PairsConfig = Field(default_factory=lambda: PairsConfig(**G3_BLOCKS), description=(
+        "block pairs per level, after its warm-up pairs: at least `min`, then more until the interval decides every "
+        "rule of the level, at most `max`, none started once the level has run `budget_s` (null: no limit)"))
     min_requests: Count = Field(default=10, ge=1, description="completed requests a block needs to be valid")
     max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
         "a block (and a no-reuse control step) whose measured requests failed more than this share is invalid"))
@@ -250,11 +265,10 @@ class G3Config(StrictModel):
                              f"{control.workload.get('kind')!r}")
         return self
 
-    @model_validator(mode="after")
-    def _blocks_in_order(self) -> "G3Config":
-        if self.max_blocks < self.min_blocks:
-            raise ValueError(f"max_blocks: expected at least min_blocks ({self.min_blocks}), found {self.max_blocks}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_block_keys(cls, value: Any) -> Any:
+        return fold_flat_block_keys(value, G3_BLOCKS)
 
     @model_validator(mode="after")
     def _warmup_within_the_step(self) -> "G3Config":
@@ -438,6 +452,11 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
     if path is not None:
         data = load_yaml_mapping(path, str(path))
     data = {key: value for key, value in data.items() if value is not None}  # an empty section: its defaults
+    if isinstance(data.get("g3"), dict):
+        try:
+            data["g3"] = fold_flat_block_keys(data["g3"])
+        except ValueError as error:
+            raise ConfigError(f"g3.{error}") from None
     chosen = profile or data.get("profile") or "quick"
     merged = _merge(profile_defaults(chosen), {**data, "profile": chosen})
     external = isinstance(merged.get("targets"), dict) and merged["targets"].get("kind") == "external"
@@ -462,12 +481,12 @@ def _trace_fills_every_block(g3: G3Config, spec) -> None:
     (warm-up pairs included): every sub-part must hold `g3.min_requests`, or no block of it can be valid."""
     records = len(read_trace(spec.path, None if spec.limit is None else spec.warmup_requests + spec.limit))
     measured = records - spec.warmup_requests
-    blocks = len(g3.levels) * pairs_at_most(g3.max_blocks, g3.steady.rule())
+    blocks = len(g3.levels) * pairs_at_most(g3.blocks.max, g3.steady.rule())
     needed = blocks * g3.min_requests
     if measured < needed:
         raise ConfigError(
             f"g3.workload: expected a trace with at least {needed} measured requests ({len(g3.levels)} levels x "
-            f"{blocks // len(g3.levels)} block pairs (max_blocks {g3.max_blocks} + {g3.steady.max_pairs} warm-up) x "
+            f"{blocks // len(g3.levels)} block pairs (blocks.max {g3.blocks.max} + {g3.steady.max_pairs} warm-up) x "
             f"min_requests {g3.min_requests}: each block replays its own slice once), found {measured} "
             f"({str(spec.path)!r}); give a larger limit, fewer levels or blocks, or a smaller g3.min_requests")
 

@@ -164,16 +164,15 @@ g3:
   # ttft_slo_ms: 2000             # rate_multipliers: the TTFT objective a sustained rate meets
   # each level: pairs of short blocks, baseline and candidate in turn (ABBA...), both serving the same
   # segment of the load order once; warm-up pairs until the candidate settles, then pairs until the
-  # interval over them decides every rule of the level (valid at every look), or max_blocks, or level_budget_s
+  # interval over them decides every rule of the level (valid at every look), or blocks.max, or blocks.budget_s
   duration_s:                     # about how long the baseline takes to serve a pair's segment
   warmup_s:                       # left out of a block run by time (the no-reuse control's default)
   steady:                         # a level's warm-up ends when a candidate block agrees with its block 2 pairs before
     ttft_change:                  # TTFT p50 within this fraction
     hit_ratio_points:             # hit ratio within this many points (a fraction)
     max_pairs:                    # warm-up pairs left out at most; then measured anyway, and said
-  min_blocks:                     # blocks per target per level, at least (>= 3)
-  max_blocks:                     # at most
-  level_budget_s:                 # no further pair starts after this many seconds at a level (optional)
+  blocks:                         # measured pairs per level: {min: at least (>= 3), max: at most, budget_s: none
+                                  # started after this many seconds at a level (null: no limit)}
   min_requests:                   # completed requests a block needs to be valid
   max_error_share:                # a block whose measured requests failed more than this is invalid
   prime:                          # send each target every turn of every session once (a trace: its warm-up) first

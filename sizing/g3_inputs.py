@@ -190,7 +190,7 @@ def simulate_blocks(g3, workload: Workload, inputs: TargetInputs, engine: Engine
     """G3's closed loop as G3 runs it (workloads/loadgen/blocks.py, matched): level after level, pairs of blocks, each
     block both targets' serving of one segment of the load order (the first level's segments 8 requests a user,
     the later ones what the baseline answered in `duration_s` at the level before, `steady.requests_per_part`),
-    `WARMUP_PAIRS` left out, then `min_blocks` measured; each target's caches carried from the primer through
+    `WARMUP_PAIRS` left out, then `g3.blocks.min` measured; each target's caches carried from the primer through
     every block, as its servers carry them. Returns (a LevelPrediction per level, hit figures per target); with
     noise (engine.jitter), the whole sweep once per seed, each level's runs combined (`g3_figures.combine`)."""
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
@@ -221,7 +221,7 @@ def simulate_blocks(g3, workload: Workload, inputs: TargetInputs, engine: Engine
         for level in g3.levels:
             count = requests_per_part(workload, level, rate, g3.duration_s)
             clock = {role: 0.0 for role, _ in roles}     # each level's measured blocks from 0, back to back
-            for pair in range(WARMUP_PAIRS + g3.min_blocks):
+            for pair in range(WARMUP_PAIRS + g3.blocks.min):
                 segment = order_segment(workload, start, count).requests
                 start += count
                 block += 1

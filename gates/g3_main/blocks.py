@@ -73,7 +73,7 @@ def pair_figures(pairs: list[tuple[dict, dict]], looks: Optional[Looks] = None) 
 
 def level_looks(most_blocks: int) -> Looks:
     """A level's schedule, fixed before its first block: a look after every pair from the 3rd to its most blocks
-    (g3.max_blocks; at least 3)."""
+    (g3.blocks.max; at least 3)."""
     return Looks(last=max(most_blocks, MIN_PAIRS_FOR_AN_INTERVAL))
 
 

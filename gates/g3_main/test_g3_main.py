@@ -59,8 +59,8 @@ def sweep(gate_context, endpoints, adapters):
                              min_duration_s=max(1.0, (config.duration_s - config.warmup_s) * 0.5),
                              min_requests=config.min_requests, max_error_share=config.max_error_share,
                              out_dir=gate_context.store.raw_dir("g3") / "sweep",
-                             min_blocks=config.min_blocks, max_blocks=config.max_blocks,
-                             level_budget_s=config.level_budget_s,
+                             min_blocks=config.blocks.min, max_blocks=config.blocks.max,
+                             level_budget_s=config.blocks.budget_s,
                              sample_level=level_sampler(gate_context.rule, closed),
                              on_step=lambda text: gate_context.store.set_progress("g3", text),
                              on_live=lambda step: gate_context.store.set_progress("g3", step.line(), kind="live"),
@@ -198,7 +198,7 @@ def _judge_pairs(sweep, gate_context, record, verdict, level, metric: str, words
     sampling stopped (the interval's method in the record and the verdict's context)."""
     baseline = _step(sweep, "baseline", level)["summary"]
     pairs = level_pairs(baseline, _step(sweep, "candidate", level)["summary"])
-    figures = pair_figures(pairs, level_looks(gate_context.config.g3.max_blocks))
+    figures = pair_figures(pairs, level_looks(gate_context.config.g3.blocks.max))
     sampling, warm = baseline["sampling"], baseline["sampling"].get("warmup")
     differing = sum(row.get("left_out") or 0 for pair in pairs for row in pair)   # served by one block of a pair
     about = {**_at(gate_context, level), "blocks": sampling["pairs"], "decided": sampling["decided"],
@@ -249,7 +249,7 @@ def test_aa_counts_the_intervals_that_excluded_the_null(sweep, gate_context, rec
     for level in gate_context.config.g3.levels:
         figures = pair_figures(level_pairs(_step(sweep, "baseline", level)["summary"],
                                            _step(sweep, "candidate", level)["summary"]),
-                               level_looks(gate_context.config.g3.max_blocks))
+                               level_looks(gate_context.config.g3.blocks.max))
         for metric in JUDGED_PER_LEVEL[_closed_loop(gate_context)]:
             interval = figures.interval_of(metric)
             record(AA_FALSE_DECISION, None if interval is None else int(excludes_null(interval)), judged=metric,

@@ -26,19 +26,20 @@ COLD_READ = ("cold_read_vs_storage_best",)
 MOCK_MODEL = "mock"
 TOKENS = 8
 
-# one place for the mocks' G3 settings (P2's blocks add g3.min_blocks / max_blocks / level_budget_s here).
+# one place for the mocks' G3 settings (P2's blocks add g3.blocks here).
 # A matched block serves a slice of the workload's load order: at the first level 8 requests per user (the
 # baseline's rate is not known yet), 16 at c=2, so the full profile's min_requests is 12: 20 left every c=2 block
 # invalid ("16 completed requests < minimum 20") and each G3 control's c=2 verdicts INCONCLUSIVE
 G3_SETTINGS: dict[str, dict] = {
-    "quick": {"levels": [2], "duration_s": 5, "warmup_s": 1, "min_requests": 8, "min_blocks": 3, "max_blocks": 6},
-    "full": {"levels": [2, 4], "duration_s": 20, "warmup_s": 3, "min_requests": 12, "min_blocks": 3,
-             "max_blocks": 6},
+    "quick": {"levels": [2], "duration_s": 5, "warmup_s": 1, "min_requests": 8,
+              "blocks": {"min": 3, "max": 6}},
+    "full": {"levels": [2, 4], "duration_s": 20, "warmup_s": 3, "min_requests": 12,
+             "blocks": {"min": 3, "max": 6}},
 }
 # the serve A/A's pairs: its blocks' TTFT p50 (16-32 requests of a real model on 2 cores) varies ~0.2 in log ratio
 # between pairs, and at 6 pairs its interval stayed across the 25% line (c=4: 6.1% [-36.4, 35.3]); a schedule
 # of up to 16 looks decides FAIL at such noise in ~99% of levels (7 pairs on average; simulated)
-SERVE_AA_G3 = {"max_blocks": 16}
+SERVE_AA_G3 = {"blocks": {"min": 3, "max": 16}}
 # G4 for the leak and stable controls: a short soak without faults, windows short enough for a slope to be judged
 G4_SETTINGS: dict[str, dict] = {
     "quick": {"duration_s": 30, "window_s": 3, "warmup_s": 3, "concurrency": 2},
@@ -81,7 +82,7 @@ BASELINE_TIMING = ("--ttft-ms", "200", "--itl-ms", "20")
 # short (3 pairs)
 CAPACITY_TIMING = ("--ttft-ms", "40", "--itl-ms", "10")
 CAPACITY_SLO = {"ttft_ms": 55}
-CAPACITY_G3 = {"max_blocks": 3, "capacity": {"enabled": True, "most": 16, "probe_requests": 240,
+CAPACITY_G3 = {"blocks": {"min": 3, "max": 3}, "capacity": {"enabled": True, "most": 16, "probe_requests": 240,
                                              "probe_budget_s": 20}}
 FAST_TIMING = ("--ttft-ms", "100", "--itl-ms", "16")
 
@@ -207,7 +208,7 @@ def g3_run_seconds(profile: str) -> float:
     """About how long G3 runs at a profile's settings (two targets, each level's blocks at most, each block's
     locust start included): a drifting server drifts over this, so its whole fall lies inside the run."""
     g3 = G3_SETTINGS[profile]
-    return 2 * len(g3["levels"]) * g3["max_blocks"] * (g3["duration_s"] + LOCUST_START_S) + 10
+    return 2 * len(g3["levels"]) * g3["blocks"]["max"] * (g3["duration_s"] + LOCUST_START_S) + 10
 
 
 def gates_yaml(control: Control, profile: str, storage: str, urls: dict[str, str], models: dict[str, str],

@@ -31,7 +31,7 @@ AA = {
            "checkpoint": {"parameters": 1_000_000, "rounds": 3, "restores": 1}, "no_reuse": {"enabled": False}},
     "g3": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
-           "levels": [3], "duration_s": 5, "warmup_s": 1, "min_requests": 3, "min_blocks": 3, "max_blocks": 3,
+           "levels": [3], "duration_s": 5, "warmup_s": 1, "min_requests": 3, "blocks": {"min": 3, "max": 3},
            "no_reuse": {"enabled": False}},
 }
 

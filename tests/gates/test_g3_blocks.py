@@ -265,9 +265,14 @@ def test_a_trace_pair_replays_the_same_sub_part_and_is_measured_on_the_same_requ
 
 
 @pytest.mark.parametrize("g3, message", [
-    ({"max_blocks": 2}, "g3.max_blocks: expected at least min_blocks (3), found 2"),
-    ({"min_blocks": 2}, "g3.min_blocks: expected a value >= 3, found 2"),
-    ({"level_budget_s": 0}, "g3.level_budget_s: expected a value > 0.0, found 0"),
+    ({"blocks": {"min": 5, "max": 4}}, "g3.blocks.max: expected at least min (5), found 4"),
+    ({"blocks": {"min": 2}}, "g3.blocks.min: expected a value >= 3, found 2"),
+    ({"blocks": {"budget_s": 0}}, "g3.blocks.budget_s: expected a value > 0.0, found 0"),
+    # the earlier spelling is read as `blocks`, and checked as it
+    ({"max_blocks": 2}, "g3.blocks.max: expected a value >= 3, found 2"),
+    ({"level_budget_s": 0}, "g3.blocks.budget_s: expected a value > 0.0, found 0"),
+    ({"max_blocks": 6, "blocks": {"min": 3}},
+     "g3.blocks: expected either blocks or max_blocks (its earlier spelling), found both"),
 ])
 def test_the_block_fields_are_validated_naming_the_field(tmp_path, g3, message):
     import yaml
@@ -288,7 +293,17 @@ def test_kvgate_run_aa_sets_the_config_field_the_suites_read():
     args = build_parser().parse_args(["run", "g3", "--aa"])
     assert args.aa and not build_parser().parse_args(["run", "g3"]).aa
     quick = load_config(None, "quick")
-    assert quick.aa is False and (quick.g3.min_blocks, quick.g3.max_blocks) == (3, 5)
+    assert quick.aa is False and (quick.g3.blocks.min, quick.g3.blocks.max) == (3, 5)
+
+
+def test_the_earlier_spelling_of_g3s_blocks_loads_as_blocks_over_the_profiles(tmp_path):
+    import yaml
+
+    from gates.config import load_config
+
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({"g3": {"max_blocks": 7, "level_budget_s": 90}}))
+    blocks = load_config(tmp_path / "gates.yaml").g3.blocks
+    assert (blocks.min, blocks.max, blocks.budget_s) == (3, 7, 90)       # min from the quick profile
 
 
 def _sessions(sessions: int = 8, turns: int = 3) -> Workload:

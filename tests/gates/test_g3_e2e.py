@@ -20,7 +20,7 @@ SHORT_G3 = {
                              "host_capacity": "1MiB", "disk_capacity": "256MiB"}},
     "g3": {"workload": {"kind": "multi_round_qa", "users": 6, "rounds": 3, "system_prompt_tokens": 256,
                         "document_tokens": 768, "question_tokens": 16, "answer_tokens": 32, "output_tokens": 8},
-           "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5, "min_blocks": 3, "max_blocks": 3,
+           "levels": [3], "duration_s": 8, "warmup_s": 2, "min_requests": 5, "blocks": {"min": 3, "max": 3},
            "no_reuse": {"level": 2, "workload": {"kind": "random", "requests": 1500,
                                                  "input_tokens": {"distribution": "uniform", "min": 300, "max": 900},
                                                  "output_tokens": {"distribution": "fixed", "mean": 8}}}},
@@ -55,7 +55,7 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     sweep = [v for v in verdicts.values() if not v["metric"].startswith("no_reuse")]
     assert all(v["status"] in ("PASS", "FAIL", "INCONCLUSIVE") and "c=3" in v["reason"] for v in sweep)
     # judged from alternating block pairs: at least 3 per target, the recompute reference one; the verdict says
-    # how many blocks and why sampling stopped, and the interval's method (repeated intervals over 3..max_blocks)
+    # how many blocks and why sampling stopped, and the interval's method (repeated intervals over 3..blocks.max)
     blocks = [m["context"] for m in store.measurements("g3") if m["metric"] == "g3_block"]
     per_target = {t: sum(b["target"] == t for b in blocks) for t in ("baseline", "candidate", "recompute")}
     assert per_target["baseline"] == per_target["candidate"] >= 3 and per_target["recompute"] == 1

@@ -174,8 +174,8 @@ def test_every_controls_gates_yaml_is_a_valid_config(control, profile, tmp_path)
     if control.embedded is not None and "g3" in control.gates:   # the embedded default through G3, as a run makes it
         own = profile_defaults(control.profile)["g3"]
         assert loaded.targets.kind == "embedded" and loaded.g3.prime and not loaded.g3.no_reuse.enabled
-        assert (loaded.g3.levels, loaded.g3.duration_s, loaded.g3.min_blocks, loaded.g3.max_blocks) == (
-            own["levels"], own["duration_s"], own["min_blocks"], own["max_blocks"])
+        assert (loaded.g3.levels, loaded.g3.duration_s, loaded.g3.blocks.min, loaded.g3.blocks.max) == (
+            own["levels"], own["duration_s"], own["blocks"]["min"], own["blocks"]["max"])
         assert loaded.g3.workload == own["workload"]
     elif control.embedded is None:
         assert loaded.targets.kind == "external"
@@ -183,7 +183,7 @@ def test_every_controls_gates_yaml_is_a_valid_config(control, profile, tmp_path)
             config["targets"][role]["url"] for role in ("baseline", "candidate")}
         if "g3" in control.gates:
             assert loaded.g3.levels == G3_SETTINGS[profile]["levels"] and not loaded.g3.no_reuse.enabled
-            assert loaded.g3.max_blocks == (control.g3 or G3_SETTINGS[profile])["max_blocks"]
+            assert loaded.g3.blocks.max == (control.g3 or G3_SETTINGS[profile])["blocks"]["max"]
         if "g4" in control.gates:
             assert loaded.g4.duration_s == G4_SETTINGS[profile]["duration_s"] and not loaded.g4.faults
     else:

@@ -233,7 +233,7 @@ def test_a_lowest_step_invalid_for_client_lag_is_said_as_such_never_blamed_on_th
 
 
 # a 12-request trace fills one request per block at up to 3 levels of 3 + 1 warm-up pairs
-SMALL_BLOCKS = {"min_requests": 1, "max_blocks": 3, "steady": {"max_pairs": 1}}
+SMALL_BLOCKS = {"min_requests": 1, "blocks": {"max": 3}, "steady": {"max_pairs": 1}}
 
 
 def _gates_yaml(tmp_path, g3: dict):
@@ -249,7 +249,7 @@ def test_a_trace_too_short_for_every_block_to_be_valid_is_refused_at_load_saying
                                     "levels": [2, 4], "min_requests": 2})
     assert main(["run", "g3", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert ("g3.workload: expected a trace with at least 16 measured requests (2 levels x 4 block pairs (max_blocks 3 "
+    assert ("g3.workload: expected a trace with at least 16 measured requests (2 levels x 4 block pairs (blocks.max 3 "
             "+ 1 warm-up) x min_requests 2: each block replays its own slice once), found 12") in err
     assert not (tmp_path / "run").exists()
     fits = _gates_yaml(tmp_path, {"workload": {"kind": "trace", "path": str(write_trace(tmp_path, ROWS))},
