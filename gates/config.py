@@ -47,7 +47,7 @@ from workloads.loadgen.settings import G3CapacityConfig, G3SteadyConfig, Level, 
 from workloads.loadgen.sweep import pairs_at_most
 from workloads.probes.settings import FaultSpec
 from workloads.storage.settings import CheckpointConfig, FioConfig, InventoryConfig, ModelLoadConfig, StorageConfig
-from workloads.traffic.datasets import check_trace, load_spec, read_trace
+from workloads.traffic.datasets import TraceSpec, WorkloadField, check_trace, read_trace
 
 from .fleet import fleet_defaults
 
@@ -194,8 +194,8 @@ class G3NoReuseConfig(StrictModel):
     would cycle through voids the control: its cached tokens say so)."""
 
     enabled: bool = True
-    workload: dict = Field(default_factory=lambda: dict(NO_REUSE_WORKLOAD),
-                           description="a workload with no shared prefixes (kind: random)")
+    workload: WorkloadField = Field(default_factory=lambda: dict(NO_REUSE_WORKLOAD),
+                                    description="a workload with no shared prefixes (kind: random)")
     level: Count = Field(default=4, ge=1, description="the concurrency the control runs at")
     duration_s: Optional[Float] = Field(default=None, gt=0, description="seconds per target (default g3.duration_s)")
     warmup_s: Optional[Float] = Field(default=None, ge=0, description="warm-up left out (default g3.warmup_s)")
@@ -225,7 +225,7 @@ class G3Config(StrictModel):
 
     _declared = _thresholds_of("g3")
 
-    workload: dict = Field(description="a workload spec (see workloads/specs)")
+    workload: WorkloadField = Field(description="a workload spec (see workloads/specs)")
     replay: Literal["closed_loop", "rate_multipliers"] = Field(
         default="closed_loop", description="closed_loop: levels are concurrencies; rate_multipliers (a trace): "
         "levels multiply the trace's arrival rate, open loop")
@@ -260,9 +260,9 @@ class G3Config(StrictModel):
         warmup = control.warmup_s if control.warmup_s is not None else self.warmup_s
         if warmup >= duration:
             raise ValueError(f"no_reuse.warmup_s: expected less than its duration ({duration:g} s), found {warmup:g}")
-        if control.workload.get("kind") != "random":
+        if control.workload.kind != "random":
             raise ValueError("no_reuse.workload.kind: expected random (prompts that share no prefix), found "
-                             f"{control.workload.get('kind')!r}")
+                             f"{control.workload.kind!r}")
         return self
 
     @model_validator(mode="before")
@@ -287,10 +287,10 @@ class G3Config(StrictModel):
                 raise ValueError(f"levels: expected concurrencies (integers >= 1) for replay: closed_loop, "
                                  f"found {bad}")
             return self
-        if self.workload.get("kind") != "trace":
+        if self.workload.kind != "trace":
             raise ValueError("workload.kind: expected a trace workload (kind: trace) for replay: rate_multipliers, "
                              "found "
-                             f"{self.workload.get('kind')!r}")
+                             f"{self.workload.kind!r}")
         bad = [v for v in self.levels if v <= 0]
         if bad or sorted(self.levels) != self.levels:
             raise ValueError(f"levels: expected rate multipliers (numbers > 0, ascending) for replay: "
@@ -308,7 +308,7 @@ UNPOWERED_DRIFT = ("ttft_p99_drift_fraction", "throughput_drift_fraction")
 class G4Config(StrictModel):
     _declared = _thresholds_of("g4")
 
-    workload: dict
+    workload: WorkloadField = Field(description="a workload spec (see workloads/specs)")
     duration_s: Float = Field(gt=0)
     window_s: Float = Field(ge=1, description="seconds per window (at least 1: a window is a sample of the load)")
     concurrency: Count = Field(ge=1)
@@ -467,16 +467,16 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
     fleet = fleet_defaults(config, data)  # several embedded nodes: defaults sized to the fleet (gates/fleet.py)
     if fleet:
         config = _validated(_merge(merged, fleet))
-    for gate in ("g3", "g4"):  # every field of a workload spec checked now, before any server starts
-        spec = load_spec(getattr(config, gate).workload, root=f"{gate}.workload")
-        if spec.kind == "trace":
+    for gate in ("g3", "g4"):  # a trace's file read now, before any server starts
+        spec = getattr(config, gate).workload
+        if isinstance(spec, TraceSpec):
             check_trace(spec, f"{gate}.workload")
             if gate == "g3":
                 _trace_fills_every_block(config.g3, spec)
     return config
 
 
-def _trace_fills_every_block(g3: G3Config, spec) -> None:
+def _trace_fills_every_block(g3: G3Config, spec: TraceSpec) -> None:
     """A trace's measured requests are cut into one part per level and each part into one sub-part per block pair
     (warm-up pairs included): every sub-part must hold `g3.min_requests`, or no block of it can be valid."""
     records = len(read_trace(spec.path, None if spec.limit is None else spec.warmup_requests + spec.limit))

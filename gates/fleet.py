@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from cache_impl.cache import integrity
 from cache_impl.cache.config import DEFAULT_BLOCK_SIZE
 from kvcore.settings import ConfigError, parse_size
 from sizing.layout import KVShape
 from sizing.sequences import workload_block_keys
+from workloads.traffic.datasets import WorkloadSpec
 
 SESSION_FIELDS = {"multi_round_qa": "users", "long_doc_qa": "documents", "shared_prefix": "groups"}
 POOL_HEADROOM = 2          # the pool holds this many working sets (a store's own per-value overhead, eviction slack)
@@ -62,12 +63,12 @@ def fleet_users(single: int, nodes: int) -> int:
     return users
 
 
-def working_set_blocks(workload: Mapping[str, Any], block_tokens: int = DEFAULT_BLOCK_SIZE) -> int:
+def working_set_blocks(workload: Union[WorkloadSpec, Mapping[str, Any]], block_tokens: int = DEFAULT_BLOCK_SIZE) -> int:
     """Distinct block keys (prompts and outputs) of every request of a workload spec, as the embedded engine
     keys them."""
     keys = set()
     try:
-        requests = workload_block_keys(dict(workload), block_tokens=block_tokens)
+        requests = workload_block_keys(workload, block_tokens=block_tokens)
     except ConfigError as error:  # a workload that cannot be built: named where the config holds it
         raise ConfigError(f"g3.{error}" if str(error).startswith("workload") else str(error)) from None
     for request in requests:
@@ -109,7 +110,7 @@ def fleet_defaults(config, given: Mapping) -> dict:
     if not _is_fleet(config):
         return {}
     embedded, nodes = config.targets.embedded, config.targets.embedded.candidate_nodes
-    g3, workload = {}, dict(config.g3.workload)
+    g3, workload = {}, config.g3.workload.model_dump(mode="json", exclude_none=True)
     count_field = SESSION_FIELDS.get(workload.get("kind"))
     if count_field and not _given(given, "g3", "workload"):
         workload[count_field] = fleet_users(workload[count_field], nodes)

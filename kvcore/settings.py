@@ -128,19 +128,38 @@ def format_validation_error(error: ValidationError, root: str) -> str:
     for item in error.errors():
         path = field_path(root, item["loc"])
         message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "value_error" and "\n" in message:   # a section checked whole: each line its own field
+            lines += [_under(path, line) for line in message.splitlines()]
+            continue
         inner = _INNER_FIELD.match(message) if item["type"] == "value_error" else None
         if item["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown field (no such setting here), found {item.get('input')!r}")
+            lines.append(_at(path, f"unknown field (no such setting here), found {item.get('input')!r}"))
         elif item["type"] == "missing":
-            lines.append(f"{path}: expected a value (required), found nothing")
+            lines.append(_at(path, "expected a value (required), found nothing"))
         elif inner:
-            sep = "" if inner.group(1).startswith("[") or not path else "."
-            lines.append(f"{path}{sep}{inner.group(1)}: {inner.group(2)}")
+            lines.append(_under(path, message, _INNER_FIELD))
         elif item["type"] == "value_error" and "found" in message:
-            lines.append(f"{path}: {message}")
+            lines.append(_at(path, message))
         else:
-            lines.append(f"{path}: expected {_expected(item)}, found {item.get('input')!r}")
+            lines.append(_at(path, f"expected {_expected(item)}, found {item.get('input')!r}"))
     return "\n".join(lines)
+
+
+def _at(path: str, text: str) -> str:
+    """`text` said of the field at `path` (a model's own check, at no path, is said as it is)."""
+    return f"{path}: {text}" if path else text
+
+
+# One line of a section's own error list: "users: …", "turns[2].text: …".
+_FIELD_LINE = re.compile(r"^((?:\[\d+\]\.?)?[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*|\[\d+\]): (.*)$")
+
+
+def _under(path: str, line: str, field: re.Pattern = _FIELD_LINE) -> str:
+    """One line of a validator's message under the field it checked: "users: expected …" → "PATH.users: …"."""
+    inner = field.match(line)
+    if inner is None:
+        return _at(path, line)
+    return f"{path}{'' if inner.group(1).startswith('[') or not path else '.'}{inner.group(1)}: {inner.group(2)}"
 
 
 def load_yaml_file(path: Any, root: str) -> Any:

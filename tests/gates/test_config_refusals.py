@@ -147,7 +147,7 @@ def test_aliases_used_as_configs_use_them_still_load(tmp_path):
     path = _file(tmp_path, "g3:\n  workload: &w\n" + "".join(f"    {k}: {v}\n" for k, v in MULTI_ROUND.items()) +
                  "g4:\n  workload:\n    <<: *w\n    users: 4\n")
     config = load_config(path)
-    assert config.g3.workload["users"] == 16 and config.g4.workload["users"] == 4
+    assert config.g3.workload.users == 16 and config.g4.workload.users == 4
 
 
 # -- 8. an empty file and a key given twice -------------------------------------------------------------------

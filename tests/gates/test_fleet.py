@@ -41,9 +41,9 @@ def _fleet(tmp_path, nodes: int, pool: str = "redis", **sections):
 
 def test_the_working_set_of_the_quick_workload_is_one_shared_block_and_seven_per_user():
     workload = load_config(None).g3.workload
-    assert workload["users"] == 16
+    assert workload.users == 16
     assert working_set_blocks(workload) == 1 + 7 * 16 == 113
-    assert working_set_blocks({**workload, "users": 33}) == 1 + 7 * 33 == 232
+    assert working_set_blocks(workload.model_copy(update={"users": 33})) == 1 + 7 * 33 == 232
 
 
 @pytest.mark.parametrize("single, nodes, fleet", [(16, 2, 33), (16, 3, 49), (16, 4, 65), (5, 3, 16), (7, 2, 15)])
@@ -57,7 +57,7 @@ def test_two_nodes_scale_the_users_and_levels_and_shrink_each_nodes_local_tiers_
     config = _fleet(tmp_path, 2)
     embedded = config.targets.embedded
     # U = 33, W = 1 + 7 × 33 = 232 blocks of 1 MiB, S = ⌈232 / 2⌉ = 116
-    assert config.g3.workload["users"] == 33 and config.g3.levels == [4, 8, 16]
+    assert config.g3.workload.users == 33 and config.g3.levels == [4, 8, 16]
     assert parse_size(embedded.disk_capacity) == min(8192 * MIB, 116 * FILE) == 122_109_952
     # ⌈116 / 2⌉ = 58 blocks, or the quick profile's host tier (48 MiB: below G3's working set) when less
     assert parse_size(embedded.host_capacity) == min(QUICK_HOST, 58 * MIB) == 48 * MIB
@@ -73,18 +73,18 @@ def test_three_nodes_grow_the_pool_past_its_default_when_twice_the_working_set_n
     config = _fleet(tmp_path, 3, pool="mooncake")
     embedded = config.targets.embedded
     # U = 49, W = 1 + 7 × 49 = 344, S = ⌈344 / 3⌉ = 115; pool 2 × 344 MiB = 688 MiB > 512 MiB
-    assert config.g3.workload["users"] == 49 and config.g3.levels == [6, 12, 24]
+    assert config.g3.workload.users == 49 and config.g3.levels == [6, 12, 24]
     assert parse_size(embedded.disk_capacity) == 115 * FILE
     assert parse_size(embedded.host_capacity) == min(QUICK_HOST, 58 * MIB) and embedded.device_capacity_blocks == 29
     assert parse_size(embedded.pool_capacity) == 688 * MIB
 
 
 def test_explicit_settings_win_and_the_rest_is_sized_from_the_users_own_workload(tmp_path):
-    workload = {**load_config(None).g3.workload, "users": 5}
+    workload = {**load_config(None).g3.workload.model_dump(exclude_none=True), "users": 5}
     config = _fleet(tmp_path, 2, embedded={"host_capacity": "2GiB", "pool_capacity": "256MiB"},
                     g3={"workload": workload, "levels": [2, 4]})
     embedded = config.targets.embedded
-    assert config.g3.workload == workload and config.g3.levels == [2, 4]     # the user's, untouched
+    assert config.g3.workload.model_dump(exclude_none=True) == workload and config.g3.levels == [2, 4]  # untouched
     assert embedded.host_capacity == "2GiB" and embedded.pool_capacity == "256MiB"
     # W = 1 + 7 × 5 = 36, S = 18: the disk not set in the file holds 18 blocks, the device ⌈18 / 4⌉ = 5
     assert embedded.device_capacity_blocks == min(64, 5) == 5
@@ -93,17 +93,18 @@ def test_explicit_settings_win_and_the_rest_is_sized_from_the_users_own_workload
 
 def test_one_node_or_an_external_target_keeps_the_profiles_defaults(tmp_path):
     single = _fleet(tmp_path, 1)
-    assert single.g3.workload["users"] == 16 and single.g3.levels == [2, 4, 8]
+    assert single.g3.workload.users == 16 and single.g3.levels == [2, 4, 8]
     assert single.targets.embedded.host_capacity == "48MiB" and single.targets.embedded.disk_capacity == "8GiB"
     assert fleet_sizing(single) is None
     external = _config(tmp_path, targets={"kind": "external", "candidate_nodes": ["http://127.0.0.1:9/v1"],
                                           "baseline": {"url": "http://127.0.0.1:8/v1", "model": "m"},
                                           "candidate": {"url": "http://127.0.0.1:7/v1", "model": "m"}})
-    assert external.g3.workload["users"] == 16 and fleet_sizing(external) is None
+    assert external.g3.workload.users == 16 and fleet_sizing(external) is None
 
 
 def test_a_workload_without_a_whole_block_keeps_the_tiers_and_a_bad_one_is_named_under_g3(tmp_path):
-    short = {**load_config(None).g3.workload, "system_prompt_tokens": 0, "document_tokens": 100, "rounds": 1}
+    short = {**load_config(None).g3.workload.model_dump(exclude_none=True), "system_prompt_tokens": 0,
+             "document_tokens": 100, "rounds": 1}
     config = _fleet(tmp_path, 2, g3={"workload": short})   # 1 + 1 + 100 + 32 + 1 + 1 = 136 tokens: no whole block
     assert working_set_blocks(short) == 0 and config.g3.levels == [4, 8, 16]
     assert config.targets.embedded.device_capacity_blocks == 64 and config.targets.embedded.host_capacity == "48MiB"
@@ -119,7 +120,7 @@ def test_the_resolved_config_a_run_stores_reloads_to_the_same_fleet(tmp_path):
     stored = tmp_path / "config.yaml"        # what `kvgate run` writes and its gate suites (and --resume) load
     stored.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     again = load_config(stored)
-    assert again.g3.workload["users"] == 33 and again.g3.levels == [4, 8, 16]       # not scaled twice
+    assert again.g3.workload.users == 33 and again.g3.levels == [4, 8, 16]       # not scaled twice
     assert again.targets.embedded == config.targets.embedded
 
 

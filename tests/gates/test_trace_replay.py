@@ -272,9 +272,9 @@ def test_a_trace_path_is_relative_to_the_config_file_or_given_with_trace(tmp_pat
     write_trace(tmp_path, ROWS, "mine.jsonl")
     config = _gates_yaml(tmp_path, {"workload": {"kind": "trace", "path": "mine.jsonl"}, "levels": [2]})
     monkeypatch.chdir("/")
-    assert load_config(config).g3.workload["path"] == str(tmp_path / "mine.jsonl")
+    assert load_config(config).g3.workload.path == tmp_path / "mine.jsonl"
     other = write_trace(tmp_path, ROWS, "other.jsonl")
-    assert load_config(config, trace=other).g3.workload["path"] == str(other)
+    assert load_config(config, trace=other).g3.workload.path == other
     with pytest.raises(ConfigError, match="--trace: expected a trace workload"):
         load_config(None, trace=other)
 

@@ -12,9 +12,9 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
+from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, model_validator
 from tokenizers import Tokenizer
 
 from cache_impl.engine.tokenizer import TOKENIZER_ID as BYTE_TOKENIZER_ID
@@ -23,6 +23,7 @@ from kvcore.settings import (
     ConfigError,
     ContextTokens,
     Count,
+    field_path,
     format_validation_error,
     load_yaml_file,
 )
@@ -450,23 +451,23 @@ _SPECS: dict[str, type[_Spec]] = {
 def load_spec(source: Union[str, Path, Mapping[str, Any], WorkloadSpec], root: str = "workload") -> WorkloadSpec:
     """Validate a workload spec from a YAML file or a mapping.
 
-    A bad spec raises `ConfigError` naming the field path (under `root`), what
-    was expected and what was found. A relative trace `path` in a file is
-    taken relative to that file's folder.
+    A bad spec raises `ConfigError` naming the field path (under `root`; "" for paths relative to the spec), what
+    was expected and what was found. A relative trace `path` in a file is taken relative to that file's folder.
     """
     if isinstance(source, tuple(_SPECS.values())):
         return source
     base = None
     if isinstance(source, (str, Path)):
         base = Path(source).parent
-        source = load_yaml_file(source, root)
+        source = load_yaml_file(source, root or "workload")
     if not isinstance(source, Mapping):
-        raise ConfigError(f"{root}: expected a mapping, found {source!r}")
+        raise ConfigError(f"{root + ': ' if root else ''}expected a mapping, found {source!r}")
     kind = source.get("kind")
     if kind is None:
-        raise ConfigError(f"{root}.kind: expected a value (required), found nothing")
+        raise ConfigError(f"{field_path(root, ('kind',))}: expected a value (required), found nothing")
     if not isinstance(kind, str) or kind not in _SPECS:
-        raise ConfigError(f"{root}.kind: expected one of {', '.join(map(repr, _SPECS))}, found {kind!r}")
+        raise ConfigError(f"{field_path(root, ('kind',))}: expected one of {', '.join(map(repr, _SPECS))}, "
+                          f"found {kind!r}")
     try:
         spec = _SPECS[kind].model_validate(dict(source))
     except ValidationError as error:
@@ -474,6 +475,22 @@ def load_spec(source: Union[str, Path, Mapping[str, Any], WorkloadSpec], root: s
     if isinstance(spec, TraceSpec) and base is not None and spec.path is not None and not spec.path.is_absolute():
         spec = spec.model_copy(update={"path": base / spec.path})
     return spec
+
+
+def _workload_field(value: Any) -> WorkloadSpec:
+    """A config's workload section validated where it is loaded: a mapping (or a spec already validated), its
+    errors named under the section's own path."""
+    if not isinstance(value, (Mapping, *_SPECS.values())):
+        raise ValueError(f"expected a mapping (a workload spec: workloads/specs/), found {value!r}")
+    try:
+        return load_spec(value, root="")
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+
+
+# A settings model's workload field (gates.yaml's g3.workload, g4.workload): the spec, typed at load.
+WorkloadField = Annotated[WorkloadSpec, PlainValidator(_workload_field),
+                          PlainSerializer(lambda spec: spec.model_dump(mode="json"))]
 
 
 # --------------------------------------------------------------------------- builders
