@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from gates.side_by_side import Pair, Reading
 from gates.storage_best import BEST_READ, BEST_WRITE, POINT, record_winners, storage_best
 from kvcore.rundata import RunStore
+from workloads.storage.fio import FioError
 from workloads.storage.fio_sweep import FioShape, Sweep, SweepGrid, best_point, read_job, run_storage_sweep, write_job
 from workloads.storage.settings import FioSweepConfig
 
@@ -43,6 +45,14 @@ def test_each_read_point_reads_its_slice_of_one_file_once_and_each_write_is_fsyn
     argv = write_job(tmp_path, TINY, FioShape(False, "psync", 1, 2, "1M"), 3).argv()
     assert {"--rw=write", "--end_fsync=1", "--numjobs=2", f"--size={4 << 20}", "--direct=0"} <= set(argv)
     assert "--zero_buffers" not in argv              # zeros would flatter a storage that compresses
+
+
+def test_a_grid_size_that_is_not_plain_bytes_is_a_fio_error_not_a_type_error(tmp_path):
+    grid = replace(TINY, size="50%")                 # fio takes it; a point's share of it is not known
+    for job in (lambda: read_job(tmp_path, grid, FioShape(True, "libaio", 4, 2, "1M")),
+                lambda: write_job(tmp_path, grid, FioShape(False, "psync", 1, 2, "1M"), 0)):
+        with pytest.raises(FioError, match="sweep size: expected a plain byte size"):
+            job()
 
 
 def test_the_config_gives_the_grid_it_validated():

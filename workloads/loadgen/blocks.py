@@ -141,7 +141,8 @@ class _Sweep:
             self._keep(blocks, rows)
             by_target = {row.get("target"): row for row, _, _ in rows}
             if len(self.targets) == 2 and all(t.name in by_target for t in self.targets):
-                pairs.append(tuple(by_target[t.name] for t in self.targets))
+                first, second = self.targets
+                pairs.append((by_target[first.name], by_target[second.name]))
 
         started = time.monotonic()
         warm, died = None, None
@@ -214,12 +215,12 @@ class _Sweep:
                   spent_s: float = 0.0) -> dict:
         settings = self.settings
         budget = settings.level_budget_s - spent_s if settings.level_budget_s is not None else math.inf
-        judged = len(self.targets) == 2 and not someone_dead and settings.sample_level is not None
+        judge = settings.sample_level if len(self.targets) == 2 and not someone_dead else None
         minimum = 1 if someone_dead else settings.min_blocks
         sampling = LevelSampling(step.kind, step.value, take_pair, pairs, minimum,
                                  max(minimum, settings.max_blocks), budget)
         try:
-            return (settings.sample_level if judged else fixed_pairs)(sampling)
+            return (fixed_pairs if judge is None else judge)(sampling)
         except _TargetDied as died:
             return {"pairs": len(pairs), "decided": False, "why": f"stopped: {died}"}
 
@@ -267,7 +268,7 @@ class _Sweep:
     def _rows(self, ran: list[_Block], step: Step) -> list[tuple[dict, list[dict], list[dict]]]:
         """The blocks' rows, measured records and all records; a pair of parts sent once (a trace's, a matched
         one) measured on the requests both blocks measured."""
-        left_out = [set() for _ in ran]
+        left_out: list[set[str]] = [set() for _ in ran]
         if len(ran) == 2 and all(block.max_requests is not None for block in ran):
             measured = [block.measured_ids(self._settings_of(block).warmup_s) for block in ran]
             common = measured[0] & measured[1]
@@ -319,8 +320,8 @@ class _Sweep:
                      target: str) -> Optional[Callable[[LoadProgress], None]]:
         """What tells `settings.on_live` a running block's figures: its measured window's requests so far
         (the window starts `warmup_s` after the first request sent, as in the block's summary)."""
-        settings = self.settings
-        if settings.on_live is None:
+        settings, on_live = self.settings, self.settings.on_live
+        if on_live is None:
             return None
         seen: list[dict] = []
         predicted = settings.predicted_ttft_p50_s.get((target, step.value)) if step.kind == "concurrency" else None
@@ -331,9 +332,9 @@ class _Sweep:
             figures = LiveFigures(since=math.inf if first is None else first + settings.warmup_s)
             figures.add(seen)
             warming = first is None or time.time() < first + settings.warmup_s
-            settings.on_live(LiveStep(number, len(self.steps), label, target, progress.elapsed_s,
-                                      settings.duration_s, warming, figures.requests, figures.errors,
-                                      figures.ttft_s(50), predicted))
+            on_live(LiveStep(number, len(self.steps), label, target, progress.elapsed_s,
+                             settings.duration_s, warming, figures.requests, figures.errors,
+                             figures.ttft_s(50), predicted))
 
         return tell
 

@@ -132,8 +132,8 @@ def run_probe(workload: Workload, target: Target, load: float, first_request: in
     every = read_records(run.records_dir)
     records = list(landed) if run.ended_early else every
     late = 0 if run.ended_early else sum(
-        1 for u in run.unanswered if _due_at(u) is not None
-        and run.ended_at - _due_at(u) > slo.longest_s(tokens.get(u["request_id"], 1)))
+        1 for u in run.unanswered if (due := _due_at(u)) is not None
+        and run.ended_at - due > slo.longest_s(tokens.get(u["request_id"], 1)))
     misses = sum(slo.misses(r) for r in records) + late
     errors = sum(not r.get("ok") for r in records)
     counted = len(records) + late

@@ -47,7 +47,8 @@ class LoadProgress:
 
 def run_load(workload: Workload, target: Target, users: int, duration_s: float, out_dir: Path,
              workers: int = 0, max_requests: Optional[int] = None, sample_interval_s: float = 1.0,
-             stop_rule: Optional[StopRule] = None, on_progress: Optional[Callable[[LoadProgress], None]] = None,
+             stop_rule: Optional[StopRule] = None,
+             on_progress: Optional[Callable[[LoadProgress], Optional[bool]]] = None,
              progress_every_s: float = 2.0) -> LoadRun:
     """Drive `users` concurrent sessions for `duration_s` (or until `max_requests`); records land in out_dir.
 

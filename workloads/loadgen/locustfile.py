@@ -20,7 +20,9 @@ import itertools
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Optional
 
 import gevent
 import psutil
@@ -28,16 +30,46 @@ from locust import User, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
-from workloads.traffic.client import RecordWriter, StreamingClient
+from workloads.traffic.client import RecordWriter, RequestRecord, StreamingClient
 from workloads.traffic.errors import DeadTargetDetector, StopRule
-from workloads.traffic.requests import load_workload
+from workloads.traffic.requests import WorkloadRequest, load_workload
 from workloads.traffic.routing import Router
 
 SETTINGS = json.loads(Path(os.environ["KVGATE_LOAD_CONFIG"]).read_text())
 WORKLOAD = load_workload(SETTINGS["workload_path"])
 RECORDS = Path(SETTINGS["records_dir"])
-_state = {"start": time.time(), "sent": 0, "done": 0, "worker": "local", "next": None, "mine": []}
 ROUTERS: dict[str, Router] = {}  # one router per process, shared by its users (round-robin across all of them)
+
+
+@dataclass
+class _Run:
+    """This process's part of the run, from its test start (a master has none: it only coordinates)."""
+
+    start: float
+    worker: str
+    mine: list[int]                       # the workload's sessions this process sends
+    next_session: Iterator[int]           # not interleaved: the next of them a user runs whole, cycling
+    # interleaved: sessions wait in a round-robin queue; a user takes the first one's next turn and
+    # puts the session back at the end once the turn is answered
+    ready: collections.deque[int]
+    turn: dict[int, int]                  # interleaved: each session's next turn
+    writer: RecordWriter
+    detector: Optional[DeadTargetDetector]
+    sent: int = 0
+    done: int = 0
+    stopped: bool = False
+    in_flight: dict[str, tuple[float, float]] = field(default_factory=dict)   # request id: (scheduled, sent)
+    finished: set[str] = field(default_factory=set)
+
+
+_run: Optional[_Run] = None
+
+
+def _this_run() -> _Run:
+    """This process's run (its users and its client sampler start only after its test start made it)."""
+    if _run is None:
+        raise RuntimeError("locustfile: this process has no run yet (its test has not started)")
+    return _run
 
 
 def _worker_slot(environment) -> tuple[int, int]:
@@ -49,20 +81,16 @@ def _worker_slot(environment) -> tuple[int, int]:
 
 @events.test_start.add_listener
 def _on_test_start(environment, **_):
+    global _run
     if isinstance(environment.runner, MasterRunner):
         return  # the master only coordinates; its workers send and record
     index, count = _worker_slot(environment)
-    _state.update(start=time.time(), sent=0, done=0, worker=f"w{index}-{os.getpid()}")
+    start, worker = time.time(), f"w{index}-{os.getpid()}"
     # worker i takes sessions i, i + count, i + 2*count, ... cycling when a run outlasts the workload
     mine = list(range(index, len(WORKLOAD.sessions), count)) or [0]
-    _state["next"] = itertools.cycle(mine)
-    _state.update(mine=mine, in_flight={}, finished=set())
-    # interleaved: sessions wait in a round-robin queue; a user takes the first one's next turn and
-    # puts the session back at the end once the turn is answered
-    _state.update(ready=collections.deque(mine), turn=dict.fromkeys(mine, 0))
-    _state["writer"] = RecordWriter(RECORDS, _state["worker"])
     rule = SETTINGS.get("stop_rule")
-    _state.update(detector=DeadTargetDetector(StopRule(**rule)) if rule else None, stopped=False)
+    _run = _Run(start, worker, mine, itertools.cycle(mine), collections.deque(mine), dict.fromkeys(mine, 0),
+                RecordWriter(RECORDS, worker), DeadTargetDetector(StopRule(**rule)) if rule else None)
     gevent.spawn(_sample_client_load, environment)
 
 
@@ -70,7 +98,7 @@ def _sample_client_load(environment) -> None:
     """Once a second: this process's CPU and how late the event loop wakes up (client saturation)."""
     process = psutil.Process()
     process.cpu_percent(None)
-    path = RECORDS / f"client-{_state['worker']}.jsonl"
+    path = RECORDS / f"client-{_this_run().worker}.jsonl"
     with open(path, "a", buffering=1) as out:
         while True:
             before = time.perf_counter()
@@ -83,17 +111,18 @@ def _sample_client_load(environment) -> None:
 @events.test_stop.add_listener
 def _on_test_stop(environment, **_):
     """Once the users are stopped: this process's due requests that were never sent or never finished."""
-    if isinstance(environment.runner, MasterRunner) or "writer" not in _state:
+    run = _run
+    if isinstance(environment.runner, MasterRunner) or run is None:
         return
     horizon = SETTINGS.get("run_time_s")
-    not_sent = [{"request_id": r.request_id, "scheduled_at": _state["start"] + r.arrival_s, "sent_at": None,
+    not_sent = [{"request_id": r.request_id, "scheduled_at": run.start + r.arrival_s, "sent_at": None,
                  "state": "not_sent"}
-                for i in _state["mine"] for r in WORKLOAD.sessions[i]
+                for i in run.mine for r in WORKLOAD.sessions[i]
                 if r.arrival_s is not None and (horizon is None or r.arrival_s <= horizon)
-                and r.request_id not in _state["in_flight"] and r.request_id not in _state["finished"]]
+                and r.request_id not in run.in_flight and r.request_id not in run.finished]
     unfinished = [{"request_id": request_id, "scheduled_at": scheduled, "sent_at": sent, "state": "unfinished"}
-                  for request_id, (scheduled, sent) in _state["in_flight"].items()]
-    (RECORDS / f"due-{_state['worker']}.json").write_text(json.dumps(not_sent + unfinished))
+                  for request_id, (scheduled, sent) in run.in_flight.items()]
+    (RECORDS / f"due-{run.worker}.json").write_text(json.dumps(not_sent + unfinished))
 
 
 class WorkloadUser(User):
@@ -118,44 +147,46 @@ class WorkloadUser(User):
         if WORKLOAD.interleaved:
             self._run_next_turn()
             return
-        for request in WORKLOAD.sessions[next(_state["next"])]:
+        for request in WORKLOAD.sessions[next(_this_run().next_session)]:
             self._send(request)
 
     def _run_next_turn(self) -> None:
-        ready = _state["ready"]
+        run = _this_run()
+        ready = run.ready
         if not ready:  # more users than sessions: every session has a turn in flight
             gevent.sleep(0.01)
             return
         index = ready.popleft()
         session = WORKLOAD.sessions[index]
         try:
-            self._send(session[_state["turn"][index]])
+            self._send(session[run.turn[index]])
         finally:
-            _state["turn"][index] = (_state["turn"][index] + 1) % len(session)
+            run.turn[index] = (run.turn[index] + 1) % len(session)
             ready.append(index)
 
-    def _send(self, request) -> None:
+    def _send(self, request: WorkloadRequest) -> None:
+        run = _this_run()
         limit = SETTINGS.get("max_requests_per_worker")
-        if limit is not None and _state["sent"] >= limit:
+        if limit is not None and run.sent >= limit:
             raise StopUser()
         horizon = SETTINGS.get("run_time_s")
         if request.arrival_s is not None and horizon is not None and request.arrival_s > horizon:
             raise StopUser()  # due after the run's end: not part of it (and nor are the later arrivals)
-        _state["sent"] += 1  # counted before waiting for its arrival, so users asleep meanwhile stop at the budget
+        run.sent += 1  # counted before waiting for its arrival, so users asleep meanwhile stop at the budget
         scheduled = time.time()
         if request.arrival_s is not None:
-            scheduled = _state["start"] + request.arrival_s
+            scheduled = run.start + request.arrival_s
             gevent.sleep(max(0.0, scheduled - time.time()))
         node = self.router.pick(request)
-        _state["in_flight"][request.request_id] = (scheduled, time.time())
+        run.in_flight[request.request_id] = (scheduled, time.time())
         record = self.clients[node].send(request, scheduled_at=scheduled)
         record.node = self.node_urls[node]
-        _state["writer"].write(record)
-        del _state["in_flight"][request.request_id]
-        _state["finished"].add(request.request_id)
-        _state["done"] += 1
-        _stop_if_dead(self.environment, record)
-        if limit is not None and _state["done"] >= limit:
+        run.writer.write(record)
+        del run.in_flight[request.request_id]
+        run.finished.add(request.request_id)
+        run.done += 1
+        _stop_if_dead(self.environment, run, record)
+        if limit is not None and run.done >= limit:
             gevent.spawn(self.environment.runner.quit)  # the budget is spent: end the run now
         self.environment.events.request.fire(
             request_type="STREAM", name=self.clients[node].target, response_time=(record.e2e_s or 0) * 1000,
@@ -164,15 +195,15 @@ class WorkloadUser(User):
         )
 
 
-def _stop_if_dead(environment, record) -> None:
+def _stop_if_dead(environment, run: _Run, record: RequestRecord) -> None:
     """End this process's run once its target stopped answering (the stop rule), saying why in stop-*.jsonl."""
-    detector = _state.get("detector")
-    if detector is None or _state["stopped"] or not detector.observe(record.error_type, record.error_message):
+    detector = run.detector
+    if detector is None or run.stopped or not detector.observe(record.error_type, record.error_message):
         return
-    _state["stopped"] = True
+    run.stopped = True
     now = time.time()
-    row = {"at": now, "t_s": now - _state["start"], "worker": _state["worker"], "errors_in_a_row": detector.in_a_row,
-           "error_type": record.error_type, "reason": f"{detector.reason()} at t={now - _state['start']:.1f} s"}
-    with open(RECORDS / f"stop-{_state['worker']}.jsonl", "a") as out:
+    row = {"at": now, "t_s": now - run.start, "worker": run.worker, "errors_in_a_row": detector.in_a_row,
+           "error_type": record.error_type, "reason": f"{detector.reason()} at t={now - run.start:.1f} s"}
+    with open(RECORDS / f"stop-{run.worker}.jsonl", "a") as out:
         out.write(json.dumps(row) + "\n")
     gevent.spawn(environment.runner.quit)

@@ -26,13 +26,14 @@ class SteadyRule:
 
     def agree(self, before: dict, after: dict) -> bool:
         """Whether two consecutive blocks of the candidate agree (a block without a TTFT never does)."""
-        ttft = (before.get("ttft_p50_s"), after.get("ttft_p50_s"))
-        if not all(isinstance(t, (int, float)) and t > 0 for t in ttft):
+        ttft_before, ttft_after = before.get("ttft_p50_s"), after.get("ttft_p50_s")
+        if not (isinstance(ttft_before, (int, float)) and ttft_before > 0
+                and isinstance(ttft_after, (int, float)) and ttft_after > 0):
             return False
-        if abs(ttft[1] / ttft[0] - 1.0) > self.ttft_change:
+        if abs(ttft_after / ttft_before - 1.0) > self.ttft_change:
             return False
-        hits = (before.get("hit_ratio"), after.get("hit_ratio"))
-        return None in hits or abs(hits[1] - hits[0]) <= self.hit_ratio_points
+        hits_before, hits_after = before.get("hit_ratio"), after.get("hit_ratio")
+        return hits_before is None or hits_after is None or abs(hits_after - hits_before) <= self.hit_ratio_points
 
     def describe(self) -> str:
         return (f"the candidate's TTFT p50 within ±{format_percent(self.ttft_change, 0)} and its hit ratio within "
@@ -52,7 +53,8 @@ class Settled:
         """'warm-up: 1 pair left out, settled at pair 2 (TTFT p50 46 ms → 34 ms → 33 ms → 35 ms, hit ratio …)'."""
         ttft = " → ".join(format_ms(b.get("ttft_p50_s")) for b in self.trail)
         hits = [b.get("hit_ratio") for b in self.trail]
-        hit_text = (", hit ratio " + " → ".join(format_percent(h, 0) for h in hits)) if None not in hits else ""
+        hit_text = (", hit ratio " + " → ".join(format_percent(h, 0) for h in hits if h is not None)
+                    if None not in hits else "")
         left = f"{self.warmup_pairs} pair{'s' if self.warmup_pairs != 1 else ''} left out"
         if self.settled:
             return f"warm-up: {left}, settled at pair {self.warmup_pairs + 1} (TTFT p50 {ttft}{hit_text})"

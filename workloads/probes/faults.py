@@ -82,6 +82,7 @@ class AdminClient:
                token_ids: Optional[list[int]] = None) -> list[dict]:
         """The prompt's full blocks in order: key, tiers holding it, and its disk file (each field type-checked:
         AdminError naming the field otherwise). The prompt as text, chat messages, or its token ids."""
+        body: dict[str, object]
         if token_ids is not None:
             body = {"prompt_token_ids": list(token_ids)}
         else:

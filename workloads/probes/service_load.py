@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from kvcore.files import drop_cached_pages
 from workloads.traffic.client import StreamingClient
@@ -98,7 +98,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def time_service_start(command: Sequence[str], health_url: str, base_url: str, model: str, *, log: Path,
-                       drop: Sequence[Path] = (), env: Optional[dict] = None, api: str = "completions",
+                       drop: Sequence[Path] = (), env: Optional[dict] = None,
+                       api: Literal["chat", "completions"] = "completions",
                        api_key: Optional[str] = None, timeout_s: float = 600, poll_s: float = 0.02) -> ServiceStart:
     """Start `command`, time it to ready (`health_url` answers 200) and to the first token of one request
     to `base_url` (an OpenAI-compatible /v1), then stop it (SIGTERM). ServiceStartError when it exits or
@@ -128,7 +129,8 @@ def time_service_start(command: Sequence[str], health_url: str, base_url: str, m
         _stop(process)
 
 
-def _first_token(base_url: str, model: str, api: str, api_key: Optional[str], started: float, log: Path) -> float:
+def _first_token(base_url: str, model: str, api: Literal["chat", "completions"], api_key: Optional[str],
+                 started: float, log: Path) -> float:
     request = WorkloadRequest("service-load", "service-load", 0, ({"role": "user", "content": "Hello"},), 1, 8)
     client = StreamingClient(base_url, model, api, api_key=api_key, target="service")
     try:
@@ -151,5 +153,6 @@ def _start_from(startup: object, started_wall: float, ready: float, first_token:
         value = startup.get(key)
         return max(0.0, float(value) - started_wall) if isinstance(value, (int, float)) else None
 
-    weights = startup.get("weights") if isinstance(startup.get("weights"), dict) else {}
-    return ServiceStart(since("imports_done"), since("weights_loaded"), ready, first_token, dict(weights))
+    weights = startup.get("weights")
+    return ServiceStart(since("imports_done"), since("weights_loaded"), ready, first_token,
+                        dict(weights) if isinstance(weights, dict) else {})

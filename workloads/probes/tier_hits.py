@@ -69,5 +69,5 @@ def tier_line(hits: Optional[Mapping[str, float]], unit: str = "blocks") -> str:
     total = sum(hits.values())
     if not total:
         return f"hits by tier: no hit {unit}"
-    shares = ", ".join(f"{tier} {format_percent(share, 0)}" for tier, share in tier_shares(hits).items())
+    shares = ", ".join(f"{tier} {format_percent(blocks / total, 0)}" for tier, blocks in hits.items())
     return f"hits by tier: {shares} of {total:,.0f} {unit}"

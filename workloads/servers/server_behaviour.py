@@ -50,7 +50,8 @@ class Behaviour:
     def ttft_s(self, uptime_s: float, in_flight: int = 1) -> float:
         """The TTFT of a request that arrives `uptime_s` after the server started, with `in_flight` running
         (itself included)."""
-        if self.fast_above_inflight is not None and in_flight > self.fast_above_inflight:
+        if (self.fast_above_inflight is not None and self.fast_ttft_ms is not None
+                and in_flight > self.fast_above_inflight):   # both or neither, as __post_init__ checked
             return self.fast_ttft_ms / 1000
         if self.ttft_end_ms is None:
             return self.ttft_ms / 1000

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 from workloads.traffic.processes import die_with_parent, free_port
 
@@ -41,17 +41,18 @@ def _program(name: str) -> str:
 
 
 def _wait_port(port: int, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    program = cast(list[str], process.args)[0]   # a store's command is a list of strings (`_Processes.spawn`)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise StoreStartError(f"{process.args[0]} exited with {process.returncode}: "
+            raise StoreStartError(f"{program} exited with {process.returncode}: "
                                   f"{log.read_text(errors='replace')[-2000:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
-    raise StoreStartError(f"{process.args[0]} did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s")
+    raise StoreStartError(f"{program} did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s")
 
 
 class _Processes:

@@ -22,7 +22,7 @@ from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO, Iterator, Optional, cast
 
 import torch
 import torch.serialization as serialization
@@ -76,7 +76,7 @@ class HugePageBuffers:
                 self._kept -= nbytes
                 return free.pop()
             self.allocated += 1
-        return memoryview(huge_page_empty(nbytes).numpy())
+        return huge_page_empty(nbytes).numpy().data   # the array's bytes as a memoryview (flat, unsigned bytes)
 
     def give(self, buffer: memoryview) -> None:
         with self._lock:
@@ -160,6 +160,8 @@ class DirectWriteStream(io.RawIOBase):
     def _hand_over(self, nbytes: int, logical: Optional[int] = None) -> None:
         """Write the current buffer's first `nbytes` (aligned; past `logical` it is padding) at its offset."""
         buffer, offset = self._buffer, self._flushed
+        if buffer is None:
+            raise RuntimeError(f"{self.path}: nothing to write (no buffer filled)")
         if logical is not None:
             buffer[logical:nbytes] = bytes(nbytes - logical)
         self._buffer, self._filled = None, 0
@@ -219,7 +221,7 @@ class DirectFileSystem(FileSystem):
             return next(iter(self._open_errors + [s.error for s in self.streams if s.error is not None]), None)
 
     @contextlib.contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[IO[bytes]]:
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -259,6 +261,8 @@ class KvgateWriter(FileSystemWriter):
     HugePageBuffers to reuse its memory over saves). `crc32`: whether torch.save computes its per-record CRC-32
     (off by default). `direct`: every file took O_DIRECT; `first_error`: why a write failed, naming the file;
     `bytes_written`: bytes written to the files (their tails padded to 4 KiB)."""
+
+    fs: DirectFileSystem           # DCP's writer makes a plain FileSystem; __init__ replaces it with this
 
     def __init__(self, path, *, buffers: Optional[HugePageBuffers] = None, writers_per_file: int = WRITERS_PER_FILE,
                  chunk_bytes: int = CHUNK_BYTES, crc32: bool = False, **options) -> None:
@@ -402,11 +406,11 @@ class KvgateReader(FileSystemReader):
             item = buffer[info.offset - batch.start : info.offset - batch.start + info.length]
             descriptors = info.transform_descriptors or ()
             if request.type == LoadItemType.BYTE_IO:
-                stream = self.transforms.transform_load_stream(request, descriptors, _ViewFile(item))
+                stream = self.transforms.transform_load_stream(request, descriptors, _view_file(item))
                 planner.load_bytes(request, io.BytesIO(stream.read(-1)))
                 continue
             if descriptors:
-                stream = self.transforms.transform_load_stream(request, descriptors, _ViewFile(item))
+                stream = self.transforms.transform_load_stream(request, descriptors, _view_file(item))
                 seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
                 loaded = torch.load(seekable, map_location="cpu", weights_only=True)
             else:
@@ -429,9 +433,9 @@ def load_tensor_over(item: memoryview):
     """torch.load(weights_only=True) of a torch.save'd object's bytes, its tensors' storage those bytes (no copy),
     as torch.load(mmap=True) does over a file's mapping; where this torch lacks that, torch.load of a copy."""
     if not _LOADS_OVER_A_STORAGE or not serialization._is_zipfile(_ViewFile(item)):
-        return torch.load(_ViewFile(item), map_location="cpu", weights_only=True)
+        return torch.load(_view_file(item), map_location="cpu", weights_only=True)
     storage = torch.frombuffer(item, dtype=torch.uint8).untyped_storage()
-    with serialization._open_zipfile_reader(_ViewFile(item)) as zip_file:
+    with serialization._open_zipfile_reader(_view_file(item)) as zip_file:
         return serialization._load(zip_file, "cpu", serialization._weights_only_unpickler,
                                    overall_storage=storage, encoding="utf-8")   # torch.load's encoding
 
@@ -462,3 +466,9 @@ class _ViewFile(io.RawIOBase):
         memoryview(buffer).cast("B")[:n] = self._view[self._position : self._position + n]
         self._position += n
         return n
+
+
+def _view_file(view: memoryview) -> IO[bytes]:
+    """A `_ViewFile` over `view`, typed as the binary file torch's readers take: they use only read, readinto, seek
+    and tell, which it has, but name IO[bytes], which a RawIOBase is not declared as."""
+    return cast(IO[bytes], _ViewFile(view))

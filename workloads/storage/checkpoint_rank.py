@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, TextIO
 
 import torch
@@ -60,6 +61,7 @@ def _timed(work: Callable[[], None], rank: int, device: torch.device) -> tuple[f
 def save(state: dict, directory: str, thread_count: int, rank: int, device: torch.device,
          kind: str = KVGATE_WRITER, buffers: HugePageBuffers | None = None) -> dict:
     """`buffers`: kvgate's writer's buffers, kept over the rank's saves and restores (warm memory)."""
+    writer: KvgateWriter | ErrorKeepingWriter
     if kind == KVGATE_WRITER:
         writer = KvgateWriter(directory, sync_files=True, thread_count=thread_count, buffers=buffers)
     else:
@@ -67,7 +69,7 @@ def save(state: dict, directory: str, thread_count: int, rank: int, device: torc
 
     def work() -> None:
         dcp.save(state, storage_writer=writer)
-        fsync_directory(directory)
+        fsync_directory(Path(directory))
 
     seconds, failures = _timed(work, rank, device)
     first_error = getattr(writer, "first_error", None)

@@ -25,9 +25,14 @@ def _place(state: dict, path: tuple[str, ...], tensor: torch.Tensor) -> None:
 
 
 def _get(state: dict, path: tuple[str, ...]) -> torch.Tensor:
-    node = state
+    node: dict | torch.Tensor = state
     for key in path:
+        if not isinstance(node, dict):
+            raise TypeError(f"{'.'.join(path)}: expected nested dicts down to a tensor, found a "
+                            f"{type(node).__name__} at {key!r}")
         node = node[key]
+    if not isinstance(node, torch.Tensor):
+        raise TypeError(f"{'.'.join(path)}: expected a tensor, found {type(node).__name__}")
     return node
 
 

@@ -72,6 +72,8 @@ class ErrorKeepingFileSystem(FileSystem):
 class ErrorKeepingWriter(FileSystemWriter):
     """FileSystemWriter (sync_files, thread_count, ... as DCP's) whose `first_error` says why a write failed."""
 
+    fs: ErrorKeepingFileSystem     # DCP's writer makes a plain FileSystem; __init__ replaces it with this
+
     def __init__(self, path, **options) -> None:
         super().__init__(path, **options)
         self.fs = ErrorKeepingFileSystem()

@@ -386,7 +386,7 @@ def _existing_bytes(job: FioJob) -> int:
 
 def check_free_space(job: FioJob) -> None:
     """FioError when the job's files (size × numjobs, less what is already laid out) exceed the free space."""
-    per_job = parse_size(job.size)
+    per_job = parse_size(job.size) if job.size is not None else None
     if per_job is None or any(arg.startswith("--filename") for arg in job.extra):
         return  # a relative size or an explicit file/device: nothing to compare against
     needed = per_job * job.numjobs - _existing_bytes(job)

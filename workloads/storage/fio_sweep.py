@@ -118,8 +118,10 @@ def best_point(points: Iterable[SweepPoint], kind: Kind) -> Optional[SweepPoint]
     return max(matching, key=lambda p: p.gbps) if matching else None
 
 
-def _per_job(size: int, shape: FioShape) -> int:
+def _per_job(size: Optional[int], shape: FioShape) -> int:
     """Bytes each job moves: `size` over the jobs, whole requests of `shape.bs` (at least one)."""
+    if size is None:
+        raise FioError("sweep size: expected a plain byte size such as '512M', found a percentage or a range")
     requests = max(1, size // shape.bs_bytes // shape.numjobs)
     return requests * shape.bs_bytes
 

@@ -194,7 +194,10 @@ def parse_mdadm_scan(text: str) -> list[dict]:
         words = line.split()
         if len(words) >= 2 and words[0] == "ARRAY":
             entry = {"device": words[1]}
-            entry.update(w.split("=", 1) for w in words[2:] if "=" in w)
+            for word in words[2:]:
+                if "=" in word:
+                    key, value = word.split("=", 1)
+                    entry[key] = value
             arrays.append(entry)
     return arrays
 
@@ -310,7 +313,7 @@ SECTIONS: dict[str, Callable[[], dict]] = {
 def collect_inventory() -> dict:
     """Every section of the inventory; a section that fails in an unexpected way says so instead of raising."""
     started = time.monotonic()
-    inventory = {}
+    inventory: dict[str, Any] = {}
     for name, collect in SECTIONS.items():
         try:
             inventory[name] = collect()

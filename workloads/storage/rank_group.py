@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import IO, NoReturn, Optional, Sequence
 
 from workloads.traffic.processes import die_with_parent, free_port
 
@@ -37,6 +37,13 @@ class RankFailure(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+def _pipe(stream: Optional[IO[bytes]], process: subprocess.Popen, name: str) -> IO[bytes]:
+    """A rank's stdin or stdout: a pipe, as `RankGroup` starts every rank (Popen types them as maybe absent)."""
+    if stream is None:
+        raise RuntimeError(f"rank process {process.pid}: its {name} is not a pipe")
+    return stream
 
 
 class RankGroup:
@@ -89,8 +96,9 @@ class RankGroup:
             line = (json.dumps(command) + "\n").encode()
             for rank, process in enumerate(self.processes):
                 try:
-                    process.stdin.write(line)
-                    process.stdin.flush()
+                    stdin = _pipe(process.stdin, process, "stdin")
+                    stdin.write(line)
+                    stdin.flush()
                 except (BrokenPipeError, OSError):
                     self._fail_exited(rank, what)
         return self._collect(what, timeout_s)
@@ -100,7 +108,7 @@ class RankGroup:
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as selector:
             for rank, process in enumerate(self.processes):
-                selector.register(process.stdout, selectors.EVENT_READ, rank)
+                selector.register(_pipe(process.stdout, process, "stdout"), selectors.EVENT_READ, rank)
             while len(answers) < self.world_size:
                 for rank in range(self.world_size):       # a whole line may already be buffered
                     if rank not in answers and b"\n" in self._buffers[rank]:
@@ -112,7 +120,7 @@ class RankGroup:
                     self._fail_silent([r for r in range(self.world_size) if r not in answers], what, timeout_s)
                 for key, _ in selector.select(timeout=min(left, 1.0)):
                     rank = key.data
-                    chunk = os.read(key.fileobj.fileno(), 1 << 16)
+                    chunk = os.read(key.fd, 1 << 16)
                     if not chunk:
                         selector.unregister(key.fileobj)
                         if rank not in answers and b"\n" not in self._buffers[rank]:
@@ -149,7 +157,7 @@ class RankGroup:
         tail = self.stderr_tail(rank)
         return f"; its stderr ends: {tail}" if tail else "; its stderr is empty"
 
-    def _fail_exited(self, first_seen: int, what: str) -> None:
+    def _fail_exited(self, first_seen: int, what: str) -> NoReturn:
         """A rank is gone. Its peers may follow it within moments (a collective with a dead peer
         fails), so wait a little, then blame a rank killed by a signal if there is one, else the
         first one seen, and name the others after it."""
@@ -165,7 +173,7 @@ class RankGroup:
             message += "; then " + "; ".join(self._exit_message(r, what) for r in others)
         self._fail(blamed, message)
 
-    def _fail_silent(self, silent: list[int], what: str, timeout_s: float) -> None:
+    def _fail_silent(self, silent: list[int], what: str, timeout_s: float) -> NoReturn:
         """No answer in time. A rank waiting in a collective for a hung peer is silent too, so every
         silent rank is named, each with its stderr's end."""
         names = ", ".join(f"rank {r}" for r in silent)
@@ -173,7 +181,7 @@ class RankGroup:
                         for r in silent)
         self._fail(silent[0], f"no answer to {what} within {timeout_s:g} s from {names}{notes}")
 
-    def _fail(self, rank: int, message: str) -> None:
+    def _fail(self, rank: int, message: str) -> NoReturn:
         self.kill()
         raise RankFailure(rank, message)
 
@@ -183,9 +191,10 @@ class RankGroup:
         if not self._closed:
             for process in self.processes:
                 try:
+                    stdin = _pipe(process.stdin, process, "stdin")
                     if command is not None:
-                        process.stdin.write((json.dumps(command) + "\n").encode())
-                    process.stdin.close()
+                        stdin.write((json.dumps(command) + "\n").encode())
+                    stdin.close()
                 except (BrokenPipeError, OSError):
                     pass
             deadline = time.monotonic() + timeout_s
@@ -207,7 +216,8 @@ class RankGroup:
             process.wait()
             for stream in (process.stdin, process.stdout):
                 try:
-                    stream.close()
+                    if stream is not None:
+                        stream.close()
                 except (BrokenPipeError, OSError):
                     pass
 

@@ -133,7 +133,8 @@ def _read_usage(payload: dict) -> Optional[_Usage]:
     details = optional_object(usage, "prompt_tokens_details", "usage.prompt_tokens_details")
     return _Usage(optional_count(usage, "prompt_tokens", "usage.prompt_tokens"),
                   optional_count(usage, "completion_tokens", "usage.completion_tokens"),
-                  optional_count(details, "cached_tokens", "usage.prompt_tokens_details.cached_tokens"))
+                  optional_count(details, "cached_tokens", "usage.prompt_tokens_details.cached_tokens")
+                  if details is not None else None)
 
 
 def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMetrics:
@@ -194,7 +195,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
     )
 
 
-class _NoDelay:
+class _NoDelay(HTTPConnection):
     """Nagle's algorithm off, as aiohttp and other benchmark clients do: small writes go out at once."""
 
     def connect(self) -> None:

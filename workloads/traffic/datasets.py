@@ -12,7 +12,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Protocol, Union
+from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Protocol, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, model_validator
 from tokenizers import Tokenizer
@@ -353,6 +353,9 @@ class SharedPrefixSpec(_Spec):
         return requests, "groups × prompts_per_group", prompt, "in each request", requests * prompt
 
 
+_T = TypeVar("_T")
+
+
 class LengthDistribution(_Strict):
     """Lengths drawn per request, rounded to whole tokens and clipped to [min, max].
 
@@ -376,26 +379,35 @@ class LengthDistribution(_Strict):
                 raise ValueError(f"expected '{key}' for distribution '{self.distribution}', found nothing")
         if self.max is not None and self.max < self.min:
             raise ValueError(f"expected max >= min ({self.min}), found max {self.max}")
-        if self.distribution == "fixed" and not self.min <= round(self.mean) <= (self.max or math.inf):
+        if (self.distribution == "fixed"
+                and not self.min <= round(self._set(self.mean, "mean")) <= (self.max or math.inf)):
             raise ValueError(f"expected a fixed mean within [min, max], found {self.mean}")
         return self
 
     @property
     def upper(self) -> int:
         """The longest length it gives, as a bound: `max`, else the mean and three standard deviations."""
-        return self.max if self.max is not None else round(self.mean + 3 * (self.std or 0))
+        return self.max if self.max is not None else round(self._set(self.mean, "mean") + 3 * (self.std or 0))
+
+    def _set(self, value: Optional[_T], key: str) -> _T:
+        """`value`, the field `key` this distribution needs: set, as `_complete` checked (the checker cannot see it)."""
+        if value is None:
+            raise ValueError(f"expected '{key}' for distribution '{self.distribution}', found nothing")
+        return value
 
     def sample(self, rng: random.Random) -> int:
         """One length from `rng`."""
+        value: float
         if self.distribution == "fixed":
-            value = self.mean
+            value = self._set(self.mean, "mean")
         elif self.distribution == "uniform":
-            value = rng.randint(self.min, self.max)
+            value = rng.randint(self.min, self._set(self.max, "max"))
         elif self.distribution == "normal":
-            value = rng.gauss(self.mean, self.std)
+            value = rng.gauss(self._set(self.mean, "mean"), self._set(self.std, "std"))
         else:
-            sigma2 = math.log1p((self.std / self.mean) ** 2)
-            value = rng.lognormvariate(math.log(self.mean) - sigma2 / 2, math.sqrt(sigma2))
+            mean, std = self._set(self.mean, "mean"), self._set(self.std, "std")
+            sigma2 = math.log1p((std / mean) ** 2)
+            value = rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
         return int(min(max(round(value), self.min), self.max or math.inf))
 
 
@@ -442,7 +454,7 @@ class TraceSpec(_Spec):
 
 
 WorkloadSpec = Union[MultiRoundQASpec, LongDocQASpec, SharedPrefixSpec, RandomSpec, TraceSpec]
-_SPECS: dict[str, type[_Spec]] = {
+_SPECS: dict[str, type[WorkloadSpec]] = {
     "multi_round_qa": MultiRoundQASpec, "long_doc_qa": LongDocQASpec, "shared_prefix": SharedPrefixSpec,
     "random": RandomSpec, "trace": TraceSpec,
 }
@@ -454,7 +466,7 @@ def load_spec(source: Union[str, Path, Mapping[str, Any], WorkloadSpec], root: s
     A bad spec raises `ConfigError` naming the field path (under `root`; "" for paths relative to the spec), what
     was expected and what was found. A relative trace `path` in a file is taken relative to that file's folder.
     """
-    if isinstance(source, tuple(_SPECS.values())):
+    if isinstance(source, _Spec):
         return source
     base = None
     if isinstance(source, (str, Path)):
@@ -480,7 +492,7 @@ def load_spec(source: Union[str, Path, Mapping[str, Any], WorkloadSpec], root: s
 def _workload_field(value: Any) -> WorkloadSpec:
     """A config's workload section validated where it is loaded: a mapping (or a spec already validated), its
     errors named under the section's own path."""
-    if not isinstance(value, (Mapping, *_SPECS.values())):
+    if not isinstance(value, (Mapping, _Spec)):
         raise ValueError(f"expected a mapping (a workload spec: workloads/specs/), found {value!r}")
     try:
         return load_spec(value, root="")
@@ -610,7 +622,7 @@ class TraceRecord:
 
 def read_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[TraceRecord]:
     """The first `limit` records (all when None) of a Mooncake trace; a malformed line raises ConfigError."""
-    records = []
+    records: list[TraceRecord] = []
     try:
         with open(path) as lines:
             for number, line in enumerate(lines, 1):

@@ -88,7 +88,8 @@ class DeadTargetDetector:
 
     def __init__(self, rule: StopRule, clock: Callable[[], float] = time.monotonic) -> None:
         self.rule, self._clock = rule, clock
-        self.in_a_row, self._since = 0, None
+        self.in_a_row = 0
+        self._since: Optional[float] = None
         self._last: tuple[Optional[str], Optional[str]] = (None, None)
 
     def observe(self, error_type: Optional[str], message: Optional[str] = None) -> bool:

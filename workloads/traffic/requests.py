@@ -84,7 +84,8 @@ def load_order(workload: Workload, passes: int = 1) -> list[WorkloadRequest]:
     total = passes * sum(len(s) for s in workload.sessions)
     if not workload.interleaved:
         return list(itertools.islice(itertools.chain.from_iterable(itertools.cycle(workload.sessions)), total))
-    ready, turn, order = deque(range(len(workload.sessions))), [0] * len(workload.sessions), []
+    ready, turn = deque(range(len(workload.sessions))), [0] * len(workload.sessions)
+    order: list[WorkloadRequest] = []
     while len(order) < total:
         index = ready.popleft()
         session = workload.sessions[index]
