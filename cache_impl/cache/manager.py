@@ -150,6 +150,15 @@ class TieredKVCache:
             raise KeyError(f"tier {name!r} is not enabled (enabled: {self.tiers})")
         return self._by_name[name].tier
 
+    def disk_tier(self) -> Optional[DiskTier]:
+        """The disk tier as what it is (its block files' paths, its probe); None when it is not enabled."""
+        level = self._by_name.get("disk")
+        if level is None:
+            return None
+        if not isinstance(level.tier, DiskTier):
+            raise TypeError(f"the disk level holds a {type(level.tier).__name__}, not a DiskTier")
+        return level.tier
+
     def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[Key]:
         return block_keys(tokens, self.fingerprint.digest, self.block_size)
 
