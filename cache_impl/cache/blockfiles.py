@@ -105,6 +105,20 @@ class Found:
     mtime: float = 0.0
     why: str | None = None
 
+    @property
+    def block_key(self) -> Key:
+        """The key of a block file; ValueError for a temp file or a skipped entry, which have none."""
+        if self.key is None:
+            raise ValueError(f"{self.path}: a {self.kind} entry has no block key")
+        return self.key
+
+    @property
+    def skip_reason(self) -> str:
+        """Why a skipped entry was skipped; ValueError for a block or a temp file, which were not."""
+        if self.why is None:
+            raise ValueError(f"{self.path}: a {self.kind} entry was not skipped")
+        return self.why
+
 
 def _lstat_kind(entry: os.DirEntry) -> str | None:
     """None for a regular file, else why it is skipped (never following a link)."""

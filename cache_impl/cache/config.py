@@ -84,7 +84,9 @@ class RemoteTierConfig(StrictModel):
             unknown = sorted(set(query) - set(known))
             if unknown:
                 raise ConfigError(f"remote: unknown option {unknown[0]!r} in {text!r} (known: {', '.join(known)})")
-            return cls(backend="mooncake", master=url.netloc, **{known[k]: v for k, v in query.items()})
+            # the query's values are text: validation parses them as any setting's text is (sizes, numbers)
+            return cls.model_validate({"backend": "mooncake", "master": url.netloc,
+                                       **{known[k]: v for k, v in query.items()}})
         raise ConfigError(f"remote: expected redis://host:port/db or mooncake://host:port?metadata=URL, "
                           f"found {text!r}")
 

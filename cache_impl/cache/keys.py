@@ -124,7 +124,8 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
         return memoryview(tokens).cast("B")
     if isinstance(tokens, np.ndarray):
-        return memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+        # .data: the array's memoryview (numpy's stubs give ndarray the buffer protocol from Python 3.12 only)
+        return np.ascontiguousarray(tokens, dtype="<u4").data.cast("B")
     return memoryview(token_array(tokens)).cast("B")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -77,7 +77,7 @@ class LoadResult:
 class LoadedPrefix(LoadResult):
     """A load into fresh tensors: `blocks[i]` is block i, [layers, 2, kv_heads, block_size, head_dim]."""
 
-    blocks: list[torch.Tensor] = ()
+    blocks: list[torch.Tensor] = field(default_factory=list)
 
 
 BlockOut = Callable[[int], torch.Tensor]  # block index -> where its KV goes
@@ -149,6 +149,15 @@ class TieredKVCache:
         if name not in self._by_name:
             raise KeyError(f"tier {name!r} is not enabled (enabled: {self.tiers})")
         return self._by_name[name].tier
+
+    def disk_tier(self) -> Optional[DiskTier]:
+        """The disk tier as what it is (its block files' paths, its probe); None when it is not enabled."""
+        level = self._by_name.get("disk")
+        if level is None:
+            return None
+        if not isinstance(level.tier, DiskTier):
+            raise TypeError(f"the disk level holds a {type(level.tier).__name__}, not a DiskTier")
+        return level.tier
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[Key]:
         return block_keys(tokens, self.fingerprint.digest, self.block_size)
@@ -357,15 +366,15 @@ class TieredKVCache:
 
     def _on_written(self, level: Level) -> Callable[[Key, Optional[BaseException]], None]:
         def done(key: Key, error: Optional[BaseException]) -> None:  # called by the writer, lock held
-            accounted = level.lru is not None
-            if error is None and (not accounted or key in level.lru):
-                if accounted:
+            lru = level.lru  # None: not accounted
+            if error is None and (lru is None or key in lru):
+                if lru is not None:
                     self.placement.publish(level, key)
                 self._count_written(level)
                 return
             if error is None:
                 level.tier.delete(key)  # forgotten while queued: its bytes must not linger unindexed
-            elif accounted:
+            elif lru is not None:
                 self.placement.remove(level, key)
             level.metrics.add("write_errors")
         return done
@@ -464,8 +473,11 @@ class TieredKVCache:
         if level is None or level.name != "disk" or self.config.disk is None:
             return None
         queued = level.writer.pending_bytes if level.writer is not None else 0
-        return DiskRoom(str(self.config.disk.path), level.lru.capacity_bytes, level.lru.used_bytes - queued,
-                        level.tier.free_bytes(), level.min_free_bytes, level.tier.stored_nbytes)
+        lru, free = level.account, level.tier.free_bytes()
+        if free is None:
+            raise ValueError("disk tier: the free room of its filesystem is unknown (a disk tier always knows it)")
+        return DiskRoom(str(self.config.disk.path), lru.capacity_bytes, lru.used_bytes - queued, free,
+                        level.min_free_bytes, level.tier.stored_nbytes)
 
     def snapshot(self) -> dict:
         """Per-tier counters, occupancy and state, plus index size and queued writes. A tier's capacity is
@@ -502,6 +514,8 @@ class TieredKVCache:
             if reason:
                 level.metrics.corrupt(reason)
                 self.reindex_removed += 1
+            elif key is None:
+                raise ValueError(f"{level.name} tier: found a block with neither a key nor a reason it was removed")
             else:
                 found.append((mtime, key))
         with self._lock:
@@ -520,7 +534,7 @@ class TieredKVCache:
                 if lower.writer is None or lower.lru is None:
                     continue
                 for upper in self.levels[: lower.rank]:
-                    for key in upper.lru:
+                    for key in upper.account:  # accounted: only the shared pool, the lowest level, is not
                         source = upper.tier.view(key)
                         if source is not None and self.placement.index.has(key, upper.rank) \
                                 and not self.placement.holds(lower, key):

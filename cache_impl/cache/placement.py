@@ -38,6 +38,13 @@ class Level:
     def bit(self) -> int:
         return 1 << self.rank
 
+    @property
+    def account(self) -> LRUAccount:
+        """The level's LRU account; ValueError for a level that manages its own capacity (it has none)."""
+        if self.lru is None:
+            raise ValueError(f"{self.name} tier: manages its own capacity, the cache keeps no account of its blocks")
+        return self.lru
+
 
 class Placement:
     """The index, the pins and the levels' LRU accounts; every method expects the cache's lock held."""
@@ -90,16 +97,16 @@ class Placement:
     def victims(self, level: Level, nbytes: int, shortfall: int = 0) -> Optional[list[Key]]:
         """Least recently used unprotected blocks whose eviction makes room for `nbytes`
         (and frees at least `shortfall` bytes of the medium); None when that cannot be done."""
-        return level.lru.victims(nbytes, lambda key: self.is_protected(level, key), shortfall)
+        return level.account.victims(nbytes, lambda key: self.is_protected(level, key), shortfall)
 
     def unprotected(self, level: Level) -> list[Key]:
-        return [key for key in level.lru if not self.is_protected(level, key)]
+        return [key for key in level.account if not self.is_protected(level, key)]
 
     # -- recording moves -----------------------------------------------------------------
 
     def reserve(self, level: Level, key: Key) -> None:
         """Account a block whose write to the level is queued (not readable there yet)."""
-        level.lru.add(key, level.tier.stored_nbytes)
+        level.account.add(key, level.tier.stored_nbytes)
 
     def publish(self, level: Level, key: Key) -> None:
         """A reserved block is now whole on the level."""

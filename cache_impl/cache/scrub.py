@@ -82,7 +82,7 @@ def _scrub_fingerprint(path: Path, summary: ScrubSummary, remove: bool) -> None:
     try:
         for found in directory.walk():
             if found.kind == blockfiles.SKIPPED:
-                summary.skip(found.path, found.why)
+                summary.skip(found.path, found.skip_reason)
             elif found.kind == blockfiles.TEMP:
                 summary.temp_files += 1
             else:
@@ -101,7 +101,7 @@ def _scrub_block(directory: blockfiles.BlockDir, found: blockfiles.Found, finger
         summary.skip(found.path, blockfiles.SYMLINK if e.errno == errno.ELOOP else blockfiles.NOT_A_FILE)
         return
     try:
-        reason, nbytes = integrity.verify_open_file(fd, fingerprint, found.key)
+        reason, nbytes = integrity.verify_open_file(fd, fingerprint, found.block_key)
     finally:
         os.close(fd)
     summary.checked += 1

@@ -29,21 +29,20 @@ from cache_impl.cache.keys import Fingerprint, KVLayout
 from cache_impl.cache.manager import TieredKVCache, resolve_device
 from cache_impl.engine.engine_loop import EngineLoop
 from cache_impl.engine.generation import FinishEvent, Generation, GenerationRequest, QueueFullError, TokenEvent
-from cache_impl.engine.model import DEFAULT_PRESET, PRESETS, Transformer, weights_digest
+from cache_impl.engine.model import DEFAULT_PRESET, Transformer, weights_digest
 from cache_impl.engine.model_runner import ModelRunner
 from cache_impl.engine.prefix_cache import PrefixCache
-from cache_impl.engine.presets import ModelArgs
+from cache_impl.engine.presets import ModelArgs, PresetName
 from cache_impl.engine.resident import resident_bytes
 from cache_impl.engine.scheduler import Scheduler
 from cache_impl.engine.tokenizer import ByteTokenizer
 from cache_impl.engine.weights import WeightsLoad, load_weights, seeded_weights
-from kvcore.loader_names import KVGATE_LOADER, LOADERS
+from kvcore.loader_names import KVGATE_LOADER, LoaderName
 
 __all__ = ["Engine", "EngineConfig", "FinishEvent", "Generation", "GenerationRequest", "QueueFullError",
            "TokenEvent"]
 
 CacheMode = Literal["recompute", "device-only", "tiered"]
-LoadFormat = Literal[LOADERS]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvgate" / "kv"
 KV_DTYPE = "float32"        # the embedded model computes, and keeps its KV, in float32
 
@@ -57,12 +56,12 @@ class EngineConfig(StrictModel):
     """The engine: model preset and seed, cache mode, batching limits and the cache itself."""
 
     mode: CacheMode = Field(default="tiered", description="recompute, device-only (device tier only) or tiered")
-    preset: Literal[tuple(PRESETS)] = Field(default=DEFAULT_PRESET, description="model size preset")
+    preset: PresetName = Field(default=DEFAULT_PRESET, description="model size preset")
     seed: int = Field(default=0, ge=0, description="weights seed (part of the cache fingerprint)")
     weights: Optional[Path] = Field(default=None, description="a safetensors directory to load the weights from "
                                     "(kvgate export-weights writes one; its metadata names the preset); "
                                     "default: weights from the seed")
-    load_format: LoadFormat = Field(default=KVGATE_LOADER, description="the loader of `weights`: kvgate (its own, "
+    load_format: LoaderName = Field(default=KVGATE_LOADER, description="the loader of `weights`: kvgate (its own, "
                                     "parallel O_DIRECT reads at the storage's best), safetensors (what engines do by "
                                     "default), runai_streamer or fastsafetensors")
     load_concurrency: int = Field(default=16, ge=1, le=256, description="the loaders' reads in flight (kvgate) or "
@@ -123,7 +122,7 @@ class Engine:
         self.fingerprint = Fingerprint(weights_digest(self.model), self.tokenizer.id, self.layout)
         cache_config = config.cache_for_mode()
         self.cache = TieredKVCache(cache_config, self.fingerprint, self.device) if cache_config else None
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self.scheduler = Scheduler(config.max_running, config.max_waiting, self.max_context, args.vocab_size)
         self.runner = ModelRunner(self.model, self.device, self.block_size, max_idle_buffers=config.max_running)
         self.prefix_cache = PrefixCache(self.cache, self.block_size, self.counters)

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cache_impl.engine.generation import FinishEvent, GenerationRequest, TokenEvent
+from cache_impl.engine.generation import FinishEvent, FinishReason, GenerationRequest, TokenEvent
 from cache_impl.engine.model_runner import ModelRunner
 from cache_impl.engine.prefix_cache import PrefixCache
 from cache_impl.engine.scheduler import Scheduler
@@ -29,7 +29,7 @@ class EngineLoop:
     """`run()` is the engine thread's body: steps until the scheduler is stopped and idle."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, prefix_cache: PrefixCache,
-                 tokenizer: ByteTokenizer, counters: collections.Counter, threads: int) -> None:
+                 tokenizer: ByteTokenizer, counters: collections.Counter[str], threads: int) -> None:
         self.scheduler, self.runner, self.prefix_cache = scheduler, runner, prefix_cache
         self.threads = threads  # torch's thread count on the engine's thread
         self.tokenizer, self.counters = tokenizer, counters
@@ -63,9 +63,9 @@ class EngineLoop:
                 self._finish_unstarted(request, "error", error=repr(exc))
         for seq in self.scheduler.cancelled():
             self._finish(seq, "cancelled")
-        seq = self.scheduler.next_prefill()
-        if seq is not None:
-            self._guarded(seq, self._prefill)
+        prefilling = self.scheduler.next_prefill()
+        if prefilling is not None:
+            self._guarded(prefilling, self._prefill)
         self._decode_step()
 
     def _guarded(self, seq: Sequence, action: Callable[[Sequence], None]) -> None:
@@ -148,7 +148,7 @@ class EngineLoop:
         elif seq.generated >= seq.request.max_tokens:
             self._finish(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str, error: str = "") -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str = "") -> None:
         if self.scheduler.finish(seq):
             self.runner.release(seq)
         try:
@@ -159,7 +159,7 @@ class EngineLoop:
             reason, seq.prompt_len, seq.generated, seq.cached_tokens, text=text, error=error,
         ))
 
-    def _finish_unstarted(self, request: GenerationRequest, reason: str, error: str = "") -> None:
+    def _finish_unstarted(self, request: GenerationRequest, reason: FinishReason, error: str = "") -> None:
         self._send_finish(request, FinishEvent(reason, len(request.prompt_tokens), 0, 0, error=error))
 
     def _send_finish(self, request: GenerationRequest, event: FinishEvent) -> None:

@@ -22,9 +22,12 @@ class TokenEvent:
     text: str
 
 
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
 @dataclass
 class FinishEvent:
-    finish_reason: Literal["stop", "length", "cancelled", "error"]
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int

@@ -50,7 +50,7 @@ def timed(call: Callable[[], object], device: torch.device, budget_s: float = BU
 
     once()
     started = time.perf_counter()
-    seconds = []
+    seconds: list[float] = []
     while (len(seconds) < MIN_REPEATS or time.perf_counter() < started + budget_s) and (
             not seconds or time.perf_counter() < started + MAX_S):
         seconds.append(once())

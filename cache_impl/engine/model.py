@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import asdict
+from typing import Iterable, cast
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
+    def blocks(self) -> Iterable[Block]:
+        """The layers, each a Block (made so above; nn.ModuleList types its items as any Module)."""
+        return cast("Iterable[Block]", self.layers)
+
     def setup_rope(self) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.args, self.embed.weight.device)
 
@@ -98,7 +103,7 @@ class Transformer(nn.Module):
         cos = self.rope_cos[start:end][None, None]            # [1, 1, T, D/2]
         sin = self.rope_sin[start:end][None, None]
         mask = _causal_mask(start, T, end, x.device)          # [T, end], additive
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks()):
             q, k, v = layer.qkv(x, cos, sin)
             kv[i, 0, :, start:end] = k[0]
             kv[i, 1, :, start:end] = v[0]
@@ -117,7 +122,7 @@ class Transformer(nn.Module):
         x = self.embed(token.view(1))[None]                   # [1, 1, dim]
         cos = self.rope_cos[pos : pos + 1][None, None]        # [1, 1, 1, D/2]
         sin = self.rope_sin[pos : pos + 1][None, None]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks()):
             q, _, _ = layer.qkv(x, cos, sin)
             keys, values = kv[i, 0, :, : pos + 1][None], kv[i, 1, :, : pos + 1][None]
             x = layer.finish(x, F.scaled_dot_product_attention(q, keys, values, enable_gqa=True))
@@ -133,7 +138,7 @@ class Transformer(nn.Module):
         pos = torch.tensor(positions, device=x.device)
         cos = self.rope_cos[pos][:, None, None]               # [B, 1, 1, D/2]
         sin = self.rope_sin[pos][:, None, None]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks()):
             q, k, v = layer.qkv(x, cos, sin)
             outs = []
             for b, (cache, p) in enumerate(zip(kvs, positions)):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class PrefixCache:
-    def __init__(self, cache: Optional["TieredKVCache"], block_size: int, counters: collections.Counter) -> None:
+    def __init__(self, cache: Optional["TieredKVCache"], block_size: int, counters: collections.Counter[str]) -> None:
         self.cache, self.block_size, self.counters = cache, block_size, counters
 
     def load(self, seq: Sequence) -> None:

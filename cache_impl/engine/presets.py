@@ -7,6 +7,7 @@ refuse a G2 context longer than the preset's `max_seq_len` at load).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ModelArgs:
             )
 
 
+PresetName = Literal["tiny", "small", "base"]   # the names of PRESETS, for a setting that names one
 PRESETS: dict[str, ModelArgs] = {
     # For the project's own tests: milliseconds per request.
     "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=4096),
@@ -45,4 +47,4 @@ PRESETS: dict[str, ModelArgs] = {
     # Heavier recompute for machines with more cores (8 KiB of KV per token).
     "base": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, ffn_dim=1024),
 }
-DEFAULT_PRESET = "small"
+DEFAULT_PRESET: PresetName = "small"

@@ -61,5 +61,6 @@ def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
         if _libc.mincore(start, end - start, vector) != 0:
             error = ctypes.get_errno()
             raise OSError(error, f"mincore over {end - start} bytes at {start:#x}: {os.strerror(error)}")
-        total += PAGE * int(np.count_nonzero(np.frombuffer(vector, dtype=np.uint8) & 1))
+        # through a memoryview: numpy's stubs take a ctypes array as a buffer from Python 3.12 only
+        total += PAGE * int(np.count_nonzero(np.frombuffer(memoryview(vector), dtype=np.uint8) & 1))
     return total

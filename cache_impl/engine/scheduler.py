@@ -71,7 +71,7 @@ class Scheduler:
                 self._wake.wait()
             if self._stopping and not self.running:
                 return None
-            admitted = []
+            admitted: list[GenerationRequest] = []
             while self.waiting and len(self.running) + len(admitted) < self.max_running:
                 admitted.append(self.waiting.popleft())
             return admitted

@@ -8,15 +8,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:  # ctypes' base class of foreign functions (documented as ctypes._CFuncPtr)
+    from _ctypes import CFuncPtr
 
 DEFAULT_EVERY_BYTES = 32 * 2**20
 SERVE_MMAP_THRESHOLD = 128 * 2**10   # glibc's own starting threshold, kept from sliding up
 _M_MMAP_THRESHOLD = -3               # mallopt's parameter number (malloc.h)
 
 
-def _libc_function(name: str) -> Optional[Callable]:
-    """A glibc function by name, or None where the C library has none."""
+def _libc_function(name: str) -> Optional[CFuncPtr]:
+    """A glibc function by name (a ctypes foreign function, whose argument and result types are set on it), or
+    None where the C library has none."""
     try:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):

@@ -129,7 +129,7 @@ class _AdminRoutes:
     async def locate(self, request: Request) -> dict:
         tokens = self.owner.prompt_tokens(await self.read_json(request))
         store = self._cache()
-        disk = store.tier("disk") if "disk" in store.tiers else None
+        disk = store.disk_tier()
         blocks = [{"index": i, "key": key.hex(), "tiers": store.where(key),
                    "path": str(disk.path_for(key)) if disk is not None else None}
                   for i, key in enumerate(store.keys_for(tokens))]

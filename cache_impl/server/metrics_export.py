@@ -112,10 +112,10 @@ def _cache_metrics(cache: dict) -> Iterator[Metric]:
                             ("capacity_bytes", "the tier's capacity (disk: what its filesystem leaves it, at most "
                                                "the configured capacity)"),
                             ("blocks", "blocks held by the tier")):
-        family = GaugeMetricFamily(f"kvgate_cache_{name}", help_text, labels=["tier"])
+        gauge = GaugeMetricFamily(f"kvgate_cache_{name}", help_text, labels=["tier"])
         for tier, figures in tiers.items():
-            family.add_metric([tier], figures[name])
-        yield family
+            gauge.add_metric([tier], figures[name])
+        yield gauge
     resident = GaugeMetricFamily("kvgate_cache_resident_bytes", "bytes of the server's memory the tier's pool "
                                  "holds (pages touched so far, kept through evictions; 0 on disk or a GPU)",
                                  labels=["tier"])

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import reprlib
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cache_impl.engine.tokenizer import ChatMessage
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 
 class ApiError(Exception):
@@ -121,7 +123,7 @@ class _GenerationFields(BaseModel):
 
 
 # field: (the values that ask for nothing the engine lacks, what it lacks)
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "n": ((1,), "the embedded engine returns one choice per request"),
     "best_of": ((None, 1), "the embedded engine returns one choice per request"),
     "logprobs": ((None, False), "the embedded engine does not return log probabilities"),
@@ -151,7 +153,7 @@ _UNSUPPORTED = {
 _SAMPLING_ONLY = {"top_p", "top_k", "min_p"}
 
 
-def _is_one_of(value: object, choices: tuple) -> bool:
+def _is_one_of(value: object, choices: tuple[object, ...]) -> bool:
     """`value in choices`, where a boolean is not a number (logprobs 0 asks for log probabilities, false does not)."""
     return any(value is c if isinstance(c, bool) or c is None or isinstance(value, bool) else value == c
                for c in choices)
@@ -202,7 +204,7 @@ def chat_tokens(tokenizer, messages: list[Message]) -> list[int]:
     return tokenizer.apply_chat_template(turns)
 
 
-def parse_request(model: type[BaseModel], body: object) -> BaseModel:
+def parse_request(model: type[RequestModel], body: object) -> RequestModel:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
     try:
         return model.model_validate(expect_object(body))

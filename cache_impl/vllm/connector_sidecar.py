@@ -41,7 +41,7 @@ class ConnectorOwner:
     def __init__(self, cache: "TieredKVCache", tokenizer_dir: Optional[str]) -> None:
         self._cache = cache
         self._tokenizer_dir = tokenizer_dir
-        self._tokenizer = None
+        self._tokenizer: Optional[Tokenizer] = None
 
     @property
     def cache(self) -> "TieredKVCache":
@@ -96,9 +96,9 @@ class Sidecar:
     """uvicorn serving `sidecar_app` on a daemon thread of vLLM's engine process."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        # vLLM owns the process's signals: uvicorn (0.29 on) takes them only when it serves on the main thread
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     lifespan="off"))
-        self.server.install_signal_handlers = lambda: None  # vLLM owns the process's signals
         self.thread = threading.Thread(target=self._serve, name="kvgate-sidecar", daemon=True)
         self.thread.start()
         logging.getLogger("kvgate.connector").info("kvgate connector sidecar on http://%s:%d", host, port)

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cache_impl.cache.keys import token_array
-from cache_impl.cache.manager import TieredKVCache
+from cache_impl.cache.manager import LoadResult, TieredKVCache
 from cache_impl.vllm.vllm_kv import (
     EXTRA,
     ConnectorSettings,
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from cache_impl.vllm.connector_sidecar import Sidecar
 
 log = init_logger(__name__)  # vLLM's log format and level
 SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
@@ -96,7 +98,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self.paged: Optional[PagedKV] = None
         self.counters = _Counters()
         self._lookup_server: Optional[LookupServer] = None
-        self._sidecar = None
+        self._sidecar: Optional[Sidecar] = None
         self._load_errors: set[int] = set()
         self._groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else None
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
@@ -114,21 +116,23 @@ class KvgateConnector(KVConnectorBase_V1):
         if self._groups is None or len(self._groups) != 1:
             raise ValueError(f"kvgate's connector expected one KV cache group (a model with one kind of attention), "
                              f"found {0 if self._groups is None else len(self._groups)}")
+        if self._num_blocks is None:  # given with the groups, by the same KV cache config
+            raise ValueError("kvgate's connector expected the number of vLLM's KV blocks, found none")
         group = self._groups[0]
         spec = group.kv_cache_spec
         layer_names = list(group.layer_names)
         dtype = str(spec.dtype).removeprefix("torch.")
         cache_config = self.settings.cache_config(self.block_size)       # vLLM's block size, given once
         layout = cache_config.layout(len(layer_names), int(spec.num_kv_heads), int(spec.head_size), dtype)
-        self.paged = PagedKV(kv_caches, layer_names, int(self._num_blocks), layout)
-        fingerprint = instance_fingerprint(self.model, self.tokenizer, layout, self.paged.name(), self.settings)
-        self.cache = TieredKVCache(cache_config, fingerprint, device=torch.device("cpu"))
-        self._lookup_server = LookupServer(self.address, fingerprint.digest, self.block_size, self.cache.lookup_keys)
-        log.info("kvgate connector: tiers %s, fingerprint %s, vLLM KV %s", self.cache.tiers, fingerprint.hex,
-                 self.paged.name())
-        self._start_sidecar()
+        self.paged = paged = PagedKV(kv_caches, layer_names, int(self._num_blocks), layout)
+        fingerprint = instance_fingerprint(self.model, self.tokenizer, layout, paged.name(), self.settings)
+        self.cache = cache = TieredKVCache(cache_config, fingerprint, device=torch.device("cpu"))
+        self._lookup_server = LookupServer(self.address, fingerprint.digest, self.block_size, cache.lookup_keys)
+        log.info("kvgate connector: tiers %s, fingerprint %s, vLLM KV %s", cache.tiers, fingerprint.hex,
+                 paged.name())
+        self._start_sidecar(cache)
 
-    def _start_sidecar(self) -> None:
+    def _start_sidecar(self, cache: TieredKVCache) -> None:
         settings = self.settings
         if settings.admin_port is None:
             return
@@ -139,28 +143,31 @@ class KvgateConnector(KVConnectorBase_V1):
         # deferred: the sidecar's server stack (fastapi, uvicorn) only when an admin port is set
         from cache_impl.vllm.connector_sidecar import ConnectorOwner, Sidecar, sidecar_app
 
-        app = sidecar_app(ConnectorOwner(self.cache, self.tokenizer), token, self.counters.families)
+        app = sidecar_app(ConnectorOwner(cache, self.tokenizer), token, self.counters.families)
         self._sidecar = Sidecar(app, settings.admin_host, settings.admin_port)
 
-    def _step_plan(self) -> Optional[StepPlan]:
-        """This step's plan from the scheduler; None before the cache is open (nothing to move yet)."""
+    def _step_plan(self) -> Optional[tuple[StepPlan, TieredKVCache, PagedKV]]:
+        """This step's plan from the scheduler, with the cache and vLLM's KV it moves blocks between; None before
+        the cache is open (nothing to move yet)."""
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, KvgateMetadata) or self.cache is None or self.paged is None:
             return None
-        return metadata.plan
+        return metadata.plan, self.cache, self.paged
 
-    def _blocks(self, n: int) -> torch.Tensor:
+    @staticmethod
+    def _blocks(n: int, cache: TieredKVCache, paged: PagedKV) -> torch.Tensor:
         """Room for `n` kvgate blocks beside vLLM's KV."""
-        layout = self.cache.layout
-        return torch.empty((n, *layout.block_shape), dtype=layout.torch_dtype, device=self.paged.device)
+        layout = cache.layout
+        return torch.empty((n, *layout.block_shape), dtype=layout.torch_dtype, device=paged.device)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        plan = self._step_plan()
-        if plan is None:
+        step = self._step_plan()
+        if step is None:
             return
-        cache, paged = self.cache, self.paged
+        plan, cache, paged = step
         for run in plan.loads:
-            staging = self._blocks(run.num_blocks)
+            staging = self._blocks(run.num_blocks, cache, paged)
+            result: Optional[LoadResult]
             try:
                 result = cache.load_keys_into(run.keys(cache.fingerprint.digest, self.block_size),
                                               staging.__getitem__)
@@ -168,7 +175,7 @@ class KvgateConnector(KVConnectorBase_V1):
             except Exception:  # noqa: BLE001 - a failed read is a recompute, never a failed request
                 log.exception("kvgate connector: loading %d blocks for %s failed", run.num_blocks, run.req_id)
                 loaded, result = 0, None
-            if loaded:
+            if result is not None and loaded:
                 paged.scatter(staging[:loaded], run.block_ids[:loaded])
                 for source in result.sources:
                     self.counters.add("kvgate_connector_loaded_tokens", (source,), cache.block_size)
@@ -186,13 +193,14 @@ class KvgateConnector(KVConnectorBase_V1):
         return  # whole blocks are saved once every layer has its KV: wait_for_save
 
     def wait_for_save(self) -> None:
-        plan = self._step_plan()
-        if plan is None:
+        step = self._step_plan()
+        if step is None:
             return
+        plan, cache, paged = step
         for run in plan.saves:
-            blocks = self._blocks(run.num_blocks)
-            self.paged.gather(run.block_ids, blocks)
-            stored = self.cache.store_keys(run.keys(self.cache.fingerprint.digest, self.block_size), list(blocks))
+            blocks = self._blocks(run.num_blocks, cache, paged)
+            paged.gather(run.block_ids, blocks)
+            stored = cache.store_keys(run.keys(cache.fingerprint.digest, self.block_size), list(blocks))
             self.counters.add("kvgate_connector_saved_blocks", (), stored)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -406,13 +406,15 @@ class LookupClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._sock = None
+        self._sock: Optional[socket.socket] = None
         self.digest: Optional[bytes] = None
         self.block_size = 0
 
-    def _connect(self) -> bool:
+    def _connect(self) -> Optional[socket.socket]:
+        """The connection to the worker (made once, when it also gives the digest and block size); None when the
+        worker's cache is not up."""
         if self._sock is not None:
-            return True
+            return self._sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.address)
@@ -420,21 +422,22 @@ class LookupClient:
             answer = _recv_exact(sock, 20)
         except OSError:
             sock.close()
-            return False
+            return None
         self.digest, (self.block_size,) = answer[:16], struct.unpack("<I", answer[16:])
         self._sock = sock
-        return True
+        return sock
 
     def lookup(self, tokens: Sequence[int], salt: str = "") -> Optional[list[str]]:
         """The tier of each leading whole block of `tokens` (keyed with the request's cache `salt`) the worker's
         cache holds; None when it cannot answer."""
-        if not self._connect():
+        sock = self._connect()
+        if sock is None or self.digest is None:  # the digest comes with the connection: both or neither
             return None
         keys = block_keys(tokens, salted_digest(self.digest, salt), self.block_size)
         try:
-            self._sock.sendall(b"L" + struct.pack("<I", len(keys)) + b"".join(keys))
-            (m,) = struct.unpack("<I", _recv_exact(self._sock, 4))
-            codes = _recv_exact(self._sock, m)
+            sock.sendall(b"L" + struct.pack("<I", len(keys)) + b"".join(keys))
+            (m,) = struct.unpack("<I", _recv_exact(sock, 4))
+            codes = _recv_exact(sock, m)
         except OSError:
             self.close()
             return None

@@ -112,7 +112,7 @@ def read_spans(spans: Sequence[Span], consume: Consume, workers: int = DEFAULT_W
 
         def work() -> None:
             memory = buffer(chunk_bytes + 2 * ALIGN)         # a misaligned span spans one page more
-            view = memoryview(memory.numpy())
+            view = memory.numpy().data  # .data: numpy's stubs give ndarray __buffer__ from Python 3.12 only
             while True:
                 with lock:
                     piece = next(pending, None)
@@ -138,7 +138,7 @@ def read_range(path: Path, start: int, end: int, workers: int = DEFAULT_WORKERS,
     if chunk_bytes % ALIGN:
         raise ValueError(f"chunk_bytes: expected a multiple of {ALIGN}, found {chunk_bytes}")
     base = start - start % ALIGN
-    memory = memoryview(huge_page_empty(max(-(-(end - base) // ALIGN) * ALIGN, ALIGN)).numpy())
+    memory = huge_page_empty(max(-(-(end - base) // ALIGN) * ALIGN, ALIGN)).numpy().data  # the array's memoryview
     pieces = chunked([Span(path, base, end - base)], chunk_bytes)
     fd, direct = open_direct(path)
     try:

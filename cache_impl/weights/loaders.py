@@ -325,7 +325,7 @@ def _tensor_bytes(tensor: "torch.Tensor") -> memoryview:
     import torch  # deferred: torch (seconds); this module is read by configs too
 
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data  # .data: numpy's stubs give ndarray __buffer__ from Python 3.12 only
 
 
 def verify_loaded(result: LoadResult, checkpoint: SafetensorsDir, reference: Optional[dict[str, str]] = None) -> str:

@@ -504,7 +504,7 @@ def write_random_checkpoint(path: Path, total_bytes: int, shard_bytes: int = 512
         for name, shape in specs:
             nbytes = math.prod(shape) * item
             words = bits.random_raw(-(-nbytes // 8))
-            yield name, dtype, shape, words.view(np.uint8)[:nbytes]
+            yield name, dtype, shape, words.view(np.uint8)[:nbytes].data  # .data: the slice's memoryview
 
     metadata = {"kvgate.random_seed": str(seed)}
     return write_safetensors_dir(path, tensors(), shard_bytes, progress, metadata, planned, overwrite)

@@ -3,7 +3,7 @@
 import pytest
 
 from cache_impl import CacheConfig, ConfigError, TieredKVCache
-from cache_impl.cache.config import parse_size
+from cache_impl.cache.config import RemoteTierConfig, parse_size
 
 
 @pytest.mark.parametrize(
@@ -40,6 +40,15 @@ def test_sizes_accept_bytes_and_units():
         {"host_capacity_bytes": "1GiB", "disk": {"path": "/tmp/x", "capacity_bytes": "3GiB"}}
     )
     assert config.host_capacity_bytes == 2**30 and config.disk.capacity_bytes == 3 * 2**30
+
+
+def test_a_mooncake_url_gives_its_options_as_text_that_validation_parses():
+    config = RemoteTierConfig.from_url("mooncake://master:50051?metadata=http://meta:8080/m&segment=256MiB"
+                                       "&hostname=10.0.0.2")
+    assert (config.backend, config.master, config.metadata_server) == ("mooncake", "master:50051", "http://meta:8080/m")
+    assert config.segment_bytes == 256 * 2**20 and config.local_hostname == "10.0.0.2"
+    with pytest.raises(ConfigError, match="remote: unknown option 'segments'"):
+        RemoteTierConfig.from_url("mooncake://master:50051?segments=1GiB")
 
 
 def test_block_size_must_match_the_kv_layout(fingerprint):

@@ -2,12 +2,15 @@
 
 import threading
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from cache_impl.engine.engine import Engine, EngineConfig, FinishEvent, GenerationRequest, QueueFullError
+from cache_impl.engine.presets import PRESETS, PresetName
 from cache_impl.engine.resident import PAGE
 from cache_impl.engine.tokenizer import ByteTokenizer
+from kvcore.settings import ConfigError
 
 BLOCK = 256
 
@@ -386,3 +389,12 @@ def test_the_engines_thread_holds_the_processs_only_openmp_team():
     assert main_threads == 1 and engine_threads == 2
     # the control: a main thread that ran one parallel operation first has one more thread, its team's worker
     assert run("team-first") == (1, 2, started + 1)
+
+
+def test_the_preset_setting_takes_every_preset_by_name_and_nothing_else():
+    assert get_args(PresetName) == tuple(PRESETS)
+    with pytest.raises(ConfigError, match="engine.preset: expected one of 'tiny', 'small' or 'base', found 'huge'"):
+        EngineConfig.from_dict({"preset": "huge"})
+    with pytest.raises(ConfigError, match="engine.load_format: expected one of 'kvgate', 'safetensors', "
+                                          "'runai_streamer' or 'fastsafetensors', found 'mmap'"):
+        EngineConfig.from_dict({"load_format": "mmap"})

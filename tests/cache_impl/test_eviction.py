@@ -3,9 +3,13 @@
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
+import pytest
 import torch
 
+from cache_impl.cache.metrics import TierMetrics
+from cache_impl.cache.placement import Level, Placement
 from tests.blocks import BLOCK, blocks_for
 
 
@@ -149,3 +153,9 @@ def test_eviction_skips_a_full_lower_tier_and_demotes_further_down(make_cache, l
         for key in cache.keys_for(long_prompt)[3:5]:
             assert cache.where(key) == ["disk"], "an evicted block was dropped instead of demoted past the host"
     assert all(cache.where(key) == ["device"] for key in evicted)
+
+
+def test_a_tier_that_keeps_its_own_capacity_has_no_blocks_to_evict_and_says_so():
+    pool = Level(0, SimpleNamespace(name="remote"), TierMetrics(), None, None, True)
+    with pytest.raises(ValueError, match="remote tier: manages its own capacity"):
+        Placement([pool]).unprotected(pool)

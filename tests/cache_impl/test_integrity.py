@@ -19,6 +19,12 @@ def _disk_only(make_cache, **settings):
     return make_cache(host_capacity_bytes=0, **settings)
 
 
+def test_the_disk_tier_is_had_as_one_and_none_without_it(make_cache):
+    cache = make_cache()
+    assert cache.disk_tier() is cache.tier("disk")
+    assert make_cache(disk=None).disk_tier() is None
+
+
 def _stored_on_disk(cache, layout, n_blocks=3):
     tokens = list(range(n_blocks * BLOCK))
     blocks = blocks_for(layout, tokens)

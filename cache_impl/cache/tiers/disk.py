@@ -18,7 +18,7 @@ from cache_impl.cache.disk_room import check_reserve, filesystem_room
 from cache_impl.cache.faults import FaultPoints
 from cache_impl.cache.keys import Fingerprint, Key
 from cache_impl.cache.tiers.base import Discovered, cpu_bytes
-from cache_impl.cache.tiers.disk_probe import IoProbe, probe_io_mode
+from cache_impl.cache.tiers.disk_probe import IoMode, IoProbe, probe_io_mode
 from cache_impl.platform import buffers
 from cache_impl.platform.thread_pools import started_pool
 
@@ -44,7 +44,8 @@ class DiskTier:
         self._pool = started_pool(config.read_workers, "kv-disk-read", self._set_up_reader)
         self.shared = config.shared
         self.probe: Optional[IoProbe] = None
-        self.io_mode = config.io_mode
+        # with "auto", reads are buffered until the probe has chosen (it sets each mode it times itself)
+        self.io_mode: IoMode = "buffered" if config.io_mode == "auto" else config.io_mode
         if config.io_mode == "auto":
             self.probe = probe_io_mode(self)
             self.io_mode = self.probe.chosen
@@ -126,7 +127,7 @@ class DiskTier:
         if buf is None:
             tensor = buffers.aligned_empty((integrity.padded(self.payload_nbytes),), torch.uint8, "cpu",
                                            pin_memory=pinned)
-            buf = (tensor, memoryview(tensor.numpy()))
+            buf = (tensor, tensor.numpy().data)  # .data: numpy's stubs give ndarray __buffer__ from Python 3.12 only
             setattr(self._local, name, buf)
         return buf
 
@@ -134,7 +135,7 @@ class DiskTier:
         """This thread's aligned buffer for a block file's header."""
         header = getattr(self._local, "header", None)
         if header is None:
-            header = memoryview(buffers.aligned_empty((integrity.HEADER_BYTES,), torch.uint8, "cpu").numpy())
+            header = buffers.aligned_empty((integrity.HEADER_BYTES,), torch.uint8, "cpu").numpy().data
             self._local.header = header
         return header
 
@@ -203,13 +204,13 @@ class DiskTier:
                 self._dir.unlink(found.sub, found.name)
                 yield None, reason, 0.0
             else:
-                yield found.key, None, found.mtime
+                yield found.block_key, None, found.mtime
 
     def _check_file(self, found: blockfiles.Found) -> Optional[str]:
         if self.config.verify_on_start:
-            return self.verify(found.key)
+            return self.verify(found.block_key)
         try:
-            fd = self._dir.open_block(found.key)
+            fd = self._dir.open_block(found.block_key)
         except FileNotFoundError:
             return integrity.MISSING
         except OSError:
@@ -222,13 +223,13 @@ class DiskTier:
             return integrity.IO_ERROR
         finally:
             os.close(fd)
-        return integrity.verify_header(header, self.fingerprint, found.key, self.payload_nbytes)[0]
+        return integrity.verify_header(header, self.fingerprint, found.block_key, self.payload_nbytes)[0]
 
     def drop_page_cache(self) -> None:
         """Ask the kernel to drop every block file's cached pages (for cold-read benchmarks)."""
         for found in self._dir.walk():
             if found.kind == blockfiles.BLOCK:
-                self.drop_block_pages(found.key)
+                self.drop_block_pages(found.block_key)
 
     def drop_block_pages(self, key: Key) -> None:
         """Write back and drop one block file's cached pages; nothing when it is gone."""

@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -20,14 +20,15 @@ from cache_impl.platform.buffers import aligned_empty
 
 PROBE_BYTES = 64 * 2**20
 PROBE_ROUNDS = 3
-MODES = ("buffered", "direct")
+IoMode = Literal["buffered", "direct"]  # how the disk tier reads ("auto" in its config: the probe chooses)
+MODES: tuple[IoMode, ...] = ("buffered", "direct")
 
 
 class ProbedDisk(Tier, Protocol):
     """What the probe uses of a disk tier (cache_impl.cache.tiers.disk.DiskTier), beyond any tier's interface."""
 
     payload_nbytes: int
-    io_mode: str
+    io_mode: IoMode
 
     def drop_block_pages(self, key: Key) -> None: ...
 
@@ -36,7 +37,7 @@ class ProbedDisk(Tier, Protocol):
 class IoProbe:
     """What the start-up probe measured (GB/s per round and mode) and the mode it chose."""
 
-    chosen: str
+    chosen: IoMode
     blocks: int
     nbytes: int
     gbps: dict[str, list[float]] = field(default_factory=dict)
@@ -82,7 +83,7 @@ def probe_io_mode(tier: ProbedDisk, rounds: int = PROBE_ROUNDS) -> IoProbe:
     return replace(measured, chosen="direct" if measured.median("direct") > measured.median("buffered") else "buffered")
 
 
-def _cold_read_gbps(tier: ProbedDisk, mode: str, keys: list[bytes], outs: torch.Tensor) -> float:
+def _cold_read_gbps(tier: ProbedDisk, mode: IoMode, keys: list[bytes], outs: torch.Tensor) -> float:
     """Drop the probe blocks' pages, then time one read of them all in `mode`; OSError when one is refused."""
     for key in keys:
         tier.drop_block_pages(key)

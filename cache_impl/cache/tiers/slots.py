@@ -66,7 +66,8 @@ class SlotPool:
             first_out.copy_(self.pool[slot], non_blocking=True)
             return
         run = torch.empty(0, dtype=first_out.dtype, device=first_out.device)
-        run.set_(first_out.untyped_storage(), first_out.storage_offset(), (count, *first_out.shape))
+        shape = (count, *first_out.shape)
+        run.set_(first_out.untyped_storage(), first_out.storage_offset(), shape, _contiguous_strides(shape))
         run.copy_(self.pool[slot : slot + count], non_blocking=True)
 
     def view(self, key: Key) -> Optional[torch.Tensor]:
@@ -108,6 +109,15 @@ def _runs(slots: Sequence[int], outs: Sequence[torch.Tensor]) -> Iterator[tuple[
             continue
         yield first, i - first
         first = i
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """C-contiguous strides of `shape`, as torch makes them (Tensor.set_'s default, which its stubs lack)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
