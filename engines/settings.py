@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, get_args
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -21,8 +21,12 @@ if TYPE_CHECKING:
     Tier = str                  # the checker cannot read a Literal built from a tuple
 else:
     Tier = Literal[TIERS]       # one of TIERS, checked by pydantic
-ENGINES = ("kvgate", "vllm", "sglang", "generic")
-CACHE_LAYERS = {"lmcache": ("vllm",), "hicache": ("sglang",), "mooncake": ("vllm", "sglang"), "kvgate": ("vllm",)}
+EngineName = Literal["kvgate", "vllm", "sglang", "generic"]
+ENGINES: tuple[EngineName, ...] = get_args(EngineName)
+CacheLayerName = Literal["lmcache", "hicache", "mooncake", "kvgate"]
+# each cache layer and the engines it runs under
+CACHE_LAYERS: dict[CacheLayerName, tuple[EngineName, ...]] = {
+    "lmcache": ("vllm",), "hicache": ("sglang",), "mooncake": ("vllm", "sglang"), "kvgate": ("vllm",)}
 DEFAULT_CLEARS = {"clear_device_cache": ["device"], "clear_lower_tiers": ["host"], "drop_disk_page_cache": []}
 
 
@@ -116,10 +120,10 @@ class TargetSettings(StrictModel):
     model: str = Field(min_length=1)
     api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
     api: Literal["chat", "completions"] = "chat"
-    engine: Literal[ENGINES] = Field(default="generic", description=(
+    engine: EngineName = Field(default="generic", description=(
         "the engine serving it (engines/): its cache controls and metric names. generic (default): kvgate "
         "assumes nothing; each control and the metric map come from this section"))
-    cache_layer: Optional[Literal[tuple(CACHE_LAYERS)]] = Field(default=None, description=(
+    cache_layer: Optional[CacheLayerName] = Field(default=None, description=(
         "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang), kvgate "
         "(vllm: kvgate's connector, cache_impl/vllm/vllm_connector.py)"))
     cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(

@@ -3,7 +3,7 @@ through kvgate's admin routes (workloads/probes/faults.py). Composed by gates/co
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -11,6 +11,10 @@ from cache_impl.cache.faults import BLOCK_FAULTS, FAULT_LIMITS, IO_FAULTS
 from kvcore.settings import Float, StrictModel
 
 SCHEDULED_FAULTS = BLOCK_FAULTS + IO_FAULTS
+if TYPE_CHECKING:
+    FaultKind = str                          # the checker cannot read a Literal built from a tuple
+else:
+    FaultKind = Literal[SCHEDULED_FAULTS]    # one of SCHEDULED_FAULTS, checked by pydantic
 
 
 class FaultSpec(StrictModel):
@@ -20,7 +24,7 @@ class FaultSpec(StrictModel):
     the upper tiers, so the next probe must load it; I/O faults are armed for `duration_s`.
     """
 
-    kind: Literal[SCHEDULED_FAULTS]
+    kind: FaultKind
     at_s: Float = Field(ge=0, description="seconds after the soak's start")
     duration_s: Float = Field(default=10, gt=0, le=FAULT_LIMITS["duration_s"],
                               description="I/O faults: how long the fault stays armed")

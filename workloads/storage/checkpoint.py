@@ -10,7 +10,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, get_args
 
 from kvcore.files import drop_cached_pages, fsync_directory
 from kvcore.settings import ConfigError
@@ -24,8 +24,9 @@ MLPERF_BYTES_PER_PARAMETER = 14.0
 AGREEMENT_TOLERANCE = 0.05   # MLPerf Storage: repeated runs agree within 5%
 # The paths a save and a restore take: kvgate's own (workloads/storage/checkpoint_kvgate.py: DCP's planner and
 # metadata, aligned O_DIRECT I/O in huge pages, parallel) and DCP's FileSystemWriter / FileSystemReader.
-KVGATE_WRITER = "kvgate"
-WRITERS = (KVGATE_WRITER, "dcp")
+WriterName = Literal["kvgate", "dcp"]
+KVGATE_WRITER: WriterName = "kvgate"
+WRITERS: tuple[WriterName, ...] = get_args(WriterName)
 READERS = WRITERS
 READER_OF = {"kvgate": "kvgate", "dcp": "dcp"}        # the reader of a writer's own kind
 WRITER_NAMES = {"kvgate": "kvgate's writer", "dcp": "DCP's FileSystemWriter"}

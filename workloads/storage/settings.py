@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Sequence, Union, get_args
 
 from pydantic import Field, PlainValidator, field_validator, model_validator
 
 from cache_impl.weights.safetensors_dir import CheckpointFormatError, read_safetensors_dir
-from kvcore.loader_names import KVGATE_LOADER, LOADERS
+from kvcore.loader_names import KVGATE_LOADER, LOADERS, LoaderName
 from kvcore.sampling import PairsConfig
 from kvcore.settings import (
     MAX_BYTES,
@@ -25,9 +25,14 @@ from kvcore.settings import (
     parse_size,
     positive_size,
 )
-from workloads.storage.checkpoint import KVGATE_WRITER, STATE_PRESETS, CheckpointSpec
+from workloads.storage.checkpoint import KVGATE_WRITER, STATE_PRESETS, CheckpointSpec, WriterName
 from workloads.storage.checkpoint import WRITERS as CHECKPOINT_WRITERS
 from workloads.storage.fio_sweep import SweepGrid
+
+IOMode = Literal["direct", "buffered"]
+IO_MODES: tuple[IOMode, ...] = get_args(IOMode)
+IOEngine = Literal["libaio", "io_uring"]
+IO_ENGINES: tuple[IOEngine, ...] = get_args(IOEngine)
 
 
 class StorageConfig(StrictModel):
@@ -60,15 +65,14 @@ class FioSweepConfig(StrictModel):
                                      description="queue depths of the direct read points")
     numjobs: list[Annotated[Int, Field(ge=1, le=64)]] = Field(default_factory=lambda: [1, 4], min_length=1,
                                                                description="parallel jobs of the read points")
-    modes: list[Literal["direct", "buffered"]] = Field(default_factory=lambda: ["direct", "buffered"], min_length=1,
-                                                       description="direct; buffered with invalidate=1")
-    ioengines: list[Literal["libaio", "io_uring"]] = Field(
-        default_factory=lambda: ["libaio", "io_uring"], min_length=1,
+    modes: list[IOMode] = Field(default_factory=lambda: list(IO_MODES), min_length=1,
+                                description="direct; buffered with invalidate=1")
+    ioengines: list[IOEngine] = Field(
+        default_factory=lambda: list(IO_ENGINES), min_length=1,
         description="engines of the direct read points (one the host lacks is probed and left out)")
     write_bs: list[str] = Field(default_factory=lambda: ["1M", "4M", "16M"], min_length=1)
     write_numjobs: list[Annotated[Int, Field(ge=1, le=64)]] = Field(default_factory=lambda: [1, 4], min_length=1)
-    write_modes: list[Literal["direct", "buffered"]] = Field(default_factory=lambda: ["direct", "buffered"],
-                                                             min_length=1)
+    write_modes: list[IOMode] = Field(default_factory=lambda: list(IO_MODES), min_length=1)
     size: str = Field(default="4G", description="bytes each point moves (its jobs a share each)")
     runtime_s: Float = Field(default=5.0, gt=0, description="the most seconds a point runs")
 
@@ -129,7 +133,7 @@ def _command(value: Any) -> Any:
     return value
 
 
-def _judged_among(judged: str, measured: list[str], noun: str) -> None:
+def _judged_among(judged: str, measured: Sequence[str], noun: str) -> None:
     """The judged path (a loader, a checkpoint writer) is one of those measured."""
     if judged not in measured:
         raise ValueError(f"judged: expected one of the {noun}s measured ({', '.join(measured)}), found {judged!r} "
@@ -146,10 +150,10 @@ class ModelLoadConfig(StrictModel):
                                  "storage.path")
     size: str = Field(default="1GiB", description="the random checkpoint's size (without `path`)")
     shard_size: str = Field(default="256MiB", description="the random checkpoint's shard size")
-    loaders: list[Literal[LOADER_NAMES]] = Field(default_factory=lambda: list(LOADER_NAMES), min_length=1,
+    loaders: list[LoaderName] = Field(default_factory=lambda: list(LOADER_NAMES), min_length=1,
         description="the loaders measured, each beside the storage's best read job; those not judged are shown as "
                     "how much of the storage they use")
-    judged: Literal[LOADER_NAMES] = Field(default=KVGATE_LOADER, description=(
+    judged: LoaderName = Field(default=KVGATE_LOADER, description=(
         "the loader whose ratio is judged: kvgate (its own path, at the storage's best: the storage is judged), "
         "or a field loader (a joint test of one serving stack's loader)"))
     parallel: Int = Field(default=16, ge=1, le=256, description="reads in flight of kvgate's loader and read "
@@ -221,12 +225,12 @@ class CheckpointConfig(StrictModel):
     bytes_per_parameter: Float = Field(default=14.0, ge=2, le=64, description=(
         "bytes of state per parameter: 14 is bf16 weights + fp32 master weights + Adam's two moments"))
     thread_count: Int = Field(default=1, ge=1, le=64, description="each rank's write threads (files written at once)")
-    writers: list[Literal[CHECKPOINT_WRITERS]] = Field(
+    writers: list[WriterName] = Field(
         default_factory=lambda: list(CHECKPOINT_WRITERS), min_length=1, description=(
             "the writers measured, each save beside the storage's best fsync'd write job: kvgate (its own: DCP's "
             "planner and metadata, aligned O_DIRECT writes from huge pages, parallel) and dcp (DCP's "
             "FileSystemWriter); those not judged are shown as how much of the storage they use"))
-    judged: Literal[CHECKPOINT_WRITERS] = Field(default=KVGATE_WRITER, description=(
+    judged: WriterName = Field(default=KVGATE_WRITER, description=(
         "the writer whose ratio is judged: kvgate (the storage is judged), or dcp (a joint test of DCP's own "
         "writer); its checkpoint is restored by each reader"))
     rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
@@ -247,7 +251,8 @@ class CheckpointConfig(StrictModel):
 
     def spec(self) -> CheckpointSpec:
         """The state the ranks save: `parameters` (a count, or a preset's) at `bytes_per_parameter`."""
-        fields = {"bytes_per_parameter": self.bytes_per_parameter, "ranks": self.ranks}
         if isinstance(self.parameters, str):
-            return CheckpointSpec.from_preset(self.parameters.lower(), **fields)
-        return CheckpointSpec(parameters=self.parameters, **fields)
+            return CheckpointSpec.from_preset(self.parameters.lower(), bytes_per_parameter=self.bytes_per_parameter,
+                                              ranks=self.ranks)
+        return CheckpointSpec(parameters=self.parameters, bytes_per_parameter=self.bytes_per_parameter,
+                              ranks=self.ranks)

@@ -454,6 +454,7 @@ class TraceSpec(_Spec):
 
 
 WorkloadSpec = Union[MultiRoundQASpec, LongDocQASpec, SharedPrefixSpec, RandomSpec, TraceSpec]
+SPEC_TYPES = (MultiRoundQASpec, LongDocQASpec, SharedPrefixSpec, RandomSpec, TraceSpec)
 _SPECS: dict[str, type[WorkloadSpec]] = {
     "multi_round_qa": MultiRoundQASpec, "long_doc_qa": LongDocQASpec, "shared_prefix": SharedPrefixSpec,
     "random": RandomSpec, "trace": TraceSpec,
@@ -492,7 +493,9 @@ def load_spec(source: Union[str, Path, Mapping[str, Any], WorkloadSpec], root: s
 def _workload_field(value: Any) -> WorkloadSpec:
     """A config's workload section validated where it is loaded: a mapping (or a spec already validated), its
     errors named under the section's own path."""
-    if not isinstance(value, (Mapping, _Spec)):
+    if isinstance(value, SPEC_TYPES):
+        return value
+    if not isinstance(value, Mapping):
         raise ValueError(f"expected a mapping (a workload spec: workloads/specs/), found {value!r}")
     try:
         return load_spec(value, root="")
