@@ -11,7 +11,7 @@ import importlib
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 from urllib.parse import urlsplit
 
 from workloads.probes.faults import AdminClient, CacheAdmin
@@ -19,7 +19,7 @@ from workloads.probes.tier_hits import read_tier_hits
 
 from .base import ABILITIES, CONTROLS, Ability, Capacity, Control, EngineAdapter, EngineSpec, Unavailable
 from .metrics import TIERS, MetricMap, MetricsError, Scrape, Series, TierHits, parse_metrics
-from .settings import ENGINES
+from .settings import ENGINES, ControlStep, RunEndpoint, TargetSettings, TargetsOf, role_settings
 from .steps import CommandStep, ControlError, HttpStep, StepResult
 from .vllm import connector_cache_admin
 
@@ -36,7 +36,7 @@ def build_adapter(spec: EngineSpec) -> EngineAdapter:
     return importlib.import_module(f".{spec.engine}", __name__).build(spec)
 
 
-def spec_from_endpoint(endpoint: Any) -> EngineSpec:
+def spec_from_endpoint(endpoint: TargetSettings) -> EngineSpec:
     """The spec of an external target from its validated gates.yaml section (engines.settings.TargetSettings)."""
     api_key = os.environ.get(endpoint.api_key_env) if endpoint.api_key_env else None
     root = endpoint.url.rstrip("/").removesuffix("/v1")
@@ -61,30 +61,31 @@ def embedded_spec(server_root: str, cache_dir: Optional[Path] = None, device_kv_
                       device_kv_tokens=device_kv_tokens, host_kv_tokens=host_kv_tokens, block_size=block_size)
 
 
-def endpoint_adapter(config: Any, endpoint: Any) -> EngineAdapter:
+def endpoint_adapter(config: TargetsOf, endpoint: RunEndpoint) -> EngineAdapter:
     """The adapter of one of a run's endpoints (gates.targets.Endpoint): a `kvgate serve --admin` the harness
     started (its admin routes; its disk tier's directory on this host), else the external target's
     configured engine (`targets.<role>` in gates.yaml)."""
     if endpoint.admin:
         cache_dir = Path(endpoint.cache_dir) if endpoint.cache_dir else None
         return build_adapter(embedded_spec(endpoint.server_root, cache_dir=cache_dir))
-    return build_adapter(spec_from_endpoint(getattr(config.targets, endpoint.role)))
+    return build_adapter(spec_from_endpoint(role_settings(config, endpoint.role)))
 
 
-def cache_admin(config: Any, endpoint: Any) -> Optional["CacheAdmin"]:
+def cache_admin(config: TargetsOf, endpoint: RunEndpoint) -> Optional["CacheAdmin"]:
     """kvgate's admin routes over an endpoint's cache (workloads.probes.faults.CacheAdmin), where its cache is
     kvgate's: a `kvgate serve --admin` the harness started, or vLLM with kvgate's connector and its sidecar
     (`cache_layer: kvgate`, `cache_layer_url`); None for any other cache (its disk reads are not exported, faults
     cannot be injected into it)."""
     if endpoint.admin:
         return CacheAdmin(AdminClient(endpoint.server_root))
-    settings = getattr(config.targets, endpoint.role)
+    settings = role_settings(config, endpoint.role)
     if settings.engine == "vllm" and settings.cache_layer == "kvgate" and settings.cache_layer_url:
         return connector_cache_admin(spec_from_endpoint(settings), settings.model)
     return None
 
 
-def hit_reader(endpoint: Any, adapter: EngineAdapter, config: Any = None) -> tuple[Callable[[], Optional[dict]], str]:
+def hit_reader(endpoint: RunEndpoint, adapter: EngineAdapter, config: Optional[TargetsOf] = None,
+               ) -> tuple[Callable[[], Optional[dict]], str]:
     """How a gate reads a target's hits per tier so far, and what they count: an embedded target's kvgate
     counters summed over its nodes (blocks), else its engine's tier accounting (tokens; None without one),
     summed over an external target's nodes (`targets.candidate_nodes`: each node's own /metrics, the
@@ -94,7 +95,7 @@ def hit_reader(endpoint: Any, adapter: EngineAdapter, config: Any = None) -> tup
     roots = endpoint.node_roots
     if len(roots) < 2 or config is None:
         return adapter.hit_totals, "tokens"
-    spec = spec_from_endpoint(getattr(config.targets, endpoint.role))
+    spec = spec_from_endpoint(role_settings(config, endpoint.role))
     nodes = [adapter, *(build_adapter(replace(spec, server_root=root, metrics_url=None)) for root in roots[1:])]
 
     def read() -> Optional[dict]:
@@ -108,10 +109,12 @@ def hit_reader(endpoint: Any, adapter: EngineAdapter, config: Any = None) -> tup
     return read, "tokens"
 
 
-def _step(step: Any, root: str, api_key: Optional[str]):
+def _step(step: ControlStep, root: str, api_key: Optional[str]) -> Union[CommandStep, HttpStep]:
     """A configured step; an HTTP call to the endpoint's own server carries its API key (to another host, never)."""
     if step.command is not None:
         return CommandStep(step.command)
+    if step.http is None:       # ControlStep holds one of the two
+        raise ValueError("control step: expected an http call or a command, found neither")
     same_server = _origin(step.http.url) == _origin(root)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key and same_server else {}
     return HttpStep(step.http.method, step.http.url, step.http.body, headers)

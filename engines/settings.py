@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional, get_args
+from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, get_args
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -191,3 +191,51 @@ class TargetSettings(StrictModel):
             raise ValueError(f"expected the environment variable {name!r} to hold the API key, found it "
                              f"{'empty' if name in os.environ else 'unset'}")
         return name
+
+
+class RoleSettings(Protocol):
+    """What the engines read of gates.yaml's `targets` section (gates.config.TargetsConfig): each external role's
+    settings, None where the config gives none."""
+
+    @property
+    def baseline(self) -> Optional[TargetSettings]: ...
+
+    @property
+    def candidate(self) -> Optional[TargetSettings]: ...
+
+    @property
+    def recompute(self) -> Optional[TargetSettings]: ...
+
+
+class TargetsOf(Protocol):
+    """A validated config, as far as the engines read it (gates.config.GatesConfig)."""
+
+    @property
+    def targets(self) -> RoleSettings: ...
+
+
+class RunEndpoint(Protocol):
+    """One of a run's endpoints, as far as the engines read it (gates.targets.Endpoint)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def admin(self) -> bool: ...
+
+    @property
+    def server_root(self) -> str: ...
+
+    @property
+    def cache_dir(self) -> Optional[str]: ...
+
+    @property
+    def node_roots(self) -> list[str]: ...
+
+
+def role_settings(config: TargetsOf, role: str) -> TargetSettings:
+    """The settings of an external role (`targets.<role>`); ValueError naming the role when the config has none."""
+    settings = getattr(config.targets, role, None)
+    if not isinstance(settings, TargetSettings):
+        raise ValueError(f"targets.{role}: expected an external target's settings, found none")
+    return settings

@@ -20,6 +20,7 @@ from .g3_figures import TargetReplay, combine, level_prediction
 from .queueing import EngineModel, ServedRequest, simulate_source
 from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, infinite_cache_hits, replay
 from .sequences import embedded_chat_tokens, requests_block_keys, word_chat_tokens
+from .settings import G3Section
 from .targets import TargetInputs
 
 
@@ -42,7 +43,7 @@ class G3Replays:
     arrivals_s: dict                # multiplier -> arrival seconds of its part's requests
 
 
-def g3_segments(g3, workload: Workload) -> list[Segment]:
+def g3_segments(g3: G3Section, workload: Workload) -> list[Segment]:
     """What G3 sends each target, in order: the primer (when `g3.prime`), then the measured parts."""
     segments = []
     if g3.prime:
@@ -70,7 +71,7 @@ def route(segments: Sequence[Segment], nodes: int, routing: str) -> list[list[in
     return routed
 
 
-def g3_replays(g3, workload: Workload, inputs: TargetInputs) -> G3Replays:
+def g3_replays(g3: G3Section, workload: Workload, inputs: TargetInputs) -> G3Replays:
     """Every target's requests with their hits per tier and their node, per level (the module's model)."""
     segments = g3_segments(g3, workload)
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
@@ -176,7 +177,7 @@ class BlockSource:
         self.caches[node].store(keys.output)
 
 
-def matched_blocks(g3, workload: Workload, inputs: TargetInputs) -> bool:
+def matched_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs) -> bool:
     """Whether G3's closed loop over this workload is simulated block by block as G3 runs it (matched pairs of
     segments of an interleaved load order)."""
     return g3.replay == "closed_loop" and not workload.trace and workload.interleaved
@@ -185,7 +186,7 @@ def matched_blocks(g3, workload: Workload, inputs: TargetInputs) -> bool:
 WARMUP_PAIRS = 1    # the pairs G3's steady rule leaves out before it measures (it settles at pair 2 or later)
 
 
-def simulate_blocks(g3, workload: Workload, inputs: TargetInputs, engine: EngineModel,
+def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, engine: EngineModel,
                     seeds: Sequence[int] = (0,)) -> tuple[list, dict]:
     """G3's closed loop as G3 runs it (workloads/loadgen/blocks.py, matched): level after level, pairs of blocks, each
     block both targets' serving of one segment of the load order (the first level's segments 8 requests a user,

@@ -16,12 +16,13 @@ from kvcore.rundata import RunStore
 from .calibration import Calibration
 from .machine import probe_ran, run_probe_calibration
 from .plan import Plan, Prediction, compare, make_plan
+from .settings import SizedRun
 from .targets import engine_facts
 
 PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model predicts (plan.py)
 
 
-def _plan_now(config, store: RunStore) -> Plan:
+def _plan_now(config: SizedRun, store: RunStore) -> Plan:
     """The plan from the config and what the run has measured so far (its own fits first, then a calibration
     file, then the pre-flight's probes)."""
     configured = None
@@ -42,7 +43,7 @@ def _plan_now(config, store: RunStore) -> Plan:
     )
 
 
-def stage_plan(config, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
+def stage_plan(config: SizedRun, store: RunStore, gate: str) -> tuple[Optional[Plan], str]:
     """The plan made before `gate` (recorded under "before <gate>"), or None and why not."""
     try:
         plan = _plan_now(config, store)
@@ -57,7 +58,7 @@ def gate_lines(plan: Plan, gate: str) -> list[str]:
     return [p.reason for p in plan.predictions if p.gate == gate and p.status]
 
 
-def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
+def final_sizing(store: RunStore, plan: Optional[Plan], config: SizedRun) -> dict:
     """Every gate's figures as predicted before it ran, beside what it measured, and the model's accuracy;
     each TTFT's terms with their sources and their shares of its error (`error_shares`); `plan`'s notes (the
     latest plan: what it could not predict, and why) go along."""
@@ -83,7 +84,7 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config) -> dict:
     return {"comparison": before.comparison, "accuracy": before.accuracy, "notes": notes}
 
 
-def constants_sample(config, gate: str, g2_ran: bool = True, probed: bool = True) -> str:
+def constants_sample(config: SizedRun, gate: str, g2_ran: bool = True, probed: bool = True) -> str:
     """Where the predictions of `gate` took their constants: in sample from this run's own probes of the embedded
     servers (`probed`) and, for G3 when G2 ran, its G2; out of sample when a calibration file, another run's, gave
     any of them."""

@@ -29,6 +29,7 @@ from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, g3_replays, matched_blocks, simulate_blocks
 from .queueing import DecodeCost, EngineModel
+from .settings import SizedRun
 from .targets import engine_facts, target_inputs
 from .timing import (
     RecomputeCurve,
@@ -79,12 +80,12 @@ class Plan:
 
 
 
-def _rule(config, gate: str, metric: str):
+def _rule(config: SizedRun, gate: str, metric: str):
     """The gate's rule for a metric it judges (GatesConfig.rule); None for a figure it does not judge."""
     return config.rule(gate, metric) if metric in {c.metric for c in CHECKS[gate]} else None
 
 
-def _judged(config, prediction: Prediction) -> Prediction:
+def _judged(config: SizedRun, prediction: Prediction) -> Prediction:
     rule = _rule(config, prediction.gate, prediction.metric)
     if rule is None:
         return prediction
@@ -94,12 +95,12 @@ def _judged(config, prediction: Prediction) -> Prediction:
     return replace(prediction, status=verdict.status, reason=verdict.reason)
 
 
-def _spec_disk_gbps(config) -> Optional[float]:
+def _spec_disk_gbps(config: SizedRun) -> Optional[float]:
     rule = _rule(config, "g1", "seq_read_gbps")
     return getattr(rule, "value", None)
 
 
-def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
+def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
               tolerances=None, in_run: bool = False, fill_from: Optional[Calibration] = None,
               engines: Optional[dict] = None, machine: Optional[Calibration] = None) -> Plan:
     """The plan for `config` (a GatesConfig); `store`: a run whose G1/G2 figures refine it; `calibration`:
@@ -174,13 +175,13 @@ def make_plan(config, store: Optional[RunStore] = None, calibration: Optional[Ca
     return plan
 
 
-def _g3_workload(config, inputs, seed: int = 0):
+def _g3_workload(config: SizedRun, inputs, seed: int = 0):
     """G3's workload built as G3 builds it for the target (the byte sizer for kvgate's engine, the word
     sizer for others)."""
     return build_workload(config.g3.workload, sizer_for(BYTE_SIZER if inputs.embedded else None), seed)
 
 
-def g3_decode_context(config) -> int:
+def g3_decode_context(config: SizedRun) -> int:
     """Where G3's sequences decode: the median prompt (tokens) of its workload as built for kvgate's engine (the
     context the decode probe times the server's steps at, just before G3)."""
     prompts = sorted(r.prompt_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
@@ -226,7 +227,7 @@ def term_sources(calibration: Calibration, tiers: TierBandwidths, disk_source: s
             "load disk": f"{tiers.effective_gbps('disk'):.2f} GB/s: {disk}" if tiers.disk_gbps else "none"}
 
 
-def _g2(plan: Plan, config, timing, tiers: TierBandwidths, inputs, sources: dict[str, str]) -> None:
+def _g2(plan: Plan, config: SizedRun, timing, tiers: TierBandwidths, inputs, sources: dict[str, str]) -> None:
     """G2's TTFT by context length for each mode the candidate has (each with its terms and their sources), its
     judged disk-hit ratio and cold-read ratio."""
     rows = predict_g2(timing, config.g2.contexts)
@@ -270,7 +271,8 @@ def _g2(plan: Plan, config, timing, tiers: TierBandwidths, inputs, sources: dict
     )
 
 
-def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs, throughput: bool = True) -> None:
+def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engine: EngineModel, inputs,
+        throughput: bool = True) -> None:
     """G3's figures per level, each judged figure with G3's own interval over the simulated requests:
     interleaved sessions block by block as G3 runs them (each block's hits and nodes from the simulation,
     g3_inputs.BlockSource), a trace or sequential sessions from the replay made beforehand."""
@@ -342,7 +344,7 @@ def _g3(plan: Plan, config, workload, g3: G3Replays, engine: EngineModel, inputs
                                            f"fleet replay: {inputs.candidate_nodes} nodes, {inputs.routing}", {}))
 
 
-def _capacity(plan: Plan, config, g3: G3Replays, engine: EngineModel, basis: str, seeds: tuple) -> None:
+def _capacity(plan: Plan, config: SizedRun, g3: G3Replays, engine: EngineModel, basis: str, seeds: tuple) -> None:
     """Each target's capacity within the SLO (sizing/capacity.py: G3's search over the simulation of its replay at
     the sweep's last level, the state its caches reach by the search; open loop, that level's trace part at
     multiples of its rate), and the candidate's gain."""
@@ -378,7 +380,7 @@ def _multiplier(value: Optional[float]) -> str:
     return "no multiplier" if value is None else f"{value:g}x"
 
 
-def _storage(plan: Plan, config, store: Optional[RunStore], calibration: Optional[Calibration],
+def _storage(plan: Plan, config: SizedRun, store: Optional[RunStore], calibration: Optional[Calibration],
              tiers: TierBandwidths) -> None:
     """Model-load and checkpoint seconds (figures, not judged: their checks are ratios measured side by side)."""
     load = config.g2.model_load

@@ -4,12 +4,17 @@ its tolerances, and what it needs of the target that the target does not tell. C
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, Sequence, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from kvcore.rules import Rule
+from kvcore.sampling import PairsConfig
 from kvcore.settings import MAX_COUNT, ConfigError, Count, Float, Int, StrictModel, absolute_path, size_text
 from sizing.layout import KVShape
+from workloads.loadgen.settings import G3CapacityConfig, SLOConfig
+from workloads.storage.settings import CheckpointConfig, ModelLoadConfig
+from workloads.traffic.datasets import WorkloadSpec
 
 
 class TargetSizing(StrictModel):
@@ -112,3 +117,84 @@ class SizingConfig(StrictModel):
     g2_ttft_mape: Float = Field(default=0.10, gt=0, le=10, description="largest G2 TTFT MAPE it accepts")
 
     _paths = field_validator("calibration", mode="before")(lambda cls, v: absolute_path(v))
+
+
+class EmbeddedSection(Protocol):
+    """What the sizing model reads of `targets.embedded` (gates.config.EmbeddedTargets)."""
+
+    @property
+    def preset(self) -> str: ...
+    @property
+    def max_running(self) -> int: ...
+    @property
+    def device_capacity_blocks(self) -> int: ...
+    @property
+    def host_capacity(self) -> str: ...
+    @property
+    def disk_capacity(self) -> str: ...
+    @property
+    def candidate_nodes(self) -> int: ...
+    @property
+    def pool(self) -> str: ...
+
+
+class TargetsSection(Protocol):
+    """What the sizing model reads of `targets` (gates.config.TargetsConfig)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def embedded(self) -> EmbeddedSection: ...
+    @property
+    def candidate_nodes(self) -> list[str]: ...
+    @property
+    def routing(self) -> str: ...
+
+
+class G2Section(Protocol):
+    """What the sizing model reads of `g2` (gates.config.G2Config)."""
+
+    @property
+    def contexts(self) -> list[int]: ...
+    @property
+    def model_load(self) -> ModelLoadConfig: ...
+    @property
+    def checkpoint(self) -> CheckpointConfig: ...
+
+
+class G3Section(Protocol):
+    """What the sizing model reads of `g3` (gates.config.G3Config): the sweep it simulates."""
+
+    @property
+    def workload(self) -> WorkloadSpec: ...
+    @property
+    def replay(self) -> str: ...
+    @property
+    def levels(self) -> Sequence[Union[int, float]]: ...
+    @property
+    def duration_s(self) -> float: ...
+    @property
+    def blocks(self) -> PairsConfig: ...
+    @property
+    def min_requests(self) -> int: ...
+    @property
+    def prime(self) -> bool: ...
+    @property
+    def capacity(self) -> G3CapacityConfig: ...
+
+
+class SizedRun(Protocol):
+    """A validated gates.yaml, as far as the sizing model reads it (gates.config.GatesConfig satisfies it)."""
+
+    @property
+    def targets(self) -> TargetsSection: ...
+    @property
+    def g2(self) -> G2Section: ...
+    @property
+    def g3(self) -> G3Section: ...
+    @property
+    def slo(self) -> Optional[SLOConfig]: ...
+    @property
+    def sizing(self) -> SizingConfig: ...
+
+    def rule(self, gate: str, metric: str) -> Optional[Rule]: ...

@@ -7,7 +7,7 @@ How it works: docs/methods/sizing-model.md (sizing/targets.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from cache_impl.cache import integrity
 from cache_impl.cache.config import CacheConfig
@@ -15,6 +15,7 @@ from kvcore.settings import parse_size
 
 from .layout import KVShape
 from .replay import TierCapacity, tier_capacities
+from .settings import SizedRun, TargetSizing
 
 EMBEDDED_BLOCK_TOKENS = 256
 # the pool kvgate starts for its embedded fleet (workloads/servers/stores.py: Redis maxmemory 512mb, Mooncake's
@@ -76,13 +77,14 @@ def pool_blocks(pool_bytes: int, block_nbytes: int) -> int:
     return pool_bytes // (integrity.HEADER_BYTES + block_nbytes)
 
 
-def target_inputs(config, engines: Optional[dict] = None) -> tuple[TargetInputs, list[str]]:
+def target_inputs(config: SizedRun, engines: Optional[dict] = None) -> tuple[TargetInputs, list[str]]:
     """The targets of `config` (a GatesConfig) as the plan models them, and notes on what stood in. `engines`:
     what a run's pre-flight read from each external role's engine ({role: {"device_kv_tokens", "absent_tiers",
     ...}}, gates.preflight.probe_engines): a capacity it says stands in for one the config does not give, and
     a baseline that reuses nothing (vLLM with prefix caching off) is modelled so."""
     targets, notes = config.targets, []
     engines = engines or {}
+    inputs: dict[str, Any]      # TargetInputs' fields, read from the targets, then over them what sizing.target sets
     given = config.sizing.target
     embedded = targets.embedded
     if targets.kind == "embedded":
@@ -137,15 +139,15 @@ def target_inputs(config, engines: Optional[dict] = None) -> tuple[TargetInputs,
                         embedded=targets.kind == "embedded"), notes
 
 
-def _given(given, inputs: dict) -> dict:
+def _given(given: TargetSizing, inputs: dict[str, Any]) -> dict[str, Any]:
     """The fields `sizing.target` sets, over the ones read from the targets."""
-    out = {}
+    out: dict[str, Any] = {}
     shape = given.shape()
     if shape is not None:
         out["shape"] = shape
     if given.block_size is not None:
         out["block_tokens"] = given.block_size
-    block_tokens = out.get("block_tokens", inputs["block_tokens"])
+    block_tokens: int = out.get("block_tokens", inputs["block_tokens"])
     if given.device_kv_tokens is not None:
         out["device_blocks"] = max(1, given.device_kv_tokens // block_tokens)
     for name in ("host", "disk"):
