@@ -116,29 +116,34 @@ class TargetSettings(StrictModel):
     """One external target's section of gates.yaml (`targets.baseline`, `candidate`, `recompute`): what the user
     says of it. A run resolves it into the one runtime `Endpoint` (gates/targets.py: Endpoint.from_settings)."""
 
-    url: str = Field(pattern=r"^https?://", description="base URL ending in /v1")
-    model: str = Field(min_length=1)
-    api_key_env: Optional[str] = Field(default=None, description="environment variable holding the API key")
-    api: Literal["chat", "completions"] = "chat"
+    url: str = Field(examples=["http://10.0.0.6:8000/v1"], pattern=r"^https?://", description="base URL ending in /v1")
+    model: str = Field(min_length=1, description="the model name its API serves", examples=["my-model"])
+    api_key_env: Optional[str] = Field(
+        examples=["MY_API_KEY"], default=None, description="environment variable holding the API key")
+    api: Literal["chat", "completions"] = Field(default="chat", description=(
+        "chat: /v1/chat/completions; completions: /v1/completions"))
     engine: EngineName = Field(default="generic", description=(
         "the engine serving it (engines/): its cache controls and metric names. generic (default): kvgate "
         "assumes nothing; each control and the metric map come from this section"))
-    cache_layer: Optional[CacheLayerName] = Field(default=None, description=(
+    cache_layer: Optional[CacheLayerName] = Field(examples=["lmcache"], default=None, description=(
         "the KV cache layer under the engine: lmcache (vllm), hicache (sglang), mooncake (vllm, sglang), kvgate "
         "(vllm: kvgate's connector, cache_impl/vllm/vllm_connector.py)"))
-    cache_layer_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+    cache_layer_url: Optional[str] = Field(
+        examples=["http://10.0.0.6:7000"], default=None, pattern=r"^https?://", description=(
         "lmcache: its internal API server (clears the host tier); kvgate: the connector's sidecar (admin_port)"))
-    metrics_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+    metrics_url: Optional[str] = Field(
+        examples=["http://10.0.0.6:8000/metrics"], default=None, pattern=r"^https?://", description=(
         "the engine's Prometheus page (default: the URL without /v1, + /metrics)"))
-    cache_dir: Optional[Path] = Field(default=None, description=(
+    cache_dir: Optional[Path] = Field(examples=["/mnt/nvme/lmcache"], default=None, description=(
         "the disk tier's directory when it is on this host: its page cache is dropped by fadvise"))
-    device_kv_tokens: Optional[Positive] = Field(default=None, description=(
+    device_kv_tokens: Optional[Positive] = Field(examples=[500000], default=None, description=(
         "device KV capacity in tokens (default: from the engine's metrics where it says)"))
-    host_kv_tokens: Optional[Positive] = Field(default=None, description="host tier KV capacity in tokens")
+    host_kv_tokens: Optional[Positive] = Field(
+        examples=[2000000], default=None, description="host tier KV capacity in tokens")
     control: ControlConfig = Field(default_factory=ControlConfig, description=(
         "cache-control steps, each an HTTP call or a command; they replace the engine's own"))
     metric_map: Optional[MetricMapConfig] = Field(default=None, description="generic: per tier, its hit counters")
-    tokenizer: Optional[str] = Field(default=None, description=(
+    tokenizer: Optional[str] = Field(examples=["/models/my-model"], default=None, description=(
         "how prompts are sized in its tokens: a tokenizer.json or the model's directory (loaded with Hugging Face "
         "tokenizers), or kvgate-byte-v1 (a `kvgate serve`); none or another name: in words, an approximation"))
 

@@ -83,9 +83,9 @@ PROFILE_NAMES: tuple[str, ...] = get_args(ProfileName)
 
 
 class EmbeddedTargets(StrictModel):
-    preset: Literal["tiny", "small", "base"] = "small"
+    preset: Literal["tiny", "small", "base"] = Field(default="small", description="the model size: tiny | small | base")
     seed: Int = Field(default=0, ge=0, le=2**63 - 1, description="weights seed")
-    max_running: Count = Field(default=8, ge=1)
+    max_running: Count = Field(default=8, ge=1, description="requests decoding at once per server")
     device_capacity_blocks: Count = Field(default=64, ge=1, description="device tier of both cached modes")
     host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")
     disk_capacity: str = Field(default="8GiB", description="disk tier of the tiered mode (under storage.path)")
@@ -113,10 +113,14 @@ class EmbeddedTargets(StrictModel):
 
 
 class TargetsConfig(StrictModel):
-    kind: Literal["embedded", "external"] = "embedded"
-    embedded: EmbeddedTargets = Field(default_factory=EmbeddedTargets)
-    baseline: Optional[TargetSettings] = None
-    candidate: Optional[TargetSettings] = None
+    kind: Literal["embedded", "external"] = Field(default="embedded", description=(
+        "embedded: kvgate starts its own servers (recompute, device-only baseline, tiered candidate); external: the "
+        "endpoints below, API keys read from the environment variables they name"))
+    embedded: EmbeddedTargets = Field(default_factory=EmbeddedTargets, description="kvgate's own servers")
+    baseline: Optional[TargetSettings] = Field(default=None, description=(
+        "external: the baseline's endpoint and engine (the serving stack without the tiered cache)"))
+    candidate: Optional[TargetSettings] = Field(default=None, description=(
+        "external: the candidate's endpoint and engine (the serving stack with the tiered cache)"))
     recompute: Optional[TargetSettings] = Field(default=None, description="optional: the no-reuse reference")
     candidate_nodes: list[str] = Field(default_factory=list,
                                        description="external: more base URLs serving the candidate's model")
@@ -137,14 +141,14 @@ class TargetsConfig(StrictModel):
 class G1Config(StrictModel):
     _declared = _thresholds_of("g1")
 
-    thresholds: list[RuleField]
+    thresholds: list[RuleField] = Field(description="each {metric, op, value}, or a band {metric, min, max}")
 
 
 class NoReuseConfig(StrictModel):
     """G2's no-reuse control (gates/g2_baseline/test_g2_no_reuse.py): what offload costs when no prefix
     comes back, unique prompts sent one at a time to the candidate and the baseline in alternating pairs."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="run it")
     context_tokens: ContextTokens = Field(default=2048, ge=16, description="each control prompt's length in tokens")
     max_tokens: ContextTokens = Field(default=32, ge=2, description="output tokens per control request")
     pairs: Count = Field(default=10, ge=5, description="alternating candidate / baseline pairs")
@@ -168,7 +172,7 @@ class G2Config(StrictModel):
     _declared = _thresholds_of("g2")
 
     contexts: list[Annotated[ContextTokens, Field(ge=2)]] = Field(min_length=1, description="context lengths in tokens")
-    rounds: Count = Field(default=2, ge=1)
+    rounds: Count = Field(default=2, ge=1, description="rounds of every context and tier, one request at a time")
     cold_read_pairs: PairsConfig = Field(default_factory=PairsConfig, description=(
         "alternating rounds of the tier's cold load and the storage's best read job (G1's sweep) on the same "
         "storage, taken until the interval decides; the cold-read ratio is judged on them"))
@@ -180,7 +184,7 @@ class G2Config(StrictModel):
     model_load: ModelLoadConfig = Field(default_factory=ModelLoadConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     no_reuse: NoReuseConfig = Field(default_factory=NoReuseConfig)
-    thresholds: list[RuleField]
+    thresholds: list[RuleField] = Field(description="each {metric, op, value}, or a band {metric, min, max}")
 
 
 NO_REUSE_WORKLOAD = {"kind": "random", "name": "no-reuse", "requests": 1000,
@@ -193,7 +197,7 @@ class G3NoReuseConfig(StrictModel):
     share no prefix, baseline then candidate, unprimed; each request is sent once (a workload a step
     would cycle through voids the control: its cached tokens say so)."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="run it")
     workload: WorkloadField = Field(default_factory=lambda: dict(NO_REUSE_WORKLOAD),
                                     description="a workload with no shared prefixes (kind: random)")
     level: Count = Field(default=4, ge=1, description="the concurrency the control runs at")
@@ -230,7 +234,7 @@ class G3Config(StrictModel):
         default="closed_loop", description="closed_loop: levels are concurrencies; rate_multipliers (a trace): "
         "levels multiply the trace's arrival rate, open loop")
     levels: list[Level] = Field(min_length=1, description="concurrencies, or rate multipliers")
-    ttft_slo_ms: Optional[Float] = Field(
+    ttft_slo_ms: Optional[Float] = Field(examples=[2000],
         default=None, gt=0, description="rate_multipliers: a target sustains a rate while its TTFT p90 (from the "
         "scheduled arrival) is within this")
     duration_s: Float = Field(gt=0, description="seconds a baseline block lasts, about: each level runs pairs of "
@@ -251,7 +255,7 @@ class G3Config(StrictModel):
     no_reuse: G3NoReuseConfig = Field(default_factory=G3NoReuseConfig)
     capacity: G3CapacityConfig = Field(default_factory=G3CapacityConfig, description=(
         "the most users each target serves within `slo`, searched, and the candidate's gain in it"))
-    thresholds: list[RuleField]
+    thresholds: list[RuleField] = Field(description="each {metric, op, value}, or a band {metric, min, max}")
 
     @model_validator(mode="after")
     def _no_reuse_step_fits(self) -> "G3Config":
@@ -309,9 +313,9 @@ class G4Config(StrictModel):
     _declared = _thresholds_of("g4")
 
     workload: WorkloadField = Field(description="a workload spec (see workloads/specs)")
-    duration_s: Float = Field(gt=0)
+    duration_s: Float = Field(gt=0, description="seconds the soak runs")
     window_s: Float = Field(ge=1, description="seconds per window (at least 1: a window is a sample of the load)")
-    concurrency: Count = Field(ge=1)
+    concurrency: Count = Field(ge=1, description="closed-loop users through the soak")
     memory_growth_limit_mib: Float = Field(default=512, gt=0, description=(
         "the most server memory outside the cache pools may grow over memory_growth_horizon_s"))
     memory_growth_horizon_s: Optional[Float] = Field(default=None, gt=0, description=(
@@ -329,7 +333,7 @@ class G4Config(StrictModel):
         "the windows each would need (the quick profile's 2 minutes); the full profile judges everything"))
     faults: list[FaultSpec] = Field(default_factory=list, description=(
         "the fault schedule (the embedded candidate, or vLLM with kvgate's connector)"))
-    thresholds: list[RuleField]
+    thresholds: list[RuleField] = Field(description="each {metric, op, value}, or a band {metric, min, max}")
 
     @model_validator(mode="after")
     def _faults_within_the_soak(self) -> "G4Config":
@@ -348,21 +352,29 @@ class G4Config(StrictModel):
 
 
 class GatesConfig(StrictModel):
-    profile: ProfileName = "quick"
+    profile: ProfileName = Field(default="quick", description=(
+        "quick: the embedded default, every gate in minutes on a small machine; full: a real joint test (G4 soaks "
+        "for 72 hours)"))
     aa: bool = Field(default=False, description=(
         "A/A mode (`kvgate run --aa`): the candidate against itself, so nothing differs (G2: the storage's best "
         "job on both sides of each pair); the run reports how many intervals excluded the null (the harness's own "
         "false decisions)"))
-    targets: TargetsConfig = Field(default_factory=TargetsConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    inventory: InventoryConfig = Field(default_factory=InventoryConfig)
-    fio: FioConfig = Field(default_factory=FioConfig)
+    targets: TargetsConfig = Field(default_factory=TargetsConfig, description="what is tested: kvgate's embedded "
+                                   "servers, or external endpoints (a baseline, a candidate, a recompute reference)")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="the storage under test")
+    inventory: InventoryConfig = Field(default_factory=InventoryConfig, description=(
+        "G1: what the order says the machine has; a key left out skips its check"))
+    fio: FioConfig = Field(default_factory=FioConfig, description=(
+        "G1's fio matrix: sequential read and write of 1 MiB, random read and write of 4 KiB, mixed 70/30"))
     slo: Optional[SLOConfig] = Field(default=None, description=(
         "the service-level objective (TTFT and TPOT at a percentile, errors) G3's capacity search holds loads to"))
-    g1: G1Config
-    g2: G2Config
+    g1: G1Config = Field(description="G1, arrival: the inventory and fio's baselines against the spec sheet")
+    g2: G2Config = Field(description=(
+        "G2, single-node baseline: recompute against hits per tier, cold reads, model loading and checkpoints "
+        "against the storage's best"))
     g3: G3Config
-    g4: G4Config
+    g4: G4Config = Field(description=(
+        "G4, stability: a soak under load with drift, leaks and consistency under injected faults"))
     sizing: SizingConfig = Field(default_factory=SizingConfig)
     claims: list[Claim] = Field(default_factory=lambda: [Claim(**c) for c in DEFAULT_CLAIMS], description=(
         "the vendor's figures, each beside what the run measured (kvcore/claims.py); default: the seed playbook's"))

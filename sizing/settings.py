@@ -25,20 +25,27 @@ class TargetSizing(StrictModel):
 
     model_config = ConfigDict(**StrictModel.model_config, populate_by_name=True, protected_namespaces=())
 
-    model_config_path: Optional[Path] = Field(default=None, alias="model_config", description=(
+    model_config_path: Optional[Path] = Field(
+        examples=["/models/Llama-3.1-70B/config.json"], default=None, alias="model_config", description=(
         "the model's Hugging Face config.json (its layers, KV heads, head dim, dtype; MLA: kv_lora_rank)"))
-    kv_dtype: Optional[str] = Field(default=None, description="the KV cache's dtype when not the model's (fp8)")
-    kv_layout: Optional[dict] = Field(default=None, description=(
+    kv_dtype: Optional[str] = Field(
+        examples=["fp8"], default=None, description="the KV cache's dtype when not the model's (fp8)")
+    kv_layout: Optional[dict] = Field(
+        examples=[{"layers": 80, "dtype": "bf16", "kv_heads": 8, "head_dim": 128}], default=None, description=(
         "instead of model_config: {layers, dtype, kv_heads, head_dim} or, MLA, {layers, dtype, kv_lora_rank, "
         "qk_rope_head_dim}"))
-    block_size: Optional[Count] = Field(default=None, ge=1, description="tokens per KV block (vLLM 16, kvgate 256)")
-    device_kv_tokens: Optional[Count] = Field(default=None, ge=1, description=(
+    block_size: Optional[Count] = Field(
+        examples=[16], default=None, ge=1, description="tokens per KV block (vLLM 16, kvgate 256)")
+    device_kv_tokens: Optional[Count] = Field(examples=[500000], default=None, ge=1, description=(
         "tokens the device KV cache holds (vLLM: 'GPU KV cache size: N tokens'; SGLang: max_total_num_tokens)"))
-    host_capacity: Optional[str] = Field(default=None, description="host DRAM tier bytes (0: none)")
-    disk_capacity: Optional[str] = Field(default=None, description="disk tier bytes (0: none)")
-    pool_capacity: Optional[str] = Field(default=None, description="the shared pool's bytes (its store's memory)")
-    pool_gbps: Optional[Float] = Field(default=None, gt=0, description="GB/s a node loads from the pool at")
-    max_running: Optional[Count] = Field(default=None, ge=1, description=(
+    host_capacity: Optional[str] = Field(
+        examples=["256GiB"], default=None, description="host DRAM tier bytes (0: none)")
+    disk_capacity: Optional[str] = Field(examples=["4TB"], default=None, description="disk tier bytes (0: none)")
+    pool_capacity: Optional[str] = Field(
+        examples=["1TiB"], default=None, description="the shared pool's bytes (its store's memory)")
+    pool_gbps: Optional[Float] = Field(
+        examples=[5.0], default=None, gt=0, description="GB/s a node loads from the pool at")
+    max_running: Optional[Count] = Field(examples=[256], default=None, ge=1, description=(
         "requests an engine runs at once (vLLM --max-num-seqs; default: targets.embedded.max_running)"))
 
     _sizes = field_validator("host_capacity", "disk_capacity", "pool_capacity", mode="before")(
@@ -75,10 +82,14 @@ class RooflineConfig(StrictModel):
     """A recompute curve from FLOPs before any G2 has measured one (sizing/timing.py RecomputeCurve.roofline):
     prefill of n tokens = (2·params·n + 2·layers·n²·attention_dim) ÷ the device's achievable FLOP/s."""
 
-    device_tflops: Float = Field(gt=0, description="the device's achievable dense TFLOP/s (peak x utilisation)")
-    params: Float = Field(gt=0, le=MAX_COUNT, description="the model's parameter count: 8.03e9, or 8.03B (K, M, B, T)")
-    attention_dim: Count = Field(ge=1, description="attention heads x head dim (4096 for Llama-3.1-8B)")
-    layers: Optional[Count] = Field(default=None, ge=1, description="layers (default: the KV layout's)")
+    device_tflops: Float = Field(
+        examples=[400], gt=0, description="the device's achievable dense TFLOP/s (peak x utilisation)")
+    params: Float = Field(
+        examples=["8.03B"], gt=0, le=MAX_COUNT,
+        description="the model's parameter count: 8.03e9, or 8.03B (K, M, B, T)")
+    attention_dim: Count = Field(
+        examples=[4096], ge=1, description="attention heads x head dim (4096 for Llama-3.1-8B)")
+    layers: Optional[Count] = Field(examples=[32], default=None, ge=1, description="layers (default: the KV layout's)")
     overhead_s: Float = Field(default=0.0, ge=0, description="fixed seconds per request (HTTP, tokenizing)")
 
     @field_validator("params", mode="before")

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel, Field
 
 from gates.config import PROFILE_NAMES, load_config, profile_defaults
-from gates.template import fill, render_template
+from gates.template import WIDTH, _section, render_template
 from kvcore.settings import ConfigError
 
 # each profile's validated configuration as it was when the profiles were Python dicts in gates/config.py
@@ -65,20 +66,27 @@ def test_every_value_in_the_template_equals_the_quick_profiles():
                                   for c in validated["claims"]]
 
 
-def test_the_template_writes_the_profiles_lists_in_order_and_comments_the_items_it_names():
-    text = fill("g3:\n  thresholds:\n    - throughput_gain  # below: FAIL\n",
-                {"g3": {"thresholds": [{"metric": "ttft_p50_reduction", "op": ">=", "value": 0.25},
-                                       {"metric": "throughput_gain", "min": 0.29, "max": 0.4}]}}, {})
-    assert text == ('g3:\n  thresholds:\n    - {metric: ttft_p50_reduction, op: ">=", value: 0.25}\n'
-                    "    - {metric: throughput_gain, min: 0.29, max: 0.4}  # below: FAIL\n")
+def test_the_template_says_each_thresholds_meaning_and_fits_its_width():
+    text = render_template()
+    assert "- {metric: error_rate, op: \"<=\", value: 0.001}  # failed requests / requests over the soak" in text
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
 
 
-def test_a_template_key_the_configuration_lacks_is_an_error_naming_its_path():
-    with pytest.raises(KeyError, match="g3.no_such_key: in the template but not in the configuration"):
-        fill("g3:\n  levels:\n  no_such_key:       # a typo\n", {"g3": {"levels": [2]}}, {})
-    with pytest.raises(KeyError, match=r"g1.thresholds: the template comments on \['gone'\], which the profile lacks"):
-        fill(
-            "g1:\n  thresholds:\n    - gone  # a metric no longer judged\n",
-            {"g1": {"thresholds": [{"metric": "x"}]}},
-            {},
-        )
+def test_an_unset_section_is_written_commented_out_with_its_examples_once_per_kind():
+    text = render_template()
+    assert '  #   url: "http://10.0.0.6:8000/v1"' in text and "  # baseline:" in text       # one written out
+    assert "  # candidate: {…}" in text and "the keys of targets.baseline" in text          # the next pointing to it
+    assert "  #   model_config: /models/Llama-3.1-70B/config.json" in text               # sizing.target's example
+    assert "# ttft_slo_ms: 2000" in text                                                     # an unset key's example
+
+
+class _Section(BaseModel):
+    """A section the template is asked to write."""
+
+    said: int = Field(default=1, description="a key with its comment")
+    silent: int = 2
+
+
+def test_a_key_without_a_description_is_an_error_naming_its_path():
+    with pytest.raises(KeyError, match="g9.silent: no description to write in the template"):
+        _section(_Section, {}, {"said": 1, "silent": 2}, "g9.", [])

@@ -44,13 +44,13 @@ class StorageConfig(StrictModel):
 
 
 class InventoryConfig(StrictModel):
-    min_cpu_cores: Optional[Count] = Field(default=None, ge=1)
-    min_memory_gib: Optional[Float] = Field(default=None, gt=0, le=MAX_BYTES / 2**30)
+    min_cpu_cores: Optional[Count] = Field(default=None, ge=1, description="CPU cores at least")
+    min_memory_gib: Optional[Float] = Field(default=None, gt=0, le=MAX_BYTES / 2**30, description="memory, GiB")
     min_free_gib: Optional[Float] = Field(default=None, gt=0, le=MAX_BYTES / 2**30, description="free space at "
                                           "storage.path")
-    min_gpus: Optional[Count] = Field(default=None, ge=0)
-    min_nics: Optional[Count] = Field(default=None, ge=0)
-    rdma_required: bool = False
+    min_gpus: Optional[Count] = Field(default=None, ge=0, description="GPUs at least", examples=[8])
+    min_nics: Optional[Count] = Field(default=None, ge=0, description="network interfaces at least", examples=[2])
+    rdma_required: bool = Field(default=False, description="an RDMA device must be present")
 
 
 class FioSweepConfig(StrictModel):
@@ -70,9 +70,12 @@ class FioSweepConfig(StrictModel):
     ioengines: list[IOEngine] = Field(
         default_factory=lambda: list(IO_ENGINES), min_length=1,
         description="engines of the direct read points (one the host lacks is probed and left out)")
-    write_bs: list[str] = Field(default_factory=lambda: ["1M", "4M", "16M"], min_length=1)
-    write_numjobs: list[Annotated[Int, Field(ge=1, le=64)]] = Field(default_factory=lambda: [1, 4], min_length=1)
-    write_modes: list[IOMode] = Field(default_factory=lambda: list(IO_MODES), min_length=1)
+    write_bs: list[str] = Field(default_factory=lambda: ["1M", "4M", "16M"], min_length=1,
+                                description="request sizes of the fsync'd sequential write points (end_fsync=1)")
+    write_numjobs: list[Annotated[Int, Field(ge=1, le=64)]] = Field(default_factory=lambda: [1, 4], min_length=1,
+                                                                     description="parallel jobs of the write points")
+    write_modes: list[IOMode] = Field(default_factory=lambda: list(IO_MODES), min_length=1,
+                                      description="direct; buffered (end_fsync=1)")
     size: str = Field(default="4G", description="bytes each point moves (its jobs a share each)")
     runtime_s: Float = Field(default=5.0, gt=0, description="the most seconds a point runs")
 
@@ -103,14 +106,14 @@ class FioSweepConfig(StrictModel):
 
 
 class FioConfig(StrictModel):
-    size: str = "256M"
-    runtime_s: Float = Field(default=5.0, gt=0)
-    iodepth: Count = Field(default=16, ge=1)
-    numjobs: Count = Field(default=1, ge=1)
-    direct: bool = True
+    size: str = Field(default="256M", description="bytes each job moves")
+    runtime_s: Float = Field(default=5.0, gt=0, description="the most seconds a job runs")
+    iodepth: Count = Field(default=16, ge=1, description="queue depth")
+    numjobs: Count = Field(default=1, ge=1, description="parallel jobs")
+    direct: bool = Field(default=True, description="O_DIRECT (no page cache)")
     ioengine: str = Field(default="libaio", pattern=r"^[a-z][a-z0-9_]*$", description="an fio ioengine name")
-    verify: bool = True
-    verify_size: str = "64M"
+    verify: bool = Field(default=True, description="a crc32c write and verify pass")
+    verify_size: str = Field(default="64M", description="bytes the verify pass writes and checks")
     sweep: FioSweepConfig = Field(default_factory=FioSweepConfig, description=(
         "G1's sweep for the storage's best sequential read and fsync'd write (G2's yardstick)"))
 
@@ -144,10 +147,11 @@ class ModelLoadConfig(StrictModel):
     """G2's model service loading: a safetensors checkpoint read cold by each loader, beside fio reading
     the same files, and (embedded or `launch`) a server's start to its first token."""
 
-    enabled: bool = True
-    path: Optional[Path] = Field(default=None, description="an existing model directory (safetensors shards, read "
-                                 "only, never written); null: a random checkpoint of `size` is written under "
-                                 "storage.path")
+    enabled: bool = Field(default=True, description="run it")
+    path: Optional[Path] = Field(
+        examples=["/models/DeepSeek-R1-Distill-Llama-70B"], default=None, description=(
+            "an existing model directory (safetensors shards, read only, never written); null: a random checkpoint "
+            "of `size` is written under storage.path"))
     size: str = Field(default="1GiB", description="the random checkpoint's size (without `path`)")
     shard_size: str = Field(default="256MiB", description="the random checkpoint's shard size")
     loaders: list[LoaderName] = Field(default_factory=lambda: list(LOADER_NAMES), min_length=1,
@@ -161,14 +165,16 @@ class ModelLoadConfig(StrictModel):
     rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
         "cold rounds, every loader once per round, each load beside the storage's best read job reading the same "
         "files; taken until the judged loader's interval decides"))
-    baseline_path: Optional[Path] = Field(default=None, description=(
+    baseline_path: Optional[Path] = Field(examples=["/mnt/nfs/kvgate"], default=None, description=(
         "a directory on the baseline storage (e.g. the NFS mount the vendor compares with): with `path`, the same "
         "model there; without, the random checkpoint is written there too. Unset: the speedup is not run"))
     service: bool = Field(default=True, description="embedded: time `kvgate serve --weights` per loader, start to "
                           "first token")
-    launch: Optional[list[str]] = Field(default=None, description="external: the engine's own start command, timed "
-                                        "start → health_url ready → first token")
-    health_url: Optional[str] = Field(default=None, pattern=r"^https?://")
+    launch: Optional[list[str]] = Field(
+        examples=["vllm serve /models/x --load-format runai_streamer"], default=None, description=(
+            "external: the engine's own start command, timed start → health_url ready → first token"))
+    health_url: Optional[str] = Field(default=None, pattern=r"^https?://", description=(
+        "with launch: the URL that answers when the engine is ready"), examples=["http://127.0.0.1:8000/health"])
 
     _sizes = field_validator("size", "shard_size", mode="before")(lambda cls, v: positive_size(v))
     _paths = field_validator("path", "baseline_path", mode="before")(lambda cls, v: absolute_path(v))
@@ -217,7 +223,7 @@ class CheckpointConfig(StrictModel):
     """G2's checkpoint saving: torch.distributed.checkpoint with `ranks` gloo processes saving model +
     optimizer state, beside fio writing as many bytes; then restored cold."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="run it")
     ranks: Int = Field(default=2, ge=1, le=64, description="training ranks, one process each (gloo)")
     parameters: Parameters = Field(default=20_000_000,
         description="parameters of the saved state: a count, or a model size of MLPerf Storage's checkpoint "
@@ -237,7 +243,7 @@ class CheckpointConfig(StrictModel):
         "saves (after two warm-up saves of each writer), each beside the storage's best fsync'd write job writing "
         "as many bytes; taken until the judged writer's interval decides"))
     restores: Count = Field(default=3, ge=1, description="cold restores of the last save, each checked bit for bit")
-    baseline_path: Optional[Path] = Field(default=None, description=(
+    baseline_path: Optional[Path] = Field(examples=["/mnt/nfs/kvgate-ckpt"], default=None, description=(
         "a directory on the baseline storage: the speedup of the storage under test over it. Unset: not run"))
 
     _paths = field_validator("baseline_path", mode="before")(lambda cls, v: absolute_path(v))
