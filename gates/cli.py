@@ -25,6 +25,7 @@ from .benches.client_bench import ClientBenchSettings, format_client_report, run
 from .config import load_config
 from .plan_command import add_plan
 from .run import GateRunner, available_gates, check_resume, check_storage_path, new_run_dir
+from .run_claim import claim_run_dir
 from .selftest import controls_for, run_selftest
 from .template import render_template
 
@@ -157,7 +158,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         run_id, run_dir = new_run_dir(args.out)
     check_storage_path(config.storage.path)
-    return GateRunner(config, run_dir, run_id, ordered, args.continue_on_fail, resume=args.resume is not None).run()
+    resume = args.resume is not None
+    with claim_run_dir(run_dir, run_id, "--resume" if resume else "--out", new=not resume):
+        return GateRunner(config, run_dir, run_id, ordered, args.continue_on_fail, resume=resume).run()
 
 
 def _init(args: argparse.Namespace) -> int:
