@@ -24,7 +24,7 @@ from workloads.storage.fio import FioError
 from .benches.client_bench import ClientBenchSettings, format_client_report, run_client_bench
 from .config import load_config
 from .plan_command import add_plan
-from .run import GateRunner, available_gates, check_resume, check_storage_path, new_run_dir
+from .run import GateRunner, available_gates, check_creatable_dir, check_resume, check_storage_path, new_run_dir
 from .run_claim import claim_run_dir
 from .selftest import controls_for, run_selftest
 from .template import render_template
@@ -431,6 +431,7 @@ def _selftest(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     out = args.out or Path("reports/runs") / time.strftime("selftest-%Y%m%d-%H%M%S")
+    check_creatable_dir(out, "--out", "a directory for the controls' runs (new, or one kvgate can write into)")
     profile = "full" if args.full else "quick"
     if not args.json:
         print(f"kvgate selftest {profile}: {len(controls)} controls -> {out}", flush=True)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kvcore.settings import repeated
+
 from .expectations import ClaimNotMet, Expectation, MustFail, MustNotPass, MustPass, RefusedAtPreflight
 
 COMPARED = ("ttft_p50_reduction", "throughput_gain")   # G3's side-by-side verdicts at each level
@@ -200,6 +202,9 @@ def controls_for(full: bool, keys: tuple[str, ...] = ()) -> list[Control]:
         unknown = [k for k in keys if k not in known]
         if unknown:
             raise ValueError(f"--control: expected some of {', '.join(known)}, found {', '.join(unknown)}")
+        twice = repeated(list(keys))
+        if twice:      # a control's second run would overwrite its first's directory and take its verdicts
+            raise ValueError(f"--control: expected each control once, found {', '.join(twice)} repeated")
         return [known[k] for k in keys]
     return [c for c in CONTROLS if full or not c.full_only]
 

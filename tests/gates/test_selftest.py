@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -237,6 +238,32 @@ def test_quick_runs_every_control_but_the_full_only_ones_and_a_named_one_alone()
     assert {c.key for c in controls_for(full=True)} == {c.key for c in CONTROLS}
     assert [c.key for c in controls_for(False, ("e-drift",))] == ["e-drift"]
     assert main(["selftest", "--control", "no-such-control"]) == 2
+
+
+def test_a_control_named_twice_or_an_out_that_cannot_be_a_directory_is_exit_2_before_any_control_runs(tmp_path,
+                                                                                                    capsys):
+    assert main(["selftest", "--control", "a-aa-mock", "--control", "a-aa-mock", "--out", str(tmp_path / "s")]) == 2
+    assert "--control: expected each control once, found a-aa-mock repeated" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    for out, found in ((tmp_path / "file", "found an existing file"), (tmp_path / "file" / "under", "on its way"),
+                       (Path("/proc/kvgate-selftest"), "does not take new files")):
+        assert main(["selftest", "--control", "a-aa-mock", "--out", str(out)]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("kvgate selftest: --out: expected a directory for the controls' runs") or \
+            "--out: expected a writable directory" in error, error
+        assert found in error and (str(out) in error or str(out.parent) in error)     # the path, or what blocks it
+    assert not (tmp_path / "s").exists()                         # nothing was run, nothing was written
+
+
+def test_a_relative_out_is_the_same_directory_for_every_control_wherever_its_run_starts(tmp_path, monkeypatch):
+    import gates.selftest.runner as runner
+
+    given = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runner, "run_control", lambda control, profile, out: given.append(out) or
+                        runner.ControlResult(control.key, "", [], 0))
+    runner.run_selftest(controls_for(False, ("e-drift", "h-leak")), "quick", Path("relative/out"))
+    assert given == [tmp_path / "relative" / "out"] * 2 and (tmp_path / "relative" / "out" / "selftest.json").exists()
 
 
 # -- the expectation logic: verdicts -> OK / WRONG --------------------------------------------------------------
