@@ -55,6 +55,23 @@ def read_jsonl_file(path: Path) -> list[dict]:
     return _parsed(Path(path).read_bytes().splitlines())
 
 
+TORN = object()   # a line read_jsonl_lines could not parse
+
+
+def read_jsonl_lines(path: Path) -> list[Any]:
+    """Each line of a JSON-lines file in order ([] when absent): its JSON value, or `TORN` where it does not parse
+    (torn by a crash mid-write, damaged, not UTF-8), so a reader can say which line it left out."""
+    if not Path(path).exists():
+        return []
+    values = []
+    for line in Path(path).read_bytes().splitlines():
+        try:
+            values.append(json.loads(line))
+        except ValueError:
+            values.append(TORN)
+    return values
+
+
 def _parsed(lines: Iterable[bytes]) -> list[dict]:
     """The JSON value of each line; a line that does not parse, or whose bytes are not UTF-8, is skipped
     (json.loads decodes bytes itself: a UnicodeDecodeError is a ValueError)."""

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from .files import JsonlTail, append_jsonl, read_jsonl, read_jsonl_file, write_json
+from .files import TORN, JsonlTail, append_jsonl, read_jsonl, read_jsonl_file, read_jsonl_lines, write_json
 from .settings import ConfigError
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -114,6 +114,7 @@ class RunStore:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self.left_out: dict[str, str] = {}   # "FILE:LINE" -> why a row read was left out (damaged, not a row)
 
     def gate_dir(self, gate: str) -> Path:
         return self.root / "gates" / gate
@@ -155,7 +156,18 @@ class RunStore:
 
     def latest(self, gate: str, metric: str, check: Optional[str] = None) -> Optional[dict]:
         """The last measurement of a metric in a gate."""
-        rows = [m for m in self.measurements(gate) if m["metric"] == metric and (check is None or m["check"] == check)]
+        rows = [m for m in self.measurements(gate)
+                if m["metric"] == metric and (check is None or m.get("check") == check)]
+        return rows[-1] if rows else None
+
+    def figures(self, gate: Optional[str] = None) -> list[dict]:
+        """The measurements whose value is a finite number: what a model is fitted to and compared with (a value
+        that is text or a flag is no figure; one that is NaN or infinite is left out and said in `left_out`)."""
+        return [row for row in self.measurements(gate) if finite_number(row.get("value")) is not None]
+
+    def latest_figure(self, gate: str, metric: str) -> Optional[dict]:
+        """The last measurement of a metric in a gate whose value is a finite number."""
+        rows = [m for m in self.figures(gate) if m["metric"] == metric]
         return rows[-1] if rows else None
 
     def set_status(self, gate: str, status: str, reason: str = "", **extra: Any) -> None:
@@ -175,8 +187,7 @@ class RunStore:
 
     def sizing(self) -> dict:
         """sizing.json ({} when the run has none)."""
-        path = self.root / "sizing.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        return self._json("sizing.json", dict, {})
 
     def set_progress(self, gate: str, text: str, kind: str = "step") -> None:
         """What the gate is doing now, one line (the console shows it beside the gate's spinner).
@@ -204,21 +215,31 @@ class RunStore:
         return JsonlTail(self.gate_dir(gate), "progress.jsonl")
 
     def status(self, gate: str) -> Optional[dict]:
-        path = self.gate_dir(gate) / "status.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        """The gate's status record (None before it ends); one that cannot be read (written whole by an atomic
+        replace: damaged) is the gate in error, saying so."""
+        try:
+            return self._json(f"gates/{gate}/status.json", dict, None)
+        except ConfigError as error:
+            return {"status": "error", "reason": f"its status cannot be read ({error})"}
 
     def run_info(self) -> dict:
         """run.json ({} when absent); ConfigError when it is not a JSON object (a run directory it is not)."""
-        path = self.root / "run.json"
+        return self._json("run.json", dict, {})
+
+    def _json(self, name: str, kind: type, default: Any) -> Any:
+        """A JSON file of the run (`default` when absent); ConfigError naming it when it cannot be read whole, or
+        holds another kind of value than `kind` (a damaged or half-copied run directory)."""
+        path = self.root / name
         if not path.exists():
-            return {}
+            return default
+        what = "a JSON object" if kind is dict else "a JSON list"
         try:
-            info = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ConfigError(f"{path}: expected a run's JSON object, found unreadable JSON ({error})") from None
-        if not isinstance(info, dict):
-            raise ConfigError(f"{path}: expected a run's JSON object, found a {type(info).__name__}")
-        return info
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:     # unreadable, a directory, not UTF-8, torn JSON
+            raise ConfigError(f"{path}: expected {what}, found {_unreadable(error)}") from None
+        if not isinstance(value, kind):
+            raise ConfigError(f"{path}: expected {what}, found a JSON {type(value).__name__}")
+        return value
 
     def write_run_info(self, info: dict) -> None:
         write_json(self.root / "run.json", info)
@@ -227,8 +248,7 @@ class RunStore:
         write_json(self.root / "preflight.json", rows)
 
     def preflight(self) -> list[dict]:
-        path = self.root / "preflight.json"
-        return json.loads(path.read_text()) if path.exists() else []
+        return [row for row in self._json("preflight.json", list, []) if isinstance(row, dict)]
 
     def write_machine_probe(self, figures: dict) -> None:
         """What the pre-flight measured of this machine for the sizing model (sizing/machine.py)."""
@@ -236,12 +256,54 @@ class RunStore:
 
     def machine_probe(self) -> dict:
         """machine_probe.json ({} when the run has none)."""
-        path = self.root / "machine_probe.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        return self._json("machine_probe.json", dict, {})
 
     def _rows(self, gate: Optional[str], name: str) -> list[dict]:
+        """The rows of a gate's JSON-lines file that have a row's shape; each line left out is said in `left_out`
+        (a torn last line, a damaged one: the rest of the run is read as far as it is whole)."""
         gates: Iterable[str] = [gate] if gate else GATES
-        return [row for g in gates for row in read_jsonl_file(self.gate_dir(g) / name)]
+        rows = []
+        for g in gates:
+            path = self.gate_dir(g) / name
+            for number, row in enumerate(read_jsonl_lines(path), 1):
+                why = _not_a_row(row, name)
+                if why:
+                    self.left_out[f"{path.relative_to(self.root)}:{number}"] = why
+                else:
+                    rows.append(row)
+        return rows
+
+
+def left_out_note(store: "RunStore") -> Optional[str]:
+    """What of a run's rows was left out as damaged, said in a line (None when nothing was)."""
+    if not store.left_out:
+        return None
+    shown = "; ".join(f"{where} ({why})" for where, why in list(store.left_out.items())[:3])
+    more = f"; and {len(store.left_out) - 3} more" if len(store.left_out) > 3 else ""
+    return (f"{len(store.left_out)} row{'s' if len(store.left_out) != 1 else ''} of {store.root} left out, "
+            f"damaged: {shown}{more}")
+
+
+def _not_a_row(row: Any, name: str) -> str:
+    """Why a JSON line is not a row of its file ("" when it is one)."""
+    if not isinstance(row, dict):
+        return "not a JSON object" if row is not TORN else "not JSON (torn or damaged)"
+    if name in ("measurements.jsonl", "verdicts.jsonl") and not isinstance(row.get("metric"), str):
+        return f"metric: expected a name, found {row.get('metric')!r}"
+    if not isinstance(row.get("context", {}), dict):
+        return f"context: expected a mapping, found {type(row['context']).__name__}"
+    value = row.get("value")
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"value: expected a finite number, found {value}"
+    return ""
+
+
+def _unreadable(error: Exception) -> str:
+    if isinstance(error, IsADirectoryError):
+        return "a directory"
+    if isinstance(error, OSError):
+        return f"an unreadable file ({error.strerror or error})"
+    return f"unreadable JSON ({error})"
 
 
 def read_records(directory: Path) -> list[dict]:

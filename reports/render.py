@@ -29,6 +29,7 @@ from kvcore.percent import format_percent
 from kvcore.predictions import beside, format_figure
 from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, GATES, RunStore
+from kvcore.settings import ConfigError
 
 from . import g1_arrival, g2_cache, g2_storage, g3_capacity, g3_main, g4_soak, plots, storage_yardstick
 from .environment import environment_tables
@@ -75,10 +76,7 @@ def term_shares(comparison: list[dict]) -> list[dict]:
 
 def _gate_result(store: RunStore, gate: str, requested: bool, predictions: list[dict]) -> dict:
     """A gate's status, verdicts (each with the sizing model's prediction beside it, or None) and figures."""
-    try:
-        record = store.status(gate)
-    except ValueError:  # a status file being replaced right now: treat as still running
-        record = None
+    record = store.status(gate)
     verdicts = [{**v, "predicted": beside(v, predictions)} for v in store.verdicts(gate)]
     measurements = store.measurements(gate)
     if record:
@@ -327,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         results = render_run(args.run_dir)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ConfigError) as error:     # no run here, or a run file damaged (named)
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"{results['overall']['status']}: {results['overall']['summary']}")

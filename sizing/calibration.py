@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcore.files import read_jsonl, write_json
 from kvcore.percent import format_percent
-from kvcore.rundata import RunStore
+from kvcore.rundata import RunStore, left_out_note
 from kvcore.settings import ConfigError, load_yaml_file
 
 from .queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
@@ -175,7 +175,7 @@ class Calibration:
 def _g2_rows(store: RunStore) -> list[tuple[str, int, float]]:
     """(mode, context tokens, TTFT seconds) of G2's per-context medians."""
     rows = []
-    for m in store.measurements("g2"):
+    for m in store.figures("g2"):
         context = m.get("context") or {}
         if m["metric"] == "ttft_ms" and m.get("value") and "mode" in context and "context_tokens" in context:
             rows.append((context["mode"], int(context["context_tokens"]), float(m["value"]) / 1e3))
@@ -222,7 +222,7 @@ def fit_g2_ttfts(rows: list[tuple[str, int, float]], kv_bytes_per_token: Optiona
 def _kv_bytes_from_cold_reads(store: RunStore, config: dict, block_size: int) -> Optional[int]:
     """KV bytes per token from G2's cold-read rounds: the bytes a round read ÷ the tokens it loaded
     (g2.cold_read_prefixes prefixes of the longest context, every whole block)."""
-    pairs = [m["context"] for m in store.measurements("g2") if m["metric"] == "cold_read_pair"
+    pairs = [m["context"] for m in store.figures("g2") if m["metric"] == "cold_read_pair"
              and (m.get("context") or {}).get("tier_bytes")]
     g2 = config.get("g2") or {}
     if not pairs or not g2.get("contexts"):
@@ -323,15 +323,15 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
                     notes: list[str]) -> tuple[Optional[RecomputeCurve], Optional[float], dict, dict, Optional[float]]:
     """(curve, fixed overhead, tier efficiency, tier overhead, disk GB/s the loads were taken at) from G2."""
     efficiency, overhead = {}, {}
-    cold = store.latest("g2", "cold_read_vs_storage_best")
+    cold = store.latest_figure("g2", "cold_read_vs_storage_best")
     disk_gbps = None
     if cold is not None and cold.get("value"):
         efficiency["disk"] = float(cold["value"])
         disk_gbps = (cold.get("context") or {}).get("tier_gbps")
     if disk_gbps is None:
-        g1 = store.latest("g1", "storage_best_read_gbps") or store.latest("g1", "seq_read_gbps")
+        g1 = store.latest_figure("g1", "storage_best_read_gbps") or store.latest_figure("g1", "seq_read_gbps")
         disk_gbps = float(g1["value"]) if g1 is not None and g1.get("value") else None
-    share = store.latest("g2", "cached_fraction_min")
+    share = store.latest_figure("g2", "cached_fraction_min")
     if share is not None and share.get("value") is not None and share["value"] < 1.0:
         notes.append(
             f"G2's hits reused {format_percent(share['value'], 0)} of the blocks at least, not every one: the fit "
@@ -360,11 +360,11 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
 def _storage_constants(store: RunStore) -> tuple[dict, Optional[float], Optional[float]]:
     """(loader efficiencies, checkpoint efficiency, service start seconds) from G2's model load and checkpoint."""
     loaders = {}
-    for m in store.measurements("g2"):
+    for m in store.figures("g2"):
         if m["metric"] == "model_load_loader" and m.get("value"):
             loaders[(m.get("context") or {}).get("loader", "?")] = float(m["value"])
-    checkpoint = store.latest("g2", "checkpoint_write_vs_storage_best")
-    starts = [m["value"] - m["context"]["weights"]["seconds"] for m in store.measurements("g2")
+    checkpoint = store.latest_figure("g2", "checkpoint_write_vs_storage_best")
+    starts = [m["value"] - m["context"]["weights"]["seconds"] for m in store.figures("g2")
               if m["metric"] == "service_load" and m.get("value") is not None
               and ((m.get("context") or {}).get("weights") or {}).get("seconds") is not None]
     return (loaders, float(checkpoint["value"]) if checkpoint and checkpoint.get("value") else None,
@@ -410,5 +410,8 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
         else:
             jitter = fit_jitter(levels, timing, decode, max_running, tier)
     loaders, checkpoint, service_start = _storage_constants(store)
+    damaged = left_out_note(store)
+    if damaged:
+        notes.append(damaged)
     return Calibration(curve, fixed, efficiency, overhead, decode, jitter, loaders, checkpoint, service_start,
                        kv_bytes_per_token, str(store.root), tuple(notes), measured_host)

@@ -16,7 +16,7 @@ from kvcore.judged import measurement_not_judged
 from kvcore.percent import format_percent
 from kvcore.predictions import IN_MAPE, format_figure, same_place
 from kvcore.predictions import error as prediction_error
-from kvcore.rundata import RunStore
+from kvcore.rundata import RunStore, finite_number, left_out_note
 from kvcore.settings import parse_size
 from kvcore.verdict import judge
 from workloads.loadgen.capacity_probe import slo_of
@@ -172,6 +172,9 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
                               "between tokens): G2's figures are in-sample and G3's rest on its decode cost; only "
                               "the hit ratios owe it nothing. For an out-of-sample check: --calibration FILE from "
                               "another run")
+    damaged = left_out_note(store) if store is not None else None
+    if damaged and damaged not in plan.notes:       # a plan refitted to the same store says it once
+        plan.notes.append(damaged)
     return plan
 
 
@@ -394,7 +397,7 @@ def _storage(plan: Plan, config: SizedRun, store: Optional[RunStore], calibratio
                                         "basis": f"{load.size} at {tiers.disk_gbps:.2f} GB/s × {efficiency:.2f}, "
                                                  f"the {load.judged} loader ({source})"}
     checkpoint = config.g2.checkpoint
-    measured = store.latest("g2", "checkpoint_write_vs_storage_best") if store is not None else None
+    measured = store.latest_figure("g2", "checkpoint_write_vs_storage_best") if store is not None else None
     if checkpoint.enabled and measured is not None and calibration is not None and calibration.checkpoint_efficiency:
         nbytes = checkpoint.spec().total_bytes
         fio = float((measured.get("context") or {}).get("fio_gbps") or 0)
@@ -466,8 +469,7 @@ def _measured(rows: list[dict], prediction: Prediction) -> Optional[dict]:
     wanted = prediction.to_dict()
     for row in reversed(rows):
         if same_place(wanted, row):
-            value = row.get("value")
-            return row if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            return row if finite_number(row.get("value")) is not None else None
     return None
 
 

@@ -177,9 +177,9 @@ class TierBandwidths:
     @staticmethod
     def disk_source(store: Optional[RunStore]) -> str:
         """Where `from_run` takes the disk's GB/s from."""
-        if store is not None and (store.latest("g1", "storage_best_read_gbps") or {}).get("value"):
+        if store is not None and (store.latest_figure("g1", "storage_best_read_gbps") or {}).get("value"):
             return "G1's storage sweep (the storage's best read)"
-        if store is not None and (store.latest("g1", "seq_read_gbps") or {}).get("value"):
+        if store is not None and (store.latest_figure("g1", "seq_read_gbps") or {}).get("value"):
             return "G1's fio sequential read"
         return "the spec sheet (g1 seq_read_gbps threshold)"
 
@@ -187,7 +187,7 @@ class TierBandwidths:
     def from_run(cls, store: RunStore, **settings) -> "TierBandwidths":
         """The disk tier's raw GB/s from G1's storage sweep (the storage's best read, what G2's cold-read ratio
         divides by) when the run has it, else G1's fio sequential read, else `disk_gbps`."""
-        g1 = store.latest("g1", "storage_best_read_gbps") or store.latest("g1", "seq_read_gbps")
+        g1 = store.latest_figure("g1", "storage_best_read_gbps") or store.latest_figure("g1", "seq_read_gbps")
         if g1 is not None and g1.get("value"):
             settings["disk_gbps"] = float(g1["value"])
         return cls(**settings)

@@ -184,6 +184,31 @@ def test_a_gate_in_error_fails_the_run(run_dir):
     assert render_run(run_dir)["overall"]["status"] == "failed"
 
 
+def test_a_damaged_status_file_is_a_gate_in_error_saying_so_and_damaged_rows_are_left_out(run_dir):
+    status = run_dir / "gates" / "g2" / "status.json"
+    status.write_text(status.read_text()[:10])                           # torn: a damaged copy of the run
+    with open(run_dir / "gates" / "g3" / "verdicts.jsonl", "a") as rows:
+        rows.write('[1, 2]\n{"metric": null}\n{"status": "PA\n')        # rows of no verdict's shape
+    results = render_run(run_dir)
+    g2 = gate_row(results, "g2")
+    assert g2["status"] == "error" and g2["reason"].startswith("its status cannot be read (") and str(status) in \
+        g2["reason"]
+    assert results["overall"]["status"] == "failed"
+    assert gate_row(results, "g3")["status"] == "passed"                  # the whole rows read as before
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda run: (run / "run.json").unlink() or (run / "run.json").mkdir(),
+     "expected a JSON object, found a directory"),
+    (lambda run: (run / "sizing.json").write_text('{"compar'), "expected a JSON object, found unreadable JSON"),
+    (lambda run: (run / "preflight.json").write_text('{"a": 1}'), "expected a JSON list, found a JSON dict"),
+])
+def test_kvgate_report_on_a_damaged_run_file_is_exit_2_naming_it(run_dir, capsys, damage, said):
+    damage(run_dir)
+    assert main([str(run_dir)]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_inconclusive_gate_without_a_failure_makes_the_run_inconclusive(run_dir):
     store = RunStore(run_dir)
     store.add_verdict(verdict("g4", "memory trend", "INCONCLUSIVE", "G4 memory trend: interval straddles 0",

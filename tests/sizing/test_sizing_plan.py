@@ -14,7 +14,7 @@ from kvcore.claims import claims_table, run_claims
 from kvcore.rundata import RunStore
 from kvcore.settings import ConfigError
 from sizing.plan import make_plan
-from tests.recorded_runs import recorded_run
+from tests.recorded_runs import B_, recorded_run
 
 
 def test_a_plan_from_the_config_alone_gives_the_layout_the_tiers_and_the_workloads_hits(capsys):
@@ -263,3 +263,47 @@ def test_the_seeds_deployment_class_example_plans_with_its_own_layout_and_claims
     ratio = next(p for p in plan.predictions if p.metric == "disk_hit_ttft_vs_recompute")
     assert ratio.status == "PASS" and "≤ 25%" in ratio.reason          # judged by the seed's "8-20x" claim's rule
     assert any(p.metric == "ttft_p50_reduction" and p.status for p in plan.predictions)
+
+
+def _damage(run, rows_first: str) -> None:
+    measurements = run / "gates" / "g2" / "measurements.jsonl"
+    measurements.write_text(rows_first + measurements.read_text())
+
+
+@pytest.mark.parametrize("bad_rows, said", [
+    ('{"gate": "g2", "metric": "ttft_ms", "value": "x", "context": {"mode": "recompute", "context_tokens": 1024}}\n',
+     None),                                                             # text is no figure: not fitted, not damage
+    ('{"gate": "g2", "metric": "ttft_ms", "value": NaN, "context": {"mode": "recompute", "context_tokens": 1024}}\n'
+     '{"gate": "g2", "metric": "ttft_ms", "value": -Infinity, "context": {}}\n',
+     "gates/g2/measurements.jsonl:1 (value: expected a finite number, found nan)"),
+    ('[1, 2]\n"text"\n{"metric": 5}\n{"metric": "ttft_ms", "context": [1]}\n{"metric": "ttft_ms", "val\n',
+     "5 rows of"),
+])
+def test_plan_and_calibrate_read_a_damaged_run_as_far_as_it_is_whole_and_say_what_they_left_out(tmp_path, capsys,
+                                                                                              bad_rows, said):
+    run = tmp_path / "run"
+    recorded_run(run)
+    _damage(run, bad_rows)
+    out = tmp_path / "calibration.json"
+    assert main(["plan", "--calibrate", str(run), "--out", str(out)]) == 0
+    calibrated = capsys.readouterr().out
+    assert main(["plan", "--from", str(run)]) == 0
+    planned = capsys.readouterr().out
+    assert json.loads(out.read_text())["curve"]["b"] == pytest.approx(B_, rel=1e-6)    # the whole rows, fitted
+    for text in (calibrated, planned):
+        assert (said is None and "left out, damaged" not in text) or (said is not None and said in text), text
+
+
+@pytest.mark.parametrize("name, damage, said", [
+    ("machine_probe.json", lambda text: text[: len(text) // 2], "expected a JSON object, found unreadable JSON"),
+    ("preflight.json", lambda text: "{}", "expected a JSON list, found a JSON dict"),
+])
+def test_a_damaged_json_file_of_the_run_is_exit_2_naming_it(tmp_path, capsys, name, damage, said):
+    run = tmp_path / "run"
+    recorded_run(run)
+    path = run / name
+    path.write_text(damage(json.dumps({"host_copy_gbps": 5.0, "preset": "small"}) if name != "preflight.json"
+                           else "[]"))
+    assert main(["plan", "--from", str(run)]) == 2
+    error = capsys.readouterr().err
+    assert str(path) in error and said in error
