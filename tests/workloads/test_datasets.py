@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import string
 from pathlib import Path
 
@@ -309,6 +310,26 @@ def test_trace_missing_file_or_bad_line_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="trace.jsonl:2: input_length: expected an integer >= 1, found -3"):
         build_workload({"kind": "trace", "path": str(path)}, BYTES, 0)
 
+
+
+@pytest.mark.parametrize("line, said", [
+    ('{"timestamp": Infinity, "input_length": 8, "output_length": 1, "hash_ids": [1]}',
+     "trace.jsonl:2: timestamp: expected a number in 0..1e+13 (ms), found inf"),
+    ('{"timestamp": 1e308, "input_length": 8, "output_length": 1, "hash_ids": [1]}',
+     "trace.jsonl:2: timestamp: expected a number in 0..1e+13 (ms), found 1e+308"),
+])
+def test_a_trace_timestamp_no_replay_can_reach_is_refused_naming_its_line(tmp_path, line, said):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps(SMALL_TRACE[0]) + "\n" + line + "\n")
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        build_workload({"kind": "trace", "path": str(path)}, BYTES, 0)
+
+
+def test_a_trace_line_that_is_not_utf8_is_refused_naming_its_line_and_byte(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(json.dumps(SMALL_TRACE[0]).encode() + b"\n" + b'{"timestamp": 1\xff}\n')
+    with pytest.raises(ConfigError, match=r"trace.jsonl:2: expected UTF-8 text, found byte 0xff at column 16"):
+        build_workload({"kind": "trace", "path": str(path)}, BYTES, 0)
 
 @needs_real_trace
 def test_real_mooncake_trace_keeps_its_reuse_fraction_when_scaled_down():

@@ -37,6 +37,8 @@ MOONCAKE_BLOCK_TOKENS = 512
 # tokens/s, and a minute or two to build; beyond that a mistyped size would only run the machine out of memory.
 MAX_WORKLOAD_REQUESTS = 1_000_000
 MAX_WORKLOAD_PROMPT_TOKENS = 1_000_000_000
+# a trace's timestamps: milliseconds from its start, at most about 300 years (Infinity, 1e308: refused, as NaN is)
+MAX_TRACE_TIMESTAMP_MS = 1e13
 
 
 # --------------------------------------------------------------------------- text sizing
@@ -627,10 +629,15 @@ def read_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[Trac
     """The first `limit` records (all when None) of a Mooncake trace; a malformed line raises ConfigError."""
     records: list[TraceRecord] = []
     try:
-        with open(path) as lines:
-            for number, line in enumerate(lines, 1):
+        with open(path, "rb") as lines:
+            for number, raw in enumerate(lines, 1):
                 if limit is not None and len(records) >= limit:
                     break
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise ConfigError(f"{path}:{number}: expected UTF-8 text, found byte "
+                                      f"0x{raw[error.start]:02x} at column {error.start + 1}") from None
                 if line.strip():
                     records.append(_trace_record(line, f"{path}:{number}"))
     except OSError as error:
@@ -644,7 +651,8 @@ def _trace_record(line: str, where: str) -> TraceRecord:
     except json.JSONDecodeError as error:
         raise ConfigError(f"{where}: expected a JSON object, found {error}") from None
     checks = {
-        "timestamp": ("a number >= 0 (ms)", lambda v: type(v) in (int, float) and v >= 0),
+        "timestamp": (f"a number in 0..{MAX_TRACE_TIMESTAMP_MS:.0e} (ms)",
+                      lambda v: type(v) in (int, float) and 0 <= v <= MAX_TRACE_TIMESTAMP_MS),
         "input_length": ("an integer >= 1", lambda v: type(v) is int and v >= 1),
         "output_length": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
         "hash_ids": ("a list of integers", lambda v: isinstance(v, list) and all(type(h) is int for h in v)),
