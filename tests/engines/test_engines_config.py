@@ -127,3 +127,34 @@ def test_a_configured_call_carries_the_api_key_only_to_the_endpoints_own_server(
     assert controls["clear_device_cache"].step.headers == {"Authorization": "Bearer sk-candidate"}
     assert controls["clear_lower_tiers"].step.headers == {}      # another host: the key stays home
     assert controls["clear_device_cache"].step.method == "POST"  # the default method
+
+
+def _tokenizer_file(path, *, unk: bool, deleting: bool) -> str:
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "the": 1} if unk else {"the": 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]" if unk else None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if deleting:                                           # a normalizer that strips every character
+        tokenizer.normalizer = normalizers.Replace(Regex(r"[\s\S]"), "")
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("unk, deleting, message", [
+    (False, False, "expected a tokenizer that encodes plain words, found {} failing on them"),
+    (True, True, "expected a tokenizer that turns words into tokens, found {} making 0 tokens of 32 words"),
+])
+def test_a_tokenizer_that_cannot_size_prompts_is_refused_at_load_naming_it(tmp_path, unk, deleting, message):
+    path = _tokenizer_file(tmp_path / "tokenizer.json", unk=unk, deleting=deleting)
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, {"tokenizer": path})
+    assert f"targets.candidate.tokenizer: {message.format(path)}" in str(caught.value), str(caught.value)
+
+
+def test_a_tokenizer_that_makes_words_into_tokens_sizes_prompts(tmp_path):
+    from workloads.traffic.datasets import sizer_for
+
+    path = _tokenizer_file(tmp_path / "tokenizer.json", unk=True, deleting=False)
+    assert load(tmp_path, {"tokenizer": path}).tokenizer == path
+    assert len(sizer_for(path).tokens(sizer_for(path).text(40, "seed"))) == 40

@@ -141,6 +141,9 @@ class WordSizer:
         return re.findall(r"[^ ]* |[^ ]+$", text)
 
 
+MAX_SIZING_ROUNDS = 64     # words added to a sized text at most this many times (each adds n words or more)
+
+
 class TokenizerSizer:
     """Texts sized in a real tokenizer's tokens: a `tokenizer.json` (Hugging Face `tokenizers`), or a model
     directory holding one (or, with `transformers` installed, any tokenizer it loads from the directory).
@@ -154,17 +157,34 @@ class TokenizerSizer:
         self.path = Path(path)
         self._encode = _load_encoder(self.path)
         self.name = f"tokenizer {self.path}"
+        self._probe()
+
+    def _probe(self) -> None:
+        """Sized prompts need a tokenizer that turns words into tokens: one that fails on them (a WordLevel vocabulary
+        without an unknown token) or makes nothing of them (a normalizer that deletes every character) is refused
+        here, at load, not in the middle of a gate."""
+        sample = "".join(w + " " for w in WORDS[:32])
+        try:
+            tokens = len(self._starts(sample))
+        except Exception as error:          # the library raises plain Exceptions for text it cannot encode
+            raise TokenizerError(f"expected a tokenizer that encodes plain words, found {self.path} failing on them "
+                                 f"({str(error).splitlines()[0][:200]})") from None
+        if tokens < 8:
+            raise TokenizerError(f"expected a tokenizer that turns words into tokens, found {self.path} making "
+                                 f"{tokens} token{'s' if tokens != 1 else ''} of 32 words")
 
     def text(self, n_tokens: int, seed: int | str) -> str:
         if n_tokens <= 0:
             return ""
         rng, text = _rng(seed), ""
-        while True:
+        for _ in range(MAX_SIZING_ROUNDS):      # bounded: a tokenizer that stops making tokens cannot loop forever
             words = rng.choices(WORDS, k=max(16, n_tokens))
             text += "".join(w + " " for w in words)
             starts = self._starts(text)
             if len(starts) > n_tokens:
                 return text[: starts[n_tokens]]
+        raise TokenizerError(f"expected a tokenizer that makes {n_tokens} tokens of some text, found {self.path} "
+                             f"making {len(starts)} of {len(text):,} characters")
 
     def tokens(self, text: str) -> list[str]:
         starts = self._starts(text)
