@@ -217,12 +217,13 @@ def _add_export_weights(commands) -> None:
 
 def _export_weights(args: argparse.Namespace) -> int:
     from cache_impl.engine.model import PRESETS  # deferred: torch (seconds), for kvgate export-weights only
+    from cache_impl.engine.presets import MAX_WEIGHTS_SEED
     from cache_impl.engine.weights import export_weights  # deferred: torch (seconds), for kvgate export-weights only
 
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset: expected one of {', '.join(PRESETS)}, found {args.preset!r}")
-    if args.seed < 0:
-        raise ConfigError(f"--seed: expected an integer >= 0, found {args.seed}")
+    if not 0 <= args.seed <= MAX_WEIGHTS_SEED:
+        raise ConfigError(f"--seed: expected an integer in 0..{MAX_WEIGHTS_SEED}, found {args.seed}")
     if args.format == "hf":
         from cache_impl.engine.hf_export import export_hf  # deferred: torch (seconds), for kvgate export-weights only
 

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from cache_impl.engine.presets import PRESETS
+from cache_impl.engine.presets import MAX_WEIGHTS_SEED, PRESETS
 from engines.settings import TargetSettings
 from kvcore.checks import CHECKS, check_of, configurable_metrics
 from kvcore.claims import DEFAULT_CLAIMS, Claim
@@ -84,7 +84,7 @@ PROFILE_NAMES: tuple[str, ...] = get_args(ProfileName)
 
 class EmbeddedTargets(StrictModel):
     preset: Literal["tiny", "small", "base"] = Field(default="small", description="the model size: tiny | small | base")
-    seed: Int = Field(default=0, ge=0, le=2**63 - 1, description="weights seed")
+    seed: Int = Field(default=0, ge=0, le=MAX_WEIGHTS_SEED, description="weights seed")
     max_running: Count = Field(default=8, ge=1, description="requests decoding at once per server")
     device_capacity_blocks: Count = Field(default=64, ge=1, description="device tier of both cached modes")
     host_capacity: str = Field(default="1GiB", description="host tier of the tiered mode")

@@ -32,7 +32,7 @@ from cache_impl.engine.generation import FinishEvent, Generation, GenerationRequ
 from cache_impl.engine.model import DEFAULT_PRESET, Transformer, weights_digest
 from cache_impl.engine.model_runner import ModelRunner
 from cache_impl.engine.prefix_cache import PrefixCache
-from cache_impl.engine.presets import ModelArgs, PresetName
+from cache_impl.engine.presets import MAX_WEIGHTS_SEED, ModelArgs, PresetName
 from cache_impl.engine.resident import resident_bytes
 from cache_impl.engine.scheduler import Scheduler
 from cache_impl.engine.tokenizer import ByteTokenizer
@@ -57,7 +57,7 @@ class EngineConfig(StrictModel):
 
     mode: CacheMode = Field(default="tiered", description="recompute, device-only (device tier only) or tiered")
     preset: PresetName = Field(default=DEFAULT_PRESET, description="model size preset")
-    seed: int = Field(default=0, ge=0, description="weights seed (part of the cache fingerprint)")
+    seed: int = Field(default=0, ge=0, le=MAX_WEIGHTS_SEED, description="weights seed (part of the cache fingerprint)")
     weights: Optional[Path] = Field(default=None, description="a safetensors directory to load the weights from "
                                     "(kvgate export-weights writes one; its metadata names the preset); "
                                     "default: weights from the seed")

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from cache_impl.engine.model import ModelArgs, Transformer, build_model
 from cache_impl.engine.tokenizer import ASSISTANT, BOS, END, EOS, GENERATABLE, SPECIALS, SYSTEM, USER
+from cache_impl.weights.safetensors_dir import clear_checkpoint
 
 CHAT_TEMPLATE = ("<|bos|>{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -106,19 +107,22 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def export_hf(directory: Path, preset: str, seed: int, dtype: str = "float32", overwrite: bool = False) -> Path:
     """Write the seeded model (`build_model(preset, seed)`) and the byte tokenizer as a Llama directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file  # deferred: safetensors.torch imports torch
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {dtype!r}")
     directory = Path(directory)
-    present = [name for name in EXPORTED_FILES if (directory / name).exists()]
-    if present and not overwrite:
-        raise FileExistsError(f"{directory} already holds an exported model ({', '.join(present)})")
     directory.mkdir(parents=True, exist_ok=True)
+    # one format in a directory: vLLM loads what an index names, so kvgate's shards beside these would be served
+    clear_checkpoint(directory, overwrite, also=EXPORTED_FILES)
     model = build_model(preset, seed, torch.device("cpu"))
     tensors = {name: t.to(DTYPES[dtype]) for name, t in llama_tensors(model).items()}
-    save_file(tensors, str(directory / "model.safetensors"),
-              metadata={"format": "pt", "kvgate.preset": preset, "kvgate.seed": str(seed)})
+    try:
+        save_file(tensors, str(directory / "model.safetensors"),
+                  metadata={"format": "pt", "kvgate.preset": preset, "kvgate.seed": str(seed)})
+    except SafetensorError as error:     # a read-only or full filesystem, said as the OSError it is
+        raise OSError(f"{directory / 'model.safetensors'}: {error}") from None
     _write_json(directory / "config.json", llama_config(model.args, dtype))
     _write_json(directory / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": EOS})
     (directory / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")

@@ -48,3 +48,8 @@ PRESETS: dict[str, ModelArgs] = {
     "base": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, ffn_dim=1024),
 }
 DEFAULT_PRESET: PresetName = "small"
+
+
+# A weights seed: torch's generators take at most 2**64 - 1; kvgate holds seeds to a signed 64-bit integer's range
+# (what every config field and JSON reader keeps exact)
+MAX_WEIGHTS_SEED = 2**63 - 1

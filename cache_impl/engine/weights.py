@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from cache_impl.engine.hf_export import EXPORTED_FILES
 from cache_impl.engine.model import PRESETS, ModelArgs, Transformer, build_model
 from cache_impl.weights.loaders import DEFAULT_CONCURRENCY, check_destinations, load_checkpoint, verify_loaded
 from cache_impl.weights.safetensors_dir import (
@@ -29,6 +30,7 @@ from cache_impl.weights.safetensors_dir import (
     INDEX_NAME,
     CheckpointFormatError,
     SafetensorsDir,
+    clear_checkpoint,
     read_safetensors_dir,
     write_safetensors_dir,
 )
@@ -89,6 +91,8 @@ def export_weights(directory: Path, preset: str, seed: int, shard_bytes: int, ov
             yield name, str(tensor.dtype), list(tensor.shape), flat.view(torch.uint8).numpy()
 
     total = sum(t.numel() * t.element_size() for t in tensors.values())
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    clear_checkpoint(Path(directory), overwrite, also=EXPORTED_FILES)   # one format: a Hugging Face export's too
     return write_safetensors_dir(directory, sources(), shard_bytes, progress, metadata, total, overwrite)
 
 
@@ -115,7 +119,14 @@ def weights_preset(checkpoint: SafetensorsDir, asked: Optional[str]) -> str:
         raise CheckpointFormatError(f"{checkpoint.path}: expected weights of the preset {asked} (as asked), found "
                                     f"the preset {named} in its metadata")
     stored = checkpoint.metadata.get(MODEL_ARGS_KEY)
-    if stored is not None and json.loads(stored) != json.loads(json.dumps(asdict(PRESETS[named]))):
+    if stored is None:
+        return named
+    try:
+        stored_args = json.loads(stored)
+    except ValueError:
+        raise CheckpointFormatError(f"{checkpoint.path}: metadata {MODEL_ARGS_KEY}: expected the model's arguments "
+                                    f"as JSON, found {stored[:80]!r}") from None
+    if stored_args != json.loads(json.dumps(asdict(PRESETS[named]))):
         raise CheckpointFormatError(f"{checkpoint.path}: metadata {MODEL_ARGS_KEY}: expected the arguments of the "
                                     f"preset {named} ({asdict(PRESETS[named])}), found {stored}")
     return named

@@ -313,7 +313,7 @@ def write_safetensors_dir(path: Path, tensors: Iterable[TensorSource], shard_byt
     """
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    _clear_checkpoint(directory, overwrite)
+    clear_checkpoint(directory, overwrite)
     header_room = _header_room(shard_bytes)
     file_metadata = {"format": "pt", **(metadata or {})}
     shards: list[_ShardWriter] = []
@@ -415,14 +415,15 @@ def _header_room(shard_bytes: int) -> int:
     return -(-room // DATA_ALIGN) * DATA_ALIGN
 
 
-def _clear_checkpoint(directory: Path, overwrite: bool) -> None:
-    """Refuse a directory holding a checkpoint (unless `overwrite`: then remove it, index first); remove the
-    temp shards a writer that died left behind."""
+def clear_checkpoint(directory: Path, overwrite: bool, also: tuple[str, ...] = ()) -> None:
+    """Refuse a directory holding a checkpoint, ours or one of the files named in `also` (another format's:
+    a Hugging Face export's), unless `overwrite`: then remove them all, the index first, so that one format is
+    left; remove the temp shards a writer that died left behind."""
     for stale in directory.iterdir():
         if _TEMP_SHARD.fullmatch(stale.name):
             stale.unlink(missing_ok=True)
     existing = sorted(p.name for p in directory.iterdir()
-                      if p.name in (INDEX_NAME, CHECKSUMS_NAME) or p.name.endswith(".safetensors"))
+                      if p.name in (INDEX_NAME, CHECKSUMS_NAME, *also) or p.name.endswith(".safetensors"))
     if not existing:
         return
     if not overwrite:

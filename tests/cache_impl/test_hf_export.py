@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from cache_impl.engine.hf_export import CHAT_TEMPLATE, export_hf, generatable_ids, llama_tensors
+from cache_impl.engine.hf_export import CHAT_TEMPLATE, EXPORTED_FILES, export_hf, generatable_ids, llama_tensors
 from cache_impl.engine.model import PRESETS, build_model
 from cache_impl.engine.tokenizer import EOS, SPECIALS, ByteTokenizer, ChatMessage
 
@@ -63,7 +63,7 @@ def test_the_generatable_ids_are_what_the_engine_samples_from():
 
 
 def test_an_existing_export_is_refused_unless_forced(exported):
-    with pytest.raises(FileExistsError, match="already holds"):
+    with pytest.raises(FileExistsError, match="expected a directory without a checkpoint, found config.json"):
         export_hf(exported, "tiny", 3)
     assert export_hf(exported, "tiny", 4, overwrite=True) == exported
 
@@ -76,4 +76,43 @@ def test_kvgate_export_weights_format_hf_writes_the_directory_and_refuses_to_ove
     assert json.loads((target / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     capsys.readouterr()
     assert main(["export-weights", str(target), "--format", "hf", "--preset", "tiny"]) == 2
-    assert f"dir: {target} already holds an exported model (config.json" in capsys.readouterr().err
+    assert f"dir: {target}: expected a directory without a checkpoint, found config.json" in capsys.readouterr().err
+
+
+def test_a_directory_holds_one_format_refused_without_force_and_replaced_whole_with_it(tmp_path, capsys):
+    from gates.cli import main
+
+    target = tmp_path / "model"
+    assert main(["export-weights", str(target), "--preset", "tiny"]) == 0          # kvgate's shards and index
+    kvgate_files = sorted(p.name for p in target.iterdir())
+    capsys.readouterr()
+    assert main(["export-weights", str(target), "--format", "hf", "--preset", "tiny"]) == 2
+    assert "expected a directory without a checkpoint, found model.safetensors.index.json" in capsys.readouterr().err
+    assert sorted(p.name for p in target.iterdir()) == kvgate_files                 # refused: nothing written
+    assert main(["export-weights", str(target), "--format", "hf", "--preset", "tiny", "--force"]) == 0
+    assert sorted(p.name for p in target.iterdir()) == sorted(EXPORTED_FILES)       # no index for vLLM to follow
+    assert main(["export-weights", str(target), "--preset", "tiny", "--force"]) == 0
+    assert sorted(p.name for p in target.iterdir()) == kvgate_files                 # and back: kvgate's alone
+
+
+def test_an_export_the_filesystem_cannot_hold_or_a_seed_past_its_range_is_exit_2_naming_it(tmp_path, capsys):
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from gates.cli import main
+
+    assert main(["export-weights", str(tmp_path / "s"), "--preset", "tiny", "--seed", str(2**64)]) == 2
+    assert f"--seed: expected an integer in 0..{2**63 - 1}, found {2**64}" in capsys.readouterr().err
+
+    def small_files():      # a filesystem that takes 64 KiB a file: the weights' write fails as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    done = subprocess.run([sys.executable, "-m", "gates.cli", "export-weights", str(tmp_path / "full"), "--format",
+                           "hf", "--preset", "tiny"], capture_output=True, text=True, timeout=300,
+                          preexec_fn=small_files)
+    assert done.returncode == 2, done.stderr
+    assert f"dir: expected a directory kvgate can write, found {tmp_path / 'full'} refused" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -169,6 +169,20 @@ def test_a_preset_that_disagrees_with_the_weights_exits_2(weights):
     assert "Traceback" not in result.stderr
 
 
+def test_model_arguments_in_the_metadata_that_are_not_json_exit_2_naming_the_checkpoint(tmp_path):
+    tensors = dict(build_model("tiny", 0, torch.device("cpu")).state_dict())
+    write_safetensors_dir(
+        tmp_path / "odd",
+        ((name, str(t.dtype), list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+         for name, t in sorted(tensors.items())),
+        shard_bytes=1 << 20, metadata={"kvgate.preset": "tiny", "kvgate.model_args": "{not json"},
+    )
+    result = serve_exit("--weights", str(tmp_path / "odd"))
+    assert result.returncode == 2, result.stderr
+    assert "metadata kvgate.model_args: expected the model's arguments as JSON, found '{not json'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("export_format", ["kvgate", "hf"])
 def test_export_weights_to_a_path_that_is_a_file_says_a_directory_was_expected(tmp_path, export_format):
     """Before: `--force` on a file said `[Errno 17] File exists ... (--force replaces it)`, which it does not."""
