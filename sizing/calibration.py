@@ -154,6 +154,27 @@ class Calibration:
                    tuple(str(n) for n in data.get("notes") or ()),
                    number("host_gbps", data.get("host_gbps"), False))
 
+    def readable(self) -> "Calibration":
+        """These constants as a calibration file can hold them: one its reader would refuse (a negative efficiency
+        or start time, fitted over odd rows) is left out, and a note says which and why."""
+        data, notes = self.to_dict(), []
+        for _ in range(len(data) + sum(len(v) for v in data.values() if isinstance(v, dict))):
+            try:
+                self.from_dict(data)
+                break
+            except ConfigError as error:
+                field, _, why = str(error).partition(": ")
+                path = field.split(".")[1:]
+                if not path or path[0] not in data or path[0] in ("format", "kv_bytes_per_token"):
+                    raise
+                if len(path) == 2 and path[0] not in ("curve", "decode"):
+                    data[path[0]].pop(path[1], None)        # one tier's or loader's constant
+                else:
+                    data[path[0]] = None                    # a constant, or a curve or decode cost whole
+                notes.append(f"{'.'.join(path)} left out: {why} (fitted over this run's rows; a calibration file "
+                             "cannot hold it)")
+        return replace(self.from_dict(data), notes=(*self.notes, *notes)) if notes else self
+
     def save(self, path: Path) -> None:
         write_json(Path(path), self.to_dict())
 
@@ -414,4 +435,4 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
     if damaged:
         notes.append(damaged)
     return Calibration(curve, fixed, efficiency, overhead, decode, jitter, loaders, checkpoint, service_start,
-                       kv_bytes_per_token, str(store.root), tuple(notes), measured_host)
+                       kv_bytes_per_token, str(store.root), tuple(notes), measured_host).readable()

@@ -307,3 +307,20 @@ def test_a_damaged_json_file_of_the_run_is_exit_2_naming_it(tmp_path, capsys, na
     assert main(["plan", "--from", str(run)]) == 2
     error = capsys.readouterr().err
     assert str(path) in error and said in error
+
+
+def test_calibrate_leaves_out_a_constant_its_own_file_could_not_hold_and_says_so(tmp_path, capsys):
+    run = tmp_path / "run"
+    store = recorded_run(run)
+    store.record("g2", "test_model_load", "model_load_loader", -0.5, loader="safetensors")   # odd rows: a ratio < 0
+    for _ in range(9):                                                      # and starts < 0 (the median is one)
+        store.record("g2", "test_service", "service_load", 1.0, "s", weights={"seconds": 3.0})
+    out = tmp_path / "calibration.json"
+    assert main(["plan", "--calibrate", str(run), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "loader_efficiency.safetensors left out: expected a finite number > 0, found -0.5" in text
+    assert "service_start_s left out: expected a finite number >= 0, found -2.0" in text
+    assert main(["plan", "--calibration", str(out)]) == 0                    # the file it wrote reads back
+    saved = json.loads(out.read_text())
+    assert "safetensors" not in saved["loader_efficiency"] and saved["service_start_s"] is None
+    assert saved["curve"]["b"] == pytest.approx(B_, rel=1e-6)                # the sound constants kept
