@@ -58,7 +58,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         store = _run_dir(args.calibrate, "--calibrate")
         fitted = calibrate(store.root, kv_bytes_per_token=target_inputs(config)[0].shape.bytes_per_token)
-        fitted.save(args.out)
+        try:
+            fitted.save(args.out)
+        except OSError as error:
+            raise ConfigError(f"--out: expected a file kvgate can write, found {str(args.out)!r} refused "
+                              f"({error.strerror or error})") from None
         print(f"kvgate plan: wrote {args.out} (constants fitted to {args.calibrate})"
               + "".join(f"\n  note: {note}" for note in fitted.notes))
         return 0

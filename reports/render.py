@@ -313,9 +313,14 @@ def render_run(run_dir: Path) -> dict:
     store = RunStore(run_dir)
     results = collect_results(store)
     rendered_at = time.time()
-    write_json(run_dir / "results.json", results)
-    write_text_atomic(run_dir / "junit.xml", junit_xml(store, results))
-    write_text_atomic(run_dir / "index.html", render_html(results, run_dir, rendered_at))
+    try:
+        write_json(run_dir / "results.json", results)
+        write_text_atomic(run_dir / "junit.xml", junit_xml(store, results))
+        write_text_atomic(run_dir / "index.html", render_html(results, run_dir, rendered_at))
+    except OSError as error:     # a read-only or full filesystem: the run's data stay as they were
+        raise ConfigError(f"run_dir: expected a run directory kvgate can write its report into, found {run_dir} "
+                          f"refused ({error.strerror or error}{': ' + error.filename if error.filename else ''})") \
+            from None
     return results
 
 

@@ -209,6 +209,14 @@ def test_kvgate_report_on_a_damaged_run_file_is_exit_2_naming_it(run_dir, capsys
     assert said in capsys.readouterr().err
 
 
+def test_a_report_kvgate_cannot_write_is_exit_2_naming_the_run_and_leaves_no_temp_file(run_dir, capsys):
+    (run_dir / "index.html").mkdir()                     # the report's place taken: it cannot be replaced
+    assert main([str(run_dir)]) == 2
+    error = capsys.readouterr().err
+    assert "expected a run directory kvgate can write its report into" in error and str(run_dir) in error
+    assert not [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_inconclusive_gate_without_a_failure_makes_the_run_inconclusive(run_dir):
     store = RunStore(run_dir)
     store.add_verdict(verdict("g4", "memory trend", "INCONCLUSIVE", "G4 memory trend: interval straddles 0",

@@ -324,3 +324,12 @@ def test_calibrate_leaves_out_a_constant_its_own_file_could_not_hold_and_says_so
     saved = json.loads(out.read_text())
     assert "safetensors" not in saved["loader_efficiency"] and saved["service_start_s"] is None
     assert saved["curve"]["b"] == pytest.approx(B_, rel=1e-6)                # the sound constants kept
+
+
+def test_calibrate_into_a_place_it_cannot_write_is_exit_2_and_leaves_no_temp_file(tmp_path, capsys):
+    recorded_run(tmp_path / "run")
+    (tmp_path / "taken").mkdir()
+    assert main(["plan", "--calibrate", str(tmp_path / "run"), "--out", str(tmp_path / "taken")]) == 2
+    assert f"--out: expected a file kvgate can write, found {str(tmp_path / 'taken')!r} refused" in \
+        capsys.readouterr().err
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
