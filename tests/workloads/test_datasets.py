@@ -459,3 +459,14 @@ def test_a_tokenizer_that_cannot_be_read_is_an_error_naming_it(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizers reads"):
         sizer_for(str(tmp_path))
     assert isinstance(sizer_for("meta-llama/Llama-3.1-8B-Instruct"), WordSizer)    # an id: words, as before
+
+
+def test_a_trace_longer_than_a_run_replays_needs_a_limit_and_one_within_it_loads(tmp_path, monkeypatch):
+    import workloads.traffic.datasets as datasets
+
+    monkeypatch.setattr(datasets, "MAX_TRACE_REQUESTS", 3)            # the bound, made small enough to write
+    path = write_trace(tmp_path, SMALL_TRACE)                          # 4 requests
+    with pytest.raises(ConfigError, match=r"^workload.limit: expected a limit for a trace of more than 3 measured "):
+        datasets.check_trace(load_spec({"kind": "trace", "path": str(path)}))
+    datasets.check_trace(load_spec({"kind": "trace", "path": str(path), "limit": 3}))
+    datasets.check_trace(load_spec({"kind": "trace", "path": str(path), "warmup_requests": 1}))   # 3 measured

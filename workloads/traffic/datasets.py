@@ -37,6 +37,9 @@ MOONCAKE_BLOCK_TOKENS = 512
 # tokens/s, and a minute or two to build; beyond that a mistyped size would only run the machine out of memory.
 MAX_WORKLOAD_REQUESTS = 1_000_000
 MAX_WORKLOAD_PROMPT_TOKENS = 1_000_000_000
+# a trace's measured requests without a `limit`: at most this many (each block replays its own slice, and the
+# workload is built whole first: a trace of a million lines would hold a gigabyte and more for nothing)
+MAX_TRACE_REQUESTS = 100_000
 # a trace's timestamps: milliseconds from its start, at most about 300 years (Infinity, 1e308: refused, as NaN is)
 MAX_TRACE_TIMESTAMP_MS = 1e13
 
@@ -718,10 +721,15 @@ def check_trace(spec: TraceSpec, root: str = "workload") -> None:
     """The trace file exists and the records the spec uses (its warm-up and measured ones) parse;
     ConfigError naming the field or the file's line otherwise: checked at load, before anything starts."""
     path = check_trace_path(spec, root)
-    limit = None if spec.limit is None else spec.warmup_requests + spec.limit
-    if not read_trace(path, limit):
+    limit = spec.warmup_requests + (spec.limit if spec.limit is not None else MAX_TRACE_REQUESTS + 1)
+    records = read_trace(path, limit)
+    if not records:
         raise ConfigError(f"{root}.path: expected a trace file with at least one request, found an empty file "
                           f"{str(path)!r}")
+    if len(records) - spec.warmup_requests > MAX_TRACE_REQUESTS:
+        raise ConfigError(f"{root}.limit: expected a limit for a trace of more than {MAX_TRACE_REQUESTS:,} measured "
+                          f"requests ({str(path)!r}): a run replays a slice of it per block, and builds it whole "
+                          f"first; give limit: N (the N requests after the warm-up are measured)")
 
 
 def _trace(spec: TraceSpec, sizer: TextSizer, seed: int) -> tuple:
