@@ -277,12 +277,11 @@ def _scrub_dirs(args: argparse.Namespace) -> list[Path]:
 
     if args.cache_dir:
         return list(args.cache_dir)
-    if args.config is None:
-        return [EngineConfig.from_dict({}).cache.disk.path]
-    if "engine" in load_yaml_mapping(args.config, str(args.config)):
-        engine = EngineConfig.from_dict(load_yaml_section(args.config, "engine"))
+    if args.config is None or "engine" in load_yaml_mapping(args.config, str(args.config)):
+        engine = EngineConfig.from_dict({} if args.config is None else load_yaml_section(args.config, "engine"))
         if engine.cache.disk is None:
-            raise ConfigError(f"{args.config}: engine.cache.disk: expected a disk tier to scrub, found none")
+            raise ConfigError(f"{args.config or 'the serve default'}: engine.cache.disk: expected a disk tier to "
+                              "scrub, found none")
         return [engine.cache.disk.path]
     storage = Path(load_config(args.config).storage.path)
     return sorted(p for p in storage.glob("kv-*") if p.is_dir()) or [storage / "kv-tiered"]

@@ -47,7 +47,7 @@ from workloads.loadgen.settings import G3CapacityConfig, G3SteadyConfig, Level, 
 from workloads.loadgen.sweep import pairs_at_most
 from workloads.probes.settings import FaultSpec
 from workloads.storage.settings import CheckpointConfig, FioConfig, InventoryConfig, ModelLoadConfig, StorageConfig
-from workloads.traffic.datasets import TraceSpec, WorkloadField, check_trace, read_trace
+from workloads.traffic.datasets import TraceSpec, WorkloadField, check_trace, check_trace_path, load_spec, read_trace
 
 from .fleet import fleet_defaults
 
@@ -198,7 +198,7 @@ class G3NoReuseConfig(StrictModel):
     would cycle through voids the control: its cached tokens say so)."""
 
     enabled: bool = Field(default=True, description="run it")
-    workload: WorkloadField = Field(default_factory=lambda: dict(NO_REUSE_WORKLOAD),
+    workload: WorkloadField = Field(default_factory=lambda: load_spec(NO_REUSE_WORKLOAD),
                                     description="a workload with no shared prefixes (kind: random)")
     level: Count = Field(default=4, ge=1, description="the concurrency the control runs at")
     duration_s: Optional[Float] = Field(default=None, gt=0, description="seconds per target (default g3.duration_s)")
@@ -244,7 +244,7 @@ class G3Config(StrictModel):
                             "blocks run by time (the no-reuse control's default); matched pairs are measured from "
                             "their first request, after the level's warm-up pairs (steady)")
     steady: G3SteadyConfig = Field(default_factory=G3SteadyConfig, description="when a level's warm-up pairs end")
-    blocks: PairsConfig = Field(default_factory=lambda: PairsConfig(**G3_BLOCKS), description=(
+    blocks: PairsConfig = Field(default_factory=lambda: PairsConfig.model_validate(G3_BLOCKS), description=(
         "block pairs per level, after its warm-up pairs: at least `min`, then more until the interval decides every "
         "rule of the level, at most `max`, none started once the level has run `budget_s` (null: no limit)"))
     min_requests: Count = Field(default=10, ge=1, description="completed requests a block needs to be valid")
@@ -306,7 +306,8 @@ class G3Config(StrictModel):
 
 
 # the only checks a profile may measure without judging: a quick soak cannot power a latency or throughput trend
-UNPOWERED_DRIFT = ("ttft_p99_drift_fraction", "throughput_drift_fraction")
+UnpoweredDrift = Literal["ttft_p99_drift_fraction", "throughput_drift_fraction"]
+UNPOWERED_DRIFT: tuple[str, ...] = get_args(UnpoweredDrift)
 
 
 class G4Config(StrictModel):
@@ -328,7 +329,7 @@ class G4Config(StrictModel):
         "the largest change over the soak, as a fraction of the level, that a windowed trend may show"))
     max_error_share: Float = Field(default=0.01, ge=0, lt=1, description=(
         "a window whose requests failed more than this share is invalid: left out of the drift checks"))
-    measured_only: list[Literal[UNPOWERED_DRIFT]] = Field(default_factory=list, description=(
+    measured_only: list[UnpoweredDrift] = Field(default_factory=list, description=(
         "the latency and throughput drift checks a soak too short to power them measures without judging, saying "
         "the windows each would need (the quick profile's 2 minutes); the full profile judges everything"))
     faults: list[FaultSpec] = Field(default_factory=list, description=(
@@ -491,7 +492,8 @@ def load_config(path: Optional[Path] = None, profile: Optional[str] = None,
 def _trace_fills_every_block(g3: G3Config, spec: TraceSpec) -> None:
     """A trace's measured requests are cut into one part per level and each part into one sub-part per block pair
     (warm-up pairs included): every sub-part must hold `g3.min_requests`, or no block of it can be valid."""
-    records = len(read_trace(spec.path, None if spec.limit is None else spec.warmup_requests + spec.limit))
+    path = check_trace_path(spec, "g3.workload")
+    records = len(read_trace(path, None if spec.limit is None else spec.warmup_requests + spec.limit))
     measured = records - spec.warmup_requests
     blocks = len(g3.levels) * pairs_at_most(g3.blocks.max, g3.steady.rule())
     needed = blocks * g3.min_requests

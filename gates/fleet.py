@@ -13,6 +13,7 @@ from cache_impl.cache import integrity
 from cache_impl.cache.config import DEFAULT_BLOCK_SIZE
 from kvcore.settings import ConfigError, parse_size
 from sizing.layout import KVShape
+from sizing.replay import Key
 from sizing.sequences import workload_block_keys
 from workloads.traffic.datasets import WorkloadSpec
 
@@ -66,7 +67,7 @@ def fleet_users(single: int, nodes: int) -> int:
 def working_set_blocks(workload: Union[WorkloadSpec, Mapping[str, Any]], block_tokens: int = DEFAULT_BLOCK_SIZE) -> int:
     """Distinct block keys (prompts and outputs) of every request of a workload spec, as the embedded engine
     keys them."""
-    keys = set()
+    keys: set[Key] = set()
     try:
         requests = workload_block_keys(workload, block_tokens=block_tokens)
     except ConfigError as error:  # a workload that cannot be built: named where the config holds it

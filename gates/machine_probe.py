@@ -100,11 +100,12 @@ def decode_probe(endpoint, context_tokens: int, max_running: int, run_id: str = 
     "seconds"}: decode(b) = step_s + per_sequence_s·b through the two; {"error": why} when either failed."""
     started = time.monotonic()
     tokens = DECODE_WINDOW_TOKENS + max_running * -(-context_tokens // block_tokens)
-    gaps = {}
+    gaps: dict[int, list[float]] = {}
     for batch in sorted({1, max_running}):
-        gaps[batch] = _batch_gaps(endpoint, context_tokens, batch, tokens, f"{run_id}/decode-{batch}")
-        if isinstance(gaps[batch], str):
-            return {"role": endpoint.role, "error": gaps[batch]}
+        found = _batch_gaps(endpoint, context_tokens, batch, tokens, f"{run_id}/decode-{batch}")
+        if isinstance(found, str):
+            return {"role": endpoint.role, "error": found}
+        gaps[batch] = found
     one, many = (statistics.median(gaps[b]) for b in (1, max_running))
     per_sequence = max(0.0, (many - one) / (max_running - 1)) if max_running > 1 else 0.0
     return {"role": endpoint.role, "context_tokens": context_tokens, "batch_1_s": one, "batch_max_s": many,

@@ -56,8 +56,8 @@ def _run_dir(path: Path, option: str) -> RunStore:
 def run_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, profile=args.profile)
     if args.calibrate is not None:
-        store = _run_dir(args.calibrate, "--calibrate")
-        fitted = calibrate(store.root, kv_bytes_per_token=target_inputs(config)[0].shape.bytes_per_token)
+        measured = _run_dir(args.calibrate, "--calibrate")
+        fitted = calibrate(measured.root, kv_bytes_per_token=target_inputs(config)[0].shape.bytes_per_token)
         try:
             fitted.save(args.out)
         except OSError as error:

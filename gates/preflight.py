@@ -119,8 +119,13 @@ def run_preflight(endpoints: dict[str, Endpoint], timeout_s: float = TIMEOUT_S,
     """Every node of every role, checked side by side (a dead one costs its timeout once, not once per role);
     `contexts`: G2's, when it runs (check_node)."""
     nodes = [(role, url, endpoint) for role, endpoint in endpoints.items() for role, url in _nodes(role, endpoint)]
+
+    def check(node: tuple[str, str, Endpoint]) -> PreflightResult:
+        role, url, endpoint = node
+        return check_node(role, url, endpoint, timeout_s=timeout_s, contexts=contexts)
+
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-        return list(pool.map(lambda node: check_node(*node, timeout_s=timeout_s, contexts=contexts), nodes))
+        return list(pool.map(check, nodes))
 
 
 def probe_engines(config, endpoints: dict[str, Endpoint]) -> dict[str, dict]:

@@ -32,7 +32,7 @@ from kvcore.rundata import GATE_TITLES, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
 from sizing.machine import decode_words, probe_line, probe_ran
-from sizing.plan import comparison_lines, g3_decode_context
+from sizing.plan import Plan, comparison_lines, g3_decode_context
 from workloads.storage.fio import FioError, fio_version
 from workloads.storage.inventory import collect_inventory
 from workloads.traffic.processes import die_with_parent
@@ -182,7 +182,7 @@ class GateRunner:
         self.store = RunStore(run_dir)
         self.console = console or GateConsole()
         self.suite_env: dict[str, str] = {}  # for the gate suites: the embedded servers' admin token
-        self.last_plan = None                # the sizing model's latest plan (sizing/in_run.py)
+        self.last_plan: Optional[Plan] = None    # the sizing model's latest plan (sizing/in_run.py)
         self.endpoints: dict[str, Endpoint] = {}
 
     def run(self) -> int:

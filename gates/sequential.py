@@ -189,7 +189,7 @@ Intervals = Optional[tuple[float, float]] | list[Optional[tuple[float, float]]]
 
 
 def sample_until_decided(take_one: Callable[[int], None], interval_now: Callable[[], Intervals],
-                         rules: Sequence[Rule | dict], minimum: int, maximum: int, budget_s: float,
+                         rules: Sequence[Rule], minimum: int, maximum: int, budget_s: float,
                          clock: Callable[[], float] = time.monotonic) -> Stopping:
     """Call `take_one(i)` for i = 0, 1, ... until, after at least `minimum` pairs, `interval_now()` decides every
     rule, or `maximum` pairs are taken, or `budget_s` seconds have passed (no pair is started after that).

@@ -9,7 +9,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from gates.sequential import (
     METHOD,
@@ -63,9 +63,10 @@ class Pair:
 
     def context(self, subject: str) -> dict:
         """Everything the report shows of the pair, the subject's figures under `subject`_… keys."""
-        context = {"round": self.round, f"{subject}_gbps": four(self.subject.gbps), "fio_gbps": four(self.fio.gbps),
-                   f"{subject}_bytes": int(self.subject.nbytes), f"{subject}_seconds": four(self.subject.seconds),
-                   "fio_bytes": int(self.fio.nbytes), "fio_seconds": four(self.fio.seconds)}
+        context: dict[str, object] = {
+            "round": self.round, f"{subject}_gbps": four(self.subject.gbps), "fio_gbps": four(self.fio.gbps),
+            f"{subject}_bytes": int(self.subject.nbytes), f"{subject}_seconds": four(self.subject.seconds),
+            "fio_bytes": int(self.fio.nbytes), "fio_seconds": four(self.fio.seconds)}
         if self.same_pattern is not None:
             context.update(same_pattern_gbps=four(self.same_pattern.gbps),
                            same_pattern_ratio=four(self.subject.gbps / self.same_pattern.gbps))
@@ -137,8 +138,8 @@ def paired_ratio(pairs: Sequence[Pair], stopping: Optional[Stopping] = None,
         return PairedRatio(None, None, 0, stopping=stopping, method=method(looks))
     subject, fio = [p.subject.gbps for p in pairs], [p.fio.gbps for p in pairs]
     value, interval = log_ratio_sequence(subject, fio, looks=looks)
-    same = [p for p in pairs if p.same_pattern is not None]
-    diagnostic = (log_ratio_sequence([p.subject.gbps for p in same], [p.same_pattern.gbps for p in same])[0]
+    same = [(p.subject, p.same_pattern) for p in pairs if p.same_pattern is not None]
+    diagnostic = (log_ratio_sequence([s.gbps for s, _ in same], [o.gbps for _, o in same])[0]
                   if same else None)
     return PairedRatio(value, interval if len(pairs) >= MIN_PAIRS else None, len(pairs),
                        subject_gbps=statistics.median(subject), fio_gbps=statistics.median(fio),
@@ -208,7 +209,7 @@ class FasterOf:
     behind (a cache below a virtual machine, the device's queue) falls on each alike. `runs` keeps every
     call's round and each side's reading (several subjects may share a round: G2's model loaders)."""
 
-    sides: dict[str, FioRound]
+    sides: Mapping[str, FioRound]
     runs: list[tuple[int, dict[str, Reading]]] = field(default_factory=list)
 
     def __call__(self, index: int, nbytes: float) -> Reading:
@@ -369,7 +370,8 @@ class FioFilesRead:
             raise SideBySideError(f"fio read: expected files to read, found {len(files)} holding {total} bytes")
         directory = files[0].parent
         names = ":".join(str(f.relative_to(directory)) if f.parent == directory else str(f) for f in files)
-        slices, bs = (), self.shape.bs_bytes
+        slices: tuple[str, ...] = ()
+        bs = self.shape.bs_bytes
         if self.shape.numjobs > 1:
             share = f"{100 / self.shape.numjobs:g}%"
             slices = (f"--size={share}", f"--offset_increment={share}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from gates.side_by_side import FasterOf, FioRound
-from workloads.storage.fio_sweep import FioShape, Sweep, SweepPoint, run_storage_sweep
+from workloads.storage.fio_sweep import FioShape, Kind, Sweep, SweepPoint, run_storage_sweep
 
 BEST_READ, BEST_WRITE, POINT = "storage_best_read_gbps", "storage_best_write_gbps", "storage_sweep_point"
 SWEEP_DIR = "fio-sweep"       # under storage.path
@@ -116,7 +116,8 @@ def record_point(store, gate: str, check: str, point: SweepPoint, index: int) ->
 
 def record_winners(store, gate: str, check: str, sweep: Sweep) -> None:
     """The fastest read and write of the sweep, with the winning job's shape, as rows of `gate`."""
-    for metric, kind in ((BEST_READ, "read"), (BEST_WRITE, "write")):
+    winners: tuple[tuple[str, Kind], ...] = ((BEST_READ, "read"), (BEST_WRITE, "write"))
+    for metric, kind in winners:
         best = sweep.best(kind)
         if best is not None:
             modes = {mode: {**p.shape.to_dict(), "gbps": p.gbps} for mode, p in sweep.best_per_mode(kind).items()}

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union, cast
 
 import yaml
 
@@ -22,6 +22,7 @@ from kvcore.settings import parse_size
 from workloads.servers.stores import MooncakePool, RedisServer
 from workloads.traffic.datasets import BYTE_TOKENIZER_ID
 from workloads.traffic.processes import die_with_parent, free_port
+from workloads.traffic.routing import Routing
 from workloads.traffic.target import Target
 
 from .config import EmbeddedTargets, GatesConfig
@@ -38,12 +39,12 @@ class Endpoint:
     role: str
     url: str                     # base URL ending in /v1
     model: str
-    api: str = "chat"
+    api: Literal["chat", "completions"] = "chat"
     api_key_env: Optional[str] = None
     admin: bool = False          # embedded: /admin/cache/* is available
     mode: Optional[str] = None   # embedded: the cache mode
     nodes: tuple[str, ...] = ()  # several nodes serving this role (base URLs, the first is `url`)
-    routing: str = "round-robin"
+    routing: Routing = "round-robin"
     tokenizer: Optional[str] = None   # its tokenizer id when kvgate knows it (prompts sized in its tokens)
     cache_dir: Optional[str] = None   # the first node's disk-tier directory when on this host (embedded: its
                                       # NodePlan.cache_dir; external: targets.<role>.cache_dir)
@@ -159,7 +160,7 @@ class EmbeddedServers:
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.endpoints: dict[str, Endpoint] = {}
-        self.pool = None
+        self.pool: Optional[Union[RedisServer, MooncakePool]] = None
         self._admin_token = secrets.token_urlsafe(32)
 
     def client_environment(self) -> dict[str, str]:
@@ -179,6 +180,8 @@ class EmbeddedServers:
             command = [sys.executable, "-m", "gates.cli", "serve", "--config", str(settings), "--mode", node.mode,
                        "--host", "127.0.0.1", "--port", str(port), "--admin", "--cache-dir", str(node.cache_dir)]
             if node.pooled:
+                if pool_url is None:    # pooled only where embedded.pool names the pool _start_pool started
+                    raise ServerStartError(f"the {node.name} node: expected the fleet's pool, found none started")
                 command += ["--remote", pool_url]
             key = f"{node.role}-{node.index}"
             self.logs[key] = self.run_dir / f"server-{node.name}.log"
@@ -193,8 +196,8 @@ class EmbeddedServers:
                                             routing=self.config.targets.routing, tokenizer=BYTE_TOKENIZER_ID,
                                             cache_dir=str(first_dirs[role]))
         for name, process in self.processes.items():
-            role, node = name.rsplit("-", 1)
-            self._wait_healthy(process, self.endpoints[role].node_roots[int(node)], self.logs[name], timeout_s)
+            role, index = name.rsplit("-", 1)
+            self._wait_healthy(process, self.endpoints[role].node_roots[int(index)], self.logs[name], timeout_s)
         return self.endpoints
 
     def _start_pool(self, embedded: EmbeddedTargets) -> Optional[str]:
@@ -211,7 +214,8 @@ class EmbeddedServers:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise ServerStartError(f"the embedded server ({' '.join(process.args[5:8])}) exited at start "
+                command = cast(list[str], process.args)     # start() runs each server from a list of strings
+                raise ServerStartError(f"the embedded server ({' '.join(command[5:8])}) exited at start "
                                        f"(exit {process.returncode}): {_last_words(log)} (see {log})")
             try:
                 with urllib.request.urlopen(root + "/health", timeout=2) as response:

@@ -136,12 +136,16 @@ class Calibration:
             for key in keys:
                 if value.get(key) is None:
                     raise ConfigError(f"{root}.{name}.{key}: expected a number, found nothing")
-            return [number(f"{name}.{key}", value[key]) for key in keys]
+            return [check_number(f"{root}.{name}.{key}", value[key], True) for key in keys]
 
-        curve = fields("curve", ("a", "b", "c"))
-        curve = None if curve is None else RecomputeCurve(*curve, source=str(data["curve"].get("source", "")))
-        decode = fields("decode", ("step_s", "per_sequence_s"))
-        decode = None if decode is None else DecodeCost(*decode)
+        curve, decode = None, None
+        curve_fields = fields("curve", ("a", "b", "c"))
+        if curve_fields is not None:
+            a, b, c = curve_fields
+            curve = RecomputeCurve(a, b, c, source=str(data["curve"].get("source", "")))
+        decode_fields = fields("decode", ("step_s", "per_sequence_s"))
+        if decode_fields is not None:
+            decode = DecodeCost(*decode_fields)
         kv_bytes = data.get("kv_bytes_per_token")
         if kv_bytes is not None and (not isinstance(kv_bytes, int) or isinstance(kv_bytes, bool) or kv_bytes < 1):
             raise ConfigError(f"{root}.kv_bytes_per_token: expected an integer >= 1, found {kv_bytes!r}")
@@ -221,10 +225,10 @@ def fit_g2_ttfts(rows: list[tuple[str, int, float]], kv_bytes_per_token: Optiona
             design.append([1.0, n, float(n) * n, 0.0])
             target.append(seconds)
         elif mode in ("host-hit", "disk-cold"):
-            if mode == "disk-cold" and disk_gbps is None:
+            gbps = host_gbps if mode == "host-hit" else disk_gbps
+            if gbps is None:        # a disk hit with no disk GB/s to take its load from
                 continue
             h = n // block_size * block_size
-            gbps = host_gbps if mode == "host-hit" else disk_gbps
             load = 0.0 if kv_bytes_per_token is None else h * kv_bytes_per_token / (gbps * 1e9)
             disk = mode == "disk-cold"
             disk_rows += disk

@@ -78,7 +78,7 @@ class LevelPrediction:
 
     concurrency: float
     targets: Mapping[str, TargetFigures]
-    g3: Optional[LevelFigures] = None
+    g3: LevelFigures
     steps: Mapping[str, dict] = field(default_factory=dict)   # each target's simulated step (g3_step)
     runs: tuple[LevelFigures, ...] = ()                       # combined from runs with several noise seeds
 
@@ -98,9 +98,12 @@ Replay = Sequence[ServedRequest] | TargetReplay | Mapping[float, Sequence[Served
 
 
 def _replay_at(role: str, replay: Replay, level: float) -> TargetReplay:
-    found = replay.get(level) if isinstance(replay, Mapping) else replay
-    if found is None:
-        raise ConfigError(f"replays.{role}: expected requests for level {level:g}, found levels {sorted(replay)}")
+    if isinstance(replay, Mapping):
+        found = replay.get(level)
+        if found is None:
+            raise ConfigError(f"replays.{role}: expected requests for level {level:g}, found levels {sorted(replay)}")
+    else:
+        found = replay
     return found if isinstance(found, TargetReplay) else TargetReplay(found)
 
 
@@ -186,7 +189,8 @@ def predict_rate_ladder(replays: Mapping[str, Replay], multipliers: Sequence[flo
     each target sustains with its TTFT p90 within `slo_s`, and the gain with its interval."""
     _check_roles(replays)
     check_number("ttft_slo_s", slo_s)
-    levels, ladders = [], {role: [] for role in replays}
+    levels = []
+    ladders: dict[str, list[tuple[float, bool, str, tuple[float, ...]]]] = {role: [] for role in replays}
     for m in multipliers:
         if m not in arrivals_s:
             raise ConfigError(f"arrivals_s: expected the arrival times at {m:g}x, found {sorted(arrivals_s)}")

@@ -11,14 +11,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from kvcore.settings import ConfigError
 from workloads.loadgen.steady import order_segment, requests_per_part
 from workloads.loadgen.sweep import closed_loop, primer, rate_multiplied, trace_parts
 from workloads.traffic.requests import Workload, WorkloadRequest, load_order
-from workloads.traffic.routing import Router
+from workloads.traffic.routing import Router, Routing
 
-from .g3_figures import TargetReplay, combine, level_prediction
-from .queueing import EngineModel, ServedRequest, simulate_source
-from .replay import POOL_TIER, CacheSimulator, ReplayResult, RequestKeys, infinite_cache_hits, replay
+from .g3_figures import LevelPrediction, TargetReplay, combine, level_prediction
+from .queueing import EngineModel, ServedRequest, SimulatedRequest, simulate_source
+from .replay import POOL_TIER, CacheSimulator, Key, ReplayResult, RequestKeys, infinite_cache_hits, replay
 from .sequences import embedded_chat_tokens, requests_block_keys, word_chat_tokens
 from .settings import G3Section
 from .targets import TargetInputs
@@ -62,7 +63,7 @@ def g3_segments(g3: G3Section, workload: Workload) -> list[Segment]:
     return segments
 
 
-def route(segments: Sequence[Segment], nodes: int, routing: str) -> list[list[int]]:
+def route(segments: Sequence[Segment], nodes: int, routing: Routing) -> list[list[int]]:
     """The node of each request of each segment: a fresh Router per load run, as each run's process has."""
     routed = []
     for segment in segments:
@@ -186,8 +187,27 @@ def matched_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs) -> b
 WARMUP_PAIRS = 1    # the pairs G3's steady rule leaves out before it measures (it settles at pair 2 or later)
 
 
+def concurrencies(g3: G3Section) -> list[int]:
+    """G3's levels as its closed loop's concurrencies (gates.config.G3Config checks they are integers there)."""
+    levels = [level for level in g3.levels if isinstance(level, int)]
+    if g3.replay != "closed_loop" or len(levels) != len(g3.levels):
+        raise ConfigError(f"g3.levels: expected concurrencies (integers >= 1) of a closed loop, found "
+                          f"{list(g3.levels)} (replay: {g3.replay})")
+    return levels
+
+
+@dataclass
+class _Counted:
+    """One target's measured blocks over the sweep."""
+
+    per_level: dict[int, list[float]]                       # each measured block's hit ratio (cached ÷ prompt tokens)
+    rows: list[list[int]] = field(default_factory=list)     # each measured request's hit blocks per level
+    blocks: int = 0                                         # their prompt blocks
+    bound: int = 0                                          # the prompt blocks an infinite cache would have served
+
+
 def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, engine: EngineModel,
-                    seeds: Sequence[int] = (0,)) -> tuple[list, dict]:
+                    seeds: Sequence[int] = (0,)) -> tuple[list[LevelPrediction], dict[str, dict]]:
     """G3's closed loop as G3 runs it (workloads/loadgen/blocks.py, matched): level after level, pairs of blocks, each
     block both targets' serving of one segment of the load order (the first level's segments 8 requests a user,
     the later ones what the baseline answered in `duration_s` at the level before, `steady.requests_per_part`),
@@ -202,13 +222,14 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
     capacities = inputs.capacities()
     primer = g3_segments(g3, workload)[0].requests if g3.prime else ()
     seeds = seeds if engine.jitter else seeds[:1]
-    runs = {level: [] for level in g3.levels}
-    counted = {role: {"rows": [], "blocks": 0, "bound": 0, "per_level": {level: [] for level in g3.levels}}
-               for role in ("candidate", "baseline")}
+    levels = concurrencies(g3)
+    runs: dict[int, list[LevelPrediction]] = {level: [] for level in levels}
+    counted = {role: _Counted({level: [] for level in levels}) for role in ("candidate", "baseline")}
     roles = (("baseline", inputs.baseline_nodes), ("candidate", inputs.candidate_nodes))
-    names = {}
+    names: dict[str, tuple[str, ...]] = {}
     for seed in seeds:
-        caches, seen = {}, {}
+        caches: dict[str, list[CacheSimulator]] = {}
+        seen: dict[str, set[Key]] = {}
         for role, nodes in roles:
             caches[role] = CacheSimulator.fleet(nodes, capacities[role])
             names[role] = caches[role][0].names
@@ -217,9 +238,11 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
             for request in primer:
                 caches[role][router.pick(request)].serve(keys[request.request_id])
                 infinite_cache_hits(seen[role], keys[request.request_id])
-        simulated = {level: {role: [] for role, _ in roles} for level in g3.levels}
-        start, rate, block = 0, None, 0
-        for level in g3.levels:
+        simulated: dict[int, dict[str, list[SimulatedRequest]]] = {level: {role: [] for role, _ in roles}
+                                                                    for level in levels}
+        start, block = 0, 0
+        rate: Optional[float] = None
+        for level in levels:
             count = requests_per_part(workload, level, rate, g3.duration_s)
             clock = {role: 0.0 for role, _ in roles}     # each level's measured blocks from 0, back to back
             for pair in range(WARMUP_PAIRS + g3.blocks.min):
@@ -237,7 +260,7 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
                     measured = pair >= WARMUP_PAIRS
                     for index in range(len(segment)):     # every send, in order: each stores its blocks
                         known = infinite_cache_hits(seen[role], source.served[index][0])
-                        counted[role]["bound"] += known if measured else 0
+                        counted[role].bound += known if measured else 0
                     if not measured:
                         continue
                     offset = clock[role]            # so the level's window is its blocks' windows summed
@@ -246,19 +269,19 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
                     clock[role] = offset + max(r.done_s for r in done)
                     rows = [source.served[r.index][1] for r in done]
                     prompt_tokens = sum(tokens[segment[r.index].request_id] for r in done)
-                    counted[role]["per_level"][level].append(   # as G3 measures it: cached ÷ prompt tokens
+                    counted[role].per_level[level].append(   # as G3 measures it: cached ÷ prompt tokens
                         sum(map(sum, rows)) * inputs.block_tokens / prompt_tokens if prompt_tokens else 0.0)
-                    counted[role]["rows"] += rows
-                    counted[role]["blocks"] += sum(len(source.served[r.index][0].prompt) for r in done)
-        for level in g3.levels:
+                    counted[role].rows += rows
+                    counted[role].blocks += sum(len(source.served[r.index][0].prompt) for r in done)
+        for level in levels:
             runs[level].append(level_prediction(level, simulated[level], 0.0, g3.min_requests))
     hits = {}
     for role, c in counted.items():
-        totals = {name: sum(row[i] for row in c["rows"]) for i, name in enumerate(names[role])}
-        hit, blocks = sum(totals.values()), c["blocks"]
+        totals = {name: sum(row[i] for row in c.rows) for i, name in enumerate(names[role])}
+        hit, blocks = sum(totals.values()), c.blocks
         hits[role] = {"per_tier": {name: n / blocks if blocks else 0.0 for name, n in totals.items()},
                       "overall": hit / blocks if blocks else 0.0,
-                      "infinite_cache_bound": c["bound"] / blocks if blocks else 0.0,
-                      "per_level": {level: float(np.mean(v)) for level, v in c["per_level"].items()},
+                      "infinite_cache_bound": c.bound / blocks if blocks else 0.0,
+                      "per_level": {level: float(np.mean(v)) for level, v in c.per_level.items()},
                       "pool_share": totals[POOL_TIER] / hit if POOL_TIER in totals and hit else None}
-    return [combine(runs[level]) for level in g3.levels], hits
+    return [combine(runs[level]) for level in levels], hits

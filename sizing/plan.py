@@ -17,7 +17,7 @@ from kvcore.percent import format_percent
 from kvcore.predictions import IN_MAPE, format_figure, same_place
 from kvcore.predictions import error as prediction_error
 from kvcore.rundata import RunStore, finite_number, left_out_note
-from kvcore.settings import parse_size
+from kvcore.settings import ConfigError, parse_size
 from kvcore.verdict import judge
 from workloads.loadgen.capacity_probe import slo_of
 from workloads.loadgen.sweep import RATE_USERS
@@ -27,7 +27,7 @@ from workloads.traffic.datasets import build_workload, sizer_for
 from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
-from .g3_inputs import G3Replays, g3_replays, matched_blocks, simulate_blocks
+from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, simulate_blocks
 from .queueing import DecodeCost, EngineModel
 from .settings import SizedRun
 from .targets import engine_facts, target_inputs
@@ -47,7 +47,7 @@ class Prediction:
 
     gate: str
     metric: str
-    value: float
+    value: Optional[float]      # None: the figure has none (a sustained-rate gain where the baseline sustained none)
     unit: str
     label: str
     basis: str
@@ -235,7 +235,7 @@ def _g2(plan: Plan, config: SizedRun, timing, tiers: TierBandwidths, inputs, sou
     judged disk-hit ratio and cold-read ratio."""
     rows = predict_g2(timing, config.g2.contexts)
     disk = inputs.embedded or inputs.disk_bytes > 0
-    modes = {"recompute": (None, "the recompute curve")}
+    modes: dict[str, tuple[Optional[str], str]] = {"recompute": (None, "the recompute curve")}
     if inputs.embedded or inputs.host_bytes > 0:
         modes["host-hit"] = ("host", f"every whole block from host at {tiers.host_gbps:.2f} GB/s")
     if disk and tiers.disk_gbps is not None:
@@ -252,11 +252,11 @@ def _g2(plan: Plan, config: SizedRun, timing, tiers: TierBandwidths, inputs, sou
         plan.notes.append("G2's disk figures are not predicted: the candidate has no disk tier in the model (its "
                           "engine has none, or sizing.target.disk_capacity is not given)")
         return
-    if tiers.disk_gbps is None:
+    longest = rows[-1]
+    if longest.disk_hit_s is None:      # the timing model's tiers (these) have no disk GB/s
         plan.notes.append("G2's disk figures are not predicted: no disk GB/s (no G1 fio, no g1 seq_read_gbps "
                           "threshold from the spec sheet)")
         return
-    longest = rows[-1]
     plan.predictions.append(Prediction(
         "g2", "disk_hit_ttft_vs_recompute", longest.disk_hit_vs_recompute, "%",
         f"G2 cold disk hit / recompute at {longest.context_tokens} tokens",
@@ -281,18 +281,23 @@ def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engine: EngineMod
     g3_inputs.BlockSource), a trace or sequential sessions from the replay made beforehand."""
     settings = config.g3
     closed = settings.replay == "closed_loop"
-    timing = dict(duration_s=settings.duration_s, warmup_s=settings.warmup_s, min_requests=settings.min_requests)
     hits = g3.hits
     seeds = tuple(range(config.sizing.runs))
+    slo_ms = settings.ttft_slo_ms
     if matched_blocks(settings, workload, inputs):
         levels, live = simulate_blocks(settings, workload, inputs, engine, seeds)
         hits = live
         plan.figures["g3_hit_ratio"] = hits
     elif closed:
-        levels = predict_g3(g3.replays, settings.levels, engine, seeds=seeds, **timing)
+        levels = predict_g3(g3.replays, concurrencies(settings), engine, duration_s=settings.duration_s,
+                            warmup_s=settings.warmup_s, min_requests=settings.min_requests, seeds=seeds)
     else:
-        ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, RATE_USERS,
-                                     settings.ttft_slo_ms / 1e3, **timing)
+        if slo_ms is None:
+            raise ConfigError("g3.ttft_slo_ms: expected the TTFT objective a sustained rate meets for replay: "
+                              "rate_multipliers, found nothing")
+        ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, RATE_USERS, slo_ms / 1e3,
+                                     duration_s=settings.duration_s, warmup_s=settings.warmup_s,
+                                     min_requests=settings.min_requests)
         levels = ladder.levels
     fleet = (f"; {inputs.candidate_nodes} candidate nodes ({inputs.routing}, pool {inputs.pool}) and "
              f"{inputs.baseline_nodes} baseline node(s)") if inputs.fleet else ""
@@ -319,22 +324,23 @@ def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engine: EngineMod
                                                    "tokens/s", f"G3 throughput of the {role} at {name(level)}",
                                                    basis, context))
     for level in levels:
-        figures = level.g3
-        judged = dict(valid=figures.valid, invalid_reason=figures.invalid_reason)
-        plan.predictions.append(Prediction("g3", "ttft_p50_reduction", figures.ttft_reduction, "%",
+        compared = level.g3
+        plan.predictions.append(Prediction("g3", "ttft_p50_reduction", compared.ttft_reduction, "%",
                                            f"G3 TTFT p50 reduction at {name(level)}",
                                            basis + _runs(level.runs, "ttft_reduction"), at(level),
-                                           interval=figures.ttft_interval, **judged))
+                                           interval=compared.ttft_interval, valid=compared.valid,
+                                           invalid_reason=compared.invalid_reason))
         if throughput and closed:
-            plan.predictions.append(Prediction("g3", "throughput_gain", figures.throughput_gain, "%",
+            plan.predictions.append(Prediction("g3", "throughput_gain", compared.throughput_gain, "%",
                                                f"G3 throughput gain at {name(level)}",
                                                basis + _runs(level.runs, "throughput_gain"), at(level),
-                                               interval=figures.throughput_interval, **judged))
+                                               interval=compared.throughput_interval, valid=compared.valid,
+                                               invalid_reason=compared.invalid_reason))
     if throughput and not closed:
         sustained = ladder.sustained
         plan.predictions.append(Prediction(
             "g3", "sustained_rate_gain", sustained.gain, "%",
-            f"G3 sustained rate gain (TTFT p90 ≤ {settings.ttft_slo_ms:g} ms, "
+            f"G3 sustained rate gain (TTFT p90 ≤ {slo_ms:g} ms, "
             f"{', '.join(f'{m:g}x' for m in settings.levels)})",
             f"{basis}; sustained {_multiplier(sustained.baseline)} baseline, {_multiplier(sustained.candidate)} "
             "candidate", {},
@@ -397,10 +403,10 @@ def _storage(plan: Plan, config: SizedRun, store: Optional[RunStore], calibratio
                                         "basis": f"{load.size} at {tiers.disk_gbps:.2f} GB/s × {efficiency:.2f}, "
                                                  f"the {load.judged} loader ({source})"}
     checkpoint = config.g2.checkpoint
-    measured = store.latest_figure("g2", "checkpoint_write_vs_storage_best") if store is not None else None
-    if checkpoint.enabled and measured is not None and calibration is not None and calibration.checkpoint_efficiency:
+    written = store.latest_figure("g2", "checkpoint_write_vs_storage_best") if store is not None else None
+    if checkpoint.enabled and written is not None and calibration is not None and calibration.checkpoint_efficiency:
         nbytes = checkpoint.spec().total_bytes
-        fio = float((measured.get("context") or {}).get("fio_gbps") or 0)
+        fio = float((written.get("context") or {}).get("fio_gbps") or 0)
         if fio > 0:
             plan.figures["checkpoint_save_s"] = {
                 "value": checkpoint_seconds(nbytes, fio, calibration.checkpoint_efficiency),

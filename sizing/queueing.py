@@ -31,7 +31,7 @@ class DecodeCost:
         check_number("decode.step_s", self.step_s, allow_zero=True)
         check_number("decode.per_sequence_s", self.per_sequence_s, allow_zero=True)
 
-    def seconds(self, batch: int) -> float:
+    def seconds(self, batch: float) -> float:
         return self.step_s + self.per_sequence_s * batch
 
     @classmethod

@@ -80,7 +80,7 @@ class KeysOnlyTier:
     def __init__(self, name: str, accounted: bool = True, blocks: Optional[int] = None,
                  metrics: Optional[TierMetrics] = None) -> None:
         self.name, self.accounted, self.shared = name, accounted, not accounted
-        self.keys = LRUAccount(UNBOUNDED if accounted or blocks is None else blocks)
+        self.keys: LRUAccount[Key] = LRUAccount(UNBOUNDED if accounted or blocks is None else blocks)
         self.metrics = metrics if metrics is not None else TierMetrics()
 
     def __contains__(self, key: Key) -> bool:
@@ -116,12 +116,15 @@ def _unprotected(key: Key) -> bool:
     return False
 
 
+SimLevel = Level[Key, KeysOnlyTier]     # a level of the cache on keys
+
+
 class CacheSimulator:
     """`TieredKVCache`'s operations on keys: `load`, `store`, `promote`, each deciding with the cache's
     own `Placement` (index, LRU accounts, victims, demotion targets) over `KeysOnlyTier`s."""
 
     def __init__(self, capacities: Sequence[TierCapacity], write_policy: WritePolicy = "write-through",
-                 _pool: Optional[Level] = None) -> None:
+                 _pool: Optional[SimLevel] = None) -> None:
         _check_levels(capacities, write_policy)
         through = write_policy == "write-through"
         self.write_policy = write_policy
@@ -164,7 +167,7 @@ class CacheSimulator:
                 self.placement.touch(level, key)
         return hits
 
-    def _plan(self, keys: Sequence[Key]) -> list[Level]:
+    def _plan(self, keys: Sequence[Key]) -> list[SimLevel]:
         """The source level of each block of the longest prefix (`TieredKVCache._plan_load`): the pool
         is asked for its leading run of the blocks after the local prefix."""
         extra: dict[Key, int] = {}
@@ -215,7 +218,7 @@ class CacheSimulator:
             self.placement.touch_everywhere(key)
         return placed
 
-    def _put(self, level: Level, key: Key) -> bool:
+    def _put(self, level: SimLevel, key: Key) -> bool:
         """Place a block on one level, evicting the victims placement picks first (`TieredKVCache._put`);
         False when it cannot fit."""
         if level.lru is None:
@@ -230,7 +233,7 @@ class CacheSimulator:
         self.placement.add(level, key)
         return True
 
-    def _evict(self, level: Level, key: Key) -> None:
+    def _evict(self, level: SimLevel, key: Key) -> None:
         """Remove a block from a level, first demoting it to the nearest lower level that has or takes it
         (`TieredKVCache._evict`)."""
         level.metrics.add("evictions")
@@ -244,11 +247,12 @@ class CacheSimulator:
         self.placement.remove(level, key)
 
 
-def _level(rank: int, capacity: TierCapacity, on_store: bool) -> Level:
+def _level(rank: int, capacity: TierCapacity, on_store: bool) -> SimLevel:
     """One level of the cache on keys: a keys-only tier and, when the cache accounts for it, its LRU account."""
     metrics = TierMetrics()
     tier = KeysOnlyTier(capacity.name, capacity.accounted, capacity.blocks, metrics)
-    lru = LRUAccount(UNBOUNDED if capacity.blocks is None else capacity.blocks) if capacity.accounted else None
+    lru: Optional[LRUAccount[Key]] = (LRUAccount(UNBOUNDED if capacity.blocks is None else capacity.blocks)
+                                      if capacity.accounted else None)
     return Level(rank, tier, metrics, lru, None, on_store)
 
 

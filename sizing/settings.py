@@ -15,6 +15,7 @@ from sizing.layout import KVShape
 from workloads.loadgen.settings import G3CapacityConfig, SLOConfig
 from workloads.storage.settings import CheckpointConfig, ModelLoadConfig
 from workloads.traffic.datasets import WorkloadSpec
+from workloads.traffic.routing import Routing
 
 
 class TargetSizing(StrictModel):
@@ -159,7 +160,7 @@ class TargetsSection(Protocol):
     @property
     def candidate_nodes(self) -> list[str]: ...
     @property
-    def routing(self) -> str: ...
+    def routing(self) -> Routing: ...
 
 
 class G2Section(Protocol):
@@ -184,6 +185,10 @@ class G3Section(Protocol):
     def levels(self) -> Sequence[Union[int, float]]: ...
     @property
     def duration_s(self) -> float: ...
+    @property
+    def warmup_s(self) -> float: ...
+    @property
+    def ttft_slo_ms(self) -> Optional[float]: ...
     @property
     def blocks(self) -> PairsConfig: ...
     @property

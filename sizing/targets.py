@@ -12,6 +12,7 @@ from typing import Any, Optional
 from cache_impl.cache import integrity
 from cache_impl.cache.config import CacheConfig
 from kvcore.settings import parse_size
+from workloads.traffic.routing import Routing
 
 from .layout import KVShape
 from .replay import TierCapacity, tier_capacities
@@ -40,7 +41,7 @@ class TargetInputs:
     pool_gbps: Optional[float]
     candidate_nodes: int
     baseline_nodes: int
-    routing: str
+    routing: Routing
     max_running: int
     embedded: bool
     baseline_device_blocks: Optional[int] = None   # None: the candidate's device (the same engine, no offload)

@@ -19,7 +19,7 @@ import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,9 @@ KEY_BYTES = 16
 ROOT_PARENT = bytes(KEY_BYTES)
 
 Key = bytes
+# What the cache's bookkeeping (LRU accounts, block index, placement) keys blocks by: the cache's own `Key`s,
+# or any hashable in the sizing model's replay of it (sizing/replay.py).
+BlockKey = TypeVar("BlockKey", bound=Hashable)
 
 # bytes per element; torch itself is imported only by code that builds tensors (keys stay torch-free)
 _DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}

@@ -29,6 +29,8 @@ from cache_impl.cache.tiers.remote import RemoteTier
 from cache_impl.cache.writeback import WriteBehind
 from cache_impl.platform.buffers import aligned_empty
 
+CacheLevel = Level[Key, Tier]     # a level of the cache: its tier and what placement keeps of it, by block key
+
 
 def resolve_device(setting: str) -> torch.device:
     """"auto" means CUDA when present, the CPU otherwise."""
@@ -107,7 +109,7 @@ class TieredKVCache:
             if level.lru is not None:
                 self._reindex(level)
 
-    def _build_levels(self) -> list[Level]:
+    def _build_levels(self) -> list[CacheLevel]:
         config, layout = self.config, self.layout
         through = config.write_policy == "write-through"
         tiers: list[tuple[Tier, int, bool, bool, int]] = []  # tier, capacity (-1: its own), on store, behind, reserve
@@ -126,8 +128,8 @@ class TieredKVCache:
             tiers.append((remote, -1, True, True, 0))
         levels = []
         for rank, (tier, capacity, on_store, behind, reserve) in enumerate(tiers):
-            level = Level(rank, tier, TierMetrics(), LRUAccount(capacity) if capacity >= 0 else None, None,
-                          on_store, reserve)
+            lru: Optional[LRUAccount[Key]] = LRUAccount(capacity) if capacity >= 0 else None
+            level = Level(rank, tier, TierMetrics(), lru, None, on_store, reserve)
             if behind:
                 level.writer = WriteBehind(tier, self._lock, self._on_written(level), self._room_when_full(level))
             levels.append(level)
@@ -211,14 +213,14 @@ class TieredKVCache:
     def _load(self, keys: list[Key], destination: Callable[[int], BlockOut]) -> LoadResult:
         """Plan (pinned), read into `destination(number of planned blocks)`, then commit what was good."""
         plan = self._plan_load(keys)
-        failures: dict[Key, tuple[Level, str]] = {}
+        failures: dict[Key, tuple[CacheLevel, str]] = {}
         try:
             failures = self._read(plan, destination(len(plan)))
         finally:
             kept = self._finish_load(plan, failures, ended_on_miss=bool(failures) or len(plan) < len(keys))
         return LoadResult([key for key, _ in kept], [level.name for _, level in kept], self.block_size)
 
-    def _plan_load(self, keys: list[Key]) -> list[tuple[Key, Level]]:
+    def _plan_load(self, keys: list[Key]) -> list[tuple[Key, CacheLevel]]:
         """Pin the cached prefix; each block with the level to read it from."""
         extra = self._ask_shared_levels(keys)
         with self._lock:
@@ -253,9 +255,9 @@ class TieredKVCache:
                     self.placement.add(level, key)
         return extra
 
-    def _read(self, plan: list[tuple[Key, Level]], out: BlockOut) -> dict[Key, tuple[Level, str]]:
+    def _read(self, plan: list[tuple[Key, CacheLevel]], out: BlockOut) -> dict[Key, tuple[CacheLevel, str]]:
         """Copy planned blocks into the caller's memory, one batch per source level; failures by key."""
-        failures: dict[Key, tuple[Level, str]] = {}
+        failures: dict[Key, tuple[CacheLevel, str]] = {}
         for level in self.levels:
             batch = [(i, key) for i, (key, source) in enumerate(plan) if source is level]
             if not batch:
@@ -267,8 +269,8 @@ class TieredKVCache:
             failures.update({key: (level, r) for (_, key), r in zip(batch, reasons) if r is not None})
         return failures
 
-    def _finish_load(self, plan: list[tuple[Key, Level]], failures: dict[Key, tuple[Level, str]],
-                     ended_on_miss: bool) -> list[tuple[Key, Level]]:
+    def _finish_load(self, plan: list[tuple[Key, CacheLevel]], failures: dict[Key, tuple[CacheLevel, str]],
+                     ended_on_miss: bool) -> list[tuple[Key, CacheLevel]]:
         """Refuse failed blocks, unpin, refresh recency and count; the blocks before the first failure."""
         good = next((i for i, (key, _) in enumerate(plan) if key in failures), len(plan))
         with self._lock:
@@ -280,7 +282,7 @@ class TieredKVCache:
             self._count_lookup(plan[:good], ended_on_miss)
         return plan[:good]
 
-    def _refuse(self, level: Level, key: Key, reason: str) -> None:
+    def _refuse(self, level: CacheLevel, key: Key, reason: str) -> None:
         """A stored block could not be read or failed verification: remove it from that level and count it."""
         if reason == integrity.IO_ERROR:
             level.metrics.add("read_errors")
@@ -288,7 +290,7 @@ class TieredKVCache:
             level.metrics.corrupt(reason)
         self._drop(level, key)
 
-    def _count_lookup(self, kept: list[tuple[Key, Level]], ended_on_miss: bool) -> None:
+    def _count_lookup(self, kept: list[tuple[Key, CacheLevel]], ended_on_miss: bool) -> None:
         for _, source in kept:
             for level in self.levels[: source.rank]:
                 level.metrics.add("misses")
@@ -345,7 +347,7 @@ class TieredKVCache:
                 self.placement.touch_everywhere(key)
         return placed
 
-    def _put(self, level: Level, key: Key, block: torch.Tensor) -> bool:
+    def _put(self, level: CacheLevel, key: Key, block: torch.Tensor) -> bool:
         """Place a block on one level (making room first); False, counted, when it cannot fit now."""
         if level.lru is not None and not self._make_room(level):
             level.metrics.add("stores_refused")
@@ -360,11 +362,11 @@ class TieredKVCache:
         self._count_written(level)
         return True
 
-    def _count_written(self, level: Level) -> None:
+    def _count_written(self, level: CacheLevel) -> None:
         level.metrics.add("bytes_written", self.layout.block_nbytes)
         level.metrics.add("blocks_written")
 
-    def _on_written(self, level: Level) -> Callable[[Key, Optional[BaseException]], None]:
+    def _on_written(self, level: CacheLevel) -> Callable[[Key, Optional[BaseException]], None]:
         def done(key: Key, error: Optional[BaseException]) -> None:  # called by the writer, lock held
             lru = level.lru  # None: not accounted
             if error is None and (lru is None or key in lru):
@@ -394,20 +396,20 @@ class TieredKVCache:
 
     # -- room, eviction and demotion -----------------------------------------------
 
-    def _make_room(self, level: Level, new_bytes: bool = True) -> bool:
+    def _make_room(self, level: CacheLevel, new_bytes: bool = True) -> bool:
         """Evict until one more block fits the level (and, when its bytes are still to be written,
         the medium beneath); False when it cannot."""
         shortfall = self._medium_shortfall(level) if new_bytes else 0
         return self._evict_for(level, level.tier.stored_nbytes, shortfall) is not None
 
-    def _evict_for(self, level: Level, nbytes: int, shortfall: int) -> Optional[list[Key]]:
+    def _evict_for(self, level: CacheLevel, nbytes: int, shortfall: int) -> Optional[list[Key]]:
         """Evict the victims placement picks for `nbytes` and `shortfall` (see `Placement.victims`)."""
         victims = self.placement.victims(level, nbytes, shortfall)
         for key in victims or ():
             self._evict(level, key)
         return victims
 
-    def _medium_shortfall(self, level: Level, at_least: int = 0) -> int:
+    def _medium_shortfall(self, level: CacheLevel, at_least: int = 0) -> int:
         """Bytes to free on the medium beneath the level so that one more block, the writes
         queued and the configured reserve fit in what the filesystem really has."""
         free = level.tier.free_bytes()
@@ -416,7 +418,7 @@ class TieredKVCache:
         queued = level.writer.pending_bytes if level.writer is not None else 0
         return max(at_least, level.min_free_bytes + level.tier.stored_nbytes + queued - free)
 
-    def _room_when_full(self, level: Level) -> Callable[[Key], bool]:
+    def _room_when_full(self, level: CacheLevel) -> Callable[[Key], bool]:
         def make_room(key: Key) -> bool:  # called by the writer after ENOSPC, lock not held
             with self._lock:
                 if level.lru is None:
@@ -440,7 +442,7 @@ class TieredKVCache:
                 self._evict(level, key)
         return len(victims)
 
-    def _evict(self, level: Level, key: Key) -> None:
+    def _evict(self, level: CacheLevel, key: Key) -> None:
         """Remove a block from a level, first demoting it to the nearest lower level that has or takes it."""
         level.metrics.add("evictions")
         source = level.tier.view(key)
@@ -452,7 +454,7 @@ class TieredKVCache:
                 break
         self._drop(level, key)
 
-    def _drop(self, level: Level, key: Key) -> None:
+    def _drop(self, level: CacheLevel, key: Key) -> None:
         level.tier.delete(key)
         self.placement.remove(level, key)
 
@@ -468,7 +470,7 @@ class TieredKVCache:
         with self._lock:
             return self._room(self._by_name.get("disk"))
 
-    def _room(self, level: Optional[Level]) -> Optional[DiskRoom]:
+    def _room(self, level: Optional[CacheLevel]) -> Optional[DiskRoom]:
         """The room on the filesystem beneath the disk level; None for any other level."""
         if level is None or level.name != "disk" or self.config.disk is None:
             return None
@@ -507,7 +509,7 @@ class TieredKVCache:
                 "faults": self.faults.snapshot(),
             }
 
-    def _reindex(self, level: Level) -> None:
+    def _reindex(self, level: CacheLevel) -> None:
         """Index what a tier already holds (blocks a previous run left), oldest first so recency survives."""
         found = []
         for key, reason, mtime in level.tier.discover():

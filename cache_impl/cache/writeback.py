@@ -36,7 +36,7 @@ class WriteBehind:
         self.retried = 0
         self._pool = started_pool(WORKERS, f"kv-{tier.name}-write")
 
-    def __contains__(self, key: Key) -> bool:
+    def __contains__(self, key: object) -> bool:     # placement asks with its own key type (any hashable)
         return key in self._pending
 
     def __len__(self) -> int:

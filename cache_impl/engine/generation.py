@@ -55,3 +55,10 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     finish: Optional[FinishEvent] = None
     ttft_s: Optional[float] = None
+
+    def finished(self) -> tuple[float, FinishEvent]:
+        """(seconds to the first token, the finish event) of a finished generation, as `Engine.generate` returns
+        one; RuntimeError for one still running."""
+        if self.ttft_s is None or self.finish is None:
+            raise RuntimeError("generation: expected a finished request, found one still running")
+        return self.ttft_s, self.finish

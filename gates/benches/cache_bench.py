@@ -20,7 +20,7 @@ import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
 from cache_impl.cache.index import BlockIndex
-from cache_impl.cache.keys import block_keys, token_array
+from cache_impl.cache.keys import Key, block_keys, token_array
 from cache_impl.platform.buffers import aligned_empty
 from kvcore.settings import ConfigError
 from workloads.storage.fio_sweep import SweepGrid
@@ -193,7 +193,7 @@ def bench_lookup(settings: BenchSettings) -> dict:
     prompt = token_array(prompt_list)  # as the engine hands a prompt to the cache (converted once per request)
     gc.collect()
     tracemalloc.start()
-    index = BlockIndex()
+    index: BlockIndex[Key] = BlockIndex()
     random_keys = rng.bytes(16 * settings.indexed_blocks)
     for start in range(0, len(random_keys), 16):
         index.add(random_keys[start : start + 16], 2)

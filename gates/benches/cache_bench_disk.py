@@ -71,6 +71,9 @@ def bench_disk_against_the_best(directory: Path, nbytes: int, block_bytes: int, 
     sweep = run_storage_sweep(grid, directory / "sweep")
     bests = sweep.best_per_mode("read")
     overall = sweep.best("read")
+    if overall is None:
+        raise RuntimeError(f"cache-bench: expected the storage sweep to have measured reads, found none "
+                           f"({len(sweep.points)} points)")
     results = {"best": {**overall.shape.to_dict(), "sweep_gbps": overall.gbps, "points": len(sweep.points),
                         "notes": sweep.notes, "describe": overall.shape.describe(),
                         "shapes": {mode: {**p.shape.to_dict(), "sweep_gbps": p.gbps, "describe": p.shape.describe()}

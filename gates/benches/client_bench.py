@@ -112,6 +112,8 @@ def _openai_ttft(client, body: dict) -> float:
     for chunk in client.chat.completions.create(**body):
         if ttft is None and chunk.choices and chunk.choices[0].delta.content:
             ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError("the openai client's stream ended before any text")
     return ttft
 
 
@@ -134,6 +136,8 @@ def bench_fidelity(settings: ClientBenchSettings) -> dict:
                 record = client.send(request)
                 if not record.ok:
                     raise RuntimeError(f"client-bench: {record.error_type}: {record.error_message}")
+                if record.ttft_s is None:
+                    raise RuntimeError("client-bench: our client's stream ended before any text")
                 times["ours"].append(record.ttft_s)
                 body = client.body(request)
                 times["minimal"].append(asyncio.run(minimal_ttft("127.0.0.1", port, "/v1/chat/completions", body)))
@@ -141,11 +145,11 @@ def bench_fidelity(settings: ClientBenchSettings) -> dict:
                     times["openai"].append(_openai_ttft(reference, body))
         finally:
             client.close()
-    p50 = {name: statistics.median(values) if values else None for name, values in times.items()}
-    return {"requests": len(times["ours"]), "ours_ttft_p50_ms": p50["ours"] * 1e3,
-            "minimal_ttft_p50_ms": p50["minimal"] * 1e3,
-            "openai_client_ttft_p50_ms": p50["openai"] * 1e3 if p50["openai"] else None,
-            "difference_percent": (p50["ours"] / p50["minimal"] - 1) * 100}
+    ours, minimal = statistics.median(times["ours"]), statistics.median(times["minimal"])
+    reference_p50 = statistics.median(times["openai"]) if times["openai"] else None
+    return {"requests": len(times["ours"]), "ours_ttft_p50_ms": ours * 1e3, "minimal_ttft_p50_ms": minimal * 1e3,
+            "openai_client_ttft_p50_ms": reference_p50 * 1e3 if reference_p50 else None,
+            "difference_percent": (ours / minimal - 1) * 100}
 
 
 def bench_scale(settings: ClientBenchSettings) -> dict:

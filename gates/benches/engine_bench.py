@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_impl.cache.manager import TieredKVCache
 from cache_impl.engine.engine import Engine, EngineConfig
 from cache_impl.engine.tokenizer import ByteTokenizer
 
@@ -43,17 +44,25 @@ def _ttft(engine: Engine, prompt: list[int], expect_cached: int, expect_tokens: 
     """TTFT of one greedy request and its tokens; RuntimeError unless it reused `expect_cached` tokens and,
     when given, generated exactly `expect_tokens`."""
     result = engine.generate(prompt, max_tokens=OUTPUT_TOKENS)
-    if result.finish.cached_tokens != expect_cached:
-        raise RuntimeError(f"engine-bench: expected {expect_cached} cached tokens, got {result.finish.cached_tokens}")
+    ttft_s, finish = result.finished()
+    if finish.cached_tokens != expect_cached:
+        raise RuntimeError(f"engine-bench: expected {expect_cached} cached tokens, got {finish.cached_tokens}")
     if expect_tokens is not None and result.token_ids != expect_tokens:
         raise RuntimeError(f"engine-bench: a {what} generated {result.token_ids}, the recompute {expect_tokens}")
-    return result.ttft_s, result.token_ids
+    return ttft_s, result.token_ids
+
+
+def _cache(engine: Engine) -> TieredKVCache:
+    """A tiered engine's KV cache; RuntimeError for an engine without one (a recompute engine)."""
+    if engine.cache is None:
+        raise RuntimeError(f"expected an engine with a KV cache, found {engine.model_name} without one")
+    return engine.cache
 
 
 def _measure_context(recompute: Engine, tiered: Engine, length: int, rounds: int) -> dict:
     prompt = _prompt(length, seed=length)
     cached = length // tiered.block_size * tiered.block_size  # every full block, the last one too
-    cache = tiered.cache
+    cache = _cache(tiered)
     tiered.generate(prompt, max_tokens=1)  # computes and stores the prefix
     cache.flush()
     times: dict[str, list[float]] = {"recompute": [], "host": [], "disk_cold": []}

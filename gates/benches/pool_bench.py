@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -33,7 +33,7 @@ from cache_impl.engine.engine import Engine, EngineConfig, kv_layout
 from cache_impl.engine.presets import PRESETS
 from workloads.servers.stores import MooncakePool, RedisServer
 
-from .engine_bench import _prompt
+from .engine_bench import _cache, _prompt
 
 
 @dataclass
@@ -95,8 +95,8 @@ def bench_bandwidth(config: RemoteTierConfig, settings: PoolBenchSettings) -> di
 
 def bench_cross_node(config: RemoteTierConfig, settings: PoolBenchSettings, work: Path) -> dict:
     remote = config.model_dump()
-    base = {"mode": "tiered", "preset": settings.preset,
-            "cache": {"device_capacity_blocks": settings.context // 256 + 8, "remote": remote}}
+    base: dict[str, Any] = {"mode": "tiered", "preset": settings.preset,
+                            "cache": {"device_capacity_blocks": settings.context // 256 + 8, "remote": remote}}
     engines = {}
     try:
         engines["recompute"] = Engine(EngineConfig.from_dict({"mode": "recompute", "preset": settings.preset})).start()
@@ -107,14 +107,14 @@ def bench_cross_node(config: RemoteTierConfig, settings: PoolBenchSettings, work
         cached = settings.context // 256 * 256  # every full block of the prompt
         for round_ in range(settings.rounds):
             prompt = _prompt(settings.context, seed=10_000 + round_ + time.time_ns() % 10_000)
-            times["recompute"].append(engines["recompute"].generate(prompt, max_tokens=1).ttft_s)
-            computed = engines["a"].generate(prompt, max_tokens=1)
-            engines["a"].cache.flush()
-            times["node_a"].append(computed.ttft_s)
-            hit = engines["b"].generate(prompt, max_tokens=1)
-            if hit.finish.cached_tokens != cached:
-                raise RuntimeError(f"pool-bench: node B reused {hit.finish.cached_tokens} tokens, expected {cached}")
-            times["node_b"].append(hit.ttft_s)
+            times["recompute"].append(engines["recompute"].generate(prompt, max_tokens=1).finished()[0])
+            computed, _ = engines["a"].generate(prompt, max_tokens=1).finished()
+            _cache(engines["a"]).flush()
+            times["node_a"].append(computed)
+            hit, finish = engines["b"].generate(prompt, max_tokens=1).finished()
+            if finish.cached_tokens != cached:
+                raise RuntimeError(f"pool-bench: node B reused {finish.cached_tokens} tokens, expected {cached}")
+            times["node_b"].append(hit)
         return {"context_tokens": settings.context, "cached_tokens": cached,
                 **{f"{name}_ttft_ms": statistics.median(v) * 1e3 for name, v in times.items()},
                 "node_b_speedup": statistics.median(r / b for r, b in zip(times["recompute"], times["node_b"])),
@@ -135,9 +135,12 @@ def run_pool_bench(settings: PoolBenchSettings) -> dict:
     try:
         for backend in settings.backends:
             url = (settings.urls or {}).get(backend)
-            pool = None if url else _started(backend, work).start()
+            pool = None
+            if not url:
+                pool = _started(backend, work).start()
+                url = pool.url
             try:
-                config = RemoteTierConfig.from_url(url or pool.url)
+                config = RemoteTierConfig.from_url(url)
                 results[backend] = {"bandwidth": bench_bandwidth(config, settings),
                                     "cross_node": bench_cross_node(config, settings, work / backend)}
             finally:

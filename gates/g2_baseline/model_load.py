@@ -232,7 +232,11 @@ class Speedup:
 def measure_speedup(checkpoints: Checkpoints, loader: str, rounds: int, parallel: int, progress: Progress,
                     on_round: Callable[[str, int, dict], None]) -> Speedup:
     """`rounds` pairs: the loader's cold load on the storage under test, then on the baseline."""
-    under_test, baseline = [], []
+    if checkpoints.baseline is None:
+        raise ValueError("model load speedup: expected a checkpoint on the baseline storage (g2.model_load."
+                         "baseline_path), found none")
+    under_test: list[float] = []
+    baseline: list[float] = []
     for index in range(rounds):
         for storage, checkpoint, seconds in (("under test", checkpoints.under_test, under_test),
                                              ("baseline", checkpoints.baseline, baseline)):

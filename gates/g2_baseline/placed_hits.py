@@ -119,6 +119,8 @@ class PlacedHits:
             placement.route.run(self.adapter)
             return
         plan = placement.pressure
+        if plan is None:
+            raise HitError(f"placing a prefix: {placement.describe()}")
         for i in range(plan.fillers):
             self._send(self.filler(plan.filler_tokens, f"{tag}/filler/{i}"), "filler")
         if placement.tier == "disk" and placement.cold:

@@ -254,7 +254,7 @@ def test_restored_state_equals_the_saved_state(gate_context, job, saves, record,
             "checkpoint_restore_identical", equal / len(restores), unit="%")
 
 
-def test_speedup_over_the_baseline_storage(gate_context, job, saves, record, verdict, not_run):
+def test_speedup_over_the_baseline_storage(gate_context, job, saves, record, verdict, not_run) -> None:
     settings = gate_context.config.g2.checkpoint
     label = "G2 checkpoint: save speedup over the baseline storage"
     if settings.baseline_path is None:

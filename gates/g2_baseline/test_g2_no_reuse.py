@@ -64,6 +64,9 @@ def control_rounds(gate_context, endpoints) -> list[ControlRound]:
                 if not record.ok:
                     pytest.fail(f"G2 no-reuse control: the {role}'s request failed: {record.error_type}: "
                                 f"{record.error_message}", pytrace=False)
+                if record.ttft_s is None or record.e2e_s is None:
+                    pytest.fail(f"G2 no-reuse control: the {role}'s stream ended without a token (no TTFT)",
+                                pytrace=False)
                 rounds.append(ControlRound(role, pair, record.ttft_s, record.e2e_s, record.completion_tokens or 1,
                                            record.prompt_tokens or 0, record.cached_tokens or 0))
     finally:

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from gates.sequential import METHOD, MIN_PAIRS_FOR_AN_INTERVAL, Looks, log_ratio_sequence, method, sample_until_decided
 from kvcore.g3_analysis import LevelFigures
+from kvcore.rules import Rule
 from workloads.loadgen.blocks import LevelSampling
 
 JUDGED_PER_LEVEL = {True: ("ttft_p50_reduction", "throughput_gain"), False: ("ttft_p50_reduction",)}
@@ -93,7 +94,7 @@ def counted_causes(reasons: list[str]) -> str:
     return ", ".join(f"{name} ({count})" for name, count in counts.most_common())
 
 
-def level_sampler(rule_of: Callable[[str], Optional[object]], closed_loop: bool) -> Callable[[LevelSampling], dict]:
+def level_sampler(rule_of: Callable[[str], Optional[Rule]], closed_loop: bool) -> Callable[[LevelSampling], dict]:
     """A `SweepSettings.sample_level`: pairs until the interval decides every rule G3 judges at the level
     (`gates.sequential.sample_until_decided`), or the most blocks, or the level's time budget."""
     judged = [(metric, rule) for metric in JUDGED_PER_LEVEL[closed_loop] if (rule := rule_of(metric)) is not None]

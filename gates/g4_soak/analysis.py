@@ -5,7 +5,7 @@ How it works: docs/methods/soak-trends.md (gates/g4_soak/analysis.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
@@ -205,7 +205,7 @@ class Drift:
 
     def trend_at(self, index: float) -> Optional[float]:
         """The Theil-Sen line at a window index (the line drawn beside the figure)."""
-        return None if self.sen_slope is None else self.intercept + self.sen_slope * index
+        return None if self.sen_slope is None or self.intercept is None else self.intercept + self.sen_slope * index
 
     def context(self) -> dict:
         return {"windows": self.windows, "excluded_windows": self.excluded, "level": self.level,
@@ -221,10 +221,9 @@ def drift(windows: Sequence[dict], metric: str, worse: str = "increasing", exclu
         raise ValueError(f"worse: expected one of {', '.join(WORSE)}, found {worse!r}")
     left_out = set(excluded)
     kept = [w for w in windows if w.get(metric) is not None and int(w["index"]) not in left_out]
-    base = {"metric": metric, "worse": worse, "windows": len(kept),
-            "excluded": sum(1 for w in windows if int(w["index"]) in left_out)}
+    excluded_windows = sum(1 for w in windows if int(w["index"]) in left_out)
     if len(kept) < 3:
-        return Drift(**base)
+        return Drift(metric, worse, len(kept), excluded_windows)
     values = [float(w[metric]) for w in kept]
     positions = [float(w["index"]) for w in kept]
     test = mann_kendall(values, alpha=1.0 - confidence, positions=positions)
@@ -236,13 +235,14 @@ def drift(windows: Sequence[dict], metric: str, worse: str = "increasing", exclu
     intercept = float(np.median(np.asarray(values) - slope * np.asarray(positions)))
     residuals = np.asarray(values) - (intercept + slope * np.asarray(positions))
     noise = float(np.std(residuals, ddof=2))
-    figures = {**base, "level": level, "sen_slope": slope, "intercept": intercept, "change": slope * span,
-               "p_value": test["p_value"], "trend": test["trend"], "slope_interval": (lo, hi), "noise": noise}
+    found = Drift(metric, worse, len(kept), excluded_windows, level=level, sen_slope=slope, intercept=intercept,
+                  change=slope * span, p_value=test["p_value"], trend=test["trend"], slope_interval=(lo, hi),
+                  noise=noise)
     if level <= 0:
-        return Drift(**figures)
+        return found
     sign = (1.0 if worse == "increasing" else -1.0) * span / level
     ends = sorted((sign * lo, sign * hi))
-    return Drift(**figures, fraction=sign * slope, interval=(ends[0], ends[1]))
+    return replace(found, fraction=sign * slope, interval=(ends[0], ends[1]))
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,7 @@ class GrowthProjection:
 
 def project_growth(result: Drift, window_s: float, horizon_s: float) -> Optional[GrowthProjection]:
     """`result`'s slope carried over `horizon_s` (None when the drift has no slope)."""
-    if result.sen_slope is None or result.slope_interval is None:
+    if result.sen_slope is None or result.slope_interval is None or result.change is None:
         return None
     per_hour = 3600.0 / window_s
     windows = horizon_s / window_s
@@ -333,7 +333,7 @@ class Power:
 
     def words(self) -> str:
         width = format_percent(self.width, trim=True) if self.unit == "%" else f"{self.width:g} {self.unit}"
-        if self.windows is None:
+        if self.windows is None or self.soak_s is None:     # the soak is None exactly when the windows are
             return f"at this noise no soak under {MOST_WINDOWS:,} windows narrows the interval below {width}"
         if self.windows <= self.windows_now:
             return f"at this noise {self.windows} judged windows narrow the interval below {width} (this soak has " \
@@ -380,12 +380,13 @@ def drift_power(result: Drift, tolerance: float, window_s: float) -> Optional[Po
 
 def growth_power(result: Drift, limit: float, unit: str, window_s: float, horizon_s: float) -> Optional[Power]:
     """Judged windows (and soak) at which the projected growth's interval would be narrower than `limit`."""
-    if result.noise is None:
+    noise = result.noise
+    if noise is None:
         return None
     carried = horizon_s / window_s
 
     def width_at(n: int) -> float:
-        return SEN_WIDTH * 2 * Z_95 * result.noise * (12.0 / (n * (n * n - 1))) ** 0.5 * carried
+        return SEN_WIDTH * 2 * Z_95 * noise * (12.0 / (n * (n * n - 1))) ** 0.5 * carried
 
     windows = _fewest_windows(width_at, limit)
     return Power(limit, unit, result.windows, windows,

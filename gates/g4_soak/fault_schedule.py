@@ -143,8 +143,8 @@ class FaultSchedule:
             if after[counter] > before[counter] or read_the_disk or len(row["reprobes"]) >= MAX_REPROBES:
                 return
             key = row["detail"]["key"]
-            held = next((b["tiers"] for b in self.admin.locate(messages=messages, token_ids=token_ids)
-                         if b["key"] == key), [])
+            held: list[str] = next((b["tiers"] for b in self.admin.locate(messages=messages, token_ids=token_ids)
+                                    if b["key"] == key), [])
             row["reprobes"].append({"held_by": [tier for tier in held if tier in UPPER_TIERS],
                                     "probe": row["probe_during"]})
             evict_until_on_disk_only(self.admin, key, messages=messages, token_ids=token_ids)

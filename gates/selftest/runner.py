@@ -164,8 +164,8 @@ def run_control(control: Control, profile: str, out: Path) -> ControlResult:
     except ServerStartError as error:
         result.problem = str(error)
     finally:
-        for server in started.values():
-            stop_server(server.process)
+        for running in started.values():
+            stop_server(running.process)
         result.seconds = time.monotonic() - begun
     if not result.problem:
         _judge(control, result, directory)

@@ -88,17 +88,34 @@ def test_engine_bench_reports_ttft_of_recompute_host_and_cold_disk_hits(tmp_path
 
 
 def test_engine_bench_stops_when_a_hit_generates_other_tokens_than_the_recompute():
-    from types import SimpleNamespace
-
+    from cache_impl.engine.generation import FinishEvent, Generation
     from gates.benches.engine_bench import _ttft
 
     class Engine:
         def generate(self, prompt, max_tokens):
-            return SimpleNamespace(finish=SimpleNamespace(cached_tokens=512), token_ids=[7, 7, 7, 9], ttft_s=0.01)
+            return Generation(token_ids=[7, 7, 7, 9], finish=FinishEvent("length", 600, 4, 512), ttft_s=0.01)
 
     assert _ttft(Engine(), [1] * 600, 512, [7, 7, 7, 9], "host hit") == (0.01, [7, 7, 7, 9])
     with pytest.raises(RuntimeError, match=r"a host hit generated \[7, 7, 7, 9\], the recompute \[7, 7, 7, 8\]"):
         _ttft(Engine(), [1] * 600, 512, [7, 7, 7, 8], "host hit")
+
+
+def test_client_bench_says_when_the_openai_clients_stream_carried_no_text():
+    from types import SimpleNamespace
+
+    from gates.benches.client_bench import _openai_ttft
+
+    def chunk(content):
+        return SimpleNamespace(choices=[SimpleNamespace(delta=SimpleNamespace(content=content))])
+
+    def client(*contents):
+        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(
+            create=lambda **body: iter([chunk(c) for c in contents]))))
+
+    assert _openai_ttft(client(None, "text", None), {}) > 0
+    # once a None that sank into the median beside the other requests' seconds (a TypeError there)
+    with pytest.raises(RuntimeError, match="the openai client's stream ended before any text"):
+        _openai_ttft(client(None, ""), {})
 
 
 def test_client_bench_compares_our_ttft_with_a_minimal_timer_and_holds_many_streams(tmp_path):
