@@ -224,21 +224,21 @@ class RunStore:
 
     def run_info(self) -> dict:
         """run.json ({} when absent); ConfigError when it is not a JSON object (a run directory it is not)."""
-        return self._json("run.json", dict, {})
+        return self._json("run.json", dict, {}, "a run's JSON object")
 
-    def _json(self, name: str, kind: type, default: Any) -> Any:
+    def _json(self, name: str, kind: type, default: Any, what: str = "") -> Any:
         """A JSON file of the run (`default` when absent); ConfigError naming it when it cannot be read whole, or
         holds another kind of value than `kind` (a damaged or half-copied run directory)."""
         path = self.root / name
         if not path.exists():
             return default
-        what = "a JSON object" if kind is dict else "a JSON list"
+        what = what or ("a JSON object" if kind is dict else "a JSON list")
         try:
             value = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:     # unreadable, a directory, not UTF-8, torn JSON
             raise ConfigError(f"{path}: expected {what}, found {_unreadable(error)}") from None
         if not isinstance(value, kind):
-            raise ConfigError(f"{path}: expected {what}, found a JSON {type(value).__name__}")
+            raise ConfigError(f"{path}: expected {what}, found a {type(value).__name__}")
         return value
 
     def write_run_info(self, info: dict) -> None:

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from cache_impl.engine.model import ModelArgs, Transformer, build_model
@@ -107,7 +108,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def export_hf(directory: Path, preset: str, seed: int, dtype: str = "float32", overwrite: bool = False) -> Path:
     """Write the seeded model (`build_model(preset, seed)`) and the byte tokenizer as a Llama directory."""
-    from safetensors import SafetensorError
     from safetensors.torch import save_file  # deferred: safetensors.torch imports torch
 
     if dtype not in DTYPES:

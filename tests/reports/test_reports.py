@@ -199,9 +199,9 @@ def test_a_damaged_status_file_is_a_gate_in_error_saying_so_and_damaged_rows_are
 
 @pytest.mark.parametrize("damage, said", [
     (lambda run: (run / "run.json").unlink() or (run / "run.json").mkdir(),
-     "expected a JSON object, found a directory"),
+     "expected a run's JSON object, found a directory"),
     (lambda run: (run / "sizing.json").write_text('{"compar'), "expected a JSON object, found unreadable JSON"),
-    (lambda run: (run / "preflight.json").write_text('{"a": 1}'), "expected a JSON list, found a JSON dict"),
+    (lambda run: (run / "preflight.json").write_text('{"a": 1}'), "expected a JSON list, found a dict"),
 ])
 def test_kvgate_report_on_a_damaged_run_file_is_exit_2_naming_it(run_dir, capsys, damage, said):
     damage(run_dir)

@@ -296,7 +296,7 @@ def test_plan_and_calibrate_read_a_damaged_run_as_far_as_it_is_whole_and_say_wha
 
 @pytest.mark.parametrize("name, damage, said", [
     ("machine_probe.json", lambda text: text[: len(text) // 2], "expected a JSON object, found unreadable JSON"),
-    ("preflight.json", lambda text: "{}", "expected a JSON list, found a JSON dict"),
+    ("preflight.json", lambda text: "{}", "expected a JSON list, found a dict"),
 ])
 def test_a_damaged_json_file_of_the_run_is_exit_2_naming_it(tmp_path, capsys, name, damage, said):
     run = tmp_path / "run"
