@@ -72,3 +72,13 @@ def test_the_docstring_check_finds_an_essay_and_a_dangling_page(tmp_path):
         "essay.py: a docstring of 20 lines (at most 14)",
         "short.py: docs/methods/pairs.md has no section for short.py",
         "gone.py: points to docs/methods/gone.md, which does not exist"]
+
+
+def test_cis_tests_are_the_readmes_command_and_the_slow_ones_it_leaves_out():
+    """.ci/run runs the README's test command verbatim, then the tests that command leaves out (marked slow):
+    together every test, each once."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"Run the tests:\n\n```sh\n(.+)\n```", readme)
+    assert command and command.group(1) == 'python3 -m pytest -q -m "not slow"'
+    runs = [line.strip() for line in ci.splitlines() if line.strip().startswith("python3 -m pytest")]
+    assert runs == [command.group(1), "python3 -m pytest -q -m slow"]

@@ -17,7 +17,8 @@ from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION
 from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP
 
-pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")]
 
 AA = {
     "profile": "quick",

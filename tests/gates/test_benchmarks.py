@@ -19,6 +19,7 @@ def _run_json(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @needs_fio
 def test_cache_bench_json_reports_the_headline_ratios_against_the_storages_best_from_its_raw_figures(tmp_path):
     figures = _run_json("cache-bench", "--dir", str(tmp_path), "--prefix-mib", "16", "--rounds", "3",
@@ -118,6 +119,7 @@ def test_client_bench_says_when_the_openai_clients_stream_carried_no_text():
         _openai_ttft(client(None, ""), {})
 
 
+@pytest.mark.slow
 def test_client_bench_compares_our_ttft_with_a_minimal_timer_and_holds_many_streams(tmp_path):
     figures = _run_json("client-bench", "--dir", str(tmp_path), "--streams", "20", "--duration", "5",
                         "--fidelity-requests", "6")

@@ -13,7 +13,8 @@ from gates.cli import main
 from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP, ServerProcess, started_server
 
-pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")]
 
 BLOCK_BYTES = 131072                 # one 256-token block of the tiny preset's KV (512 bytes per token)
 DEVICE_BLOCKS, HOST_BLOCKS = 16, 64

@@ -194,6 +194,7 @@ def _settings(tmp_path, minimum: int, maximum: int) -> SweepSettings:
                          sample_level=level_sampler({"ttft_p50_reduction": REDUCTION}.get, closed_loop=True))
 
 
+@pytest.mark.slow
 def test_a_known_good_pair_passes_in_abba_blocks_measured_from_each_blocks_first_request(servers, tmp_path):
     settings = _settings(tmp_path, 3, 4)
     rows = {r["target"]: r for r in run_sweep(servers, _workload(), settings).to_dict("records")}
@@ -218,6 +219,7 @@ def test_a_known_good_pair_passes_in_abba_blocks_measured_from_each_blocks_first
     assert figures.ttft_interval[0] > 0.25 and figures.pairs == pairs
 
 
+@pytest.mark.slow
 def test_one_server_as_both_sides_measures_no_difference_and_cannot_pass_the_rule(servers, tmp_path):
     one = servers[1]
     pair = [Target("baseline", one.url, one.model), Target("candidate", one.url, one.model)]

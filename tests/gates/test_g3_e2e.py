@@ -14,6 +14,8 @@ from gates.sequential import Looks, method
 from kvcore.rundata import RunStore
 from sizing.plan import g3_decode_context
 
+pytestmark = pytest.mark.slow      # real gate runs: minutes (.ci/run runs them after the README's command)
+
 SHORT_G3 = {
     # the host tier (8 blocks of the tiny preset) below the workload's ~28 blocks: the disk serves the lower hits
     "targets": {"embedded": {"preset": "tiny", "max_running": 4, "device_capacity_blocks": 8,

@@ -362,6 +362,7 @@ def _windows(run_dir):
     return path.read_text().splitlines() if path.exists() else []
 
 
+@pytest.mark.slow
 def test_a_killed_harness_resumes_the_soak_without_losing_or_repeating_a_window(tmp_path):
     run_dir = tmp_path / "run"
     harness = subprocess.Popen([sys.executable, "-m", "gates.cli", "run", "g4", "--config", str(_soak_config(tmp_path)),
@@ -392,6 +393,7 @@ def test_a_killed_harness_resumes_the_soak_without_losing_or_repeating_a_window(
     assert json.loads((run_dir / "run.json").read_text())["resumed_at"]
 
 
+@pytest.mark.slow
 def test_kvgate_report_renders_a_partial_soak_while_it_runs(tmp_path):
     run_dir = tmp_path / "run"
     harness = subprocess.Popen([sys.executable, "-m", "gates.cli", "run", "g4", "--config", str(_soak_config(tmp_path)),
@@ -415,6 +417,7 @@ FAULTS = [{"kind": "flip_byte", "at_s": 2}, {"kind": "read_error", "at_s": 10, "
           {"kind": "disk_full", "at_s": 18, "duration_s": 3}]
 
 
+@pytest.mark.slow
 def test_a_fault_schedule_runs_during_the_soak_and_the_report_shows_what_the_system_did(tmp_path):
     config = tmp_path / "gates.yaml"
     # TTFT p99's drift measured, not judged (as the quick profile has it); throughput's judged

@@ -12,7 +12,8 @@ from gates.cli import main
 from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP
 
-pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")]
 
 SMALL = {
     "profile": "quick",

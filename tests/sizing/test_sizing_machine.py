@@ -208,6 +208,7 @@ SMALLEST = {"targets": {"embedded": {"preset": "tiny", "max_running": 2, "device
             "fio": {"sweep": TINY_SWEEP}}
 
 
+@pytest.mark.slow
 @needs_fio
 def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_beside_measured(tmp_path, capsys):
     (tmp_path / "gates.yaml").write_text(yaml.safe_dump({**SMALLEST, "storage": {"path": str(tmp_path / "storage")}}))

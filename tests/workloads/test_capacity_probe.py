@@ -48,6 +48,7 @@ def slotted():
                for role, port in zip(("baseline", "candidate"), ports)]
 
 
+@pytest.mark.slow
 def test_the_search_finds_each_servers_known_capacity_probing_in_turn(slotted, tmp_path):
     truth = {name: Behaviour(ttft_ms=TTFT_MS, itl_ms=ITL_MS, tokens=TOKENS, slots=slots).capacity_at(
         SLO_TTFT_S * 1e3, TOKENS) for name, slots in (("baseline", 2), ("candidate", 4))}
@@ -76,6 +77,7 @@ def _trace(requests: int, gap_s: float) -> Workload:
                     trace=True)
 
 
+@pytest.mark.slow
 def test_open_loop_the_search_finds_each_servers_known_rate_capacity_in_steps_of_the_traces_rate(slotted, tmp_path):
     base_rate, step = 10.0, 0.125                 # the trace's arrivals: 10 a second, evenly; loads in 0.125x steps
     truth = {name: Behaviour(ttft_ms=TTFT_MS, itl_ms=ITL_MS, tokens=TOKENS, slots=slots).rate_capacity_per_s(TOKENS)
