@@ -14,6 +14,7 @@ from pathlib import Path
 from cache_impl.cache import blockfiles
 from cache_impl.cache.config import ConfigError
 from cache_impl.cache.scrub import scrub
+from cache_impl.engine.presets import MAX_WEIGHTS_SEED
 from cache_impl.server.serve_command import SERVE_DESCRIPTION, SERVE_HELP, add_serve_arguments, load_yaml_section
 from cache_impl.weights.safetensors_dir import CheckpointFormatError
 from kvcore.printable import printable
@@ -217,7 +218,6 @@ def _add_export_weights(commands) -> None:
 
 def _export_weights(args: argparse.Namespace) -> int:
     from cache_impl.engine.model import PRESETS  # deferred: torch (seconds), for kvgate export-weights only
-    from cache_impl.engine.presets import MAX_WEIGHTS_SEED
     from cache_impl.engine.weights import export_weights  # deferred: torch (seconds), for kvgate export-weights only
 
     if args.preset not in PRESETS:
