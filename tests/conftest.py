@@ -12,6 +12,7 @@ from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
 from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from tests.answering import answering  # noqa: F401  (the fixture: a real HTTP server on 127.0.0.1)
 from tests.blocks import BLOCK
+from tests.gate_runs import GateRun, run_g1_g2
 from tests.live_vllm import LiveModel, VllmServer, vllm_python
 from tests.servers import ADMIN_TOKEN
 
@@ -105,3 +106,10 @@ def small_tmpfs(tmp_path):
     yield mount
     for mount_point in mounted:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture(scope="session")
+def g1_g2_run(tmp_path_factory) -> GateRun:
+    """One real `kvgate run g1 g2` on the tiny preset (minutes), shared by the modules that check it: the report
+    against the raw data (test_run_e2e) and the sizing model's G2 from the machine probe (test_sizing_machine)."""
+    return run_g1_g2(tmp_path_factory.mktemp("kvgate-g1-g2"))

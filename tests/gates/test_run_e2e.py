@@ -6,31 +6,12 @@ import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
 import pytest
-import yaml
 
 from gates.cli import main
 from kvcore.rundata import RunStore
-from tests.servers import TINY_SWEEP
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")]
-
-SMALL = {
-    "profile": "quick",
-    "targets": {"embedded": {"preset": "tiny", "max_running": 2, "device_capacity_blocks": 16,
-                             "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
-    "inventory": {"min_cpu_cores": 1, "min_memory_gib": 1},
-    "fio": {"size": "32M", "runtime_s": 1, "verify_size": "8M", "sweep": TINY_SWEEP},
-    "g2": {"contexts": [600, 1100], "rounds": 1,
-           # exactly 5 rounds (a plain number: min = max), so the counts below are fixed
-           "model_load": {"size": "24MiB", "shard_size": "8MiB", "rounds": 5},
-           "checkpoint": {"parameters": 1_500_000, "rounds": 5},   # 21 MB of state at 14 bytes per parameter
-           "no_reuse": {"context_tokens": 600, "max_tokens": 8, "pairs": 5},
-           # judged here as the full profile judges them (the quick profile shows them unjudged)
-           "thresholds": [{"metric": "no_reuse_ttft_cost", "op": "<=", "value": 0.05},
-                          {"metric": "no_reuse_throughput_cost", "op": "<=", "value": 0.05}]},
-}
-
 
 class _Strict(HTMLParser):
     def error(self, message):  # pragma: no cover - html.parser calls it only on hard errors
@@ -38,18 +19,9 @@ class _Strict(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("kvgate-run")
-    # the model load compares with a baseline storage (here a directory on the same disk: no speed-up);
-    # the checkpoint has none, so its speed-up check is not run
-    # both I/O modes in the sweep: G2's yardstick is each mode's winner, the faster of each round
-    config = {**SMALL, "storage": {"path": str(work / "storage")},
-              "fio": {**SMALL["fio"], "sweep": {**TINY_SWEEP, "modes": ["direct", "buffered"],
-                                                "write_modes": ["direct", "buffered"]}},
-              "g2": {**SMALL["g2"], "model_load": {**SMALL["g2"]["model_load"], "baseline_path": str(work / "nfs")}}}
-    (work / "gates.yaml").write_text(yaml.safe_dump(config))
-    code = main(["run", "g1", "g2", "--config", str(work / "gates.yaml"), "--out", str(work / "run")])
-    return code, work / "run"
+def run(g1_g2_run):
+    """The session's `kvgate run g1 g2` (tests/gate_runs.py), shared with the sizing model's module."""
+    return g1_g2_run.code, g1_g2_run.run_dir
 
 
 def test_the_run_judges_g1_and_g2_and_its_exit_code_follows_the_verdicts(run):

@@ -12,7 +12,6 @@ import shutil
 import pytest
 import yaml
 
-from gates.cli import main
 from gates.config import load_config
 from gates.machine_probe import prefill_lengths, run_machine_probe, window_gaps
 from kvcore.rundata import RunStore
@@ -23,7 +22,6 @@ from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve
 from tests.recorded_runs import recorded_run
-from tests.servers import TINY_SWEEP
 
 SERVER = RecomputeCurve(0.004, 7.5e-5, 1.5e-8)   # a server's first-token seconds (the prefill probe's points)
 
@@ -201,20 +199,15 @@ def test_a_calibration_file_and_the_runs_own_g2_come_before_the_probe(tmp_path, 
 # --------------------------------------------------------------------------- a real run
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (Debian package 'fio')")
-SMALLEST = {"targets": {"embedded": {"preset": "tiny", "max_running": 2, "device_capacity_blocks": 16,
-                                     "host_capacity": "64MiB", "disk_capacity": "256MiB"}},
-            "g2": {"contexts": [600, 1100], "rounds": 1, "model_load": {"enabled": False},
-                   "checkpoint": {"enabled": False}, "no_reuse": {"enabled": False}},
-            "fio": {"sweep": TINY_SWEEP}}
 
 
-@pytest.mark.slow
 @needs_fio
-def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_beside_measured(tmp_path, capsys):
-    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({**SMALLEST, "storage": {"path": str(tmp_path / "storage")}}))
-    code = main(["run", "g2", "--config", str(tmp_path / "gates.yaml"), "--out", str(tmp_path / "run")])
+@pytest.mark.slow
+def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_beside_measured(g1_g2_run):
+    """The session's `kvgate run g1 g2` on the tiny preset (tests/gate_runs.py, shared with test_run_e2e)."""
+    code, run_dir = g1_g2_run.code, g1_g2_run.run_dir
     assert code in (0, 1)
-    store = RunStore(tmp_path / "run")
+    store = RunStore(run_dir)
     probe = store.machine_probe()
     assert probe["preset"] == "tiny" and probe["matmul_flops"] > 0        # what the predictions rest on, recorded
     prefill = probe["prefill"]          # the recompute server's own first tokens, across G2's range
@@ -226,7 +219,7 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     before = [r for r in store.predictions() if r["stage"] == "before g2"]
     assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
         (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
-    sizing = json.loads((tmp_path / "run" / "sizing.json").read_text())
+    sizing = json.loads((run_dir / "sizing.json").read_text())
     rows = {(r["metric"], r["context"].get("mode"), r["context"].get("context_tokens")): r
             for r in sizing["comparison"] if r["gate"] == "g2"}
     for context in (600, 1100):
@@ -242,7 +235,7 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
         assert sum(t["error_s"] for t in row["terms"]) * 1e3 == pytest.approx(row["predicted"] - row["measured"])
         assert {t["term"] for t in row["terms"]} >= {"fixed", "per-token", "attention", "form"}
     assert any(note.startswith("machine probe (") for note in sizing["notes"])
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(g1_g2_run.console.split())
     assert "machine probe (" in out and "G2 TTFT recompute at 1100 tokens" in out
 
 
