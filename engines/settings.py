@@ -4,6 +4,7 @@ key or a bad value names its field path. Composed by gates/config.py."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -13,7 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from kvcore.settings import Float, Positive, StrictModel, absolute_path
-from workloads.traffic.datasets import TokenizerError, is_tokenizer_path, sizer_for
+from workloads.traffic.datasets import BYTE_TOKENIZER_ID, TokenizerError, is_tokenizer_path, sizer_for
 
 from .metrics import TIER_NAMES, TIERS
 
@@ -152,6 +153,10 @@ class TargetSettings(StrictModel):
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_loads(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value != BYTE_TOKENIZER_ID and difflib.get_close_matches(
+                value, [BYTE_TOKENIZER_ID], n=1, cutoff=0.8):     # a typo would size prompts in words, silently
+            raise ValueError(f"expected {BYTE_TOKENIZER_ID} (did you mean it?), a tokenizer.json or a model's "
+                             f"directory, found {value!r}")
         if value is None or not is_tokenizer_path(value):
             return value
         try:

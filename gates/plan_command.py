@@ -58,6 +58,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         measured = _run_dir(args.calibrate, "--calibrate")
         fitted = calibrate(measured.root, kv_bytes_per_token=target_inputs(config)[0].shape.bytes_per_token)
+        if not fitted.fitted():
+            raise ConfigError(f"--calibrate: expected a run with measurements to fit (G2's TTFTs, G3's records, "
+                              f"the storage's ratios), found none in {args.calibrate}")
         try:
             fitted.save(args.out)
         except OSError as error:

@@ -8,6 +8,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
+from .settings import ConfigError
+
 _append_lock = threading.Lock()
 
 
@@ -54,9 +56,19 @@ def fsync_directory(directory: Path) -> None:
 def read_jsonl_file(path: Path) -> list[dict]:
     """Every complete JSON line of a file ([] when absent); a bad line (torn by a crash mid-write, not JSON, not
     UTF-8) is skipped."""
-    if not Path(path).exists():
-        return []
-    return _parsed(Path(path).read_bytes().splitlines())
+    return _parsed(_jsonl_bytes(path).splitlines())
+
+
+def _jsonl_bytes(path: Path) -> bytes:
+    """A JSON-lines file's bytes (empty when absent); ConfigError naming it when it is a directory or unreadable."""
+    path = Path(path)
+    if not path.exists():
+        return b""
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        found = "a directory" if isinstance(error, IsADirectoryError) else f"it unreadable ({error.strerror or error})"
+        raise ConfigError(f"{path}: expected a JSON-lines file, found {found}") from None
 
 
 TORN = object()   # a line read_jsonl_lines could not parse
@@ -65,10 +77,8 @@ TORN = object()   # a line read_jsonl_lines could not parse
 def read_jsonl_lines(path: Path) -> list[Any]:
     """Each line of a JSON-lines file in order ([] when absent): its JSON value, or `TORN` where it does not parse
     (torn by a crash mid-write, damaged, not UTF-8), so a reader can say which line it left out."""
-    if not Path(path).exists():
-        return []
     values = []
-    for line in Path(path).read_bytes().splitlines():
+    for line in _jsonl_bytes(path).splitlines():
         try:
             values.append(json.loads(line))
         except ValueError:

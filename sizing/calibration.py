@@ -158,6 +158,12 @@ class Calibration:
                    tuple(str(n) for n in data.get("notes") or ()),
                    number("host_gbps", data.get("host_gbps"), False))
 
+    def fitted(self) -> bool:
+        """Whether any constant was fitted (a run with no gate's measurements gives none)."""
+        return any(value not in (None, {}) for value in (
+            self.curve, self.fixed_overhead_s, self.decode, self.tier_efficiency, self.tier_overhead_s,
+            self.loader_efficiency, self.checkpoint_efficiency, self.service_start_s))
+
     def readable(self) -> "Calibration":
         """These constants as a calibration file can hold them: one its reader would refuse (a negative efficiency
         or start time, fitted over odd rows) is left out, and a note says which and why."""

@@ -96,8 +96,10 @@ def _judged(config: SizedRun, prediction: Prediction) -> Prediction:
 
 
 def _spec_disk_gbps(config: SizedRun) -> Optional[float]:
-    rule = _rule(config, "g1", "seq_read_gbps")
-    return getattr(rule, "value", None)
+    """The spec sheet's sequential read (G1's threshold on it) as the disk's GB/s until G1 measures one; a
+    threshold of 0 or less (which `kvgate run` takes as written) says nothing of the disk's speed: None."""
+    value = getattr(_rule(config, "g1", "seq_read_gbps"), "value", None)
+    return value if isinstance(value, (int, float)) and value > 0 else None
 
 
 def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
@@ -167,7 +169,8 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
     plan.predictions = [_judged(config, p) for p in plan.predictions]
     if store is not None and not in_run:
         compare(plan, store, tolerances or config.sizing)
-        if calibration is not None and calibration.source and str(store.root) in calibration.source:
+        if calibration is not None and calibration.fitted() and calibration.source and \
+                str(store.root) in calibration.source:
             plan.notes.append("the constants were fitted to this same run (G2's TTFTs and cold read, G3's gaps "
                               "between tokens): G2's figures are in-sample and G3's rest on its decode cost; only "
                               "the hit ratios owe it nothing. For an out-of-sample check: --calibration FILE from "

@@ -46,6 +46,7 @@ class ControlResult:
     seconds: float = 0.0
     run_dir: str = ""
     invalid_steps: list[dict] = field(default_factory=list)   # the run's invalid G3 steps (expectations.py)
+    expects: list[str] = field(default_factory=list)   # what the control expects, said even when its run gave nothing
 
     @property
     def ok(self) -> bool:
@@ -56,7 +57,7 @@ class ControlResult:
         return "; ".join(dict.fromkeys(parts)) or "no verdicts"
 
     def line(self) -> str:
-        expected = "; ".join(f.expected for f in self.findings) or "-"
+        expected = "; ".join(f.expected for f in self.findings) or "; ".join(self.expects) or "-"
         why = [self.problem] if self.problem else [f.problem for f in self.findings if f.problem]
         verdict = "OK" if self.ok else "WRONG: " + "; ".join(why)
         invalid = ", ".join(step["step"] for step in self.invalid_steps)
@@ -149,7 +150,8 @@ def run_control(control: Control, profile: str, out: Path) -> ControlResult:
     """Start what the control needs, run its gates, stop what it started and judge the results."""
     directory = out / control.key
     directory.mkdir(parents=True, exist_ok=True)
-    result = ControlResult(control.key, control.title, [], run_dir=str(directory / "run"))
+    result = ControlResult(control.key, control.title, [], run_dir=str(directory / "run"),
+                           expects=[expectation.describe() for expectation in control.expectations])
     started: dict[str, Started] = {}
     begun = time.monotonic()
     try:

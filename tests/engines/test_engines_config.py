@@ -158,3 +158,11 @@ def test_a_tokenizer_that_makes_words_into_tokens_sizes_prompts(tmp_path):
     path = _tokenizer_file(tmp_path / "tokenizer.json", unk=True, deleting=False)
     assert load(tmp_path, {"tokenizer": path}).tokenizer == path
     assert len(sizer_for(path).tokens(sizer_for(path).text(40, "seed"))) == 40
+
+
+@pytest.mark.parametrize("typo", ["kvgate-byte-v2", "kvgate-bytes-v1", "kvgate_byte_v1"])
+def test_a_tokenizer_id_one_typo_from_kvgates_is_refused_naming_it(tmp_path, typo):
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, {"tokenizer": typo})
+    assert "targets.candidate.tokenizer: expected kvgate-byte-v1 (did you mean it?)" in str(caught.value)
+    assert load(tmp_path, {"tokenizer": "meta-llama/Llama-3.1-8B"}).tokenizer == "meta-llama/Llama-3.1-8B"

@@ -367,6 +367,9 @@ def test_a_controls_line_says_what_it_got_what_it_should_have_got_and_ok_or_wron
     crashed = ControlResult("x", "x", [MustPass("m").check(_results(_verdict("m", "PASS")))], exit_code=2,
                             problem="the gate run did not complete (exit 2)")
     assert not crashed.ok and crashed.line().endswith("WRONG: the gate run did not complete (exit 2)")
+    gave_nothing = ControlResult("c", "c", [], exit_code=2, problem="the gate run did not complete (exit 2)",
+                                 expects=[MustPass("m").describe(), MustFail("n").describe()])
+    assert "| expected PASS of m; FAIL of n | WRONG" in gave_nothing.line()       # said, though nothing was judged
 
 
 # -- the whole quick suite --------------------------------------------------------------------------------------

@@ -333,3 +333,34 @@ def test_calibrate_into_a_place_it_cannot_write_is_exit_2_and_leaves_no_temp_fil
     assert f"--out: expected a file kvgate can write, found {str(tmp_path / 'taken')!r} refused" in \
         capsys.readouterr().err
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_g1_read_threshold_of_zero_or_less_is_taken_by_plan_as_by_run(tmp_path, capsys, value):
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump(
+        {"g1": {"thresholds": [{"metric": "seq_read_gbps", "op": ">=", "value": value}]}}))
+    load_config(tmp_path / "gates.yaml")                                    # what kvgate run takes
+    assert main(["plan", "--config", str(tmp_path / "gates.yaml")]) == 0     # kvgate plan takes it too
+    assert "disk_gbps" not in capsys.readouterr().err
+
+
+def test_a_run_with_nothing_to_fit_is_refused_by_calibrate_and_from_it_claims_no_fit(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    RunStore(tmp_path / "run").write_run_info({"run_id": "empty"})
+    assert main(["plan", "--calibrate", str(tmp_path / "run"), "--out", str(tmp_path / "c.json")]) == 2
+    assert "--calibrate: expected a run with measurements to fit" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
+    assert main(["plan", "--from", str(tmp_path / "run")]) == 0
+    assert "fitted to this same run" not in capsys.readouterr().out
+
+
+def test_a_directory_where_a_runs_rows_should_be_is_exit_2_naming_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    recorded_run(run)
+    rows = run / "gates" / "g2" / "measurements.jsonl"
+    rows.unlink()
+    rows.mkdir()
+    assert main(["plan", "--from", str(run)]) == 2
+    assert f"{rows}: expected a JSON-lines file, found a directory" in capsys.readouterr().err
+    assert main(["report", str(run)]) == 2
+    assert f"{rows}: expected a JSON-lines file, found a directory" in capsys.readouterr().err
