@@ -36,6 +36,7 @@ from kvcore.settings import (
     Float,
     Int,
     StrictModel,
+    each_once,
     format_validation_error,
     load_yaml_mapping,
     parse_size,
@@ -172,6 +173,8 @@ class G2Config(StrictModel):
     _declared = _thresholds_of("g2")
 
     contexts: list[Annotated[ContextTokens, Field(ge=2)]] = Field(min_length=1, description="context lengths in tokens")
+
+    _contexts_once = field_validator("contexts")(lambda cls, v: each_once(v, "context"))
     rounds: Count = Field(default=2, ge=1, description="rounds of every context and tier, one request at a time")
     cold_read_pairs: PairsConfig = Field(default_factory=PairsConfig, description=(
         "alternating rounds of the tier's cold load and the storage's best read job (G1's sweep) on the same "
@@ -205,6 +208,8 @@ class G3NoReuseConfig(StrictModel):
     warmup_s: Optional[Float] = Field(default=None, ge=0, description="warm-up left out (default g3.warmup_s)")
 
 
+# closed-loop users a G3 level may ask for at most (each a locust user of its own: more is no load this harness makes)
+MAX_USERS = 100_000
 # gates.yaml's earlier keys for G3's block pairs, each with the `g3.blocks` field it is, and G3's own defaults
 FLAT_BLOCK_KEYS = {"min_blocks": "min", "max_blocks": "max", "level_budget_s": "budget_s"}
 G3_BLOCKS = {"min": 3, "max": 5, "budget_s": None}
@@ -286,10 +291,10 @@ class G3Config(StrictModel):
         if twice:
             raise ValueError(f"levels: expected each level once, found {twice} repeated")
         if self.replay == "closed_loop":
-            bad = [v for v in self.levels if not isinstance(v, int) or v < 1]
+            bad = [v for v in self.levels if not isinstance(v, int) or not 1 <= v <= MAX_USERS]
             if bad:
-                raise ValueError(f"levels: expected concurrencies (integers >= 1) for replay: closed_loop, "
-                                 f"found {bad}")
+                raise ValueError(f"levels: expected concurrencies (integers in 1..{MAX_USERS:,}) for replay: "
+                                 f"closed_loop, found {bad}")
             return self
         if self.workload.kind != "trace":
             raise ValueError("workload.kind: expected a trace workload (kind: trace) for replay: rate_multipliers, "
@@ -445,10 +450,16 @@ def profile_defaults(name: str) -> dict:
 
 
 def _merge(base: dict, override: dict) -> dict:
+    """`override` over `base`, section by section; a workload over one of its own kind (or naming none) changes the
+    fields it gives, a workload of another kind replaces it whole."""
     merged = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "workload":
-            merged[key] = _merge(merged[key], value)
+        here = merged.get(key)
+        if isinstance(value, dict) and isinstance(here, dict) and key != "workload":
+            merged[key] = _merge(here, value)
+        elif isinstance(value, dict) and isinstance(here, dict) and value.get("kind", here.get("kind")) == here.get(
+                "kind"):
+            merged[key] = {**here, **copy.deepcopy(value)}    # a workload over one of its kind: the fields it gives
         else:
             merged[key] = copy.deepcopy(value)
     return merged

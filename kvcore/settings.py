@@ -118,7 +118,8 @@ def field_path(root: str, loc: tuple) -> str:
 
 # A validator's message may name a field inside the value it checked: "[1].metric: expected …".
 _INNER_FIELD = re.compile(
-    r"^((?:\[\d+\]\.?)?[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*|\[\d+\]): (expected .*)$", re.S
+    r"^((?:\[\d+\]\.?)?[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*|\[\d+\]): ((?:expected|unknown field) .*)$",
+    re.S
 )
 
 

@@ -233,3 +233,30 @@ def test_a_judged_path_that_is_not_measured_is_refused_naming_the_field(tmp_path
 def test_a_profile_may_leave_unjudged_only_the_latency_and_throughput_drift(tmp_path):
     _refused(tmp_path, {"g4": {"measured_only": ["memory_drift_fraction"]},
                         "storage": {"path": str(tmp_path / "storage")}}, "g4.measured_only[0]")
+
+
+def test_a_workload_given_in_part_changes_the_profiles_fields_of_its_kind_and_another_kind_replaces_it(tmp_path):
+    path = tmp_path / "gates.yaml"
+    path.write_text(yaml.safe_dump({"g3": {"workload": {"users": 4}}}))
+    workload = load_config(path).g3.workload
+    assert (workload.kind, workload.users, workload.rounds) == ("multi_round_qa", 4, 4)    # the profile's rounds
+    path.write_text(yaml.safe_dump({"g3": {"workload": {"users": 0}}}))
+    with pytest.raises(ConfigError) as caught:                     # the bad value named, no field said missing
+        load_config(path)
+    assert str(caught.value) == "g3.workload.users: expected a value >= 1, found 0"
+    path.write_text(yaml.safe_dump({"g3": {"workload": {"kind": "random", "requests": 10,
+                                                        "input_tokens": {"distribution": "fixed", "mean": 64},
+                                                        "output_tokens": {"distribution": "fixed", "mean": 8}}}}))
+    assert load_config(path).g3.workload.kind == "random"
+
+
+@pytest.mark.parametrize("g2_g3, message", [
+    ({"g3": {"levels": [2, 100_000_000]}}, "g3.levels: expected concurrencies (integers in 1..100,000) for replay: "
+                                            "closed_loop, found [100000000]"),
+    ({"g2": {"contexts": [600, 1100, 600]}}, "g2.contexts: expected each context once, found [600] repeated"),
+])
+def test_a_level_no_harness_makes_or_a_context_given_twice_is_refused(tmp_path, g2_g3, message):
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump(g2_g3))
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / "gates.yaml")
+    assert message in str(caught.value)

@@ -112,7 +112,7 @@ def _config_file(tmp_path: Path, data) -> Path:
         # values that cannot be meant (1.6)
         (
             {"g3": {"levels": [0, -2]}},
-            "g3.levels: expected concurrencies (integers >= 1) for replay: closed_loop, found [0, -2]",
+            "g3.levels: expected concurrencies (integers in 1..100,000) for replay: closed_loop, found [0, -2]",
         ),
         ({"g3": {"levels": [True]}}, "g3.levels[0]: expected a finite number, found True"),
         ({"g3": {"duration_s": 1e400}}, "g3.duration_s: expected a finite number, found inf"),
