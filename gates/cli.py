@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -140,7 +141,12 @@ def _run(args: argparse.Namespace) -> int:
                               "found them")
         if not (args.resume / "run.json").exists() or not (args.resume / "config.yaml").exists():
             raise ConfigError(f"--resume: expected a run directory with run.json and config.yaml, found {args.resume}")
-    config = load_config(args.resume / "config.yaml" if args.resume else args.config, args.profile, args.trace)
+    try:
+        config = load_config(args.resume / "config.yaml" if args.resume else args.config, args.profile, args.trace)
+    except ConfigError as error:    # a run directory's own config: said with its file, which the user did not write
+        if args.resume is None or str(args.resume / "config.yaml") in str(error):
+            raise
+        raise ConfigError(f"--resume: the run's {args.resume / 'config.yaml'} does not load: {error}") from None
     if args.aa:
         config = config.model_copy(update={"aa": True})
     known = available_gates()
@@ -468,10 +474,15 @@ def _cache_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()          # inside the try: a reader that has gone away is met here, not at exit
+        return code
     except (ConfigError, FioError, CheckpointFormatError) as error:
         print(f"kvgate {args.command}: {printable(str(error))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:      # `kvgate plan | head`: the reader has what it wanted; nothing more to print
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ and what was found::
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Mapping
 
@@ -163,12 +164,36 @@ def _under(path: str, line: str, field: re.Pattern = _FIELD_LINE) -> str:
     return f"{path}{'' if inner.group(1).startswith('[') or not path else '.'}{inner.group(1)}: {inner.group(2)}"
 
 
+MAX_YAML_BYTES = 16 << 20     # a settings file of more is no settings file (/dev/zero, a log named by mistake)
+
+
+class _NotARegularFile(Exception):
+    pass
+
+
+def _check_readable_file(path: Path) -> None:
+    """A regular file of at most MAX_YAML_BYTES: a device, a FIFO or a huge file is refused before it is read (a
+    FIFO would block, /dev/zero read without end)."""
+    if not path.exists():
+        return                      # reading it says so, as an OSError
+    kind = path.stat().st_mode
+    if not stat.S_ISREG(kind):
+        raise _NotARegularFile("a directory" if stat.S_ISDIR(kind) else "a FIFO" if stat.S_ISFIFO(kind) else
+                               "a device" if stat.S_ISCHR(kind) or stat.S_ISBLK(kind) else "no regular file")
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise _NotARegularFile(f"a file of {size:,} bytes (at most {MAX_YAML_BYTES:,})")
+
+
 def load_yaml_file(path: Any, root: str) -> Any:
     """Parsed YAML of a file (None when it holds no document); unreadable or malformed files, a key given
     twice and aliases that expand without bound (kvcore.yaml_loader) raise ConfigError under `root`.
     Every YAML file kvgate reads is read here."""
     try:
+        _check_readable_file(Path(path))
         return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=CheckedLoader)
+    except _NotARegularFile as refused:
+        raise ConfigError(f"{root}: expected a YAML file, found {refused} ({path})") from None
     except OSError as error:
         raise ConfigError(f"{root}: expected a readable YAML file, found {error.strerror or error} ({path})") from None
     except UnicodeDecodeError as error:

@@ -166,3 +166,9 @@ def test_a_tokenizer_id_one_typo_from_kvgates_is_refused_naming_it(tmp_path, typ
         load(tmp_path, {"tokenizer": typo})
     assert "targets.candidate.tokenizer: expected kvgate-byte-v1 (did you mean it?)" in str(caught.value)
     assert load(tmp_path, {"tokenizer": "meta-llama/Llama-3.1-8B"}).tokenizer == "meta-llama/Llama-3.1-8B"
+
+
+def test_a_tokenizer_that_is_a_device_is_said_to_be_one(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, {"tokenizer": "/dev/null"})
+    assert "found neither (a device, a FIFO or another special file): /dev/null" in str(caught.value)

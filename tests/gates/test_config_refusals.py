@@ -260,3 +260,31 @@ def test_a_level_no_harness_makes_or_a_context_given_twice_is_refused(tmp_path, 
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "gates.yaml")
     assert message in str(caught.value)
+
+
+def test_a_config_that_is_a_device_a_fifo_or_huge_is_refused_before_it_is_read(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as file:
+        file.truncate((16 << 20) + 1)
+    for path, found in ((Path("/dev/zero"), "a device"), (fifo, "a FIFO"), (huge, "a file of 16,777,217 bytes")):
+        with pytest.raises(ConfigError, match=f"expected a YAML file, found {found}"):
+            load_config(path)          # a FIFO would block, /dev/zero read without end: refused at once
+
+
+def test_kvgate_plan_into_a_reader_that_stops_early_exits_quietly(tmp_path):
+    done = subprocess.run(f"{sys.executable} -m gates.cli plan | head -c 20 > /dev/null; exit ${{PIPESTATUS[0]}}",
+                          shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_resume_of_a_run_whose_config_no_longer_loads_names_the_runs_file(tmp_path, capsys):
+    from gates.cli import main
+
+    (tmp_path / "run.json").write_text('{"run_id": "x", "gates": ["g4"]}')
+    (tmp_path / "config.yaml").write_text("g3:\n  levels: [0]\n")
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    assert f"--resume: the run's {tmp_path / 'config.yaml'} does not load: g3.levels" in capsys.readouterr().err

@@ -223,6 +223,9 @@ def _load_encoder(path: Path) -> Callable[[str], list[tuple[int, int]]]:
             raise TokenizerError(f"expected a tokenizer transformers loads from {path}, found it refused "
                                  f"({str(error).splitlines()[0][:200]})") from None
         return lambda text: slow(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if path.exists():
+        raise TokenizerError(f"expected a tokenizer.json or a model directory, found neither (a device, a FIFO or "
+                             f"another special file): {path}")
     raise TokenizerError(f"expected a tokenizer.json or a model directory, found no such file or directory: {path}")
 
 
