@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import IO, Optional
 
+from kvcore.rundata import RUN_LOCK
 from kvcore.settings import ConfigError
 
-LOCK_NAME = ".kvgate-run.lock"
+LOCK_NAME = RUN_LOCK
 
 
 class RunClaim:

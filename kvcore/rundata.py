@@ -5,6 +5,7 @@ How it works: docs/methods/measurement.md (kvcore/rundata.py).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import time
@@ -18,6 +19,7 @@ from .settings import ConfigError
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 STATUSES = (PASS, FAIL, INCONCLUSIVE)
 GATES = ("g1", "g2", "g3", "g4")
+RUN_LOCK = ".kvgate-run.lock"    # held (flock) by the kvgate run writing the directory: gates/run_claim.py
 
 
 def finite_number(value: Any) -> Optional[float]:
@@ -115,6 +117,20 @@ class RunStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.left_out: dict[str, str] = {}   # "FILE:LINE" -> why a row read was left out (damaged, not a row)
+
+    def ended_unfinished(self) -> bool:
+        """Whether the run that wrote here has ended (its lock is no longer held) without writing its end: killed or
+        crashed. False while it runs, and for a directory no locking run wrote."""
+        lock = self.root / RUN_LOCK
+        if not lock.is_file() or "ended_at" in self.run_info():
+            return False
+        with open(lock, "rb") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False            # held: the run is still going
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
 
     def gate_dir(self, gate: str) -> Path:
         return self.root / "gates" / gate

@@ -79,10 +79,15 @@ def _gate_result(store: RunStore, gate: str, requested: bool, predictions: list[
     record = store.status(gate)
     verdicts = [{**v, "predicted": beside(v, predictions)} for v in store.verdicts(gate)]
     measurements = store.measurements(gate)
+    interrupted = not record and requested and store.ended_unfinished()
     if record:
         status, reason = str(record.get("status", "unknown")), str(record.get("reason", ""))
     elif verdicts or measurements:
         status, reason = "running", _progress(verdicts, measurements)
+        if interrupted:
+            status, reason = "interrupted", f"interrupted: the run ended mid-gate ({reason.removeprefix('in ')})"
+    elif interrupted:
+        status, reason = "not run", "interrupted: the run ended before this gate started"
     else:
         status, reason = "not run", "not run yet" if requested else "not requested"
     return {"gate": gate, "title": GATE_TITLES[gate], "status": status, "reason": reason, "requested": requested,

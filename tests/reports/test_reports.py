@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 from pathlib import Path
@@ -230,6 +231,22 @@ def test_failure_outranks_inconclusive(run_dir):
     store.set_status("g2", "inconclusive", "too few requests")
     store.set_status("g3", "failed", "throughput gain below band")
     assert render_run(run_dir)["overall"]["status"] == "failed"
+
+
+def test_a_run_killed_mid_gate_is_said_interrupted_while_a_live_one_is_running(run_dir):
+    from gates.run_claim import claim_run_dir
+
+    (RunStore(run_dir).gate_dir("g3") / "status.json").unlink()      # killed in G3: verdicts, no status
+    (RunStore(run_dir).gate_dir("g4") / "status.json").unlink()      # and G4 never started
+    shutil.rmtree(RunStore(run_dir).gate_dir("g4"))
+    with claim_run_dir(run_dir, "live", new=False):                  # while the run holds its directory
+        results = render_run(run_dir)
+        assert gate_row(results, "g3")["status"] == "running" and gate_row(results, "g4")["reason"] == "not run yet"
+    results = render_run(run_dir)                                    # its lock let go, no end written: killed
+    assert gate_row(results, "g3")["status"] == "interrupted"
+    assert gate_row(results, "g3")["reason"].startswith("interrupted: the run ended mid-gate (progress: ")
+    assert gate_row(results, "g4")["reason"] == "interrupted: the run ended before this gate started"
+    assert results["overall"]["status"] == "incomplete"
 
 
 def test_gate_with_verdicts_but_no_status_is_running_and_the_run_incomplete(run_dir):
