@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -118,23 +121,33 @@ def export_hf(directory: Path, preset: str, seed: int, dtype: str = "float32", o
     clear_checkpoint(directory, overwrite, also=EXPORTED_FILES)
     model = build_model(preset, seed, torch.device("cpu"))
     tensors = {name: t.to(DTYPES[dtype]) for name, t in llama_tensors(model).items()}
+    # written whole or not at all: every file into a staging directory beside them, moved in place at the end (a
+    # full disk part-way leaves nothing a retry would refuse)
+    staging = Path(tempfile.mkdtemp(prefix=".kvgate-export-", dir=directory))
     try:
-        save_file(tensors, str(directory / "model.safetensors"),
-                  metadata={"format": "pt", "kvgate.preset": preset, "kvgate.seed": str(seed)})
-    except SafetensorError as error:     # a read-only or full filesystem, said as the OSError it is
-        raise OSError(f"{directory / 'model.safetensors'}: {error}") from None
-    _write_json(directory / "config.json", llama_config(model.args, dtype))
-    _write_json(directory / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": EOS})
-    (directory / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
-    names = {token_id: text for text, token_id in SPECIALS.items()}
-    _write_json(directory / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
-        "bos_token": names[BOS], "eos_token": names[EOS], "pad_token": names[EOS],
-        "model_max_length": model.args.max_seq_len, "add_bos_token": True, "clean_up_tokenization_spaces": False,
-        "extra_special_tokens": [names[i] for i in (SYSTEM, USER, ASSISTANT, END)],
-    })
-    _write_json(directory / "special_tokens_map.json",
-                {"bos_token": names[BOS], "eos_token": names[EOS], "pad_token": names[EOS]})
+        try:
+            save_file(tensors, str(staging / "model.safetensors"),
+                      metadata={"format": "pt", "kvgate.preset": preset, "kvgate.seed": str(seed)})
+        except SafetensorError as error:     # a read-only or full filesystem, said as the OSError it is
+            raise OSError(f"{directory / 'model.safetensors'}: {error}") from None
+        _write_json(staging / "config.json", llama_config(model.args, dtype))
+        _write_json(staging / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": EOS})
+        (staging / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
+        names = {token_id: text for text, token_id in SPECIALS.items()}
+        _write_json(staging / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
+            "bos_token": names[BOS], "eos_token": names[EOS], "pad_token": names[EOS],
+            "model_max_length": model.args.max_seq_len, "add_bos_token": True, "clean_up_tokenization_spaces": False,
+            "extra_special_tokens": [names[i] for i in (SYSTEM, USER, ASSISTANT, END)],
+        })
+        _write_json(staging / "special_tokens_map.json",
+                    {"bos_token": names[BOS], "eos_token": names[EOS], "pad_token": names[EOS]})
+        # safetensors writes its file 0600: readable like the others, by an engine running as another user
+        (staging / "model.safetensors").chmod((staging / "config.json").stat().st_mode & 0o777)
+        for name in EXPORTED_FILES:
+            os.replace(staging / name, directory / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return directory
 
 

@@ -116,3 +116,7 @@ def test_an_export_the_filesystem_cannot_hold_or_a_seed_past_its_range_is_exit_2
     assert done.returncode == 2, done.stderr
     assert f"dir: expected a directory kvgate can write, found {tmp_path / 'full'} refused" in done.stderr
     assert "Traceback" not in done.stderr
+    assert list((tmp_path / "full").iterdir()) == []              # all or nothing: no half export left behind
+    assert main(["export-weights", str(tmp_path / "full"), "--format", "hf", "--preset", "tiny"]) == 0   # no --force
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "full").iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes   # readable as the rest
