@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,7 +120,9 @@ def read_safetensors_dir(path: Path) -> SafetensorsDir:
                                     f"found none")
     tensors: dict[str, TensorEntry] = {}
     metadata: dict[str, str] = {}
-    files, file_bytes = [], 0
+    said_in: dict[str, str] = {}          # each metadata key's first file
+    files: list[Path] = []
+    file_bytes = 0
     for name in names:
         file = directory / name
         entries, file_metadata, size = read_safetensors_header(file)
@@ -128,7 +131,12 @@ def read_safetensors_dir(path: Path) -> SafetensorsDir:
                 raise CheckpointFormatError(f"{file}: tensor {entry.name}: expected it in one file, found it also "
                                             f"in {tensors[entry.name].file.name}")
             tensors[entry.name] = entry
-        metadata.update(file_metadata)
+        for key, value in file_metadata.items():
+            if key in metadata and metadata[key] != value:     # one model's shards say one thing of it
+                raise CheckpointFormatError(f"{file}: metadata {key}: expected {metadata[key]!r} as in {said_in[key]} "
+                                            f"(the shards of one checkpoint agree), found {value!r}")
+            metadata[key] = value
+            said_in.setdefault(key, file.name)
         files.append(file)
         file_bytes += size
     if weight_map is not None:
@@ -143,6 +151,12 @@ def read_safetensors_dir(path: Path) -> SafetensorsDir:
 
 def read_safetensors_header(file: Path) -> tuple[list[TensorEntry], dict[str, str], int]:
     """One file's tensors (absolute offsets), its `__metadata__` and its size, checked against the size."""
+    try:
+        kind = os.stat(file).st_mode
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{file}: expected a safetensors file, found none") from None
+    if not stat.S_ISREG(kind) and not stat.S_ISDIR(kind):      # a FIFO would block the open: refused before it
+        raise CheckpointFormatError(f"{file}: expected a safetensors file, found a special file (a FIFO or a device)")
     try:
         with open(file, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size

@@ -183,6 +183,34 @@ def test_model_arguments_in_the_metadata_that_are_not_json_exit_2_naming_the_che
     assert "Traceback" not in result.stderr
 
 
+def test_a_shard_that_is_a_fifo_exits_2_at_once_and_shards_that_disagree_name_both(tmp_path):
+    tensors = sorted(build_model("tiny", 0, torch.device("cpu")).state_dict().items())
+
+    def sources(part):
+        return ((name, str(t.dtype), list(t.shape), t.reshape(-1).view(torch.uint8).numpy()) for name, t in part)
+
+    half = len(tensors) // 2
+    write_safetensors_dir(tmp_path / "a", sources(tensors[:half]), 1 << 30, metadata={"kvgate.preset": "tiny"})
+    write_safetensors_dir(tmp_path / "b", sources(tensors[half:]), 1 << 30, metadata={"kvgate.preset": "small"})
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(tmp_path / "a" / "model-00001-of-00001.safetensors", mixed / "model-00001-of-00002.safetensors")
+    shutil.copy(tmp_path / "b" / "model-00001-of-00001.safetensors", mixed / "model-00002-of-00002.safetensors")
+    result = serve_exit("--weights", str(mixed))
+    assert result.returncode == 2, result.stderr
+    assert ("model-00002-of-00002.safetensors: metadata kvgate.preset: expected 'tiny' as in "
+            "model-00001-of-00002.safetensors (the shards of one checkpoint agree), found 'small'") in result.stderr
+    fifo = tmp_path / "fifo"
+    export(fifo)
+    shard = next(fifo.glob("model-*.safetensors"))
+    shard.unlink()
+    os.mkfifo(shard)                                          # the index names it: its open would block the start
+    result = serve_exit("--weights", str(fifo))
+    assert result.returncode == 2, result.stderr
+    assert f"{shard.name}: expected a safetensors file, found a special file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("export_format", ["kvgate", "hf"])
 def test_export_weights_to_a_path_that_is_a_file_says_a_directory_was_expected(tmp_path, export_format):
     """Before: `--force` on a file said `[Errno 17] File exists ... (--force replaces it)`, which it does not."""
