@@ -155,6 +155,9 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"gates: expected some of {known} (the suites this version has), found {missing}")
     ordered = [g for g in ("g1", "g2", "g3", "g4") if g in gates]
+    if config.aa and not {"g2", "g3"} & set(ordered):
+        raise ConfigError(f"--aa: expected a gate with side-by-side figures to run against itself (g2, g3), found "
+                          f"{' '.join(ordered)}")
     if "g2" in ordered:
         config.check_g2_contexts()
     if args.resume is not None:

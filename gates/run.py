@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import yaml
 from rich.console import Console
 
-from kvcore.aa import false_decision_line
+from kvcore.aa import false_decision_line, false_decisions
 from kvcore.outcome import exit_code, overall_status
 from kvcore.predictions import beside, beside_text
 from kvcore.printable import printable
@@ -226,7 +226,16 @@ class GateRunner:
             return 2
         outcome, _ = overall_status([{"gate": gate, "status": status, "requested": True}
                                      for gate, status in zip(self.gates, statuses)])
-        return exit_code(outcome)
+        return self._aa_exit_code(statuses) if self.config.aa else exit_code(outcome)
+
+    def _aa_exit_code(self, statuses: list[str]) -> int:
+        """An A/A run judges the harness, not the subject (whose verdicts FAIL by design): 0 when its intervals were
+        measured and none excluded the null and no gate errored, else 1."""
+        excluded, measured = 0, 0
+        for gate in self.gates:
+            gate_excluded, gate_measured, _ = false_decisions(self.store.measurements(gate))
+            excluded, measured = excluded + gate_excluded, measured + gate_measured
+        return 0 if measured and not excluded and "error" not in statuses else 1
 
     def _sizing(self) -> None:
         """Predicted beside measured for every gate that ran (sizing.json), shown on the console."""

@@ -27,13 +27,20 @@ def ratio_excludes_one(interval: Optional[tuple[float, float]]) -> Optional[int]
     return int(not lo <= 1.0 <= (hi if math.isfinite(hi) else math.inf))
 
 
+def false_decisions(measurements: Iterable[dict]) -> tuple[int, int, int]:
+    """(intervals that excluded the null, intervals measured, A/A checks recorded) in a gate's measurements."""
+    rows = [row for row in measurements if row.get("metric") in NULLS]
+    measured = [row for row in rows if row.get("value") is not None]
+    return sum(1 for row in measured if row["value"]), len(measured), len(rows)
+
+
 def false_decision_line(measurements: Iterable[dict]) -> Optional[str]:
     """"A/A: 0 of 6 intervals excluded 0" from a gate's measurements; None when it recorded none (not an A/A run)."""
     rows = [row for row in measurements if row.get("metric") in NULLS]
     if not rows:
         return None
     measured = [row for row in rows if row.get("value") is not None]
-    excluded = sum(1 for row in measured if row["value"])
+    excluded, _, _ = false_decisions(rows)
     missing = len(rows) - len(measured)
     null = " or ".join(dict.fromkeys(NULLS[row["metric"]] for row in rows))
     unmeasured = f"; {missing} of {len(rows)} checks had no interval (too few valid pairs)" if missing else ""

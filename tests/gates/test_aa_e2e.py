@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gates.cli import main
-from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION
+from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decisions
 from kvcore.rundata import RunStore
 from tests.servers import TINY_SWEEP
 
@@ -71,6 +71,14 @@ def test_g3_counts_one_aa_interval_per_judged_check_with_the_candidate_as_its_ow
     blocks = [m for m in store.measurements("g3") if m["metric"] == "g3_block"]
     assert {m["context"]["target"] for m in blocks} == {"baseline", "candidate"}    # no recompute reference
     assert len(blocks) == 6                                                        # 3 pairs of blocks
+
+
+def test_an_aa_runs_exit_code_judges_the_harness_not_the_subjects_verdicts(aa_run):
+    code, run_dir, _ = aa_run
+    store = RunStore(run_dir)
+    counted = [false_decisions(store.measurements(gate)) for gate in ("g2", "g3")]
+    excluded, measured = sum(c[0] for c in counted), sum(c[1] for c in counted)
+    assert measured > 0 and code == (0 if excluded == 0 else 1)      # FAIL verdicts of a null subject are no error
 
 
 def test_the_console_and_the_report_say_each_gates_false_decisions(aa_run):

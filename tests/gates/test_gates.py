@@ -521,3 +521,9 @@ def test_a_capacity_search_needs_an_slo_which_every_profile_gives():
     data["g3"]["capacity"] = {"enabled": True}
     with pytest.raises(ValueError, match=r"slo: expected the objective g3.capacity searches under"):
         GatesConfig.model_validate(data)
+
+
+def test_aa_without_a_gate_of_side_by_side_figures_is_exit_2(tmp_path, capsys):
+    code, err = _run_cli(capsys, "g4", "--aa", "--out", tmp_path / "run")
+    assert code == 2 and "--aa: expected a gate with side-by-side figures to run against itself (g2, g3), found g4" \
+        in err
