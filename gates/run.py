@@ -174,6 +174,14 @@ def plain_progress_lines(title: str, steps: list[dict], terminal: bool) -> list[
     return [] if terminal else [f"  {title}: {row['text']}" for row in steps]
 
 
+def preflighted(endpoints: dict[str, Endpoint], config: GatesConfig) -> dict[str, Endpoint]:
+    """The endpoints a run uses, the ones pre-flight checks: an A/A run against external targets leaves the
+    baseline out (the candidate serves its role; an unused endpoint that is down must not stop the run)."""
+    if config.aa and config.targets.kind == "external":
+        return {role: endpoint for role, endpoint in endpoints.items() if role != "baseline"}
+    return endpoints
+
+
 class GateRunner:
     def __init__(self, config: GatesConfig, run_dir: Path, run_id: str, gates: list[str],
                  continue_on_fail: bool, console: Optional[Console] = None, resume: bool = False) -> None:
@@ -255,6 +263,7 @@ class GateRunner:
 
     def _preflight(self, endpoints: dict[str, Endpoint]) -> str:
         """Check every target before any gate (gates/preflight.py); what failed, or '' when all passed."""
+        endpoints = preflighted(endpoints, self.config)
         with self.console.status("pre-flight: every target's /models and one streamed token …"):
             results = run_preflight(endpoints, contexts=self.config.g2.contexts if "g2" in self.gates else None)
         rows = [r.to_dict() for r in results]

@@ -47,6 +47,9 @@ def control_rounds(gate_context, endpoints) -> list[ControlRound]:
     config = gate_context.config.g2.no_reuse
     if not config.enabled:
         pytest.skip("g2.no_reuse.enabled is false")
+    if gate_context.config.aa:      # as G3's control: offload against none has no A/A form
+        pytest.skip("A/A run: the control weighs the tiered candidate against the baseline, which an A/A run does "
+                    "not use")
     missing = [role for role in ROLES if role not in endpoints]
     if missing:
         pytest.skip(f"the no-reuse control needs a candidate and a baseline endpoint; none for {missing}")

@@ -527,3 +527,20 @@ def test_aa_without_a_gate_of_side_by_side_figures_is_exit_2(tmp_path, capsys):
     code, err = _run_cli(capsys, "g4", "--aa", "--out", tmp_path / "run")
     assert code == 2 and "--aa: expected a gate with side-by-side figures to run against itself (g2, g3), found g4" \
         in err
+
+
+def test_an_aa_run_against_external_targets_preflights_only_the_endpoints_it_uses(tmp_path):
+    from gates.run import preflighted
+    from gates.targets import Endpoint
+
+    targets = {"kind": "external", "baseline": {"url": "http://127.0.0.1:9/v1", "model": "m"},
+               "candidate": {"url": "http://127.0.0.1:8/v1", "model": "m"}}
+    (tmp_path / "gates.yaml").write_text(yaml.safe_dump({"targets": targets}))
+    config = load_config(tmp_path / "gates.yaml")
+    endpoints = {role: Endpoint(role, settings["url"], "m") for role, settings in
+                 (("baseline", targets["baseline"]), ("candidate", targets["candidate"]))}
+    assert list(preflighted(endpoints, config)) == ["baseline", "candidate"]
+    aa = config.model_copy(update={"aa": True})
+    assert list(preflighted(endpoints, aa)) == ["candidate"]            # the candidate serves the baseline's role
+    embedded = load_config(None).model_copy(update={"aa": True})
+    assert list(preflighted(endpoints, embedded)) == ["baseline", "candidate"]   # its own servers: all started
