@@ -285,7 +285,8 @@ def test_a_trace_path_is_relative_to_the_config_file_or_given_with_trace(tmp_pat
     ({"replay": "rate_multipliers", "levels": [1, 2], "trace": True}, "g3.ttft_slo_ms: expected the TTFT objective"),
     ({"replay": "rate_multipliers", "levels": [2, 1], "ttft_slo_ms": 500, "trace": True},
      "g3.levels: expected rate multipliers (numbers > 0, ascending)"),
-    ({"levels": [2.5]}, "g3.levels: expected concurrencies (integers in 1..100,000) for replay: closed_loop, found [2.5]"),
+    ({"levels": [2.5]},
+     "g3.levels: expected concurrencies (integers in 1..100,000) for replay: closed_loop, found [2.5]"),
     ({"replay": "open_loop", "levels": [2]}, "g3.replay: expected one of 'closed_loop' or 'rate_multipliers'"),
 ])
 def test_levels_must_mean_what_the_replay_says(tmp_path, g3, message):
