@@ -279,7 +279,8 @@ def fmt_interval(interval: Any) -> str:
 
 def status_class(status: Any) -> str:
     text = str(status).lower()
-    aliases = {"pass": "passed", "fail": "failed", "error": "failed", "not run": "not-run"}
+    aliases = {"pass": "passed", "fail": "failed", "error": "failed", "not run": "not-run",
+               "interrupted": "incomplete"}      # a gate a killed run left: styled as the run it leaves incomplete
     return aliases.get(text, text.replace(" ", "-"))
 
 
