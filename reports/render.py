@@ -85,7 +85,7 @@ def _gate_result(store: RunStore, gate: str, requested: bool, predictions: list[
     elif verdicts or measurements:
         status, reason = "running", _progress(verdicts, measurements)
         if interrupted:
-            status, reason = "interrupted", f"interrupted: the run ended mid-gate ({reason.removeprefix('in ')})"
+            status, reason = "interrupted", f"the run ended mid-gate ({reason.removeprefix('in progress: ')})"
     elif interrupted:
         status, reason = "not run", "interrupted: the run ended before this gate started"
     else:
