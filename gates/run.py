@@ -28,7 +28,7 @@ from kvcore.aa import false_decision_line, false_decisions
 from kvcore.outcome import exit_code, overall_status
 from kvcore.predictions import beside, beside_text
 from kvcore.printable import printable
-from kvcore.rundata import GATE_TITLES, RunStore
+from kvcore.rundata import GATE_TITLES, RUN_LOCK, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
 from sizing.machine import decode_words, probe_line, probe_ran
@@ -41,7 +41,6 @@ from .config import GatesConfig
 from .console import GateConsole, target_text
 from .machine_probe import PREFILL_ROLE, decode_probe, probe_machine
 from .preflight import ability_line, failure_message, probe_engines, run_preflight
-from .run_claim import LOCK_NAME
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
 SUITES = {"g1": "g1_arrival", "g2": "g2_baseline", "g3": "g3_main", "g4": "g4_soak"}
@@ -66,7 +65,7 @@ def new_run_dir(out: Optional[Path]) -> tuple[str, Path]:
     out = Path(out) if out is not None else Path("reports") / "runs" / run_id
     if out.is_symlink() and not out.exists():
         raise ConfigError(f"--out: expected a new or empty directory for the run, found a dangling link {str(out)!r}")
-    if out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()):   # a lock a dead run left: empty
+    if out.is_dir() and any(p.name != RUN_LOCK for p in out.iterdir()):   # a lock a dead run left: empty
         hint = " (a run: --resume continues its G4 soak)" if (out / "run.json").exists() else ""
         raise ConfigError(f"--out: expected a new or empty directory for the run, found {str(out)!r} holding "
                           f"files{hint}")

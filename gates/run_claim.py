@@ -18,8 +18,6 @@ from typing import IO, Optional
 from kvcore.rundata import RUN_LOCK
 from kvcore.settings import ConfigError
 
-LOCK_NAME = RUN_LOCK
-
 
 class RunClaim:
     """The held lock of one run directory; `release()` (or leaving the `with`) lets it go."""
@@ -45,7 +43,7 @@ def claim_run_dir(run_dir: Path, run_id: str, field: str = "--out", new: bool = 
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(run_dir / LOCK_NAME, "a+", encoding="utf-8")
+        handle = open(run_dir / RUN_LOCK, "a+", encoding="utf-8")
     except OSError as error:
         raise ConfigError(f"{field}: expected a directory kvgate can write, found {str(run_dir)!r}: "
                           f"{error.strerror or error}") from None
@@ -56,7 +54,7 @@ def claim_run_dir(run_dir: Path, run_id: str, field: str = "--out", new: bool = 
         handle.close()
         raise ConfigError(f"{field}: expected a directory no other run is using, found {str(run_dir)!r} held by "
                           f"{holder}: wait for it to end, or give another {field}") from None
-    left = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME) if new else []
+    left = sorted(p.name for p in run_dir.iterdir() if p.name != RUN_LOCK) if new else []
     if left:
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()

@@ -39,10 +39,9 @@ def false_decision_line(measurements: Iterable[dict]) -> Optional[str]:
     rows = [row for row in measurements if row.get("metric") in NULLS]
     if not rows:
         return None
-    measured = [row for row in rows if row.get("value") is not None]
-    excluded, _, _ = false_decisions(rows)
-    missing = len(rows) - len(measured)
+    excluded, measured, recorded = false_decisions(rows)
+    missing = recorded - measured
     null = " or ".join(dict.fromkeys(NULLS[row["metric"]] for row in rows))
-    unmeasured = f"; {missing} of {len(rows)} checks had no interval (too few valid pairs)" if missing else ""
-    return (f"A/A: {excluded} of {len(measured)} intervals excluded {null} (the subject against itself: each one "
+    unmeasured = f"; {missing} of {recorded} checks had no interval (too few valid pairs)" if missing else ""
+    return (f"A/A: {excluded} of {measured} intervals excluded {null} (the subject against itself: each one "
             f"that did is a false decision of the harness){unmeasured}")

@@ -77,8 +77,14 @@ TORN = object()   # a line read_jsonl_lines could not parse
 def read_jsonl_lines(path: Path) -> list[Any]:
     """Each line of a JSON-lines file in order ([] when absent): its JSON value, or `TORN` where it does not parse
     (torn by a crash mid-write, damaged, not UTF-8), so a reader can say which line it left out."""
-    values = []
-    for line in _jsonl_bytes(path).splitlines():
+    return _values(_jsonl_bytes(path).splitlines())
+
+
+def _values(lines: Iterable[bytes]) -> list[Any]:
+    """The JSON value of each line, `TORN` for one that does not parse or whose bytes are not UTF-8 (json.loads
+    decodes bytes itself: a UnicodeDecodeError is a ValueError)."""
+    values: list[Any] = []
+    for line in lines:
         try:
             values.append(json.loads(line))
         except ValueError:
@@ -87,15 +93,8 @@ def read_jsonl_lines(path: Path) -> list[Any]:
 
 
 def _parsed(lines: Iterable[bytes]) -> list[dict]:
-    """The JSON value of each line; a line that does not parse, or whose bytes are not UTF-8, is skipped
-    (json.loads decodes bytes itself: a UnicodeDecodeError is a ValueError)."""
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    """The JSON value of each line; a line that does not parse is skipped."""
+    return [value for value in _values(lines) if value is not TORN]
 
 
 def read_jsonl(directory: Path, pattern: str) -> list[dict]:

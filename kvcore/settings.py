@@ -176,13 +176,13 @@ def _check_readable_file(path: Path) -> None:
     FIFO would block, /dev/zero read without end)."""
     if not path.exists():
         return                      # reading it says so, as an OSError
-    kind = path.stat().st_mode
+    found = path.stat()
+    kind = found.st_mode
     if not stat.S_ISREG(kind):
         raise _NotARegularFile("a directory" if stat.S_ISDIR(kind) else "a FIFO" if stat.S_ISFIFO(kind) else
                                "a device" if stat.S_ISCHR(kind) or stat.S_ISBLK(kind) else "no regular file")
-    size = path.stat().st_size
-    if size > MAX_YAML_BYTES:
-        raise _NotARegularFile(f"a file of {size:,} bytes (at most {MAX_YAML_BYTES:,})")
+    if found.st_size > MAX_YAML_BYTES:
+        raise _NotARegularFile(f"a file of {found.st_size:,} bytes (at most {MAX_YAML_BYTES:,})")
 
 
 def load_yaml_file(path: Any, root: str) -> Any:

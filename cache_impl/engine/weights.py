@@ -30,7 +30,6 @@ from cache_impl.weights.safetensors_dir import (
     INDEX_NAME,
     CheckpointFormatError,
     SafetensorsDir,
-    clear_checkpoint,
     read_safetensors_dir,
     write_safetensors_dir,
 )
@@ -91,9 +90,9 @@ def export_weights(directory: Path, preset: str, seed: int, shard_bytes: int, ov
             yield name, str(tensor.dtype), list(tensor.shape), flat.view(torch.uint8).numpy()
 
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    clear_checkpoint(Path(directory), overwrite, also=EXPORTED_FILES)   # one format: a Hugging Face export's too
-    return write_safetensors_dir(directory, sources(), shard_bytes, progress, metadata, total, overwrite)
+    # one format in a directory: a Hugging Face export's files are cleared (or refused) with kvgate's own
+    return write_safetensors_dir(directory, sources(), shard_bytes, progress, metadata, total, overwrite,
+                                 also=EXPORTED_FILES)
 
 
 def seeded_weights(preset: str, seed: int, device: torch.device) -> tuple[Transformer, WeightsLoad]:

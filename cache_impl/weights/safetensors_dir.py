@@ -314,7 +314,8 @@ def file_checksums(checkpoint: SafetensorsDir) -> dict[str, str]:
 
 def write_safetensors_dir(path: Path, tensors: Iterable[TensorSource], shard_bytes: int,
                           progress: Optional[Progress] = None, metadata: Optional[dict[str, str]] = None,
-                          total_bytes: int = 0, overwrite: bool = False) -> SafetensorsDir:
+                          total_bytes: int = 0, overwrite: bool = False,
+                          also: tuple[str, ...] = ()) -> SafetensorsDir:
     """Stream (name, dtype, shape, bytes) into shards `model-0000i-of-0000N.safetensors` of about
     `shard_bytes` each, then the checksum sidecar and the index; returns the directory as read back.
 
@@ -323,11 +324,12 @@ def write_safetensors_dir(path: Path, tensors: Iterable[TensorSource], shard_byt
     full (a shard closes early when that room is). Every file is fsync'd under a temp name and
     renamed, the index last, so a directory whose writer died never looks complete.
     `progress(done, total_bytes)` follows the tensor bytes written. A directory holding a
-    checkpoint already is refused unless `overwrite` (its index goes first, then its files).
+    checkpoint (or one of the files named in `also`: another format's) is refused unless `overwrite` (its index goes
+    first, then its files).
     """
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    clear_checkpoint(directory, overwrite)
+    clear_checkpoint(directory, overwrite, also)
     header_room = _header_room(shard_bytes)
     file_metadata = {"format": "pt", **(metadata or {})}
     shards: list[_ShardWriter] = []

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from gates.run_claim import LOCK_NAME, claim_run_dir
+from gates.run_claim import claim_run_dir
+from kvcore.rundata import RUN_LOCK
 from kvcore.settings import ConfigError
 
 
@@ -19,7 +20,7 @@ def test_a_second_claim_of_a_held_directory_is_refused_naming_the_run_that_holds
                                               rf"run first-run \(pid {os.getpid()} on "):
             claim_run_dir(tmp_path / "run", "second-run")
     with claim_run_dir(tmp_path / "run", "third-run") as claim:          # released: free again, nothing was written
-        assert json.loads((claim.run_dir / LOCK_NAME).read_text())["run_id"] == "third-run"
+        assert json.loads((claim.run_dir / RUN_LOCK).read_text())["run_id"] == "third-run"
 
 
 def test_a_directory_a_run_wrote_into_is_refused_once_the_lock_is_free_and_a_resume_takes_it(tmp_path):
@@ -54,4 +55,4 @@ def test_kvgate_run_into_a_directory_another_run_holds_exits_2_naming_it(tmp_pat
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "held by run holding-run" in done.stderr and "give another --out" in done.stderr
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK_NAME]        # the refused run wrote nothing
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [RUN_LOCK]        # the refused run wrote nothing
