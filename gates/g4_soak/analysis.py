@@ -73,10 +73,22 @@ def fault_outcome(row: dict) -> tuple[bool, str]:
              else "NOT served from cache again before the soak ended"]
     reprobes = row.get("reprobes") or []
     if reprobes:
-        held = sorted({tier for r in reprobes for tier in r.get("held_by") or []})
-        words.insert(1, f"asked again {len(reprobes)} time{'s' if len(reprobes) > 1 else ''} after evicting "
-                        f"{' and '.join(held)}, which held a whole copy of the damaged block")
+        words.insert(1, _reprobed(reprobes))
     return bool(moved) and during["identical"] and recovered is not None, "; ".join(words)
+
+
+def _reprobed(reprobes: list[dict]) -> str:
+    """Why the probe was asked again after a stored-block fault, in words."""
+    held = sorted({tier for r in reprobes for tier in r.get("held_by") or []})
+    replaced = sum(bool(r.get("damage_replaced")) for r in reprobes)
+    why = []
+    if held:
+        why.append(f"after evicting {' and '.join(held)}, which held a whole copy of the damaged block")
+    if replaced:
+        why.append("after damaging it again where a store had replaced the damaged file with a whole one"
+                   + (f" ({replaced} times)" if replaced > 1 else ""))
+    times = len(reprobes)
+    return f"asked again {times} time{'s' if times > 1 else ''} " + ("; ".join(why) or "after evicting the upper tiers")
 
 
 def faults_summary(rows: Iterable[dict]) -> str:

@@ -22,7 +22,13 @@ from typing import Optional
 from cache_impl.cache.faults import BLOCK_FAULTS
 from kvcore.files import append_jsonl
 from kvcore.files import read_jsonl_file as read_jsonl
-from workloads.probes.faults import CacheAdmin, damage_prompt_blocks, detection_counts, evict_until_on_disk_only
+from workloads.probes.faults import (
+    CacheAdmin,
+    damage_in_place,
+    damage_prompt_blocks,
+    detection_counts,
+    evict_until_on_disk_only,
+)
 from workloads.probes.settings import FaultSpec
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.requests import WorkloadRequest
@@ -36,7 +42,7 @@ DETECTED_BY = {"flip_byte": "corrupt_blocks", "truncate": "corrupt_blocks", "del
 
 WRITE_FAULTS = ("disk_full", "write_error")
 UPPER_TIERS = ("device", "host")
-MAX_REPROBES = 3             # a stored-block fault whose probe an upper tier's whole copy served: asked again
+MAX_REPROBES = 3             # a stored-block fault whose probe read no damaged copy: asked again
 # About 330 characters with the question's head: at least one new 256-token block for a byte-level tokenizer,
 # so the writes meet the fault, and no longer: the engine keeps a finished request's KV buffer for reuse, and
 # one sized past the workload's longest prompts stayed resident as a 13 MiB step in the soak's memory (160
@@ -118,7 +124,7 @@ class FaultSchedule:
             if fault.kind not in BLOCK_FAULTS:
                 self._stop.wait(max(0.0, fault_ends - time.time()))
             after = detection_counts(self.admin.metrics())
-            row["detected"] = {name: after[name] - before[name] for name in after if name != "disk_hits"}
+            row["detected"] = {name: after[name] - before[name] for name in after}
             row["detected_by"] = DETECTED_BY[fault.kind]
             row["recovered_after_s"] = self._recovery(client, whole["cached_tokens"] or 0, fault_ends, end)
         except Exception as error:  # the soak goes on; the row says what went wrong
@@ -126,28 +132,31 @@ class FaultSchedule:
         return row
 
     def _probe_past_upper_copies(self, client: StreamingClient, row: dict, before: dict) -> None:
-        """Ask the probe after a stored-block fault. The fault is missed only if the probe read the damaged copy:
-        when the damage was not detected and the probe read nothing from the disk, an upper tier served it a
-        whole copy (a request that had computed the block itself published it between the eviction and the
-        probe), so evict the upper tiers again and ask again, at most MAX_REPROBES times; `row["reprobes"]`
-        says which tiers held the block each time."""
+        """Ask the probe after a stored-block fault. A read of the damaged copy is counted, so when the counter
+        did not move the probe read none: either an upper tier served it a whole copy (a request that had
+        computed the block published it between the eviction and the probe: evict the upper tiers again), or a
+        store of the block replaced the damaged file with a whole one (the disk tier evicted it and a request
+        stored it again: damage it again). Then ask again, at most MAX_REPROBES times; `row["reprobes"]` says
+        which tiers held the block each time and whether its damaged file had been replaced."""
         counter = DETECTED_BY[row["kind"]]
         messages = list(self.probe.messages)
         token_ids = self.cache.token_ids(messages)
         row["reprobes"] = []
         while True:
-            ahead = detection_counts(self.admin.metrics())
             row["probe_during"] = self._ask(client)
             after = detection_counts(self.admin.metrics())
-            read_the_disk = after["disk_hits"] > ahead["disk_hits"]
-            if after[counter] > before[counter] or read_the_disk or len(row["reprobes"]) >= MAX_REPROBES:
+            if after[counter] > before[counter] or len(row["reprobes"]) >= MAX_REPROBES:
                 return
             key = row["detail"]["key"]
             held: list[str] = next((b["tiers"] for b in self.admin.locate(messages=messages, token_ids=token_ids)
                                     if b["key"] == key), [])
+            replaced = not damage_in_place(row["detail"])
             row["reprobes"].append({"held_by": [tier for tier in held if tier in UPPER_TIERS],
-                                    "probe": row["probe_during"]})
-            evict_until_on_disk_only(self.admin, key, messages=messages, token_ids=token_ids)
+                                    "damage_replaced": replaced, "probe": row["probe_during"]})
+            if replaced:
+                row["detail"] = damage_prompt_blocks(self.admin, row["kind"], messages=messages, token_ids=token_ids)
+            else:
+                evict_until_on_disk_only(self.admin, key, messages=messages, token_ids=token_ids)
             self.cache.clear_engine()
 
     def _fresh_request(self, fault: FaultSpec) -> WorkloadRequest:

@@ -328,12 +328,9 @@ def test_blocks_of_another_fingerprint_are_never_served(tmp_path, change):
     assert answer["cached"] == 0 and answer["text"] == expected
 
 
-def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_probed_again_past_it(tiered, tmp_path):
-    """Between the damage and the probe a whole copy of the damaged block is published into the upper tiers (here:
-    the flipped byte put back for one request that loads the block from disk, then flipped again, the disk's copy
-    left damaged). The probe is then served that copy and never reads the disk's: the fault step evicts the upper
-    tiers and asks again, and the row says so; the damage is then read and counted."""
-    from cache_impl.cache.faults import flip_byte
+def _flip_fault_with_a_race(tiered, tmp_path, tag: str, race) -> tuple[dict, list]:
+    """A flip_byte fault through the G4 schedule on the tiered server, `race(victim, resend)` run once between
+    the damage and the probe (the engine's cache hook); the fault's row, and what the race returned."""
     from gates.g4_soak.fault_schedule import FaultSchedule
     from workloads.probes.faults import CacheAdmin
     from workloads.probes.settings import FaultSpec
@@ -341,31 +338,75 @@ def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_pr
     from workloads.traffic.target import Target
 
     admin = AdminClient(tiered.base_url)
-    messages = ({"role": "user", "content": distinct_prompt("published between damage and probe")},)
+    messages = ({"role": "user", "content": distinct_prompt(tag)},)
     probe = WorkloadRequest("probe", "s", 0, messages, 12, 400)
     target = Target("candidate", f"{tiered.base_url}/v1", "kvgate-tiny")
     client = StreamingClient(target.url, target.model, target.api)
     expected = client.send(probe, keep_text=True).text
-    published = []
+    raced: list = []
 
-    def publish_a_whole_copy() -> None:    # the engine's cache hook, called between the damage and the probe
-        if published:
+    def hook() -> None:
+        if raced:
             return
         # the block the fault damaged: the last of the prompt's leading blocks on disk (damage_prompt_blocks')
         victim = Path([b for b in admin.locate(messages=list(messages)) if "disk" in b["tiers"]][-1]["path"])
-        flip_byte(victim)                     # whole again, for one request that loads it from disk
-        published.append(client.send(replace(probe, request_id="racing"), keep_text=True).ok)
-        flip_byte(victim)                     # damaged again, the upper tiers holding a whole copy
+        raced.append(race(victim, lambda: client.send(replace(probe, request_id="racing"), keep_text=True).ok))
 
-    schedule = FaultSchedule([FaultSpec(kind="flip_byte", at_s=0)], CacheAdmin(admin, publish_a_whole_copy), target,
+    schedule = FaultSchedule([FaultSpec(kind="flip_byte", at_s=0)], CacheAdmin(admin, hook), target,
                              probe, expected, tmp_path / "faults.jsonl", recovery_timeout_s=20)
-    schedule.start(time.time(), 0.0, time.time() + 60)
-    schedule._thread.join(90)
-    client.close()
+    try:
+        schedule.start(time.time(), 0.0, time.time() + 60)
+        schedule._thread.join(90)
+    finally:
+        client.close()
     row, = schedule.done()
+    return row, raced
+
+
+def test_a_stored_block_fault_whose_probe_an_upper_tiers_whole_copy_served_is_probed_again_past_it(tiered, tmp_path):
+    """Between the damage and the probe a whole copy of the damaged block is published into the upper tiers (here:
+    the flipped byte put back for one request that loads the block from disk, then flipped again, the disk's copy
+    left damaged). The probe is then served that copy and never reads the disk's: the fault step evicts the upper
+    tiers and asks again, and the row says so; the damage is then read and counted."""
+    from cache_impl.cache.faults import flip_byte
+
+    def publish_a_whole_copy(victim: Path, resend) -> bool:
+        flip_byte(victim)                     # whole again, for one request that loads it from disk
+        sent = resend()
+        flip_byte(victim)                     # damaged again, the upper tiers holding a whole copy
+        return sent
+
+    row, published = _flip_fault_with_a_race(tiered, tmp_path, "published between damage and probe",
+                                                publish_a_whole_copy)
     assert row["error"] is None and published == [True]
     assert row["reprobes"] and "device" in row["reprobes"][0]["held_by"], json.dumps(row)
+    assert not row["reprobes"][0]["damage_replaced"]
     assert row["detected"]["corrupt_blocks"] > 0, json.dumps(row)  # the re-probe read the damaged copy
     assert row["probe_during"]["identical"], row
     handled, words = fault_outcome(row)
     assert handled and "asked again 1 time after evicting device" in words, words
+
+
+def test_a_stored_block_fault_whose_file_a_store_replaced_with_a_whole_one_is_damaged_again(tiered, tmp_path):
+    """Between the damage and the probe the damaged block's file is replaced by a whole one, as a store of the same
+    block publishes it (a new file renamed over it: the disk tier had evicted the block and a request stored it
+    again). The probe then reads the whole file from the disk and nothing is counted: the fault step sees that its
+    damaged file is gone, damages the block again and asks again; the damage is then read and counted."""
+    from cache_impl.cache.faults import flip_byte
+
+    def store_a_whole_file_over_it(victim: Path, resend) -> bool:
+        flip_byte(victim)                     # the bytes whole again ...
+        whole = victim.with_name(victim.name + ".whole")
+        shutil.copyfile(victim, whole)
+        whole.replace(victim)                 # ... in a new file, published as the writer publishes a block
+        return True
+
+    row, replaced = _flip_fault_with_a_race(tiered, tmp_path, "its file replaced between damage and probe",
+                                               store_a_whole_file_over_it)
+    assert row["error"] is None and replaced == [True]
+    assert row["reprobes"] and row["reprobes"][0]["damage_replaced"], json.dumps(row)
+    assert row["reprobes"][0]["probe"]["identical"]      # the whole file was read: an answer, nothing counted
+    assert row["detected"]["corrupt_blocks"] > 0, json.dumps(row)  # the re-probe read the block damaged again
+    assert row["probe_during"]["identical"], row
+    handled, words = fault_outcome(row)
+    assert handled and "damaging it again where a store had replaced the damaged file" in words, words

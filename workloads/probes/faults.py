@@ -168,7 +168,6 @@ def detection_counts(samples: dict[tuple, float]) -> dict[str, float]:
         "read_errors": counter(samples, "kvgate_cache_read_errors_total"),
         "write_errors": counter(samples, "kvgate_cache_write_errors_total"),
         "faults_injected": counter(samples, "kvgate_faults_injected_total"),
-        "disk_hits": counter(samples, "kvgate_cache_hits_total", tier="disk"),
     }
 
 
@@ -197,7 +196,20 @@ def damage_prompt_blocks(admin: AdminClient, kind: str, prompt: Optional[str] = 
     done = damage_block(kind, Path(victim["path"]), donor)
     evict_until_on_disk_only(admin, victim["key"], prompt, messages, token_ids=token_ids)
     return {**done, "block_index": victim["index"], "key": victim["key"], "prompt_blocks": len(located),
-            "loadable_blocks": len(loadable)}
+            "loadable_blocks": len(loadable), "inode": _inode(Path(victim["path"]))}
+
+
+def _inode(path: Path) -> Optional[int]:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def damage_in_place(detail: dict) -> bool:
+    """Whether the block file `damage_prompt_blocks` damaged (its `detail`) is still that damaged file: a store
+    of the same block publishes a whole copy by an atomic rename (a new file), and a deleted block comes back."""
+    return _inode(Path(detail["path"])) == detail["inode"]
 
 
 def _loadable_prefix(blocks: list[dict]) -> list[dict]:
