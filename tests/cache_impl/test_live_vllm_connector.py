@@ -224,10 +224,11 @@ def test_kvgate_run_gates_vllm_with_kvgates_connector_through_g2_and_g4_with_fau
                                   "cache_layer_url": connected.sidecar, **target}},
         "storage": {"path": str(tmp_path / "storage")},
         "fio": {"sweep": TINY_SWEEP},
+        # the cold read judged either way below: 3 pairs, not the quick profile's up to 40 in 90 s
         "g2": {"contexts": [1024, 2048], "model_load": {"enabled": False}, "checkpoint": {"enabled": False},
-               "no_reuse": {"enabled": False}},
-        "g4": {"duration_s": 60, "faults": [{"kind": "flip_byte", "at_s": 15},
-                                            {"kind": "read_error", "at_s": 35, "duration_s": 5}]},
+               "no_reuse": {"enabled": False}, "cold_read_pairs": 3},
+        "g4": {"duration_s": 45, "faults": [{"kind": "flip_byte", "at_s": 10},
+                                            {"kind": "read_error", "at_s": 25, "duration_s": 5}]},
     }
     path = tmp_path / "gates.yaml"
     path.write_text(yaml.safe_dump(config))
