@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cache_impl.cache import blockfiles
-from cache_impl.cache.config import ConfigError
+from cache_impl.cache.config import DEFAULT_READ_WORKERS, ConfigError
 from cache_impl.cache.scrub import scrub
 from cache_impl.engine.presets import MAX_WEIGHTS_SEED
 from cache_impl.server.serve_command import SERVE_DESCRIPTION, SERVE_HELP, add_serve_arguments, load_yaml_section
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefix-mib", type=_positive_int, default=256, help="size of the cached prefix (default: 256)")
     bench.add_argument("--rounds", type=_positive_int, default=8,
                        help="back-to-back rounds per comparison, their order alternating (default: 8)")
-    bench.add_argument("--read-workers", type=_positive_int, default=16,
+    bench.add_argument("--read-workers", type=_positive_int, default=DEFAULT_READ_WORKERS,
                        help="disk tier read threads, its queue depth (default: 16)")
     bench.add_argument("--block-mib", type=_positive_int, default=2,
                        help="the bench layout's block size in MiB (1: the small preset's; 64: near a 70B model's "

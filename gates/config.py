@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from cache_impl.cache.config import DEFAULT_READ_WORKERS
 from cache_impl.engine.presets import MAX_WEIGHTS_SEED, PRESETS
 from engines.settings import TargetSettings
 from kvcore.checks import CHECKS, check_of, configurable_metrics
@@ -103,7 +104,8 @@ class EmbeddedTargets(StrictModel):
 
     disk_io_mode: Literal["buffered", "direct"] = Field(
         default="direct", description="direct: O_DIRECT reads, no second copy in the page cache under the host tier")
-    disk_read_workers: Int = Field(default=16, ge=1, le=256, description="parallel block reads (queue depth)")
+    disk_read_workers: Int = Field(default=DEFAULT_READ_WORKERS, ge=1, le=256,
+                                   description="parallel block reads (queue depth)")
     candidate_nodes: Int = Field(default=1, ge=1, le=8, description="tiered candidate nodes (several: G3 routes)")
     pool: Literal["none", "redis", "mooncake"] = Field(
         default="none", description="the shared pool the candidate nodes use, started by the harness on loopback")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cache_impl import CacheConfig, Fingerprint, KVLayout, TieredKVCache
+from cache_impl.cache.config import DEFAULT_READ_WORKERS
 from cache_impl.cache.index import BlockIndex
 from cache_impl.cache.keys import Key, block_keys, token_array
 from cache_impl.platform.buffers import aligned_empty
@@ -48,7 +49,7 @@ class BenchSettings:
     directory: Path
     prefix_mib: int = 256
     rounds: int = 8
-    read_workers: int = 16
+    read_workers: int = DEFAULT_READ_WORKERS
     block_mib: int = 2
     lookup_prompt_tokens: int = 128 * 1024
     indexed_blocks: int = 1_000_000

@@ -57,7 +57,8 @@ LOADER_AND_WRITER: dict = {
     "checkpoint": {"writers": ["kvgate"], "ranks": 2, "parameters": 20_000_000, "thread_count": 1,
                    "rounds": {"min": 3, "max": 12, "budget_s": 45}, "restores": 1}}
 # G2's cold read for i-good-loader-writer's known-good read: the quick profile's own (4 prefixes of 2 sets, 5-40
-# pairs in 90 s). The tier's default reader is at the storage's best here (96.7-105.2%), but its pairs swing
+# pairs in 90 s). The tier's default reader (32 reads in flight) is at the storage's best here (96.7-105.2%; with
+# 16 in flight, on a VM whose best read is iodepth 32, 68.5% FAIL and 90.1% INCONCLUSIVE), but its pairs swing
 # 0.73-1.53 on this VM's disk: 3 fixed pairs of 2 prefixes left it INCONCLUSIVE at 88.0% [70.4, 110.1], and 45 s
 # (12-13 pairs) PASSed with lower ends of 80.4% and 81.4% against the 80% line (simulated at a ratio of 0.97 and
 # a log spread of 0.19: PASS in ~70% of runs with 13 pairs, ~97% with 24); with 90 s it PASSed at 105.2% [80.3,
