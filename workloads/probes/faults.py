@@ -168,6 +168,7 @@ def detection_counts(samples: dict[tuple, float]) -> dict[str, float]:
         "read_errors": counter(samples, "kvgate_cache_read_errors_total"),
         "write_errors": counter(samples, "kvgate_cache_write_errors_total"),
         "faults_injected": counter(samples, "kvgate_faults_injected_total"),
+        "disk_hits": counter(samples, "kvgate_cache_hits_total", tier="disk"),
     }
 
 
