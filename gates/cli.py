@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=_positive_int, default=8,
                        help="back-to-back rounds per comparison, their order alternating (default: 8)")
     bench.add_argument("--read-workers", type=_positive_int, default=DEFAULT_READ_WORKERS,
-                       help="disk tier read threads, its queue depth (default: 16)")
+                       help=f"disk tier read threads, its queue depth (default: {DEFAULT_READ_WORKERS})")
     bench.add_argument("--block-mib", type=_positive_int, default=2,
                        help="the bench layout's block size in MiB (1: the small preset's; 64: near a 70B model's "
                             "80 MiB block) (default: 2)")
