@@ -17,6 +17,7 @@ import time
 
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import CHAT_FRAMING_TOKENS, context_request
+from workloads.traffic.errors import describe_error
 
 PROBE_TIMEOUT_S = 120.0       # the probe takes a second or two and torch's import; a stuck one is dropped
 PREFILL_ROLE = "recompute"    # the embedded server that computes every prompt from scratch
@@ -81,7 +82,7 @@ def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: i
                                                      "preflight-prefill"))
                 if not record.ok or record.ttft_s is None:
                     return {"role": endpoint.role, "error": f"the prefill probe's {n}-token request failed: "
-                                                            f"{record.error_type}: {record.error_message}"}
+                                                            f"{no_first_token(record)}"}
                 times[n].append(record.ttft_s)
                 prompts[n] = record.prompt_tokens or n
     finally:
@@ -138,12 +139,19 @@ def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_
         return f"the decode probe's batch of {batch} failed: no answer within {PREFILL_TIMEOUT_S:.0f} s"
     failed = next((r for r in records if not r.ok or r.ttft_s is None), None)
     if failed is not None:
-        return f"the decode probe's batch of {batch} failed: {failed.error_type}: {failed.error_message}"
+        return f"the decode probe's batch of {batch} failed: {no_first_token(failed)}"
     gaps = window_gaps([_token_times(r) for r in records])
     if len(gaps) < DECODE_MIN_GAPS:
         return (f"the decode probe's batch of {batch} had {len(gaps)} gaps with every sequence decoding "
                 f"(under {DECODE_MIN_GAPS}: the server stopped its sequences early)")
     return gaps
+
+
+def no_first_token(record) -> str:
+    """Why a probe's request gave no first-token time: its failure, or an answer that streamed no token."""
+    if not record.ok:
+        return describe_error(record.error_type, record.error_message)
+    return f"the answer streamed no token (finish_reason {record.finish_reason}, {record.completion_tokens} tokens)"
 
 
 def _token_times(record) -> list[float]:

@@ -258,7 +258,10 @@ class _ResponseShape:
         if not self.chat:
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         if delta:
-            content = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            # the finish chunk carries its text even when empty, as vLLM's does: an answer whose first token was
+            # end-of-text still shows a client when that token came (its first-token time)
+            content = ({"role": "assistant", "content": ""} if role else
+                       {"content": text or ""} if text or finish_reason else {})
             return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                 "finish_reason": finish_reason}

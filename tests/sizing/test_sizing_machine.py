@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from gates.config import load_config
-from gates.machine_probe import prefill_lengths, run_machine_probe, window_gaps
+from gates.machine_probe import prefill_lengths, prefill_probe, run_machine_probe, window_gaps
+from gates.targets import Endpoint
 from kvcore.rundata import RunStore
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
@@ -22,6 +23,8 @@ from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve
 from tests.recorded_runs import recorded_run
+from workloads.traffic.client import StreamingClient
+from workloads.traffic.datasets import context_request
 
 SERVER = RecomputeCurve(0.004, 7.5e-5, 1.5e-8)   # a server's first-token seconds (the prefill probe's points)
 
@@ -253,3 +256,51 @@ def test_the_accuracy_says_whether_its_constants_came_from_this_run_or_another(c
     assert constants_sample(filed, "g2") == "out of sample: constants from small.json"
     assert constants_sample(filed, "g3").startswith("out of sample where this run's G2 fits none")
     assert constants_sample(filed, "g3", g2_ran=False) == "out of sample: constants from small.json"
+
+
+@pytest.fixture
+def end_of_text_server(tmp_path):
+    """kvgate's engine (tiny preset, recompute) whose model answers end-of-text as every next token, served by
+    the real app on loopback: each answer stops before its first visible token."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from cache_impl.engine.engine import Engine, EngineConfig
+    from cache_impl.engine.tokenizer import ByteTokenizer
+    from cache_impl.server.server import create_app
+    from tests.servers import free_port
+
+    engine = Engine(EngineConfig.from_dict({"mode": "recompute", "preset": "tiny",
+                                            "cache": {"device": "cpu", "disk": {"path": str(tmp_path / "kv")}}}))
+    engine.runner.allowed.fill_(float("-inf"))
+    engine.runner.allowed[ByteTokenizer().eos_id] = 0.0
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "the end-of-text server did not start"
+    yield Endpoint("recompute", f"http://127.0.0.1:{port}/v1", "kvgate-tiny")
+    server.should_exit = True
+    thread.join(60)
+
+
+def test_the_prefill_probe_times_a_server_whose_answers_stop_at_end_of_text_first(end_of_text_server):
+    # a run's pre-flight probe once failed ("None: None") when the tiny model's first token for one prompt was
+    # end-of-text: the chat stream's finish chunk carried no content, so the answer had no first-token time
+    found = prefill_probe(end_of_text_server, 600, rounds=1)
+    assert "points" in found, found
+    assert [p["context_tokens"] for p in found["points"]] == prefill_lengths(600)
+    assert all(p["seconds"] > 0 for p in found["points"])
+    client = StreamingClient(end_of_text_server.url, end_of_text_server.model, "chat")
+    try:
+        record = client.send(context_request(300, "eot", None, 4, "test"), keep_text=True)
+    finally:
+        client.close()
+    # the path under test ran: the answer stopped at end-of-text before any token, and still has its first token
+    assert (record.finish_reason, record.completion_tokens, record.text) == ("stop", 0, "")
+    assert record.ok and record.ttft_s is not None and record.ttft_s > 0
