@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from cache_impl.weights.safetensors_dir import (
     CheckpointFormatError,
@@ -37,6 +37,18 @@ DEFAULT_CONCURRENCY = 16   # vLLM's default for the Run:ai streamer
 # kvgate's loader: bytes per read, one huge page; with `concurrency` (16) of them in flight it reads as fio's best
 # job here (1 MiB requests at queue depth 32); 16 MiB reads by 16 threads reached 0.6-0.7 of it
 KVGATE_CHUNK_BYTES = 2 << 20
+KVGATE_READ_ALIGN = 4096   # its reads are O_DIRECT where the filesystem takes it: sizes in whole pages
+
+
+
+@dataclass(frozen=True)
+class LoaderReads:
+    """How the loaders read: `parallel` reads in flight (the streaming loaders' read threads); kvgate's loader
+    reads `read_bytes` at a time (the field's loaders choose their own sizes)."""
+
+    parallel: int = DEFAULT_CONCURRENCY
+    read_bytes: int = KVGATE_CHUNK_BYTES
+
 
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
@@ -110,18 +122,20 @@ def check_destinations(checkpoint: SafetensorsDir, destinations: dict[str, "torc
 
 def load_checkpoint(checkpoint: SafetensorsDir, loader: str, device: Union[str, "torch.device"] = "cpu",
                     destinations: Optional[dict[str, "torch.Tensor"]] = None,
-                    concurrency: int = DEFAULT_CONCURRENCY) -> LoadResult:
+                    concurrency: int = DEFAULT_CONCURRENCY, read_bytes: int = KVGATE_CHUNK_BYTES) -> LoadResult:
     """Load every tensor of `checkpoint` with `loader` into `destinations` (default: fresh tensors on
     `device`, allocated before the clock starts) and time it by phase. The caller drops pages first
-    for a cold load."""
+    for a cold load. `read_bytes`: kvgate's loader's bytes per read (the field's loaders choose their own)."""
     if loader not in LOADERS:
         raise ValueError(f"loader: expected one of {', '.join(LOADERS)}, found {loader!r}")
     if destinations is None:
         destinations = allocate_destinations(checkpoint, device)
     else:
         check_destinations(checkpoint, destinations, "the destination tensors")
-    run = {"kvgate": _load_kvgate, "safetensors": _load_safetensors, "runai_streamer": _load_runai_streamer,
-           "fastsafetensors": _load_fastsafetensors}[loader]
+    runs: dict[str, Callable[[SafetensorsDir, dict, _PhaseClock, int], dict[str, str]]] = {
+        "kvgate": functools.partial(_load_kvgate, read_bytes=read_bytes), "safetensors": _load_safetensors,
+        "runai_streamer": _load_runai_streamer, "fastsafetensors": _load_fastsafetensors}
+    run = runs[loader]
     clock = _PhaseClock()
     read_before = process_read_bytes()
     start = time.perf_counter()
@@ -169,7 +183,7 @@ def _synchronize(tensors: dict[str, "torch.Tensor"]) -> None:
 
 
 def _load_kvgate(checkpoint: SafetensorsDir, destinations: dict, clock: _PhaseClock,
-                 concurrency: int) -> dict[str, str]:
+                 concurrency: int, read_bytes: int = KVGATE_CHUNK_BYTES) -> dict[str, str]:
     import torch  # deferred: torch (seconds); this module is read by configs too
 
     # deferred: torch (seconds), which direct_io's buffers need
@@ -190,7 +204,7 @@ def _load_kvgate(checkpoint: SafetensorsDir, destinations: dict, clock: _PhaseCl
 
     buffer = _pinned_buffer if on_gpu else None
     with clock("read"):
-        read_spans(spans, scatter, workers=concurrency, chunk_bytes=KVGATE_CHUNK_BYTES,
+        read_spans(spans, scatter, workers=concurrency, chunk_bytes=read_bytes,
                    **({"buffer": buffer} if buffer else {}))
     return {"deserialize": "read", "copy": "read"}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cache_impl.weights.loaders import allocate_destinations, load_checkpoint, verify_loaded
+from cache_impl.weights.loaders import LoaderReads, allocate_destinations, load_checkpoint, verify_loaded
 from cache_impl.weights.safetensors_dir import (
     CheckpointFormatError,
     SafetensorsDir,
@@ -137,11 +137,11 @@ def prepare_checkpoints(config, storage: Path, progress: Progress) -> Checkpoint
     return Checkpoints(under_test, baseline, written)
 
 
-def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: Optional[dict] = None):
+def cold_load(checkpoint: SafetensorsDir, loader: str, reads: LoaderReads, destinations: Optional[dict] = None):
     """One cold load: the files' pages dropped, loaded into `destinations` (an engine's parameters, allocated
     once before its loads; fresh ones when None) on the device, every tensor checked."""
     drop_cached_pages(checkpoint.files)
-    result = load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
+    result = _load(checkpoint, loader, reads, destinations)
     try:
         verify_loaded(result, checkpoint)
         mismatch = ""
@@ -151,7 +151,7 @@ def cold_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinatio
 
 
 def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], judged: str, pairing: Pairing, rules: list,
-                    parallel: int, best: StorageBest, progress: Progress, on_round: Callable[[LoaderRound], None],
+                    reads: LoaderReads, best: StorageBest, progress: Progress, on_round: Callable[[LoaderRound], None],
                     ) -> tuple[dict[str, LoaderFigures], FasterOf]:
     """WARMUP_ROUNDS rounds, then rounds until the `judged` loader's interval decides `rules` (or `pairing`'s
     max or budget); in each, a loader's cold load and then the storage's best read jobs (`best`, each mode's
@@ -173,7 +173,7 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], judged: str,
                      f"({checkpoint.tensor_bytes / 1e9:.2f} GB cold, then the storage's best jobs on the same files)")
             for tensor in destinations.values():
                 tensor.zero_()       # what the last load left must not pass this one's check
-            summary, mismatch = cold_load(checkpoint, loader, parallel, destinations)
+            summary, mismatch = cold_load(checkpoint, loader, reads, destinations)
             loaded = Reading(summary["nbytes"], summary["seconds"])
             round_ = LoaderRound(loader, Pair(index, loaded, fio(index, loaded.nbytes)), summary, not mismatch,
                                  mismatch, warmup)
@@ -192,7 +192,7 @@ def measure_loaders(checkpoint: SafetensorsDir, loaders: list[str], judged: str,
         if loader in READS_WITH_O_DIRECT:
             continue             # it reads the device whatever the page cache holds: a warm load is a cold one
         progress(f"model load: one warm load by {loader}")
-        figures[loader].warm = warm_load(checkpoint, loader, parallel, destinations)
+        figures[loader].warm = warm_load(checkpoint, loader, reads, destinations)
     return figures, fio
 
 
@@ -213,10 +213,15 @@ def measure_aa_reads(checkpoint: SafetensorsDir, pairing: Pairing, rules: list, 
     return paired_ratio(pairs, stopping, pairing.looks())
 
 
-def warm_load(checkpoint: SafetensorsDir, loader: str, parallel: int, destinations: dict) -> dict:
+def warm_load(checkpoint: SafetensorsDir, loader: str, reads: LoaderReads, destinations: dict) -> dict:
     """Two loads back to back, the second timed: what the loader gives when the page cache holds the files."""
-    load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel)
-    return load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=parallel).summary()
+    _load(checkpoint, loader, reads, destinations)
+    return _load(checkpoint, loader, reads, destinations).summary()
+
+
+def _load(checkpoint: SafetensorsDir, loader: str, reads: LoaderReads, destinations: Optional[dict]):
+    return load_checkpoint(checkpoint, loader, device(), destinations=destinations, concurrency=reads.parallel,
+                           read_bytes=reads.read_bytes)
 
 
 @dataclass(frozen=True)
@@ -229,7 +234,7 @@ class Speedup:
     baseline_s: list[float]
 
 
-def measure_speedup(checkpoints: Checkpoints, loader: str, rounds: int, parallel: int, progress: Progress,
+def measure_speedup(checkpoints: Checkpoints, loader: str, rounds: int, reads: LoaderReads, progress: Progress,
                     on_round: Callable[[str, int, dict], None]) -> Speedup:
     """`rounds` pairs: the loader's cold load on the storage under test, then on the baseline."""
     if checkpoints.baseline is None:
@@ -241,7 +246,7 @@ def measure_speedup(checkpoints: Checkpoints, loader: str, rounds: int, parallel
         for storage, checkpoint, seconds in (("under test", checkpoints.under_test, under_test),
                                              ("baseline", checkpoints.baseline, baseline)):
             progress(f"model load: speedup round {index + 1} / {rounds}, {loader} on the {storage} storage")
-            summary, _ = cold_load(checkpoint, loader, parallel)
+            summary, _ = cold_load(checkpoint, loader, reads)
             seconds.append(summary["seconds"])
             on_round(storage, index, summary)
     value, interval = ratio_ci(baseline, under_test, paired=True)

@@ -87,7 +87,7 @@ def loader_figures(gate_context, checkpoints, available_loaders):
 
     figures, yardstick = measure_loaders(checkpoints.under_test, available_loaders, settings.judged,
                                          Pairing.of(settings.rounds),
-                                         [rule] if rule else [], settings.parallel, best,
+                                         [rule] if rule else [], settings.reads, best,
                                          lambda text: store.set_progress("g2", text), on_round)
     for loader, f in figures.items():
         judged = f.judged
@@ -180,7 +180,7 @@ def test_speedup_over_the_baseline_storage(gate_context, checkpoints, loader_fig
                      "GB/s", loader=judged.loader, round=index, storage=storage, seconds=summary["seconds"],
                      bytes=summary["nbytes"], cold=summary["cold"], phases=summary["phases"])
 
-    speedup = measure_speedup(checkpoints, judged.loader, settings.rounds.min, settings.parallel,
+    speedup = measure_speedup(checkpoints, judged.loader, settings.rounds.min, settings.reads,
                               lambda text: store.set_progress("g2", text), on_round)
     record("model_load_speedup_vs_baseline", speedup.value, "×", loader=judged.loader, interval=list(speedup.interval),
            under_test_s=statistics.median(speedup.under_test_s), baseline_s=statistics.median(speedup.baseline_s))

@@ -56,6 +56,10 @@ LOADER_AND_WRITER: dict = {
                                          "service": False, "rounds": {"min": 3, "max": 12, "budget_s": 40}},
     "checkpoint": {"writers": ["kvgate"], "ranks": 2, "parameters": 20_000_000, "thread_count": 1,
                    "rounds": {"min": 3, "max": 12, "budget_s": 45}, "restores": 1}}
+# j-serial-loader's reads: one at a time, 16 KiB each. One 2 MiB read in flight is no bad loader on a disk whose
+# rate is capped (a VM's token bucket, drained): it read at 97.0% and 87.4% of the storage's best there, where fio
+# with one 16 KiB read in flight read 0.35 GB/s against the best job's 0.65 (capped) and 3-4 GB/s (not)
+SERIAL_LOADER: dict = {"parallel": 1, "read_size": "16KiB"}
 # G2's cold read for i-good-loader-writer's known-good read: the quick profile's own (4 prefixes of 2 sets, 5-40
 # pairs in 90 s). The tier's default reader (32 reads in flight) is at the storage's best here (96.7-105.2%; with
 # 16 in flight, on a VM whose best read is iodepth 32, 68.5% FAIL and 90.1% INCONCLUSIVE), but its pairs swing
@@ -177,9 +181,9 @@ CONTROLS: tuple[Control, ...] = (
             (MustPass("model_load_vs_storage_best"), MustPass("checkpoint_write_vs_storage_best"),
              MustPass(COLD_READ[0])), embedded={},
             g2={**LOADER_AND_WRITER, **GOOD_COLD_READ}),
-    Control("j-serial-loader", "kvgate's model loader with one read in flight (g2.model_load.parallel: 1)", ("g2",),
-            (MustNotPass(MODEL_LOAD),), embedded={},
-            g2={**LOADER_AND_WRITER, "model_load": {**LOADER_AND_WRITER["model_load"], "parallel": 1},
+    Control("j-serial-loader", "kvgate's model loader with one 16 KiB read in flight (a page-faulting loader's "
+            "pattern)", ("g2",), (MustNotPass(MODEL_LOAD),), embedded={},
+            g2={**LOADER_AND_WRITER, "model_load": {**LOADER_AND_WRITER["model_load"], **SERIAL_LOADER},
                 "checkpoint": {"enabled": False}}),
     Control("k-embedded-tiered", "the embedded default's tiered candidate against its device-only baseline", ("g3",),
             (MustPass("ttft_p50_reduction"), MustPass("throughput_gain"), MustPass("disk_hit_share")), embedded={},

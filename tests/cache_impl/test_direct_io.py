@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from cache_impl.weights import direct_io, loaders
+from cache_impl.weights import direct_io
 from cache_impl.weights.direct_io import Span, open_direct, read_spans
 from cache_impl.weights.loaders import load_checkpoint, loaded_checksums, verify_loaded
 from cache_impl.weights.safetensors_dir import file_checksums, read_safetensors_dir, write_safetensors_dir
@@ -96,11 +96,21 @@ def odd_checkpoint(tmp_path_factory):
     return write_safetensors_dir(directory, tensors, 3 << 20)
 
 
-def test_kvgates_loader_puts_every_byte_in_place_when_chunks_cut_through_tensors(odd_checkpoint, monkeypatch):
-    monkeypatch.setattr(loaders, "KVGATE_CHUNK_BYTES", 1 << 20)
+@pytest.mark.parametrize("read_bytes", [1 << 20, 64 << 10])
+def test_kvgates_loader_puts_every_byte_in_place_when_chunks_cut_through_tensors(odd_checkpoint, monkeypatch,
+                                                                                 read_bytes):
+    asked = []
+
+    def read_spans(*args, **kwargs):        # the real reader, its request size seen on the way
+        asked.append(kwargs["chunk_bytes"])
+        return real_read_spans(*args, **kwargs)
+
+    real_read_spans = direct_io.read_spans
+    monkeypatch.setattr(direct_io, "read_spans", read_spans)
     drop_cached_pages(odd_checkpoint.files)
     before = process_read_bytes()
-    result = load_checkpoint(odd_checkpoint, "kvgate", "cpu", concurrency=3)
+    result = load_checkpoint(odd_checkpoint, "kvgate", "cpu", concurrency=3, read_bytes=read_bytes)
+    assert asked == [read_bytes]                                               # the loader read that much a time
     assert process_read_bytes() - before >= odd_checkpoint.tensor_bytes       # it read the device, cold
     assert verify_loaded(result, odd_checkpoint) == "the checksum sidecar"
     assert loaded_checksums(result) == file_checksums(read_safetensors_dir(odd_checkpoint.path))

@@ -216,6 +216,16 @@ def test_a_checkpoint_of_absurd_size_is_refused_at_load_with_one_line(tmp_path):
     assert load_config(_file(tmp_path, {"g2": {"checkpoint": {"parameters": "70B"}}})).g2.checkpoint.parameters == "70B"
 
 
+@pytest.mark.parametrize("read_size, message", [
+    ("10000B", "g2.model_load.read_size: expected a multiple of 4096 bytes (O_DIRECT's alignment), found '10000B'"),
+    ("0KiB", "g2.model_load.read_size: expected a byte size > 0, found '0KiB'"),
+])
+def test_a_loader_read_size_o_direct_cannot_take_is_refused_at_load(tmp_path, read_size, message):
+    _refused(tmp_path, {"g2": {"model_load": {"read_size": read_size}}}, message)
+    reads = load_config(_file(tmp_path, {"g2": {"model_load": {"read_size": "16KiB", "parallel": 1}}})).g2.model_load
+    assert (reads.reads.parallel, reads.reads.read_bytes) == (1, 16 << 10)
+
+
 # -- the judged loader and checkpoint writer are among those measured ------------------------------------------
 
 @pytest.mark.parametrize("section, data, message", [

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from cache_impl.weights.loaders import LoaderReads
 from cache_impl.weights.safetensors_dir import CheckpointFormatError
 from gates.g2_baseline.model_load import (
     RANDOM_DIR,
@@ -50,7 +51,7 @@ def test_each_loader_alternates_with_the_best_job_on_the_same_files_and_every_lo
     buffered = FioShape(direct=False, ioengine="psync", iodepth=1, numjobs=2, bs="4M")
     best = StorageBest(direct, direct, 1.0, 1.0, "a test", reads={"direct": (direct, 1.0), "buffered": (buffered, 0.9)})
     figures, yardstick = measure_loaders(prepared.under_test, ["kvgate", "safetensors", "runai_streamer"], "kvgate",
-                                         Pairing(MIN_PAIRS, MIN_PAIRS, 600), [RULE], 4, best, said.append,
+                                         Pairing(MIN_PAIRS, MIN_PAIRS, 600), [RULE], LoaderReads(4), best, said.append,
                                          rounds.append)
     # both modes' best jobs ran after every load, and the faster one is the pair's yardstick
     assert len(yardstick.runs) == len(rounds)
@@ -100,7 +101,7 @@ def test_a_corrupted_shard_is_a_mismatch_of_that_round_not_a_crash(checkpoints, 
         f.write(bytes([byte[0] ^ 0xFF]))
     from gates.g2_baseline.model_load import cold_load
 
-    summary, mismatch = cold_load(damaged, "safetensors", 4)
+    summary, mismatch = cold_load(damaged, "safetensors", LoaderReads(4))
     assert summary["nbytes"] == damaged.tensor_bytes
     assert entry.file.name in mismatch and entry.name in mismatch
 
@@ -109,7 +110,7 @@ def test_the_speedup_pairs_a_cold_load_on_each_storage(checkpoints):
     prepared, root, _ = checkpoints
     assert prepared.baseline is not None and prepared.baseline.path == root / "baseline" / RANDOM_DIR
     seen = []
-    speedup = measure_speedup(prepared, "runai_streamer", MIN_PAIRS, 4, lambda text: None,
+    speedup = measure_speedup(prepared, "runai_streamer", MIN_PAIRS, LoaderReads(4), lambda text: None,
                               lambda storage, index, summary: seen.append((storage, index, summary["cold"])))
     assert [(s, i) for s, i, _ in seen] == [(s, i) for i in range(MIN_PAIRS) for s in ("under test", "baseline")]
     assert all(cold for _, _, cold in seen)          # every load of the pair was a cold one

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union, get_args
 
 from pydantic import Field, PlainValidator, field_validator, model_validator
 
+from cache_impl.weights.loaders import KVGATE_CHUNK_BYTES, KVGATE_READ_ALIGN, LoaderReads
 from cache_impl.weights.safetensors_dir import CheckpointFormatError, read_safetensors_dir
 from kvcore.loader_names import KVGATE_LOADER, LOADERS, LoaderName
 from kvcore.sampling import PairsConfig
@@ -162,6 +163,9 @@ class ModelLoadConfig(StrictModel):
         "or a field loader (a joint test of one serving stack's loader)"))
     parallel: Int = Field(default=16, ge=1, le=256, description="reads in flight of kvgate's loader and read "
                           "threads of the streaming loaders")
+    read_size: str = Field(default=f"{KVGATE_CHUNK_BYTES >> 20}MiB", examples=["128KiB"], description=(
+        "bytes per read of kvgate's loader (a multiple of 4 KiB, as O_DIRECT takes): with `parallel`, what it "
+        "keeps in flight"))
     rounds: PairsConfig = Field(default_factory=PairsConfig, description=(
         "cold rounds, every loader once per round, each load beside the storage's best read job reading the same "
         "files; taken until the judged loader's interval decides"))
@@ -177,6 +181,19 @@ class ModelLoadConfig(StrictModel):
         "with launch: the URL that answers when the engine is ready"), examples=["http://127.0.0.1:8000/health"])
 
     _sizes = field_validator("size", "shard_size", mode="before")(lambda cls, v: positive_size(v))
+
+    @property
+    def reads(self) -> LoaderReads:
+        """How the loaders read (`parallel`, `read_size`)."""
+        return LoaderReads(self.parallel, parse_size(self.read_size))
+
+    @field_validator("read_size", mode="before")
+    @classmethod
+    def _whole_pages(cls, value: Any) -> Any:
+        if parse_size(positive_size(value)) % KVGATE_READ_ALIGN:
+            raise ValueError(f"expected a multiple of {KVGATE_READ_ALIGN} bytes (O_DIRECT's alignment), "
+                             f"found {value!r}")
+        return value
     _paths = field_validator("path", "baseline_path", mode="before")(lambda cls, v: absolute_path(v))
     _argv = field_validator("launch", mode="before")(lambda cls, v: None if v is None else _command(v))
 
