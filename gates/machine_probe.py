@@ -14,7 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
+from workloads.probes.faults import AdminClient, AdminError
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import CHAT_FRAMING_TOKENS, context_request
 from workloads.traffic.errors import describe_error
@@ -27,6 +29,11 @@ PREFILL_SHORT = (CHAT_FRAMING_TOKENS + 8, 256)
 PREFILL_FRACTIONS = (3 / 16, 9 / 16, 15 / 16)
 PREFILL_ROUNDS = 3            # each length's figure is the median of its rounds
 PREFILL_TIMEOUT_S = 120.0     # per request
+# The hit probe: the tiered server's hits at the prefill probe's lengths longer than a block, each placed by the
+# admin routes (the tiers evicted above it) before it is asked for again
+HITS_ROLE = "candidate"
+HIT_BLOCK_TOKENS = 256
+HIT_PLACEMENTS = {"host-hit": ("device",), "disk-cold": ("device", "host")}
 # The decode probe: each sequence generates this many tokens after every other sequence's prompt is in (one
 # per step while the others' prompts are computed a block at a time), at least this many gaps timed
 DECODE_WINDOW_TOKENS = 32
@@ -51,11 +58,15 @@ def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
         return {"error": f"the machine probe printed no JSON: {done.stdout[:200]!r}"}
 
 
-def probe_machine(embedded, endpoints: dict, longest_context: int, run_id: str = "run") -> dict:
-    """The probe's figures (`run_machine_probe`) with the prefill probe's (`prefill_probe`) under "prefill"."""
+def probe_machine(embedded, endpoints: dict, longest_context: int, run_id: str = "run",
+                  admin_token: Optional[str] = None) -> dict:
+    """The probe's figures (`run_machine_probe`) with the prefill probe's (`prefill_probe`) under "prefill" and the
+    hit probe's (`hit_probe`, the tiered server, through its admin routes with `admin_token`) under "hits"."""
     probe = run_machine_probe(embedded)
     if "error" not in probe and PREFILL_ROLE in endpoints:
         probe["prefill"] = prefill_probe(endpoints[PREFILL_ROLE], longest_context, run_id)
+    if "error" not in probe and HITS_ROLE in endpoints and endpoints[HITS_ROLE].mode == "tiered":
+        probe["hits"] = hit_probe(endpoints[HITS_ROLE], longest_context, run_id, admin_token=admin_token)
     return probe
 
 
@@ -89,6 +100,50 @@ def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: i
         client.close()
     points = [{"context_tokens": n, "prompt_tokens": prompts[n], "seconds": statistics.median(times[n]),
                "rounds": times[n]} for n in lengths]
+    return {"role": endpoint.role, "points": points, "seconds": time.monotonic() - started}
+
+
+def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int = PREFILL_ROUNDS,
+              admin_token: Optional[str] = None) -> dict:
+    """The tiered server's first-token time for a prefix cached in its host tier and on its disk alone (pages
+    dropped), at the prefill probe's lengths of a block or more: each prompt sent once (a miss: computed, stored,
+    written behind to disk), then per round placed by the admin routes and asked for again. {"role", "points":
+    [{"mode" ("host-hit" or "disk-cold"), "context_tokens", "prompt_tokens", "cached_tokens", "seconds" (the
+    median), "rounds"}], "seconds"}; {"error": why} when a request or a placement failed."""
+    started = time.monotonic()
+    admin = AdminClient(endpoint.server_root, timeout_s=PREFILL_TIMEOUT_S,
+                        **({"token": admin_token} if admin_token else {}))     # else $KVGATE_ADMIN_TOKEN's
+    client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
+                             timeout_s=PREFILL_TIMEOUT_S)
+    lengths = [n for n in prefill_lengths(longest_context) if n > HIT_BLOCK_TOKENS]
+    requests = {n: context_request(n, f"{run_id}/{n}", endpoint.tokenizer, 1, "preflight-hits") for n in lengths}
+    seen: dict[tuple[str, int], list] = {(mode, n): [] for n in lengths for mode in HIT_PLACEMENTS}
+    try:
+        for n in lengths:
+            record = client.send(requests[n])
+            if not record.ok:
+                return {"role": endpoint.role, "error": f"the hit probe's {n}-token miss failed: "
+                                                        f"{no_first_token(record)}"}
+        admin.flush()          # every prefix written behind to disk
+        for _ in range(rounds):
+            for n in lengths:
+                for mode, tiers in HIT_PLACEMENTS.items():
+                    admin.evict(tiers)
+                    if mode == "disk-cold":
+                        admin.drop_page_cache()
+                    record = client.send(requests[n])
+                    if not record.ok or record.ttft_s is None:
+                        return {"role": endpoint.role, "error": f"the hit probe's {mode} at {n} tokens failed: "
+                                                                f"{no_first_token(record)}"}
+                    seen[(mode, n)].append(record)
+    except AdminError as error:
+        return {"role": endpoint.role, "error": f"the hit probe could not place a prefix: {error}"}
+    finally:
+        client.close()
+    points = [{"mode": mode, "context_tokens": n, "prompt_tokens": records[-1].prompt_tokens or n,
+               "cached_tokens": min((r.cached_tokens or 0) for r in records),
+               "seconds": statistics.median(r.ttft_s for r in records), "rounds": [r.ttft_s for r in records]}
+              for (mode, n), records in seen.items()]
     return {"role": endpoint.role, "points": points, "seconds": time.monotonic() - started}
 
 

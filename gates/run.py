@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import yaml
 from rich.console import Console
 
+from cache_impl.server.auth import ADMIN_TOKEN_ENV
 from kvcore.aa import false_decision_line, false_decisions
 from kvcore.outcome import exit_code, overall_status
 from kvcore.predictions import beside, beside_text
@@ -289,7 +290,7 @@ class GateRunner:
         with self.console.status("pre-flight: probing this machine and the recompute server's prefill for the sizing "
                                  "model …"):
             probe = probe_machine(self.config.targets.embedded, endpoints, max(self.config.g2.contexts),
-                                  self.store.run_info().get("run_id", "run"))
+                                  self.store.run_info().get("run_id", "run"), self.suite_env.get(ADMIN_TOKEN_ENV))
         self.store.write_machine_probe(probe)
         self.console.print(f"  [dim]{probe_line(probe)}[/dim]", highlight=False)
 

@@ -221,8 +221,10 @@ def _tail_terms(prompt: int, cached: int) -> tuple[float, float]:
 
 def fit_g2_ttfts(rows: list[tuple[str, int, float]], kv_bytes_per_token: Optional[int], host_gbps: float,
                  disk_gbps: Optional[float], block_size: int = 256,
-                 shortfall: int = G2_PROMPT_SHORTFALL) -> tuple[RecomputeCurve, float, Optional[float]]:
-    """(curve, fixed overhead, disk hit overhead) from G2's TTFT rows (the module's joint fit)."""
+                 shortfall: int = G2_PROMPT_SHORTFALL, what: str = "G2 TTFTs",
+                 ) -> tuple[RecomputeCurve, float, Optional[float]]:
+    """(curve, fixed overhead, disk hit overhead) from G2's TTFT rows (the module's joint fit); `what` the rows
+    are, in the curve's source."""
     design, target, weights = [], [], []
     disk_rows = 0
     for mode, context, seconds in rows:
@@ -245,7 +247,7 @@ def fit_g2_ttfts(rows: list[tuple[str, int, float]], kv_bytes_per_token: Optiona
         weights.append(1.0 / seconds)
     w = np.array(weights)[:, None]
     f, b, c, disk_overhead = nonnegative_least_squares(np.array(design) * w, np.array(target) * w[:, 0])
-    curve = RecomputeCurve(float(f), float(b), float(c), f"joint fit of {len(target)} G2 TTFTs "
+    curve = RecomputeCurve(float(f), float(b), float(c), f"joint fit of {len(target)} {what} "
                                                          f"(recompute, host and disk hits)")
     return curve, float(f), float(disk_overhead) if disk_rows else None
 

@@ -10,13 +10,14 @@ from typing import Optional
 
 from kvcore.rundata import RunStore
 
-from .calibration import Calibration
+from .calibration import Calibration, fit_g2_ttfts
 from .queueing import DecodeCost
-from .timing import RecomputeCurve
+from .timing import RecomputeCurve, TierBandwidths
 
 SOURCE = "the pre-flight's machine probe"
 PROBES_SOURCE = "this run's probes of the machine and its servers"
 PREFILL_SOURCE = "the pre-flight's prefill probe"
+HITS_SOURCE = "the pre-flight's prefill and hit probes"
 DECODE_SOURCE = "the decode probe before G3"
 
 
@@ -29,7 +30,8 @@ def probe_line(probe: dict) -> str:
             f"{probe['threads']} threads): matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, attention "
             f"{probe['attention_flops'] / 1e9:.1f} GFLOP/s, decode {decode['step_s'] * 1e3:.2f} ms + "
             f"{decode['per_sequence_s'] * 1e3:.2f} ms per sequence, host copy {probe['host_copy_gbps']:.2f} GB/s "
-            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}"
+            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}; "
+            f"{_probe_words('hit', probe.get('hits'), ' (no tiered server)', _hit_words)}"
             + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else ""))
 
 
@@ -108,17 +110,44 @@ def probe_ran(probe: dict) -> bool:
     return bool(probe) and "error" not in probe
 
 
-def probe_calibration(probe: dict) -> Optional[Calibration]:
+def hit_points(probe: dict) -> list[tuple[str, int, float]]:
+    """(mode, context tokens, median first-token seconds) of the hit probe, [] when it did not run."""
+    hits = probe.get("hits") or {}
+    return [(p["mode"], p["context_tokens"], p["seconds"]) for p in hits.get("points", [])]
+
+
+def probe_calibration(probe: dict, disk_gbps: Optional[float] = None) -> Optional[Calibration]:
     """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe
-    failed."""
+    failed. With the hit probe's points (and `disk_gbps`, the storage's read its disk hits' loads are taken at,
+    for the disk hit's overhead) the curve, the fixed cost and the disk hit's overhead are G2's joint fit
+    (calibration.fit_g2_ttfts) of the prefill and hit probes' first tokens, at lengths other than G2's."""
     if not probe_ran(probe):
         return None
     curve, note = probe_curve(probe)
     decode, decode_note = probe_decode(probe)
-    return Calibration(curve=curve, decode=decode, host_gbps=probe["host_copy_gbps"],
-                       source=PROBES_SOURCE, notes=(probe_line(probe), note, decode_note))
+    fixed, overhead = None, {}
+    hits, kv_bytes = hit_points(probe), probe.get("kv_bytes_per_token")
+    if hits and kv_bytes and len({n for n, _ in prefill_points(probe)}) >= 3:
+        rows = [("recompute", p["context_tokens"], p["seconds"]) for p in probe["prefill"]["points"]] + hits
+        fit, fixed, disk_overhead = fit_g2_ttfts(rows, kv_bytes, probe["host_copy_gbps"], disk_gbps,
+                                                 what="first tokens")
+        curve = RecomputeCurve(fit.a, fit.b, fit.c, f"{HITS_SOURCE}: {fit.source}")
+        if disk_overhead is not None:
+            overhead["disk"] = disk_overhead
+        note = (f"recompute, fixed cost{' and disk hit overhead' if overhead else ''} from {curve.source}"
+                + ("" if overhead else " (no disk GB/s yet: disk hits left out)"))
+    return Calibration(curve=curve, fixed_overhead_s=fixed, tier_overhead_s=overhead, decode=decode,
+                       host_gbps=probe["host_copy_gbps"], source=PROBES_SOURCE,
+                       notes=(probe_line(probe), note, decode_note))
+
+
+def _hit_words(hits: dict) -> str:
+    return (f"the {hits['role']} server's hits: "
+            + ", ".join(f"{p['mode']} at {p['context_tokens']:,} tokens {p['seconds'] * 1e3:.1f} ms"
+                        for p in hits["points"]) + f" ({hits['seconds']:.1f} s)")
 
 
 def run_probe_calibration(store: RunStore) -> Optional[Calibration]:
-    """`probe_calibration` of what a run recorded (None when it has no probe, as a run of an external engine)."""
-    return probe_calibration(store.machine_probe())
+    """`probe_calibration` of what a run recorded (None when it has no probe, as a run of an external engine), its
+    disk hits' loads taken at G1's storage read when G1 has run."""
+    return probe_calibration(store.machine_probe(), TierBandwidths.from_run(store).disk_gbps)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cache_impl.cache.manager import resolve_device
+from cache_impl.engine.engine import KV_DTYPE
 from cache_impl.engine.model import PRESETS, ModelArgs, _causal_mask, build_model
 
 CHUNK_TOKENS = 256                  # the engine's block size: a prefill chunk
@@ -107,6 +108,12 @@ def probe_host_copy(device: torch.device) -> float:
     return HOST_COPY_BYTES / timed(lambda: target.copy_(source, non_blocking=False), device) / 1e9
 
 
+def kv_bytes_per_token(args: ModelArgs) -> int:
+    """The KV the engine keeps (and its cache stores) per token of a prompt."""
+    return args.n_layers * 2 * args.n_kv_heads * args.head_dim * torch.empty((), dtype=getattr(torch, KV_DTYPE)
+                                                                              ).element_size()
+
+
 def probe(preset: str, device_setting: str = "auto", max_batch: int = 8) -> dict:
     """Every figure of the module, with the model's FLOPs terms and where it ran."""
     started = time.perf_counter()
@@ -115,6 +122,7 @@ def probe(preset: str, device_setting: str = "auto", max_batch: int = 8) -> dict
     figures = {"preset": preset, "device": str(device), "dtype": "float32", "threads": torch.get_num_threads(),
                "matmul_params": matmul_params(args), "layers": args.n_layers, "attention_dim": args.dim,
                "chunk_tokens": CHUNK_TOKENS, "attention_keys": ATTENTION_KEYS,
+               "kv_bytes_per_token": kv_bytes_per_token(args),
                "matmul_flops": probe_matmul(args, device), "attention_flops": probe_attention(args, device),
                "decode": probe_decode(preset, device, max_batch), "host_copy_gbps": probe_host_copy(device)}
     return {**figures, "seconds": time.perf_counter() - started}

@@ -21,7 +21,7 @@ from sizing.in_run import stage_plan
 from sizing.machine import probe_calibration, probe_decode
 from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
-from sizing.timing import RecomputeCurve
+from sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
 from tests.recorded_runs import recorded_run
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import context_request
@@ -107,6 +107,39 @@ def test_before_any_run_g2_is_predicted_from_the_servers_own_prefill_and_the_pro
     )
     # G3's decode cost is the probe's, not a lower bound estimated from the curve
     assert not any("estimated from G2's recompute curve" in note for note in plan.notes)
+
+
+def _hits(model: TimingModel, longest: int = 8192) -> dict:
+    """The hit probe's figures as a tiered server whose hits follow `model` would give them."""
+    points = []
+    for n in (n for n in prefill_lengths(longest) if n > 256):
+        prompt = n - 4
+        cached = prompt // 256 * 256
+        for mode, tier in (("host-hit", "host"), ("disk-cold", "disk")):
+            points.append({"mode": mode, "context_tokens": n, "prompt_tokens": prompt, "cached_tokens": cached,
+                           "seconds": model.ttft(prompt, {tier: cached})})
+    return {"role": "candidate", "points": points, "seconds": 2.0}
+
+
+def test_the_hit_probe_gives_the_fixed_cost_and_the_disk_hits_overhead_before_g2(config, probe):
+    disk_gbps = make_plan(config, machine=probe_calibration(probe)).figures["disk_gbps"]["value"]
+    tiers = TierBandwidths(host_gbps=probe["host_copy_gbps"], disk_gbps=disk_gbps, overhead_s={"disk": 0.003})
+    server = TimingModel(SERVER, tiers, probe["kv_bytes_per_token"])     # a hit's fixed cost: the curve's intercept
+    probed = {**probe, "hits": _hits(server)}
+    machine = probe_calibration(probed, disk_gbps)
+    assert machine.tier_overhead_s["disk"] == pytest.approx(0.003, rel=1e-3)
+    assert machine.fixed_overhead_s == pytest.approx(SERVER.a, rel=1e-3)
+    assert machine.curve.source.startswith("the pre-flight's prefill and hit probes: joint fit of 11 first tokens")
+    ttft = _g2_ttfts(make_plan(config, machine=machine))
+    for context in config.g2.contexts:       # none of the probes' lengths: G2's figures, predicted
+        prompt = context - 4
+        cached = prompt // 256 * 256
+        assert ttft[("disk-cold", context)] == pytest.approx(server.ttft(prompt, {"disk": cached}), rel=1e-3)
+        assert ttft[("host-hit", context)] == pytest.approx(server.ttft(prompt, {"host": cached}), rel=1e-3)
+    # control: without the prefill probe's curve or the disk's GB/s the hits do not stand alone
+    assert probe_calibration(probed).tier_overhead_s == {}
+    assert "disk hits left out" in probe_calibration(probed).notes[1]
+    assert probe_calibration({**probe, "hits": {"role": "candidate", "error": "boom"}}).fixed_overhead_s is None
 
 
 def test_without_a_prefill_probe_the_models_flops_stand_in_and_twice_the_rate_halves_the_compute(config, probe):
@@ -218,8 +251,15 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     assert [p["context_tokens"] for p in prefill["points"]] == prefill_lengths(1100) == [16, 256, 640, 1024]
     assert all(p["seconds"] > 0 and len(p["rounds"]) == 3 for p in prefill["points"])
     assert [p["prompt_tokens"] for p in prefill["points"]] == [12, 252, 636, 1020]   # as its usage counted them
+    hits = probe["hits"]                # the tiered server's own hits, placed in host and on disk, at 640 and 1024
+    assert "points" in hits, hits
+    assert {(p["mode"], p["context_tokens"]) for p in hits["points"]} == {
+        (mode, n) for mode in ("host-hit", "disk-cold") for n in (640, 1024)}
+    assert all(p["cached_tokens"] >= 512 and p["seconds"] > 0 for p in hits["points"])   # every one really a hit
     assert "server_decode" not in probe      # the decode is timed just before G3, which this run does not run
     before = [r for r in store.predictions() if r["stage"] == "before g2"]
+    disk = next(r for r in before if r["metric"] == "ttft_ms" and r["context"]["mode"] == "disk-cold")
+    assert any("prefill and hit probes" in t["source"] for t in disk["terms"]), disk["terms"]
     assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
         (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
     sizing = json.loads((run_dir / "sizing.json").read_text())
