@@ -23,16 +23,16 @@ from workloads.traffic.errors import describe_error
 
 PROBE_TIMEOUT_S = 120.0       # the probe takes a second or two and torch's import; a stuck one is dropped
 PREFILL_ROLE = "recompute"    # the embedded server that computes every prompt from scratch
+BLOCK_TOKENS = 256            # the embedded engine's cache block (and prefill chunk)
 # The prefill probe's prompt lengths: the shortest the server takes (its fixed cost), one cache block, and
 # 3/16, 9/16 and 15/16 of the longest context the run asks for (off G2's usual lengths, across its range)
-PREFILL_SHORT = (CHAT_FRAMING_TOKENS + 8, 256)
+PREFILL_SHORT = (CHAT_FRAMING_TOKENS + 8, BLOCK_TOKENS)
 PREFILL_FRACTIONS = (3 / 16, 9 / 16, 15 / 16)
 PREFILL_ROUNDS = 3            # each length's figure is the median of its rounds
 PREFILL_TIMEOUT_S = 120.0     # per request
 # The hit probe: the tiered server's hits at the prefill probe's lengths longer than a block, each placed by the
 # admin routes (the tiers evicted above it) before it is asked for again
 HITS_ROLE = "candidate"
-HIT_BLOCK_TOKENS = 256
 HIT_PLACEMENTS = {"host-hit": ("device",), "disk-cold": ("device", "host")}
 # The decode probe: each sequence generates this many tokens after every other sequence's prompt is in (one
 # per step while the others' prompts are computed a block at a time), at least this many gaps timed
@@ -70,7 +70,7 @@ def probe_machine(embedded, endpoints: dict, longest_context: int, run_id: str =
     return probe
 
 
-def prefill_lengths(longest_context: int, block_tokens: int = 256) -> list[int]:
+def prefill_lengths(longest_context: int, block_tokens: int = BLOCK_TOKENS) -> list[int]:
     """The context lengths the prefill probe sends (module constants), each a distinct length ≤ the longest."""
     spread = {max(block_tokens, round(longest_context * f / 64) * 64) for f in PREFILL_FRACTIONS}
     return sorted({n for n in (*PREFILL_SHORT, *spread) if n <= longest_context})
@@ -115,7 +115,7 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
                         **({"token": admin_token} if admin_token else {}))     # else $KVGATE_ADMIN_TOKEN's
     client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
                              timeout_s=PREFILL_TIMEOUT_S)
-    lengths = [n for n in prefill_lengths(longest_context) if n > HIT_BLOCK_TOKENS]
+    lengths = [n for n in prefill_lengths(longest_context) if n > BLOCK_TOKENS]
     requests = {n: context_request(n, f"{run_id}/{n}", endpoint.tokenizer, 1, "preflight-hits") for n in lengths}
     seen: dict[tuple[str, int], list] = {(mode, n): [] for n in lengths for mode in HIT_PLACEMENTS}
     try:
@@ -148,7 +148,7 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
 
 
 def decode_probe(endpoint, context_tokens: int, max_running: int, run_id: str = "run",
-                 block_tokens: int = 256) -> dict:
+                 block_tokens: int = BLOCK_TOKENS) -> dict:
     """The server's decode step as its streams show it: the median gap between tokens with one sequence decoding
     and with `max_running` (all sent at once, each prompt `context_tokens` long and new), timed only while every
     sequence of the batch is past its prompt and none has finished (steps that compute no prompt).

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from cache_impl.cache.keys import KVLayout
 from cache_impl.cache.manager import resolve_device
 from cache_impl.engine.engine import KV_DTYPE
 from cache_impl.engine.model import PRESETS, ModelArgs, _causal_mask, build_model
@@ -109,9 +110,8 @@ def probe_host_copy(device: torch.device) -> float:
 
 
 def kv_bytes_per_token(args: ModelArgs) -> int:
-    """The KV the engine keeps (and its cache stores) per token of a prompt."""
-    return args.n_layers * 2 * args.n_kv_heads * args.head_dim * torch.empty((), dtype=getattr(torch, KV_DTYPE)
-                                                                              ).element_size()
+    """The KV the engine keeps (and its cache stores) per token of a prompt: its cache layout's one-token block."""
+    return KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, KV_DTYPE, block_size=1).block_nbytes
 
 
 def probe(preset: str, device_setting: str = "auto", max_batch: int = 8) -> dict:

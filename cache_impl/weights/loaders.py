@@ -40,7 +40,6 @@ KVGATE_CHUNK_BYTES = 2 << 20
 KVGATE_READ_ALIGN = 4096   # its reads are O_DIRECT where the filesystem takes it: sizes in whole pages
 
 
-
 @dataclass(frozen=True)
 class LoaderReads:
     """How the loaders read: `parallel` reads in flight (the streaming loaders' read threads); kvgate's loader
