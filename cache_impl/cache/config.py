@@ -45,6 +45,11 @@ class DiskTierConfig(StrictModel):
         default="buffered", description="buffered page-cache reads, O_DIRECT, or auto: whichever a start-up probe "
         "on this storage, at this block size, finds faster"
     )
+    read_engine: Literal["auto", "aio", "threads"] = Field(
+        default="auto", description="how O_DIRECT reads into host memory are issued: aio, one thread handing the "
+        "kernel read_workers reads at a time (Linux's native AIO, as fio's libaio engine); threads, a thread per "
+        "read in flight (what buffered reads and reads into a device always use); auto: aio where the kernel has it"
+    )
     cold_reads: bool = Field(
         default=False, description="drop a file's cached pages before reading it (posix_fadvise DONTNEED)"
     )

@@ -74,6 +74,7 @@ class Spans:
     nbytes: int
     aligned: bool
     owner: torch.Tensor
+    regions: list[tuple[int, int]]  # (address, length) per view, for calls that take raw memory
 
 
 def _collapsed(shape: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
@@ -101,7 +102,8 @@ def byte_spans(tensor: torch.Tensor, align: int = ALIGN) -> Spans | None:
     address, itemsize = tensor.data_ptr(), tensor.element_size()
     if tensor.is_contiguous():
         nbytes = tensor.numel() * itemsize
-        return Spans([_memory(address, nbytes)], nbytes, address % align == 0 and nbytes % align == 0, tensor)
+        return Spans([_memory(address, nbytes)], nbytes, address % align == 0 and nbytes % align == 0, tensor,
+                     [(address, nbytes)])
     dims = _collapsed(tensor.shape, tensor.stride())
     if dims[-1][1] != 1 or any(stride < 0 for _, stride in dims):
         return None
@@ -114,4 +116,4 @@ def byte_spans(tensor: torch.Tensor, align: int = ALIGN) -> Spans | None:
     memory = _memory(address, max(starts) + span)
     views = [memory[start : start + span] for start in starts]
     aligned = address % align == 0 and all(x % align == 0 for x in (span, *outer_strides))
-    return Spans(views, span * len(views), aligned, tensor)
+    return Spans(views, span * len(views), aligned, tensor, [(address + start, span) for start in starts])

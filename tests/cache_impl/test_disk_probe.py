@@ -88,5 +88,5 @@ def test_a_probe_read_that_is_refused_leaves_the_tier_buffered_and_removes_the_p
 
 def test_a_fixed_io_mode_runs_no_probe(tmp_path):
     tier = DiskTier(DiskTierConfig(path=tmp_path / "disk", io_mode="direct"), Fingerprint("s", "t", LAYOUT))
-    assert tier.probe is None and tier.snapshot() == {"io_mode": "direct", "temp_files": 0}
+    assert tier.probe is None and tier.snapshot() == {"io_mode": "direct", "temp_files": 0, "read_engine": "aio"}
     tier.close()

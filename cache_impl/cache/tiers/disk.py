@@ -6,6 +6,8 @@ How it works: docs/methods/storage-best.md (cache_impl/cache/tiers/disk.py).
 from __future__ import annotations
 
 import os
+import platform
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -19,7 +21,8 @@ from cache_impl.cache.faults import FaultPoints
 from cache_impl.cache.keys import Fingerprint, Key
 from cache_impl.cache.tiers.base import Discovered, cpu_bytes
 from cache_impl.cache.tiers.disk_probe import IoMode, IoProbe, probe_io_mode
-from cache_impl.platform import buffers
+from cache_impl.cache.tiers.disk_submit import MAX_IOVECS, SubmittedReads, read_submitted
+from cache_impl.platform import buffers, kernel_aio
 from cache_impl.platform.thread_pools import started_pool
 
 
@@ -43,6 +46,14 @@ class DiskTier:
         # the server's memory does not step up the first time reads are slow)
         self._pool = started_pool(config.read_workers, "kv-disk-read", self._set_up_reader)
         self.shared = config.shared
+        if config.read_engine == "aio" and not kernel_aio.supported():
+            raise OSError(f"disk tier: read_engine aio: this machine has no native AIO (Linux on x86_64 or "
+                          f"aarch64), found {sys.platform} {platform.machine()}")
+        # direct reads into host memory: through native AIO (disk_submit.py) unless threads are asked for
+        self.submits: bool = config.read_engine != "threads" and kernel_aio.supported()
+        self.submit_error: Optional[str] = None   # why a reader could not set up its AIO context (it used threads)
+        self._submitters: list[SubmittedReads] = []
+        self._submitters_lock = threading.Lock()
         self.probe: Optional[IoProbe] = None
         # with "auto", reads are buffered until the probe has chosen (it sets each mode it times itself)
         self.io_mode: IoMode = "buffered" if config.io_mode == "auto" else config.io_mode
@@ -95,6 +106,10 @@ class DiskTier:
                 faults.before_read(len(keys))
             except OSError:
                 return [integrity.IO_ERROR] * len(keys)
+        if self.io_mode == "direct" and self.submits:
+            submitted = self._read_submitted(keys, outs)
+            if submitted is not None:
+                return submitted
         reasons: list[Optional[str]] = [None] * len(keys)
         pending = iter(range(len(keys)))  # shared by the workers: each takes the next block when it is done
 
@@ -107,6 +122,45 @@ class DiskTier:
         for worker in workers:
             worker.result()
         return reasons
+
+    def _read_submitted(self, keys: Sequence[Key], outs: Sequence[torch.Tensor]) -> Optional[list[Optional[str]]]:
+        """The blocks read through this thread's AIO context; None when the outs cannot take it (not host
+        memory, not aligned for O_DIRECT, too many spans) or no context could be set up: threads read them."""
+        spans = [buffers.byte_spans(out) for out in outs]
+        if not all(s is not None and s.aligned and len(s.regions) < MAX_IOVECS for s in spans):
+            return None
+        ready = [s for s in spans if s is not None]
+        for s in ready:
+            if s.nbytes != self.payload_nbytes:
+                raise ValueError(f"disk tier: out has {s.nbytes} bytes, layout says {self.payload_nbytes}")
+        reads = self._submitter(1 + max((len(s.regions) for s in ready), default=0))
+        if reads is None:
+            return None
+        return read_submitted(reads, self._open_direct, keys, ready, self._check_read)
+
+    def _submitter(self, iovecs: int) -> Optional[SubmittedReads]:
+        """This thread's AIO context, set up at its first direct read (again for reads of more buffers)."""
+        reads: Optional[SubmittedReads] = getattr(self._local, "submitted", None)
+        if reads is not None and reads.iovecs >= iovecs:
+            return reads
+        try:
+            fresh = SubmittedReads(self.config.read_workers, max(iovecs, 64))
+        except OSError as error:   # e.g. EAGAIN: the system's fs.aio-max-nr reached
+            self.submit_error = f"native AIO context not set up ({error}): this thread reads with threads"
+            return None
+        with self._submitters_lock:
+            if reads is not None:
+                self._submitters.remove(reads)
+                reads.close()
+            self._submitters.append(fresh)
+        self._local.submitted = fresh
+        return fresh
+
+    def _open_direct(self, key: Key) -> int:
+        return self._dir.open_block(key, os.O_RDONLY | os.O_DIRECT)
+
+    def _check_read(self, key: Key, header: memoryview, payload: Sequence[memoryview], got: int) -> Optional[str]:
+        return integrity.verify_read(header, payload, got, self.fingerprint, key, self.payload_nbytes)
 
     def _set_up_reader(self) -> None:
         """A reader's thread-local buffers, made when its thread starts (pinned ones only where CUDA is)."""
@@ -177,8 +231,7 @@ class DiskTier:
             return integrity.IO_ERROR
         finally:
             os.close(fd)
-        return integrity.verify_read(header, into if payload is None else payload, got, self.fingerprint, key,
-                                     self.payload_nbytes)
+        return self._check_read(key, header, into if payload is None else payload, got)
 
     # -- housekeeping ----------------------------------------------------------
 
@@ -251,9 +304,15 @@ class DiskTier:
         """The I/O mode reads use (with `io_mode: auto`, the start-up probe that chose it), and the temp files
         in the tier now (writes in flight; one that stays is a leak)."""
         return {"io_mode": self.io_mode, "temp_files": self._dir.temp_files(),
+                "read_engine": "aio" if self.submits and self.io_mode == "direct" else "threads",
+                **({"read_engine_error": self.submit_error} if self.submit_error else {}),
                 **({"io_probe": self.probe.to_dict()} if self.probe else {})}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        with self._submitters_lock:
+            for reads in self._submitters:
+                reads.close()
+            self._submitters.clear()
         self._dir.close()
 

@@ -1,0 +1,91 @@
+"""The disk tier's O_DIRECT reads through native AIO: one thread keeps `depth` block reads in flight.
+
+How it works: docs/methods/storage-best.md (cache_impl/cache/tiers/disk_submit.py). Each block file is
+opened (as the tier opens it: no link followed), its read (the header into a slot of this reader's own
+aligned buffer, the payload straight into the caller's spans) handed to the kernel at once, and every
+completion verified as it is reaped, which frees its slot for the next block: a queue kept `depth` deep
+as fio's libaio engine keeps it, with no thread woken per read.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from cache_impl.cache import integrity
+from cache_impl.cache.keys import Key
+from cache_impl.platform.buffers import Spans, aligned_empty
+from cache_impl.platform.kernel_aio import AioContext
+
+# a header and at most this many payload buffers a read (Linux's UIO_MAXIOV is 1024)
+MAX_IOVECS = 1024
+# (key, header read, payload buffers, bytes read) -> None when the block is whole and ours, else why not
+Check = Callable[[Key, memoryview, Sequence[memoryview], int], Optional[str]]
+
+
+class SubmittedReads:
+    """One thread's AIO context for a tier: `depth` slots, each with an aligned header buffer."""
+
+    def __init__(self, depth: int, iovecs: int) -> None:
+        self.context = AioContext(depth, iovecs)
+        self.depth = depth
+        self.iovecs = iovecs
+        self._headers = aligned_empty((depth, integrity.HEADER_BYTES), torch.uint8, "cpu")
+        base = self._headers.data_ptr()
+        self.header_regions = [(base + slot * integrity.HEADER_BYTES, integrity.HEADER_BYTES)
+                               for slot in range(depth)]
+        self.header_views = [row.numpy().data for row in self._headers]
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def read_submitted(reads: SubmittedReads, open_block: Callable[[Key], int], keys: Sequence[Key],
+                   spans: Sequence[Spans], check: Check) -> list[Optional[str]]:
+    """Read each key's block into its spans, `reads.depth` in flight; per key None (ok) or why it was refused.
+
+    `open_block` opens a block file for O_DIRECT reading (FileNotFoundError: missing; other OSError: an
+    I/O error). Returns only when no read is left in flight, on an exception too.
+    """
+    context = reads.context
+    reasons: list[Optional[str]] = [None] * len(keys)
+    free = list(range(reads.depth))
+    in_flight: dict[int, tuple[int, int]] = {}  # slot -> (index, fd)
+    following = 0
+    try:
+        while following < len(keys) or in_flight:
+            while free and following < len(keys):
+                index, following = following, following + 1
+                try:
+                    fd = open_block(keys[index])
+                except FileNotFoundError:
+                    reasons[index] = integrity.MISSING
+                    continue
+                except OSError:
+                    reasons[index] = integrity.IO_ERROR
+                    continue
+                slot = free.pop()
+                try:
+                    context.submit_preadv(slot, fd, [reads.header_regions[slot], *spans[index].regions])
+                except OSError:
+                    os.close(fd)
+                    free.append(slot)
+                    reasons[index] = integrity.IO_ERROR
+                    continue
+                in_flight[slot] = (index, fd)
+            if not in_flight:
+                break
+            reaped = [(done, in_flight.pop(done.tag)) for done in context.reap()]  # none left behind by an error
+            for done, (_, fd) in reaped:
+                os.close(fd)
+            for done, (index, _) in reaped:
+                reasons[index] = (integrity.IO_ERROR if done.result < 0 else
+                                  check(keys[index], reads.header_views[done.tag], spans[index].views, done.result))
+                free.append(done.tag)
+    finally:
+        while in_flight:  # an exception: the kernel still writes into these buffers until each read is reaped
+            for done in context.reap():
+                os.close(in_flight.pop(done.tag)[1])
+    return reasons
