@@ -95,6 +95,20 @@ def test_a_link_or_a_short_file_at_a_blocks_place_is_refused(tmp_path, submits):
     tier.close()
 
 
+def test_outs_an_aio_read_cannot_land_in_are_left_to_the_threads_and_every_block_arrives(tmp_path, submits):
+    tier = _tier(tmp_path)
+    keys, blocks = _stored(tier, 4)
+    aligned = _views(4)
+    shape = aligned[0].shape
+    misaligned = aligned_empty((aligned[0].numel() + 1,), torch.float32, "cpu")[1:].view(shape)  # 4 bytes past a page
+    outs = [aligned[0], misaligned, aligned[2], aligned[3]]
+    assert not byte_spans(misaligned).aligned
+    assert tier.read_into(keys, outs) == [None] * 4
+    assert all(torch.equal(out, block) for out, block in zip(outs, blocks))
+    assert len(submits) == 3                                          # the misaligned one went through staging
+    tier.close()
+
+
 def test_read_engine_threads_reads_the_same_bytes_without_the_kernels_aio(tmp_path, submits):
     tier = _tier(tmp_path, read_engine="threads")
     keys, blocks = _stored(tier, 3)
@@ -132,7 +146,7 @@ def test_an_error_while_checking_a_read_waits_for_every_read_in_flight_and_close
     tier = _tier(tmp_path)
     keys, _ = _stored(tier, 6)
     views = _views(6)
-    reads = disk_submit.SubmittedReads(depth=8, iovecs=64)
+    reads = disk_submit.SubmittedReads(depth=8)
     open_fds = len(os.listdir("/proc/self/fd"))
     checked = []
 
@@ -141,7 +155,8 @@ def test_an_error_while_checking_a_read_waits_for_every_read_in_flight_and_close
         raise RuntimeError("the check failed")
 
     with pytest.raises(RuntimeError, match="the check failed"):
-        disk_submit.read_submitted(reads, tier._open_direct, keys, [byte_spans(v) for v in views], check)
+        disk_submit.read_submitted(reads, tier._open_direct, keys, lambda i: byte_spans(views[i]), check,
+                                   [None] * len(keys))
     assert len(checked) == 1 and len(os.listdir("/proc/self/fd")) == open_fds   # the other five reaped and closed
     reads.close()
     tier.close()

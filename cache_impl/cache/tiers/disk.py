@@ -98,7 +98,8 @@ class DiskTier:
         """Read and verify blocks, `read_workers` at a time; per key None (ok) or the reason it was refused.
 
         An out may be any tensor of the block's shape, a strided view included (a block of a
-        request's KV); a refused block leaves its out's contents unspecified.
+        request's KV); a refused block leaves its out's contents unspecified. O_DIRECT reads into
+        host memory go through this thread's AIO context (disk_submit.py), the others through threads.
         """
         faults = self.faults
         if faults is not None:
@@ -106,55 +107,53 @@ class DiskTier:
                 faults.before_read(len(keys))
             except OSError:
                 return [integrity.IO_ERROR] * len(keys)
-        if self.io_mode == "direct" and self.submits:
-            submitted = self._read_submitted(keys, outs)
-            if submitted is not None:
-                return submitted
         reasons: list[Optional[str]] = [None] * len(keys)
-        pending = iter(range(len(keys)))  # shared by the workers: each takes the next block when it is done
+        left: Sequence[int] = range(len(keys))
+        reads = self._submitter() if self.io_mode == "direct" and self.submits else None
+        if reads is not None:
+            left = read_submitted(reads, self._open_direct, keys, lambda i: self._submittable(outs[i]),
+                                  self._check_read, reasons)
+        self._read_threaded(left, keys, outs, reasons)
+        return reasons
+
+    def _read_threaded(self, indices: Sequence[int], keys: Sequence[Key], outs: Sequence[torch.Tensor],
+                       reasons: list[Optional[str]]) -> None:
+        """Read the blocks at `indices` with up to `read_workers` threads, the calling one included."""
+        pending = iter(indices)  # shared by the workers: each takes the next block when it is done
 
         def work() -> None:
             for i in pending:
                 reasons[i] = self._read_one(keys[i], outs[i])
 
-        workers = [self._pool.submit(work) for _ in range(min(self.config.read_workers, len(keys)) - 1)]
-        work()  # the calling thread reads too
+        workers = [self._pool.submit(work) for _ in range(min(self.config.read_workers, len(indices)) - 1)]
+        work()
         for worker in workers:
             worker.result()
-        return reasons
 
-    def _read_submitted(self, keys: Sequence[Key], outs: Sequence[torch.Tensor]) -> Optional[list[Optional[str]]]:
-        """The blocks read through this thread's AIO context; None when the outs cannot take it (not host
-        memory, not aligned for O_DIRECT, too many spans) or no context could be set up: threads read them."""
-        spans = [buffers.byte_spans(out) for out in outs]
-        if not all(s is not None and s.aligned and len(s.regions) < MAX_IOVECS for s in spans):
+    def _submittable(self, out: torch.Tensor) -> Optional[buffers.Spans]:
+        """`out`'s spans when an AIO read can land in them (host memory, aligned for O_DIRECT, few enough
+        runs), else None."""
+        spans = buffers.byte_spans(out)
+        if spans is None or not spans.aligned or len(spans.regions) >= MAX_IOVECS:
             return None
-        ready = [s for s in spans if s is not None]
-        for s in ready:
-            if s.nbytes != self.payload_nbytes:
-                raise ValueError(f"disk tier: out has {s.nbytes} bytes, layout says {self.payload_nbytes}")
-        reads = self._submitter(1 + max((len(s.regions) for s in ready), default=0))
-        if reads is None:
-            return None
-        return read_submitted(reads, self._open_direct, keys, ready, self._check_read)
+        if spans.nbytes != self.payload_nbytes:
+            raise ValueError(f"disk tier: out has {spans.nbytes} bytes, layout says {self.payload_nbytes}")
+        return spans
 
-    def _submitter(self, iovecs: int) -> Optional[SubmittedReads]:
-        """This thread's AIO context, set up at its first direct read (again for reads of more buffers)."""
+    def _submitter(self) -> Optional[SubmittedReads]:
+        """This thread's AIO context, set up at its first direct read; None when it cannot be."""
         reads: Optional[SubmittedReads] = getattr(self._local, "submitted", None)
-        if reads is not None and reads.iovecs >= iovecs:
+        if reads is not None:
             return reads
         try:
-            fresh = SubmittedReads(self.config.read_workers, max(iovecs, 64))
+            reads = SubmittedReads(self.config.read_workers)
         except OSError as error:   # e.g. EAGAIN: the system's fs.aio-max-nr reached
             self.submit_error = f"native AIO context not set up ({error}): this thread reads with threads"
             return None
         with self._submitters_lock:
-            if reads is not None:
-                self._submitters.remove(reads)
-                reads.close()
-            self._submitters.append(fresh)
-        self._local.submitted = fresh
-        return fresh
+            self._submitters.append(reads)
+        self._local.submitted = reads
+        return reads
 
     def _open_direct(self, key: Key) -> int:
         return self._dir.open_block(key, os.O_RDONLY | os.O_DIRECT)

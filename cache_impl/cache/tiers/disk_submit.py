@@ -19,7 +19,7 @@ from cache_impl.cache.keys import Key
 from cache_impl.platform.buffers import Spans, aligned_empty
 from cache_impl.platform.kernel_aio import AioContext
 
-# a header and at most this many payload buffers a read (Linux's UIO_MAXIOV is 1024)
+# buffers a read, its header's included (Linux's UIO_MAXIOV)
 MAX_IOVECS = 1024
 # (key, header read, payload buffers, bytes read) -> None when the block is whole and ours, else why not
 Check = Callable[[Key, memoryview, Sequence[memoryview], int], Optional[str]]
@@ -28,10 +28,9 @@ Check = Callable[[Key, memoryview, Sequence[memoryview], int], Optional[str]]
 class SubmittedReads:
     """One thread's AIO context for a tier: `depth` slots, each with an aligned header buffer."""
 
-    def __init__(self, depth: int, iovecs: int) -> None:
-        self.context = AioContext(depth, iovecs)
+    def __init__(self, depth: int) -> None:
+        self.context = AioContext(depth, MAX_IOVECS)
         self.depth = depth
-        self.iovecs = iovecs
         self._headers = aligned_empty((depth, integrity.HEADER_BYTES), torch.uint8, "cpu")
         base = self._headers.data_ptr()
         self.header_regions = [(base + slot * integrity.HEADER_BYTES, integrity.HEADER_BYTES)
@@ -43,21 +42,28 @@ class SubmittedReads:
 
 
 def read_submitted(reads: SubmittedReads, open_block: Callable[[Key], int], keys: Sequence[Key],
-                   spans: Sequence[Spans], check: Check) -> list[Optional[str]]:
-    """Read each key's block into its spans, `reads.depth` in flight; per key None (ok) or why it was refused.
+                   spans_of: Callable[[int], Optional[Spans]], check: Check, reasons: list[Optional[str]]) -> list[int]:
+    """Read each key's block into its spans, `reads.depth` in flight, setting `reasons[i]` to None (ok) or why
+    block i was refused; returns the indices left to the caller: those whose `spans_of(i)` is None (an out
+    this read cannot take).
 
-    `open_block` opens a block file for O_DIRECT reading (FileNotFoundError: missing; other OSError: an
-    I/O error). Returns only when no read is left in flight, on an exception too.
+    Each block's spans are asked for just before its read is submitted (the reads before it are in flight
+    meanwhile). `open_block` opens a block file for O_DIRECT reading (FileNotFoundError: missing; other
+    OSError: an I/O error). Returns only when no read is left in flight, on an exception too.
     """
     context = reads.context
-    reasons: list[Optional[str]] = [None] * len(keys)
     free = list(range(reads.depth))
-    in_flight: dict[int, tuple[int, int]] = {}  # slot -> (index, fd)
+    in_flight: dict[int, tuple[int, int, Spans]] = {}  # slot -> (index, fd, spans)
+    left: list[int] = []
     following = 0
     try:
         while following < len(keys) or in_flight:
             while free and following < len(keys):
                 index, following = following, following + 1
+                spans = spans_of(index)
+                if spans is None:
+                    left.append(index)
+                    continue
                 try:
                     fd = open_block(keys[index])
                 except FileNotFoundError:
@@ -68,24 +74,24 @@ def read_submitted(reads: SubmittedReads, open_block: Callable[[Key], int], keys
                     continue
                 slot = free.pop()
                 try:
-                    context.submit_preadv(slot, fd, [reads.header_regions[slot], *spans[index].regions])
+                    context.submit_preadv(slot, fd, [reads.header_regions[slot], *spans.regions])
                 except OSError:
                     os.close(fd)
                     free.append(slot)
                     reasons[index] = integrity.IO_ERROR
                     continue
-                in_flight[slot] = (index, fd)
+                in_flight[slot] = (index, fd, spans)
             if not in_flight:
                 break
             reaped = [(done, in_flight.pop(done.tag)) for done in context.reap()]  # none left behind by an error
-            for done, (_, fd) in reaped:
+            for _, (_, fd, _) in reaped:
                 os.close(fd)
-            for done, (index, _) in reaped:
+            for done, (index, _, spans) in reaped:
                 reasons[index] = (integrity.IO_ERROR if done.result < 0 else
-                                  check(keys[index], reads.header_views[done.tag], spans[index].views, done.result))
+                                  check(keys[index], reads.header_views[done.tag], spans.views, done.result))
                 free.append(done.tag)
     finally:
         while in_flight:  # an exception: the kernel still writes into these buffers until each read is reaped
             for done in context.reap():
                 os.close(in_flight.pop(done.tag)[1])
-    return reasons
+    return left
