@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import Field, ValidationError, field_validator
 
 from cache_impl.cache.keys import KVLayout
+from cache_impl.platform import kernel_aio
 from kvcore.settings import ConfigError, Count, StrictModel, format_validation_error, parse_size
 
 # 256 tokens per block: large enough that one block of a real model's KV is
@@ -59,6 +60,14 @@ class DiskTierConfig(StrictModel):
                          "array): on a local miss, look for their block files")
 
     _parse_sizes = field_validator("capacity_bytes", "min_free_bytes", mode="before")(lambda cls, v: parse_size(v))
+
+    @field_validator("read_engine")
+    @classmethod
+    def _aio_where_the_kernel_has_it(cls, value: str) -> str:
+        if value == "aio" and not kernel_aio.supported():
+            raise ValueError(f"expected auto or threads on this machine (native AIO needs Linux on x86_64 or "
+                             f"aarch64, this is {kernel_aio.machine()}), found 'aio'")
+        return value
 
 
 class RemoteTierConfig(StrictModel):

@@ -61,6 +61,11 @@ if _libc is not None:
     _libc.syscall.restype = ctypes.c_long
 
 
+def machine() -> str:
+    """This machine's system and architecture, as the module judges them (e.g. "linux x86_64")."""
+    return f"{sys.platform} {platform.machine()}"
+
+
 def supported() -> bool:
     """Whether this machine has native AIO as this module calls it (Linux, x86_64 or aarch64)."""
     return _NUMBERS is not None
@@ -95,7 +100,7 @@ class AioContext:
 
     def __init__(self, depth: int, max_iovecs: int) -> None:
         if not supported():
-            raise OSError(errno.ENOSYS, f"native AIO is not supported on {sys.platform} {platform.machine()}")
+            raise OSError(errno.ENOSYS, f"native AIO is not supported on {machine()}")
         self.depth = depth
         self.max_iovecs = max_iovecs
         handle = ctypes.c_ulong(0)

@@ -196,3 +196,13 @@ def test_a_read_the_kernel_refuses_at_submit_is_an_oserror_naming_the_call(tmp_p
     finally:
         os.close(fd)
         context.close()
+
+
+def test_read_engine_aio_on_a_machine_without_native_aio_is_a_config_error_naming_the_field(monkeypatch, tmp_path):
+    from cache_impl.cache.config import CacheConfig
+    from kvcore.settings import ConfigError
+
+    monkeypatch.setattr(kernel_aio, "supported", lambda: False)
+    with pytest.raises(ConfigError, match=r"cache\.disk\.read_engine: expected auto or threads on this machine"):
+        CacheConfig.from_dict({"disk": {"path": str(tmp_path), "read_engine": "aio"}})
+    assert CacheConfig.from_dict({"disk": {"path": str(tmp_path), "read_engine": "auto"}}).disk.read_engine == "auto"
