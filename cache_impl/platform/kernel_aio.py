@@ -103,6 +103,7 @@ class AioContext:
             raise OSError(errno.ENOSYS, f"native AIO is not supported on {machine()}")
         self.depth = depth
         self.max_iovecs = max_iovecs
+        self.pid = os.getpid()   # a context is the process's own: a forked child has none of its parent's
         handle = ctypes.c_ulong(0)
         _call("io_setup", ctypes.c_long(depth), ctypes.byref(handle))
         self._handle = handle.value
@@ -135,7 +136,9 @@ class AioContext:
         return [Completion(self._events[i].data, self._events[i].res) for i in range(n)]
 
     def close(self) -> None:
-        """Destroy the context (the kernel waits for reads still in flight). Idempotent."""
+        """Destroy the context (the kernel waits for reads still in flight). Idempotent; in a forked child,
+        which never had the context, only forgets it."""
         if self._handle:
             handle, self._handle = self._handle, 0
-            _call("io_destroy", ctypes.c_ulong(handle))
+            if self.pid == os.getpid():
+                _call("io_destroy", ctypes.c_ulong(handle))

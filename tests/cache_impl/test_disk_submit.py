@@ -206,3 +206,19 @@ def test_read_engine_aio_on_a_machine_without_native_aio_is_a_config_error_namin
     with pytest.raises(ConfigError, match=r"cache\.disk\.read_engine: expected auto or threads on this machine"):
         CacheConfig.from_dict({"disk": {"path": str(tmp_path), "read_engine": "aio"}})
     assert CacheConfig.from_dict({"disk": {"path": str(tmp_path), "read_engine": "auto"}}).disk.read_engine == "auto"
+
+
+def test_a_forked_child_reads_through_a_context_of_its_own(tmp_path):
+    tier = _tier(tmp_path)
+    keys, blocks = _stored(tier, 3)
+    assert tier.read_into(keys, _views(3)) == [None] * 3          # the parent's context, set up in this thread
+    pid = os.fork()
+    if pid == 0:                                                   # the child: only this thread, no pytest after it
+        views = _views(3)
+        ok = tier.read_into(keys, views) == [None] * 3 and all(torch.equal(v, b) for v, b in zip(views, blocks))
+        tier.close()
+        os._exit(0 if ok and len(tier._submitters) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert tier.read_into(keys, _views(3)) == [None] * 3          # the parent's still works
+    tier.close()

@@ -139,8 +139,8 @@ class DiskTier:
     def _submitter(self) -> Optional[SubmittedReads]:
         """This thread's AIO context, set up at its first direct read; None when it cannot be."""
         reads: Optional[SubmittedReads] = getattr(self._local, "submitted", None)
-        if reads is not None:
-            return reads
+        if reads is not None and reads.context.pid == os.getpid():
+            return reads                     # (a forked child sets up its own: its parent's is not its)
         try:
             reads = SubmittedReads(self.config.read_workers)
         except OSError as error:   # e.g. EAGAIN: the system's fs.aio-max-nr reached
