@@ -25,7 +25,7 @@ ALIGN = 4096
 HEADER_BYTES = ALIGN
 _FIELDS = struct.Struct("<8sHH16s16sQ16s")
 _HEADER_CHECK = struct.Struct("<Q")
-_IOV_MAX = 1024  # the most buffers one preadv takes (Linux's UIO_MAXIOV)
+IOV_MAX = 1024  # the most buffers one preadv (or one AIO vectored read) takes: Linux's UIO_MAXIOV
 
 # Reasons a stored block is refused; used as metric labels.
 MISSING = "missing"
@@ -155,7 +155,7 @@ def read_all(fd: int, buffers: Sequence) -> int:
     """preadv from offset 0 until the buffers are full or the file ends; bytes read."""
     views, total = _views(buffers), 0
     while views:
-        n = os.preadv(fd, views[:_IOV_MAX], total)
+        n = os.preadv(fd, views[:IOV_MAX], total)
         if n == 0:
             break
         total += n

@@ -19,7 +19,7 @@ from cache_impl.cache.faults import FaultPoints
 from cache_impl.cache.keys import Fingerprint, Key
 from cache_impl.cache.tiers.base import Discovered, cpu_bytes
 from cache_impl.cache.tiers.disk_probe import IoMode, IoProbe, probe_io_mode
-from cache_impl.cache.tiers.disk_submit import MAX_IOVECS, SubmittedReads, read_submitted
+from cache_impl.cache.tiers.disk_submit import SubmittedReads, read_submitted
 from cache_impl.platform import buffers, kernel_aio
 from cache_impl.platform.thread_pools import started_pool
 
@@ -129,10 +129,16 @@ class DiskTier:
     def _submittable(self, out: torch.Tensor) -> Optional[buffers.Spans]:
         """`out`'s spans when an AIO read can land in them (host memory, aligned for O_DIRECT, few enough
         runs), else None."""
-        spans = buffers.byte_spans(out)
-        if spans is None or not spans.aligned or len(spans.regions) >= MAX_IOVECS:
+        spans = self._spans(out)
+        if spans is None or not spans.aligned or len(spans.regions) >= integrity.IOV_MAX:  # + the header's buffer
             return None
-        if spans.nbytes != self.payload_nbytes:
+        return spans
+
+    def _spans(self, out: torch.Tensor) -> Optional[buffers.Spans]:
+        """`out`'s bytes as spans (None when its innermost run is strided or it is not in host memory); a
+        ValueError when they are not one block's."""
+        spans = buffers.byte_spans(out)
+        if spans is not None and spans.nbytes != self.payload_nbytes:
             raise ValueError(f"disk tier: out has {spans.nbytes} bytes, layout says {self.payload_nbytes}")
         return spans
 
@@ -190,9 +196,7 @@ class DiskTier:
 
     def _read_one(self, key: Key, out: torch.Tensor) -> Optional[str]:
         """Read straight into `out` when it can take the read (for O_DIRECT: aligned), else through staging."""
-        spans = buffers.byte_spans(out)
-        if spans is not None and spans.nbytes != self.payload_nbytes:
-            raise ValueError(f"disk tier: out has {spans.nbytes} bytes, layout says {self.payload_nbytes}")
+        spans = self._spans(out)
         if spans is not None and (spans.aligned or self.io_mode != "direct"):
             return self._read_verified(key, spans.views)
         reason, staged = self._read_staged(key, pinned=out.is_cuda)

@@ -19,8 +19,6 @@ from cache_impl.cache.keys import Key
 from cache_impl.platform.buffers import Spans, aligned_empty
 from cache_impl.platform.kernel_aio import AioContext
 
-# buffers a read, its header's included (Linux's UIO_MAXIOV)
-MAX_IOVECS = 1024
 # (key, header read, payload buffers, bytes read) -> None when the block is whole and ours, else why not
 Check = Callable[[Key, memoryview, Sequence[memoryview], int], Optional[str]]
 
@@ -29,8 +27,7 @@ class SubmittedReads:
     """One thread's AIO context for a tier: `depth` slots, each with an aligned header buffer."""
 
     def __init__(self, depth: int) -> None:
-        self.context = AioContext(depth, MAX_IOVECS)
-        self.depth = depth
+        self.context = AioContext(depth, integrity.IOV_MAX)
         self._headers = aligned_empty((depth, integrity.HEADER_BYTES), torch.uint8, "cpu")
         base = self._headers.data_ptr()
         self.header_regions = [(base + slot * integrity.HEADER_BYTES, integrity.HEADER_BYTES)
@@ -43,7 +40,7 @@ class SubmittedReads:
 
 def read_submitted(reads: SubmittedReads, open_block: Callable[[Key], int], keys: Sequence[Key],
                    spans_of: Callable[[int], Optional[Spans]], check: Check, reasons: list[Optional[str]]) -> list[int]:
-    """Read each key's block into its spans, `reads.depth` in flight, setting `reasons[i]` to None (ok) or why
+    """Read each key's block into its spans, `reads.context.depth` in flight, setting `reasons[i]` to None (ok) or why
     block i was refused; returns the indices left to the caller: those whose `spans_of(i)` is None (an out
     this read cannot take).
 
@@ -52,7 +49,7 @@ def read_submitted(reads: SubmittedReads, open_block: Callable[[Key], int], keys
     OSError: an I/O error). Returns only when no read is left in flight, on an exception too.
     """
     context = reads.context
-    free = list(range(reads.depth))
+    free = list(range(reads.context.depth))
     in_flight: dict[int, tuple[int, int, Spans]] = {}  # slot -> (index, fd, spans)
     left: list[int] = []
     following = 0
