@@ -74,6 +74,7 @@ def final_sizing(store: RunStore, plan: Optional[Plan], config: SizedRun) -> dic
                                          probed=probe_ran(store.machine_probe()))
         row["text"] += f"; {row['sample']}"
     notes = list(plan.notes) if plan is not None else []
+    notes += [note for note in before.notes if note not in notes]   # the comparison's own: what it left out, and why
     try:
         after = _plan_now(config, store)
     except Exception as error:  # informational: the shares are left out, the comparison stays

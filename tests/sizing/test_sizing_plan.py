@@ -96,7 +96,14 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     store.record("g3", "test_ttft", "ttft_p50_reduction", reduction + 0.02, concurrency=2)
     ttft = predicted[("ttft_p50_ms", "candidate", 2)]
     store.record("g3", "test_ttft", "ttft_p50_ms", ttft / 0.9, "ms", target="candidate", concurrency=2)
+    # the baseline's TTFT p50 at c=4 measured in a step recorded invalid: not compared, and the notes say so
+    store.record("g3", "test_ttft", "ttft_p50_ms", 1.0, "ms", target="baseline", concurrency=4)
+    store.record("g3", "test_ttft", "step_valid", False, target="baseline", concurrency=4,
+                 reasons="client saturated")
     sizing = final_sizing(store, plan, config)
+    assert ("ttft_p50_ms", "baseline") not in {(r["metric"], r["context"].get("target")) for r in sizing["comparison"]
+                                                if r["context"].get("concurrency") == 4}
+    assert any(n.startswith("1 predicted figures not compared: measured in invalid steps") for n in sizing["notes"])
     rows = {(r["metric"], r["context"].get("target")): r for r in sizing["comparison"]}
     assert rows[("hit_ratio", "candidate")]["error"] == pytest.approx(0.03)
     assert rows[("ttft_p50_reduction", None)]["error"] == pytest.approx(-0.02)
