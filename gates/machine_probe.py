@@ -3,8 +3,7 @@ the embedded model's shapes (`python -m cache_impl.engine.machine_probe`, in its
 the embedded engine uses); the prefill probe: the recompute server's own first-token times at a few prompt
 lengths across the run's range, over HTTP as the gates send them, one request at a time; and the decode probe
 (run just before G3, at G3's own context): the same server's gaps between streamed tokens with one sequence and
-with its full batch decoding; and the serving probe (just before G3 too): the tiered candidate serving a few
-prompts of G3's shape again and again to a closed loop of users, its whole request cycle timed."""
+with its full batch decoding."""
 
 from __future__ import annotations
 
@@ -39,15 +38,6 @@ HIT_PLACEMENTS = {"host-hit": ("device",), "disk-cold": ("device", "host")}
 # per step while the others' prompts are computed a block at a time), at least this many gaps timed
 DECODE_WINDOW_TOKENS = 32
 DECODE_MIN_GAPS = 8
-# The serving probe: the tiered candidate's whole request cycle at G3's shape, where the model's terms (its loads,
-# tail chunks and decode steps, each timed alone) leave out the work between them: the promote and stores after a
-# first token, streaming every token while others decode, a request's finish (2026-12-06: 20-30% of a hit's cycle
-# at two users). Its prompts are sent once (computed and stored), then asked for again `SERVING_PASSES` times by
-# `SERVING_USERS` users in a closed loop, whose span the sizing model sets beside its own (sizing/machine.py)
-SERVING_ROLE = "candidate"
-SERVING_PROMPTS = 4
-SERVING_PASSES = 3
-SERVING_USERS = 2
 
 
 def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
@@ -210,63 +200,6 @@ def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_
         return (f"the decode probe's batch of {batch} had {len(gaps)} gaps with every sequence decoding "
                 f"(under {DECODE_MIN_GAPS}: the server stopped its sequences early)")
     return gaps
-
-
-def serving_probe(endpoint, context_tokens: int, output_tokens: int, run_id: str = "run",
-                  users: int = SERVING_USERS, prompts: int = SERVING_PROMPTS, passes: int = SERVING_PASSES) -> dict:
-    """The server's whole request cycle at G3's shape: `prompts` new prompts of `context_tokens`, each sent once,
-    then `passes` times over by `users` users in a closed loop (each user sends the next prompt as its last is
-    answered), `output_tokens` each. {"role", "context_tokens", "users", "requests": [{"prompt_tokens",
-    "cached_tokens", "output_tokens", "sent_at", "ttft_s", "e2e_s"}] (the loop's, in sending order), "span_s"
-    (the loop's first send to its last answer), "seconds"}; {"error": why} when a request failed."""
-    started = time.monotonic()
-    requests = [context_request(context_tokens, f"{run_id}/serving/{i}", endpoint.tokenizer, output_tokens,
-                                "preflight-serving") for i in range(prompts)]
-    client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
-                             timeout_s=PREFILL_TIMEOUT_S)
-    try:
-        for request in requests:
-            record = client.send(request)
-            if not record.ok or record.ttft_s is None:
-                return {"role": endpoint.role,
-                        "error": f"the serving probe's first send failed: {no_first_token(record)}"}
-    finally:
-        client.close()
-    order = iter([request for _ in range(passes) for request in requests])
-    taking = threading.Lock()
-    records: list = []
-
-    def user() -> None:
-        own = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
-                              timeout_s=PREFILL_TIMEOUT_S)
-        try:
-            while True:
-                with taking:
-                    request = next(order, None)
-                if request is None:
-                    return
-                records.append(own.send(request))
-        finally:
-            own.close()
-
-    threads = [threading.Thread(target=user, daemon=True) for _ in range(users)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(PREFILL_TIMEOUT_S * passes * prompts)
-    if len(records) < passes * prompts:
-        return {"role": endpoint.role, "error": f"the serving probe's loop answered {len(records)} of "
-                                                f"{passes * prompts} requests in time"}
-    failed = next((r for r in records if not r.ok or r.ttft_s is None), None)
-    if failed is not None:
-        return {"role": endpoint.role, "error": f"the serving probe's loop failed: {no_first_token(failed)}"}
-    records.sort(key=lambda r: r.sent_at)
-    rows = [{"prompt_tokens": r.prompt_tokens or context_tokens, "cached_tokens": r.cached_tokens or 0,
-             "output_tokens": r.completion_tokens or output_tokens, "sent_at": r.sent_at, "ttft_s": r.ttft_s,
-             "e2e_s": r.e2e_s} for r in records]
-    span = max(r.sent_at + r.e2e_s for r in records) - records[0].sent_at
-    return {"role": endpoint.role, "context_tokens": context_tokens, "users": users, "requests": rows,
-            "span_s": span, "seconds": time.monotonic() - started}
 
 
 def no_first_token(record) -> str:

@@ -32,15 +32,15 @@ from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RUN_LOCK, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
-from sizing.machine import decode_words, probe_line, probe_ran, serving_words
-from sizing.plan import Plan, comparison_lines, g3_decode_context, g3_output_tokens
+from sizing.machine import decode_words, probe_line, probe_ran
+from sizing.plan import Plan, comparison_lines, g3_decode_context
 from workloads.storage.fio import FioError, fio_version
 from workloads.storage.inventory import collect_inventory
 from workloads.traffic.processes import die_with_parent
 
 from .config import GatesConfig
 from .console import GateConsole, target_text
-from .machine_probe import PREFILL_ROLE, SERVING_ROLE, decode_probe, probe_machine, serving_probe
+from .machine_probe import PREFILL_ROLE, decode_probe, probe_machine
 from .preflight import ability_line, failure_message, probe_engines, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
@@ -311,23 +311,6 @@ class GateRunner:
         self.store.write_machine_probe(probe)
         self.console.print(f"  [dim]before G3: {decode_words(probe['server_decode'])}[/dim]", highlight=False)
 
-    def _probe_serving(self) -> None:
-        """Just before G3, after the decode probe: the tiered candidate's whole request cycle at G3's shape
-        (sizing/machine.py's serving pace), timed at the gate's minute."""
-        probe, endpoint = self.store.machine_probe(), self.endpoints.get(SERVING_ROLE)
-        if not probe_ran(probe) or endpoint is None or endpoint.mode != "tiered":
-            return
-        try:
-            context, output = g3_decode_context(self.config), g3_output_tokens(self.config)
-        except Exception as error:  # the sizing model never stops a run: G3 itself says what its workload lacks
-            probe["server_serving"] = {"role": SERVING_ROLE, "error": f"G3's workload: {type(error).__name__}: {error}"}
-        else:
-            with self.console.status(f"before G3: timing the {SERVING_ROLE} server's requests at {context:,} tokens …"):
-                probe["server_serving"] = serving_probe(endpoint, context, output,
-                                                        self.store.run_info().get("run_id", "run"))
-        self.store.write_machine_probe(probe)
-        self.console.print(f"  [dim]before G3: {serving_words(probe['server_serving'])}[/dim]", highlight=False)
-
     def _targets(self, info: dict) -> tuple[Optional[EmbeddedServers], dict[str, Endpoint]]:
         if not NEEDS_TARGETS & set(self.gates):
             return None, {}
@@ -373,7 +356,6 @@ class GateRunner:
             return                # nothing of it is predicted: no plan (a replay and a simulation) to make
         if gate == "g3":
             self._probe_decode()
-            self._probe_serving()
         plan, problem = stage_plan(self.config, self.store, gate)
         self.last_plan = plan or self.last_plan
         for line in gate_lines(plan, gate) if plan is not None else [problem]:

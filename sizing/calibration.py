@@ -57,7 +57,6 @@ class Calibration:
     source: str = ""
     notes: tuple[str, ...] = ()
     host_gbps: Optional[float] = None       # the host tier's copy GB/s as measured (a machine probe's)
-    serving: Optional[Mapping] = None       # the serving probe's figures (sizing/serving.py), this run's alone
 
     def tiers(self, base: TierBandwidths) -> TierBandwidths:
         """`base` with the measured host copy GB/s, the fitted efficiencies and hit overheads over its own."""
@@ -79,7 +78,7 @@ class Calibration:
         own G2 gives the curve and the tiers' costs before its G3 gives a decode cost and step noise); the
         notes say which constants came from where."""
         taken = [name for name in ("curve", "fixed_overhead_s", "decode", "jitter", "checkpoint_efficiency",
-                                   "service_start_s", "host_gbps", "serving")
+                                   "service_start_s", "host_gbps")
                  if getattr(self, name) is None and getattr(earlier, name) is not None]
         taken += [name for name in ("tier_efficiency", "tier_overhead_s", "loader_efficiency")
                   if not getattr(self, name) and getattr(earlier, name)]

@@ -162,8 +162,7 @@ def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engine: Eng
     predictions = []
     for level in levels:
         runs = [level_prediction(level, {role: _replay_at(role, replay, level).simulate(
-                    level, engine.for_role(role), duration_s=duration_s, seed=seed)
-                    for role, replay in replays.items()},
+                    level, engine, duration_s=duration_s, seed=seed) for role, replay in replays.items()},
                     warmup_s, min_requests) for seed in seeds]
         predictions.append(combine(runs))
     return predictions
@@ -195,7 +194,7 @@ def predict_rate_ladder(replays: Mapping[str, Replay], multipliers: Sequence[flo
     for m in multipliers:
         if m not in arrivals_s:
             raise ConfigError(f"arrivals_s: expected the arrival times at {m:g}x, found {sorted(arrivals_s)}")
-        simulated = {role: _replay_at(role, replay, m).simulate(users, engine.for_role(role), duration_s=duration_s,
+        simulated = {role: _replay_at(role, replay, m).simulate(users, engine, duration_s=duration_s,
                                                                   arrivals_s=arrivals_s[m])
                      for role, replay in replays.items()}
         level = level_prediction(m, simulated, warmup_s, min_requests)

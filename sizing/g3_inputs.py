@@ -252,7 +252,7 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
                 for role, nodes in roles:
                     source = BlockSource(segment, caches[role], keys, tokens, inputs.block_tokens,
                                          Router(nodes, inputs.routing))
-                    done = simulate_source(source, level, [engine.for_role(role)] * nodes, seed=seed * 10_000 + block,
+                    done = simulate_source(source, level, [engine] * nodes, seed=seed * 10_000 + block,
                                            one_machine=inputs.embedded)   # each block's own noise, the same per seed
                     span = max(r.done_s for r in done) - min(r.sent_s for r in done)
                     if role == "baseline" and span > 0:

@@ -32,8 +32,7 @@ def probe_line(probe: dict) -> str:
             f"{decode['per_sequence_s'] * 1e3:.2f} ms per sequence, host copy {probe['host_copy_gbps']:.2f} GB/s "
             f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}; "
             f"{_probe_words('hit', probe.get('hits'), ' (no tiered server)', _hit_words)}"
-            + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else "")
-            + (f"; {serving_words(probe['server_serving'])}" if "server_serving" in probe else ""))
+            + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else ""))
 
 
 def decode_words(decode: Optional[dict]) -> str:
@@ -41,13 +40,6 @@ def decode_words(decode: Optional[dict]) -> str:
     return _probe_words("decode", decode, "", lambda d: (
         f"the {d['role']} server's gaps between tokens at {d['context_tokens']:,} tokens: {d['batch_1_s'] * 1e3:.2f} "
         f"ms with one sequence, {d['batch_max_s'] * 1e3:.2f} ms with {d['max_batch']} ({d['seconds']:.1f} s)"))
-
-
-def serving_words(serving: Optional[dict]) -> str:
-    """The serving probe's figures in words (or why there are none)."""
-    return _probe_words("serving", serving, "", lambda s: (
-        f"the {s['role']} server's requests at {s['context_tokens']:,} tokens, {s['users']} users in a closed loop: "
-        f"{len(s['requests'])} answered in {s['span_s']:.2f} s ({s['seconds']:.1f} s)"))
 
 
 def _prefill_words(prefill: Optional[dict]) -> str:
@@ -144,11 +136,9 @@ def probe_calibration(probe: dict, disk_gbps: Optional[float] = None) -> Optiona
             overhead["disk"] = disk_overhead
         note = (f"recompute, fixed cost{' and disk hit overhead' if overhead else ''} from {curve.source}"
                 + ("" if overhead else " (no disk GB/s yet: disk hits left out)"))
-    serving = probe.get("server_serving")
     return Calibration(curve=curve, fixed_overhead_s=fixed, tier_overhead_s=overhead, decode=decode,
                        host_gbps=probe["host_copy_gbps"], source=PROBES_SOURCE,
-                       notes=(probe_line(probe), note, decode_note),
-                       serving=serving if serving and "requests" in serving else None)
+                       notes=(probe_line(probe), note, decode_note))
 
 
 def _hit_words(hits: dict) -> str:

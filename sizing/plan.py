@@ -29,7 +29,6 @@ from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, simulate_blocks
 from .queueing import DecodeCost, EngineModel
-from .serving import with_serving_pace
 from .settings import SizedRun
 from .targets import engine_facts, target_inputs
 from .timing import (
@@ -161,12 +160,9 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
                 "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
                 "prefill, which the curve does measure); a calibration from an earlier G3 gives both"
             )
-        engine = EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0)
         try:
-            if inputs.embedded:         # the serving probe times kvgate's own tiered candidate
-                engine, pace_note = with_serving_pace(engine, calibration.serving)
-                plan.notes.append(pace_note)
-            _g3(plan, config, workload, g3, engine, inputs, throughput=calibration.decode is not None)
+            _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0),
+                inputs, throughput=calibration.decode is not None)
         except ValueError as error:     # a simulation these costs cannot make must not take G2's figures with it
             plan.notes.append(f"G3 not predicted: its simulation with these costs failed ({error})")
     _storage(plan, config, store, calibration, tiers)
@@ -196,12 +192,6 @@ def g3_decode_context(config: SizedRun) -> int:
     context the decode probe times the server's steps at, just before G3)."""
     prompts = sorted(r.prompt_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
     return prompts[(len(prompts) - 1) // 2]
-
-
-def g3_output_tokens(config: SizedRun) -> int:
-    """The median output (max_tokens) of G3's workload's requests: what the serving probe's requests generate."""
-    outputs = sorted(r.max_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
-    return outputs[(len(outputs) - 1) // 2]
 
 
 def _with_roofline(calibration: Calibration, roofline, layers: int) -> Calibration:
@@ -377,8 +367,7 @@ def _capacity(plan: Plan, config: SizedRun, g3: G3Replays, engine: EngineModel, 
     found = {}
     for role in ("baseline", "candidate"):
         replay = g3.replays[role][top]
-        found[role] = predicted_capacity(replay, engine.for_role(role), slo, search.start, search.most, seeds,
-                                         open_loop)
+        found[role] = predicted_capacity(replay, engine, slo, search.start, search.most, seeds, open_loop)
         if found[role] is not None:
             plan.predictions.append(Prediction("g3", kind.metric, found[role], kind.unit,
                                                f"G3 capacity of the {role} within the SLO ({slo.describe()})",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Protocol, Sequence
 
 import numpy as np
@@ -52,28 +52,18 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class EngineModel:
-    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit, the
-    machine's step-to-step noise (`jitter`: each step's seconds × a lognormal factor of mean 1 whose log has
-    this standard deviation; 0: none) and the target's pace (`pace`: each step's seconds × it; the serving
-    probe's measure of the work between the model's terms, sizing/serving.py)."""
+    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit, and
+    the machine's step-to-step noise (`jitter`: each step's seconds × a lognormal factor of mean 1 whose
+    log has this standard deviation; 0: none)."""
 
     timing: TimingModel
     decode: DecodeCost
     max_running: int = 8
     jitter: float = 0.0
-    pace: float = 1.0                           # each step's seconds × this (a target's serving pace)
-    paces: tuple[tuple[str, float], ...] = ()   # (role, pace): the targets whose pace was measured (`for_role`)
 
     def __post_init__(self) -> None:
         check_tokens("max_running", self.max_running, 1)
         check_number("jitter", self.jitter, allow_zero=True)
-        check_number("pace", self.pace)
-        for role, pace in self.paces:
-            check_number(f"paces.{role}", pace)
-
-    def for_role(self, role: str) -> "EngineModel":
-        """This engine as the target `role` runs it: at its measured pace (sizing/serving.py), else 1."""
-        return replace(self, pace=dict(self.paces).get(role, 1.0))
 
     def chunks(self, prompt: int, cached: int) -> list[float]:
         """Seconds of each prefill step of a prompt with `cached` tokens loaded: block-aligned chunks
@@ -169,9 +159,9 @@ class _Node:
             self.waiting.append(heapq.heappop(self.arrivals)[2])
         t, step, finished = self.t, 0.0, []
         self.prefilled = []
-        noise = engine.pace
+        noise = 1.0
         if engine.jitter and self.rng is not None:
-            noise *= float(np.exp(engine.jitter * self.rng.standard_normal() - engine.jitter ** 2 / 2))
+            noise = float(np.exp(engine.jitter * self.rng.standard_normal() - engine.jitter ** 2 / 2))
         while self.waiting and len(self.running) < engine.max_running:
             admitted = self.waiting.popleft()
             step += noise * sharing * admitted.load

@@ -10,7 +10,6 @@ import yaml
 
 from gates.cli import main
 from gates.config import load_config
-from gates.machine_probe import SERVING_PASSES, SERVING_PROMPTS, SERVING_USERS
 from gates.sequential import Looks, method
 from kvcore.rundata import RunStore
 from sizing.plan import g3_decode_context
@@ -122,22 +121,6 @@ def test_g3_is_predicted_from_the_servers_decode_timed_just_before_it_at_its_own
     assert any(r["metric"] == "output_tokens_per_s" and r["value"] > 0 for r in before)   # it gave G3's throughput
     notes = json.loads((run_dir / "sizing.json").read_text())["notes"]
     assert any(n.startswith("decode from the decode probe before G3") for n in notes), notes
-
-
-def test_g3_sets_the_candidates_steps_at_the_pace_its_serving_probe_timed_just_before_it(g3_run):
-    _, run_dir = g3_run
-    store = RunStore(run_dir)
-    config = load_config(run_dir / "config.yaml", None)
-    serving = store.machine_probe()["server_serving"]
-    assert serving["role"] == "candidate" and serving["users"] == SERVING_USERS
-    assert serving["context_tokens"] == g3_decode_context(config) and serving["span_s"] > 0
-    # the loop asked for its prompts again: every one of its requests a hit of the prompt's whole blocks
-    loop = serving["requests"]
-    assert len(loop) == SERVING_PROMPTS * SERVING_PASSES
-    assert all(r["cached_tokens"] == r["prompt_tokens"] // 256 * 256 > 0 and r["output_tokens"] == 8 for r in loop)
-    notes = json.loads((run_dir / "sizing.json").read_text())["notes"]
-    pace = [n for n in notes if n.startswith("the candidate's")]
-    assert len(pace) == 1 and "the serving probe before G3" in pace[0], notes
 
 
 def test_g3_routes_over_two_candidate_nodes_on_a_shared_pool_and_reports_cross_node_reuse(tmp_path):
