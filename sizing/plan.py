@@ -464,12 +464,15 @@ def comparison_lines(comparison: list[dict]) -> list[str]:
             + (f"  ({row['terms_text']})" if row.get("terms_text") else "") for row in comparison]
 
 
-# The model judges itself as the BLIS simulator does: hit ratios and reductions within 5 points, G3's TTFT and
-# throughput figures within 15% (mean absolute percentage error), G2's TTFTs within 10%; informational, never a gate.
+# The model judges itself as the BLIS simulator does: hit ratios and reductions within 5 points, G3's throughputs
+# (and, apart, its TTFT p50s) within 15% (mean absolute percentage error), G2's TTFTs within 10%; informational,
+# never a gate.
 HIT_RATIO_POINTS = 0.05
 FIGURE_MAPE = 0.15
 G2_TTFT_MAPE = 0.10
 IN_POINTS_JUDGED = ("hit_ratio", "ttft_p50_reduction", "cross_node_hit_ratio")   # gains are judged by throughput
+MAPE_GROUPS = (("g2", "G2 TTFT MAPE", IN_MAPE), ("g3", "G3 throughput MAPE", ("output_tokens_per_s",)),
+               ("g3", "G3 TTFT p50 MAPE", ("ttft_p50_ms",)))      # (gate, label, the metrics it averages)
 
 
 def _measured(rows: list[dict], prediction: Prediction) -> Optional[dict]:
@@ -511,13 +514,15 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
 
 def accuracy(rows: list[dict], tolerances=None) -> list[dict]:
     """The model's accuracy by gate, each against its own limit: G2's TTFTs (and its TTFT ratio) by their mean
-    absolute percentage error, G3's TTFTs and throughputs by theirs, G3's hit ratios and TTFT reductions by the
-    largest error in points (its gains follow from its throughputs)."""
+    absolute percentage error, G3's throughputs by theirs and its targets' TTFT p50s by theirs (apart: a p50 of
+    a few tens of ms moves by a third with which hit kind the median lands on, where the throughput, what a
+    buyer sizes by, does not), G3's hit ratios and TTFT reductions by the largest error in points (its gains
+    follow from its throughputs)."""
     limits = {"g2": getattr(tolerances, "g2_ttft_mape", G2_TTFT_MAPE),
               "g3": getattr(tolerances, "figure_mape", FIGURE_MAPE)}
     found = []
-    for gate, label in (("g2", "G2 TTFT MAPE"), ("g3", "G3 TTFT / throughput MAPE")):
-        errors = [abs(r["error"]) for r in rows if r["gate"] == gate and r["metric"] in IN_MAPE
+    for gate, label, metrics in MAPE_GROUPS:
+        errors = [abs(r["error"]) for r in rows if r["gate"] == gate and r["metric"] in metrics
                   and math.isfinite(r["error"])]
         if errors:
             mape, limit = sum(errors) / len(errors), limits[gate]

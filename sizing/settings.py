@@ -125,7 +125,8 @@ class SizingConfig(StrictModel):
         "G3 runs simulated per level, each with its own draw of the machine's step noise (a calibrated "
         "jitter): the figure is their median, its interval spans theirs"))
     hit_ratio_points: Float = Field(default=0.05, gt=0, le=1, description="largest hit-ratio error it accepts")
-    figure_mape: Float = Field(default=0.15, gt=0, le=10, description="largest G3 TTFT / throughput MAPE it accepts")
+    figure_mape: Float = Field(default=0.15, gt=0, le=10,
+                               description="largest G3 throughput MAPE (and, apart, TTFT p50 MAPE) it accepts")
     g2_ttft_mape: Float = Field(default=0.10, gt=0, le=10, description="largest G2 TTFT MAPE it accepts")
 
     _paths = field_validator("calibration", mode="before")(lambda cls, v: absolute_path(v))
