@@ -1,7 +1,8 @@
-"""The pre-flight's probes for the sizing model (sizing/machine.py reads their figures): this machine's speed at
-the embedded model's shapes (`python -m cache_impl.engine.machine_probe`, in its own process, on the machine and device
-the embedded engine uses); the prefill probe: the recompute server's own first-token times at a few prompt
-lengths across the run's range, over HTTP as the gates send them, one request at a time; and the decode probe
+"""The probes for the sizing model (sizing/machine.py reads their figures): in the pre-flight, this machine's speed
+at the embedded model's shapes (`python -m cache_impl.engine.machine_probe`, in its own process, on the machine and
+device the embedded engine uses); just before the first gate it predicts (G2, else G3), the prefill probe: the
+recompute server's own first-token times at a few prompt lengths across the run's range, over HTTP as the gates
+send them, one request at a time, and the hit probe: the tiered server's own hits; and the decode probe
 (run just before G3, at G3's own context): the same server's gaps between streamed tokens with one sequence and
 with its full batch decoding."""
 
@@ -58,11 +59,11 @@ def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
         return {"error": f"the machine probe printed no JSON: {done.stdout[:200]!r}"}
 
 
-def probe_machine(embedded, endpoints: dict, longest_context: int, run_id: str = "run",
+def probe_servers(probe: dict, endpoints: dict, longest_context: int, run_id: str = "run",
                   admin_token: Optional[str] = None) -> dict:
-    """The probe's figures (`run_machine_probe`) with the prefill probe's (`prefill_probe`) under "prefill" and the
-    hit probe's (`hit_probe`, the tiered server, through its admin routes with `admin_token`) under "hits"."""
-    probe = run_machine_probe(embedded)
+    """`probe` (a `run_machine_probe`'s figures) with the prefill probe's (`prefill_probe`) under "prefill" and the
+    hit probe's (`hit_probe`, the tiered server, through its admin routes with `admin_token`) under "hits"; run
+    just before the first gate the sizing model predicts, so that they time the servers at that gate's minute."""
     if "error" not in probe and PREFILL_ROLE in endpoints:
         probe["prefill"] = prefill_probe(endpoints[PREFILL_ROLE], longest_context, run_id)
     if "error" not in probe and HITS_ROLE in endpoints and endpoints[HITS_ROLE].mode == "tiered":

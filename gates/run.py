@@ -32,7 +32,7 @@ from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RUN_LOCK, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
-from sizing.machine import decode_words, probe_line, probe_ran
+from sizing.machine import decode_words, machine_words, probe_ran, server_probe_words
 from sizing.plan import Plan, comparison_lines, g3_decode_context
 from workloads.storage.fio import FioError, fio_version
 from workloads.storage.inventory import collect_inventory
@@ -40,7 +40,7 @@ from workloads.traffic.processes import die_with_parent
 
 from .config import GatesConfig
 from .console import GateConsole, target_text
-from .machine_probe import PREFILL_ROLE, decode_probe, probe_machine
+from .machine_probe import PREFILL_ROLE, decode_probe, probe_servers, run_machine_probe
 from .preflight import ability_line, failure_message, probe_engines, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
@@ -279,20 +279,32 @@ class GateRunner:
                     row.update(probed[row["role"]])
                     self.console.print(f"  [dim]{target_text(ability_line(row['role'], row['abilities']))}[/dim]",
                                        highlight=False)
-            self._probe_machine(endpoints)
+            self._probe_machine()
         self.store.write_preflight(rows)
         return failed
 
-    def _probe_machine(self, endpoints: dict[str, Endpoint]) -> None:
+    def _probe_machine(self) -> None:
         """This machine's speed at the embedded model's shapes, for the sizing model (sizing/machine.py)."""
         if self.config.targets.kind != "embedded" or not set(PREDICTED_GATES) & set(self.gates):
             return
-        with self.console.status("pre-flight: probing this machine and the recompute server's prefill for the sizing "
+        with self.console.status("pre-flight: probing this machine for the sizing model …"):
+            probe = run_machine_probe(self.config.targets.embedded)
+        self.store.write_machine_probe(probe)
+        self.console.print(f"  [dim]{machine_words(probe)}[/dim]", highlight=False)
+
+    def _probe_servers(self, gate: str) -> None:
+        """Just before the first gate the sizing model predicts (G2, else G3): the recompute server's first tokens
+        and the tiered server's hits (sizing/machine.py's curve and hit costs), timed at that gate's minute (from
+        the pre-flight a minute or two before G2, the machine had moved by -29 to +77% in 3 of 5 runs)."""
+        probe = self.store.machine_probe()
+        if not probe_ran(probe) or "prefill" in probe:
+            return
+        with self.console.status(f"before {gate.upper()}: timing the servers' first tokens and hits for the sizing "
                                  "model …"):
-            probe = probe_machine(self.config.targets.embedded, endpoints, max(self.config.g2.contexts),
+            probe = probe_servers(probe, self.endpoints, max(self.config.g2.contexts),
                                   self.store.run_info().get("run_id", "run"), self.suite_env.get(ADMIN_TOKEN_ENV))
         self.store.write_machine_probe(probe)
-        self.console.print(f"  [dim]{probe_line(probe)}[/dim]", highlight=False)
+        self.console.print(f"  [dim]before {gate.upper()}: {server_probe_words(probe)}[/dim]", highlight=False)
 
     def _probe_decode(self) -> None:
         """Just before G3, beside the machine probe: the recompute server's decode steps at the median prompt of G3's
@@ -354,6 +366,7 @@ class GateRunner:
         """The sizing model's figures for `gate`, from the config and the gates measured so far (recorded)."""
         if gate not in PREDICTED_GATES:
             return                # nothing of it is predicted: no plan (a replay and a simulation) to make
+        self._probe_servers(gate)      # the first of G2 and G3 (against the embedded targets: a probe ran)
         if gate == "g3":
             self._probe_decode()
         plan, problem = stage_plan(self.config, self.store, gate)

@@ -1,7 +1,8 @@
 """The sizing model inside `kvgate run`: before each gate, a plan from the config and what the gates before
 it measured (G1's fio feeds G2's figures; G2's recompute curve and hit costs feed G3's) is recorded in the
-run store and shown; before any G2, against the embedded targets, the pre-flight's machine probe stands in
-for the curve, the decode cost and the host copy (machine.py: a calibration file still comes first); at the
+run store and shown; before any G2, against the embedded targets, the run's probes (the machine's in the
+pre-flight, the servers' just before the gate) stand in for the curve, the decode cost and the host copy
+(machine.py: a calibration file still comes first); at the
 end, each gate's figures predicted before it ran are set beside what it measured (sizing.json), with the
 model's accuracy by its own tolerances. Informational: a prediction never passes or fails a gate, and a plan
 that cannot be made is a note, never a stop.
@@ -24,7 +25,7 @@ PREDICTED_GATES = ("g2", "g3")   # the gates whose figures the sizing model pred
 
 def _plan_now(config: SizedRun, store: RunStore) -> Plan:
     """The plan from the config and what the run has measured so far (its own fits first, then a calibration
-    file, then the pre-flight's probes)."""
+    file, then the run's probes of the machine and its servers)."""
     configured = None
     if config.sizing.calibration is not None:
         configured = Calibration.load(config.sizing.calibration)

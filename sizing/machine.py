@@ -1,4 +1,4 @@
-"""kvgate's own engine predicted before any G2 has measured it, from the pre-flight's probes (gates/machine_probe.py,
+"""kvgate's own engine predicted before any G2 has measured it, from the run's probes (gates/machine_probe.py,
 recorded in the run as machine_probe.json), standing in where a calibration's constants would go::
 
 How it works: docs/methods/sizing-model.md (sizing/machine.py).
@@ -16,13 +16,21 @@ from .timing import RecomputeCurve, TierBandwidths
 
 SOURCE = "the pre-flight's machine probe"
 PROBES_SOURCE = "this run's probes of the machine and its servers"
-PREFILL_SOURCE = "the pre-flight's prefill probe"
-HITS_SOURCE = "the pre-flight's prefill and hit probes"
+PREFILL_SOURCE = "the prefill probe"
+HITS_SOURCE = "the prefill and hit probes"
 DECODE_SOURCE = "the decode probe before G3"
 
 
 def probe_line(probe: dict) -> str:
-    """The probe's figures in one console line (or why there are none)."""
+    """The probes' figures in one line (or why there are none): the machine's, the servers', the decode's."""
+    if "error" in probe:
+        return machine_words(probe)
+    return (f"{machine_words(probe)}; {server_probe_words(probe)}"
+            + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else ""))
+
+
+def machine_words(probe: dict) -> str:
+    """The pre-flight's machine probe in words (or why there is none)."""
     if "error" in probe:
         return f"machine probe: none ({probe['error']}): the sizing model waits for G2's measurements"
     decode = probe["decode"]
@@ -30,9 +38,13 @@ def probe_line(probe: dict) -> str:
             f"{probe['threads']} threads): matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, attention "
             f"{probe['attention_flops'] / 1e9:.1f} GFLOP/s, decode {decode['step_s'] * 1e3:.2f} ms + "
             f"{decode['per_sequence_s'] * 1e3:.2f} ms per sequence, host copy {probe['host_copy_gbps']:.2f} GB/s "
-            f"({probe['seconds']:.1f} s); {_prefill_words(probe.get('prefill'))}; "
-            f"{_probe_words('hit', probe.get('hits'), ' (no tiered server)', _hit_words)}"
-            + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else ""))
+            f"({probe['seconds']:.1f} s)")
+
+
+def server_probe_words(probe: dict) -> str:
+    """The prefill and hit probes in words (or why there are none)."""
+    return (f"{_prefill_words(probe.get('prefill'))}; "
+            f"{_probe_words('hit', probe.get('hits'), ' (no tiered server)', _hit_words)}")
 
 
 def decode_words(decode: Optional[dict]) -> str:
@@ -117,10 +129,11 @@ def hit_points(probe: dict) -> list[tuple[str, int, float]]:
 
 
 def probe_calibration(probe: dict, disk_gbps: Optional[float] = None) -> Optional[Calibration]:
-    """The module's constants from a probe's figures (gates/machine_probe.py's `probe_machine`); None when the probe
-    failed. With the hit probe's points (and `disk_gbps`, the storage's read its disk hits' loads are taken at,
-    for the disk hit's overhead) the curve, the fixed cost and the disk hit's overhead are G2's joint fit
-    (calibration.fit_g2_ttfts) of the prefill and hit probes' first tokens, at lengths other than G2's."""
+    """The module's constants from the probes' figures (gates/machine_probe.py's `run_machine_probe` and
+    `probe_servers`); None when the machine probe failed. With the hit probe's points (and `disk_gbps`, the
+    storage's read its disk hits' loads are taken at, for the disk hit's overhead) the curve, the fixed cost and
+    the disk hit's overhead are G2's joint fit (calibration.fit_g2_ttfts) of the prefill and hit probes' first
+    tokens, at lengths other than G2's."""
     if not probe_ran(probe):
         return None
     curve, note = probe_curve(probe)

@@ -1,4 +1,4 @@
-"""The sizing model before any G2, against kvgate's own engine: the pre-flight's prefill probe (the recompute
+"""The sizing model before any G2, against kvgate's own engine: the prefill probe just before G2 (the recompute
 server's first tokens at a few lengths) becomes the recompute curve, the machine probe (matmul and attention
 FLOP/s at the embedded model's shapes, its decode step, its host copy) the decode cost, the host tier's GB/s and,
 without a prefill probe, a roofline; a calibration file or the run's own G2 still come first; a real
@@ -78,7 +78,7 @@ def test_before_any_run_g2_is_predicted_from_the_servers_own_prefill_and_the_pro
     assert not set(prefill_lengths(max(contexts))) & set(contexts) - {256}
     for context in contexts:
         assert ttft[("recompute", context)] == pytest.approx(SERVER.seconds(context - 4), rel=1e-6)
-    assert machine.curve.source.startswith("the pre-flight's prefill probe: fit of 5 recompute TTFTs")
+    assert machine.curve.source.startswith("the prefill probe: fit of 5 recompute TTFTs")
     roofline = next(note for note in plan.notes if "the model's FLOPs alone" in note)
     assert "the rest is the engine's work beyond its matmuls" in roofline
     # what the probe measured goes where a calibration's constants would
@@ -129,7 +129,7 @@ def test_the_hit_probe_gives_the_fixed_cost_and_the_disk_hits_overhead_before_g2
     machine = probe_calibration(probed, disk_gbps)
     assert machine.tier_overhead_s["disk"] == pytest.approx(0.003, rel=1e-3)
     assert machine.fixed_overhead_s == pytest.approx(SERVER.a, rel=1e-3)
-    assert machine.curve.source.startswith("the pre-flight's prefill and hit probes: joint fit of 11 first tokens")
+    assert machine.curve.source.startswith("the prefill and hit probes: joint fit of 11 first tokens")
     ttft = _g2_ttfts(make_plan(config, machine=machine))
     for context in config.g2.contexts:       # none of the probes' lengths: G2's figures, predicted
         prompt = context - 4
@@ -280,6 +280,10 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     assert any(note.startswith("machine probe (") for note in sizing["notes"])
     out = " ".join(g1_g2_run.console.split())
     assert "machine probe (" in out and "G2 TTFT recompute at 1100 tokens" in out
+    # the machine probed in the pre-flight; the servers' first tokens and hits just before G2, after G1 ran
+    assert "the recompute server's first token" not in out[:out.index("G1 arrival acceptance:")]
+    assert out.index("G1 arrival acceptance:") < out.index("before G2: the recompute server's first token: ")
+    assert out.index("before G2: the recompute server's first token: ") < out.index("the candidate server's hits: ")
 
 
 def test_the_accuracy_says_whether_its_constants_came_from_this_run_or_another(config):
