@@ -2,10 +2,9 @@
 it measured (G1's fio feeds G2's figures; G2's recompute curve and hit costs feed G3's) is recorded in the
 run store and shown; before any G2, against the embedded targets, the run's probes (the machine's in the
 pre-flight, the servers' just before the gate) stand in for the curve, the decode cost and the host copy
-(machine.py: a calibration file still comes first); at the
-end, each gate's figures predicted before it ran are set beside what it measured (sizing.json), with the
-model's accuracy by its own tolerances. Informational: a prediction never passes or fails a gate, and a plan
-that cannot be made is a note, never a stop.
+(machine.py: a calibration file still comes first); at the end, each gate's figures predicted before it ran
+are set beside what it measured (sizing.json), with the model's accuracy by its own tolerances. Informational:
+a prediction never passes or fails a gate, and a plan that cannot be made is a note, never a stop.
 """
 
 from __future__ import annotations
