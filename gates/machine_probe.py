@@ -1,8 +1,9 @@
 """The probes for the sizing model (sizing/machine.py reads their figures): in the pre-flight, this machine's speed
 at the embedded model's shapes (`python -m cache_impl.engine.machine_probe`, in its own process, on the machine and
-device the embedded engine uses); just before the first gate it predicts (G2, else G3), the prefill probe: the
-recompute server's own first-token times at a few prompt lengths across the run's range, over HTTP as the gates
-send them, one request at a time, and the hit probe: the tiered server's own hits; and the decode probe
+device the embedded engine uses; none for external targets, whose model is not kvgate's); just before the first
+gate it predicts (G2, else G3), the prefill probe: the first-token times of the server G2 takes recompute's from
+(embedded or external) at a few prompt lengths across the run's range, over HTTP as the gates send them, one new
+prompt at a time, and the hit probe: the embedded tiered server's own hits; and the decode probe
 (run just before G3, at G3's own context): the same server's gaps between streamed tokens with one sequence and
 with its full batch decoding."""
 
@@ -23,7 +24,8 @@ from workloads.traffic.datasets import CHAT_FRAMING_TOKENS, context_request
 from workloads.traffic.errors import describe_error
 
 PROBE_TIMEOUT_S = 120.0       # the probe takes a second or two and torch's import; a stuck one is dropped
-PREFILL_ROLE = "recompute"    # the embedded server that computes every prompt from scratch
+PREFILL_ROLES = ("recompute", "candidate")   # whose first tokens are recompute's: the recompute reference,
+                                             # else the candidate's own misses (as G2 takes them)
 BLOCK_TOKENS = 256            # the embedded engine's cache block (and prefill chunk)
 # The prefill probe's prompt lengths: the shortest the server takes (its fixed cost), one cache block, and
 # 3/16, 9/16 and 15/16 of the longest context the run asks for (off G2's usual lengths, across its range)
@@ -59,13 +61,20 @@ def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
         return {"error": f"the machine probe printed no JSON: {done.stdout[:200]!r}"}
 
 
+def prefill_endpoint(endpoints: dict):
+    """The endpoint whose first tokens G2 takes as recompute's (`PREFILL_ROLES`), None when there is none."""
+    return next((endpoints[role] for role in PREFILL_ROLES if role in endpoints), None)
+
+
 def probe_servers(probe: dict, endpoints: dict, longest_context: int, run_id: str = "run",
                   admin_token: Optional[str] = None) -> dict:
-    """`probe` (a `run_machine_probe`'s figures) with the prefill probe's (`prefill_probe`) under "prefill" and the
-    hit probe's (`hit_probe`, the tiered server, through its admin routes with `admin_token`) under "hits"; run
-    just before the first gate the sizing model predicts, so that they time the servers at that gate's minute."""
-    if "error" not in probe and PREFILL_ROLE in endpoints:
-        probe["prefill"] = prefill_probe(endpoints[PREFILL_ROLE], longest_context, run_id)
+    """`probe` (a `run_machine_probe`'s figures; {} for external targets, whose model is not the probe's) with the
+    prefill probe's (`prefill_probe`, on `prefill_endpoint`) under "prefill" and the hit probe's (`hit_probe`, the
+    tiered server, through its admin routes with `admin_token`) under "hits"; run just before the first gate the
+    sizing model predicts, so that they time the servers at that gate's minute."""
+    endpoint = prefill_endpoint(endpoints)
+    if "error" not in probe and endpoint is not None:
+        probe["prefill"] = prefill_probe(endpoint, longest_context, run_id)
     if "error" not in probe and HITS_ROLE in endpoints and endpoints[HITS_ROLE].mode == "tiered":
         probe["hits"] = hit_probe(endpoints[HITS_ROLE], longest_context, run_id, admin_token=admin_token)
     return probe

@@ -33,14 +33,14 @@ from kvcore.rundata import GATE_TITLES, RUN_LOCK, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
 from sizing.machine import decode_words, machine_words, probe_ran, server_probe_words
-from sizing.plan import Plan, comparison_lines, g3_decode_context
+from sizing.plan import Plan, comparison_lines, g3_decode_batch, g3_decode_context
 from workloads.storage.fio import FioError, fio_version
 from workloads.storage.inventory import collect_inventory
 from workloads.traffic.processes import die_with_parent
 
 from .config import GatesConfig
 from .console import GateConsole, target_text
-from .machine_probe import PREFILL_ROLE, decode_probe, probe_servers, run_machine_probe
+from .machine_probe import decode_probe, prefill_endpoint, probe_servers, run_machine_probe
 from .preflight import ability_line, failure_message, probe_engines, run_preflight
 from .targets import EmbeddedServers, Endpoint, ServerStartError, endpoints_to_json, external_endpoints
 
@@ -293,12 +293,13 @@ class GateRunner:
         self.console.print(f"  [dim]{machine_words(probe)}[/dim]", highlight=False)
 
     def _probe_servers(self, gate: str) -> None:
-        """Just before the first gate the sizing model predicts (G2, else G3): the recompute server's first tokens
-        and the tiered server's hits (sizing/machine.py's curve and hit costs), timed at that gate's minute (both
+        """Just before the first gate the sizing model predicts (G2, else G3): the first tokens of the server G2 takes
+        recompute's from (an external target's too) and the embedded tiered server's hits (sizing/machine.py's
+        curve and hit costs), timed at that gate's minute (both
         recorded in three runs, G2 TTFT MAPE 26.2 / 8.2 / 46.3% from the pre-flight's, 16.1 / 12.9 / 12.9% from
         these: docs/results.md)."""
-        probe = self.store.machine_probe()
-        if not probe_ran(probe) or "prefill" in probe:
+        probe = self.store.machine_probe()        # {} for external targets: no machine probe, the servers' alone
+        if "error" in probe or "prefill" in probe or prefill_endpoint(self.endpoints) is None:
             return
         with self.console.status(f"before {gate.upper()}: timing the servers' first tokens and hits for the sizing "
                                  "model …"):
@@ -308,18 +309,18 @@ class GateRunner:
         self.console.print(f"  [dim]before {gate.upper()}: {server_probe_words(probe)}[/dim]", highlight=False)
 
     def _probe_decode(self) -> None:
-        """Just before G3, beside the machine probe: the recompute server's decode steps at the median prompt of G3's
+        """Just before G3, beside the prefill probe: the same server's decode steps at the median prompt of G3's
         workload (sizing/machine.py's decode cost), timed at the gate's minute and context."""
-        probe, endpoint = self.store.machine_probe(), self.endpoints.get(PREFILL_ROLE)
+        probe, endpoint = self.store.machine_probe(), prefill_endpoint(self.endpoints)
         if not probe_ran(probe) or endpoint is None:
             return
         try:
             context = g3_decode_context(self.config)
         except Exception as error:  # the sizing model never stops a run: G3 itself says what its workload lacks
-            probe["server_decode"] = {"role": PREFILL_ROLE, "error": f"G3's workload: {type(error).__name__}: {error}"}
+            probe["server_decode"] = {"role": endpoint.role, "error": f"G3's workload: {type(error).__name__}: {error}"}
         else:
-            with self.console.status(f"before G3: timing the {PREFILL_ROLE} server's decode at {context:,} tokens …"):
-                probe["server_decode"] = decode_probe(endpoint, context, self.config.targets.embedded.max_running,
+            with self.console.status(f"before G3: timing the {endpoint.role} server's decode at {context:,} tokens …"):
+                probe["server_decode"] = decode_probe(endpoint, context, g3_decode_batch(self.config),
                                                       self.store.run_info().get("run_id", "run"))
         self.store.write_machine_probe(probe)
         self.console.print(f"  [dim]before G3: {decode_words(probe['server_decode'])}[/dim]", highlight=False)
@@ -367,7 +368,7 @@ class GateRunner:
         """The sizing model's figures for `gate`, from the config and the gates measured so far (recorded)."""
         if gate not in PREDICTED_GATES:
             return                # nothing of it is predicted: no plan (a replay and a simulation) to make
-        self._probe_servers(gate)      # the first of G2 and G3 (against the embedded targets: a probe ran)
+        self._probe_servers(gate)      # the first of G2 and G3 (once a run: the probe is recorded)
         if gate == "g3":
             self._probe_decode()
         plan, problem = stage_plan(self.config, self.store, gate)

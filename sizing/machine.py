@@ -1,5 +1,6 @@
-"""kvgate's own engine predicted before any G2 has measured it, from the run's probes (gates/machine_probe.py,
-recorded in the run as machine_probe.json), standing in where a calibration's constants would go::
+"""The engine predicted before any G2 has measured it, from the run's probes (gates/machine_probe.py, recorded in
+the run as machine_probe.json), standing in where a calibration's constants would go: kvgate's own engine from the
+machine probe and its servers' probes; an external engine from its servers' probes alone::
 
 How it works: docs/methods/sizing-model.md (sizing/machine.py).
 """
@@ -16,6 +17,7 @@ from .timing import RecomputeCurve, TierBandwidths
 
 SOURCE = "the pre-flight's machine probe"
 PROBES_SOURCE = "this run's probes of the machine and its servers"
+SERVER_PROBES_SOURCE = "this run's probes of its servers"
 PREFILL_SOURCE = "the prefill probe"
 HITS_SOURCE = "the prefill and hit probes"
 DECODE_SOURCE = "the decode probe before G3"
@@ -33,6 +35,8 @@ def machine_words(probe: dict) -> str:
     """The pre-flight's machine probe in words (or why there is none)."""
     if "error" in probe:
         return f"machine probe: none ({probe['error']}): the sizing model waits for G2's measurements"
+    if not machine_ran(probe):
+        return "machine probe: none (external targets: their model is not the one the probe times)"
     decode = probe["decode"]
     return (f"machine probe ({probe['device']}, {probe['dtype']}, the {probe['preset']} preset's shapes, "
             f"{probe['threads']} threads): matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, attention "
@@ -118,8 +122,14 @@ def probe_decode(probe: dict) -> tuple[DecodeCost, str]:
 
 
 def probe_ran(probe: dict) -> bool:
-    """Whether a run's machine probe (machine_probe.json) ran and gave figures: neither absent nor failed."""
+    """Whether a run's probes (machine_probe.json) ran and gave figures: neither absent nor failed (the machine's,
+    or against external targets the servers' alone)."""
     return bool(probe) and "error" not in probe
+
+
+def machine_ran(probe: dict) -> bool:
+    """Whether the probes include the pre-flight's machine probe (embedded targets), not the servers' alone."""
+    return probe_ran(probe) and "matmul_flops" in probe
 
 
 def hit_points(probe: dict) -> list[tuple[str, int, float]]:
@@ -136,6 +146,8 @@ def probe_calibration(probe: dict, disk_gbps: Optional[float] = None) -> Optiona
     tokens, at lengths other than G2's."""
     if not probe_ran(probe):
         return None
+    if not machine_ran(probe):
+        return server_calibration(probe)
     curve, note = probe_curve(probe)
     decode, decode_note = probe_decode(probe)
     fixed, overhead = None, {}
@@ -152,6 +164,24 @@ def probe_calibration(probe: dict, disk_gbps: Optional[float] = None) -> Optiona
     return Calibration(curve=curve, fixed_overhead_s=fixed, tier_overhead_s=overhead, decode=decode,
                        host_gbps=probe["host_copy_gbps"], source=PROBES_SOURCE,
                        notes=(probe_line(probe), note, decode_note))
+
+
+def server_calibration(probe: dict) -> Optional[Calibration]:
+    """The constants from the server probes alone (external targets: no machine probe of their model): the
+    recompute curve fitted to the prefill probe, the decode cost through the decode probe's two medians once it
+    has run; None when the prefill probe has under 3 lengths."""
+    points = prefill_points(probe)
+    if len({n for n, _ in points}) < 3:
+        return None
+    fit = RecomputeCurve.fit(points)
+    curve = RecomputeCurve(fit.a, fit.b, fit.c, f"{PREFILL_SOURCE}: {fit.source}")
+    server = probe.get("server_decode") or {}
+    decode = DecodeCost(server["step_s"], server["per_sequence_s"]) if "step_s" in server else None
+    decode_note = (f"decode from {DECODE_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
+                   f"{decode.per_sequence_s * 1e3:.2f} ms a sequence" if decode is not None else
+                   "no decode probe of the server yet (it runs just before G3)")
+    return Calibration(curve=curve, decode=decode, source=SERVER_PROBES_SOURCE,
+                       notes=(probe_line(probe), f"recompute from {curve.source}", decode_note))
 
 
 def _hit_words(hits: dict) -> str:

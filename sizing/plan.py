@@ -194,6 +194,13 @@ def g3_decode_context(config: SizedRun) -> int:
     return prompts[(len(prompts) - 1) // 2]
 
 
+def g3_decode_batch(config: SizedRun) -> int:
+    """The decode probe's full batch: the most sequences the engine runs at once as the model takes it
+    (sizing.target.max_running, else the embedded engine's), no more than G3's highest level sends."""
+    given = getattr(config.sizing.target, "max_running", None)
+    return max(1, min(int(given or config.targets.embedded.max_running), int(max(config.g3.levels))))
+
+
 def _with_roofline(calibration: Calibration, roofline, layers: int) -> Calibration:
     """`calibration` with the configured FLOPs roofline as its recompute curve (timing.RecomputeCurve.roofline)
     and, unless it has one, the roofline's overhead as its fixed overhead."""

@@ -6,8 +6,11 @@ without a prefill probe, a roofline; a calibration file or the run's own G2 stil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from dataclasses import replace
+from typing import Optional
 
 import pytest
 import yaml
@@ -18,13 +21,13 @@ from gates.targets import Endpoint
 from kvcore.rundata import RunStore
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
-from sizing.machine import probe_calibration, probe_decode
+from sizing.machine import machine_words, prefill_points, probe_calibration, probe_decode
 from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
 from tests.recorded_runs import recorded_run
 from workloads.traffic.client import StreamingClient
-from workloads.traffic.datasets import context_request
+from workloads.traffic.datasets import BYTE_TOKENIZER_ID, context_request
 
 SERVER = RecomputeCurve(0.004, 7.5e-5, 1.5e-8)   # a server's first-token seconds (the prefill probe's points)
 
@@ -302,24 +305,18 @@ def test_the_accuracy_says_whether_its_constants_came_from_this_run_or_another(c
     assert constants_sample(filed, "g3", g2_ran=False) == "out of sample: constants from small.json"
 
 
-@pytest.fixture
-def end_of_text_server(tmp_path):
-    """kvgate's engine (tiny preset, recompute) whose model answers end-of-text as every next token, served by
-    the real app on loopback: each answer stops before its first visible token."""
+@contextlib.contextmanager
+def _served(engine, role: str, tokenizer: Optional[str] = None):
+    """`engine` served by kvgate's real app on a loopback port in this process: its Endpoint as `role` (prompts
+    sized by `tokenizer`)."""
     import threading
     import time
 
     import uvicorn
 
-    from cache_impl.engine.engine import Engine, EngineConfig
-    from cache_impl.engine.tokenizer import ByteTokenizer
     from cache_impl.server.server import create_app
     from tests.servers import free_port
 
-    engine = Engine(EngineConfig.from_dict({"mode": "recompute", "preset": "tiny",
-                                            "cache": {"device": "cpu", "disk": {"path": str(tmp_path / "kv")}}}))
-    engine.runner.allowed.fill_(float("-inf"))
-    engine.runner.allowed[ByteTokenizer().eos_id] = 0.0
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -327,10 +324,32 @@ def end_of_text_server(tmp_path):
     deadline = time.monotonic() + 60
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.started, "the end-of-text server did not start"
-    yield Endpoint("recompute", f"http://127.0.0.1:{port}/v1", "kvgate-tiny")
-    server.should_exit = True
-    thread.join(60)
+    assert server.started, f"the {role} server did not start"
+    try:
+        yield Endpoint(role, f"http://127.0.0.1:{port}/v1", f"kvgate-{engine.config.preset}", tokenizer=tokenizer)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def _tiny_engine(tmp_path, mode: str):
+    from cache_impl.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig.from_dict({"mode": mode, "preset": "tiny",
+                                          "cache": {"device": "cpu", "disk": {"path": str(tmp_path / "kv")}}}))
+
+
+@pytest.fixture
+def end_of_text_server(tmp_path):
+    """kvgate's engine (tiny preset, recompute) whose model answers end-of-text as every next token, served by
+    the real app on loopback: each answer stops before its first visible token."""
+    from cache_impl.engine.tokenizer import ByteTokenizer
+
+    engine = _tiny_engine(tmp_path, "recompute")
+    engine.runner.allowed.fill_(float("-inf"))
+    engine.runner.allowed[ByteTokenizer().eos_id] = 0.0
+    with _served(engine, "recompute") as endpoint:
+        yield endpoint
 
 
 def test_the_prefill_probe_times_a_server_whose_answers_stop_at_end_of_text_first(end_of_text_server):
@@ -348,3 +367,57 @@ def test_the_prefill_probe_times_a_server_whose_answers_stop_at_end_of_text_firs
     # the path under test ran: the answer stopped at end-of-text before any token, and still has its first token
     assert (record.finish_reason, record.completion_tokens, record.text) == ("stop", 0, "")
     assert record.ok and record.ttft_s is not None and record.ttft_s > 0
+
+
+def test_external_targets_are_predicted_from_their_own_servers_probes(tmp_path):
+    """Against external targets (no machine probe: their model is not kvgate's) the prefill probe times the
+    endpoint G2 takes recompute's first tokens from (the candidate's own misses when there is no recompute
+    target) and the decode probe its steps; G2 and G3 are then predicted from those alone, said so."""
+    import io
+
+    from rich.console import Console
+
+    import gates.run
+
+    path = tmp_path / "gates.yaml"
+    path.write_text(yaml.safe_dump({
+        "profile": "quick",
+        "targets": {"kind": "external",
+                    "baseline": {"url": "http://127.0.0.1:9/v1", "model": "kvgate-tiny"},
+                    "candidate": {"url": "http://127.0.0.1:9/v1", "model": "kvgate-tiny"}},
+        "g2": {"contexts": [512, 1024, 2048]}, "g3": {"levels": [2, 4]}}))
+    config = load_config(path)
+    runner = gates.run.GateRunner(config, tmp_path / "run", "r", ["g2", "g3"], False,
+                                  Console(file=io.StringIO(), width=200))
+    engine = _tiny_engine(tmp_path, "tiered")
+    with _served(engine, "candidate", BYTE_TOKENIZER_ID) as candidate:
+        runner.endpoints = {"baseline": replace(candidate, role="baseline"), "candidate": candidate}
+        runner._probe_machine()                       # external: nothing of the machine's is probed
+        assert runner.store.machine_probe() == {}
+        runner._probe_servers("g2")
+        runner._probe_decode()
+    probe = runner.store.machine_probe()
+    assert probe["prefill"]["role"] == "candidate" and "error" not in probe["prefill"], probe["prefill"]
+    assert [p["context_tokens"] for p in probe["prefill"]["points"]] == prefill_lengths(2048)
+    assert "hits" not in probe and "matmul_flops" not in probe
+    decode = probe["server_decode"]
+    assert decode["role"] == "candidate" and decode["max_batch"] == 4, decode   # G3's highest level, not 8
+    assert "machine probe: none (external targets" in machine_words(probe)
+
+    calibration = probe_calibration(probe)
+    fitted = RecomputeCurve.fit(prefill_points(probe))
+    assert calibration.curve.seconds(2000) == pytest.approx(fitted.seconds(2000))
+    assert calibration.curve.source.startswith("the prefill probe")
+    assert calibration.decode == DecodeCost(decode["step_s"], decode["per_sequence_s"])
+    assert calibration.host_gbps is None and calibration.source == "this run's probes of its servers"
+
+    plan, problem = stage_plan(config, runner.store, "g2")
+    assert not problem
+    recompute = {p.context["context_tokens"]: p.value for p in plan.predictions
+                 if p.gate == "g2" and p.metric == "ttft_ms" and p.context["mode"] == "recompute"}
+    assert set(recompute) == {512, 1024, 2048}
+    assert any("recompute from the prefill probe" in note for note in plan.notes), plan.notes
+    throughput = [p for p in plan.predictions if p.gate == "g3" and p.metric == "output_tokens_per_s"]
+    assert throughput, "G3's throughput is predicted: the decode probe gave the decode cost"
+    # and without the prefill probe's three lengths there is nothing to fit: no constants, said by the plan
+    assert probe_calibration({"prefill": {**probe["prefill"], "points": probe["prefill"]["points"][:2]}}) is None
