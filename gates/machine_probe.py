@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,13 @@ def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
         return {"error": f"the machine probe printed no JSON: {done.stdout[:200]!r}"}
 
 
+def probe_client(endpoint, extra_body: Optional[dict] = None) -> StreamingClient:
+    """A client of `endpoint` for a probe's requests (its API key from its `api_key_env`, when it names one)."""
+    return StreamingClient(endpoint.url, endpoint.model, endpoint.api,
+                           api_key=os.environ.get(endpoint.api_key_env or "", "") or None,
+                           target=f"preflight-{endpoint.role}", timeout_s=PREFILL_TIMEOUT_S, extra_body=extra_body)
+
+
 def prefill_endpoint(endpoints: dict):
     """The endpoint whose first tokens G2 takes as recompute's (`PREFILL_ROLES`), None when there is none."""
     return next((endpoints[role] for role in PREFILL_ROLES if role in endpoints), None)
@@ -91,8 +99,7 @@ def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: i
     prompt new: nothing is cached), {"role", "points": [{"context_tokens", "prompt_tokens", "seconds" (the
     median), "rounds"}], "seconds"}; {"error": why} when a request failed."""
     started = time.monotonic()
-    client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
-                             timeout_s=PREFILL_TIMEOUT_S)
+    client = probe_client(endpoint)
     lengths = prefill_lengths(longest_context)
     times: dict[int, list[float]] = {n: [] for n in lengths}
     prompts: dict[int, int] = {}
@@ -123,8 +130,7 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
     started = time.monotonic()
     admin = AdminClient(endpoint.server_root, timeout_s=PREFILL_TIMEOUT_S,
                         **({"token": admin_token} if admin_token else {}))     # else $KVGATE_ADMIN_TOKEN's
-    client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
-                             timeout_s=PREFILL_TIMEOUT_S)
+    client = probe_client(endpoint)
     lengths = [n for n in prefill_lengths(longest_context) if n > BLOCK_TOKENS]
     requests = {n: context_request(n, f"{run_id}/{n}", endpoint.tokenizer, 1, "preflight-hits") for n in lengths}
     seen: dict[tuple[str, int], list] = {(mode, n): [] for n in lengths for mode in HIT_PLACEMENTS}
@@ -187,8 +193,7 @@ def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_
     start = threading.Barrier(batch, timeout=PREFILL_TIMEOUT_S)    # sent together; a stuck peer breaks it
 
     def one(i: int) -> None:
-        client = StreamingClient(endpoint.url, endpoint.model, endpoint.api, target=f"preflight-{endpoint.role}",
-                                 timeout_s=PREFILL_TIMEOUT_S)
+        client = probe_client(endpoint, extra_body={"ignore_eos": True})   # every sequence to its max_tokens
         try:
             start.wait()
             records[i] = client.send(requests[i])

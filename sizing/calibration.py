@@ -379,7 +379,15 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
             overhead["disk"] = disk_overhead
         return curve, fixed, efficiency, overhead, disk_gbps
     if contexts >= 3:
-        curve = RecomputeCurve.fit(recompute)
+        # with no hits to set it, the fixed cost is the intercept of G2's lengths alone (a few thousand tokens
+        # apart: least squares put it at 0 for a live vLLM, its hits predicted at 3 ms against 81): the same
+        # server's prefill probe, when the run has one, adds its short prompts
+        probed = [(p["prompt_tokens"], p["seconds"])
+                  for p in (store.machine_probe().get("prefill") or {}).get("points", [])]
+        curve = RecomputeCurve.fit(recompute + probed)
+        if probed:
+            curve = replace(curve, source=f"{curve.source}: G2's {len(recompute)} and the prefill probe's "
+                                          f"{len(probed)}")
         return curve, curve.a, efficiency, overhead, disk_gbps
     if not rows:
         notes.append(f"{MISSING_NOTE['curve']} this run has no G2 TTFTs (G2 did not run, or measured none)")

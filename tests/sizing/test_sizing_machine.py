@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from gates.config import load_config
-from gates.machine_probe import prefill_lengths, prefill_probe, run_machine_probe, window_gaps
+from gates.machine_probe import prefill_lengths, prefill_probe, probe_client, run_machine_probe, window_gaps
 from gates.targets import Endpoint
 from kvcore.rundata import RunStore
 from sizing.calibration import Calibration
@@ -421,3 +421,21 @@ def test_external_targets_are_predicted_from_their_own_servers_probes(tmp_path):
     assert throughput, "G3's throughput is predicted: the decode probe gave the decode cost"
     # and without the prefill probe's three lengths there is nothing to fit: no constants, said by the plan
     assert probe_calibration({"prefill": {**probe["prefill"], "points": probe["prefill"]["points"][:2]}}) is None
+
+
+def test_the_decode_probes_client_asks_a_server_to_generate_past_end_of_text(end_of_text_server):
+    # vLLM serving kvgate's model stopped the decode probe's sequences at end-of-text ("0 gaps with every sequence
+    # decoding"): the probe's client asks each to generate to its max_tokens (ignore_eos, vLLM's field, which
+    # kvgate serve takes too); here every token is end-of-text, so the request stops at once without it
+    request = context_request(300, "eot", None, 8, "test")
+    records = {}
+    for name, client in (("plain", StreamingClient(end_of_text_server.url, end_of_text_server.model, "chat")),
+                         ("probe", probe_client(end_of_text_server, extra_body={"ignore_eos": True}))):
+        try:
+            records[name] = client.send(request)
+        finally:
+            client.close()
+    assert records["plain"].ok and records["plain"].finish_reason == "stop", records["plain"]
+    assert records["plain"].completion_tokens == 0
+    assert records["probe"].ok and records["probe"].finish_reason == "length", records["probe"]
+    assert records["probe"].completion_tokens == 8

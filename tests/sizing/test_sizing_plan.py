@@ -388,3 +388,29 @@ def test_g3s_throughputs_and_its_ttft_p50s_are_each_held_to_the_mape_limit_apart
     assert found["G3 throughput MAPE"]["text"] == "8.0% over 2 figures (within 15%)"
     assert found["G3 TTFT p50 MAPE"]["text"] == "30.0% over 2 figures (beyond 15%)"
     assert found["G3 hit ratio / TTFT reduction error"]["value"] == pytest.approx(0.01)
+
+
+def test_a_g2_of_recompute_alone_takes_its_fixed_cost_with_the_prefill_probes_short_prompts(tmp_path):
+    """A live vLLM's G2 measures recompute alone, at lengths thousands of tokens apart: least squares put the
+    curve's intercept, the fixed cost every hit pays, at 0 (its G3 hits predicted at 3 ms against 81). The same
+    server's prefill probe, when the run has one, gives the fit its short prompts."""
+    from sizing.calibration import calibrate
+
+    def server(n: int) -> float:          # a server with a 40-ms fixed cost
+        return 0.040 + 2.0e-4 * n + 5.0e-8 * n * n
+
+    store = RunStore(tmp_path)
+    store.write_run_info({"run_id": "vllm", "gates": ["g2"]})
+    # G2's medians as the server gave them, the shortest slow by a tenth (a noisy minute)
+    for context, noise in ((1024, 0.9), (2048, 1.0), (4096, 1.0)):
+        store.record("g2", "test_ttft", "ttft_ms", server(context - 16) * noise * 1e3, "ms", mode="recompute",
+                     context_tokens=context)
+    alone = calibrate(tmp_path)
+    assert alone.curve.a == pytest.approx(0.0, abs=1e-3)        # the intercept lost: what the issue saw
+    store.write_machine_probe({"prefill": {"role": "candidate", "seconds": 3.0, "points": [
+        {"context_tokens": n, "prompt_tokens": n - 4, "seconds": server(n - 4), "rounds": [server(n - 4)]}
+        for n in (16, 256, 768, 2304, 3840)]}})
+    pooled = calibrate(tmp_path)
+    assert pooled.curve.a == pytest.approx(0.040, rel=0.15)
+    assert pooled.fixed_overhead_s == pooled.curve.a
+    assert pooled.curve.source.endswith("G2's 3 and the prefill probe's 5")

@@ -251,14 +251,15 @@ class StreamingClient:
 
     def __init__(self, base_url: str, model: str, api: Literal["chat", "completions"] = "chat",
                  api_key: Optional[str] = None, target: str = "target", timeout_s: float = 600.0,
-                 temperature: float = 0.0) -> None:
+                 temperature: float = 0.0, extra_body: Optional[dict] = None) -> None:
+        """`extra_body`: fields every request's body adds (say vLLM's `ignore_eos`)."""
         url = urlsplit(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"target url: expected http(s)://host:port/v1, found {base_url!r}")
         self._connection_class = _NoDelayHTTPSConnection if url.scheme == "https" else _NoDelayHTTPConnection
         self._host, self._port, self._prefix = url.hostname, url.port, url.path
         self.model, self.api, self.target, self.temperature = model, api, target, temperature
-        self.timeout_s = timeout_s
+        self.timeout_s, self.extra_body = timeout_s, dict(extra_body or {})
         self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -278,7 +279,7 @@ class StreamingClient:
             body["messages"] = list(request.messages)
         else:
             body["prompt"] = request.prompt_text()
-        return body
+        return {**body, **self.extra_body}
 
     def served_models(self) -> list[str]:
         """The model ids the target lists at GET <base>/models; TargetError when it does not answer them."""
