@@ -28,6 +28,7 @@ from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, simulate_blocks
+from .noise import group_spread, samples, spread
 from .queueing import DecodeCost, EngineModel
 from .settings import SizedRun
 from .targets import engine_facts, target_inputs
@@ -478,6 +479,7 @@ HIT_RATIO_POINTS = 0.05
 FIGURE_MAPE = 0.15
 G2_TTFT_MAPE = 0.10
 IN_POINTS_JUDGED = ("hit_ratio", "ttft_p50_reduction", "cross_node_hit_ratio")   # gains are judged by throughput
+NOISE_SAMPLES = {"g2": "rounds", "g3": "blocks"}   # what a gate's figures are made of (sizing/noise.py)
 MAPE_GROUPS = (("g2", "G2 TTFT MAPE", IN_MAPE), ("g3", "G3 throughput MAPE", ("output_tokens_per_s",)),
                ("g3", "G3 TTFT p50 MAPE", ("ttft_p50_ms",)))      # (gate, label, the metrics it averages)
 
@@ -511,7 +513,8 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
         error, text = prediction_error(prediction.metric, prediction.value, measured)
         rows.append({"gate": prediction.gate, "metric": prediction.metric, "label": prediction.label,
                      "context": dict(prediction.context), "unit": prediction.unit, "predicted": prediction.value,
-                     "measured": measured, "error": error, "error_text": text})
+                     "measured": measured, "error": error, "error_text": text,
+                     "spread": spread(samples(measurements[prediction.gate], prediction.to_dict()), measured)})
     plan.comparison = rows
     if not_compared:
         plan.notes.append(f"{not_compared} predicted figures not compared: measured in invalid steps or judged "
@@ -533,9 +536,12 @@ def accuracy(rows: list[dict], tolerances=None) -> list[dict]:
                   and math.isfinite(r["error"])]
         if errors:
             mape, limit = sum(errors) / len(errors), limits[gate]
-            found.append({"label": label, "gate": gate, "value": mape, "limit": limit,
+            noise = group_spread([r for r in rows if r["gate"] == gate and r["metric"] in metrics])
+            found.append({"label": label, "gate": gate, "value": mape, "limit": limit, "spread": noise,
                           "text": f"{format_percent(mape)} over {len(errors)} figures "
-                                  f"({'within' if mape <= limit else 'beyond'} {format_percent(limit, 0)})"})
+                                  f"({'within' if mape <= limit else 'beyond'} {format_percent(limit, 0)})"
+                                  + ("" if noise is None else f"; the gate's own {NOISE_SAMPLES[gate]} lie "
+                                     f"{format_percent(noise)} from their figures")})
     points = [r for r in rows if r["metric"] in IN_POINTS_JUDGED and math.isfinite(r["error"])]
     if points:
         limit = getattr(tolerances, "hit_ratio_points", HIT_RATIO_POINTS)

@@ -96,6 +96,10 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     store.record("g3", "test_ttft", "ttft_p50_reduction", reduction + 0.02, concurrency=2)
     ttft = predicted[("ttft_p50_ms", "candidate", 2)]
     store.record("g3", "test_ttft", "ttft_p50_ms", ttft / 0.9, "ms", target="candidate", concurrency=2)
+    # the step's measured blocks (sizing/noise.py): 20% either side of the figure and one, invalid, left out
+    for block, share in enumerate((0.8, 1.0, 1.2, 50.0), start=1):
+        store.record("g3", "test_ttft", "g3_block", block, target="candidate", concurrency=2, block=block,
+                     ttft_p50_ms=ttft / 0.9 * share, valid=share < 10)
     # the baseline's TTFT p50 at c=4 measured in a step recorded invalid: not compared, and the notes say so
     store.record("g3", "test_ttft", "ttft_p50_ms", 1.0, "ms", target="baseline", concurrency=4)
     store.record("g3", "test_ttft", "step_valid", False, target="baseline", concurrency=4,
@@ -108,6 +112,8 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     assert rows[("hit_ratio", "candidate")]["error"] == pytest.approx(0.03)
     assert rows[("ttft_p50_reduction", None)]["error"] == pytest.approx(-0.02)
     assert rows[("ttft_p50_ms", "candidate")]["error"] == pytest.approx(-0.1)
+    assert rows[("ttft_p50_ms", "candidate")]["spread"] == pytest.approx(0.4 / 3)
+    assert rows[("hit_ratio", "candidate")]["spread"] is None        # a figure with no samples of its own
     # the claims' predicted column: each figure as predicted before its gate ran, read by the claim's rule
     claims = {row["id"]: row for row in claims_table(store, run_claims(store))}
     assert claims["ttft_p50_reduction"]["predicted"] == pytest.approx(min(
@@ -120,7 +126,8 @@ def test_in_a_run_g3_is_predicted_from_g1_and_g2_before_it_runs_then_held_to_its
     assert "within 5" in accuracy["G3 hit ratio / TTFT reduction error"]["text"]
     # the throughput is not predicted before a G3 (its decode only estimated): the TTFT p50s are held apart
     assert "G3 throughput MAPE" not in accuracy
-    assert accuracy["G3 TTFT p50 MAPE"]["text"].startswith("10.0% over 1 figures (within 15%)")
+    assert accuracy["G3 TTFT p50 MAPE"]["text"].startswith("10.0% over 1 figures (within 15%); the gate's own "
+                                                            "blocks lie 13.3% from their figures; ")
 
 
 def test_a_runs_own_constants_come_first_and_an_earlier_calibration_fills_what_it_has_not_measured():
