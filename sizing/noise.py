@@ -23,7 +23,7 @@ SAMPLES = {("g2", "ttft_ms"): ("ttft_round_ms", "value"),
 def samples(measurements: Iterable[dict], prediction: dict) -> list[float]:
     """The values the gate made `prediction`'s figure of: G2's rounds of a TTFT, G3's measured blocks of a step
     (its warm-up pairs are not recorded as blocks; a block recorded invalid is left out); [] for other figures."""
-    found = SAMPLES.get((prediction.get("gate"), prediction.get("metric")))
+    found = SAMPLES.get((str(prediction.get("gate")), str(prediction.get("metric"))))
     if found is None:
         return []
     metric, key = found
