@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -64,9 +63,7 @@ def run_machine_probe(embedded, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
 
 def probe_client(endpoint, extra_body: Optional[dict] = None) -> StreamingClient:
     """A client of `endpoint` for a probe's requests (its API key from its `api_key_env`, when it names one)."""
-    return StreamingClient(endpoint.url, endpoint.model, endpoint.api,
-                           api_key=os.environ.get(endpoint.api_key_env or "", "") or None,
-                           target=f"preflight-{endpoint.role}", timeout_s=PREFILL_TIMEOUT_S, extra_body=extra_body)
+    return endpoint.target(f"preflight-{endpoint.role}").client(timeout_s=PREFILL_TIMEOUT_S, extra_body=extra_body)
 
 
 def prefill_endpoint(endpoints: dict):

@@ -38,7 +38,6 @@ from gates.side_by_side import MIN_YARDSTICK_BYTES, FasterOf, Pairing
 from gates.storage_best import StorageBest, storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.stats import ratio_ci
-from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import context_request
 from workloads.traffic.requests import WorkloadRequest
 
@@ -66,9 +65,9 @@ def baseline_runs(gate_context, endpoints, adapters):
     candidate, recompute = _roles(endpoints)
     run_id = gate_context.store.run_info().get("run_id", "run")
     config = gate_context.config.g2
-    clients = {"candidate": StreamingClient(candidate.url, candidate.model, candidate.api, target="candidate")}
+    clients = {"candidate": candidate.target().client()}
     if recompute is not None:
-        clients["recompute"] = StreamingClient(recompute.url, recompute.model, recompute.api, target="recompute")
+        clients["recompute"] = recompute.target().client()
     # a filler's prompt holds `tokens` in whole blocks: its text, the chat template and a margin on top
     placed = PlacedHits.plan(adapters["candidate"], clients["candidate"], max(config.contexts) - FILLER_EXTRA,
                              BLOCK_TOKENS, lambda tokens, tag: _request(tokens + FILLER_EXTRA, f"{run_id}/{tag}",
@@ -142,7 +141,7 @@ def cold_read_pairs(gate_context, endpoints):
     best = storage_best(config, store)
     run_id = store.run_info().get("run_id", "run")
     longest = max(config.g2.contexts)
-    client = StreamingClient(candidate.url, candidate.model, candidate.api, target="candidate")
+    client = candidate.target().client()
     tier = TierColdLoad(cache.admin, client, lambda i: _request(longest, f"{run_id}/cold-read/{i}", candidate),
                         prefixes=config.g2.cold_read_prefixes, sets=config.g2.cold_read_sets,
                         clear_engine=cache.clear_engine)

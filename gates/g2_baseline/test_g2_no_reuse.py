@@ -11,7 +11,6 @@ import pytest
 
 from gates.no_reuse import reuse_found, unjudged_reason
 from kvcore.stats import ratio_ci
-from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import sizer_for
 from workloads.traffic.requests import WorkloadRequest
 
@@ -54,8 +53,7 @@ def control_rounds(gate_context, endpoints) -> list[ControlRound]:
     if missing:
         pytest.skip(f"the no-reuse control needs a candidate and a baseline endpoint; none for {missing}")
     run_id = gate_context.store.run_info().get("run_id", "run")
-    clients = {role: StreamingClient(endpoints[role].url, endpoints[role].model, endpoints[role].api, target=role)
-               for role in ROLES}
+    clients = {role: endpoints[role].target().client() for role in ROLES}
     rounds = []
     try:
         for pair in range(config.pairs):

@@ -80,7 +80,7 @@ class FaultSchedule:
             self._thread.join(timeout_s)
 
     def _run(self, due: list[FaultSpec], zero: float, end: float) -> None:
-        client = StreamingClient(self.target.url, self.target.model, self.target.api, target="fault-probe")
+        client = self.target.client(target="fault-probe")
         try:
             for fault in due:
                 if self._stop.wait(max(0.0, zero + fault.at_s - time.time())):

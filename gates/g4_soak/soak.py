@@ -226,7 +226,7 @@ class Soak:
         remaining_windows = self.settings.planned_windows - len(done)
         if remaining_windows <= 0:
             return done
-        client = StreamingClient(self.target.url, self.target.model, self.target.api, target="probe")
+        client = self.target.client(target="probe")
         try:
             expected = self._expected_answers(client)
             self._soak(client, expected, done, remaining_windows, on_window, on_live)
