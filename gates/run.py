@@ -295,9 +295,8 @@ class GateRunner:
     def _probe_servers(self, gate: str) -> None:
         """Just before the first gate the sizing model predicts (G2, else G3): the first tokens of the server G2 takes
         recompute's from (an external target's too) and the embedded tiered server's hits (sizing/machine.py's
-        curve and hit costs), timed at that gate's minute (both
-        recorded in three runs, G2 TTFT MAPE 26.2 / 8.2 / 46.3% from the pre-flight's, 16.1 / 12.9 / 12.9% from
-        these: docs/results.md)."""
+        curve and hit costs), timed at that gate's minute (both recorded in three runs, G2 TTFT MAPE 26.2 / 8.2 /
+        46.3% from the pre-flight's, 16.1 / 12.9 / 12.9% from these: docs/results.md)."""
         probe = self.store.machine_probe()        # {} for external targets: no machine probe, the servers' alone
         if "error" in probe or "prefill" in probe or prefill_endpoint(self.endpoints) is None:
             return

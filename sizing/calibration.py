@@ -213,6 +213,13 @@ def _g2_rows(store: RunStore) -> list[tuple[str, int, float]]:
     return rows
 
 
+def prefill_points(probe: dict) -> list[tuple[int, float]]:
+    """(prompt tokens, median first-token seconds) of a run's prefill probe (machine_probe.json's "prefill"), []
+    when it did not run."""
+    prefill = probe.get("prefill") or {}
+    return [(p["prompt_tokens"], p["seconds"]) for p in prefill.get("points", [])]
+
+
 def _tail_terms(prompt: int, cached: int) -> tuple[float, float]:
     """(Δn, Δn²) of the uncached tail, or of the one-token pass of a full hit (RecomputeCurve.tail's terms)."""
     low = prompt - 1 if cached >= prompt else cached
@@ -382,8 +389,7 @@ def _ttft_constants(store: RunStore, kv_bytes_per_token: Optional[int], host_gbp
         # with no hits to set it, the fixed cost is the intercept of G2's lengths alone (a few thousand tokens
         # apart: least squares put it at 0 for a live vLLM, its hits predicted at 3 ms against 81): the same
         # server's prefill probe, when the run has one, adds its short prompts
-        probed = [(p["prompt_tokens"], p["seconds"])
-                  for p in (store.machine_probe().get("prefill") or {}).get("points", [])]
+        probed = prefill_points(store.machine_probe())
         curve = RecomputeCurve.fit(recompute + probed)
         if probed:
             curve = replace(curve, source=f"{curve.source}: G2's {len(recompute)} and the prefill probe's "

@@ -11,7 +11,7 @@ from typing import Optional
 
 from kvcore.rundata import RunStore
 
-from .calibration import Calibration, fit_g2_ttfts
+from .calibration import Calibration, fit_g2_ttfts, prefill_points
 from .queueing import DecodeCost
 from .timing import RecomputeCurve, TierBandwidths
 
@@ -74,10 +74,23 @@ def _probe_words(name: str, figures: Optional[dict], absent: str, words) -> str:
     return words(figures)
 
 
-def prefill_points(probe: dict) -> list[tuple[int, float]]:
-    """(prompt tokens, median first-token seconds) of the prefill probe, [] when it did not run."""
-    prefill = probe.get("prefill") or {}
-    return [(p["prompt_tokens"], p["seconds"]) for p in prefill.get("points", [])]
+def prefill_fit(probe: dict) -> Optional[RecomputeCurve]:
+    """The recompute curve fitted to the prefill probe's first tokens, None when it has under 3 lengths."""
+    points = prefill_points(probe)
+    if len({n for n, _ in points}) < 3:
+        return None
+    fit = RecomputeCurve.fit(points)
+    return RecomputeCurve(fit.a, fit.b, fit.c, f"{PREFILL_SOURCE}: {fit.source}")
+
+
+def server_decode(probe: dict) -> tuple[Optional[DecodeCost], str]:
+    """The decode cost through the decode probe's two medians and its words; None (and why) when it did not run."""
+    server = probe.get("server_decode") or {}
+    if "step_s" not in server:
+        return None, "no decode probe of the server (it runs just before G3)"
+    decode = DecodeCost(server["step_s"], server["per_sequence_s"])
+    return decode, (f"decode from {DECODE_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
+                    f"{decode.per_sequence_s * 1e3:.2f} ms a sequence")
 
 
 def roofline_curve(probe: dict) -> RecomputeCurve:
@@ -93,13 +106,10 @@ def roofline_curve(probe: dict) -> RecomputeCurve:
 def probe_curve(probe: dict) -> tuple[RecomputeCurve, str]:
     """The recompute curve fitted to the prefill probe (the roofline when it has under 3 lengths), and a note
     setting the roofline beside the fit at the longest length probed."""
-    roofline = roofline_curve(probe)
-    points = prefill_points(probe)
-    if len({n for n, _ in points}) < 3:
+    roofline, fit = roofline_curve(probe), prefill_fit(probe)
+    if fit is None:
         return roofline, f"recompute from the model's FLOPs alone ({roofline.source}): no prefill probe to fit"
-    fit = RecomputeCurve.fit(points)
-    fit = RecomputeCurve(fit.a, fit.b, fit.c, f"{PREFILL_SOURCE}: {fit.source}")
-    longest = max(n for n, _ in points)
+    longest = max(n for n, _ in prefill_points(probe))
     return fit, (f"recompute from {fit.source}; the model's FLOPs alone ({roofline.source}) give "
                  f"{roofline.seconds(longest) * 1e3:.0f} ms of its {fit.seconds(longest) * 1e3:.0f} ms at "
                  f"{longest:,} tokens: the rest is the engine's work beyond its matmuls")
@@ -109,16 +119,13 @@ def probe_decode(probe: dict) -> tuple[DecodeCost, str]:
     """The decode cost through the decode probe's two medians (the in-process pass when it did not run), and a
     note setting the in-process pass beside it."""
     model = DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
-    server = probe.get("server_decode") or {}
-    if "step_s" not in server:
-        return model, (f"decode from the model's decode pass alone ({SOURCE}): no decode probe of the server (it runs "
-                       "just before G3)")
-    decode = DecodeCost(server["step_s"], server["per_sequence_s"])
-    batch = server["max_batch"]
-    return decode, (f"decode from {DECODE_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
-                    f"{decode.per_sequence_s * 1e3:.2f} ms a sequence; the model's decode pass alone gives "
-                    f"{model.seconds(batch) * 1e3:.2f} ms of its {decode.seconds(batch) * 1e3:.2f} ms at a batch of "
-                    f"{batch}: the rest is the server's work per step (sampling, streaming, the step loop)")
+    decode, words = server_decode(probe)
+    if decode is None:
+        return model, f"decode from the model's decode pass alone ({SOURCE}): {words}"
+    batch = probe["server_decode"]["max_batch"]
+    return decode, (f"{words}; the model's decode pass alone gives {model.seconds(batch) * 1e3:.2f} ms of its "
+                    f"{decode.seconds(batch) * 1e3:.2f} ms at a batch of {batch}: the rest is the server's work per "
+                    "step (sampling, streaming, the step loop)")
 
 
 def probe_ran(probe: dict) -> bool:
@@ -170,16 +177,10 @@ def server_calibration(probe: dict) -> Optional[Calibration]:
     """The constants from the server probes alone (external targets: no machine probe of their model): the
     recompute curve fitted to the prefill probe, the decode cost through the decode probe's two medians once it
     has run; None when the prefill probe has under 3 lengths."""
-    points = prefill_points(probe)
-    if len({n for n, _ in points}) < 3:
+    curve = prefill_fit(probe)
+    if curve is None:
         return None
-    fit = RecomputeCurve.fit(points)
-    curve = RecomputeCurve(fit.a, fit.b, fit.c, f"{PREFILL_SOURCE}: {fit.source}")
-    server = probe.get("server_decode") or {}
-    decode = DecodeCost(server["step_s"], server["per_sequence_s"]) if "step_s" in server else None
-    decode_note = (f"decode from {DECODE_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
-                   f"{decode.per_sequence_s * 1e3:.2f} ms a sequence" if decode is not None else
-                   "no decode probe of the server yet (it runs just before G3)")
+    decode, decode_note = server_decode(probe)
     return Calibration(curve=curve, decode=decode, source=SERVER_PROBES_SOURCE,
                        notes=(probe_line(probe), f"recompute from {curve.source}", decode_note))
 
