@@ -12,7 +12,7 @@ from gates.cli import main
 from gates.config import load_config
 from gates.sequential import Looks, method
 from kvcore.rundata import RunStore
-from sizing.plan import g3_decode_context
+from sizing.plan import g3_decode_batch, g3_decode_context
 
 pytestmark = pytest.mark.slow      # real gate runs: minutes (.ci/run runs them after the README's command)
 
@@ -108,7 +108,8 @@ def test_g3_is_predicted_from_the_servers_decode_timed_just_before_it_at_its_own
     store = RunStore(run_dir)
     config = load_config(run_dir / "config.yaml", None)
     decode = store.machine_probe()["server_decode"]
-    assert decode["role"] == "recompute" and decode["max_batch"] == SHORT_G3["targets"]["embedded"]["max_running"]
+    # the batch: the engine's max running (4), no more than G3's highest level sends (3)
+    assert decode["role"] == "recompute" and decode["max_batch"] == g3_decode_batch(config) == 3
     # the median prompt of G3's own workload (6 users x 3 rounds of a 256-token system prompt, a 768-token document
     # and growing turns): where G3's sequences decode, not a length of G2's
     assert decode["context_tokens"] == g3_decode_context(config) and 1024 < decode["context_tokens"] < 2048
