@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from kvcore.settings import ConfigError
-from workloads.loadgen.steady import order_segment, requests_per_part
+from workloads.loadgen.steady import LAG, order_segment, requests_per_part, settle
 from workloads.loadgen.sweep import closed_loop, primer, rate_multiplied, trace_parts
 from workloads.traffic.requests import Workload, WorkloadRequest, load_order
 from workloads.traffic.routing import Router, Routing
@@ -184,7 +184,7 @@ def matched_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs) -> b
     return g3.replay == "closed_loop" and not workload.trace and workload.interleaved
 
 
-WARMUP_PAIRS = 1    # the pairs G3's steady rule leaves out before it measures (it settles at pair 2 or later)
+WARMUP_PAIRS = 1    # the pairs G3's steady rule leaves out on a candidate's TTFT (it settles at pair 2 or later)
 
 
 def concurrencies(g3: G3Section) -> list[int]:
@@ -206,14 +206,32 @@ class _Counted:
     bound: int = 0                                          # the prompt blocks an infinite cache would have served
 
 
+@dataclass(frozen=True)
+class _Block:
+    """One target's simulated block: its requests as served, each one's hit blocks per tier, its prompt tokens and
+    blocks, and the prompt blocks an infinite cache would have served."""
+
+    done: list[SimulatedRequest]
+    rows: list[list[int]]
+    prompt_tokens: list[int]
+    prompt_blocks: int
+    bound: int
+
+    def cached_tokens(self, block_tokens: int) -> int:
+        return sum(map(sum, self.rows)) * block_tokens
+
+
 def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, engine: EngineModel,
-                    seeds: Sequence[int] = (0,)) -> tuple[list[LevelPrediction], dict[str, dict]]:
+                    seeds: Sequence[int] = (0,), share_block_tokens: Optional[int] = None
+                    ) -> tuple[list[LevelPrediction], dict[str, dict]]:
     """G3's closed loop as G3 runs it (workloads/loadgen/blocks.py, matched): level after level, pairs of blocks, each
     block both targets' serving of one segment of the load order (the first level's segments 8 requests a user,
-    the later ones what the baseline answered in `duration_s` at the level before, `steady.requests_per_part`),
-    `WARMUP_PAIRS` left out, then `g3.blocks.min` measured; each target's caches carried from the primer through
-    every block, as its servers carry them. Returns (a LevelPrediction per level, hit figures per target); with
-    noise (engine.jitter), the whole sweep once per seed, each level's runs combined (`g3_figures.combine`)."""
+    the later ones what the baseline answered in `duration_s` at the level before, `steady.requests_per_part`), its
+    warm-up pairs left out, then `g3.blocks.min` measured; each target's caches carried from the primer through
+    every block, as its servers carry them. The warm-up: where G3 judges the candidate's cached share of its prompts'
+    whole blocks (`share_block_tokens`, the block size it judges them in), G3's own steady rule on the simulated
+    blocks' shares; else `WARMUP_PAIRS`. Returns (a LevelPrediction per level, hit figures per target); with noise
+    (engine.jitter), the whole sweep once per seed, each level's runs combined (`g3_figures.combine`)."""
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
     everything = [r for s in workload.sessions for r in s]
     keys = dict(zip((r.request_id for r in everything),
@@ -223,10 +241,33 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
     primer = g3_segments(g3, workload)[0].requests if g3.prime else ()
     seeds = seeds if engine.jitter else seeds[:1]
     levels = concurrencies(g3)
+    rule = g3.steady.rule()
     runs: dict[int, list[LevelPrediction]] = {level: [] for level in levels}
     counted = {role: _Counted({level: [] for level in levels}) for role in ("candidate", "baseline")}
     roles = (("baseline", inputs.baseline_nodes), ("candidate", inputs.candidate_nodes))
     names: dict[str, tuple[str, ...]] = {}
+
+    def serve(segment, level: int, caches, seen, seed: int) -> dict[str, _Block]:
+        """Both targets' blocks of one segment, each request's hits and stores on that target's caches."""
+        served = {}
+        for role, nodes in roles:
+            source = BlockSource(segment, caches[role], keys, tokens, inputs.block_tokens,
+                                 Router(nodes, inputs.routing))
+            done = simulate_source(source, level, [engine] * nodes, seed=seed,
+                                   one_machine=inputs.embedded)   # each block's own noise, the same per seed
+            bound = sum(infinite_cache_hits(seen[role], source.served[index][0])   # every send, in order
+                        for index in range(len(segment)))
+            served[role] = _Block(done, [source.served[r.index][1] for r in done],
+                                  [tokens[segment[r.index].request_id] for r in done],
+                                  sum(len(source.served[r.index][0].prompt) for r in done), bound)
+        return served
+
+    def share(block: _Block) -> Optional[float]:
+        """The block's cached share of its prompts' whole blocks, as G3's steady rule reads it (steady.cached_share)."""
+        whole = sum(n // share_block_tokens * share_block_tokens for n in block.prompt_tokens) \
+            if share_block_tokens else 0
+        return block.cached_tokens(inputs.block_tokens) / whole if whole else None
+
     for seed in seeds:
         caches: dict[str, list[CacheSimulator]] = {}
         seen: dict[str, set[Key]] = {}
@@ -238,43 +279,40 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
             for request in primer:
                 caches[role][router.pick(request)].serve(keys[request.request_id])
                 infinite_cache_hits(seen[role], keys[request.request_id])
-        simulated: dict[int, dict[str, list[SimulatedRequest]]] = {level: {role: [] for role, _ in roles}
-                                                                    for level in levels}
         start, block = 0, 0
         rate: Optional[float] = None
         for level in levels:
             count = requests_per_part(workload, level, rate, g3.duration_s)
-            clock = {role: 0.0 for role, _ in roles}     # each level's measured blocks from 0, back to back
-            for pair in range(WARMUP_PAIRS + g3.blocks.min):
-                segment = order_segment(workload, start, count).requests
-                start += count
+            pairs: list[dict[str, _Block]] = []
+            first: Optional[int] = None if share_block_tokens else WARMUP_PAIRS
+            while first is None or len(pairs) < first + g3.blocks.min:
                 block += 1
-                for role, nodes in roles:
-                    source = BlockSource(segment, caches[role], keys, tokens, inputs.block_tokens,
-                                         Router(nodes, inputs.routing))
-                    done = simulate_source(source, level, [engine] * nodes, seed=seed * 10_000 + block,
-                                           one_machine=inputs.embedded)   # each block's own noise, the same per seed
-                    span = max(r.done_s for r in done) - min(r.sent_s for r in done)
-                    if role == "baseline" and span > 0:
-                        rate = len(done) / span      # what sizes the next level's segments, as in G3
-                    measured = pair >= WARMUP_PAIRS
-                    for index in range(len(segment)):     # every send, in order: each stores its blocks
-                        known = infinite_cache_hits(seen[role], source.served[index][0])
-                        counted[role].bound += known if measured else 0
-                    if not measured:
-                        continue
-                    offset = clock[role]            # so the level's window is its blocks' windows summed
-                    simulated[level][role] += [replace(r, sent_s=r.sent_s + offset, first_token_s=r.first_token_s
-                                                       + offset, done_s=r.done_s + offset) for r in done]
-                    clock[role] = offset + max(r.done_s for r in done)
-                    rows = [source.served[r.index][1] for r in done]
-                    prompt_tokens = sum(tokens[segment[r.index].request_id] for r in done)
+                pairs.append(serve(order_segment(workload, start, count).requests, level, caches, seen,
+                                   seed * 10_000 + block))
+                start += count
+                done = pairs[-1]["baseline"].done
+                span = max(r.done_s for r in done) - min(r.sent_s for r in done)
+                if span > 0:
+                    rate = len(done) / span             # what sizes the next level's segments, as in G3
+                if first is None:                       # G3's warm-up on the candidate's shares (blocks.py)
+                    first = settle([{"cached_share": share(p["candidate"])} for p in pairs], rule)
+                    if first is None and len(pairs) >= rule.max_pairs + LAG:
+                        first = rule.max_pairs
+            measured: dict[str, list[SimulatedRequest]] = {}
+            for role, _ in roles:
+                clock, simulated = 0.0, []              # the level's measured blocks from 0, back to back
+                for served in (p[role] for p in pairs[first:first + g3.blocks.min]):
+                    simulated += [replace(r, sent_s=r.sent_s + clock, first_token_s=r.first_token_s + clock,
+                                          done_s=r.done_s + clock) for r in served.done]
+                    clock += max(r.done_s for r in served.done)
+                    prompt_tokens = sum(served.prompt_tokens)
                     counted[role].per_level[level].append(   # as G3 measures it: cached ÷ prompt tokens
-                        sum(map(sum, rows)) * inputs.block_tokens / prompt_tokens if prompt_tokens else 0.0)
-                    counted[role].rows += rows
-                    counted[role].blocks += sum(len(source.served[r.index][0].prompt) for r in done)
-        for level in levels:
-            runs[level].append(level_prediction(level, simulated[level], 0.0, g3.min_requests))
+                        served.cached_tokens(inputs.block_tokens) / prompt_tokens if prompt_tokens else 0.0)
+                    counted[role].rows += served.rows
+                    counted[role].blocks += served.prompt_blocks
+                    counted[role].bound += served.bound
+                measured[role] = simulated
+            runs[level].append(level_prediction(level, measured, 0.0, g3.min_requests))
     hits = {}
     for role, c in counted.items():
         totals = {name: sum(row[i] for row in c.rows) for i, name in enumerate(names[role])}

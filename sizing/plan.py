@@ -31,7 +31,7 @@ from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, sim
 from .noise import group_spread, samples, spread
 from .queueing import DecodeCost, EngineModel
 from .settings import SizedRun
-from .targets import engine_facts, target_inputs
+from .targets import engine_facts, steady_block_tokens, target_inputs
 from .timing import (
     RecomputeCurve,
     TierBandwidths,
@@ -296,7 +296,7 @@ def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engine: EngineMod
     seeds = tuple(range(config.sizing.runs))
     slo_ms = settings.ttft_slo_ms
     if matched_blocks(settings, workload, inputs):
-        levels, live = simulate_blocks(settings, workload, inputs, engine, seeds)
+        levels, live = simulate_blocks(settings, workload, inputs, engine, seeds, steady_block_tokens(config))
         hits = live
         plan.figures["g3_hit_ratio"] = hits
     elif closed:

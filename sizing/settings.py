@@ -12,7 +12,7 @@ from kvcore.rules import Rule
 from kvcore.sampling import PairsConfig
 from kvcore.settings import MAX_COUNT, ConfigError, Count, Float, Int, StrictModel, absolute_path, size_text
 from sizing.layout import KVShape
-from workloads.loadgen.settings import G3CapacityConfig, SLOConfig
+from workloads.loadgen.settings import G3CapacityConfig, G3SteadyConfig, SLOConfig
 from workloads.storage.settings import CheckpointConfig, ModelLoadConfig
 from workloads.traffic.datasets import WorkloadSpec
 from workloads.traffic.routing import Routing
@@ -196,6 +196,8 @@ class G3Section(Protocol):
     def min_requests(self) -> int: ...
     @property
     def prime(self) -> bool: ...
+    @property
+    def steady(self) -> G3SteadyConfig: ...
     @property
     def capacity(self) -> G3CapacityConfig: ...
 

@@ -140,6 +140,16 @@ def target_inputs(config: SizedRun, engines: Optional[dict] = None) -> tuple[Tar
                         embedded=targets.kind == "embedded"), notes
 
 
+def steady_block_tokens(config: SizedRun) -> Optional[int]:
+    """The candidate engine's tokens per cache block as far as the config says it (kvgate's own; an external
+    engine's `sizing.target.block_size`), in which G3's steady rule reads the candidate's cached share of its
+    prompts' whole blocks (workloads/loadgen/steady.py); None: it does not say, and the rule reads TTFT instead."""
+    if config.targets.kind == "embedded":
+        return EMBEDDED_BLOCK_TOKENS
+    given = config.sizing.target
+    return None if given is None else given.block_size
+
+
 def _given(given: TargetSizing, inputs: dict[str, Any]) -> dict[str, Any]:
     """The fields `sizing.target` sets, over the ones read from the targets."""
     out: dict[str, Any] = {}

@@ -19,7 +19,7 @@ from kvcore.g3_analysis import Ladder, due_latencies, goodput, run_seed, slo_lat
 from kvcore.predictions import prediction_for
 from kvcore.rundata import read_records
 from sizing.g3_inputs import g3_replays
-from sizing.targets import target_inputs
+from sizing.targets import steady_block_tokens, target_inputs
 from workloads.loadgen.blocks import run_sweep, step_measured_records
 from workloads.loadgen.sweep import SweepSettings, describe_replay, prime_targets
 from workloads.probes.tier_hits import POOL_TIER, read_tier_hits, tier_shares
@@ -67,7 +67,8 @@ def sweep(gate_context, endpoints, adapters):
                              predicted_ttft_p50_s=predicted_ttft_p50_s(gate_context.store.predictions(), roles,
                                                                         config.levels if closed else ()),
                              tier_hits=lambda target: readers[target.name][0](),
-                             tier_unit=readers["candidate"][1], matched=True, steady=config.steady.rule())
+                             tier_unit=readers["candidate"][1], matched=True, steady=config.steady.rule(),
+                             block_tokens=steady_block_tokens(gate_context.config))
     targets = {role: endpoints[serving[role]].target(role) for role in roles}
     primer_users = min(config.levels) if closed else settings.rate_users
     # the recompute reference keeps no prefix (mode recompute), so priming it would only spend time; A/A: the

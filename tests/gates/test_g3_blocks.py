@@ -359,3 +359,27 @@ def test_a_candidate_that_never_settles_is_measured_from_its_last_warm_up_pair_a
                   rule) == 3
     hits = [{"ttft_p50_s": 0.1, "hit_ratio": h} for h in (0.5, 0.6, 0.7)]
     assert settle(hits, rule) is None            # the hit ratio still climbing: not settled
+
+
+def test_where_the_cached_share_of_whole_blocks_is_known_it_alone_says_when_the_candidate_has_warmed():
+    """A primed candidate's raw hit ratio and TTFT p50 follow each segment's requests (short prompts: more of a
+    prompt in its last, partial block, and more of it to compute): blocks two pairs apart differed 35-76% in TTFT p50
+    and 10 points in hit ratio while the cache served every whole block. The share of the whole blocks is what
+    warms, and it alone is judged where it is known; a share still climbing is not settled."""
+    from workloads.loadgen.steady import Settled, cached_share, settle
+
+    rule = SteadyRule()
+    segments = [{"ttft_p50_s": t, "hit_ratio": h, "cached_share": 1.0}
+                for t, h in ((0.034, 0.98), (0.064, 0.93), (0.100, 0.88), (0.048, 0.96))]
+    assert settle(segments, rule) == 0
+    assert settle([{**b, "cached_share": None} for b in segments], rule) == 1      # without it: TTFT and hit ratio
+    warming = [{"ttft_p50_s": 0.05, "hit_ratio": 0.5, "cached_share": s} for s in (0.5, 0.6, 0.7, 0.72, 0.73)]
+    assert settle(warming, rule) == 2
+    line = Settled(0, True, tuple(segments[:3]), rule).line()
+    assert "cached share of whole blocks 100% → 100% → 100%" in line and "hit ratio 98% → 93% → 88%" in line
+    # the share of a prompt's whole blocks of 256 tokens: 1,830 tokens hold 7 (1,792), 1,000 hold 3 (768)
+    records = [{"ok": True, "prompt_tokens": 1830, "cached_tokens": 1792},
+               {"ok": True, "prompt_tokens": 1000, "cached_tokens": 512},
+               {"ok": False, "prompt_tokens": 4000, "cached_tokens": None}]
+    assert cached_share(records, 256) == pytest.approx((1792 + 512) / (1792 + 768))
+    assert cached_share(records, None) is None and cached_share(records[2:], 256) is None

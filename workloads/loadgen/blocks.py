@@ -17,7 +17,7 @@ import pandas as pd
 from kvcore.rundata import read_records
 from workloads.loadgen.live import LiveFigures, LiveStep, step_name
 from workloads.loadgen.load import LoadProgress, LoadRun, run_load
-from workloads.loadgen.steady import LAG, Settled, order_segment, requests_per_part, settle
+from workloads.loadgen.steady import LAG, Settled, cached_share, order_segment, requests_per_part, settle
 from workloads.loadgen.sweep import (
     DUE_COUNTS,
     Step,
@@ -185,8 +185,9 @@ class _Sweep:
             return None
         candidate = self.targets[1].name
 
-        def candidate_rows() -> list[dict]:
-            return [row for rows in taken for row, _, _ in rows if row["target"] == candidate]
+        def candidate_rows() -> list[dict]:      # each with its cached share of whole blocks, where it is known
+            return [{**row, "cached_share": cached_share(measured, self.settings.block_tokens)}
+                    for rows in taken for row, measured, _ in rows if row["target"] == candidate]
 
         while True:
             run_pair(len(taken))

@@ -16,16 +16,22 @@ from workloads.traffic.requests import Workload, load_order, of_pass
 
 @dataclass(frozen=True)
 class SteadyRule:
-    """When the candidate has stopped warming up: two consecutive blocks agree within these."""
+    """When the candidate has stopped warming up: two of its blocks `LAG` pairs apart agree within these. Where the
+    blocks carry the cached share of their prompts' whole blocks (`cached_share`: the engine's block size known),
+    that share is what warms, and alone is judged: its raw hit ratio and TTFT p50 follow each segment's requests."""
 
-    # |TTFT p50 / the block two pairs before's - 1| at most: above a steady candidate's block-to-block noise (on the
-    # 2-core VM, blocks of 16-28 requests two pairs apart in steady state differed by 3-29%, over 8 comparisons)
+    # |TTFT p50 / the block two pairs before's - 1| at most, where no cached share is known: above a steady
+    # candidate's block-to-block noise (on the 2-core VM, blocks of 16-28 requests two pairs apart in steady state
+    # differed by 3-29%, over 8 comparisons)
     ttft_change: float = 0.35
-    hit_ratio_points: float = 0.05    # |hit ratio - the block before's| at most (where the target reports one)
+    hit_ratio_points: float = 0.05    # |cached share (else hit ratio) - the block before's| at most (where reported)
     max_pairs: int = 3                # warm-up pairs left out at most before the level is measured anyway
 
     def agree(self, before: dict, after: dict) -> bool:
-        """Whether two consecutive blocks of the candidate agree (a block without a TTFT never does)."""
+        """Whether two blocks of the candidate agree (a block without a TTFT never does)."""
+        share_before, share_after = before.get("cached_share"), after.get("cached_share")
+        if share_before is not None and share_after is not None:
+            return abs(share_after - share_before) <= self.hit_ratio_points
         ttft_before, ttft_after = before.get("ttft_p50_s"), after.get("ttft_p50_s")
         if not (isinstance(ttft_before, (int, float)) and ttft_before > 0
                 and isinstance(ttft_after, (int, float)) and ttft_after > 0):
@@ -36,8 +42,18 @@ class SteadyRule:
         return hits_before is None or hits_after is None or abs(hits_after - hits_before) <= self.hit_ratio_points
 
     def describe(self) -> str:
-        return (f"the candidate's TTFT p50 within ±{format_percent(self.ttft_change, 0)} and its hit ratio within "
-                f"{self.hit_ratio_points * 100:g} points of its block {LAG} pairs before")
+        return (f"the candidate's cached share of its prompts' whole blocks within {self.hit_ratio_points * 100:g} "
+                f"points of its block {LAG} pairs before (where its engine's block size is not known: its TTFT p50 "
+                f"within ±{format_percent(self.ttft_change, 0)} and its hit ratio within "
+                f"{self.hit_ratio_points * 100:g} points)")
+
+
+def cached_share(records: list[dict], block_tokens: Optional[int]) -> Optional[float]:
+    """The tokens the responses say were cached over their prompts' whole blocks of `block_tokens` (what any cache of
+    such blocks can serve of them); None without a block size or a response that reports its cached tokens."""
+    reported = [r for r in records if r.get("ok") and r.get("cached_tokens") is not None and r.get("prompt_tokens")]
+    whole = sum(r["prompt_tokens"] // block_tokens * block_tokens for r in reported) if block_tokens else 0
+    return sum(r["cached_tokens"] for r in reported) / whole if whole else None
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,9 @@ class Settled:
         hits = [b.get("hit_ratio") for b in self.trail]
         hit_text = (", hit ratio " + " → ".join(format_percent(h, 0) for h in hits if h is not None)
                     if None not in hits else "")
+        shares = [share for b in self.trail if (share := b.get("cached_share")) is not None]
+        if shares and len(shares) == len(self.trail):
+            hit_text += ", cached share of whole blocks " + " → ".join(format_percent(h, 0) for h in shares)
         left = f"{self.warmup_pairs} pair{'s' if self.warmup_pairs != 1 else ''} left out"
         if self.settled:
             return f"warm-up: {left}, settled at pair {self.warmup_pairs + 1} (TTFT p50 {ttft}{hit_text})"

@@ -67,6 +67,7 @@ class SweepSettings:
     matched: bool = False
     matched_cap: float = 3.0
     steady: Optional[SteadyRule] = None    # a level's warm-up pairs run until the candidate settles (None: none)
+    block_tokens: Optional[int] = None     # the candidate engine's tokens per cache block (steady: its cached share)
 
 
 def percentiles(values: list[float]) -> dict[int, Optional[float]]:
