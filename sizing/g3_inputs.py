@@ -230,7 +230,8 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
     warm-up pairs left out, then `g3.blocks.min` measured; each target's caches carried from the primer through
     every block, as its servers carry them. The warm-up: where G3 judges the candidate's cached share of its prompts'
     whole blocks (`share_block_tokens`, the block size it judges them in), G3's own steady rule on the simulated
-    blocks' shares; else `WARMUP_PAIRS`. Returns (a LevelPrediction per level, hit figures per target); with noise
+    blocks' shares; else `WARMUP_PAIRS`. Returns (a LevelPrediction per level, hit figures per target, each with the
+    levels' warm-up pairs); with noise
     (engine.jitter), the whole sweep once per seed, each level's runs combined (`g3_figures.combine`)."""
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
     everything = [r for s in workload.sessions for r in s]
@@ -246,6 +247,7 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
     counted = {role: _Counted({level: [] for level in levels}) for role in ("candidate", "baseline")}
     roles = (("baseline", inputs.baseline_nodes), ("candidate", inputs.candidate_nodes))
     names: dict[str, tuple[str, ...]] = {}
+    warmup: dict[int, int] = {}             # each level's warm-up pairs (the first seed's)
 
     def serve(segment, level: int, caches, seen, seed: int) -> dict[str, _Block]:
         """Both targets' blocks of one segment, each request's hits and stores on that target's caches."""
@@ -298,6 +300,7 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
                     first = settle([{"cached_share": share(p["candidate"])} for p in pairs], rule)
                     if first is None and len(pairs) >= rule.max_pairs + LAG:
                         first = rule.max_pairs
+            warmup.setdefault(level, first)
             measured: dict[str, list[SimulatedRequest]] = {}
             for role, _ in roles:
                 clock, simulated = 0.0, []              # the level's measured blocks from 0, back to back
@@ -321,5 +324,6 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
                       "overall": hit / blocks if blocks else 0.0,
                       "infinite_cache_bound": c.bound / blocks if blocks else 0.0,
                       "per_level": {level: float(np.mean(v)) for level, v in c.per_level.items()},
-                      "pool_share": totals[POOL_TIER] / hit if POOL_TIER in totals and hit else None}
+                      "pool_share": totals[POOL_TIER] / hit if POOL_TIER in totals and hit else None,
+                      "warmup_pairs": dict(warmup)}
     return [combine(runs[level]) for level in levels], hits

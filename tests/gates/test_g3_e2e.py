@@ -91,6 +91,8 @@ def test_g3_judges_ttft_reduction_and_throughput_gain_at_each_level_from_all_thr
     # each level's warm-up is recorded, and each pair's two blocks served the same requests
     warm = [m for m in store.measurements("g3") if m["metric"] == "g3_warmup_pairs"]
     assert len(warm) == 1 and warm[0]["context"]["line"].startswith("warm-up: ")
+    # kvgate's block size is known: the warm-up judged the candidate's cached share of its prompts' whole blocks
+    assert "cached share of whole blocks" in warm[0]["context"]["line"], warm
     assert all(v["context"]["requests_not_in_both"] == 0 and v["context"]["warmup"] == warm[0]["context"]["line"]
                for v in sweep if v["metric"] in ("ttft_p50_reduction", "throughput_gain"))
     by_pair = {}

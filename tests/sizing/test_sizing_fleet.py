@@ -352,3 +352,24 @@ def test_routing_is_g3s_own_router_afresh_for_each_load_run():
         by_session.setdefault(request.session_id, set()).add(node)
     assert all(len(nodes) == 1 for nodes in by_session.values())            # a conversation stays on its node
     assert set().union(*by_session.values()) == {0, 1}
+
+
+def test_g3s_warm_up_is_simulated_by_g3s_own_rule_on_the_cached_share_where_g3_judges_it(tmp_path):
+    """Where G3 reads the candidate's cached share of its prompts' whole blocks, the simulation leaves out the pairs
+    G3's steady rule would on the simulated blocks: none for a primed cache that serves every whole block (G3 then
+    measures from the first pair), one where G3 judges TTFT (`WARMUP_PAIRS`)."""
+    from sizing.g3_inputs import WARMUP_PAIRS, simulate_blocks
+    from workloads.traffic.datasets import ByteSizer, build_workload
+
+    timing = TimingModel(RecomputeCurve(0.01, 1e-4, 0.0), TierBandwidths(disk_gbps=1.0, remote_gbps=0.15), KV,
+                         block_size=256)
+    engine = EngineModel(timing, DecodeCost(0.004, 0.001), 8)
+    config = _fleet_config(tmp_path, 16, levels=[2, 4], blocks={"min": 3, "max": 3})
+    inputs, _ = target_inputs(config)
+    workload = build_workload(config.g3.workload, ByteSizer(), 0)
+    _, shares = simulate_blocks(config.g3, workload, inputs, engine, (0,), share_block_tokens=256)
+    _, ttft = simulate_blocks(config.g3, workload, inputs, engine, (0,))
+    assert shares["candidate"]["warmup_pairs"] == {2: 0, 4: 0}
+    assert ttft["candidate"]["warmup_pairs"] == {2: WARMUP_PAIRS, 4: WARMUP_PAIRS}
+    # the measured segments differ, and with them the figures
+    assert shares["candidate"]["per_level"] != ttft["candidate"]["per_level"]
