@@ -25,12 +25,13 @@ Level = Annotated[Union[int, float], PlainValidator(_level)]
 
 
 class G3SteadyConfig(StrictModel):
-    """When a level's warm-up pairs end (workloads/loadgen/steady.py): two consecutive candidate blocks agree."""
+    """When a level's warm-up pairs end (workloads/loadgen/steady.py): two candidate blocks two pairs apart agree."""
 
     ttft_change: Float = Field(default=0.35, gt=0, description="the candidate's TTFT p50 within this fraction of the "
-                               "block before")
-    hit_ratio_points: Float = Field(default=0.05, ge=0, le=1, description="its hit ratio within this many points "
-                                    "(a fraction) of the block before")
+                               "block before (where its engine's block size is not known)")
+    hit_ratio_points: Float = Field(default=0.05, ge=0, le=1, description="its cached share of its prompts' whole "
+                                    "blocks (else its hit ratio) within this many points (a fraction) of the block "
+                                    "before")
     max_pairs: Count = Field(default=3, ge=1, description="warm-up pairs at most; a level not settled by then is "
                              "measured from the last and says so")
 
