@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from kvcore.settings import ConfigError
-from workloads.loadgen.steady import LAG, order_segment, requests_per_part, settle
+from workloads.loadgen.steady import cached_share, order_segment, requests_per_part, warm_up_end
 from workloads.loadgen.sweep import closed_loop, primer, rate_multiplied, trace_parts
 from workloads.traffic.requests import Workload, WorkloadRequest, load_order
 from workloads.traffic.routing import Router, Routing
@@ -231,8 +231,8 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
     every block, as its servers carry them. The warm-up: where G3 judges the candidate's cached share of its prompts'
     whole blocks (`share_block_tokens`, the block size it judges them in), G3's own steady rule on the simulated
     blocks' shares; else `WARMUP_PAIRS`. Returns (a LevelPrediction per level, hit figures per target, each with the
-    levels' warm-up pairs); with noise
-    (engine.jitter), the whole sweep once per seed, each level's runs combined (`g3_figures.combine`)."""
+    levels' warm-up pairs); with noise (engine.jitter), the whole sweep once per seed, each level's runs combined
+    (`g3_figures.combine`)."""
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
     everything = [r for s in workload.sessions for r in s]
     keys = dict(zip((r.request_id for r in everything),
@@ -265,10 +265,9 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
         return served
 
     def share(block: _Block) -> Optional[float]:
-        """The block's cached share of its prompts' whole blocks, as G3's steady rule reads it (steady.cached_share)."""
-        whole = sum(n // share_block_tokens * share_block_tokens for n in block.prompt_tokens) \
-            if share_block_tokens else 0
-        return block.cached_tokens(inputs.block_tokens) / whole if whole else None
+        """The block's cached share of its prompts' whole blocks, read as G3's steady rule reads its records."""
+        return cached_share([{"ok": True, "prompt_tokens": n, "cached_tokens": sum(row) * inputs.block_tokens}
+                             for n, row in zip(block.prompt_tokens, block.rows)], share_block_tokens)
 
     for seed in seeds:
         caches: dict[str, list[CacheSimulator]] = {}
@@ -297,9 +296,8 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
                 if span > 0:
                     rate = len(done) / span             # what sizes the next level's segments, as in G3
                 if first is None:                       # G3's warm-up on the candidate's shares (blocks.py)
-                    first = settle([{"cached_share": share(p["candidate"])} for p in pairs], rule)
-                    if first is None and len(pairs) >= rule.max_pairs + LAG:
-                        first = rule.max_pairs
+                    end = warm_up_end([{"cached_share": share(p["candidate"])} for p in pairs], len(pairs), rule)
+                    first = None if end is None else end[0]
             warmup.setdefault(level, first)
             measured: dict[str, list[SimulatedRequest]] = {}
             for role, _ in roles:

@@ -366,7 +366,7 @@ def test_where_the_cached_share_of_whole_blocks_is_known_it_alone_says_when_the_
     prompt in its last, partial block, and more of it to compute): blocks two pairs apart differed 35-76% in TTFT p50
     and 10 points in hit ratio while the cache served every whole block. The share of the whole blocks is what
     warms, and it alone is judged where it is known; a share still climbing is not settled."""
-    from workloads.loadgen.steady import Settled, cached_share, settle
+    from workloads.loadgen.steady import Settled, cached_share, settle, warm_up_end
 
     rule = SteadyRule()
     segments = [{"ttft_p50_s": t, "hit_ratio": h, "cached_share": 1.0}
@@ -375,6 +375,11 @@ def test_where_the_cached_share_of_whole_blocks_is_known_it_alone_says_when_the_
     assert settle([{**b, "cached_share": None} for b in segments], rule) == 1      # without it: TTFT and hit ratio
     warming = [{"ttft_p50_s": 0.05, "hit_ratio": 0.5, "cached_share": s} for s in (0.5, 0.6, 0.7, 0.72, 0.73)]
     assert settle(warming, rule) == 2
+    # the warm-up is over when the blocks agree, or unsettled after max_pairs + 2 pairs (the gate and the sizing
+    # model both end it here: steady.warm_up_end)
+    climbing = [{"cached_share": s} for s in (0.2, 0.4, 0.6, 0.8, 1.0)]
+    assert warm_up_end(climbing[:4], 4, rule) is None and warm_up_end(climbing, 5, rule) == (3, False)
+    assert warm_up_end(warming[:3], 3, rule) is None and warm_up_end(warming, 5, rule) == (2, True)
     line = Settled(0, True, tuple(segments[:3]), rule).line()
     assert "cached share of whole blocks 100% → 100% → 100%" in line and "hit ratio 98% → 93% → 88%" in line
     # the share of a prompt's whole blocks of 256 tokens: 1,830 tokens hold 7 (1,792), 1,000 hold 3 (768)

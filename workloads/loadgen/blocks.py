@@ -17,7 +17,7 @@ import pandas as pd
 from kvcore.rundata import read_records
 from workloads.loadgen.live import LiveFigures, LiveStep, step_name
 from workloads.loadgen.load import LoadProgress, LoadRun, run_load
-from workloads.loadgen.steady import LAG, Settled, cached_share, order_segment, requests_per_part, settle
+from workloads.loadgen.steady import LAG, Settled, cached_share, order_segment, requests_per_part, warm_up_end
 from workloads.loadgen.sweep import (
     DUE_COUNTS,
     Step,
@@ -191,11 +191,11 @@ class _Sweep:
 
         while True:
             run_pair(len(taken))
-            found = settle(candidate_rows(), rule)
-            if found is not None:
-                return Settled(found, True, tuple(candidate_rows()[:found + LAG + 1]), rule)
-            if len(taken) >= rule.max_pairs + LAG:
-                return Settled(rule.max_pairs, False, tuple(candidate_rows()), rule)
+            end = warm_up_end(candidate_rows(), len(taken), rule)
+            if end is not None:
+                left_out, settled = end
+                rows = candidate_rows()
+                return Settled(left_out, settled, tuple(rows[:left_out + LAG + 1] if settled else rows), rule)
 
     def _part(self, step: Step, pair: int) -> Optional[tuple[Workload, Optional[int]]]:
         """What pair `pair` serves: a trace step's sub-part, a matched segment of the load order (`settings.matched`),

@@ -96,6 +96,15 @@ def settle(candidate_blocks: list[dict], rule: SteadyRule) -> Optional[int]:
     return None
 
 
+def warm_up_end(candidate_blocks: list[dict], pairs: int, rule: SteadyRule) -> Optional[tuple[int, bool]]:
+    """After `pairs` warm-up pairs: (the pairs left out, whether the candidate settled) once the warm-up is over (its
+    blocks agree `settle`, or `rule.max_pairs` + `LAG` pairs ran unsettled); None while it needs another pair."""
+    found = settle(candidate_blocks, rule)
+    if found is not None:
+        return found, True
+    return (rule.max_pairs, False) if pairs >= rule.max_pairs + LAG else None
+
+
 def requests_per_part(workload: Workload, users: int, rate_per_s: Optional[float], duration_s: float) -> int:
     """Requests in a matched pair's segment: what the baseline serves in about `duration_s` at `rate_per_s`
     (unknown yet: eight per user), at least two per user, at most one pass of the workload."""
