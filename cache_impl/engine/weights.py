@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -165,8 +166,28 @@ def load_weights(directory: Path, asked_preset: Optional[str], loader: str, devi
     return model, load
 
 
+# the initialisers torch's modules call from their reset_parameters (torch.nn.init's in-place functions)
+_INITIALISERS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+                 "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    """torch.nn.init's initialisers as no-ops while modules whose every parameter is loaded next are built: their
+    parameters stay torch.empty's. (Built on the meta device instead, then to_empty, torch runs its Python
+    reference kernels, whose first use imports its compiler stack: ~2 s of a 6-s service start on a 2-core VM.)"""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
 def _empty_model(args: ModelArgs, device: torch.device) -> Transformer:
     """The model's modules with parameters allocated on `device` but not initialised (they are loaded next)."""
-    with torch.device("meta"):
+    with torch.device(device), _initialisers_skipped():
         model = Transformer(args)
-    return model.to_empty(device=device).eval()
+    return model.eval()

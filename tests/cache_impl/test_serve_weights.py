@@ -91,6 +91,23 @@ def test_export_writes_the_models_tensors_in_shards_with_an_index_naming_the_pre
     assert all(entry.dtype == "F32" for entry in written.tensors.values())
 
 
+def test_loading_weights_builds_the_model_without_torchs_compiler_stack(weights):
+    """The model is built uninitialised on its device, then loaded: nothing imports what torch's meta-device
+    reference kernels pull in (sympy, dynamo: seconds of every start with weights); the initialisers it
+    skipped are torch's again afterwards, and the model answers as the seeded one."""
+    script = ("import sys, torch; from pathlib import Path; from cache_impl.engine.weights import load_weights; "
+              "from cache_impl.engine.model import build_model; "
+              "initialisers = dict(vars(torch.nn.init)); "
+              f"model, load = load_weights(Path({str(weights)!r}), 'tiny', 'kvgate', torch.device('cpu')); "
+              "seeded = build_model('tiny', 0, torch.device('cpu')); "
+              "print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules), "
+              "dict(vars(torch.nn.init)) == initialisers, load.nbytes > 0, "
+              "all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), seeded.state_dict().values())))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "True", "True", "True"], result.stdout
+
+
 @pytest.mark.parametrize("loader", EACH_LOADER)
 def test_served_weights_answer_as_the_seeded_model_with_its_fingerprint(weights, seeded, loader, tmp_path):
     with serving(tmp_path, weights, "--load-format", loader) as server:
