@@ -19,7 +19,16 @@ from workloads.traffic.routing import Router, Routing
 
 from .g3_figures import LevelPrediction, TargetReplay, combine, level_prediction
 from .queueing import EngineModel, ServedRequest, SimulatedRequest, simulate_source
-from .replay import POOL_TIER, CacheSimulator, Key, ReplayResult, RequestKeys, infinite_cache_hits, replay
+from .replay import (
+    POOL_TIER,
+    CacheSimulator,
+    Key,
+    ReplayResult,
+    RequestKeys,
+    TierCapacity,
+    infinite_cache_hits,
+    replay,
+)
 from .sequences import embedded_chat_tokens, requests_block_keys, word_chat_tokens
 from .settings import G3Section
 from .targets import TargetInputs
@@ -61,6 +70,38 @@ def g3_segments(g3: G3Section, workload: Workload) -> list[Segment]:
             segments.append(Segment(tuple(paced.requests), level,
                                     {level: tuple(r.arrival_s or 0.0 for r in paced.requests)}))
     return segments
+
+
+def primer_spared(g3: G3Section, workload: Workload, inputs: TargetInputs) -> dict[str, int]:
+    """Per compared target, how many of the primer's first requests it can be spared: the most whose leaving out
+    ends priming with its caches holding the same blocks, in the same order of use, as after the whole primer (the
+    simulation of its levels: the cache's own placement over their capacities), every level full, so whatever the
+    target held before G3 is evicted either way. A baseline whose device tier holds a few prompts keeps only the
+    primer's last ones; a candidate whose disk holds them all is sent all. 0 where the simulation is not exact
+    for the target: an external engine (its tokens approximated), a fleet, a trace's warm-up, no priming."""
+    roles = {"candidate": inputs.candidate_nodes, "baseline": inputs.baseline_nodes}
+    if not g3.prime or workload.trace or not inputs.embedded:
+        return dict.fromkeys(roles, 0)
+    keys = requests_block_keys(load_order(primer(workload)), embedded_chat_tokens, block_tokens=inputs.block_tokens)
+    capacities = inputs.capacities()
+    return {role: 0 if nodes > 1 else _spared(keys, capacities[role]) for role, nodes in roles.items()}
+
+
+def _spared(keys: Sequence[RequestKeys], capacities: Sequence[TierCapacity]) -> int:
+    whole = _primed(keys, capacities)
+    if not whole.full():
+        return 0
+    after_all = whole.state()
+    return next((first for first in range(len(keys) - 1, 0, -1)
+                 if _primed(keys[first:], capacities).state() == after_all), 0)
+
+
+def _primed(keys: Sequence[RequestKeys], capacities: Sequence[TierCapacity]) -> CacheSimulator:
+    """A cache of `capacities`, empty, after serving the requests in order."""
+    cache = CacheSimulator(capacities)
+    for request in keys:
+        cache.serve(request)
+    return cache
 
 
 def route(segments: Sequence[Segment], nodes: int, routing: Routing) -> list[list[int]]:

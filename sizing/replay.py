@@ -156,6 +156,15 @@ class CacheSimulator:
         pool = [self.pool.name] if self.pool is not None and key in self.pool.tier else []
         return self.placement.where(key) + pool
 
+    def state(self) -> tuple[tuple[Key, ...], ...]:
+        """What each level holds, least recently used first (a pool: least recently put or read first)."""
+        return tuple(tuple(level.lru if level.lru is not None else level.tier.keys) for level in self.levels)
+
+    def full(self) -> bool:
+        """Every level holds as many blocks as it can (an unbounded one never does)."""
+        return all(len(account) >= account.capacity_bytes
+                   for account in (level.lru if level.lru is not None else level.tier.keys for level in self.levels))
+
     def load(self, keys: Sequence[Key]) -> list[int]:
         """Hit blocks per level (in level order) of the longest held prefix; refreshes each source."""
         hits = [0] * len(self.levels)

@@ -18,7 +18,7 @@ from kvcore.aa import AA_FALSE_DECISION, false_decision_line
 from kvcore.g3_analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
 from kvcore.predictions import prediction_for
 from kvcore.rundata import read_records
-from sizing.g3_inputs import g3_replays
+from sizing.g3_inputs import g3_replays, primer_spared
 from sizing.targets import steady_block_tokens, target_inputs
 from workloads.loadgen.blocks import run_sweep, step_measured_records
 from workloads.loadgen.sweep import SweepSettings, describe_replay, prime_targets
@@ -74,12 +74,15 @@ def sweep(gate_context, endpoints, adapters):
     # the recompute reference keeps no prefix (mode recompute), so priming it would only spend time; A/A: the
     # candidate serves the baseline role too and is primed once
     primed_roles = [role for role in roles if role != "recompute" and not (aa and role == "baseline")]
+    spared = _primer_spared(gate_context.config, workload) if config.prime else {}
     primed = prime_targets([targets[role] for role in primed_roles], workload, primer_users, settings.out_dir,
-                           on_step=settings.on_step) if config.prime else []
+                           on_step=settings.on_step,
+                           spared={targets[role].name: spared.get(role, 0) for role in primed_roles}
+                           ) if config.prime else []
     frame = run_sweep([targets["baseline"], targets["candidate"]], workload, settings,
                       references=[targets[role] for role in roles if role == "recompute"])
-    steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime), "embedded": embedded,
-             "candidate_lacks": adapters["candidate"].absent_tiers(),
+    steps = {"primed": primed, "replay": describe_replay(workload, settings, config.prime, primed),
+             "embedded": embedded, "candidate_lacks": adapters["candidate"].absent_tiers(),
              "hit_ratio_bound": _workload_bound(gate_context.config, workload), "aa": aa}
     for row in frame.to_dict("records"):
         in_window = step_measured_records(row)  # every block's window, as the pooled summary's
@@ -118,6 +121,15 @@ def _workload_bound(config, workload) -> dict:
         return {}
 
 
+def _primer_spared(config, workload) -> dict:
+    """Per target, the primer's first requests its caches would not keep (sizing/g3_inputs.py); none when that
+    cannot be worked out: it only saves time, so it is never a reason for G3 to fail."""
+    try:
+        return primer_spared(config.g3, workload, target_inputs(config)[0])
+    except Exception:
+        return {}
+
+
 def _levels(sweep) -> dict:
     return {key: step for key, step in sweep.items() if isinstance(key, tuple)}
 
@@ -146,7 +158,7 @@ def test_targets_were_primed_alike(sweep, gate_context, record):
         pytest.skip("g3.prime is off: steps start from whatever each target holds")
     for row in sweep["primed"]:
         record("prime_requests", row["requests"], target=row["target"], errors=row["errors"],
-               seconds=round(row["seconds"], 1))
+               seconds=round(row["seconds"], 1), spared=row.get("spared", 0))
     incomplete = [f"{r['target']}: {r['requests'] - r['errors']} of {r['expected']} ok"
                   + (f" (errors: {r['error_summary']})" if r.get("error_summary") else "")
                   for r in sweep["primed"] if r["requests"] - r["errors"] != r["expected"]]

@@ -256,11 +256,15 @@ def rate_multiplied(part: Workload, multiplier: float) -> Workload:
         for s in part.sessions))
 
 
-def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -> str:
-    """One sentence saying how a sweep replays its workload (the report shows it)."""
+def describe_replay(workload: Workload, settings: SweepSettings, primed: bool,
+                    spared: Sequence[dict] = ()) -> str:
+    """One sentence saying how a sweep replays its workload (the report shows it); `spared`: prime_targets' rows."""
     levels = ", ".join(f"{v:g}" for v in settings.levels)
     if not workload.trace:
         warm = "after priming every target with every turn of each session once" if primed else "without priming"
+        warm += "".join(f" ({row['target']}: the last {row['expected']} of {row['expected'] + row['spared']} turns, "
+                        f"as its caches hold no more: the first {row['spared']} would have left them as they are)"
+                        for row in spared if primed and row.get("spared"))
         matched = ("; both blocks of a pair served the same segment of the workload's load order, each request "
                    "once, measured from its first" if settings.matched else "")
         steady = (f", after warm-up pairs that ended with {settings.steady.describe()}" if settings.steady else "")
@@ -279,25 +283,33 @@ def describe_replay(workload: Workload, settings: SweepSettings, primed: bool) -
 
 def prime_targets(targets: list[Target], workload: Workload, users: int, out_dir: Path,
                   timeout_s: float = 600.0, stop_rule: Optional[StopRule] = StopRule(),
-                  on_step: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Send every target `primer(workload)` once; a row per target (requests, errors, seconds).
+                  on_step: Optional[Callable[[str], None]] = None,
+                  spared: Optional[Mapping[str, int]] = None) -> list[dict]:
+    """Send every target `primer(workload)` once, less the first `spared[target.name]` requests (those its caches
+    would not keep: sizing.g3_inputs.primer_spared); a row per target (requests, errors, seconds, spared).
 
     `on_step` is told a line as each target's priming starts and ends (progress).
     """
     primer_workload = primer(workload)
     if not primer_workload.sessions:  # a trace without warm-up requests: nothing to send
-        return [{"target": t.name, "requests": 0, "errors": 0, "seconds": 0.0, "expected": 0,
+        return [{"target": t.name, "requests": 0, "errors": 0, "seconds": 0.0, "expected": 0, "spared": 0,
                  "locust_exit_code": None, "error_summary": "", "stopped_reason": None} for t in targets]
     primer_workload = primer_workload if not workload.trace else closed_loop(primer_workload)
-    expected = len(primer_workload.requests)
+    whole = len(primer_workload.requests)
     rows, say = [], on_step or (lambda text: None)
     for target in targets:
-        say(f"priming {target.name}: sending {expected} requests once, {users} at a time")
-        run = run_load(primer_workload, target, users, timeout_s, out_dir / target.name / "prime",
+        # spared: the first requests of the load order, which are the first sessions where each is one request
+        skip = min(max(0, (spared or {}).get(target.name, 0)), whole - 1) if not workload.trace else 0
+        sent = replace(primer_workload, sessions=primer_workload.sessions[skip:]) if skip else primer_workload
+        expected = len(sent.requests)
+        say(f"priming {target.name}: sending {expected} requests once, {users} at a time"
+            + (f" (the last {expected} of the primer's {whole}: its caches hold no more, so the first {skip} would "
+               f"leave them as they are)" if skip else ""))
+        run = run_load(sent, target, users, timeout_s, out_dir / target.name / "prime",
                        max_requests=expected, stop_rule=stop_rule)
         records = read_records(run.records_dir)
         rows.append({"target": target.name, "requests": len(records), "errors": sum(not r["ok"] for r in records),
-                     "seconds": run.ended_at - run.started_at, "expected": expected,
+                     "seconds": run.ended_at - run.started_at, "expected": expected, "spared": skip,
                      "locust_exit_code": run.returncode, "error_summary": describe_errors(summarize_errors(records)),
                      "stopped_reason": run.stopped["reason"] if run.stopped else None})
         say(f"priming {target.name}: done, {rows[-1]['requests']} requests, {rows[-1]['errors']} errors, "
