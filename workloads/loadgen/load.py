@@ -1,4 +1,5 @@
-"""Run the locustfile headless in subprocesses: one process, or a master with N workers on loopback."""
+"""Run the locustfile headless: one process (forked from one that imported locust: locust_process.py), or a master
+with N workers on loopback in subprocesses."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from kvcore.files import JsonlTail, read_jsonl
+from workloads.loadgen.locust_process import ForkedLocust, start_locust
 from workloads.traffic.errors import StopRule
 from workloads.traffic.processes import die_with_parent, free_port
 from workloads.traffic.requests import Workload, save_workload
 from workloads.traffic.target import Target
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+LoadProcess = Union[subprocess.Popen, ForkedLocust]
 STOP_WAIT_S = 30.0          # a load told to stop early: its users' requests in flight end (--stop-timeout 5)
 
 
@@ -72,9 +75,10 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
                 "sample_interval_s": sample_interval_s, "stop_rule": asdict(stop_rule) if stop_rule else None}
     (out_dir / "load.json").write_text(json.dumps(settings, indent=1))
     env = {**os.environ, "KVGATE_LOAD_CONFIG": str(out_dir / "load.json")}
-    base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--loglevel", "WARNING"]
-    main = base + ["--headless", "-u", str(users), "-r", str(users), "-t", f"{run_time_s}s",
-                   "--stop-timeout", "5", "--only-summary", "--exit-code-on-error", "0", "--host", target.url]
+    options = ["-f", str(LOCUSTFILE), "--loglevel", "WARNING"]
+    headless = options + ["--headless", "-u", str(users), "-r", str(users), "-t", f"{run_time_s}s",
+                          "--stop-timeout", "5", "--only-summary", "--exit-code-on-error", "0", "--host", target.url]
+    base, main = [sys.executable, "-m", "locust", *options], [sys.executable, "-m", "locust", *headless]
     log_path = out_dir / "locust.log"
     started = time.time()
     tail = JsonlTail(records_dir, "records-*.jsonl")
@@ -88,7 +92,7 @@ def run_load(workload: Workload, target: Target, users: int, duration_s: float, 
 
     with open(log_path, "w") as log:
         if workers <= 0:
-            proc = subprocess.Popen(main, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            proc = start_locust(headless, env, log)     # forked from a process that imported locust once
             try:
                 returncode = _wait(proc, duration_s + 120, tell, progress_every_s)
             finally:
@@ -108,7 +112,7 @@ def read_unanswered(records_dir: Path) -> list[dict]:
     return rows
 
 
-def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], Optional[bool]], every_s: float) -> int:
+def _wait(process: LoadProcess, timeout_s: float, tell: Callable[[], Optional[bool]], every_s: float) -> int:
     """The process's exit code, calling `tell` every `every_s` while it runs (TimeoutExpired past `timeout_s`);
     when `tell` returns True the process is told to stop (SIGTERM: locust stops its users and ends the test, so
     its due files are written) and waited for."""
@@ -128,7 +132,7 @@ def _wait(process: subprocess.Popen, timeout_s: float, tell: Callable[[], Option
                     return process.wait()
 
 
-def _end(process: subprocess.Popen) -> None:
+def _end(process: LoadProcess) -> None:
     """Kill a load process still running (a timeout, or an error while it ran) and reap it."""
     if process.poll() is None:
         process.kill()
