@@ -80,7 +80,7 @@ def _locust_main(argv: list[str], env: dict, log_path: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["locust", *argv]
-    from locust.main import main  # preloaded in the forkserver: no import cost here
+    from locust.main import main  # deferred: the forked load process runs it; the forkserver preloaded it
 
     main()
 
