@@ -156,14 +156,17 @@ class CacheSimulator:
         pool = [self.pool.name] if self.pool is not None and key in self.pool.tier else []
         return self.placement.where(key) + pool
 
+    def _accounts(self) -> list[LRUAccount[Key]]:
+        """Each level's keys in order of use: the cache's LRU account, or a pool's own."""
+        return [level.lru if level.lru is not None else level.tier.keys for level in self.levels]
+
     def state(self) -> tuple[tuple[Key, ...], ...]:
         """What each level holds, least recently used first (a pool: least recently put or read first)."""
-        return tuple(tuple(level.lru if level.lru is not None else level.tier.keys) for level in self.levels)
+        return tuple(tuple(account) for account in self._accounts())
 
     def full(self) -> bool:
         """Every level holds as many blocks as it can (an unbounded one never does)."""
-        return all(len(account) >= account.capacity_bytes
-                   for account in (level.lru if level.lru is not None else level.tier.keys for level in self.levels))
+        return all(len(account) >= account.capacity_bytes for account in self._accounts())
 
     def load(self, keys: Sequence[Key]) -> list[int]:
         """Hit blocks per level (in level order) of the longest held prefix; refreshes each source."""

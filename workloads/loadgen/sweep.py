@@ -257,14 +257,15 @@ def rate_multiplied(part: Workload, multiplier: float) -> Workload:
 
 
 def describe_replay(workload: Workload, settings: SweepSettings, primed: bool,
-                    spared: Sequence[dict] = ()) -> str:
-    """One sentence saying how a sweep replays its workload (the report shows it); `spared`: prime_targets' rows."""
+                    primed_rows: Sequence[dict] = ()) -> str:
+    """One sentence saying how a sweep replays its workload (the report shows it); `primed_rows`: prime_targets'
+    rows, which say the turns each target was spared."""
     levels = ", ".join(f"{v:g}" for v in settings.levels)
     if not workload.trace:
         warm = "after priming every target with every turn of each session once" if primed else "without priming"
         warm += "".join(f" ({row['target']}: the last {row['expected']} of {row['expected'] + row['spared']} turns, "
                         f"as its caches hold no more: the first {row['spared']} would have left them as they are)"
-                        for row in spared if primed and row.get("spared"))
+                        for row in primed_rows if primed and row.get("spared"))
         matched = ("; both blocks of a pair served the same segment of the workload's load order, each request "
                    "once, measured from its first" if settings.matched else "")
         steady = (f", after warm-up pairs that ended with {settings.steady.describe()}" if settings.steady else "")
