@@ -2,6 +2,9 @@
 
 import itertools
 import json
+import re
+import selectors
+import socket
 import threading
 from collections import defaultdict
 from dataclasses import replace
@@ -89,6 +92,83 @@ def test_an_interleaved_workload_takes_every_sessions_turn_round_robin_one_at_a_
         turns.sort()
         assert [t for *_, t in turns] == [i % 3 for i in range(len(turns))]   # in order, cycling
         assert all(prev_end <= start for (_, prev_end, _), (start, _, _) in zip(turns, turns[1:]))  # never overlapping
+
+
+def test_requests_sent_together_go_out_in_the_order_the_users_took_them(order_recorder, tmp_path):
+    """A block's users start together; each connects as it starts, so it sends a turn the moment it takes it and
+    the turns reach the target in the order taken. Connecting at its first request, a user yielded to the others
+    between taking a turn and sending it, and the eight connects completed in any order (mostly the reverse)."""
+    workload = replace(_workload(sessions=8, turns=1, tag="Order"), interleaved=True)
+    for attempt in range(3):
+        run = run_load(workload, order_recorder.target, users=8, duration_s=30, out_dir=tmp_path / f"wave{attempt}",
+                       max_requests=8, stop_rule=None)
+        taken = [r["session_id"] for r in sorted(read_records(run.records_dir), key=lambda r: r["sent_at"])]
+        assert taken == [f"s{s}" for s in range(8)], run.log          # the users took the turns in order
+        assert order_recorder.take() == list(range(8))                # and they arrived in that order
+
+
+class _OrderRecorder:
+    """A one-thread HTTP/1.1 target that notes the order in which whole requests arrive on its sockets (a
+    selector loop: no thread of its own per connection to reorder them), answering each with a 503."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setblocking(False)
+        self.target = Target("recorder", f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1", "m")
+        self.arrived: list[int] = []
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.lock, self.stopping = threading.Lock(), False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def take(self) -> list[int]:
+        with self.lock:
+            arrived, self.arrived = self.arrived, []
+        return arrived
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.thread.join(timeout=5)
+        self.listener.close()
+
+    def _serve(self) -> None:
+        pending: dict[socket.socket, bytes] = {}
+        while not self.stopping:
+            for key, _ in self.selector.select(timeout=0.1):
+                if key.fileobj is self.listener:
+                    connection, _ = self.listener.accept()
+                    self.selector.register(connection, selectors.EVENT_READ)
+                    pending[connection] = b""
+                    continue
+                connection = key.fileobj
+                data = connection.recv(1 << 16)
+                if not data:
+                    self.selector.unregister(connection)
+                    connection.close()
+                    continue
+                pending[connection] = self._answered(connection, pending[connection] + data)
+
+    def _answered(self, connection: socket.socket, data: bytes) -> bytes:
+        head, separator, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?i)content-length: *(\d+)", head)
+        if not separator or length is None or len(body) < int(length[1]):
+            return data
+        with self.lock:
+            self.arrived.append(int(re.search(rb"Order (\d+): ", body)[1]))
+        answer = b'{"error": {"message": "noted", "type": "server_error"}}'
+        connection.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+        return body[int(length[1]):]
+
+
+@pytest.fixture
+def order_recorder():
+    recorder = _OrderRecorder()
+    try:
+        yield recorder
+    finally:
+        recorder.stop()
 
 
 def test_distributed_locust_with_two_workers_collects_the_records_of_both(target, tmp_path):

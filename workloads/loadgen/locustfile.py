@@ -137,6 +137,8 @@ class WorkloadUser(User):
                         for url in urls]
         self.node_urls = urls if len(urls) > 1 else [None]
         self.router = ROUTERS.setdefault("router", Router(len(urls), target.get("routing", "round-robin")))
+        for client in self.clients:  # before its first turn: it sends each turn as it takes it, in the users' order
+            client.connect()
 
     def on_stop(self) -> None:
         for client in self.clients:

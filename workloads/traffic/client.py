@@ -267,6 +267,22 @@ class StreamingClient:
         self.worker = f"{os.uname().nodename}:{os.getpid()}"
         self.backoff = Backoff()
 
+    def connect(self) -> bool:
+        """Open the keep-alive connection now, not at the first request: a load user that connects as it
+        starts sends each request the moment it takes it, so requests sent together reach the target in
+        the order they were sent (under gevent a first request's connect yields, and the users' connects
+        complete in any order), and no TTFT holds a TCP handshake. False when the target does not accept
+        the connection: the first request tries again, and records what fails."""
+        if self._connection is None:
+            self._connection = self._connection_class(self._host, self._port, timeout=self.timeout_s)
+        if self._connection.sock is None:
+            try:
+                self._connection.connect()
+            except OSError:
+                self.close()
+                return False
+        return True
+
     def close(self) -> None:
         if self._connection is not None:
             self._connection.close()
