@@ -16,9 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Optional
 
-from workloads.probes.faults import AdminClient, AdminError
+from workloads.probes.faults import AdminClient, AdminError, per_tier
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import CHAT_FRAMING_TOKENS, context_request
 from workloads.traffic.errors import describe_error
@@ -34,9 +35,15 @@ PREFILL_FRACTIONS = (3 / 16, 9 / 16, 15 / 16)
 PREFILL_ROUNDS = 3            # each length's figure is the median of its rounds
 PREFILL_TIMEOUT_S = 120.0     # per request
 # The hit probe: the tiered server's hits at the prefill probe's lengths longer than a block, each placed by the
-# admin routes (the tiers evicted above it) before it is asked for again
+# admin routes (the tiers evicted above it) before it is asked for again. Per length, the disk hit first: it
+# promotes the whole prefix to the tiers above, so the host placement (the device evicted) then finds all of it
+# in the host tier, whatever the other lengths' prefixes pushed out of it since (the probe's prefixes together
+# may outgrow the host tier, and a host hit asked for first was served from disk). Each hit is checked against
+# the server's per-tier hit counters (PLACED_TIER: the tier it must come from).
 HITS_ROLE = "candidate"
-HIT_PLACEMENTS = {"host-hit": ("device",), "disk-cold": ("device", "host")}
+HIT_PLACEMENTS = {"disk-cold": ("device", "host"), "host-hit": ("device",)}
+PLACED_TIER = {"disk-cold": "disk", "host-hit": "host"}
+HITS_METRIC = "kvgate_cache_hits_total"
 # The decode probe: each sequence generates this many tokens after every other sequence's prompt is in (one
 # per step while the others' prompts are computed a block at a time), at least this many gaps timed
 DECODE_WINDOW_TOKENS = 32
@@ -121,9 +128,11 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
               admin_token: Optional[str] = None) -> dict:
     """The tiered server's first-token time for a prefix cached in its host tier and on its disk alone (pages
     dropped), at the prefill probe's lengths of a block or more: each prompt sent once (a miss: computed, stored,
-    written behind to disk), then per round placed by the admin routes and asked for again. {"role", "points":
-    [{"mode" ("host-hit" or "disk-cold"), "context_tokens", "prompt_tokens", "cached_tokens", "seconds" (the
-    median), "rounds"}], "seconds"}; {"error": why} when a request or a placement failed."""
+    written behind to disk), then per round placed by the admin routes and asked for again (the module's order).
+    {"role", "points": [{"mode" ("host-hit" or "disk-cold"), "context_tokens", "prompt_tokens", "cached_tokens",
+    "seconds" (the median), "rounds", "tiers" (the blocks each tier served over the rounds, by the server's
+    counters), "from_placed_tier" (every round's hit came from the placed tier alone)}], "seconds"}; {"error":
+    why} when a request or a placement failed."""
     started = time.monotonic()
     admin = AdminClient(endpoint.server_root, timeout_s=PREFILL_TIMEOUT_S,
                         **({"token": admin_token} if admin_token else {}))     # else $KVGATE_ADMIN_TOKEN's
@@ -131,6 +140,7 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
     lengths = [n for n in prefill_lengths(longest_context) if n > BLOCK_TOKENS]
     requests = {n: context_request(n, f"{run_id}/{n}", endpoint.tokenizer, 1, "preflight-hits") for n in lengths}
     seen: dict[tuple[str, int], list] = {(mode, n): [] for n in lengths for mode in HIT_PLACEMENTS}
+    served: dict[tuple[str, int], Counter] = {key: Counter() for key in seen}
     try:
         for n in lengths:
             record = client.send(requests[n])
@@ -144,18 +154,23 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
                     admin.evict(tiers)
                     if mode == "disk-cold":
                         admin.drop_page_cache()
+                    before = per_tier(admin.metrics(), HITS_METRIC)
                     record = client.send(requests[n])
                     if not record.ok or record.ttft_s is None:
                         return {"role": endpoint.role, "error": f"the hit probe's {mode} at {n} tokens failed: "
                                                                 f"{no_first_token(record)}"}
+                    after = per_tier(admin.metrics(), HITS_METRIC)
                     seen[(mode, n)].append(record)
+                    served[(mode, n)].update({tier: blocks - before.get(tier, 0.0) for tier, blocks in after.items()
+                                              if blocks > before.get(tier, 0.0)})
     except AdminError as error:
         return {"role": endpoint.role, "error": f"the hit probe could not place a prefix: {error}"}
     finally:
         client.close()
     points = [{"mode": mode, "context_tokens": n, "prompt_tokens": records[-1].prompt_tokens or n,
                "cached_tokens": min((r.cached_tokens or 0) for r in records),
-               "seconds": statistics.median(r.ttft_s for r in records), "rounds": [r.ttft_s for r in records]}
+               "seconds": statistics.median(r.ttft_s for r in records), "rounds": [r.ttft_s for r in records],
+              "tiers": dict(served[(mode, n)]), "from_placed_tier": set(served[(mode, n)]) == {PLACED_TIER[mode]}}
               for (mode, n), records in seen.items()]
     return {"role": endpoint.role, "points": points, "seconds": time.monotonic() - started}
 

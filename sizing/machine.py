@@ -140,9 +140,11 @@ def machine_ran(probe: dict) -> bool:
 
 
 def hit_points(probe: dict) -> list[tuple[str, int, float]]:
-    """(mode, context tokens, median first-token seconds) of the hit probe, [] when it did not run."""
+    """(mode, context tokens, median first-token seconds) of the hit probe's points served from their placed tier
+    alone (a probe from before the check: every point), [] when it did not run."""
     hits = probe.get("hits") or {}
-    return [(p["mode"], p["context_tokens"], p["seconds"]) for p in hits.get("points", [])]
+    return [(p["mode"], p["context_tokens"], p["seconds"]) for p in hits.get("points", [])
+            if p.get("from_placed_tier", True)]
 
 
 def probe_calibration(probe: dict, disk_gbps: Optional[float] = None) -> Optional[Calibration]:
@@ -188,6 +190,8 @@ def server_calibration(probe: dict) -> Optional[Calibration]:
 def _hit_words(hits: dict) -> str:
     return (f"the {hits['role']} server's hits: "
             + ", ".join(f"{p['mode']} at {p['context_tokens']:,} tokens {p['seconds'] * 1e3:.1f} ms"
+                        + ("" if p.get("from_placed_tier", True) else
+                           f" (served by {', '.join(sorted(p['tiers']))}: left out of the fit)")
                         for p in hits["points"]) + f" ({hits['seconds']:.1f} s)")
 
 

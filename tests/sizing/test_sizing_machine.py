@@ -21,7 +21,14 @@ from gates.targets import Endpoint
 from kvcore.rundata import RunStore
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
-from sizing.machine import machine_words, prefill_points, probe_calibration, probe_decode
+from sizing.machine import (
+    hit_points,
+    machine_words,
+    prefill_points,
+    probe_calibration,
+    probe_decode,
+    server_probe_words,
+)
 from sizing.plan import make_plan
 from sizing.queueing import DecodeCost
 from sizing.timing import RecomputeCurve, TierBandwidths, TimingModel
@@ -143,6 +150,34 @@ def test_the_hit_probe_gives_the_fixed_cost_and_the_disk_hits_overhead_before_g2
     assert probe_calibration(probed).tier_overhead_s == {}
     assert "disk hits left out" in probe_calibration(probed).notes[1]
     assert probe_calibration({**probe, "hits": {"role": "candidate", "error": "boom"}}).fixed_overhead_s is None
+
+
+def test_the_hit_probes_hits_come_from_their_placed_tier_though_its_prefixes_outgrow_the_host_tier(tmp_path):
+    # a real tiered server whose host tier holds 8 blocks; the probe's prefixes (1, 4 and 7 blocks) hold 12: asked
+    # for first, a host hit found its prefix pushed out of the host tier by the others' and was served from disk
+    from gates.machine_probe import hit_probe
+    from gates.targets import Endpoint
+    from tests.servers import ADMIN_TOKEN, ServerProcess
+
+    server = ServerProcess(tmp_path, mode="tiered", admin=True, engine={"cache": {"host_capacity_bytes": "1MiB"}})
+    try:
+        server.wait_healthy()
+        endpoint = Endpoint("candidate", f"{server.base_url}/v1", "kvgate-tiny", admin=True, mode="tiered",
+                            tokenizer="kvgate-byte-v1")
+        found = hit_probe(endpoint, 2048, admin_token=ADMIN_TOKEN)
+    finally:
+        server.stop()
+    assert "points" in found, found
+    served = {(p["mode"], p["context_tokens"]): p["tiers"] for p in found["points"]}
+    blocks = {384: 1, 1152: 4, 1920: 7}
+    assert served == {(mode, n): {tier: 3.0 * blocks[n]} for n in blocks
+                      for mode, tier in (("host-hit", "host"), ("disk-cold", "disk"))}      # 3 rounds, each whole
+    assert all(p["from_placed_tier"] for p in found["points"])
+    # a point served from elsewhere stays out of the fit
+    stray = {**found, "points": [{**p, "from_placed_tier": p["mode"] != "host-hit"} for p in found["points"]]}
+    assert {mode for mode, *_ in hit_points({"hits": stray})} == {"disk-cold"}
+    said = server_probe_words({"hits": stray})
+    assert "host-hit at 384 tokens" in said and "(served by host: left out of the fit)" in said
 
 
 def test_without_a_prefill_probe_the_models_flops_stand_in_and_twice_the_rate_halves_the_compute(config, probe):
