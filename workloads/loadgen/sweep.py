@@ -103,7 +103,7 @@ def summarize_step(records: list[dict], samples: list[dict], step_start: float, 
     summary.update(request_figures(ok))
     errors = summarize_errors(records)
     reasons = ([stopped] if stopped else []) + _error_share_reasons(measured, settings) \
-        + _invalid_reasons(ok, samples, window_start, step_end, settings)
+        + _invalid_reasons(ok, samples, window_start, step_end, settings, last_done)
     if reasons and errors:
         reasons.append("errors: " + describe_errors(errors))
     summary.update(valid=not reasons, invalid_reasons="; ".join(reasons), errors_by_type=errors,
@@ -160,13 +160,15 @@ def _chunks_disagree(record: dict) -> bool:
 
 
 def _invalid_reasons(ok: list[dict], samples: list[dict], start: float, end: float,
-                     settings: SweepSettings) -> list[str]:
+                     settings: SweepSettings, last_done: float) -> list[str]:
     reasons = []
     if end - start < settings.min_duration_s:
         reasons.append(f"measured {end - start:.1f} s < minimum {settings.min_duration_s:.0f} s")
     if len(ok) < settings.min_requests:
         reasons.append(f"{len(ok)} completed requests < minimum {settings.min_requests}")
-    in_window = [s for s in samples if s["t"] >= start]
+    # a sample's lag is how late the loop woke at its `t`: it counts when that stall began before the last answer
+    # (the load process's shutdown after it, ~50 ms of stopping its users on a busy VM, measured nothing)
+    in_window = [s for s in samples if s["t"] >= start and s["t"] - s["loop_lag_s"] <= last_done]
     cpu = [s["cpu_percent"] for s in in_window]
     lag = [s["loop_lag_s"] for s in in_window]
     if cpu and np.percentile(cpu, 90) > settings.max_client_cpu_percent:
