@@ -5,10 +5,13 @@ import json
 import re
 import selectors
 import socket
+import struct
 import threading
+import time
 from collections import defaultdict
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional, cast
 
 import pytest
 
@@ -107,15 +110,21 @@ def test_requests_sent_together_go_out_in_the_order_the_users_took_them(order_re
         assert order_recorder.take() == list(range(8))                # and they arrived in that order
 
 
+# Linux's SO_TIMESTAMPNS (asm-generic/socket.h): each read's ancillary data carries when the kernel received its first
+# bytes; an accepted socket inherits it from its listener, so it covers bytes that came before the accept
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+
+
 class _OrderRecorder:
-    """A one-thread HTTP/1.1 target that notes the order in which whole requests arrive on its sockets (a
-    selector loop: no thread of its own per connection to reorder them), answering each with a 503."""
+    """A one-thread HTTP/1.1 target that notes the order in which whole requests reached it: each by when the kernel
+    received its first bytes (not when this loop got round to reading them), answering each with a 503."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         self.listener.setblocking(False)
         self.target = Target("recorder", f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1", "m")
-        self.arrived: list[int] = []
+        self.arrived: list[tuple[float, int]] = []          # (received at, the session's number)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.lock, self.stopping = threading.Lock(), False
@@ -123,9 +132,10 @@ class _OrderRecorder:
         self.thread.start()
 
     def take(self) -> list[int]:
+        """The sessions of the requests received since the last take, in the order they reached this host."""
         with self.lock:
             arrived, self.arrived = self.arrived, []
-        return arrived
+        return [session for _, session in sorted(arrived)]
 
     def stop(self) -> None:
         self.stopping = True
@@ -133,33 +143,39 @@ class _OrderRecorder:
         self.listener.close()
 
     def _serve(self) -> None:
-        pending: dict[socket.socket, bytes] = {}
+        pending: dict[socket.socket, tuple[Optional[float], bytes]] = {}
         while not self.stopping:
             for key, _ in self.selector.select(timeout=0.1):
                 if key.fileobj is self.listener:
                     connection, _ = self.listener.accept()
                     self.selector.register(connection, selectors.EVENT_READ)
-                    pending[connection] = b""
+                    pending[connection] = (None, b"")
                     continue
-                connection = key.fileobj
-                data = connection.recv(1 << 16)
+                connection = cast(socket.socket, key.fileobj)
+                data, ancillary, _, _ = connection.recvmsg(1 << 16, socket.CMSG_SPACE(16))
                 if not data:
                     self.selector.unregister(connection)
                     connection.close()
                     continue
-                pending[connection] = self._answered(connection, pending[connection] + data)
+                received, buffered = pending[connection]
+                if received is None:
+                    seconds, nanoseconds = struct.unpack("qq", ancillary[0][2]) if ancillary else (time.time(), 0)
+                    received = seconds + nanoseconds / 1e9
+                pending[connection] = self._answered(connection, received, buffered + data)
 
-    def _answered(self, connection: socket.socket, data: bytes) -> bytes:
+    def _answered(self, connection: socket.socket, received: float,
+                  data: bytes) -> tuple[Optional[float], bytes]:
         head, separator, body = data.partition(b"\r\n\r\n")
         length = re.search(rb"(?i)content-length: *(\d+)", head)
         if not separator or length is None or len(body) < int(length[1]):
-            return data
+            return received, data
+        session = re.search(rb"Order (\d+): ", body)
         with self.lock:
-            self.arrived.append(int(re.search(rb"Order (\d+): ", body)[1]))
+            self.arrived.append((received, int(session[1]) if session else -1))
         answer = b'{"error": {"message": "noted", "type": "server_error"}}'
         connection.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
-        return body[int(length[1]):]
+        return None, body[int(length[1]):]
 
 
 @pytest.fixture
@@ -255,6 +271,12 @@ def test_a_step_is_invalid_with_too_few_requests_a_saturated_client_or_disagreei
     records = [_record(1 + i, 0.1, 0.5) for i in range(10)]
     busy = summarize_step(records, [{"t": 2, "cpu_percent": 99.0, "loop_lag_s": 0.2}], 0.0, 30.0, settings)
     assert "client saturated: CPU" in busy["invalid_reasons"] and "event-loop lag" in busy["invalid_reasons"]
+    # the last answer at 10.5 s: a stall that began after it (the load process stopping its users) measured nothing,
+    # one that began before it did (a G3 block was once invalid for the 55 ms its process took to stop)
+    stopping = {"t": 10.56, "cpu_percent": 30.0, "loop_lag_s": 0.055}
+    assert summarize_step(records, [stopping], 0.0, 30.0, settings)["valid"]
+    stalled = {**stopping, "t": 10.54}
+    assert "event-loop lag 55 ms > 50 ms" in summarize_step(records, [stalled], 0.0, 30.0, settings)["invalid_reasons"]
     skewed = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2) for i in range(10)]
     assert "token counts disagree" in summarize_step(skewed, [], 0.0, 30.0, settings)["invalid_reasons"]
     batched = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2, token_chunks=2) for i in range(10)]
