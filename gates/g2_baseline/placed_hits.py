@@ -1,8 +1,8 @@
 """G2's matrix on any candidate: a prefix cached, left in one tier, then asked for again, and the hit checked.
 
-For each context length and round: the prefix is sent once (a miss: the engine computes and stores
-it), placed in the host tier and asked for (a host hit), then placed on disk with its pages dropped
-and asked for (a cold disk hit). Placement goes through the candidate's engine adapter
+For each context length: the prefix is sent once (a miss: the engine computes and stores it), then each
+round places it in the host tier and asks for it (a host hit), then places it on disk with its pages dropped
+and asks for it (a cold disk hit). Placement goes through the candidate's engine adapter
 (engines/placement.py): by route where the engine has the controls (kvgate's admin routes,
 vLLM's /reset_prefix_cache, SGLang's /flush_cache), else by pressure (filler prompts whose KV exceeds
 the tiers above the target). Each hit is then checked against the engine's tier accounting, two

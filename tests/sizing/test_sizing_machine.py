@@ -16,7 +16,14 @@ import pytest
 import yaml
 
 from gates.config import load_config
-from gates.machine_probe import prefill_lengths, prefill_probe, probe_client, run_machine_probe, window_gaps
+from gates.machine_probe import (
+    PREFILL_ROUNDS,
+    prefill_lengths,
+    prefill_probe,
+    probe_client,
+    run_machine_probe,
+    window_gaps,
+)
 from gates.targets import Endpoint
 from kvcore.rundata import RunStore
 from sizing.calibration import Calibration
@@ -170,8 +177,8 @@ def test_the_hit_probes_hits_come_from_their_placed_tier_though_its_prefixes_out
     assert "points" in found, found
     served = {(p["mode"], p["context_tokens"]): p["tiers"] for p in found["points"]}
     blocks = {384: 1, 1152: 4, 1920: 7}
-    assert served == {(mode, n): {tier: 3.0 * blocks[n]} for n in blocks
-                      for mode, tier in (("host-hit", "host"), ("disk-cold", "disk"))}      # 3 rounds, each whole
+    assert served == {(mode, n): {tier: PREFILL_ROUNDS * blocks[n]} for n in blocks
+                      for mode, tier in (("host-hit", "host"), ("disk-cold", "disk"))}      # every round whole
     assert all(p["from_placed_tier"] for p in found["points"])
     # a point served from elsewhere stays out of the fit
     stray = {**found, "points": [{**p, "from_placed_tier": p["mode"] != "host-hit"} for p in found["points"]]}
@@ -287,7 +294,7 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     prefill = probe["prefill"]          # the recompute server's own first tokens, across G2's range
     assert "points" in prefill, prefill     # a probe that failed says why
     assert [p["context_tokens"] for p in prefill["points"]] == prefill_lengths(1100) == [16, 256, 640, 1024]
-    assert all(p["seconds"] > 0 and len(p["rounds"]) == 3 for p in prefill["points"])
+    assert all(p["seconds"] > 0 and len(p["rounds"]) == PREFILL_ROUNDS for p in prefill["points"])
     assert [p["prompt_tokens"] for p in prefill["points"]] == [12, 252, 636, 1020]   # as its usage counted them
     hits = probe["hits"]                # the tiered server's own hits, placed in host and on disk, at 640 and 1024
     assert "points" in hits, hits
