@@ -32,8 +32,8 @@ BLOCK_TOKENS = 256            # the embedded engine's cache block (and prefill c
 # 3/16, 9/16 and 15/16 of the longest context the run asks for (off G2's usual lengths, across its range)
 PREFILL_SHORT = (CHAT_FRAMING_TOKENS + 8, BLOCK_TOKENS)
 PREFILL_FRACTIONS = (3 / 16, 9 / 16, 15 / 16)
-PREFILL_ROUNDS = 4            # each length's figure is the median of its rounds (a round ~5 s of recompute: the
-                              # first is often slower, at short prompts by 10-50%, and a median of 4 leaves it out)
+PREFILL_ROUNDS = 3            # each length's figure is the median of its rounds (a round: ~5 s of recompute;
+                              # a fourth left the main job at 10m09s on a slow minute, its G2 MAPE 8.1%)
 PREFILL_TIMEOUT_S = 120.0     # per request
 # The hit probe: the tiered server's hits at the prefill probe's lengths longer than a block, each placed by the
 # admin routes (the tiers evicted above it) before it is asked for again. Per length, the disk hit first: it
