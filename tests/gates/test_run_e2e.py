@@ -35,6 +35,13 @@ def test_the_run_judges_g1_and_g2_and_its_exit_code_follows_the_verdicts(run):
     assert len(store.verdicts("g1")) >= 7          # inventory, five fio figures, verify
     assert {m["context"]["mode"] for m in store.measurements("g2") if m["metric"] == "ttft_ms"} == {
         "recompute", "host-hit", "disk-cold"}
+    # two rounds of each: the second's hits ask for the prefix the first computed, placed again, each from its tier
+    rounds = [(m["context"]["mode"], m["context"]["context_tokens"], m["context"]["round"])
+              for m in store.measurements("g2") if m["metric"] == "ttft_round_ms"]
+    assert sorted(rounds) == sorted((mode, context, r) for mode in ("recompute", "host-hit", "disk-cold")
+                                    for context in (600, 1100) for r in (0, 1))
+    placed = [m for m in store.measurements("g2") if m["metric"] == "placed_hit"]
+    assert len(placed) == 8 and all(m["value"] is True for m in placed), placed
 
 
 def test_results_json_holds_exactly_the_verdicts_the_checks_appended(run):
