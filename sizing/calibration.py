@@ -6,6 +6,7 @@ How it works: docs/methods/sizing-model.md (sizing/calibration.py).
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 
 from kvcore.files import read_jsonl, write_json
 from kvcore.percent import format_percent
-from kvcore.rundata import RunStore, left_out_note
+from kvcore.rundata import RunStore, finite_number, left_out_note
 from kvcore.settings import ConfigError, load_yaml_file
 
 from .queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
@@ -275,48 +276,65 @@ def _kv_bytes_from_cold_reads(store: RunStore, config: dict, block_size: int) ->
 # --------------------------------------------------------------------------- G3
 
 
-def _g3_levels(store: RunStore, target: str, warmup_s: float) -> dict[int, list[dict]]:
-    """Per level, the target's ok records sent after the warm-up, in sending order."""
+_LEVEL_DIR = re.compile(r"c(\d+)(?:-block(\d+))?")   # a level's load run: c4, or its block k of pairs: c4-block2
+
+
+def _g3_levels(store: RunStore, target: str, warmup_s: float) -> dict[int, list[list[dict]]]:
+    """Per level, the target's load runs after the warm-up, each its ok records in sending order: G3's matched
+    blocks (c4, c4-block2, ...) after the warm-up pairs it left out (its g3_warmup_pairs figure), or one load
+    run's records sent `warmup_s` after its first."""
     root = store.gate_dir("g3") / "raw" / "sweep" / target
-    levels = {}
-    for directory in sorted(root.glob("c*")):
-        if not directory.name[1:].isdigit():
+    runs: dict[int, dict[int, list[dict]]] = {}
+    for directory in root.glob("c*"):
+        name = _LEVEL_DIR.fullmatch(directory.name)
+        if name is None:
             continue
         records = sorted((r for r in read_jsonl(directory / "records", "records-*.jsonl") if r.get("ok")),
                          key=lambda r: r["sent_at"])
-        if records:
-            start = records[0]["sent_at"] + warmup_s
-            levels[int(directory.name[1:])] = [r for r in records if r["sent_at"] >= start]
-    return {level: records for level, records in levels.items() if records}
+        runs.setdefault(int(name[1]), {})[int(name[2] or 1)] = records
+    left_out = {int((m.get("context") or {}).get("concurrency", 0)): int(m["value"]) for m in store.figures("g3")
+                if m["metric"] == "g3_warmup_pairs" and finite_number(m.get("value")) is not None}
+    levels = {}
+    for level, blocks in sorted(runs.items()):
+        if len(blocks) > 1 or level in left_out:     # matched blocks: the warm-up is whole pairs
+            kept = [blocks[k] for k in sorted(blocks) if k > left_out.get(level, 0) and blocks[k]]
+        else:
+            first = blocks.get(1) or []
+            kept = [[r for r in first if r["sent_at"] >= first[0]["sent_at"] + warmup_s]] if first else []
+        if any(kept):
+            levels[level] = [run for run in kept if run]
+    return levels
 
 
-def _replays(levels: Mapping[int, list[dict]], tier: Optional[str]) -> dict[int, list[ServedRequest]]:
-    """Each level's recorded requests as the simulation takes them (the records give the cached total only)."""
-    return {level: [ServedRequest(int(r["prompt_tokens"]), max(1, int(r["completion_tokens"] or 1)),
-                                  {tier: min(int(r.get("cached_tokens") or 0), int(r["prompt_tokens"]))}
-                                  if tier else {}) for r in records]
-            for level, records in levels.items()}
+def _replay(records: list[dict], tier: Optional[str]) -> list[ServedRequest]:
+    """A load run's recorded requests as the simulation takes them (the records give the cached total only)."""
+    return [ServedRequest(int(r["prompt_tokens"]), max(1, int(r["completion_tokens"] or 1)),
+                          {tier: min(int(r.get("cached_tokens") or 0), int(r["prompt_tokens"]))} if tier else {})
+            for r in records]
 
 
-def fit_decode(levels: Mapping[int, list[dict]], timing: TimingModel, max_running: int,
+def _simulated(runs: list[list[dict]], level: int, engine: EngineModel, tier: Optional[str]) -> list:
+    """Each of a level's load runs simulated on its own (a block starts with its users at once and drains)."""
+    return [r for records in runs for r in simulate_closed_loop(_replay(records, tier), level, engine)]
+
+
+def fit_decode(levels: Mapping[int, list[list[dict]]], timing: TimingModel, max_running: int,
                tier: Optional[str]) -> Optional[DecodeCost]:
-    """(step_s, per_sequence_s) matching each level's measured mean gap between tokens (the module's fit)."""
-    measured, all_replays = {}, _replays(levels, tier)
-    replays = {}
-    for level, records in levels.items():
-        gaps = [g for r in records for g in r.get("itl_s") or ()]
-        if not gaps:
-            continue
-        measured[level] = float(np.mean(gaps))
-        replays[level] = all_replays[level]
+    """(step_s, per_sequence_s) matching each level's measured mean gap between tokens (the module's fit), each
+    level's load runs (G3's blocks) simulated one by one."""
+    measured = {}
+    for level, runs in levels.items():
+        gaps = [g for records in runs for r in records for g in r.get("itl_s") or ()]
+        if gaps:
+            measured[level] = float(np.mean(gaps))
     if not measured:
         return None
     decode = DecodeCost()
     for _ in range(DECODE_ROUNDS):
         engine = EngineModel(timing, decode, max_running)
         rows, target = [], []
-        for level, replay in replays.items():
-            simulated = simulate_closed_loop(replay, level, engine)
+        for level in measured:
+            simulated = _simulated(levels[level], level, engine, tier)
             gaps = [g for r in simulated for g in r.itl_s]
             batches = [b for r in simulated for b in r.itl_batch]
             if not gaps:
@@ -336,7 +354,7 @@ def _gap_spread(gap_lists) -> Optional[float]:
     return float(np.median(cvs)) if cvs else None
 
 
-def fit_jitter(levels: Mapping[int, list[dict]], timing: TimingModel, decode: DecodeCost, max_running: int,
+def fit_jitter(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decode: DecodeCost, max_running: int,
                tier: Optional[str]) -> Optional[float]:
     """The machine's step noise (EngineModel.jitter): how much more a request's gaps between tokens
     spread in the run than in the simulation without noise, whose spread is the schedule's own (a
@@ -346,11 +364,9 @@ def fit_jitter(levels: Mapping[int, list[dict]], timing: TimingModel, decode: De
         jitter = √max(0, m² − s²)
 
     (independent noise adds in variance; a lognormal factor's CV is about its log's σ when small)."""
-    replays = _replays(levels, tier)
-    measured = _gap_spread([r.get("itl_s") or () for records in levels.values() for r in records])
+    measured = _gap_spread([r.get("itl_s") or () for runs in levels.values() for records in runs for r in records])
     engine = EngineModel(timing, decode, max_running)
-    simulated = _gap_spread([r.itl_s for level, replay in replays.items()
-                             for r in simulate_closed_loop(replay, level, engine)])
+    simulated = _gap_spread([r.itl_s for level, runs in levels.items() for r in _simulated(runs, level, engine, tier)])
     if measured is None or simulated is None:
         return None
     return float(np.sqrt(max(0.0, measured ** 2 - simulated ** 2)))

@@ -14,12 +14,15 @@ F, B_, C_, DISK_OVERHEAD, TIER_GBPS = 0.006, 9e-5, 1.6e-8, 0.012, 1.2
 STEP, PER_SEQ = 0.003, 0.0025
 
 
-def recorded_run(root, with_g3=True):
-    """A run directory as `kvgate run` writes it, with figures that follow known constants exactly."""
+def recorded_run(root, with_g3=True, blocks=0):
+    """A run directory as `kvgate run` writes it, with figures that follow known constants exactly; `blocks`: G3
+    in matched blocks as it runs now (c4, c4-block2, ...), its first pair a warm-up left out, whose steps were
+    five times slower, and a warm-up of 30 s that no block lasts."""
     store = RunStore(root)
     store.write_run_info({"run_id": "recorded", "gates": ["g1", "g2", "g3"]})
     (root / "config.yaml").write_text("g2:\n  contexts: [1024, 4096, 8192]\n  cold_read_prefixes: 2\n"
-                                      "g3:\n  warmup_s: 0.0\ntargets:\n  embedded:\n    max_running: 8\n")
+                                      f"g3:\n  warmup_s: {30.0 if blocks else 0.0}\n"
+                                      "targets:\n  embedded:\n    max_running: 8\n")
     store.record("g1", "test_fio", "seq_read_gbps", 1.5, "GB/s")
     for context in (1024, 4096, 8192):
         n = context - 4
@@ -40,14 +43,19 @@ def recorded_run(root, with_g3=True):
                      weights={"seconds": 0.05})
     if with_g3:
         timing = TimingModel(RecomputeCurve(F, B_, C_), TierBandwidths(disk_gbps=TIER_GBPS), KV, 256, F)
-        engine = EngineModel(timing, DecodeCost(STEP, PER_SEQ), 8)
         replay = [ServedRequest(1830 + 32 * (i % 4), 16, {"host": 1792}) for i in range(40)]
         for level in (2, 4, 8):
-            for r in simulate_closed_loop(replay, level, engine):
-                request = replay[r.index]
-                append_jsonl(store.raw_dir("g3") / "sweep" / "candidate" / f"c{level}" / "records" /
-                             "records-w0-1.jsonl",
-                             {"ok": True, "sent_at": 1000.0 + r.sent_s, "ttft_s": r.ttft_s, "itl_s": list(r.itl_s),
-                              "prompt_tokens": request.prompt_tokens, "completion_tokens": r.output_tokens,
-                              "cached_tokens": request.cached["host"]})
+            for block in range(1, max(1, blocks) + 1):
+                slow = 5.0 if blocks and block == 1 else 1.0
+                engine = EngineModel(timing, DecodeCost(STEP * slow, PER_SEQ * slow), 8)
+                directory = f"c{level}" + (f"-block{block}" if block > 1 else "")
+                for r in simulate_closed_loop(replay, level, engine):
+                    request = replay[r.index]
+                    append_jsonl(store.raw_dir("g3") / "sweep" / "candidate" / directory / "records" /
+                                 "records-w0-1.jsonl",
+                                 {"ok": True, "sent_at": 1000.0 * block + r.sent_s, "ttft_s": r.ttft_s,
+                                  "itl_s": list(r.itl_s), "prompt_tokens": request.prompt_tokens,
+                                  "completion_tokens": r.output_tokens, "cached_tokens": request.cached["host"]})
+            if blocks:
+                store.record("g3", "test_warm_up", "g3_warmup_pairs", 1, concurrency=level)
     return store

@@ -315,8 +315,8 @@ def test_the_step_noise_is_fitted_from_the_spread_of_the_gaps_between_tokens():
     replay = [ServedRequest(1830 + 32 * (i % 4), 16, {"host": 1792}) for i in range(40)]
     for jitter, low, high in ((0.0, 0.0, 0.0), (0.3, 0.2, 0.4)):
         noisy = EngineModel(timing, decode, 8, jitter)
-        levels = {c: [{"prompt_tokens": replay[r.index].prompt_tokens, "completion_tokens": r.output_tokens,
-                       "cached_tokens": 1792, "itl_s": list(r.itl_s)} for r in simulate(replay, c, noisy, seed=3)]
+        levels = {c: [[{"prompt_tokens": replay[r.index].prompt_tokens, "completion_tokens": r.output_tokens,
+                        "cached_tokens": 1792, "itl_s": list(r.itl_s)} for r in simulate(replay, c, noisy, seed=3)]]
                   for c in (2, 4, 8)}
         assert low <= fit_jitter(levels, timing, decode, 8, "host") <= high
 

@@ -223,6 +223,15 @@ def test_calibration_recovers_the_constants_of_arecorded_run(tmp_path):
     assert longest.disk_hit_vs_recompute == pytest.approx(recorded["disk-cold"] / recorded["recompute"], rel=1e-6)
 
 
+def test_calibration_fits_the_decode_cost_to_g3s_blocks_after_their_warm_up_pairs(tmp_path):
+    """G3 runs each level in matched blocks (c4, c4-block2, ...), none as long as g3.warmup_s: the decode cost is
+    fitted to the blocks after the warm-up pairs G3 left out (here one, whose steps were five times slower)."""
+    recorded_run(tmp_path, blocks=3)
+    calibration = calibrate(tmp_path)
+    assert (calibration.decode.step_s, calibration.decode.per_sequence_s) == pytest.approx((STEP, PER_SEQ), rel=1e-3)
+    assert calibration.notes == ()
+
+
 def test_calibration_says_what_it_could_not_fit(tmp_path):
     recorded_run(tmp_path, with_g3=False)
     calibration = calibrate(tmp_path)
