@@ -209,7 +209,7 @@ def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_
         client = probe_client(endpoint, extra_body={"ignore_eos": True})   # every sequence to its max_tokens
         try:
             start.wait()
-            records[i] = client.send(requests[i])
+            records[i] = client.send(requests[i], keep_token_times=True)
         finally:
             client.close()
 
@@ -238,7 +238,11 @@ def no_first_token(record) -> str:
 
 
 def _token_times(record) -> list[float]:
-    """Each streamed token's arrival (wall-clock s) from the record's send time, TTFT and gaps."""
+    """Each streamed token's arrival (wall-clock s): its chunk's, text or not, when the record kept them (a server
+    that streams a token whose bytes do not decode yet as empty text sends its chunk at its step all the same),
+    else from the send time, TTFT and gaps between text chunks."""
+    if record.token_times_s:
+        return [record.sent_at + t for t in record.token_times_s]
     return list(itertools.accumulate(record.itl_s, initial=record.sent_at + record.ttft_s))
 
 

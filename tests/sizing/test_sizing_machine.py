@@ -207,6 +207,19 @@ def test_the_decode_window_is_where_every_stream_decodes():
     assert window_gaps([[0.0, 0.1, 0.2], [0.3, 0.4, 0.5]]) == []
 
 
+def test_the_decode_probe_times_each_token_by_its_own_chunk_where_the_record_kept_them():
+    from gates.machine_probe import _token_times
+    from workloads.traffic.client import RequestRecord
+
+    # a vLLM stream of 4 tokens, the second's bytes not decodable yet (empty text): its text chunks' gaps skip it
+    record = RequestRecord("r", "s", 0, "candidate", 100.0, 100.0, 0.0, ok=True, ttft_s=0.30, itl_s=[0.10],
+                           token_times_s=[0.30, 0.35, 0.40, 0.45])
+    assert _token_times(record) == pytest.approx([100.30, 100.35, 100.40, 100.45])
+    # control: a record without them (kvgate serve streams text at every token) is timed by its text chunks
+    record.token_times_s = None
+    assert _token_times(record) == pytest.approx([100.30, 100.40])
+
+
 def test_the_servers_decode_gaps_stand_in_for_the_models_decode_pass(config, probe):
     server = {"role": "recompute", "context_tokens": 1536, "batch_1_s": 0.002, "batch_max_s": 0.0076,
               "max_batch": 8, "step_s": 0.0012, "per_sequence_s": 0.0008, "gaps": {"1": 79, "8": 282},

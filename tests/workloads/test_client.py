@@ -61,6 +61,16 @@ def test_a_stream_whose_tokens_carry_no_text_takes_its_first_token_chunk_as_ttft
     assert measure_stream(lines, sent=5.0).ttft_s is None        # no token at all: no TTFT
 
 
+def test_token_times_are_every_token_chunks_arrival_text_or_not():
+    # vLLM streams each token at its step, an empty text where its bytes do not decode yet: the gaps between text
+    # chunks span two steps there, the token times (kept for the decode probe) one each
+    lines = [(2.01, _data(_chat(role=True))), (2.30, _data(_chat("a"))), (2.35, _data(_chat(""))),
+             (2.40, _data(_chat("b"))), (2.45, _data(_chat("", finish="length"))), (2.46, "data: [DONE]")]
+    m = measure_stream(lines, sent=2.0)
+    assert m.token_times == pytest.approx([0.30, 0.35, 0.40, 0.45]) and m.token_chunks == 4
+    assert m.itl_s == pytest.approx([0.10]) and m.ttft_s == pytest.approx(0.30)
+
+
 def test_a_single_token_answer_has_no_tpot_and_no_itl():
     m = measure_stream([(0.3, _data(_chat("x"))), (0.4, "data: [DONE]")], sent=0.0)
     assert m.ttft_s == pytest.approx(0.3) and m.tpot_s is None and m.itl_s == []

@@ -59,6 +59,9 @@ class RequestRecord:
     worker: str = ""
     node: Optional[str] = None        # the node (base URL) that served it, when a target has several
     text: Optional[str] = None        # the generated text, only when asked for (consistency probes)
+    # each token's chunk's arrival (s after sending), text or not, only when asked for (the decode probe: a server
+    # that streams a token whose bytes do not decode yet as empty text still sends its chunk at its step)
+    token_times_s: Optional[list[float]] = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -81,6 +84,7 @@ class StreamMetrics:
     error_type: Optional[str] = None   # "stream_error" (an error chunk, unparseable data) or "bad_response"
     text: str = ""
     token_chunks: int = 0              # chunks carrying a token, text or not (not the role's announcement)
+    token_times: list[float] = field(default_factory=list)   # their arrivals, s after sending
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
     """
     content_times: list[float] = []
     first_token: Optional[float] = None
-    token_chunks = 0
+    token_times: list[float] = []
     pieces: list[str] = []
     last_time = sent
     usage: Optional[_Usage] = None
@@ -176,7 +180,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
             content_times.append(arrived)
             pieces.append(chunk.text)
         if chunk.token:
-            token_chunks += 1
+            token_times.append(arrived - sent)
             first_token = arrived if first_token is None else first_token
         finish = chunk.finish_reason or finish
         usage = chunk.usage or usage
@@ -191,7 +195,7 @@ def measure_stream(lines: Iterable[tuple[float, str]], sent: float) -> StreamMet
         prompt_tokens=usage.prompt_tokens if usage else None, completion_tokens=completion,
         cached_tokens=usage.cached_tokens if usage else None, tokens_from_usage=usage is not None,
         finish_reason=finish, done=done, error=error, error_type=error_type, text="".join(pieces),
-        token_chunks=token_chunks,
+        token_chunks=len(token_times), token_times=token_times,
     )
 
 
@@ -341,10 +345,11 @@ class StreamingClient:
         raise AssertionError("unreachable")
 
     def send(self, request: WorkloadRequest, scheduled_at: Optional[float] = None,
-             keep_text: bool = False) -> RequestRecord:
+             keep_text: bool = False, keep_token_times: bool = False) -> RequestRecord:
         """Send one request, stream the answer, and return its record (errors are recorded, not raised).
 
-        `keep_text` keeps the generated text in the record (for consistency probes; off for load).
+        `keep_text` keeps the generated text in the record (for consistency probes; off for load);
+        `keep_token_times` each token's chunk's arrival, text or not (for the decode probe; off for load).
         """
         path = self._prefix + ("/chat/completions" if self.api == "chat" else "/completions")
         body = json.dumps(self.body(request)).encode()
@@ -353,14 +358,15 @@ class StreamingClient:
         scheduled_at = sent_at if scheduled_at is None else scheduled_at
         record = RequestRecord(request.request_id, request.session_id, request.turn, self.target,
                                scheduled_at, sent_at, max(0.0, sent_at - scheduled_at), worker=self.worker)
-        record = self._exchange(path, body, record, keep_text)
+        record = self._exchange(path, body, record, keep_text, keep_token_times)
         if record.error_type in CONNECTION_ERRORS:
             self.backoff.failed()
         else:
             self.backoff.reset()
         return record
 
-    def _exchange(self, path: str, body: bytes, record: RequestRecord, keep_text: bool) -> RequestRecord:
+    def _exchange(self, path: str, body: bytes, record: RequestRecord, keep_text: bool,
+                  keep_token_times: bool = False) -> RequestRecord:
         try:
             sent, response = self._request("POST", path, body)
             record.http_status = response.status
@@ -375,6 +381,8 @@ class StreamingClient:
         _apply(record, metrics)
         if keep_text:
             record.text = metrics.text
+        if keep_token_times:
+            record.token_times_s = metrics.token_times
         if not metrics.done:
             self.close()  # the connection is in an unknown state
         return record
