@@ -7,7 +7,7 @@ How it works: docs/methods/sizing-model.md (sizing/g3_inputs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -210,13 +210,20 @@ class BlockSource:
         cached = {tier: n * self.block_tokens for tier, n in zip(cache.names, row) if n}
         return ServedRequest(self.tokens[request.request_id], request.max_tokens, cached), node, None
 
-    def first_token(self, index: int) -> None:
+    def first_token(self, index: int) -> int:
         keys, row, node = self.served[index]
-        self.caches[node].after_prefill(keys, sum(row))
+        return self._copied(node, lambda cache: cache.after_prefill(keys, sum(row)))
 
-    def answered(self, index: int) -> None:
+    def answered(self, index: int) -> int:
         keys, _, node = self.served[index]
-        self.caches[node].store(keys.output)
+        return self._copied(node, lambda cache: cache.store(keys.output))
+
+    def _copied(self, node: int, operation: Callable[[CacheSimulator], object]) -> int:
+        """The blocks `operation` on the node's cache copied into its tiers."""
+        cache = self.caches[node]
+        before = cache.blocks_written
+        operation(cache)
+        return cache.blocks_written - before
 
 
 def matched_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs) -> bool:

@@ -35,6 +35,7 @@ from .targets import engine_facts, steady_block_tokens, target_inputs
 from .timing import (
     RecomputeCurve,
     TierBandwidths,
+    TimingModel,
     checkpoint_seconds,
     cold_read_vs_storage_best,
     model_load_seconds,
@@ -150,7 +151,8 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
     else:
         tiers = calibration.tiers(tiers)
         timing = calibration.timing_model(tiers, shape.bytes_per_token, inputs.block_tokens)
-        _g2(plan, config, timing, tiers, inputs, term_sources(calibration, tiers, plan.figures["disk_gbps"]["source"]))
+        sources = term_sources(calibration, tiers, plan.figures["disk_gbps"]["source"])
+        _g2(plan, config, timing, tiers, inputs, sources)
         decode = calibration.decode
         if decode is None:
             first = next(iter(g3.replays["candidate"].values()))
@@ -161,8 +163,14 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
                 "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
                 "prefill, which the curve does measure); a calibration from an earlier G3 gives both"
             )
+        copy_s = block_copy_seconds(timing) if inputs.embedded else 0.0
+        if copy_s:
+            plan.notes.append(f"G3's engine copies each block it stores, promotes or demotes into its cache's tiers "
+                              f"on its own thread, {copy_s * 1e3:.2f} ms a block: the block's bytes at "
+                              f"{sources['load host']}")
         try:
-            _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0),
+            _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0,
+                                                        copy_s),
                 inputs, throughput=calibration.decode is not None)
         except ValueError as error:     # a simulation these costs cannot make must not take G2's figures with it
             plan.notes.append(f"G3 not predicted: its simulation with these costs failed ({error})")
@@ -227,6 +235,13 @@ def decode_from_curve(curve, requests) -> DecodeCost:
     either way, which the curve's linear term already spreads over the prefill's tokens)."""
     n = sum(r.prompt_tokens for r in requests) / max(1, len(requests))
     return DecodeCost(0.0, curve.b + 2.0 * curve.c * n)
+
+
+def block_copy_seconds(timing: TimingModel) -> float:
+    """What kvgate's engine spends copying one block into a tier of its cache (a store, a promote after a hit, a
+    demotion; cache_impl/cache/manager.py): the block's bytes at the host copy's GB/s, off the TTFT's path but
+    on the engine's thread, so every request after it waits."""
+    return timing.kv_bytes_per_token * timing.block_size / (timing.tiers.host_gbps * 1e9)
 
 
 def term_sources(calibration: Calibration, tiers: TierBandwidths, disk_source: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -52,18 +52,22 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class EngineModel:
-    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit, and
-    the machine's step-to-step noise (`jitter`: each step's seconds × a lognormal factor of mean 1 whose
-    log has this standard deviation; 0: none)."""
+    """What a step costs: the TTFT model's loads and recompute curve, the decode cost, the batch limit, the
+    machine's step-to-step noise (`jitter`: each step's seconds × a lognormal factor of mean 1 whose log has
+    this standard deviation; 0: none), and what the engine's thread spends copying one block into a tier of
+    its cache (`block_copy_s`: stored after a prefill, promoted after a hit, demoted; 0: an engine whose cache
+    copies nothing, as vLLM's prefix cache keeps its blocks where they were computed)."""
 
     timing: TimingModel
     decode: DecodeCost
     max_running: int = 8
     jitter: float = 0.0
+    block_copy_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_tokens("max_running", self.max_running, 1)
         check_number("jitter", self.jitter, allow_zero=True)
+        check_number("block_copy_s", self.block_copy_s, allow_zero=True)
 
     def chunks(self, prompt: int, cached: int) -> list[float]:
         """Seconds of each prefill step of a prompt with `cached` tokens loaded: block-aligned chunks
@@ -135,7 +139,6 @@ class _Node:
         self.arrivals: list = []            # (arrival s, order, _Active), a heap
         self.waiting: deque = deque()
         self.running: list[_Active] = []
-        self.prefilled: list[_Active] = []  # the requests whose last prompt chunk ran in the last step
 
     def next_start(self) -> Optional[float]:
         """When its next step starts (None: nothing to do and nothing coming)."""
@@ -147,9 +150,12 @@ class _Node:
         """Something to run at time t (a request running, waiting, or arrived)."""
         return bool(self.waiting or self.running or (self.arrivals and self.arrivals[0][0] <= t))
 
-    def step(self, sharing: float = 1.0) -> list[tuple[_Active, float]]:
+    def step(self, sharing: float = 1.0, copied: Callable[[_Active], int] = lambda active: 0
+             ) -> list[tuple[_Active, float]]:
         """Run one step (the module's formula) from `next_start()`, its seconds × `sharing` (nodes sharing
-        one machine's cores); the requests it finished, with when."""
+        one machine's cores); the requests it finished, with when. `copied(request)`, when a request's first
+        token is out: the blocks the engine then copies into its cache (its prompt stored, its hits
+        promoted), each `block_copy_s` of the step before its decode."""
         start = self.next_start()
         if start is None:
             raise RuntimeError("a step of a node with nothing to do")   # callers step only a node that has a start
@@ -158,7 +164,6 @@ class _Node:
         while self.arrivals and self.arrivals[0][0] <= self.t:
             self.waiting.append(heapq.heappop(self.arrivals)[2])
         t, step, finished = self.t, 0.0, []
-        self.prefilled = []
         noise = 1.0
         if engine.jitter and self.rng is not None:
             noise = float(np.exp(engine.jitter * self.rng.standard_normal() - engine.jitter ** 2 / 2))
@@ -170,11 +175,11 @@ class _Node:
         if prefilling is not None:
             step += noise * sharing * prefilling.chunks.popleft()
             if not prefilling.chunks:
-                self.prefilled.append(prefilling)
                 prefilling.generated, prefilling.first_token = 1, t + step
                 prefilling.last_token = prefilling.first_token
                 if prefilling.generated >= prefilling.request.output_tokens:
                     finished.append((prefilling, t + step))
+                step += sharing * engine.block_copy_s * copied(prefilling)
         batch = [a for a in self.running if not a.chunks and a.generated < a.request.output_tokens]
         if batch:
             step += noise * engine.decode.seconds(len(batch))
@@ -215,11 +220,12 @@ class LoadSource(Protocol):
     def serve(self, index: int) -> tuple[ServedRequest, int, Optional[float]]:
         """The request as it is served now: its cached tokens per tier, its node, its arrival (open loop)."""
 
-    def first_token(self, index: int) -> None:
-        """Its prompt is computed (its first token is out): the engine stores the prompt's blocks now."""
+    def first_token(self, index: int) -> int:
+        """Its prompt is computed (its first token is out): the engine stores the prompt's blocks and promotes
+        its hits now; the blocks it copied into its cache's tiers doing so."""
 
-    def answered(self, index: int) -> None:
-        """Its last token came back."""
+    def answered(self, index: int) -> int:
+        """Its last token came back (the blocks its output filled are stored); the blocks copied doing so."""
 
 
 class ReplaySource:
@@ -237,11 +243,11 @@ class ReplaySource:
         arrival = None if self.arrivals_s is None else float(self.arrivals_s[index])
         return self.requests[index], self.nodes[index], arrival
 
-    def first_token(self, index: int) -> None:
-        return None
+    def first_token(self, index: int) -> int:
+        return 0    # a replay's hits were decided beforehand: no cache to copy into
 
-    def answered(self, index: int) -> None:
-        return None
+    def answered(self, index: int) -> int:
+        return 0
 
 
 def simulate(requests: Sequence[ServedRequest], users: int, engines: EngineModel | Sequence[EngineModel], *,
@@ -307,13 +313,13 @@ def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineMode
             break
         start, chosen = min(starts)
         sharing = sum(node.busy_at(start) for node in fleet) if one_machine else 1
-        finished = fleet[chosen].step(max(1, sharing))
-        for a in fleet[chosen].prefilled:   # its blocks stored before anything sent at the step's end loads
-            source.first_token(a.index)
+        node, sharing = fleet[chosen], max(1, sharing)
+        # a prompt's blocks are stored as its first token comes, before anything sent at the step's end loads
+        finished = node.step(sharing, lambda active: source.first_token(active.index))
         for a, at in finished:
             done.append(SimulatedRequest(a.index, a.sent, a.first_token, at, a.generated, tuple(a.itl),
                                          tuple(a.batch), a.node, a.client_wait))
-            source.answered(a.index)
+            node.t += sharing * node.engine.block_copy_s * source.answered(a.index)   # its output's blocks
             send(at)
             waiting, idle[:] = list(idle), []
             for _ in waiting:       # a user that found nothing ready tries again now

@@ -151,6 +151,12 @@ class CacheSimulator:
     def names(self) -> tuple[str, ...]:
         return tuple(level.name for level in self.levels)
 
+    @property
+    def blocks_written(self) -> int:
+        """Blocks copied into a level so far (stored, promoted, demoted), every level's together (a pool shared
+        by a fleet: every node's writes to it)."""
+        return sum(level.metrics.counters["blocks_written"] for level in self.levels)
+
     def holders(self, key: Key) -> list[str]:
         """The levels that hold the block, top-down (`TieredKVCache.where`, the pool included)."""
         pool = [self.pool.name] if self.pool is not None and key in self.pool.tier else []
@@ -232,9 +238,14 @@ class CacheSimulator:
 
     def _put(self, level: SimLevel, key: Key) -> bool:
         """Place a block on one level, evicting the victims placement picks first (`TieredKVCache._put`);
-        False when it cannot fit."""
+        False when it cannot fit. Each block the level did not hold counts in its metrics' "blocks_written"
+        (the engine copied it there)."""
         if level.lru is None:
-            return level.tier.put(key)
+            new = key not in level.tier
+            placed = level.tier.put(key)
+            if placed and new:
+                level.metrics.add("blocks_written")
+            return placed
         victims = self.placement.victims(level, level.tier.stored_nbytes)
         if victims is None:
             level.metrics.add("stores_refused")
@@ -243,6 +254,7 @@ class CacheSimulator:
             self._evict(level, victim)
         level.tier.put(key)
         self.placement.add(level, key)
+        level.metrics.add("blocks_written")
         return True
 
     def _evict(self, level: SimLevel, key: Key) -> None:

@@ -292,6 +292,31 @@ def test_a_blocks_requests_sent_together_load_before_any_of_them_stores():
     prompt_blocks = len(keys["twin"].prompt)
     assert prompt_blocks >= 4 and hits[2] == [0, 0] and hits[1] == [0, prompt_blocks]
 
+def test_the_blocks_an_engine_copies_after_a_first_token_delay_its_next_steps_not_that_token():
+    """kvgate's engine stores a prompt's blocks and promotes its hits on its own thread after the first token: the
+    simulation charges `block_copy_s` for each block the source says was copied, so the request's later tokens
+    (and every request behind it) wait for the copies, and its first token does not."""
+    from sizing.queueing import ReplaySource, simulate_source
+
+    class Copying(ReplaySource):
+        def first_token(self, index: int) -> int:
+            return 10           # ten blocks stored or promoted once the prompt is computed
+
+    request = ServedRequest(1024, 3, {"host": 768})
+    timeline = {}
+    for copy_s in (0.0, 0.002):
+        engine = EngineModel(TimingModel(RecomputeCurve(0.01, 1e-4, 0.0), TierBandwidths(), KV, block_size=256),
+                             DecodeCost(0.004, 0.001), 8, block_copy_s=copy_s)
+        timeline[copy_s] = simulate_source(Copying([request, request], [0, 0]), 1, [engine])
+    for plain, copying in zip(timeline[0.0], timeline[0.002]):
+        assert copying.ttft_s == pytest.approx(plain.ttft_s)
+        assert copying.itl_s[0] == pytest.approx(plain.itl_s[0] + 10 * 0.002)   # the step after the copies
+        assert copying.itl_s[1:] == pytest.approx(plain.itl_s[1:])
+    assert timeline[0.002][1].sent_s == pytest.approx(timeline[0.0][1].sent_s + 0.02)   # the next one waited
+    with pytest.raises(ConfigError, match="block_copy_s"):
+        EngineModel(engine.timing, engine.decode, block_copy_s=-1.0)
+
+
 def test_a_fleet_plan_predicts_the_pools_share_and_judges_g3_with_intervals(tmp_path):
     store = recorded_run(tmp_path / "run")
     config = _fleet_config(tmp_path)

@@ -73,6 +73,27 @@ def test_the_replay_gives_the_real_caches_hits_per_tier_request_by_request(make_
     assert 0 < result.overall_hit_ratio < result.infinite_cache_bound < 1
 
 
+@pytest.mark.parametrize("write_policy, device, host", [("write-back", 6, 14), ("write-through", 10, 5)])
+def test_the_simulator_copies_as_many_blocks_into_each_tier_as_the_real_cache(make_cache, layout, write_policy,
+                                                                            device, host):
+    """What the engine's thread copies (stores, promotes after hits, demotions) is what G3's simulation charges
+    it for: the simulator's blocks written per tier are the real cache's, every store, promote and demotion."""
+    file_nbytes = integrity.file_nbytes(layout.block_nbytes)
+    cache = make_cache(write_policy=write_policy, device_capacity_blocks=device,
+                       host_capacity_bytes=host * layout.block_nbytes, disk_capacity_bytes=64 * file_nbytes,
+                       disk_min_free_bytes=0)
+    simulator = CacheSimulator(tier_capacities(cache.config, layout.block_nbytes), write_policy)
+    for prompt, generated in conversations(400, seed=11):
+        serve_request(cache, layout, prompt, generated)
+        simulator.serve(request_keys(cache, prompt, generated))
+
+    written = {name: cache.snapshot()["tiers"][name]["blocks_written"] for name in simulator.names}
+    assert {level.name: level.metrics.counters["blocks_written"] for level in simulator.levels} == written
+    assert simulator.blocks_written == sum(written.values())
+    # promotes and demotions ran: more blocks written than the requests' stores alone put on the device
+    assert cache.snapshot()["tiers"]["host"]["hits"] > 0 and all(n > 0 for n in written.values()), written
+
+
 def test_a_pool_below_the_disk_serves_what_the_local_tiers_lost(make_cache, layout, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/run installs it; see the README)")
