@@ -58,6 +58,12 @@ class Calibration:
     source: str = ""
     notes: tuple[str, ...] = ()
     host_gbps: Optional[float] = None       # the host tier's copy GB/s as measured (a machine probe's)
+    # the source of each constant taken from an earlier calibration (`filled_from`), where not `source`
+    taken_from: Mapping[str, str] = field(default_factory=dict)
+
+    def source_of(self, name: str) -> str:
+        """Where the constant `name` (a field's name) came from: the calibration it was taken from, else this one's."""
+        return self.taken_from.get(name, self.source)
 
     def tiers(self, base: TierBandwidths) -> TierBandwidths:
         """`base` with the measured host copy GB/s, the fitted efficiencies and hit overheads over its own."""
@@ -89,7 +95,9 @@ class Calibration:
         note = f"{', '.join(taken)} from {source} (no gate of this run measured them)"
         answered = tuple(MISSING_NOTE[name] for name in taken if name in MISSING_NOTE)
         kept = tuple(n for n in self.notes if not n.startswith(answered))   # "no recompute curve: …" once one is taken
-        return replace(self, **{name: getattr(earlier, name) for name in taken}, notes=(*kept, note))
+        taken_from = {**self.taken_from, **{name: earlier.source_of(name) or source for name in taken}}
+        return replace(self, **{name: getattr(earlier, name) for name in taken}, notes=(*kept, note),
+                       taken_from=taken_from)
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "source": self.source,

@@ -247,11 +247,12 @@ def block_copy_seconds(timing: TimingModel) -> float:
 def term_sources(calibration: Calibration, tiers: TierBandwidths, disk_source: str) -> dict[str, str]:
     """Where each TTFT term's constant came from (timing.TimingModel.terms' names)."""
     curve = calibration.curve.source if calibration.curve is not None else "none"
-    fixed = curve if calibration.fixed_overhead_s is None else (calibration.source or "the calibration")
+    fixed = curve if calibration.fixed_overhead_s is None else (calibration.source_of("fixed_overhead_s")
+                                                                 or "the calibration")
     host = "the pre-flight's machine probe (its host copy)" if calibration.host_gbps else \
         "the default memcpy rate (timing.DEFAULT_HOST_GBPS)"
-    disk = disk_source + (f" × the tier's efficiency {tiers.efficiency['disk']:.2f} ({calibration.source})"
-                          if "disk" in tiers.efficiency else "")
+    disk = disk_source + (f" × the tier's efficiency {tiers.efficiency['disk']:.2f} "
+                          f"({calibration.source_of('tier_efficiency')})" if "disk" in tiers.efficiency else "")
     return {"fixed": fixed, "per-token": curve, "attention": curve, "load host": f"{tiers.host_gbps:.2f} GB/s: {host}",
             "load disk": f"{tiers.effective_gbps('disk'):.2f} GB/s: {disk}" if tiers.disk_gbps else "none"}
 

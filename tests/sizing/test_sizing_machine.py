@@ -318,6 +318,8 @@ def test_a_default_run_of_g2_predicts_it_from_the_probe_and_shows_predicted_besi
     before = [r for r in store.predictions() if r["stage"] == "before g2"]
     disk = next(r for r in before if r["metric"] == "ttft_ms" and r["context"]["mode"] == "disk-cold")
     assert any("prefill and hit probes" in t["source"] for t in disk["terms"]), disk["terms"]
+    fixed = next(t for t in disk["terms"] if t["term"] == "fixed")     # the probes' too, not the run's own
+    assert "probes" in fixed["source"] and str(run_dir) not in fixed["source"], fixed
     assert {(r["context"]["mode"], r["context"]["context_tokens"]) for r in before if r["metric"] == "ttft_ms"} == {
         (mode, context) for mode in ("recompute", "host-hit", "disk-cold") for context in (600, 1100)}
     sizing = json.loads((run_dir / "sizing.json").read_text())

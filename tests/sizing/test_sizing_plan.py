@@ -225,6 +225,25 @@ def test_a_constant_taken_from_an_earlier_calibration_drops_the_note_that_it_was
     assert both.notes == (missing[2], "curve, decode from earlier (no gate of this run measured them)")
 
 
+def test_a_term_taken_from_an_earlier_calibration_is_said_to_come_from_it():
+    """Before G2 the run's own calibration (G1's figures) has no fixed overhead: the machine probe's is used, and the
+    G2 terms' sources say so, not the run directory (m1 of 2026-12-07 said its fixed term came from the run)."""
+    from sizing.calibration import Calibration
+    from sizing.plan import term_sources
+    from sizing.timing import RecomputeCurve, TierBandwidths
+
+    own = Calibration(tier_efficiency={"disk": 0.9}, source="/runs/m1")
+    probes = Calibration(curve=RecomputeCurve(0.02, 3e-4, 0.0, source="the prefill probe"), fixed_overhead_s=0.007,
+                         source="this run's probes")
+    filled = own.filled_from(probes)
+    assert filled.source_of("fixed_overhead_s") == "this run's probes"
+    assert filled.source_of("tier_efficiency") == "/runs/m1"           # its own: not taken
+    again = Calibration(source="another").filled_from(filled)           # taken twice: still where it came from
+    assert again.source_of("fixed_overhead_s") == again.source_of("curve") == "this run's probes"
+    sources = term_sources(filled, filled.tiers(TierBandwidths(disk_gbps=2.0)), "G1's storage sweep")
+    assert sources["fixed"] == "this run's probes" and "(/runs/m1)" in sources["load disk"]
+
+
 def test_model_load_and_checkpoint_seconds_come_from_the_judged_paths_figures(tmp_path):
     store = recorded_run(tmp_path)
     plan = make_plan(load_config(None), store)
