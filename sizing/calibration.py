@@ -305,12 +305,13 @@ def _g3_levels(store: RunStore, target: str, warmup_s: float) -> dict[int, list[
     levels = {}
     for level, blocks in sorted(runs.items()):
         if len(blocks) > 1 or level in left_out:     # matched blocks: the warm-up is whole pairs
-            kept = [blocks[k] for k in sorted(blocks) if k > left_out.get(level, 0) and blocks[k]]
+            kept = [blocks[k] for k in sorted(blocks) if k > left_out.get(level, 0)]
         else:
             first = blocks.get(1) or []
             kept = [[r for r in first if r["sent_at"] >= first[0]["sent_at"] + warmup_s]] if first else []
-        if any(kept):
-            levels[level] = [run for run in kept if run]
+        kept = [run for run in kept if run]
+        if kept:
+            levels[level] = kept
     return levels
 
 
