@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from gates.sequential import (
+from kvcore.sampling import PairsConfig
+from kvcore.sequential import (
     METHOD,
     MIN_PAIRS_FOR_AN_INTERVAL,
     Looks,
@@ -20,7 +21,6 @@ from gates.sequential import (
     method,
     sample_until_decided,
 )
-from kvcore.sampling import PairsConfig
 from workloads.storage.fio import FioJob, FioResult, run_fio
 from workloads.storage.fio_sweep import FioShape
 
@@ -172,7 +172,7 @@ def measure_pairs(subject_round: Round, fio_round: FioRound, pairing: Pairing, r
                   warmup: int = 0, same_pattern: Optional[FioRound] = None,
                   on_pair: Callable[[Pair], None] = lambda pair: None, draws: int = 1,
                   ) -> tuple[list[Pair], Stopping]:
-    """`warmup` pairs left out, then pairs until the interval decides every rule (gates.sequential), each
+    """`warmup` pairs left out, then pairs until the interval decides every rule (kvcore.sequential), each
     the subject (`draws` runs, the faster counted: equal draws, below), then fio moving as many bytes, then
     (optional) fio in the subject's own pattern. Round indices count the warm-up ones: each round moves
     fresh data. `pairing` has min, max and budget_s.

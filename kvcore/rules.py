@@ -3,7 +3,7 @@
 A rule is parsed once, where it is read: the config's thresholds at load (gates/config.py's
 RuleField), the checks' defaults where they are declared (kvcore/checks.py), a rule the config
 sets elsewhere built as a typed rule by the suite that reads it. From there the typed rule goes
-down to the sampling (`gates.sequential.decides`) and the verdict (`kvcore.verdict.judge`, which
+down to the sampling (`kvcore.sequential.decides`) and the verdict (`kvcore.verdict.judge`, which
 refuses anything else); the renderer reads a stored verdict's rule back with `stored_rule`. Error messages
 name the rule's own field (`value: expected a finite number, found 'x'`), so the config's
 error can prefix the rule's place (`g3.thresholds[1].value: …`).

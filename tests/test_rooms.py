@@ -159,7 +159,8 @@ def suite_of(module: str) -> str | None:
 
 def suite_arrows_in(root: Path) -> list[str]:
     """"FILE:LINE: MODULE -> SUITE" for each import of a gate suite from outside it: a suite is the top of gates/,
-    what it shares with the rest of gates/ lives beside the harness (gates/side_by_side.py, gates/sequential.py)."""
+    what it shares with the rest of gates/ lives beside the harness (gates/side_by_side.py), its statistics below
+    gates/ (kvcore/sequential.py, kvcore/block_pairs.py)."""
     return [f"{imp.path.relative_to(root)}:{imp.line}: {imp.module} -> {suite_of(target)} ({target})"
             for imp in imports_of(root) for target in imp.targets
             if suite_of(target) is not None and suite_of(target) != suite_of(imp.module)]

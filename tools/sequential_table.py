@@ -1,4 +1,4 @@
-"""Prints the half-width factors (x the sample SD s) of gates.sequential's intervals and their simulated error rates.
+"""Prints the half-width factors (x the sample SD s) of kvcore.sequential's intervals and their simulated error rates.
 
 `python3 tools/sequential_table.py [PATHS]`: for schedules with looks at 3..last pairs (last = 5, 8, 16, 40), the
 chosen boundary's half-width at n pairs over s beside Lai's t confidence sequence's, then, over PATHS null sequences
@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gates.sequential import Looks, boundary_of, lai_factor  # noqa: E402
+from kvcore.sequential import Looks, boundary_of, lai_factor  # noqa: E402
 
 LASTS = (5, 8, 16, 40)
 COUNTS = (3, 4, 5, 6, 8, 12, 16)

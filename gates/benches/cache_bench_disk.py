@@ -7,7 +7,7 @@ of the whole prefix with the sweep's best direct and best buffered jobs reading 
 of the two is the round's yardstick, judged), and two
 diagnostics: fio in the tier's own pattern (1 MiB, its I/O mode, a job per read worker) and fio
 reading one file per block, the tier's own layout. The ratio is the geometric mean of the rounds'
-ratios with Lai's anytime-valid interval (gates.sequential.log_ratio_sequence); the tier's read path
+ratios with Lai's anytime-valid interval (kvcore.sequential.log_ratio_sequence); the tier's read path
 is what it is: this module measures it, it does not move the yardstick to meet it.
 """
 
@@ -20,8 +20,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Optional
 
-from gates.sequential import METHOD, log_ratio_sequence
 from gates.side_by_side import FasterOf, FioRegions
+from kvcore.sequential import METHOD, log_ratio_sequence
 from workloads.storage.fio import FioJob, run_fio
 from workloads.storage.fio_sweep import SweepGrid, run_storage_sweep
 

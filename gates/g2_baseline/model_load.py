@@ -20,11 +20,11 @@ from cache_impl.weights.safetensors_dir import (
     read_safetensors_dir,
     write_random_checkpoint,
 )
-from gates.sequential import Looks, Stopping, sample_until_decided
 from gates.side_by_side import FasterOf, FioFilesRead, Pair, PairedRatio, Pairing, Reading, measure_pairs, paired_ratio
 from gates.storage_best import StorageBest
 from kvcore.files import drop_cached_pages
 from kvcore.loader_names import READS_WITH_O_DIRECT
+from kvcore.sequential import Looks, Stopping, sample_until_decided
 from kvcore.settings import parse_size
 from kvcore.stats import ratio_ci
 

@@ -36,10 +36,10 @@ from gates.g2_baseline.cold_read import (
     paired_ratio,
 )
 from gates.g2_baseline.placed_hits import PLACED, HitError, PlacedHits
-from gates.sequential import Looks, Stopping
 from gates.side_by_side import MIN_YARDSTICK_BYTES, FasterOf, Pairing
 from gates.storage_best import StorageBest, storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
+from kvcore.sequential import Looks, Stopping
 from kvcore.stats import ratio_ci
 from workloads.traffic.datasets import context_request
 from workloads.traffic.requests import WorkloadRequest

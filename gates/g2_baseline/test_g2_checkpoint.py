@@ -22,11 +22,11 @@ from typing import Optional
 
 import pytest
 
-from gates.sequential import sample_until_decided
 from gates.side_by_side import FioFreshWrite, Pair, Pairing, Reading, measure_pairs, paired_ratio
 from gates.storage_best import storage_best
 from kvcore.aa import G2_AA_FALSE_DECISION, ratio_excludes_one
 from kvcore.percent import format_percent
+from kvcore.sequential import sample_until_decided
 from kvcore.stats import ratio_ci
 from workloads.storage.checkpoint import (
     READER_OF,

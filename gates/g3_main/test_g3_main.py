@@ -13,8 +13,9 @@ import pytest
 
 from engines import hit_reader
 from gates.fleet import fleet_sizing
-from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_looks, level_pairs, level_sampler, pair_figures
+from gates.g3_main.blocks import JUDGED_PER_LEVEL, excludes_null, level_sampler
 from kvcore.aa import AA_FALSE_DECISION, false_decision_line
+from kvcore.block_pairs import level_looks, level_pairs, pair_figures
 from kvcore.g3_analysis import Ladder, due_latencies, goodput, run_seed, slo_latencies, sustained_rate_gain
 from kvcore.predictions import prediction_for
 from kvcore.rundata import read_records

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from gates.benches.client_bench import _process
-from gates.g3_main.blocks import counted_causes, excludes_null, level_pairs, level_sampler, pair_figures
+from gates.g3_main.blocks import excludes_null, level_sampler
 from kvcore.aa import AA_FALSE_DECISION, G2_AA_FALSE_DECISION, false_decision_line, ratio_excludes_one
+from kvcore.block_pairs import counted_causes, level_pairs, pair_figures
 from kvcore.g3_analysis import level_figures
 from kvcore.rules import parse_rule
 from kvcore.rundata import read_records

@@ -10,8 +10,8 @@ import yaml
 
 from gates.cli import main
 from gates.config import load_config
-from gates.sequential import Looks, method
 from kvcore.rundata import RunStore
+from kvcore.sequential import Looks, method
 from sizing.plan import g3_decode_batch, g3_decode_context
 
 pytestmark = pytest.mark.slow      # real gate runs: minutes (.ci/run runs them after the README's command)

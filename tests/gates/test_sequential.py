@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from gates.sequential import (
+from kvcore.rules import Band, Threshold
+from kvcore.sequential import (
     METHOD,
     TAU2,
     Looks,
@@ -20,7 +21,6 @@ from gates.sequential import (
     sample_until_decided,
     t_confidence_sequence,
 )
-from kvcore.rules import Band, Threshold
 
 
 def _martingale(values, mu, tau2=TAU2):

@@ -1,6 +1,6 @@
 """Intervals over paired rounds or blocks that stay valid while sampling stops on a decision.
 
-How it works: docs/methods/confidence-sequence.md (gates/sequential.py).
+How it works: docs/methods/confidence-sequence.md (kvcore/sequential.py).
 """
 
 from __future__ import annotations
