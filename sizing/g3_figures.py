@@ -1,10 +1,13 @@
 """G3's figures from simulated runs (sizing/queueing.py), judged as G3 judges its measured ones.
 
-**Intervals.** A simulated step becomes G3's records (`SimulatedRequest.record`) and G3's own analysis
-(`kvcore.g3_analysis.level_figures`) gives the reduction and the gain with their 95% bootstrap
-intervals over the requests (TTFTs; output tokens per 2-second window), so a figure near its threshold
-comes out INCONCLUSIVE as the measured one would; a step with fewer than `min_requests` in its window
-is invalid as in G3. With noise, each level is simulated once per seed (`sizing.runs`) and `combine`d:
+**Intervals.** G3's matched blocks are judged over their pairs as G3 judges them (`pairs_prediction`:
+`kvcore.block_pairs.pair_figures` over each simulated block's figures, `block_row`). Otherwise a simulated step
+becomes G3's records (`SimulatedRequest.record`) and G3's own analysis (`kvcore.g3_analysis.level_figures`)
+gives the reduction and the gain with their 95% bootstrap intervals over the requests (TTFTs; output tokens
+per 2-second window). Either way a figure near its threshold comes out INCONCLUSIVE as the measured one
+would; a block or step with fewer than `min_requests` requests is invalid as in G3.
+
+With noise, each level is simulated once per seed (`sizing.runs`) and `combine`d:
 the median figure, the interval from the lowest run's low end to the highest run's high end. The
 interval covers the spread of the requests within a run and which order of turns a run happens to
 take; it does not cover the machine's minute-to-minute swing (a baseline step measured at a slow
@@ -13,12 +16,14 @@ minute and the candidate's at a fast one), nor the errors of the fitted constant
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from kvcore.block_pairs import pair_figures
 from kvcore.g3_analysis import Ladder, LevelFigures, SustainedFigures, level_figures, slo_latencies, sustained_rate_gain
+from kvcore.sequential import Looks
 from kvcore.settings import ConfigError
 
 from .queueing import EngineModel, ServedRequest, SimulatedRequest, simulate
@@ -53,7 +58,7 @@ def g3_step(simulated: Sequence[SimulatedRequest], warmup_s: float = 0.0, min_re
     records = [r.record() for r in simulated if r.sent_s >= warmup_s]
     valid = len(records) >= min_requests
     return {"summary": {"valid": valid, "invalid_reasons": "" if valid else
-                        f"{len(records)} requests completed in the window (< min_requests {min_requests})"},
+                        f"{len(records)} completed requests < minimum {min_requests}"},
             "records": records}
 
 
@@ -90,7 +95,7 @@ class LevelPrediction:
     @property
     def throughput_gain(self) -> float:
         """candidate output tokens/s ÷ baseline's − 1 (0.35: +35%), each over its whole window (G3's
-        judged gain is the mean of 2-second windows: `g3.throughput_gain`)."""
+        judged gain is `g3.throughput_gain`: over its block pairs, or 2-second windows)."""
         return self.targets["candidate"].output_tokens_per_s / self.targets["baseline"].output_tokens_per_s - 1.0
 
 
@@ -118,6 +123,37 @@ def level_prediction(level: float, simulated: Mapping[str, list[SimulatedRequest
     steps = {role: g3_step(requests, warmup_s, min_requests) for role, requests in simulated.items()}
     figures = {role: summarize(requests, warmup_s) for role, requests in simulated.items()}
     return LevelPrediction(level, figures, level_figures(steps["baseline"], steps["candidate"]), steps)
+
+
+def block_row(block: int, role: str, simulated: Sequence[SimulatedRequest], min_requests: int) -> dict:
+    """A simulated block as G3 summarises one of its matched blocks (workloads/loadgen/blocks.py): measured from its
+    start (the simulated block's 0: its users start at once, no warm-up inside a block), its TTFT p50 and its output
+    tokens ÷ (its last answer − its start); invalid with fewer than `min_requests` requests, as in G3."""
+    step = g3_step(simulated, 0.0, min_requests)
+    last = max((r.done_s for r in simulated), default=0.0)
+    return {"block": block, "target": role, "valid": step["summary"]["valid"],
+            "invalid_reasons": step["summary"]["invalid_reasons"],
+            "ttft_p50_s": float(np.median([r.ttft_s for r in simulated])) if simulated else None,
+            "output_tokens_per_s": sum(r.output_tokens for r in simulated) / last if last > 0 else None}
+
+
+def pairs_prediction(level: float, pairs: Sequence[Mapping[str, Sequence[SimulatedRequest]]], min_requests: int,
+                     looks: Looks) -> LevelPrediction:
+    """A level of G3's matched blocks from its simulated pairs (each pair: every target's block, each simulated from
+    its own 0): every target's figures over its blocks laid end to end (G3 pools a target's blocks), and the
+    reduction and gain as G3 judges them, over the pairs' ratios (`kvcore.block_pairs.pair_figures`, the interval
+    at this many pairs of the level's schedule `looks`)."""
+    laid: dict[str, list[SimulatedRequest]] = {role: [] for role in pairs[0]} if pairs else {}
+    for pair in pairs:
+        for role, block in pair.items():
+            clock = max((r.done_s for r in laid[role]), default=0.0)
+            laid[role] += [replace(r, sent_s=r.sent_s + clock, first_token_s=r.first_token_s + clock,
+                                   done_s=r.done_s + clock) for r in block]
+    rows = [{role: block_row(k, role, block, min_requests) for role, block in pair.items()}
+            for k, pair in enumerate(pairs)]
+    return LevelPrediction(level, {role: summarize(requests) for role, requests in laid.items()},
+                           pair_figures([(row["baseline"], row["candidate"]) for row in rows], looks),
+                           {role: g3_step(requests, 0.0, min_requests) for role, requests in laid.items()})
 
 
 def combine(replicas: Sequence[LevelPrediction]) -> LevelPrediction:

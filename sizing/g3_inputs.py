@@ -6,18 +6,19 @@ How it works: docs/methods/sizing-model.md (sizing/g3_inputs.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from kvcore.block_pairs import level_looks
 from kvcore.settings import ConfigError
 from workloads.loadgen.steady import cached_share, order_segment, requests_per_part, warm_up_end
 from workloads.loadgen.sweep import closed_loop, primer, rate_multiplied, trace_parts
 from workloads.traffic.requests import Workload, WorkloadRequest, load_order
 from workloads.traffic.routing import Router, Routing
 
-from .g3_figures import LevelPrediction, TargetReplay, combine, level_prediction
+from .g3_figures import LevelPrediction, TargetReplay, combine, pairs_prediction
 from .queueing import EngineModel, ServedRequest, SimulatedRequest, simulate_source
 from .replay import (
     POOL_TIER,
@@ -347,21 +348,17 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
                     end = warm_up_end([{"cached_share": share(p["candidate"])} for p in pairs], len(pairs), rule)
                     first = None if end is None else end[0]
             warmup.setdefault(level, first)
-            measured: dict[str, list[SimulatedRequest]] = {}
+            measured = pairs[first:first + g3.blocks.min]
             for role, _ in roles:
-                clock, simulated = 0.0, []              # the level's measured blocks from 0, back to back
-                for served in (p[role] for p in pairs[first:first + g3.blocks.min]):
-                    simulated += [replace(r, sent_s=r.sent_s + clock, first_token_s=r.first_token_s + clock,
-                                          done_s=r.done_s + clock) for r in served.done]
-                    clock += max(r.done_s for r in served.done)
+                for served in (p[role] for p in measured):
                     prompt_tokens = sum(served.prompt_tokens)
                     counted[role].per_level[level].append(   # as G3 measures it: cached ÷ prompt tokens
                         served.cached_tokens(inputs.block_tokens) / prompt_tokens if prompt_tokens else 0.0)
                     counted[role].rows += served.rows
                     counted[role].blocks += served.prompt_blocks
                     counted[role].bound += served.bound
-                measured[role] = simulated
-            runs[level].append(level_prediction(level, measured, 0.0, g3.min_requests))
+            runs[level].append(pairs_prediction(level, [{role: p[role].done for role, _ in roles} for p in measured],
+                                                g3.min_requests, level_looks(g3.blocks.max)))
     hits = {}
     for role, c in counted.items():
         totals = {name: sum(row[i] for row in c.rows) for i, name in enumerate(names[role])}

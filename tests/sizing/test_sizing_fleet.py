@@ -140,7 +140,7 @@ def test_a_prediction_near_the_threshold_is_inconclusive_and_one_far_from_it_pas
 def test_a_simulated_step_with_too_few_requests_is_invalid_as_in_g3():
     engine, request = _engine(), ServedRequest(1000, 2)
     (level,) = predict_g3({"baseline": [request] * 3, "candidate": [request] * 3}, [1], engine, min_requests=10)
-    assert not level.g3.valid and "3 requests completed in the window (< min_requests 10)" in level.g3.invalid_reason
+    assert not level.g3.valid and "3 completed requests < minimum 10" in level.g3.invalid_reason
 
 
 # --------------------------------------------------------------------------- an external target's inputs

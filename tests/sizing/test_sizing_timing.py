@@ -7,11 +7,12 @@ import json
 
 import pytest
 
+from kvcore.block_pairs import level_looks
 from kvcore.rundata import RunStore
 from kvcore.settings import ConfigError
 from sizing.calibration import Calibration, calibrate
-from sizing.g3_figures import predict_g3, summarize
-from sizing.queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
+from sizing.g3_figures import pairs_prediction, predict_g3, summarize
+from sizing.queueing import DecodeCost, EngineModel, ServedRequest, SimulatedRequest, simulate_closed_loop
 from sizing.timing import (
     RecomputeCurve,
     TierBandwidths,
@@ -190,6 +191,31 @@ def test_g3_prediction_of_a_hit_against_a_miss_at_one_user():
     assert level.throughput_gain == pytest.approx((base_ttft + decode) / (cand_ttft + decode) - 1, rel=1e-9)
     with pytest.raises(ConfigError, match=r"replays: expected a baseline and a candidate replay.*\['baseline'\]"):
         predict_g3({"candidate": [hit]}, [1], engine)
+
+
+def _block(requests: int, ttft_s: float, seconds: float, tokens: int = 10) -> list[SimulatedRequest]:
+    """A simulated block from its 0: `requests` answered evenly over `seconds`, each with `tokens` output tokens."""
+    step = seconds / requests
+    return [SimulatedRequest(i, i * step, i * step + ttft_s, (i + 1) * step, tokens, (), ()) for i in range(requests)]
+
+
+def test_g3s_matched_blocks_are_judged_over_their_pairs_ratios_as_g3_judges_them():
+    """G3 judges a level's reduction and gain over its block pairs (kvcore/block_pairs.py): the geometric mean of each
+    pair's candidate ÷ baseline. On blocks shorter than 2 s the 2-second windows over the blocks laid end to end said
+    another figure (here +60% for the blocks' +100%; the tiny preset: +26% against its blocks' +156%)."""
+    lengths = (0.8, 0.7, 0.9, 0.8)           # each pair's baseline block, seconds; the candidate's twice as fast
+    pairs = [{"baseline": _block(6, 0.2, s), "candidate": _block(6, 0.05, s / 2)} for s in lengths]
+    level = pairs_prediction(2, pairs, 3, level_looks(5))
+    assert level.g3.throughput_gain == pytest.approx(1.0) and level.g3.ttft_reduction == pytest.approx(0.75)
+    assert level.g3.valid and level.g3.pairs == 4 and level.g3.throughput_interval[0] > 0
+    # each target's own figures are over its blocks laid end to end, as G3 pools them
+    assert level.targets["baseline"].output_tokens_per_s == pytest.approx(4 * 60 / sum(lengths))
+    assert level.targets["candidate"].requests == 24
+    # a pair with a block below G3's least requests is left out and counted; under 3 such pairs: no figure, and why
+    short = pairs[:2] + [{"baseline": _block(2, 0.2, 1.0), "candidate": _block(2, 0.05, 0.5)}]
+    judged = pairs_prediction(2, short, 3, level_looks(5)).g3
+    assert (judged.valid, judged.pairs, judged.left_out) == (False, 2, 1)
+    assert "2 valid block pairs of 3" in judged.invalid_reason and "2 completed requests" in judged.left_out_reasons
 
 
 def test_a_duration_cycles_the_replay_and_a_warm_up_is_left_out():
