@@ -223,7 +223,7 @@ def _batch_gaps(endpoint, context_tokens: int, batch: int, max_tokens: int, run_
     failed = next((r for r in records if not r.ok or r.ttft_s is None), None)
     if failed is not None:
         return f"the decode probe's batch of {batch} failed: {no_first_token(failed)}"
-    gaps = window_gaps([_token_times(r) for r in records])
+    gaps = window_gaps([token_times(r) for r in records])
     if len(gaps) < DECODE_MIN_GAPS:
         return (f"the decode probe's batch of {batch} had {len(gaps)} gaps with every sequence decoding "
                 f"(under {DECODE_MIN_GAPS}: the server stopped its sequences early)")
@@ -237,7 +237,7 @@ def no_first_token(record) -> str:
     return f"the answer streamed no token (finish_reason {record.finish_reason}, {record.completion_tokens} tokens)"
 
 
-def _token_times(record) -> list[float]:
+def token_times(record) -> list[float]:
     """Each streamed token's arrival (wall-clock s): its chunk's, text or not, when the record kept them (a server
     that streams a token whose bytes do not decode yet as empty text sends its chunk at its step all the same),
     else from the send time, TTFT and gaps between text chunks."""

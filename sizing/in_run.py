@@ -40,6 +40,7 @@ def _plan_now(config: SizedRun, store: RunStore) -> Plan:
         fill_from=configured,
         engines=engine_facts(store.preflight()),
         machine=run_probe_calibration(store),
+        probe=store.machine_probe(),
     )
 
 

@@ -11,9 +11,9 @@ from typing import Optional
 
 from kvcore.rundata import RunStore
 
-from .calibration import Calibration, fit_g2_ttfts, prefill_points
+from .calibration import Calibration, fit_decode, fit_g2_ttfts, prefill_points
 from .queueing import DecodeCost
-from .timing import RecomputeCurve, TierBandwidths
+from .timing import RecomputeCurve, TierBandwidths, TimingModel
 
 SOURCE = "the pre-flight's machine probe"
 PROBES_SOURCE = "this run's probes of the machine and its servers"
@@ -21,6 +21,8 @@ SERVER_PROBES_SOURCE = "this run's probes of its servers"
 PREFILL_SOURCE = "the prefill probe"
 HITS_SOURCE = "the prefill and hit probes"
 DECODE_SOURCE = "the decode probe before G3"
+LOAD_SOURCE = "the load probe before G3"
+PROBE_SOURCES = (PROBES_SOURCE, SERVER_PROBES_SOURCE)   # a decode cost from these is refitted under load
 
 
 def probe_line(probe: dict) -> str:
@@ -126,6 +128,40 @@ def probe_decode(probe: dict) -> tuple[DecodeCost, str]:
     return decode, (f"{words}; the model's decode pass alone gives {model.seconds(batch) * 1e3:.2f} ms of its "
                     f"{decode.seconds(batch) * 1e3:.2f} ms at a batch of {batch}: the rest is the server's work per "
                     "step (sampling, streaming, the step loop)")
+
+
+def load_words(load: Optional[dict]) -> str:
+    """The load probe's figures in words (or why there are none)."""
+    return _probe_words("load", load, "", lambda d: (
+        f"the {d['role']} server under load: " + ", ".join(
+            f"{len(records)} requests at {level} users, gaps {_mean_ms(records)} ms" for level, records in
+            d["levels"].items()) + f" ({d['prompts']} prompts of {d['context_tokens']:,} tokens, "
+        f"{d['output_tokens']} tokens out, {d['seconds']:.1f} s)"))
+
+
+def _mean_ms(records: list[dict]) -> str:
+    gaps = [g for r in records for g in r["itl_s"]]
+    return f"{sum(gaps) / len(gaps) * 1e3:.1f}" if gaps else "none"
+
+
+def load_decode(probe: dict, timing: TimingModel, max_running: int) -> tuple[Optional[DecodeCost], str]:
+    """G3's decode cost fitted to the load probe's gaps between tokens (calibration.fit_decode, as a calibration fits
+    G3's own): each level's closed loop simulated with `timing`'s prefill chunks for each request's tail, every
+    cached token taken as resident, so a step costs what the probe's steps cost beyond their prefill chunks while
+    requests come and go (their prefix loaded, their blocks stored, their answers sent); None (and why) when the
+    probe did not run."""
+    load = probe.get("server_load") or {}
+    if "levels" not in load:
+        return None, f"G3's decode cost from the decode probe alone: {load.get('error') or 'no load probe ran'}"
+    levels = {int(level): [records] for level, records in load["levels"].items() if records}
+    decode = fit_decode(levels, timing, max_running, "device")
+    if decode is None:
+        return None, "G3's decode cost from the decode probe alone: the load probe timed no gaps between tokens"
+    idle = server_decode(probe)[0]
+    beside = "" if idle is None else f", the decode probe's {idle.seconds(max_running) * 1e3:.2f} ms"
+    return decode, (f"G3's decode cost from {LOAD_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
+                    f"{decode.per_sequence_s * 1e3:.2f} ms a sequence ({decode.seconds(max_running) * 1e3:.2f} ms at "
+                    f"{max_running}{beside}, whose steps only decode)")
 
 
 def probe_ran(probe: dict) -> bool:

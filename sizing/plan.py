@@ -28,6 +28,7 @@ from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, simulate_blocks
+from .machine import PROBE_SOURCES, load_decode
 from .noise import group_spread, samples, spread
 from .queueing import DecodeCost, EngineModel
 from .settings import SizedRun
@@ -106,14 +107,16 @@ def _spec_disk_gbps(config: SizedRun) -> Optional[float]:
 
 def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: Optional[Calibration] = None,
               tolerances=None, in_run: bool = False, fill_from: Optional[Calibration] = None,
-              engines: Optional[dict] = None, machine: Optional[Calibration] = None) -> Plan:
+              engines: Optional[dict] = None, machine: Optional[Calibration] = None,
+              probe: Optional[dict] = None) -> Plan:
     """The plan for `config` (a GatesConfig); `store`: a run whose G1/G2 figures refine it; `calibration`:
     fitted constants (default: fitted from `store` when given); `fill_from`: an earlier calibration whose
     constants stand in for those `calibration` lacks (a run's G3 decode cost before its G3 ran);
     `in_run`: made by `kvgate run` before a gate (its figures are compared later, so no comparison now);
     `engines`: what a run's pre-flight read from the external engines (default: `store`'s, when given);
     `machine`: the pre-flight's machine probe as constants (machine.py), last in line: what neither the
-    calibration, `fill_from` nor a configured roofline gives."""
+    calibration, `fill_from` nor a configured roofline gives; `probe`: the run's probes as recorded (default:
+    `store`'s), whose load probe gives G3's decode cost where the probes give it (machine.load_decode)."""
     plan = Plan()
     if engines is None and store is not None:
         engines = engine_facts(store.preflight())
@@ -154,6 +157,12 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
         sources = term_sources(calibration, tiers, plan.figures["disk_gbps"]["source"])
         _g2(plan, config, timing, tiers, inputs, sources)
         decode = calibration.decode
+        if probe is None and store is not None:
+            probe = store.machine_probe()
+        if probe is not None and "server_load" in probe and calibration.source_of("decode") in PROBE_SOURCES:
+            under_load, words = load_decode(probe, timing, inputs.max_running)
+            decode = under_load or decode
+            plan.notes.append(words)
         if decode is None:
             first = next(iter(g3.replays["candidate"].values()))
             decode = decode_from_curve(timing.curve, first.requests)
@@ -201,6 +210,26 @@ def g3_decode_context(config: SizedRun) -> int:
     context the decode probe times the server's steps at, just before G3)."""
     prompts = sorted(r.prompt_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
     return prompts[(len(prompts) - 1) // 2]
+
+
+def g3_output_tokens(config: SizedRun) -> int:
+    """The output tokens G3's requests ask for: the median of its workload's (the load probe asks for as many)."""
+    asked = sorted(r.max_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
+    return max(1, asked[(len(asked) - 1) // 2])
+
+
+def g3_load_prompts(config: SizedRun, context_tokens: int) -> int:
+    """How many prompts the load probe cycles through: at least twice G3's highest level, and more than the
+    candidate's tiers above its lowest hold (each prompt of `context_tokens` and its answer's block), so that its
+    returns come from the lowest tier as G3's mostly do (the tiers unknown, as an external engine's: the least)."""
+    top = int(max(config.g3.levels))
+    inputs, _ = target_inputs(config)
+    held = [tier.blocks for tier in inputs.capacities()["candidate"][:-1]]
+    least = 2 * top
+    if not held or None in held:
+        return least
+    per_prompt = context_tokens // inputs.block_tokens + 1
+    return max(least, sum(b or 0 for b in held) // per_prompt + 1)
 
 
 def g3_decode_batch(config: SizedRun) -> int:

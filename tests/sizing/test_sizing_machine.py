@@ -208,16 +208,16 @@ def test_the_decode_window_is_where_every_stream_decodes():
 
 
 def test_the_decode_probe_times_each_token_by_its_own_chunk_where_the_record_kept_them():
-    from gates.machine_probe import _token_times
+    from gates.machine_probe import token_times
     from workloads.traffic.client import RequestRecord
 
     # a vLLM stream of 4 tokens, the second's bytes not decodable yet (empty text): its text chunks' gaps skip it
     record = RequestRecord("r", "s", 0, "candidate", 100.0, 100.0, 0.0, ok=True, ttft_s=0.30, itl_s=[0.10],
                            token_times_s=[0.30, 0.35, 0.40, 0.45])
-    assert _token_times(record) == pytest.approx([100.30, 100.35, 100.40, 100.45])
+    assert token_times(record) == pytest.approx([100.30, 100.35, 100.40, 100.45])
     # control: a record without them (kvgate serve streams text at every token) is timed by its text chunks
     record.token_times_s = None
-    assert _token_times(record) == pytest.approx([100.30, 100.40])
+    assert token_times(record) == pytest.approx([100.30, 100.40])
 
 
 def test_the_servers_decode_gaps_stand_in_for_the_models_decode_pass(config, probe):
@@ -233,6 +233,68 @@ def test_the_servers_decode_gaps_stand_in_for_the_models_decode_pass(config, pro
         assert decode == DecodeCost(probe["decode"]["step_s"], probe["decode"]["per_sequence_s"])
         assert note.startswith("decode from the model's decode pass alone")
 
+
+
+def _load_probe(timing: TimingModel, decode: DecodeCost, levels=(2, 8), prompts: int = 16) -> dict:
+    """The load probe's figures as a server whose steps follow `timing` and `decode` would give them: each level a
+    closed loop over the cycle of returning prompts (every whole block cached), simulated."""
+    from sizing.queueing import EngineModel, ServedRequest, simulate_closed_loop
+
+    engine = EngineModel(timing, decode, 8)
+    cycle = [ServedRequest(1920 + 4 * i, 16, {"device": 1792}) for i in range(prompts)] * 4
+    found = {str(level): [{"prompt_tokens": cycle[r.index].prompt_tokens, "cached_tokens": 1792,
+                           "completion_tokens": r.output_tokens, "itl_s": list(r.itl_s)}
+                          for r in simulate_closed_loop(cycle, level, engine)] for level in levels}
+    return {"role": "candidate", "context_tokens": 1920, "output_tokens": 16, "prompts": prompts, "levels": found,
+            "seconds": 6.0}
+
+
+def test_the_load_probe_gives_the_decode_cost_of_steps_that_also_admit_returning_prompts():
+    """A server whose steps cost 1.0 ms + 1.3 ms a sequence while requests come and go: the fit to the load probe's
+    gaps between tokens, each level simulated with the tails' prefill chunks, finds that cost again (the decode
+    probe's steps, which only decode, said beside it); without the probe, or when it failed, none, and why."""
+    from sizing.machine import load_decode, load_words
+
+    timing = TimingModel(SERVER, TierBandwidths(), 1024, 256)
+    under_load = DecodeCost(0.0010, 0.0013)
+    probe = {"server_load": _load_probe(timing, under_load),
+             "server_decode": {"role": "recompute", "context_tokens": 1920, "batch_1_s": 0.002, "batch_max_s": 0.0076,
+                               "max_batch": 8, "step_s": 0.0012, "per_sequence_s": 0.0008, "gaps": {}, "seconds": 1}}
+    decode, words = load_decode(probe, timing, 8)
+    assert decode.seconds(8) == pytest.approx(under_load.seconds(8), rel=0.03)
+    assert decode.seconds(2) == pytest.approx(under_load.seconds(2), rel=0.05)
+    assert "from the load probe before G3" in words and "the decode probe's 7.60 ms" in words
+    assert "at 8 users" in load_words(probe["server_load"]) and "16 prompts of 1,920 tokens" in \
+        load_words(probe["server_load"])
+    for missing, why in (({}, "no load probe ran"), ({"server_load": {"role": "candidate", "error": "boom"}}, "boom")):
+        decode, words = load_decode(missing, timing, 8)
+        assert decode is None and words.endswith(why) and "decode probe alone" in words
+
+
+def test_g3_is_predicted_with_the_load_probes_decode_cost_until_a_g3_of_the_run_gives_its_own(tmp_path, config,
+                                                                                               probe):
+    run = recorded_run(tmp_path / "recorded")
+    shutil.rmtree(run.raw_dir("g3"))
+    for gate in ("g1", "g2"):
+        run.set_status(gate, "passed")
+    run.write_machine_probe(probe)
+    idle, _ = stage_plan(config, run, "g3")
+    timing = TimingModel(SERVER, TierBandwidths(), 1024, 256)
+    slow = DecodeCost(0.004, 0.006)                 # 52 ms a step of 8: slower than any machine's decode pass alone
+    run.write_machine_probe({**probe, "server_load": _load_probe(timing, slow)})
+    plan, problem = stage_plan(config, run, "g3")
+    assert not problem and any("G3's decode cost from the load probe before G3" in n for n in plan.notes), plan.notes
+
+    def candidate_throughput(p) -> float:
+        return next(x.value for x in p.predictions if x.metric == "output_tokens_per_s"
+                    and x.context == {"target": "candidate", "concurrency": 8})
+
+    assert candidate_throughput(plan) < 0.6 * candidate_throughput(idle)
+    # a run whose G3 has run: its decode cost is its own G3's, and the probes are not asked
+    whole = recorded_run(tmp_path / "whole")
+    whole.write_machine_probe({**probe, "server_load": _load_probe(timing, DecodeCost(0.0010, 0.0013))})
+    after = make_plan(config, whole)
+    assert not any("load probe" in n for n in after.notes), after.notes
 
 
 def test_a_g3_workload_that_cannot_be_built_leaves_the_decode_probe_an_error_not_the_run(tmp_path, config, probe,
@@ -459,6 +521,14 @@ def test_external_targets_are_predicted_from_their_own_servers_probes(tmp_path):
     assert "hits" not in probe and "matmul_flops" not in probe
     decode = probe["server_decode"]
     assert decode["role"] == "candidate" and decode["max_batch"] == 4, decode   # G3's highest level, not 8
+    # the load probe: the candidate in a closed loop at G3's lowest and highest levels, over 2 x 4 returning prompts
+    # (an external engine's tiers unknown) of G3's median context, each answer G3's 16 tokens
+    load = probe["server_load"]
+    assert load["role"] == "candidate" and sorted(load["levels"]) == ["2", "4"] and load["prompts"] == 8, load
+    for records in load["levels"].values():
+        assert records and all(r["completion_tokens"] == 16 and len(r["itl_s"]) == 15 for r in records), \
+            [(r["completion_tokens"], len(r["itl_s"])) for r in records]
+        assert all(r["cached_tokens"] for r in records)        # every send a return of a prompt computed before
     assert "machine probe: none (external targets" in machine_words(probe)
 
     calibration = probe_calibration(probe)
@@ -476,6 +546,8 @@ def test_external_targets_are_predicted_from_their_own_servers_probes(tmp_path):
     assert any("recompute from the prefill probe" in note for note in plan.notes), plan.notes
     throughput = [p for p in plan.predictions if p.gate == "g3" and p.metric == "output_tokens_per_s"]
     assert throughput, "G3's throughput is predicted: the decode probe gave the decode cost"
+    plan, _ = stage_plan(config, runner.store, "g3")
+    assert any(note.startswith("G3's decode cost from the load probe before G3") for note in plan.notes), plan.notes
     # and without the prefill probe's three lengths there is nothing to fit: no constants, said by the plan
     assert probe_calibration({"prefill": {**probe["prefill"], "points": probe["prefill"]["points"][:2]}}) is None
 
