@@ -235,6 +235,16 @@ def test_the_servers_decode_gaps_stand_in_for_the_models_decode_pass(config, pro
 
 
 
+def _before_g3(root, probe: dict) -> RunStore:
+    """A recorded run as it stands just before its G3: G1 and G2 passed, the probes recorded, no G3 yet."""
+    run = recorded_run(root)
+    shutil.rmtree(run.raw_dir("g3"))
+    for gate in ("g1", "g2"):
+        run.set_status(gate, "passed")
+    run.write_machine_probe(probe)
+    return run
+
+
 def _load_probe(timing: TimingModel, decode: DecodeCost, levels=(2, 8), prompts: int = 16) -> dict:
     """The load probe's figures as a server whose steps follow `timing` and `decode` would give them: each level a
     closed loop over the cycle of returning prompts (every whole block cached), simulated."""
@@ -273,11 +283,7 @@ def test_the_load_probe_gives_the_decode_cost_of_steps_that_also_admit_returning
 
 def test_g3_is_predicted_with_the_load_probes_decode_cost_until_a_g3_of_the_run_gives_its_own(tmp_path, config,
                                                                                                probe):
-    run = recorded_run(tmp_path / "recorded")
-    shutil.rmtree(run.raw_dir("g3"))
-    for gate in ("g1", "g2"):
-        run.set_status(gate, "passed")
-    run.write_machine_probe(probe)
+    run = _before_g3(tmp_path / "recorded", probe)
     idle, _ = stage_plan(config, run, "g3")
     timing = TimingModel(SERVER, TierBandwidths(), 1024, 256)
     slow = DecodeCost(0.004, 0.006)                 # 52 ms a step of 8: slower than any machine's decode pass alone
@@ -342,11 +348,7 @@ def test_a_calibration_file_and_the_runs_own_g2_come_before_the_probe(tmp_path, 
                for note in plan.notes)          # the probe fills only what the file lacks (its decode, the host)
 
     # after G2, the run's own fit of its G2 TTFTs; the probe gives what G3 has not measured yet (the decode)
-    run = recorded_run(tmp_path / "recorded")
-    shutil.rmtree(run.raw_dir("g3"))
-    for gate in ("g1", "g2"):
-        run.set_status(gate, "passed")
-    run.write_machine_probe(probe)
+    run = _before_g3(tmp_path / "recorded", probe)
     plan, problem = stage_plan(config, run, "g3")
     taken = next(note for note in plan.notes if note.endswith("(no gate of this run measured them)"))
     assert taken.startswith("decode") and "curve" not in taken and "this run's probes of the machine" in taken
