@@ -26,11 +26,13 @@ PROBE_SOURCES = (PROBES_SOURCE, SERVER_PROBES_SOURCE)   # a decode cost from the
 
 
 def probe_line(probe: dict) -> str:
-    """The probes' figures in one line (or why there are none): the machine's, the servers', the decode's."""
+    """The probes' figures in one line (or why there are none): the machine's, the servers', the decode's, the
+    load's."""
     if "error" in probe:
         return machine_words(probe)
     return (f"{machine_words(probe)}; {server_probe_words(probe)}"
-            + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else ""))
+            + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else "")
+            + (f"; {load_words(probe['server_load'])}" if "server_load" in probe else ""))
 
 
 def machine_words(probe: dict) -> str:

@@ -290,6 +290,7 @@ def test_g3_is_predicted_with_the_load_probes_decode_cost_until_a_g3_of_the_run_
     run.write_machine_probe({**probe, "server_load": _load_probe(timing, slow)})
     plan, problem = stage_plan(config, run, "g3")
     assert not problem and any("G3's decode cost from the load probe before G3" in n for n in plan.notes), plan.notes
+    assert any("the candidate server under load: " in n for n in plan.notes)   # the probe's own line says its gaps
 
     def candidate_throughput(p) -> float:
         return next(x.value for x in p.predictions if x.metric == "output_tokens_per_s"
