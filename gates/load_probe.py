@@ -7,8 +7,8 @@ same cores; on this VM a step of 8 sequences cost 7-8 ms in the decode probe and
 what G3 sends, in its own prompts: `prompts` distinct prompts of G3's median context, each computed once, then at
 each of two levels c users in a closed loop take the next prompt of the cycle (every one a return, and with more
 prompts than the tiers above the lowest hold, a return from the lowest), each asking for G3's output tokens, for
-`seconds`. Each request's record keeps its prompt, cached and output tokens and its gaps between tokens (each
-token's own chunk: a server may stream a token as empty text).
+`seconds`. Each request's record keeps its prompt, cached and output tokens, its first token's time and its gaps
+between tokens (each token's own chunk: a server may stream a token as empty text).
 
 How it works: docs/methods/sizing-model.md (gates/load_probe.py).
 """
@@ -37,7 +37,8 @@ def load_levels(g3_levels: Sequence[float]) -> list[int]:
 def load_probe(endpoint, context_tokens: int, output_tokens: int, levels: Sequence[int], prompts: int,
                run_id: str = "run", seconds: float = LOAD_SECONDS) -> dict:
     """{"role", "context_tokens", "output_tokens", "prompts", "levels": {"c": [record, ...]}, "seconds"}, each record
-    {"prompt_tokens", "cached_tokens", "completion_tokens", "itl_s"}; {"role", "error": why} when a request failed."""
+    {"prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "itl_s"}; {"role", "error": why} when a
+    request failed."""
     started = time.monotonic()
     pool = [context_request(context_tokens, f"{run_id}/load-{i}", endpoint.tokenizer, output_tokens, "preflight-load")
             for i in range(prompts)]
@@ -56,7 +57,8 @@ def load_probe(endpoint, context_tokens: int, output_tokens: int, levels: Sequen
         if failed is not None:
             return {"role": endpoint.role, "error": f"the load probe at {level} users failed: {no_first_token(failed)}"}
         found[str(level)] = [{"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                              "completion_tokens": r.completion_tokens, "itl_s": _gaps(r)} for r in records]
+                              "completion_tokens": r.completion_tokens, "ttft_s": r.ttft_s, "itl_s": _gaps(r)}
+                             for r in records]
     return {"role": endpoint.role, "context_tokens": context_tokens, "output_tokens": output_tokens,
             "prompts": prompts, "levels": found, "seconds": time.monotonic() - started}
 

@@ -532,6 +532,7 @@ def test_external_targets_are_predicted_from_their_own_servers_probes(tmp_path):
         assert records and all(r["completion_tokens"] == 16 and len(r["itl_s"]) == 15 for r in records), \
             [(r["completion_tokens"], len(r["itl_s"])) for r in records]
         assert all(r["cached_tokens"] for r in records)        # every send a return of a prompt computed before
+        assert all(r["ttft_s"] > 0 for r in records)
     assert "machine probe: none (external targets" in machine_words(probe)
 
     calibration = probe_calibration(probe)
