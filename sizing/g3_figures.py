@@ -144,11 +144,12 @@ def pairs_prediction(level: float, pairs: Sequence[Mapping[str, Sequence[Simulat
     reduction and gain as G3 judges them, over the pairs' ratios (`kvcore.block_pairs.pair_figures`, the interval
     at this many pairs of the level's schedule `looks`)."""
     laid: dict[str, list[SimulatedRequest]] = {role: [] for role in pairs[0]} if pairs else {}
+    clock = dict.fromkeys(laid, 0.0)                 # where each target's next block starts
     for pair in pairs:
         for role, block in pair.items():
-            clock = max((r.done_s for r in laid[role]), default=0.0)
-            laid[role] += [replace(r, sent_s=r.sent_s + clock, first_token_s=r.first_token_s + clock,
-                                   done_s=r.done_s + clock) for r in block]
+            laid[role] += [replace(r, sent_s=r.sent_s + clock[role], first_token_s=r.first_token_s + clock[role],
+                                   done_s=r.done_s + clock[role]) for r in block]
+            clock[role] += max((r.done_s for r in block), default=0.0)
     rows = [{role: block_row(k, role, block, min_requests) for role, block in pair.items()}
             for k, pair in enumerate(pairs)]
     return LevelPrediction(level, {role: summarize(requests) for role, requests in laid.items()},

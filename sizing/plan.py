@@ -205,17 +205,21 @@ def _g3_workload(config: SizedRun, inputs, seed: int = 0):
     return build_workload(config.g3.workload, sizer_for(BYTE_SIZER if inputs.embedded else None), seed)
 
 
+def _g3_median(config: SizedRun, figure) -> int:
+    """The (lower) median of `figure(request)` over G3's workload as built for kvgate's engine."""
+    values = sorted(figure(r) for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
+    return values[(len(values) - 1) // 2]
+
+
 def g3_decode_context(config: SizedRun) -> int:
     """Where G3's sequences decode: the median prompt (tokens) of its workload as built for kvgate's engine (the
     context the decode probe times the server's steps at, just before G3)."""
-    prompts = sorted(r.prompt_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
-    return prompts[(len(prompts) - 1) // 2]
+    return _g3_median(config, lambda r: r.prompt_tokens)
 
 
 def g3_output_tokens(config: SizedRun) -> int:
     """The output tokens G3's requests ask for: the median of its workload's (the load probe asks for as many)."""
-    asked = sorted(r.max_tokens for r in build_workload(config.g3.workload, sizer_for(BYTE_SIZER), 0).requests)
-    return max(1, asked[(len(asked) - 1) // 2])
+    return max(1, _g3_median(config, lambda r: r.max_tokens))
 
 
 def g3_load_prompts(config: SizedRun, context_tokens: int) -> int:
