@@ -26,7 +26,7 @@ from kvcore.g3_analysis import Ladder, LevelFigures, SustainedFigures, level_fig
 from kvcore.sequential import Looks
 from kvcore.settings import ConfigError
 
-from .queueing import EngineModel, ServedRequest, SimulatedRequest, simulate
+from .queueing import EngineModel, Engines, ServedRequest, SimulatedRequest, engine_of, noisy, simulate
 from .timing import check_number
 
 
@@ -187,19 +187,21 @@ def combine(replicas: Sequence[LevelPrediction]) -> LevelPrediction:
     return LevelPrediction(first.concurrency, targets, g3, first.steps, tuple(runs))
 
 
-def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engine: EngineModel,
+def predict_g3(replays: Mapping[str, Replay], levels: Sequence[int], engines: Engines,
                duration_s: Optional[float] = None, warmup_s: float = 0.0,
                min_requests: int = 1, seeds: Sequence[int] = (0,)) -> list[LevelPrediction]:
     """Per concurrency level, every target's figures, closed loop. `replays` maps a target ("baseline",
     "candidate", and any other) to its replay: requests (one node), a TargetReplay (a fleet), or either
     per level (hits may differ with the level: a trace's levels each replay their own part). With
-    noise (engine.jitter), one run per seed in `seeds`, combined (`combine`)."""
+    noise (an engine's jitter), one run per seed in `seeds`, combined (`combine`). `engines`: one engine for every
+    target, or each target's own."""
     _check_roles(replays)
-    seeds = seeds if engine.jitter else seeds[:1]
+    seeds = seeds if noisy(engines) else seeds[:1]
     predictions = []
     for level in levels:
         runs = [level_prediction(level, {role: _replay_at(role, replay, level).simulate(
-                    level, engine, duration_s=duration_s, seed=seed) for role, replay in replays.items()},
+                    level, engine_of(engines, role), duration_s=duration_s, seed=seed)
+                    for role, replay in replays.items()},
                     warmup_s, min_requests) for seed in seeds]
         predictions.append(combine(runs))
     return predictions
@@ -216,7 +218,7 @@ class RatePrediction:
 
 
 def predict_rate_ladder(replays: Mapping[str, Replay], multipliers: Sequence[float],
-                        arrivals_s: Mapping[float, Sequence[float]], engine: EngineModel, users: int,
+                        arrivals_s: Mapping[float, Sequence[float]], engines: Engines, users: int,
                         slo_s: float, duration_s: Optional[float] = None, warmup_s: float = 0.0,
                         min_requests: int = 1) -> RatePrediction:
     """G3's open-loop ladder: at each multiplier m each target's requests (its own trace part) arrive
@@ -231,8 +233,8 @@ def predict_rate_ladder(replays: Mapping[str, Replay], multipliers: Sequence[flo
     for m in multipliers:
         if m not in arrivals_s:
             raise ConfigError(f"arrivals_s: expected the arrival times at {m:g}x, found {sorted(arrivals_s)}")
-        simulated = {role: _replay_at(role, replay, m).simulate(users, engine, duration_s=duration_s,
-                                                                  arrivals_s=arrivals_s[m])
+        simulated = {role: _replay_at(role, replay, m).simulate(users, engine_of(engines, role),
+                                                                  duration_s=duration_s, arrivals_s=arrivals_s[m])
                      for role, replay in replays.items()}
         level = level_prediction(m, simulated, warmup_s, min_requests)
         levels.append(level)

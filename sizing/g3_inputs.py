@@ -19,7 +19,7 @@ from workloads.traffic.requests import Workload, WorkloadRequest, load_order
 from workloads.traffic.routing import Router, Routing
 
 from .g3_figures import LevelPrediction, TargetReplay, combine, pairs_prediction
-from .queueing import EngineModel, ServedRequest, SimulatedRequest, simulate_source
+from .queueing import Engines, ServedRequest, SimulatedRequest, engine_of, noisy, simulate_source
 from .replay import (
     POOL_TIER,
     CacheSimulator,
@@ -270,7 +270,7 @@ class _Block:
         return sum(map(sum, self.rows)) * block_tokens
 
 
-def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, engine: EngineModel,
+def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, engines: Engines,
                     seeds: Sequence[int] = (0,), share_block_tokens: Optional[int] = None
                     ) -> tuple[list[LevelPrediction], dict[str, dict]]:
     """G3's closed loop as G3 runs it (workloads/loadgen/blocks.py, matched): level after level, pairs of blocks, each
@@ -280,8 +280,8 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
     every block, as its servers carry them. The warm-up: where G3 judges the candidate's cached share of its prompts'
     whole blocks (`share_block_tokens`, the block size it judges them in), G3's own steady rule on the simulated
     blocks' shares; else `WARMUP_PAIRS`. Returns (a LevelPrediction per level, hit figures per target, each with the
-    levels' warm-up pairs); with noise (engine.jitter), the whole sweep once per seed, each level's runs combined
-    (`g3_figures.combine`)."""
+    levels' warm-up pairs); with noise (an engine's jitter), the whole sweep once per seed, each level's runs combined
+    (`g3_figures.combine`). `engines`: one engine for both targets, or each target's own."""
     tokenizer = embedded_chat_tokens if inputs.embedded else word_chat_tokens
     everything = [r for s in workload.sessions for r in s]
     keys = dict(zip((r.request_id for r in everything),
@@ -289,7 +289,7 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
     tokens = {r.request_id: len(tokenizer(r)) for r in everything}
     capacities = inputs.capacities()
     primer = g3_segments(g3, workload)[0].requests if g3.prime else ()
-    seeds = seeds if engine.jitter else seeds[:1]
+    seeds = seeds if noisy(engines) else seeds[:1]
     levels = concurrencies(g3)
     rule = g3.steady.rule()
     runs: dict[int, list[LevelPrediction]] = {level: [] for level in levels}
@@ -304,7 +304,7 @@ def simulate_blocks(g3: G3Section, workload: Workload, inputs: TargetInputs, eng
         for role, nodes in roles:
             source = BlockSource(segment, caches[role], keys, tokens, inputs.block_tokens,
                                  Router(nodes, inputs.routing))
-            done = simulate_source(source, level, [engine] * nodes, seed=seed,
+            done = simulate_source(source, level, [engine_of(engines, role)] * nodes, seed=seed,
                                    one_machine=inputs.embedded)   # each block's own noise, the same per seed
             bound = sum(infinite_cache_hits(seen[role], source.served[index][0])   # every send, in order
                         for index in range(len(segment)))

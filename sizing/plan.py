@@ -30,7 +30,7 @@ from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, simulate_blocks
 from .machine import PROBE_SOURCES, load_decode
 from .noise import group_spread, samples, spread
-from .queueing import DecodeCost, EngineModel
+from .queueing import DecodeCost, EngineModel, Engines, engine_of
 from .settings import SizedRun
 from .targets import engine_facts, steady_block_tokens, target_inputs
 from .timing import (
@@ -334,7 +334,7 @@ def _g2(plan: Plan, config: SizedRun, timing, tiers: TierBandwidths, inputs, sou
     )
 
 
-def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engine: EngineModel, inputs,
+def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engines: Engines, inputs,
         throughput: bool = True) -> None:
     """G3's figures per level, each judged figure with G3's own interval over the simulated requests:
     interleaved sessions block by block as G3 runs them (each block's hits and nodes from the simulation,
@@ -345,17 +345,17 @@ def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engine: EngineMod
     seeds = tuple(range(config.sizing.runs))
     slo_ms = settings.ttft_slo_ms
     if matched_blocks(settings, workload, inputs):
-        levels, live = simulate_blocks(settings, workload, inputs, engine, seeds, steady_block_tokens(config))
+        levels, live = simulate_blocks(settings, workload, inputs, engines, seeds, steady_block_tokens(config))
         hits = live
         plan.figures["g3_hit_ratio"] = hits
     elif closed:
-        levels = predict_g3(g3.replays, concurrencies(settings), engine, duration_s=settings.duration_s,
+        levels = predict_g3(g3.replays, concurrencies(settings), engines, duration_s=settings.duration_s,
                             warmup_s=settings.warmup_s, min_requests=settings.min_requests, seeds=seeds)
     else:
         if slo_ms is None:
             raise ConfigError("g3.ttft_slo_ms: expected the TTFT objective a sustained rate meets for replay: "
                               "rate_multipliers, found nothing")
-        ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engine, RATE_USERS, slo_ms / 1e3,
+        ladder = predict_rate_ladder(g3.replays, settings.levels, g3.arrivals_s, engines, RATE_USERS, slo_ms / 1e3,
                                      duration_s=settings.duration_s, warmup_s=settings.warmup_s,
                                      min_requests=settings.min_requests)
         levels = ladder.levels
@@ -406,14 +406,14 @@ def _g3(plan: Plan, config: SizedRun, workload, g3: G3Replays, engine: EngineMod
             "candidate", {},
             interval=sustained.interval, valid=sustained.valid, invalid_reason=sustained.invalid_reason))
     if settings.capacity.enabled and config.slo is not None:
-        _capacity(plan, config, g3, engine, basis, seeds)
+        _capacity(plan, config, g3, engines, basis, seeds)
     if inputs.fleet and hits["candidate"]["pool_share"] is not None:
         plan.predictions.append(Prediction("g3", "cross_node_hit_ratio", hits["candidate"]["pool_share"], "%",
                                            "G3 cross-node hit ratio (the pool's share of the candidate's hit blocks)",
                                            f"fleet replay: {inputs.candidate_nodes} nodes, {inputs.routing}", {}))
 
 
-def _capacity(plan: Plan, config: SizedRun, g3: G3Replays, engine: EngineModel, basis: str, seeds: tuple) -> None:
+def _capacity(plan: Plan, config: SizedRun, g3: G3Replays, engines: Engines, basis: str, seeds: tuple) -> None:
     """Each target's capacity within the SLO (sizing/capacity.py: G3's search over the simulation of its replay at
     the sweep's last level, the state its caches reach by the search; open loop, that level's trace part at
     multiples of its rate), and the candidate's gain."""
@@ -424,7 +424,8 @@ def _capacity(plan: Plan, config: SizedRun, g3: G3Replays, engine: EngineModel, 
     found = {}
     for role in ("baseline", "candidate"):
         replay = g3.replays[role][top]
-        found[role] = predicted_capacity(replay, engine, slo, search.start, search.most, seeds, open_loop)
+        found[role] = predicted_capacity(replay, engine_of(engines, role), slo, search.start, search.most, seeds,
+                                         open_loop)
         if found[role] is not None:
             plan.predictions.append(Prediction("g3", kind.metric, found[role], kind.unit,
                                                f"G3 capacity of the {role} within the SLO ({slo.describe()})",

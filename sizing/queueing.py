@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -81,6 +81,25 @@ class EngineModel:
             costs.append(curve.compute(end) - curve.compute(start))
             start = end
         return costs
+
+
+# G3's engines: one for every target, or each target's own ({"baseline": …, "candidate": …}), as a target's steps
+# under load may cost what the other's do not (sizing/machine.py's `load_decodes`)
+Engines = Union[EngineModel, Mapping[str, EngineModel]]
+
+
+def engine_of(engines: Engines, role: str) -> EngineModel:
+    """The engine that serves `role` (a target): the one engine, or the target's own."""
+    if isinstance(engines, EngineModel):
+        return engines
+    if role not in engines:
+        raise ConfigError(f"engines: expected an engine for the {role}, found them for {sorted(engines)}")
+    return engines[role]
+
+
+def noisy(engines: Engines) -> bool:
+    """Whether any of the engines has step noise (then a prediction is simulated once per seed)."""
+    return any(e.jitter for e in ([engines] if isinstance(engines, EngineModel) else engines.values()))
 
 
 @dataclass(frozen=True)
