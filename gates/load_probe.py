@@ -1,14 +1,17 @@
-"""The load probe, just before G3, beside the decode probe: the candidate server's gaps between tokens while requests
-come and go as in G3's closed loop, for the sizing model's decode cost (sizing/machine.py's `load_decode`).
+"""The load probe, just before G3, beside the decode probe: each target server's gaps between tokens while requests
+come and go as in G3's closed loop, for the sizing model's decode cost per target (sizing/machine.py's
+`load_decodes`).
 
 The decode probe times steps where a batch only decodes. G3's steps also admit returning prompts (their prefix loaded
 from the cache's lower tiers), compute their tails, store and promote their blocks and answer over HTTP, all on the
-same cores; on this VM a step of 8 sequences cost 7-8 ms in the decode probe and 12-13 ms in G3. So the probe sends
-what G3 sends, in its own prompts: `prompts` distinct prompts of G3's median context, each computed once, then at
-each of two levels c users in a closed loop take the next prompt of the cycle (every one a return, and with more
-prompts than the tiers above the lowest hold, a return from the lowest), each asking for G3's output tokens, for
-`seconds`. Each request's record keeps its prompt, cached and output tokens, its first token's time and its gaps
-between tokens (each token's own chunk: a server may stream a token as empty text).
+same cores; on this VM a step of 8 sequences cost 7-8 ms in the decode probe and 12-13 ms in G3. The baseline's steps
+compute whole prompts beside their decodes, and cost more again (a step of 8: 16-21 ms in G3, where the candidate's
+cost 13-15). So the probe sends each target what G3 sends it, in its own prompts of G3's median context, at each of
+two levels c users in a closed loop for `seconds`, each asking for G3's output tokens: to the candidate `prompts`
+distinct prompts, each computed once, then taken in a cycle (every one a return, and with more prompts than the tiers
+above the lowest hold, a return from the lowest), to the baseline a new prompt each time (computed whole, as G3's
+baseline computes most of its prompts). Each request's record keeps its prompt, cached and output tokens, its first
+token's time and its gaps between tokens (each token's own chunk: a server may stream a token as empty text).
 
 How it works: docs/methods/sizing-model.md (gates/load_probe.py).
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from gates.machine_probe import PREFILL_TIMEOUT_S, no_first_token, probe_client, token_times
 from workloads.traffic.datasets import context_request
@@ -35,13 +38,18 @@ def load_levels(g3_levels: Sequence[float]) -> list[int]:
 
 
 def load_probe(endpoint, context_tokens: int, output_tokens: int, levels: Sequence[int], prompts: int,
-               run_id: str = "run", seconds: float = LOAD_SECONDS) -> dict:
-    """{"role", "context_tokens", "output_tokens", "prompts", "levels": {"c": [record, ...]}, "seconds"}, each record
-    {"prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "itl_s"}; {"role", "error": why} when a
-    request failed."""
+               run_id: str = "run", seconds: float = LOAD_SECONDS, returns: bool = True) -> dict:
+    """{"role", "context_tokens", "output_tokens", "prompts", "returns", "levels": {"c": [record, ...]}, "seconds"},
+    each record {"prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "itl_s"}; {"role", "error": why}
+    when a request failed. `returns`: the cycle of `prompts` prompts, each computed first (the candidate's); else a
+    new prompt each request (the baseline's; `prompts` then says how many were sent)."""
     started = time.monotonic()
-    pool = [context_request(context_tokens, f"{run_id}/load-{i}", endpoint.tokenizer, output_tokens, "preflight-load")
-            for i in range(prompts)]
+
+    def prompt(k: int):
+        return context_request(context_tokens, f"{run_id}/load-{endpoint.role}-{k}", endpoint.tokenizer,
+                               output_tokens, "preflight-load")
+
+    pool = [prompt(i) for i in range(prompts)] if returns else []
     client = probe_client(endpoint, extra_body={"ignore_eos": True})   # every answer G3's length
     try:
         for request in pool:                                          # each prompt computed once: later sends return
@@ -51,8 +59,10 @@ def load_probe(endpoint, context_tokens: int, output_tokens: int, levels: Sequen
     finally:
         client.close()
     found: dict[str, list[dict]] = {}
+    sent = itertools.count()
     for level in levels:
-        records = _closed_loop(endpoint, pool, level, seconds)
+        records = _closed_loop(endpoint, (lambda k: pool[k % len(pool)]) if returns else (lambda k: prompt(next(sent))),
+                               level, seconds)
         failed = next((r for r in records if not r.ok or r.ttft_s is None), None)
         if failed is not None:
             return {"role": endpoint.role, "error": f"the load probe at {level} users failed: {no_first_token(failed)}"}
@@ -60,7 +70,8 @@ def load_probe(endpoint, context_tokens: int, output_tokens: int, levels: Sequen
                               "completion_tokens": r.completion_tokens, "ttft_s": r.ttft_s, "itl_s": _gaps(r)}
                              for r in records]
     return {"role": endpoint.role, "context_tokens": context_tokens, "output_tokens": output_tokens,
-            "prompts": prompts, "levels": found, "seconds": time.monotonic() - started}
+            "prompts": prompts if returns else next(sent), "returns": returns, "levels": found,
+            "seconds": time.monotonic() - started}
 
 
 def _gaps(record) -> list[float]:
@@ -70,9 +81,10 @@ def _gaps(record) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
-def _closed_loop(endpoint, pool: list, users: int, seconds: float) -> list:
-    """`users` threads, each sending the cycle's next prompt as soon as its last answer is in, until `seconds` have
-    passed (or LOAD_MOST_REQUESTS were sent); every record, in the order they were sent."""
+def _closed_loop(endpoint, prompt: Callable[[int], Any], users: int, seconds: float) -> list:
+    """`users` threads, each sending the next prompt (`prompt(k)`, the k-th sent at this level) as soon as its last
+    answer is in, until `seconds` have passed (or LOAD_MOST_REQUESTS were sent); every record, in the order they were
+    sent."""
     cycle, lock = itertools.count(), threading.Lock()
     records: list = []
     stop_at = time.monotonic() + seconds
@@ -83,9 +95,10 @@ def _closed_loop(endpoint, pool: list, users: int, seconds: float) -> list:
             while time.monotonic() < stop_at:
                 with lock:
                     k = next(cycle)
-                if k >= LOAD_MOST_REQUESTS:
+                    request = prompt(k) if k < LOAD_MOST_REQUESTS else None
+                if request is None:
                     return
-                record = client.send(pool[k % len(pool)], keep_token_times=True)
+                record = client.send(request, keep_token_times=True)
                 with lock:
                     records.append(record)
         finally:

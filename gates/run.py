@@ -32,7 +32,7 @@ from kvcore.printable import printable
 from kvcore.rundata import GATE_TITLES, RUN_LOCK, RunStore
 from kvcore.settings import ConfigError
 from sizing.in_run import PREDICTED_GATES, final_sizing, gate_lines, stage_plan
-from sizing.machine import decode_words, load_words, machine_words, probe_ran, server_probe_words
+from sizing.machine import decode_words, load_words, machine_words, probe_ran, server_loads, server_probe_words
 from sizing.plan import Plan, comparison_lines, g3_decode_batch, g3_decode_context, g3_load_prompts, g3_output_tokens
 from workloads.storage.fio import FioError, fio_version
 from workloads.storage.inventory import collect_inventory
@@ -325,23 +325,28 @@ class GateRunner:
             self._probe_load(probe, context)
         self.store.write_machine_probe(probe)
         self.console.print(f"  [dim]before G3: {decode_words(probe['server_decode'])}[/dim]", highlight=False)
-        if "server_load" in probe:
-            self.console.print(f"  [dim]before G3: {load_words(probe['server_load'])}[/dim]", highlight=False)
+        for load in server_loads(probe).values():
+            self.console.print(f"  [dim]before G3: {load_words(load)}[/dim]", highlight=False)
 
     def _probe_load(self, probe: dict, context: int) -> None:
-        """The candidate server's steps while requests come and go as in G3 (gates/load_probe.py), at G3's context
-        and output, for the decode cost the sizing model fits (sizing/machine.py's `load_decode`)."""
-        endpoint = self.endpoints.get("candidate")
-        if endpoint is None:
-            return
-        try:
-            output, prompts = g3_output_tokens(self.config), g3_load_prompts(self.config, context)
-        except Exception as error:  # the sizing model never stops a run: G3 itself says what its workload lacks
-            probe["server_load"] = {"role": endpoint.role, "error": f"G3's workload: {type(error).__name__}: {error}"}
-            return
-        with self.console.status(f"before G3: timing the candidate server under load ({prompts} prompts) …"):
-            probe["server_load"] = load_probe(endpoint, context, output, load_levels(self.config.g3.levels), prompts,
-                                              self.store.run_info().get("run_id", "run"))
+        """Each target server's steps while requests come and go as in G3 (gates/load_probe.py), at G3's context and
+        output, for the decode cost per target the sizing model fits (sizing/machine.py's `load_decodes`): the
+        candidate's returning prompts, the baseline's new ones."""
+        loads = probe["server_load"] = {}
+        for role in ("candidate", "baseline"):
+            endpoint = self.endpoints.get(role)
+            if endpoint is None:
+                continue
+            try:
+                output, prompts = g3_output_tokens(self.config), g3_load_prompts(self.config, context)
+            except Exception as error:  # the sizing model never stops a run: G3 itself says what its workload lacks
+                loads[role] = {"role": endpoint.role, "error": f"G3's workload: {type(error).__name__}: {error}"}
+                continue
+            returns = role == "candidate"
+            what = f"{prompts} prompts" if returns else "new prompts"
+            with self.console.status(f"before G3: timing the {role} server under load ({what}) …"):
+                loads[role] = load_probe(endpoint, context, output, load_levels(self.config.g3.levels), prompts,
+                                         self.store.run_info().get("run_id", "run"), returns=returns)
 
     def _targets(self, info: dict) -> tuple[Optional[EmbeddedServers], dict[str, Endpoint]]:
         if not NEEDS_TARGETS & set(self.gates):

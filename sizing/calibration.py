@@ -60,6 +60,17 @@ class Calibration:
     host_gbps: Optional[float] = None       # the host tier's copy GB/s as measured (a machine probe's)
     # the source of each constant taken from an earlier calibration (`filled_from`), where not `source`
     taken_from: Mapping[str, str] = field(default_factory=dict)
+    # the baseline's own decode cost and step noise, from its G3 gaps (None: the candidate's stand in)
+    baseline_decode: Optional[DecodeCost] = None
+    baseline_jitter: Optional[float] = None
+
+    def target_decode(self, role: str) -> Optional[DecodeCost]:
+        """The decode cost G3's `role` (a target) steps at: the baseline's own where fitted, else `decode`."""
+        return self.baseline_decode if role == "baseline" and self.baseline_decode is not None else self.decode
+
+    def target_jitter(self, role: str) -> Optional[float]:
+        """The step noise of G3's `role`: the baseline's own where fitted, else `jitter`."""
+        return self.baseline_jitter if role == "baseline" and self.baseline_jitter is not None else self.jitter
 
     def source_of(self, name: str) -> str:
         """Where the constant `name` (a field's name) came from: the calibration it was taken from, else this one's."""
@@ -84,8 +95,8 @@ class Calibration:
         """These constants, with what this run has not fitted yet taken from an `earlier` calibration (a run's
         own G2 gives the curve and the tiers' costs before its G3 gives a decode cost and step noise); the
         notes say which constants came from where."""
-        taken = [name for name in ("curve", "fixed_overhead_s", "decode", "jitter", "checkpoint_efficiency",
-                                   "service_start_s", "host_gbps")
+        taken = [name for name in ("curve", "fixed_overhead_s", "decode", "jitter", "baseline_decode",
+                                   "baseline_jitter", "checkpoint_efficiency", "service_start_s", "host_gbps")
                  if getattr(self, name) is None and getattr(earlier, name) is not None]
         taken += [name for name in ("tier_efficiency", "tier_overhead_s", "loader_efficiency")
                   if not getattr(self, name) and getattr(earlier, name)]
@@ -105,9 +116,8 @@ class Calibration:
                                                           "source": self.curve.source},
                 "fixed_overhead_s": self.fixed_overhead_s, "tier_efficiency": dict(self.tier_efficiency),
                 "tier_overhead_s": dict(self.tier_overhead_s),
-                "decode": None if self.decode is None else {"step_s": self.decode.step_s,
-                                                            "per_sequence_s": self.decode.per_sequence_s},
-                "jitter": self.jitter,
+                "decode": _decode_dict(self.decode), "jitter": self.jitter,
+                "baseline_decode": _decode_dict(self.baseline_decode), "baseline_jitter": self.baseline_jitter,
                 "loader_efficiency": dict(self.loader_efficiency), "checkpoint_efficiency": self.checkpoint_efficiency,
                 "service_start_s": self.service_start_s, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "host_gbps": self.host_gbps, "notes": list(self.notes)}
@@ -147,14 +157,17 @@ class Calibration:
                     raise ConfigError(f"{root}.{name}.{key}: expected a number, found nothing")
             return [check_number(f"{root}.{name}.{key}", value[key], True) for key in keys]
 
-        curve, decode = None, None
+        curve = None
         curve_fields = fields("curve", ("a", "b", "c"))
         if curve_fields is not None:
             a, b, c = curve_fields
             curve = RecomputeCurve(a, b, c, source=str(data["curve"].get("source", "")))
-        decode_fields = fields("decode", ("step_s", "per_sequence_s"))
-        if decode_fields is not None:
-            decode = DecodeCost(*decode_fields)
+
+        def decode_cost(name: str) -> Optional[DecodeCost]:
+            found = fields(name, ("step_s", "per_sequence_s"))
+            return None if found is None else DecodeCost(*found)
+
+        decode = decode_cost("decode")
         kv_bytes = data.get("kv_bytes_per_token")
         if kv_bytes is not None and (not isinstance(kv_bytes, int) or isinstance(kv_bytes, bool) or kv_bytes < 1):
             raise ConfigError(f"{root}.kv_bytes_per_token: expected an integer >= 1, found {kv_bytes!r}")
@@ -165,12 +178,15 @@ class Calibration:
                    number("checkpoint_efficiency", data.get("checkpoint_efficiency"), False),
                    number("service_start_s", data.get("service_start_s")), kv_bytes, str(data.get("source", "")),
                    tuple(str(n) for n in data.get("notes") or ()),
-                   number("host_gbps", data.get("host_gbps"), False))
+                   number("host_gbps", data.get("host_gbps"), False),
+                   baseline_decode=decode_cost("baseline_decode"),
+                   baseline_jitter=number("baseline_jitter", data.get("baseline_jitter")))
 
     def fitted(self) -> bool:
         """Whether any constant was fitted (a run with no gate's measurements gives none)."""
         return any(value not in (None, {}) for value in (
-            self.curve, self.fixed_overhead_s, self.decode, self.tier_efficiency, self.tier_overhead_s,
+            self.curve, self.fixed_overhead_s, self.decode, self.baseline_decode, self.tier_efficiency,
+            self.tier_overhead_s,
             self.loader_efficiency, self.checkpoint_efficiency, self.service_start_s))
 
     def readable(self) -> "Calibration":
@@ -186,7 +202,7 @@ class Calibration:
                 path = field.split(".")[1:]
                 if not path or path[0] not in data or path[0] in ("format", "kv_bytes_per_token"):
                     raise
-                if len(path) == 2 and path[0] not in ("curve", "decode"):
+                if len(path) == 2 and path[0] not in ("curve", "decode", "baseline_decode"):
                     data[path[0]].pop(path[1], None)        # one tier's or loader's constant
                 else:
                     data[path[0]] = None                    # a constant, or a curve or decode cost whole
@@ -207,6 +223,10 @@ class Calibration:
         except (ValueError, UnicodeDecodeError) as error:
             raise ConfigError(f"calibration: expected a JSON file, found unreadable JSON in {path} ({error})") from None
         return cls.from_dict(data)
+
+
+def _decode_dict(decode: Optional[DecodeCost]) -> Optional[dict]:
+    return None if decode is None else {"step_s": decode.step_s, "per_sequence_s": decode.per_sequence_s}
 
 
 # --------------------------------------------------------------------------- G2
@@ -444,7 +464,7 @@ def _storage_constants(store: RunStore) -> tuple[dict, Optional[float], Optional
 
 
 def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps: Optional[float] = None,
-              block_size: int = 256, decode_target: str = "candidate") -> Calibration:
+              block_size: int = 256) -> Calibration:
     """Fit every constant the run's recorded G2 and G3 data allow (the module's fits); notes say what
     could not be fitted and why. `kv_bytes_per_token` (the model's KV layout) is read from G2's
     cold-read rounds when not given; `host_gbps` is the host tier's copy bandwidth the hits' loads
@@ -464,7 +484,7 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
             notes.append("KV bytes per token unknown (no cold-read rounds): hit rows fitted without their loads")
     curve, fixed, efficiency, overhead, disk_gbps = _ttft_constants(store, kv_bytes_per_token, host_gbps,
                                                                     block_size, notes)
-    decode = jitter = None
+    steps: dict[str, tuple[Optional[DecodeCost], Optional[float]]] = {}
     if curve is None or kv_bytes_per_token is None:
         notes.append(
             f"{MISSING_NOTE['decode']} fitting it replays G3's requests, which needs the recompute curve and the "
@@ -473,17 +493,27 @@ def calibrate(run_dir: Path, kv_bytes_per_token: Optional[int] = None, host_gbps
     else:
         timing = TimingModel(curve, TierBandwidths(host_gbps=host_gbps, disk_gbps=disk_gbps, overhead_s=overhead),
                              kv_bytes_per_token, block_size, fixed)
-        engine = (config.get("targets") or {}).get("embedded") or {}
-        levels = _g3_levels(store, decode_target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
-        max_running, tier = int(engine.get("max_running", 8)), _TARGET_TIER.get(decode_target)
-        decode = fit_decode(levels, timing, max_running, tier)
-        if decode is None:
-            notes.append(f"{MISSING_NOTE['decode']} no G3 records of the {decode_target} with gaps between tokens")
-        else:
-            jitter = fit_jitter(levels, timing, decode, max_running, tier)
+        steps = {target: _target_steps(store, config, timing, target) for target in _TARGET_TIER}
+        if steps["candidate"][0] is None:
+            notes.append(f"{MISSING_NOTE['decode']} no G3 records of the candidate with gaps between tokens")
+    decode, jitter = steps.get("candidate", (None, None))
+    baseline_decode, baseline_jitter = steps.get("baseline", (None, None))
     loaders, checkpoint, service_start = _storage_constants(store)
     damaged = left_out_note(store)
     if damaged:
         notes.append(damaged)
     return Calibration(curve, fixed, efficiency, overhead, decode, jitter, loaders, checkpoint, service_start,
-                       kv_bytes_per_token, str(store.root), tuple(notes), measured_host).readable()
+                       kv_bytes_per_token, str(store.root), tuple(notes), measured_host,
+                       baseline_decode=baseline_decode, baseline_jitter=baseline_jitter).readable()
+
+
+def _target_steps(store: RunStore, config: dict, timing: TimingModel, target: str
+                  ) -> tuple[Optional[DecodeCost], Optional[float]]:
+    """(decode cost, step noise) fitted to one G3 target's gaps between tokens (None, None: it has none): each target
+    its own, as a step's costs beyond its prefill chunk differ between them (loads and stores on the candidate,
+    prefill chunks beside the decodes on the baseline)."""
+    engine = (config.get("targets") or {}).get("embedded") or {}
+    levels = _g3_levels(store, target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
+    max_running, tier = int(engine.get("max_running", 8)), _TARGET_TIER[target]
+    decode = fit_decode(levels, timing, max_running, tier)
+    return (None, None) if decode is None else (decode, fit_jitter(levels, timing, decode, max_running, tier))

@@ -32,7 +32,7 @@ def probe_line(probe: dict) -> str:
         return machine_words(probe)
     return (f"{machine_words(probe)}; {server_probe_words(probe)}"
             + (f"; {decode_words(probe['server_decode'])}" if "server_decode" in probe else "")
-            + (f"; {load_words(probe['server_load'])}" if "server_load" in probe else ""))
+            + "".join(f"; {load_words(load)}" for load in server_loads(probe).values()))
 
 
 def machine_words(probe: dict) -> str:
@@ -137,7 +137,8 @@ def load_words(load: Optional[dict]) -> str:
     return _probe_words("load", load, "", lambda d: (
         f"the {d['role']} server under load: " + ", ".join(
             f"{len(records)} requests at {level} users, gaps {_mean_ms(records)} ms" for level, records in
-            d["levels"].items()) + f" ({d['prompts']} prompts of {d['context_tokens']:,} tokens, "
+            d["levels"].items()) + f" ({d['prompts']} {'' if d.get('returns', True) else 'new '}prompts of "
+        f"{d['context_tokens']:,} tokens, "
         f"{d['output_tokens']} tokens out, {d['seconds']:.1f} s)"))
 
 
@@ -146,24 +147,36 @@ def _mean_ms(records: list[dict]) -> str:
     return f"{sum(gaps) / len(gaps) * 1e3:.1f}" if gaps else "none"
 
 
-def load_decode(probe: dict, timing: TimingModel, max_running: int) -> tuple[Optional[DecodeCost], str]:
-    """G3's decode cost fitted to the load probe's gaps between tokens (calibration.fit_decode, as a calibration fits
-    G3's own): each level's closed loop simulated with `timing`'s prefill chunks for each request's tail, every
-    cached token taken as resident, so a step costs what the probe's steps cost beyond their prefill chunks while
-    requests come and go (their prefix loaded, their blocks stored, their answers sent); None (and why) when the
-    probe did not run."""
+def server_loads(probe: dict) -> dict[str, dict]:
+    """The load probe's records per target ({"candidate": …, "baseline": …}; a run recorded before the baseline was
+    probed holds the candidate's alone), {} when it did not run."""
     load = probe.get("server_load") or {}
-    if "levels" not in load:
-        return None, f"G3's decode cost from the decode probe alone: {load.get('error') or 'no load probe ran'}"
-    levels = {int(level): [records] for level, records in load["levels"].items() if records}
-    decode = fit_decode(levels, timing, max_running, "device")
-    if decode is None:
-        return None, "G3's decode cost from the decode probe alone: the load probe timed no gaps between tokens"
-    idle = server_decode(probe)[0]
-    beside = "" if idle is None else f", the decode probe's {idle.seconds(max_running) * 1e3:.2f} ms"
-    return decode, (f"G3's decode cost from {LOAD_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
-                    f"{decode.per_sequence_s * 1e3:.2f} ms a sequence ({decode.seconds(max_running) * 1e3:.2f} ms at "
-                    f"{max_running}{beside}, whose steps only decode)")
+    return {load["role"]: load} if "role" in load else dict(load)
+
+
+def load_decodes(probe: dict, timing: TimingModel, max_running: int) -> tuple[dict[str, DecodeCost], list[str]]:
+    """Each target's G3 decode cost fitted to its load probe's gaps between tokens (calibration.fit_decode, as a
+    calibration fits G3's own): each level's closed loop simulated with `timing`'s prefill chunks for each request's
+    tail, every cached token taken as resident, so a step costs what the probe's steps cost beyond their prefill
+    chunks while requests come and go (the candidate's prefixes loaded and its blocks stored, the baseline's prompts
+    computed beside its decodes, their answers sent); the words for each, or why there is none."""
+    loads, idle = server_loads(probe), server_decode(probe)[0]
+    if not loads:
+        return {}, ["G3's decode cost from the decode probe alone: no load probe ran"]
+    decodes, words = {}, []
+    for role, load in loads.items():
+        levels = {int(level): [records] for level, records in (load.get("levels") or {}).items() if records}
+        decode = fit_decode(levels, timing, max_running, "device") if levels else None
+        if decode is None:
+            why = load.get("error") or "the load probe timed no gaps between tokens"
+            words.append(f"the {role}'s G3 decode cost from the decode probe alone: {why}")
+            continue
+        decodes[role] = decode
+        beside = "" if idle is None else f", the decode probe's {idle.seconds(max_running) * 1e3:.2f} ms"
+        words.append(f"the {role}'s G3 decode cost from {LOAD_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
+                     f"{decode.per_sequence_s * 1e3:.2f} ms a sequence ({decode.seconds(max_running) * 1e3:.2f} ms "
+                     f"at {max_running}{beside}, whose steps only decode)")
+    return decodes, words
 
 
 def probe_ran(probe: dict) -> bool:

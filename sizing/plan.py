@@ -28,7 +28,7 @@ from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, simulate_blocks
-from .machine import PROBE_SOURCES, load_decode
+from .machine import PROBE_SOURCES, load_decodes
 from .noise import group_spread, samples, spread
 from .queueing import DecodeCost, EngineModel, Engines, engine_of
 from .settings import SizedRun
@@ -42,6 +42,8 @@ from .timing import (
     model_load_seconds,
     predict_g2,
 )
+
+ROLES = ("baseline", "candidate")       # G3's targets
 
 
 @dataclass(frozen=True)
@@ -156,18 +158,20 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
         timing = calibration.timing_model(tiers, shape.bytes_per_token, inputs.block_tokens)
         sources = term_sources(calibration, tiers, plan.figures["disk_gbps"]["source"])
         _g2(plan, config, timing, tiers, inputs, sources)
-        decode = calibration.decode
+        decodes = {role: calibration.target_decode(role) for role in ROLES}
         if probe is None and store is not None:
             probe = store.machine_probe()
         if probe is not None and "server_load" in probe and calibration.source_of("decode") in PROBE_SOURCES:
-            under_load, words = load_decode(probe, timing, inputs.max_running)
-            decode = under_load or decode
-            plan.notes.append(words)
-        if decode is None:
+            under_load, words = load_decodes(probe, timing, inputs.max_running)
+            # a target the probe did not load (a run recorded before it loaded the baseline) steps at the candidate's
+            decodes = {role: under_load.get(role) or under_load.get("candidate") or decodes[role] for role in ROLES}
+            plan.notes.extend(words)
+        fallback = decodes["candidate"]        # what a target with no decode cost of its own steps at
+        if fallback is None:
             first = next(iter(g3.replays["candidate"].values()))
-            decode = decode_from_curve(timing.curve, first.requests)
+            fallback = decode_from_curve(timing.curve, first.requests)
             plan.notes.append(
-                f"G3's decode cost is estimated from G2's recompute curve ({decode.per_sequence_s * 1e3:.2f} ms "
+                f"G3's decode cost is estimated from G2's recompute curve ({fallback.per_sequence_s * 1e3:.2f} ms "
                 "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
                 "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
                 "prefill, which the curve does measure); a calibration from an earlier G3 gives both"
@@ -177,10 +181,10 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
             plan.notes.append(f"G3's engine copies each block it stores, promotes or demotes into its cache's tiers "
                               f"on its own thread, {copy_s * 1e3:.2f} ms a block: the block's bytes at "
                               f"{sources['load host']}")
+        engines = {role: EngineModel(timing, decodes[role] or fallback, inputs.max_running,
+                                     calibration.target_jitter(role) or 0.0, copy_s) for role in ROLES}
         try:
-            _g3(plan, config, workload, g3, EngineModel(timing, decode, inputs.max_running, calibration.jitter or 0.0,
-                                                        copy_s),
-                inputs, throughput=calibration.decode is not None)
+            _g3(plan, config, workload, g3, engines, inputs, throughput=calibration.decode is not None)
         except ValueError as error:     # a simulation these costs cannot make must not take G2's figures with it
             plan.notes.append(f"G3 not predicted: its simulation with these costs failed ({error})")
     _storage(plan, config, store, calibration, tiers)
@@ -422,7 +426,7 @@ def _capacity(plan: Plan, config: SizedRun, g3: G3Replays, engines: Engines, bas
     open_loop = None if kind is USERS else OpenLoop([a * top for a in g3.arrivals_s[top]], RATE_USERS,
                                                     search.unit(config.g3.replay))
     found = {}
-    for role in ("baseline", "candidate"):
+    for role in ROLES:
         replay = g3.replays[role][top]
         found[role] = predicted_capacity(replay, engine_of(engines, role), slo, search.start, search.most, seeds,
                                          open_loop)

@@ -12,6 +12,7 @@ KV = 4096   # bytes per token of the small preset's layout: 4 layers Ã— (k, v) Ã
 # the run's constants: fixed overhead, recompute curve (b, c), the disk tier's overhead and bandwidth, decode
 F, B_, C_, DISK_OVERHEAD, TIER_GBPS = 0.006, 9e-5, 1.6e-8, 0.012, 1.2
 STEP, PER_SEQ = 0.003, 0.0025
+BASELINE_STEP, BASELINE_PER_SEQ = 0.005, 0.004     # the baseline's steps, beside its prompts' prefill, cost more
 
 
 def recorded_run(root, with_g3=True, blocks=0):
@@ -43,19 +44,22 @@ def recorded_run(root, with_g3=True, blocks=0):
                      weights={"seconds": 0.05})
     if with_g3:
         timing = TimingModel(RecomputeCurve(F, B_, C_), TierBandwidths(disk_gbps=TIER_GBPS), KV, 256, F)
-        replay = [ServedRequest(1830 + 32 * (i % 4), 16, {"host": 1792}) for i in range(40)]
-        for level in (2, 4, 8):
-            for block in range(1, max(1, blocks) + 1):
-                slow = 5.0 if blocks and block == 1 else 1.0
-                engine = EngineModel(timing, DecodeCost(STEP * slow, PER_SEQ * slow), 8)
-                directory = f"c{level}" + (f"-block{block}" if block > 1 else "")
-                for r in simulate_closed_loop(replay, level, engine):
-                    request = replay[r.index]
-                    append_jsonl(store.raw_dir("g3") / "sweep" / "candidate" / directory / "records" /
-                                 "records-w0-1.jsonl",
-                                 {"ok": True, "sent_at": 1000.0 * block + r.sent_s, "ttft_s": r.ttft_s,
-                                  "itl_s": list(r.itl_s), "prompt_tokens": request.prompt_tokens,
-                                  "completion_tokens": r.output_tokens, "cached_tokens": request.cached["host"]})
-            if blocks:
-                store.record("g3", "test_warm_up", "g3_warmup_pairs", 1, concurrency=level)
+        targets = {"candidate": ("host", 1792, STEP, PER_SEQ), "baseline": ("device", 256, BASELINE_STEP,
+                                                                             BASELINE_PER_SEQ)}
+        for target, (tier, cached, step, per_sequence) in targets.items():
+            replay = [ServedRequest(1830 + 32 * (i % 4), 16, {tier: cached}) for i in range(40)]
+            for level in (2, 4, 8):
+                for block in range(1, max(1, blocks) + 1):
+                    slow = 5.0 if blocks and block == 1 else 1.0
+                    engine = EngineModel(timing, DecodeCost(step * slow, per_sequence * slow), 8)
+                    directory = f"c{level}" + (f"-block{block}" if block > 1 else "")
+                    for r in simulate_closed_loop(replay, level, engine):
+                        request = replay[r.index]
+                        append_jsonl(store.raw_dir("g3") / "sweep" / target / directory / "records" /
+                                     "records-w0-1.jsonl",
+                                     {"ok": True, "sent_at": 1000.0 * block + r.sent_s, "ttft_s": r.ttft_s,
+                                      "itl_s": list(r.itl_s), "prompt_tokens": request.prompt_tokens,
+                                      "completion_tokens": r.output_tokens, "cached_tokens": cached})
+        for level in (2, 4, 8) if blocks else ():
+            store.record("g3", "test_warm_up", "g3_warmup_pairs", 1, concurrency=level)
     return store

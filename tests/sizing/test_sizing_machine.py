@@ -245,61 +245,82 @@ def _before_g3(root, probe: dict) -> RunStore:
     return run
 
 
-def _load_probe(timing: TimingModel, decode: DecodeCost, levels=(2, 8), prompts: int = 16) -> dict:
+def _load_probe(timing: TimingModel, decode: DecodeCost, levels=(2, 8), prompts: int = 16,
+                role: str = "candidate") -> dict:
     """The load probe's figures as a server whose steps follow `timing` and `decode` would give them: each level a
-    closed loop over the cycle of returning prompts (every whole block cached), simulated."""
+    closed loop, simulated, over the candidate's cycle of returning prompts (every whole block cached), or the
+    baseline's new prompts (none cached)."""
     from sizing.queueing import EngineModel, ServedRequest, simulate_closed_loop
 
     engine = EngineModel(timing, decode, 8)
-    cycle = [ServedRequest(1920 + 4 * i, 16, {"device": 1792}) for i in range(prompts)] * 4
-    found = {str(level): [{"prompt_tokens": cycle[r.index].prompt_tokens, "cached_tokens": 1792,
+    cached = 1792 if role == "candidate" else 0
+    cycle = [ServedRequest(1920 + 4 * i, 16, {"device": cached}) for i in range(prompts)] * 4
+    found = {str(level): [{"prompt_tokens": cycle[r.index].prompt_tokens, "cached_tokens": cached,
                            "completion_tokens": r.output_tokens, "itl_s": list(r.itl_s)}
                           for r in simulate_closed_loop(cycle, level, engine)] for level in levels}
-    return {"role": "candidate", "context_tokens": 1920, "output_tokens": 16, "prompts": prompts, "levels": found,
-            "seconds": 6.0}
+    return {"role": role, "context_tokens": 1920, "output_tokens": 16, "prompts": prompts,
+            "returns": role == "candidate", "levels": found, "seconds": 6.0}
 
 
-def test_the_load_probe_gives_the_decode_cost_of_steps_that_also_admit_returning_prompts():
-    """A server whose steps cost 1.0 ms + 1.3 ms a sequence while requests come and go: the fit to the load probe's
-    gaps between tokens, each level simulated with the tails' prefill chunks, finds that cost again (the decode
-    probe's steps, which only decode, said beside it); without the probe, or when it failed, none, and why."""
-    from sizing.machine import load_decode, load_words
+def test_the_load_probe_gives_each_targets_decode_cost_of_steps_where_requests_come_and_go():
+    """A candidate server whose steps cost 1.0 ms + 1.3 ms a sequence while returning prompts come and go, and a
+    baseline whose steps cost 2.0 ms + 2.1 ms beside its new prompts' prefill: the fit to each one's load probe gaps
+    between tokens, each level simulated with its prefill chunks, finds each cost again (the decode probe's steps,
+    which only decode, said beside it); a run recorded with the candidate's probe alone still reads; without the
+    probe, or when a target's failed, none for it, and why."""
+    from sizing.machine import load_decodes, load_words
 
     timing = TimingModel(SERVER, TierBandwidths(), 1024, 256)
-    under_load = DecodeCost(0.0010, 0.0013)
-    probe = {"server_load": _load_probe(timing, under_load),
-             "server_decode": {"role": "recompute", "context_tokens": 1920, "batch_1_s": 0.002, "batch_max_s": 0.0076,
-                               "max_batch": 8, "step_s": 0.0012, "per_sequence_s": 0.0008, "gaps": {}, "seconds": 1}}
-    decode, words = load_decode(probe, timing, 8)
-    assert decode.seconds(8) == pytest.approx(under_load.seconds(8), rel=0.03)
-    assert decode.seconds(2) == pytest.approx(under_load.seconds(2), rel=0.05)
-    assert "from the load probe before G3" in words and "the decode probe's 7.60 ms" in words
-    assert "at 8 users" in load_words(probe["server_load"]) and "16 prompts of 1,920 tokens" in \
-        load_words(probe["server_load"])
-    for missing, why in (({}, "no load probe ran"), ({"server_load": {"role": "candidate", "error": "boom"}}, "boom")):
-        decode, words = load_decode(missing, timing, 8)
-        assert decode is None and words.endswith(why) and "decode probe alone" in words
+    costs = {"candidate": DecodeCost(0.0010, 0.0013), "baseline": DecodeCost(0.0020, 0.0021)}
+    decode_probe = {"role": "recompute", "context_tokens": 1920, "batch_1_s": 0.002, "batch_max_s": 0.0076,
+                    "max_batch": 8, "step_s": 0.0012, "per_sequence_s": 0.0008, "gaps": {}, "seconds": 1}
+    loads = {role: _load_probe(timing, cost, role=role) for role, cost in costs.items()}
+    decodes, words = load_decodes({"server_load": loads, "server_decode": decode_probe}, timing, 8)
+    assert sorted(decodes) == ["baseline", "candidate"]
+    for role, cost in costs.items():
+        assert decodes[role].seconds(8) == pytest.approx(cost.seconds(8), rel=0.03), role
+        assert decodes[role].seconds(2) == pytest.approx(cost.seconds(2), rel=0.05), role
+    assert any(w.startswith("the baseline's G3 decode cost from the load probe before G3") for w in words), words
+    assert all("the decode probe's 7.60 ms" in w for w in words)
+    assert "at 8 users" in load_words(loads["candidate"]) and "16 prompts of 1,920 tokens" in \
+        load_words(loads["candidate"])
+    assert "16 new prompts of 1,920 tokens" in load_words(loads["baseline"])
+    # a run recorded before the baseline was probed: the candidate's probe alone, as it was recorded
+    decodes, _ = load_decodes({"server_load": loads["candidate"]}, timing, 8)
+    assert list(decodes) == ["candidate"]
+    failed = {**loads, "baseline": {"role": "baseline", "error": "boom"}}
+    for missing, role, why in (({}, None, "no load probe ran"), ({"server_load": failed}, "baseline", "boom")):
+        decodes, words = load_decodes(missing, timing, 8)
+        assert role not in decodes and words[-1].endswith(why) and "decode probe alone" in words[-1]
 
 
-def test_g3_is_predicted_with_the_load_probes_decode_cost_until_a_g3_of_the_run_gives_its_own(tmp_path, config,
-                                                                                               probe):
+def test_g3_is_predicted_with_each_targets_load_probe_decode_cost_until_a_g3_of_the_run_gives_its_own(
+        tmp_path, config, probe):
     run = _before_g3(tmp_path / "recorded", probe)
     idle, _ = stage_plan(config, run, "g3")
     timing = TimingModel(SERVER, TierBandwidths(), 1024, 256)
-    slow = DecodeCost(0.004, 0.006)                 # 52 ms a step of 8: slower than any machine's decode pass alone
-    run.write_machine_probe({**probe, "server_load": _load_probe(timing, slow)})
+    slow, fast = DecodeCost(0.004, 0.006), DecodeCost(0.0010, 0.0013)  # 52 ms a step of 8: slower than any decode pass
+    run.write_machine_probe({**probe, "server_load": {"candidate": _load_probe(timing, slow)}})
     plan, problem = stage_plan(config, run, "g3")
-    assert not problem and any("G3's decode cost from the load probe before G3" in n for n in plan.notes), plan.notes
+    assert not problem and any("G3 decode cost from the load probe before G3" in n for n in plan.notes), plan.notes
     assert any("the candidate server under load: " in n for n in plan.notes)   # the probe's own line says its gaps
 
-    def candidate_throughput(p) -> float:
+    def throughput(p, role: str) -> float:
         return next(x.value for x in p.predictions if x.metric == "output_tokens_per_s"
-                    and x.context == {"target": "candidate", "concurrency": 8})
+                    and x.context == {"target": role, "concurrency": 8})
 
-    assert candidate_throughput(plan) < 0.6 * candidate_throughput(idle)
-    # a run whose G3 has run: its decode cost is its own G3's, and the probes are not asked
+    assert throughput(plan, "candidate") < 0.6 * throughput(idle, "candidate")
+    assert throughput(plan, "baseline") < throughput(idle, "baseline")   # no baseline probe: the candidate's cost
+    # each target its own: a baseline slow under load, beside a candidate that is not
+    run.write_machine_probe({**probe, "server_load": {"candidate": _load_probe(timing, fast),
+                                                      "baseline": _load_probe(timing, slow, role="baseline")}})
+    own, _ = stage_plan(config, run, "g3")
+    assert any(n.startswith("the baseline's G3 decode cost from the load probe") for n in own.notes), own.notes
+    assert throughput(own, "candidate") > 1.5 * throughput(plan, "candidate")
+    assert throughput(own, "baseline") == pytest.approx(throughput(plan, "baseline"), rel=0.1)
+    # a run whose G3 has run: its decode costs are its own G3's, and the probes are not asked
     whole = recorded_run(tmp_path / "whole")
-    whole.write_machine_probe({**probe, "server_load": _load_probe(timing, DecodeCost(0.0010, 0.0013))})
+    whole.write_machine_probe({**probe, "server_load": {"candidate": _load_probe(timing, fast)}})
     after = make_plan(config, whole)
     assert not any("load probe" in n for n in after.notes), after.notes
 
@@ -524,15 +545,22 @@ def test_external_targets_are_predicted_from_their_own_servers_probes(tmp_path):
     assert "hits" not in probe and "matmul_flops" not in probe
     decode = probe["server_decode"]
     assert decode["role"] == "candidate" and decode["max_batch"] == 4, decode   # G3's highest level, not 8
-    # the load probe: the candidate in a closed loop at G3's lowest and highest levels, over 2 x 4 returning prompts
-    # (an external engine's tiers unknown) of G3's median context, each answer G3's 16 tokens
+    # the load probe: each target in a closed loop at G3's lowest and highest levels, of G3's median context, each
+    # answer G3's 16 tokens: the candidate over 2 x 4 returning prompts (an external engine's tiers unknown), the
+    # baseline a new prompt each time
     load = probe["server_load"]
-    assert load["role"] == "candidate" and sorted(load["levels"]) == ["2", "4"] and load["prompts"] == 8, load
-    for records in load["levels"].values():
+    assert sorted(load) == ["baseline", "candidate"], load
+    assert load["candidate"]["prompts"] == 8 and load["candidate"]["returns"], load["candidate"]
+    assert not load["baseline"]["returns"]
+    for role, found in load.items():
+        assert found["role"] == role and sorted(found["levels"]) == ["2", "4"], found
+        records = [r for level in found["levels"].values() for r in level]
         assert records and all(r["completion_tokens"] == 16 and len(r["itl_s"]) == 15 for r in records), \
             [(r["completion_tokens"], len(r["itl_s"])) for r in records]
-        assert all(r["cached_tokens"] for r in records)        # every send a return of a prompt computed before
         assert all(r["ttft_s"] > 0 for r in records)
+        # the candidate's every send a return of a prompt computed before; the baseline's never
+        assert all(bool(r["cached_tokens"]) == (role == "candidate") for r in records), (role, records)
+    assert load["baseline"]["prompts"] == sum(len(level) for level in load["baseline"]["levels"].values())
     assert "machine probe: none (external targets" in machine_words(probe)
 
     calibration = probe_calibration(probe)
@@ -551,7 +579,9 @@ def test_external_targets_are_predicted_from_their_own_servers_probes(tmp_path):
     throughput = [p for p in plan.predictions if p.gate == "g3" and p.metric == "output_tokens_per_s"]
     assert throughput, "G3's throughput is predicted: the decode probe gave the decode cost"
     plan, _ = stage_plan(config, runner.store, "g3")
-    assert any(note.startswith("G3's decode cost from the load probe before G3") for note in plan.notes), plan.notes
+    for role in ("candidate", "baseline"):
+        assert any(note.startswith(f"the {role}'s G3 decode cost from the load probe before G3")
+                   for note in plan.notes), plan.notes
     # and without the prefill probe's three lengths there is nothing to fit: no constants, said by the plan
     assert probe_calibration({"prefill": {**probe["prefill"], "points": probe["prefill"]["points"][:2]}}) is None
 

@@ -440,3 +440,32 @@ def test_a_g2_of_recompute_alone_takes_its_fixed_cost_with_the_prefill_probes_sh
     assert pooled.curve.a == pytest.approx(0.040, rel=0.15)
     assert pooled.fixed_overhead_s == pooled.curve.a
     assert pooled.curve.source.endswith("G2's 3 and the prefill probe's 5")
+
+
+def test_each_g3_target_steps_at_its_own_decode_cost_from_a_calibration(tmp_path):
+    """A calibration fits each G3 target's steps apart (the baseline's also compute its prompts): a plan from it
+    steps the baseline at the baseline's cost and the candidate at the candidate's; from a file that holds one cost
+    (written before), both step at it."""
+    from dataclasses import replace
+
+    from sizing.calibration import calibrate
+    from sizing.queueing import DecodeCost
+
+    recorded_run(tmp_path)
+    config = load_config(None, "quick")
+    calibration = calibrate(tmp_path)
+    assert calibration.baseline_decode.seconds(8) > 1.5 * calibration.decode.seconds(8)
+
+    def throughputs(cal) -> dict:
+        plan = make_plan(config, calibration=cal)
+        return {(p.context["target"], p.context["concurrency"]): p.value for p in plan.predictions
+                if p.metric == "output_tokens_per_s"}
+
+    own, shared = throughputs(calibration), throughputs(replace(calibration, baseline_decode=None))
+    slower = throughputs(replace(calibration, baseline_decode=DecodeCost(0.02, 0.01)))
+    for (role, level), value in own.items():
+        if role == "candidate":     # its blocks as long as the baseline's at the level before: near, not equal
+            assert value == pytest.approx(shared[(role, level)], rel=0.05)
+            assert value == pytest.approx(slower[(role, level)], rel=0.05)
+        else:
+            assert value < shared[(role, level)] and slower[(role, level)] < 0.8 * value, (role, level)

@@ -22,7 +22,18 @@ from sizing.timing import (
     model_load_seconds,
     predict_g2,
 )
-from tests.recorded_runs import B_, C_, DISK_OVERHEAD, KV, PER_SEQ, STEP, F, recorded_run
+from tests.recorded_runs import (
+    B_,
+    BASELINE_PER_SEQ,
+    BASELINE_STEP,
+    C_,
+    DISK_OVERHEAD,
+    KV,
+    PER_SEQ,
+    STEP,
+    F,
+    recorded_run,
+)
 
 
 def _model(**tiers) -> TimingModel:
@@ -237,6 +248,10 @@ def test_calibration_recovers_the_constants_of_arecorded_run(tmp_path):
     assert calibration.tier_efficiency == {"disk": 0.8}
     assert calibration.tier_overhead_s["disk"] == pytest.approx(DISK_OVERHEAD, rel=1e-6)
     assert (calibration.decode.step_s, calibration.decode.per_sequence_s) == pytest.approx((STEP, PER_SEQ), rel=1e-3)
+    baseline = calibration.baseline_decode                             # each target's steps its own
+    assert (baseline.step_s, baseline.per_sequence_s) == pytest.approx((BASELINE_STEP, BASELINE_PER_SEQ), rel=1e-3)
+    assert calibration.target_decode("baseline") == baseline and calibration.target_decode("candidate") == \
+        calibration.decode
     assert calibration.loader_efficiency == {"kvgate": 0.95, "safetensors": 0.9, "runai_streamer": 0.6}
     assert calibration.checkpoint_efficiency == 0.75
     assert calibration.service_start_s == pytest.approx(3.2)
@@ -255,13 +270,15 @@ def test_calibration_fits_the_decode_cost_to_g3s_blocks_after_their_warm_up_pair
     recorded_run(tmp_path, blocks=3)
     calibration = calibrate(tmp_path)
     assert (calibration.decode.step_s, calibration.decode.per_sequence_s) == pytest.approx((STEP, PER_SEQ), rel=1e-3)
+    baseline = calibration.baseline_decode
+    assert (baseline.step_s, baseline.per_sequence_s) == pytest.approx((BASELINE_STEP, BASELINE_PER_SEQ), rel=1e-3)
     assert calibration.notes == ()
 
 
 def test_calibration_says_what_it_could_not_fit(tmp_path):
     recorded_run(tmp_path, with_g3=False)
     calibration = calibrate(tmp_path)
-    assert calibration.decode is None
+    assert calibration.decode is None and calibration.baseline_decode is None
     assert calibration.notes == ("no decode cost: no G3 records of the candidate with gaps between tokens",)
     with pytest.raises(ConfigError, match="run_dir: expected a run directory"):
         calibrate(tmp_path / "nothing")
@@ -272,6 +289,14 @@ def test_a_saved_calibration_loads_back_equal(tmp_path):
     calibration = calibrate(tmp_path)
     calibration.save(tmp_path / "calibration.json")
     assert Calibration.load(tmp_path / "calibration.json") == calibration
+    assert calibration.baseline_decode is not None and calibration.baseline_jitter is not None
+    # a file written before the baseline had its own steps: the candidate's stand in for both
+    data = json.loads((tmp_path / "calibration.json").read_text())
+    del data["baseline_decode"], data["baseline_jitter"]
+    (tmp_path / "older.json").write_text(json.dumps(data))
+    older = Calibration.load(tmp_path / "older.json")
+    assert older.target_decode("baseline") == older.decode == calibration.decode
+    assert older.target_jitter("baseline") == calibration.jitter
 
 
 def test_a_bad_calibration_file_names_the_field(tmp_path):
