@@ -154,19 +154,23 @@ def server_loads(probe: dict) -> dict[str, dict]:
     return {load["role"]: load} if "role" in load else dict(load)
 
 
-def load_decodes(probe: dict, timing: TimingModel, max_running: int) -> tuple[dict[str, DecodeCost], list[str]]:
+def load_decodes(probe: dict, timing: TimingModel, max_running: int, returns_from: str = "device"
+                 ) -> tuple[dict[str, DecodeCost], list[str]]:
     """Each target's G3 decode cost fitted to its load probe's gaps between tokens (calibration.fit_decode, as a
     calibration fits G3's own): each level's closed loop simulated with `timing`'s prefill chunks for each request's
-    tail, every cached token taken as resident, so a step costs what the probe's steps cost beyond their prefill
-    chunks while requests come and go (the candidate's prefixes loaded and its blocks stored, the baseline's prompts
-    computed beside its decodes, their answers sent); the words for each, or why there is none."""
+    tail and its loads, the candidate's returns from `returns_from` (the tier the probe's cycle outgrows the others
+    to, as G3's simulation charges its hits' loads), the baseline's cached tokens resident, so a step costs what the
+    probe's steps cost beyond what the simulation charges them (the candidate's blocks stored and promoted, the
+    baseline's prompts computed beside its decodes, their answers sent); the words for each, or why there is
+    none."""
     loads, idle = server_loads(probe), server_decode(probe)[0]
     if not loads:
         return {}, ["G3's decode cost from the decode probe alone: no load probe ran"]
     decodes, words = {}, []
     for role, load in loads.items():
         levels = {int(level): [records] for level, records in (load.get("levels") or {}).items() if records}
-        decode = fit_decode(levels, timing, max_running, "device") if levels else None
+        tier = returns_from if role == "candidate" else "device"
+        decode = fit_decode(levels, timing, max_running, tier) if levels else None
         if decode is None:
             why = load.get("error") or "the load probe timed no gaps between tokens"
             words.append(f"the {role}'s G3 decode cost from the decode probe alone: {why}")

@@ -34,6 +34,7 @@ from .queueing import DecodeCost, EngineModel, Engines, engine_of
 from .settings import SizedRun
 from .targets import engine_facts, steady_block_tokens, target_inputs
 from .timing import (
+    TIERS,
     RecomputeCurve,
     TierBandwidths,
     TimingModel,
@@ -118,7 +119,8 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
     `engines`: what a run's pre-flight read from the external engines (default: `store`'s, when given);
     `machine`: the pre-flight's machine probe as constants (machine.py), last in line: what neither the
     calibration, `fill_from` nor a configured roofline gives; `probe`: the run's probes as recorded (default:
-    `store`'s), whose load probe gives G3's decode cost where the probes give it (machine.load_decode)."""
+    `store`'s), whose load probe gives G3's decode cost where the probes give it (machine.load_decodes: each target
+    its own)."""
     plan = Plan()
     if engines is None and store is not None:
         engines = engine_facts(store.preflight())
@@ -162,7 +164,9 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
         if probe is None and store is not None:
             probe = store.machine_probe()
         if probe is not None and "server_load" in probe and calibration.source_of("decode") in PROBE_SOURCES:
-            under_load, words = load_decodes(probe, timing, inputs.max_running)
+            lowest = capacities["candidate"][-1].name     # where the probe's cycle of returns comes back from
+            under_load, words = load_decodes(probe, timing, inputs.max_running,
+                                             lowest if lowest in TIERS else "device")
             # a target the probe did not load (a run recorded before it loaded the baseline) steps at the candidate's
             decodes = {role: under_load.get(role) or under_load.get("candidate") or decodes[role] for role in ROLES}
             plan.notes.extend(words)
@@ -568,7 +572,8 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
         rows.append({"gate": prediction.gate, "metric": prediction.metric, "label": prediction.label,
                      "context": dict(prediction.context), "unit": prediction.unit, "predicted": prediction.value,
                      "measured": measured, "error": error, "error_text": text,
-                     "spread": spread(samples(measurements[prediction.gate], prediction.to_dict()), measured)})
+                     "spread": spread(samples(measurements[prediction.gate], prediction.to_dict()), measured),
+                     "interval": _interval((found.get("context") or {}).get("interval"))})
     plan.comparison = rows
     if not_compared:
         plan.notes.append(f"{not_compared} predicted figures not compared: measured in invalid steps or judged "
@@ -603,5 +608,25 @@ def accuracy(rows: list[dict], tolerances=None) -> list[dict]:
         found.append({"label": "G3 hit ratio / TTFT reduction error", "gate": "g3", "value": abs(worst["error"]),
                       "limit": limit, "text": f"at most {100 * abs(worst['error']):.1f} points ({worst['label']}; "
                                               f"{'within' if abs(worst['error']) <= limit else 'beyond'} "
-                                              f"{100 * limit:.0f})"})
+                                              f"{100 * limit:.0f})" + _inside_intervals(points)})
     return found
+
+
+def _interval(value) -> Optional[tuple[float, float]]:
+    """A measurement's interval (its context's "interval": [low, high]), None when it has none."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(finite_number(v) is not None for v in value):
+        return float(value[0]), float(value[1])
+    return None
+
+
+def _inside_intervals(rows: list[dict]) -> str:
+    """How many of the figures the gate judged with an interval (its TTFT reductions) have their prediction inside
+    the gate's own 95% interval, and the widest: what the gate itself could tell apart (said, never judged)."""
+    judged = [r for r in rows if r["metric"] == "ttft_p50_reduction" and r.get("interval") is not None]
+    if not judged:
+        return ""
+    inside = sum(r["interval"][0] <= r["predicted"] <= r["interval"][1] for r in judged)
+    widest = max(judged, key=lambda r: r["interval"][1] - r["interval"][0])
+    low, high = widest["interval"]
+    return (f"; {inside} of {len(judged)} predicted reductions inside the gate's own 95% intervals (the widest, "
+            f"{widest['label']}: {100 * low:.0f} to {100 * high:.0f}%)")

@@ -246,15 +246,15 @@ def _before_g3(root, probe: dict) -> RunStore:
 
 
 def _load_probe(timing: TimingModel, decode: DecodeCost, levels=(2, 8), prompts: int = 16,
-                role: str = "candidate") -> dict:
+                role: str = "candidate", tier: str = "device") -> dict:
     """The load probe's figures as a server whose steps follow `timing` and `decode` would give them: each level a
-    closed loop, simulated, over the candidate's cycle of returning prompts (every whole block cached), or the
-    baseline's new prompts (none cached)."""
+    closed loop, simulated, over the candidate's cycle of returning prompts (every whole block cached, in `tier`),
+    or the baseline's new prompts (none cached)."""
     from sizing.queueing import EngineModel, ServedRequest, simulate_closed_loop
 
     engine = EngineModel(timing, decode, 8)
     cached = 1792 if role == "candidate" else 0
-    cycle = [ServedRequest(1920 + 4 * i, 16, {"device": cached}) for i in range(prompts)] * 4
+    cycle = [ServedRequest(1920 + 4 * i, 16, {tier: cached}) for i in range(prompts)] * 4
     found = {str(level): [{"prompt_tokens": cycle[r.index].prompt_tokens, "cached_tokens": cached,
                            "completion_tokens": r.output_tokens, "itl_s": list(r.itl_s)}
                           for r in simulate_closed_loop(cycle, level, engine)] for level in levels}
@@ -285,6 +285,14 @@ def test_the_load_probe_gives_each_targets_decode_cost_of_steps_where_requests_c
     assert "at 8 users" in load_words(loads["candidate"]) and "16 prompts of 1,920 tokens" in \
         load_words(loads["candidate"])
     assert "16 new prompts of 1,920 tokens" in load_words(loads["baseline"])
+    # returns from the disk: fitted with their loads charged as G3's simulation charges its hits', the cost is found
+    # again; taken as resident, the loads land in the decode cost (and G3's simulation would charge them twice)
+    slow_disk = TimingModel(SERVER, TierBandwidths(disk_gbps=0.25), 1024, 256)
+    from_disk = {"server_load": {"candidate": _load_probe(slow_disk, costs["candidate"], tier="disk")}}
+    decodes, _ = load_decodes(from_disk, slow_disk, 8, returns_from="disk")
+    assert decodes["candidate"].seconds(8) == pytest.approx(costs["candidate"].seconds(8), rel=0.03)
+    resident, _ = load_decodes(from_disk, slow_disk, 8)
+    assert resident["candidate"].seconds(8) > 1.2 * costs["candidate"].seconds(8)
     # a run recorded before the baseline was probed: the candidate's probe alone, as it was recorded
     decodes, _ = load_decodes({"server_load": loads["candidate"]}, timing, 8)
     assert list(decodes) == ["candidate"]

@@ -469,3 +469,23 @@ def test_each_g3_target_steps_at_its_own_decode_cost_from_a_calibration(tmp_path
             assert value == pytest.approx(slower[(role, level)], rel=0.05)
         else:
             assert value < shared[(role, level)] and slower[(role, level)] < 0.8 * value, (role, level)
+
+
+def test_the_reduction_error_says_whether_each_prediction_lies_inside_the_gates_own_interval():
+    """G3 judges a TTFT reduction with a 95% interval (3 pairs at c=2: 49 to 97% in a quick run); the accuracy line
+    says how many predicted reductions it holds beside the worst error in points, which stays judged by its limit."""
+    from sizing.plan import accuracy
+
+    def row(metric, predicted, measured, interval=None, level=2):
+        return {"gate": "g3", "metric": metric, "label": f"G3 {metric} at c={level}", "predicted": predicted,
+                "measured": measured, "error": predicted - measured, "interval": interval,
+                "context": {"concurrency": level}}
+
+    rows = [row("ttft_p50_reduction", 0.794, 0.867, (0.49, 0.97)),
+            row("ttft_p50_reduction", 0.90, 0.93, (0.92, 0.96), 4), row("hit_ratio", 0.17, 0.19)]
+    line = next(a for a in accuracy(rows) if a["label"] == "G3 hit ratio / TTFT reduction error")
+    assert line["value"] == pytest.approx(0.073) and "beyond 5" in line["text"]
+    assert line["text"].endswith("; 1 of 2 predicted reductions inside the gate's own 95% intervals (the widest, "
+                                 "G3 ttft_p50_reduction at c=2: 49 to 97%)"), line["text"]
+    without = next(a for a in accuracy([row("hit_ratio", 0.17, 0.19)]) if a["gate"] == "g3")
+    assert "intervals" not in without["text"]
