@@ -33,6 +33,7 @@ from .timing import (
 
 FORMAT = 1
 DECODE_ROUNDS = 4
+FIXED_ROUNDS = 16       # bisection steps of a fixed overhead: 2^-16 of its range, well under a microsecond
 # the tier a G3 target's cached tokens came from, for the decode fit (the records give the total only)
 _TARGET_TIER = {"candidate": "host", "baseline": "device"}
 
@@ -375,6 +376,32 @@ def fit_decode(levels: Mapping[int, list[list[dict]]], timing: TimingModel, max_
         step, per_sequence = nonnegative_least_squares(np.array(rows), np.array(target))
         decode = DecodeCost(float(step), float(per_sequence))
     return decode
+
+
+def fit_fixed_overhead(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decode: DecodeCost,
+                       max_running: int, tier: Optional[str]) -> Optional[float]:
+    """The fixed seconds of a request (its overhead beyond its loads and prefill chunks) that put the simulated
+    median first token of each level's load runs where the measured one is: the one overhead at which the levels'
+    log ratios, simulated over measured, average 0 (bisection: the simulated medians rise with it); None when the
+    records hold no first-token times. 0 when even no overhead leaves the simulation slower."""
+    measured = {level: float(np.median([r["ttft_s"] for records in runs for r in records]))
+                for level, runs in levels.items()
+                if all(r.get("ttft_s") is not None for records in runs for r in records) and any(runs)}
+    if not measured:
+        return None
+
+    def excess(overhead: float) -> float:
+        engine = EngineModel(replace(timing, fixed_overhead_s=overhead), decode, max_running)
+        return float(np.mean([np.log(np.median([r.ttft_s for r in _simulated(levels[level], level, engine, tier)])
+                                     / measured[level]) for level in measured]))
+
+    low, high = 0.0, 2.0 * max(measured.values())
+    if excess(low) >= 0:
+        return 0.0
+    for _ in range(FIXED_ROUNDS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) < 0 else (low, middle)
+    return (low + high) / 2
 
 
 def _gap_spread(gap_lists) -> Optional[float]:

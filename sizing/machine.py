@@ -7,11 +7,12 @@ How it works: docs/methods/sizing-model.md (sizing/machine.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from kvcore.rundata import RunStore
 
-from .calibration import Calibration, fit_decode, fit_g2_ttfts, prefill_points
+from .calibration import Calibration, fit_decode, fit_fixed_overhead, fit_g2_ttfts, prefill_points
 from .queueing import DecodeCost
 from .timing import RecomputeCurve, TierBandwidths, TimingModel
 
@@ -154,19 +155,36 @@ def server_loads(probe: dict) -> dict[str, dict]:
     return {load["role"]: load} if "role" in load else dict(load)
 
 
-def load_decodes(probe: dict, timing: TimingModel, max_running: int, returns_from: str = "device"
-                 ) -> tuple[dict[str, DecodeCost], list[str]]:
-    """Each target's G3 decode cost fitted to its load probe's gaps between tokens (calibration.fit_decode, as a
-    calibration fits G3's own): each level's closed loop simulated with `timing`'s prefill chunks for each request's
-    tail and its loads, the candidate's returns from `returns_from` (the tier the probe's cycle outgrows the others
-    to, as G3's simulation charges its hits' loads), the baseline's cached tokens resident, so a step costs what the
-    probe's steps cost beyond what the simulation charges them (the candidate's blocks stored and promoted, the
-    baseline's prompts computed beside its decodes, their answers sent); the words for each, or why there is
-    none."""
+@dataclass(frozen=True)
+class UnderLoad:
+    """A target's costs fitted to its load probe: its decode step, and a request's fixed seconds (the candidate's:
+    None where not fitted, the TTFT model's own standing)."""
+
+    decode: DecodeCost
+    fixed_overhead_s: Optional[float] = None
+
+    def timing(self, timing: TimingModel) -> TimingModel:
+        """`timing` with these fixed seconds, where fitted."""
+        return timing if self.fixed_overhead_s is None else replace(timing, fixed_overhead_s=self.fixed_overhead_s)
+
+
+def load_costs(probe: dict, timing: TimingModel, max_running: int, returns_from: str = "device"
+               ) -> tuple[dict[str, UnderLoad], list[str]]:
+    """Each target's G3 costs fitted to its load probe (the words for each, or why there are none).
+
+    The decode cost to its gaps between tokens (calibration.fit_decode, as a calibration fits G3's own): each level's
+    closed loop simulated with `timing`'s prefill chunks for each request's tail and its loads, the candidate's
+    returns from `returns_from` (the tier the probe's cycle outgrows the others to, as G3's simulation charges its
+    hits' loads), the baseline's cached tokens resident, so a step costs what the probe's steps cost beyond what the
+    simulation charges them (the candidate's blocks stored and promoted, the baseline's prompts computed beside its
+    decodes, their answers sent). The candidate's returns also give a request's fixed seconds under load
+    (calibration.fit_fixed_overhead, to their first tokens, the decode cost refitted with it), which G3's candidate
+    is simulated with: G2 times each hit alone on a new connection after the caches were dropped, G3's returns come
+    on kept connections, one after another."""
     loads, idle = server_loads(probe), server_decode(probe)[0]
     if not loads:
         return {}, ["G3's decode cost from the decode probe alone: no load probe ran"]
-    decodes, words = {}, []
+    found, words = {}, []
     for role, load in loads.items():
         levels = {int(level): [records] for level, records in (load.get("levels") or {}).items() if records}
         tier = returns_from if role == "candidate" else "device"
@@ -175,12 +193,17 @@ def load_decodes(probe: dict, timing: TimingModel, max_running: int, returns_fro
             why = load.get("error") or "the load probe timed no gaps between tokens"
             words.append(f"the {role}'s G3 decode cost from the decode probe alone: {why}")
             continue
-        decodes[role] = decode
+        fixed = fit_fixed_overhead(levels, timing, decode, max_running, tier) if role == "candidate" else None
+        if fixed is not None:
+            decode = fit_decode(levels, replace(timing, fixed_overhead_s=fixed), max_running, tier) or decode
+        found[role] = UnderLoad(decode, fixed)
         beside = "" if idle is None else f", the decode probe's {idle.seconds(max_running) * 1e3:.2f} ms"
         words.append(f"the {role}'s G3 decode cost from {LOAD_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
                      f"{decode.per_sequence_s * 1e3:.2f} ms a sequence ({decode.seconds(max_running) * 1e3:.2f} ms "
-                     f"at {max_running}{beside}, whose steps only decode)")
-    return decodes, words
+                     f"at {max_running}{beside}, whose steps only decode)"
+                     + ("" if fixed is None else f"; a request's fixed cost {fixed * 1e3:.2f} ms under load (the "
+                                                 f"TTFT model's {timing.overhead * 1e3:.2f} ms, from idle requests)"))
+    return found, words
 
 
 def probe_ran(probe: dict) -> bool:

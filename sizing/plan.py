@@ -28,7 +28,7 @@ from .calibration import Calibration, calibrate
 from .capacity import OpenLoop, predicted_capacity
 from .g3_figures import predict_g3, predict_rate_ladder
 from .g3_inputs import G3Replays, concurrencies, g3_replays, matched_blocks, simulate_blocks
-from .machine import PROBE_SOURCES, load_decodes
+from .machine import PROBE_SOURCES, load_costs
 from .noise import group_spread, samples, spread
 from .queueing import DecodeCost, EngineModel, Engines, engine_of
 from .settings import SizedRun
@@ -119,7 +119,7 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
     `engines`: what a run's pre-flight read from the external engines (default: `store`'s, when given);
     `machine`: the pre-flight's machine probe as constants (machine.py), last in line: what neither the
     calibration, `fill_from` nor a configured roofline gives; `probe`: the run's probes as recorded (default:
-    `store`'s), whose load probe gives G3's decode cost where the probes give it (machine.load_decodes: each target
+    `store`'s), whose load probe gives G3's decode cost where the probes give it (machine.load_costs: each target
     its own)."""
     plan = Plan()
     if engines is None and store is not None:
@@ -161,14 +161,19 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
         sources = term_sources(calibration, tiers, plan.figures["disk_gbps"]["source"])
         _g2(plan, config, timing, tiers, inputs, sources)
         decodes = {role: calibration.target_decode(role) for role in ROLES}
+        timings = {role: timing for role in ROLES}
         if probe is None and store is not None:
             probe = store.machine_probe()
         if probe is not None and "server_load" in probe and calibration.source_of("decode") in PROBE_SOURCES:
             lowest = capacities["candidate"][-1].name     # where the probe's cycle of returns comes back from
-            under_load, words = load_decodes(probe, timing, inputs.max_running,
-                                             lowest if lowest in TIERS else "device")
+            under_load, words = load_costs(probe, timing, inputs.max_running, lowest if lowest in TIERS else "device")
             # a target the probe did not load (a run recorded before it loaded the baseline) steps at the candidate's
-            decodes = {role: under_load.get(role) or under_load.get("candidate") or decodes[role] for role in ROLES}
+            for role in ROLES:
+                fitted = under_load.get(role) or under_load.get("candidate")
+                if fitted is not None:
+                    decodes[role] = fitted.decode
+                if role in under_load:
+                    timings[role] = under_load[role].timing(timing)
             plan.notes.extend(words)
         fallback = decodes["candidate"]        # what a target with no decode cost of its own steps at
         if fallback is None:
@@ -185,7 +190,7 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
             plan.notes.append(f"G3's engine copies each block it stores, promotes or demotes into its cache's tiers "
                               f"on its own thread, {copy_s * 1e3:.2f} ms a block: the block's bytes at "
                               f"{sources['load host']}")
-        engines = {role: EngineModel(timing, decodes[role] or fallback, inputs.max_running,
+        engines = {role: EngineModel(timings[role], decodes[role] or fallback, inputs.max_running,
                                      calibration.target_jitter(role) or 0.0, copy_s) for role in ROLES}
         try:
             _g3(plan, config, workload, g3, engines, inputs, throughput=calibration.decode is not None)

@@ -256,7 +256,7 @@ def _load_probe(timing: TimingModel, decode: DecodeCost, levels=(2, 8), prompts:
     cached = 1792 if role == "candidate" else 0
     cycle = [ServedRequest(1920 + 4 * i, 16, {tier: cached}) for i in range(prompts)] * 4
     found = {str(level): [{"prompt_tokens": cycle[r.index].prompt_tokens, "cached_tokens": cached,
-                           "completion_tokens": r.output_tokens, "itl_s": list(r.itl_s)}
+                           "completion_tokens": r.output_tokens, "ttft_s": r.ttft_s, "itl_s": list(r.itl_s)}
                           for r in simulate_closed_loop(cycle, level, engine)] for level in levels}
     return {"role": role, "context_tokens": 1920, "output_tokens": 16, "prompts": prompts,
             "returns": role == "candidate", "levels": found, "seconds": 6.0}
@@ -268,18 +268,18 @@ def test_the_load_probe_gives_each_targets_decode_cost_of_steps_where_requests_c
     between tokens, each level simulated with its prefill chunks, finds each cost again (the decode probe's steps,
     which only decode, said beside it); a run recorded with the candidate's probe alone still reads; without the
     probe, or when a target's failed, none for it, and why."""
-    from sizing.machine import load_decodes, load_words
+    from sizing.machine import load_costs, load_words
 
     timing = TimingModel(SERVER, TierBandwidths(), 1024, 256)
     costs = {"candidate": DecodeCost(0.0010, 0.0013), "baseline": DecodeCost(0.0020, 0.0021)}
     decode_probe = {"role": "recompute", "context_tokens": 1920, "batch_1_s": 0.002, "batch_max_s": 0.0076,
                     "max_batch": 8, "step_s": 0.0012, "per_sequence_s": 0.0008, "gaps": {}, "seconds": 1}
     loads = {role: _load_probe(timing, cost, role=role) for role, cost in costs.items()}
-    decodes, words = load_decodes({"server_load": loads, "server_decode": decode_probe}, timing, 8)
-    assert sorted(decodes) == ["baseline", "candidate"]
+    found, words = load_costs({"server_load": loads, "server_decode": decode_probe}, timing, 8)
+    assert sorted(found) == ["baseline", "candidate"]
     for role, cost in costs.items():
-        assert decodes[role].seconds(8) == pytest.approx(cost.seconds(8), rel=0.03), role
-        assert decodes[role].seconds(2) == pytest.approx(cost.seconds(2), rel=0.05), role
+        assert found[role].decode.seconds(8) == pytest.approx(cost.seconds(8), rel=0.03), role
+        assert found[role].decode.seconds(2) == pytest.approx(cost.seconds(2), rel=0.05), role
     assert any(w.startswith("the baseline's G3 decode cost from the load probe before G3") for w in words), words
     assert all("the decode probe's 7.60 ms" in w for w in words)
     assert "at 8 users" in load_words(loads["candidate"]) and "16 prompts of 1,920 tokens" in \
@@ -289,17 +289,42 @@ def test_the_load_probe_gives_each_targets_decode_cost_of_steps_where_requests_c
     # again; taken as resident, the loads land in the decode cost (and G3's simulation would charge them twice)
     slow_disk = TimingModel(SERVER, TierBandwidths(disk_gbps=0.25), 1024, 256)
     from_disk = {"server_load": {"candidate": _load_probe(slow_disk, costs["candidate"], tier="disk")}}
-    decodes, _ = load_decodes(from_disk, slow_disk, 8, returns_from="disk")
-    assert decodes["candidate"].seconds(8) == pytest.approx(costs["candidate"].seconds(8), rel=0.03)
-    resident, _ = load_decodes(from_disk, slow_disk, 8)
-    assert resident["candidate"].seconds(8) > 1.2 * costs["candidate"].seconds(8)
+    found, _ = load_costs(from_disk, slow_disk, 8, returns_from="disk")
+    assert found["candidate"].decode.seconds(8) == pytest.approx(costs["candidate"].seconds(8), rel=0.03)
+    resident, _ = load_costs(from_disk, slow_disk, 8)
+    assert resident["candidate"].decode.seconds(8) > 1.2 * costs["candidate"].seconds(8)
     # a run recorded before the baseline was probed: the candidate's probe alone, as it was recorded
-    decodes, _ = load_decodes({"server_load": loads["candidate"]}, timing, 8)
-    assert list(decodes) == ["candidate"]
+    found, _ = load_costs({"server_load": loads["candidate"]}, timing, 8)
+    assert list(found) == ["candidate"]
     failed = {**loads, "baseline": {"role": "baseline", "error": "boom"}}
     for missing, role, why in (({}, None, "no load probe ran"), ({"server_load": failed}, "baseline", "boom")):
-        decodes, words = load_decodes(missing, timing, 8)
-        assert role not in decodes and words[-1].endswith(why) and "decode probe alone" in words[-1]
+        found, words = load_costs(missing, timing, 8)
+        assert role not in found and words[-1].endswith(why) and "decode probe alone" in words[-1]
+
+
+def test_the_candidates_returns_give_a_requests_fixed_cost_under_load():
+    """G2 times each hit alone on a new connection after the caches were dropped; G3's returns come one after another
+    on kept connections. A candidate whose requests cost 1 ms each beyond their loads and prefill under load, where
+    the TTFT model (from idle requests) says 6 ms: the fit to the load probe's first tokens finds 1 ms, with the decode
+    cost still found; G3's candidate is simulated with it. A probe recorded without first-token times fits none."""
+    from sizing.machine import load_costs
+
+    idle = TimingModel(SERVER, TierBandwidths(), 1024, 256, fixed_overhead_s=0.006)
+    under_load, cost = replace(idle, fixed_overhead_s=0.001), DecodeCost(0.0010, 0.0013)
+    probe = {"server_load": {"candidate": _load_probe(under_load, cost),
+                             "baseline": _load_probe(under_load, cost, role="baseline")}}
+    found, words = load_costs(probe, idle, 8)
+    candidate = found["candidate"]
+    assert candidate.fixed_overhead_s == pytest.approx(0.001, abs=3e-4)
+    assert candidate.decode.seconds(8) == pytest.approx(cost.seconds(8), rel=0.03)
+    assert candidate.timing(idle).overhead == candidate.fixed_overhead_s
+    assert found["baseline"].fixed_overhead_s is None and found["baseline"].timing(idle) is idle
+    said = f"a request's fixed cost {candidate.fixed_overhead_s * 1e3:.2f} ms under load (the TTFT model's 6.00 ms"
+    assert any(said in w for w in words), words
+    for records in probe["server_load"]["candidate"]["levels"].values():
+        for record in records:
+            del record["ttft_s"]
+    assert load_costs(probe, idle, 8)[0]["candidate"].fixed_overhead_s is None
 
 
 def test_g3_is_predicted_with_each_targets_load_probe_decode_cost_until_a_g3_of_the_run_gives_its_own(
