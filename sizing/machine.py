@@ -168,9 +168,10 @@ class UnderLoad:
         return timing if self.fixed_overhead_s is None else replace(timing, fixed_overhead_s=self.fixed_overhead_s)
 
 
-def load_costs(probe: dict, timing: TimingModel, max_running: int, returns_from: str = "device"
-               ) -> tuple[dict[str, UnderLoad], list[str]]:
-    """Each target's G3 costs fitted to its load probe (the words for each, or why there are none).
+def load_costs(probe: dict, timing: TimingModel, max_running: int, returns_from: str = "device",
+               decodes: Optional[dict[str, DecodeCost]] = None) -> tuple[dict[str, UnderLoad], list[str]]:
+    """Each target's G3 costs fitted to its load probe (the words for each, or why there are none); with `decodes`
+    (the calibration's own, from a G3), the fixed seconds alone, with those decode costs.
 
     The decode cost to its gaps between tokens (calibration.fit_decode, as a calibration fits G3's own): each level's
     closed loop simulated with `timing`'s prefill chunks for each request's tail and its loads, the candidate's
@@ -188,21 +189,26 @@ def load_costs(probe: dict, timing: TimingModel, max_running: int, returns_from:
     for role, load in loads.items():
         levels = {int(level): [records] for level, records in (load.get("levels") or {}).items() if records}
         tier = returns_from if role == "candidate" else "device"
-        decode = fit_decode(levels, timing, max_running, tier) if levels else None
+        given = (decodes or {}).get(role)
+        decode = given or (fit_decode(levels, timing, max_running, tier) if levels else None)
         if decode is None:
             why = load.get("error") or "the load probe timed no gaps between tokens"
             words.append(f"the {role}'s G3 decode cost from the decode probe alone: {why}")
             continue
         fixed = fit_fixed_overhead(levels, timing, decode, max_running, tier) if role == "candidate" else None
-        if fixed is not None:
+        if fixed is not None and given is None:
             decode = fit_decode(levels, replace(timing, fixed_overhead_s=fixed), max_running, tier) or decode
         found[role] = UnderLoad(decode, fixed)
+        under = "" if fixed is None else (f"a request's fixed cost {fixed * 1e3:.2f} ms under load (the TTFT model's "
+                                          f"{timing.overhead * 1e3:.2f} ms, from idle requests)")
+        if given is not None:
+            if fixed is not None:
+                words.append(f"the {role}'s G3 steps from {LOAD_SOURCE}: {under}")
+            continue
         beside = "" if idle is None else f", the decode probe's {idle.seconds(max_running) * 1e3:.2f} ms"
         words.append(f"the {role}'s G3 decode cost from {LOAD_SOURCE}: {decode.step_s * 1e3:.2f} ms a step + "
                      f"{decode.per_sequence_s * 1e3:.2f} ms a sequence ({decode.seconds(max_running) * 1e3:.2f} ms "
-                     f"at {max_running}{beside}, whose steps only decode)"
-                     + ("" if fixed is None else f"; a request's fixed cost {fixed * 1e3:.2f} ms under load (the "
-                                                 f"TTFT model's {timing.overhead * 1e3:.2f} ms, from idle requests)"))
+                     f"at {max_running}{beside}, whose steps only decode)" + (f"; {under}" if under else ""))
     return found, words
 
 

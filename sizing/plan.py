@@ -164,13 +164,16 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
         timings = {role: timing for role in ROLES}
         if probe is None and store is not None:
             probe = store.machine_probe()
-        if probe is not None and "server_load" in probe and calibration.source_of("decode") in PROBE_SOURCES:
+        probed = calibration.source_of("decode") in PROBE_SOURCES
+        if probe is not None and "server_load" in probe and (probed or calibration.decode is not None):
+            # the probes' decode costs are refitted under load; a G3's (a calibration's) are kept, the fixed cost fitted
             lowest = capacities["candidate"][-1].name     # where the probe's cycle of returns comes back from
-            under_load, words = load_costs(probe, timing, inputs.max_running, lowest if lowest in TIERS else "device")
+            under_load, words = load_costs(probe, timing, inputs.max_running, lowest if lowest in TIERS else "device",
+                                           None if probed else {r: d for r, d in decodes.items() if d is not None})
             # a target the probe did not load (a run recorded before it loaded the baseline) steps at the candidate's
             for role in ROLES:
                 fitted = under_load.get(role) or under_load.get("candidate")
-                if fitted is not None:
+                if fitted is not None and probed:
                     decodes[role] = fitted.decode
                 if role in under_load:
                     timings[role] = under_load[role].timing(timing)

@@ -321,6 +321,12 @@ def test_the_candidates_returns_give_a_requests_fixed_cost_under_load():
     assert found["baseline"].fixed_overhead_s is None and found["baseline"].timing(idle) is idle
     said = f"a request's fixed cost {candidate.fixed_overhead_s * 1e3:.2f} ms under load (the TTFT model's 6.00 ms"
     assert any(said in w for w in words), words
+    # with a calibration's decode costs (a G3's): those kept, the fixed cost fitted with them
+    kept, words = load_costs(probe, idle, 8, decodes={"candidate": cost, "baseline": cost})
+    assert kept["candidate"].decode == cost and kept["candidate"].fixed_overhead_s == pytest.approx(0.001, abs=3e-4)
+    assert words == [f"the candidate's G3 steps from the load probe before G3: a request's fixed cost "
+                     f"{kept['candidate'].fixed_overhead_s * 1e3:.2f} ms under load (the TTFT model's 6.00 ms, from "
+                     "idle requests)"]
     for records in probe["server_load"]["candidate"]["levels"].values():
         for record in records:
             del record["ttft_s"]
@@ -351,11 +357,13 @@ def test_g3_is_predicted_with_each_targets_load_probe_decode_cost_until_a_g3_of_
     assert any(n.startswith("the baseline's G3 decode cost from the load probe") for n in own.notes), own.notes
     assert throughput(own, "candidate") > 1.5 * throughput(plan, "candidate")
     assert throughput(own, "baseline") == pytest.approx(throughput(plan, "baseline"), rel=0.1)
-    # a run whose G3 has run: its decode costs are its own G3's, and the probes are not asked
+    # a run whose G3 has run: its decode costs are its own G3's (the probe gives the candidate's fixed cost alone)
     whole = recorded_run(tmp_path / "whole")
     whole.write_machine_probe({**probe, "server_load": {"candidate": _load_probe(timing, fast)}})
     after = make_plan(config, whole)
-    assert not any("load probe" in n for n in after.notes), after.notes
+    assert not any("decode cost from the load probe" in n for n in after.notes), after.notes
+    assert any(n.startswith("the candidate's G3 steps from the load probe before G3: a request's fixed cost")
+               for n in after.notes), after.notes
 
 
 def test_a_g3_workload_that_cannot_be_built_leaves_the_decode_probe_an_error_not_the_run(tmp_path, config, probe,
