@@ -20,6 +20,7 @@ from kvcore.rundata import RunStore, finite_number, left_out_note
 from kvcore.settings import ConfigError, load_yaml_file
 
 from .queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
+from .targets import EXTERNAL_PREFILL_BUDGET
 from .timing import (
     DEFAULT_HOST_GBPS,
     G2_PROMPT_SHORTFALL,
@@ -349,7 +350,7 @@ def _simulated(runs: list[list[dict]], level: int, engine: EngineModel, tier: Op
 
 
 def fit_decode(levels: Mapping[int, list[list[dict]]], timing: TimingModel, max_running: int,
-               tier: Optional[str]) -> Optional[DecodeCost]:
+               tier: Optional[str], prefill_budget: Optional[int] = None) -> Optional[DecodeCost]:
     """(step_s, per_sequence_s) matching each level's measured mean gap between tokens (the module's fit), each
     level's load runs (G3's blocks) simulated one by one."""
     measured = {}
@@ -361,7 +362,7 @@ def fit_decode(levels: Mapping[int, list[list[dict]]], timing: TimingModel, max_
         return None
     decode = DecodeCost()
     for _ in range(DECODE_ROUNDS):
-        engine = EngineModel(timing, decode, max_running)
+        engine = EngineModel(timing, decode, max_running, prefill_budget=prefill_budget)
         rows, target = [], []
         for level in measured:
             simulated = _simulated(levels[level], level, engine, tier)
@@ -379,7 +380,7 @@ def fit_decode(levels: Mapping[int, list[list[dict]]], timing: TimingModel, max_
 
 
 def fit_fixed_overhead(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decode: DecodeCost,
-                       max_running: int, tier: Optional[str]) -> Optional[float]:
+                       max_running: int, tier: Optional[str], prefill_budget: Optional[int] = None) -> Optional[float]:
     """The fixed seconds of a request (its overhead beyond its loads and prefill chunks) that put the simulated mean
     first token of the lowest level's load runs where the measured one is (bisection: the simulated mean rises with
     it); None when those records hold no first-token times, 0 when even no overhead leaves the simulation slower.
@@ -395,7 +396,8 @@ def fit_fixed_overhead(levels: Mapping[int, list[list[dict]]], timing: TimingMod
     measured = float(np.mean([float(t) for t in first if t is not None]))
 
     def excess(overhead: float) -> float:
-        engine = EngineModel(replace(timing, fixed_overhead_s=overhead), decode, max_running)
+        engine = EngineModel(replace(timing, fixed_overhead_s=overhead), decode, max_running,
+                             prefill_budget=prefill_budget)
         return float(np.mean([r.ttft_s for r in _simulated(levels[level], level, engine, tier)])) - measured
 
     low, high = 0.0, 2.0 * measured
@@ -414,7 +416,7 @@ def _gap_spread(gap_lists) -> Optional[float]:
 
 
 def fit_jitter(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decode: DecodeCost, max_running: int,
-               tier: Optional[str]) -> Optional[float]:
+               tier: Optional[str], prefill_budget: Optional[int] = None) -> Optional[float]:
     """The machine's step noise (EngineModel.jitter): how much more a request's gaps between tokens
     spread in the run than in the simulation without noise, whose spread is the schedule's own (a
     decode step that also runs another request's prefill chunk is longer). With m and s the median
@@ -424,7 +426,7 @@ def fit_jitter(levels: Mapping[int, list[list[dict]]], timing: TimingModel, deco
 
     (independent noise adds in variance; a lognormal factor's CV is about its log's σ when small)."""
     measured = _gap_spread([r.get("itl_s") or () for runs in levels.values() for records in runs for r in records])
-    engine = EngineModel(timing, decode, max_running)
+    engine = EngineModel(timing, decode, max_running, prefill_budget=prefill_budget)
     simulated = _gap_spread([r.itl_s for level, runs in levels.items() for r in _simulated(runs, level, engine, tier)])
     if measured is None or simulated is None:
         return None
@@ -542,8 +544,11 @@ def _target_steps(store: RunStore, config: dict, timing: TimingModel, target: st
     """(decode cost, step noise) fitted to one G3 target's gaps between tokens (None, None: it has none): each target
     its own, as a step's costs beyond its prefill chunk differ between them (loads and stores on the candidate,
     prefill chunks beside the decodes on the baseline)."""
-    engine = (config.get("targets") or {}).get("embedded") or {}
+    targets = config.get("targets") or {}
+    engine = targets.get("embedded") or {}
     levels = _g3_levels(store, target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
     max_running, tier = int(engine.get("max_running", 8)), _TARGET_TIER[target]
-    decode = fit_decode(levels, timing, max_running, tier)
-    return (None, None) if decode is None else (decode, fit_jitter(levels, timing, decode, max_running, tier))
+    given = ((config.get("sizing") or {}).get("target") or {}).get("prefill_budget")
+    budget = None if targets.get("kind", "embedded") == "embedded" else int(given or EXTERNAL_PREFILL_BUDGET)
+    decode = fit_decode(levels, timing, max_running, tier, budget)
+    return (None, None) if decode is None else (decode, fit_jitter(levels, timing, decode, max_running, tier, budget))

@@ -169,7 +169,8 @@ class UnderLoad:
 
 
 def load_costs(probe: dict, timing: TimingModel, max_running: int, returns_from: str = "device",
-               decodes: Optional[dict[str, DecodeCost]] = None) -> tuple[dict[str, UnderLoad], list[str]]:
+               decodes: Optional[dict[str, DecodeCost]] = None, prefill_budget: Optional[int] = None
+               ) -> tuple[dict[str, UnderLoad], list[str]]:
     """Each target's G3 costs fitted to its load probe (the words for each, or why there are none); with `decodes`
     (the calibration's own, from a G3), the fixed seconds alone, with those decode costs.
 
@@ -190,14 +191,16 @@ def load_costs(probe: dict, timing: TimingModel, max_running: int, returns_from:
         levels = {int(level): [records] for level, records in (load.get("levels") or {}).items() if records}
         tier = returns_from if role == "candidate" else "device"
         given = (decodes or {}).get(role)
-        decode = given or (fit_decode(levels, timing, max_running, tier) if levels else None)
+        decode = given or (fit_decode(levels, timing, max_running, tier, prefill_budget) if levels else None)
         if decode is None:
             why = load.get("error") or "the load probe timed no gaps between tokens"
             words.append(f"the {role}'s G3 decode cost from the decode probe alone: {why}")
             continue
-        fixed = fit_fixed_overhead(levels, timing, decode, max_running, tier) if role == "candidate" else None
+        fixed = (fit_fixed_overhead(levels, timing, decode, max_running, tier, prefill_budget)
+                 if role == "candidate" else None)
         if fixed is not None and given is None:
-            decode = fit_decode(levels, replace(timing, fixed_overhead_s=fixed), max_running, tier) or decode
+            decode = fit_decode(levels, replace(timing, fixed_overhead_s=fixed), max_running, tier,
+                                prefill_budget) or decode
         found[role] = UnderLoad(decode, fixed)
         under = "" if fixed is None else (f"a request's fixed cost {fixed * 1e3:.2f} ms under load (the TTFT model's "
                                           f"{timing.overhead * 1e3:.2f} ms, from idle requests)")

@@ -169,7 +169,8 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
             # the probes' decode costs are refitted under load; a G3's (a calibration's) are kept, the fixed cost fitted
             lowest = capacities["candidate"][-1].name     # where the probe's cycle of returns comes back from
             under_load, words = load_costs(probe, timing, inputs.max_running, lowest if lowest in TIERS else "device",
-                                           None if probed else {r: d for r, d in decodes.items() if d is not None})
+                                           None if probed else {r: d for r, d in decodes.items() if d is not None},
+                                           inputs.prefill_budget)
             # a target the probe did not load (a run recorded before it loaded the baseline) steps at the candidate's
             for role in ROLES:
                 fitted = under_load.get(role) or under_load.get("candidate")
@@ -194,7 +195,8 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
                               f"on its own thread, {copy_s * 1e3:.2f} ms a block: the block's bytes at "
                               f"{sources['load host']}")
         engines = {role: EngineModel(timings[role], decodes[role] or fallback, inputs.max_running,
-                                     calibration.target_jitter(role) or 0.0, copy_s) for role in ROLES}
+                                     calibration.target_jitter(role) or 0.0, copy_s, inputs.prefill_budget)
+                   for role in ROLES}
         try:
             _g3(plan, config, workload, g3, engines, inputs, throughput=calibration.decode is not None)
         except ValueError as error:     # a simulation these costs cannot make must not take G2's figures with it

@@ -63,21 +63,25 @@ class EngineModel:
     max_running: int = 8
     jitter: float = 0.0
     block_copy_s: float = 0.0
+    prefill_budget: Optional[int] = None    # tokens of a prompt a step prefills (None: one cache block, kvgate's)
 
     def __post_init__(self) -> None:
         check_tokens("max_running", self.max_running, 1)
         check_number("jitter", self.jitter, allow_zero=True)
         check_number("block_copy_s", self.block_copy_s, allow_zero=True)
+        if self.prefill_budget is not None:
+            check_tokens("prefill_budget", self.prefill_budget, 1)
 
     def chunks(self, prompt: int, cached: int) -> list[float]:
-        """Seconds of each prefill step of a prompt with `cached` tokens loaded: block-aligned chunks
-        of the tail, or the one-token pass of a full hit."""
+        """Seconds of each prefill step of a prompt with `cached` tokens loaded: block-aligned chunks of the tail
+        (kvgate's engine), or chunks of `prefill_budget` tokens (vLLM's chunked prefill: up to its token budget a
+        step), or the one-token pass of a full hit."""
         curve, block = self.timing.curve, self.timing.block_size
         if cached >= prompt:
             return [curve.tail(prompt, cached)]
         costs, start = [], cached
         while start < prompt:
-            end = min((start // block + 1) * block, prompt)
+            end = min(start + self.prefill_budget if self.prefill_budget else (start // block + 1) * block, prompt)
             costs.append(curve.compute(end) - curve.compute(start))
             start = end
         return costs

@@ -48,6 +48,9 @@ class TargetSizing(StrictModel):
         examples=[5.0], default=None, gt=0, description="GB/s a node loads from the pool at")
     max_running: Optional[Count] = Field(examples=[256], default=None, ge=1, description=(
         "requests an engine runs at once (vLLM --max-num-seqs; default: targets.embedded.max_running)"))
+    prefill_budget: Optional[Count] = Field(examples=[8192], default=None, ge=1, description=(
+        "tokens of prompts an external engine prefills a step (vLLM --max-num-batched-tokens; default 2048, vLLM's "
+        "CPU server's); kvgate's own engine prefills one block a step"))
 
     _sizes = field_validator("host_capacity", "disk_capacity", "pool_capacity", mode="before")(
         lambda cls, v: v if v is None else size_text(v))

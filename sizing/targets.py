@@ -25,6 +25,9 @@ EMBEDDED_POOL_BYTES = 512 * 2**20
 # what a node loads from the pool at when nothing says: `kvgate pool-bench` on loopback, 2-core VM (docs/results.md)
 LOOPBACK_POOL_GBPS = {"redis": 0.15, "mooncake": 0.29, "external": 0.15}
 EXTERNAL_BLOCK_TOKENS = 16          # vLLM's default block size
+# tokens of prompts an external engine prefills a step when sizing.target.prefill_budget does not say (vLLM's chunked
+# prefill: its CPU server's default --max-num-batched-tokens)
+EXTERNAL_PREFILL_BUDGET = 2048
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class TargetInputs:
     max_running: int
     embedded: bool
     baseline_device_blocks: Optional[int] = None   # None: the candidate's device (the same engine, no offload)
+    prefill_budget: Optional[int] = None           # tokens a step prefills (None: one block, kvgate's engine)
 
     @property
     def block_nbytes(self) -> int:
@@ -121,6 +125,10 @@ def target_inputs(config: SizedRun, engines: Optional[dict] = None) -> tuple[Tar
                          "modelled with no cache at all")
         if given is None or given.block_size is None:
             notes.append(f"sizing.target.block_size is not given: {EXTERNAL_BLOCK_TOKENS} tokens (vLLM's default)")
+        inputs["prefill_budget"] = getattr(given, "prefill_budget", None) or EXTERNAL_PREFILL_BUDGET
+        if given is None or given.prefill_budget is None:
+            notes.append(f"sizing.target.prefill_budget is not given: {EXTERNAL_PREFILL_BUDGET} tokens of prompts a "
+                         "step (vLLM's CPU server's default --max-num-batched-tokens)")
         if given is None or (given.host_capacity is None and given.disk_capacity is None):
             notes.append("targets.kind is external and sizing.target gives no host_capacity or disk_capacity: the "
                          "candidate is modelled as its device tier alone, like the baseline, so G3 is predicted to "

@@ -162,8 +162,10 @@ def test_an_external_targets_layout_and_capacities_come_from_sizing_target(tmp_p
         "torch_dtype": "bfloat16"}))
     config = _config(tmp_path, {"target": {"model_config": str(tmp_path / "config.json"), "block_size": 16,
                                            "device_kv_tokens": 100_000, "host_capacity": "32GiB",
-                                           "pool_capacity": "64GiB", "pool_gbps": 2.0}}, **EXTERNAL)
+                                           "pool_capacity": "64GiB", "pool_gbps": 2.0, "prefill_budget": 8192}},
+                     **EXTERNAL)
     inputs, notes = target_inputs(config)
+    assert inputs.prefill_budget == 8192
     assert inputs.shape.bytes_per_token == 2 * 80 * 8 * 128 * 2 == 320 * 1024     # Llama-70B in bf16
     assert inputs.block_nbytes == 16 * 320 * 1024
     assert (inputs.device_blocks, inputs.host_bytes, inputs.disk_bytes) == (100_000 // 16, 32 << 30, 0)
@@ -180,8 +182,10 @@ def test_an_external_targets_layout_and_capacities_come_from_sizing_target(tmp_p
 
 
 def test_an_external_target_without_sizing_says_what_stands_in(tmp_path):
-    _, notes = target_inputs(_config(tmp_path, {}, **EXTERNAL))
+    inputs, notes = target_inputs(_config(tmp_path, {}, **EXTERNAL))
     assert any("no KV layout" in n and "stands in" in n for n in notes)
+    assert inputs.prefill_budget == 2048 and any(n.startswith("sizing.target.prefill_budget is not given: 2048")
+                                                 for n in notes)
     assert any("device_kv_tokens" in n for n in notes) and any("pool_capacity" in n for n in notes)
 
 

@@ -191,6 +191,20 @@ def test_a_long_prefill_is_cut_in_block_chunks_that_add_up_to_its_tail():
     assert engine.chunks(512, 512) == [pytest.approx(1e-4 + 1e-8 * (512 ** 2 - 511 ** 2))]
 
 
+def test_an_engine_with_a_token_budget_prefills_up_to_it_a_step():
+    """vLLM's chunked prefill takes up to its token budget of a prompt a step (2,048 on its CPU server), where
+    kvgate's engine takes one block: a 1,920-token prompt is one step there, eight here; the chunks add up alike."""
+    from dataclasses import replace
+
+    engine = _engine()
+    budgeted = replace(engine, prefill_budget=2048)
+    assert len(engine.chunks(1920, 0)) == 8 and len(budgeted.chunks(1920, 0)) == 1
+    assert len(budgeted.chunks(5000, 100)) == 3               # [100, 2148), [2148, 4196), [4196, 5000)
+    assert sum(budgeted.chunks(5000, 100)) == pytest.approx(sum(engine.chunks(5000, 100)), rel=1e-12)
+    with pytest.raises(ConfigError, match="prefill_budget"):
+        replace(engine, prefill_budget=0)
+
+
 def test_g3_prediction_of_a_hit_against_a_miss_at_one_user():
     engine = _engine()
     miss = ServedRequest(1000, 16)
