@@ -1,17 +1,14 @@
-"""The load probe, just before G3, beside the decode probe: each target server's gaps between tokens while requests
-come and go as in G3's closed loop, for the sizing model's decode cost per target (sizing/machine.py's
-`load_decodes`).
+"""The load probe, just before G3, beside the decode probe: each target server's gaps between tokens and first tokens
+while requests come and go as in G3's closed loop, for the sizing model's costs per target (sizing/machine.py's
+`load_costs`).
 
-The decode probe times steps where a batch only decodes. G3's steps also admit returning prompts (their prefix loaded
-from the cache's lower tiers), compute their tails, store and promote their blocks and answer over HTTP, all on the
-same cores; on this VM a step of 8 sequences cost 7-8 ms in the decode probe and 12-13 ms in G3. The baseline's steps
-compute whole prompts beside their decodes, and cost more again (a step of 8: 16-21 ms in G3, where the candidate's
-cost 13-15). So the probe sends each target what G3 sends it, in its own prompts of G3's median context, at each of
-two levels c users in a closed loop for `seconds`, each asking for G3's output tokens: to the candidate `prompts`
-distinct prompts, each computed once, then taken in a cycle (every one a return, and with more prompts than the tiers
-above the lowest hold, a return from the lowest), to the baseline a new prompt each time (computed whole, as G3's
-baseline computes most of its prompts). Each request's record keeps its prompt, cached and output tokens, its first
-token's time and its gaps between tokens (each token's own chunk: a server may stream a token as empty text).
+The decode probe times steps that only decode; G3's also admit prompts, load and store their blocks and answer over
+HTTP, on the same cores. So the probe sends each target what G3 sends it, in its own prompts of G3's median context,
+at two levels, c users in a closed loop for `seconds`, each asking for G3's output tokens: to the candidate
+`prompts` distinct prompts, each computed once, then taken in a cycle (every one a return, from the lowest tier when
+the cycle outgrows the others), to the baseline a new prompt each time (computed whole, as G3's baseline computes
+most of its prompts). Each record keeps its prompt, cached and output tokens, its first token's time and its gaps
+between tokens (each token's own chunk: a server may stream a token as empty text).
 
 How it works: docs/methods/sizing-model.md (gates/load_probe.py).
 """
