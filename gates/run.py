@@ -330,18 +330,17 @@ class GateRunner:
 
     def _probe_load(self, probe: dict, context: int) -> None:
         """Each target server's steps while requests come and go as in G3 (gates/load_probe.py), at G3's context and
-        output, for the decode cost per target the sizing model fits (sizing/machine.py's `load_decodes`): the
-        candidate's returning prompts, the baseline's new ones."""
+        output, for the costs per target the sizing model fits (sizing/machine.py's `load_costs`): the candidate's
+        returning prompts, the baseline's new ones."""
         loads = probe["server_load"] = {}
-        for role in ("candidate", "baseline"):
-            endpoint = self.endpoints.get(role)
-            if endpoint is None:
-                continue
-            try:
-                output, prompts = g3_output_tokens(self.config), g3_load_prompts(self.config, context)
-            except Exception as error:  # the sizing model never stops a run: G3 itself says what its workload lacks
-                loads[role] = {"role": endpoint.role, "error": f"G3's workload: {type(error).__name__}: {error}"}
-                continue
+        endpoints = {role: self.endpoints[role] for role in ("candidate", "baseline") if role in self.endpoints}
+        try:
+            output, prompts = g3_output_tokens(self.config), g3_load_prompts(self.config, context)
+        except Exception as error:  # the sizing model never stops a run: G3 itself says what its workload lacks
+            why = f"G3's workload: {type(error).__name__}: {error}"
+            loads.update({role: {"role": endpoint.role, "error": why} for role, endpoint in endpoints.items()})
+            return
+        for role, endpoint in endpoints.items():
             returns = role == "candidate"
             what = f"{prompts} prompts" if returns else "new prompts"
             with self.console.status(f"before G3: timing the {role} server under load ({what}) …"):

@@ -20,7 +20,7 @@ from kvcore.rundata import RunStore, finite_number, left_out_note
 from kvcore.settings import ConfigError, load_yaml_file
 
 from .queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
-from .targets import EXTERNAL_PREFILL_BUDGET
+from .targets import prefill_budget
 from .timing import (
     DEFAULT_HOST_GBPS,
     G2_PROMPT_SHORTFALL,
@@ -548,7 +548,7 @@ def _target_steps(store: RunStore, config: dict, timing: TimingModel, target: st
     engine = targets.get("embedded") or {}
     levels = _g3_levels(store, target, float((config.get("g3") or {}).get("warmup_s", 0.0)))
     max_running, tier = int(engine.get("max_running", 8)), _TARGET_TIER[target]
-    given = ((config.get("sizing") or {}).get("target") or {}).get("prefill_budget")
-    budget = None if targets.get("kind", "embedded") == "embedded" else int(given or EXTERNAL_PREFILL_BUDGET)
+    budget = prefill_budget(targets.get("kind", "embedded") != "embedded",
+                            ((config.get("sizing") or {}).get("target") or {}).get("prefill_budget"))
     decode = fit_decode(levels, timing, max_running, tier, budget)
     return (None, None) if decode is None else (decode, fit_jitter(levels, timing, decode, max_running, tier, budget))

@@ -160,43 +160,9 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
         timing = calibration.timing_model(tiers, shape.bytes_per_token, inputs.block_tokens)
         sources = term_sources(calibration, tiers, plan.figures["disk_gbps"]["source"])
         _g2(plan, config, timing, tiers, inputs, sources)
-        decodes = {role: calibration.target_decode(role) for role in ROLES}
-        timings = {role: timing for role in ROLES}
         if probe is None and store is not None:
             probe = store.machine_probe()
-        probed = calibration.source_of("decode") in PROBE_SOURCES
-        if probe is not None and "server_load" in probe and (probed or calibration.decode is not None):
-            # the probes' decode costs are refitted under load; a G3's (a calibration's) are kept, the fixed cost fitted
-            lowest = capacities["candidate"][-1].name     # where the probe's cycle of returns comes back from
-            under_load, words = load_costs(probe, timing, inputs.max_running, lowest if lowest in TIERS else "device",
-                                           None if probed else {r: d for r, d in decodes.items() if d is not None},
-                                           inputs.prefill_budget)
-            # a target the probe did not load (a run recorded before it loaded the baseline) steps at the candidate's
-            for role in ROLES:
-                fitted = under_load.get(role) or under_load.get("candidate")
-                if fitted is not None and probed:
-                    decodes[role] = fitted.decode
-                if role in under_load:
-                    timings[role] = under_load[role].timing(timing)
-            plan.notes.extend(words)
-        fallback = decodes["candidate"]        # what a target with no decode cost of its own steps at
-        if fallback is None:
-            first = next(iter(g3.replays["candidate"].values()))
-            fallback = decode_from_curve(timing.curve, first.requests)
-            plan.notes.append(
-                f"G3's decode cost is estimated from G2's recompute curve ({fallback.per_sequence_s * 1e3:.2f} ms "
-                "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
-                "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
-                "prefill, which the curve does measure); a calibration from an earlier G3 gives both"
-            )
-        copy_s = block_copy_seconds(timing) if inputs.embedded else 0.0
-        if copy_s:
-            plan.notes.append(f"G3's engine copies each block it stores, promotes or demotes into its cache's tiers "
-                              f"on its own thread, {copy_s * 1e3:.2f} ms a block: the block's bytes at "
-                              f"{sources['load host']}")
-        engines = {role: EngineModel(timings[role], decodes[role] or fallback, inputs.max_running,
-                                     calibration.target_jitter(role) or 0.0, copy_s, inputs.prefill_budget)
-                   for role in ROLES}
+        engines = _g3_engines(plan, calibration, timing, probe, inputs, capacities, g3, sources)
         try:
             _g3(plan, config, workload, g3, engines, inputs, throughput=calibration.decode is not None)
         except ValueError as error:     # a simulation these costs cannot make must not take G2's figures with it
@@ -215,6 +181,48 @@ def make_plan(config: SizedRun, store: Optional[RunStore] = None, calibration: O
     if damaged and damaged not in plan.notes:       # a plan refitted to the same store says it once
         plan.notes.append(damaged)
     return plan
+
+
+def _g3_engines(plan: Plan, calibration: Calibration, timing: TimingModel, probe: Optional[dict], inputs,
+                capacities: dict, g3: G3Replays, sources: dict[str, str]) -> dict[str, EngineModel]:
+    """Each G3 target's engine: its decode cost and step noise (the calibration's; the load probe's where the probes
+    gave them, machine.load_costs), the candidate's fixed cost under load (the load probe's), the engine's block copies
+    and its prefill budget; the notes say where each came from."""
+    decodes = {role: calibration.target_decode(role) for role in ROLES}
+    timings = {role: timing for role in ROLES}
+    probed = calibration.source_of("decode") in PROBE_SOURCES
+    if probe is not None and "server_load" in probe and (probed or calibration.decode is not None):
+        # the probes' decode costs are refitted under load; a G3's (a calibration's) are kept, the fixed cost fitted
+        lowest = capacities["candidate"][-1].name     # where the probe's cycle of returns comes back from
+        under_load, words = load_costs(probe, timing, inputs.max_running, lowest if lowest in TIERS else "device",
+                                       None if probed else {r: d for r, d in decodes.items() if d is not None},
+                                       inputs.prefill_budget)
+        # a target the probe did not load (a run recorded before it loaded the baseline) steps at the candidate's
+        for role in ROLES:
+            fitted = under_load.get(role) or under_load.get("candidate")
+            if fitted is not None and probed:
+                decodes[role] = fitted.decode
+            if role in under_load:
+                timings[role] = under_load[role].timing(timing)
+        plan.notes.extend(words)
+    fallback = decodes["candidate"]        # what a target with no decode cost of its own steps at
+    if fallback is None:
+        first = next(iter(g3.replays["candidate"].values()))
+        fallback = decode_from_curve(timing.curve, first.requests)
+        plan.notes.append(
+            f"G3's decode cost is estimated from G2's recompute curve ({fallback.per_sequence_s * 1e3:.2f} ms "
+            "per sequence per step, no G3 ran yet to fit it): a lower bound, as a step's own "
+            "overheads are not in it, so G3's throughput is not predicted (its TTFT p50 rests on "
+            "prefill, which the curve does measure); a calibration from an earlier G3 gives both"
+        )
+    copy_s = block_copy_seconds(timing) if inputs.embedded else 0.0
+    if copy_s:
+        plan.notes.append(f"G3's engine copies each block it stores, promotes or demotes into its cache's tiers "
+                          f"on its own thread, {copy_s * 1e3:.2f} ms a block: the block's bytes at "
+                          f"{sources['load host']}")
+    return {role: EngineModel(timings[role], decodes[role] or fallback, inputs.max_running,
+                              calibration.target_jitter(role) or 0.0, copy_s, inputs.prefill_budget)
+            for role in ROLES}
 
 
 def _g3_workload(config: SizedRun, inputs, seed: int = 0):

@@ -88,7 +88,7 @@ class EngineModel:
 
 
 # G3's engines: one for every target, or each target's own ({"baseline": …, "candidate": …}), as a target's steps
-# under load may cost what the other's do not (sizing/machine.py's `load_decodes`)
+# under load may cost what the other's do not (sizing/machine.py's `load_costs`)
 Engines = Union[EngineModel, Mapping[str, EngineModel]]
 
 

@@ -30,6 +30,12 @@ EXTERNAL_BLOCK_TOKENS = 16          # vLLM's default block size
 EXTERNAL_PREFILL_BUDGET = 2048
 
 
+def prefill_budget(external: bool, given: Optional[int] = None) -> Optional[int]:
+    """Tokens of prompts the target's engine prefills a step: an external engine's `sizing.target.prefill_budget`,
+    else EXTERNAL_PREFILL_BUDGET; None for kvgate's own engine (one block a step)."""
+    return (given or EXTERNAL_PREFILL_BUDGET) if external else None
+
+
 @dataclass(frozen=True)
 class TargetInputs:
     """The targets as the plan models them."""
@@ -125,7 +131,7 @@ def target_inputs(config: SizedRun, engines: Optional[dict] = None) -> tuple[Tar
                          "modelled with no cache at all")
         if given is None or given.block_size is None:
             notes.append(f"sizing.target.block_size is not given: {EXTERNAL_BLOCK_TOKENS} tokens (vLLM's default)")
-        inputs["prefill_budget"] = getattr(given, "prefill_budget", None) or EXTERNAL_PREFILL_BUDGET
+        inputs["prefill_budget"] = prefill_budget(True, getattr(given, "prefill_budget", None))
         if given is None or given.prefill_budget is None:
             notes.append(f"sizing.target.prefill_budget is not given: {EXTERNAL_PREFILL_BUDGET} tokens of prompts a "
                          "step (vLLM's CPU server's default --max-num-batched-tokens)")

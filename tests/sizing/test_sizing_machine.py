@@ -386,6 +386,15 @@ def test_a_g3_workload_that_cannot_be_built_leaves_the_decode_probe_an_error_not
     decode = runner.store.machine_probe()["server_decode"]
     assert decode == {"role": "recompute", "error": "G3's workload: ValueError: no such trace"}
     assert probe_decode(runner.store.machine_probe())[1].startswith("decode from the model's decode pass alone")
+    # the load probe's share of the workload unbuildable: each target's probe an error, no request sent (dead URLs)
+    monkeypatch.setattr(gates.run, "g3_output_tokens", unbuildable)
+    runner.endpoints = {role: Endpoint(role, "http://127.0.0.1:9/v1", "kvgate-small")
+                        for role in ("candidate", "baseline")}
+    loads: dict = {}
+    runner._probe_load(loads, 1920)
+    assert loads["server_load"] == {role: {"role": role, "error": "G3's workload: ValueError: no such trace"}
+                                    for role in ("candidate", "baseline")}
+
 
 def test_a_failed_probe_leaves_the_plan_as_it_was(config):
     assert probe_calibration({"error": "the machine probe exited 1: boom"}) is None
