@@ -355,9 +355,9 @@ def fit_decode(levels: Mapping[int, list[list[dict]]], timing: TimingModel, max_
     level's load runs (G3's blocks) simulated one by one."""
     measured = {}
     for level, runs in levels.items():
-        gaps = [g for records in runs for r in records for g in r.get("itl_s") or ()]
-        if gaps:
-            measured[level] = float(np.mean(gaps))
+        gap = _mean_token_gap([r for records in runs for r in records])
+        if gap is not None:
+            measured[level] = gap
     if not measured:
         return None
     decode = DecodeCost()
@@ -409,6 +409,20 @@ def fit_fixed_overhead(levels: Mapping[int, list[list[dict]]], timing: TimingMod
     return (low + high) / 2
 
 
+def _batched(record: dict) -> bool:
+    """Fewer gaps than the request's tokens less one: the server put several tokens in one chunk (a gap spans
+    several steps)."""
+    return len(record.get("itl_s") or ()) < (record.get("completion_tokens") or 0) - 1
+
+
+def _mean_token_gap(records: list[dict]) -> Optional[float]:
+    """The mean seconds between tokens: the gaps' seconds over the tokens they span (a chunk of several tokens
+    spans several steps), None without a gap."""
+    spans = [(sum(r["itl_s"]), max(len(r["itl_s"]), (r.get("completion_tokens") or 0) - 1))
+             for r in records if r.get("itl_s")]
+    return sum(s for s, _ in spans) / sum(n for _, n in spans) if spans else None
+
+
 def _gap_spread(gap_lists) -> Optional[float]:
     """The median over requests (with 3 gaps or more) of their gaps' coefficient of variation."""
     cvs = [float(np.std(gaps) / np.mean(gaps)) for gaps in gap_lists if len(gaps) >= 3 and np.mean(gaps) > 0]
@@ -425,7 +439,8 @@ def fit_jitter(levels: Mapping[int, list[list[dict]]], timing: TimingModel, deco
         jitter = √max(0, m² − s²)
 
     (independent noise adds in variance; a lognormal factor's CV is about its log's σ when small)."""
-    measured = _gap_spread([r.get("itl_s") or () for runs in levels.values() for records in runs for r in records])
+    measured = _gap_spread([r.get("itl_s") or () for runs in levels.values() for records in runs for r in records
+                            if not _batched(r)])
     engine = EngineModel(timing, decode, max_running, prefill_budget=prefill_budget)
     simulated = _gap_spread([r.itl_s for level, runs in levels.items() for r in _simulated(runs, level, engine, tier)])
     if measured is None or simulated is None:

@@ -277,13 +277,27 @@ def test_a_step_is_invalid_with_too_few_requests_a_saturated_client_or_disagreei
     assert summarize_step(records, [stopping], 0.0, 30.0, settings)["valid"]
     stalled = {**stopping, "t": 10.54}
     assert "event-loop lag 55 ms > 50 ms" in summarize_step(records, [stalled], 0.0, 30.0, settings)["invalid_reasons"]
-    skewed = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2) for i in range(10)]
-    assert "token counts disagree" in summarize_step(skewed, [], 0.0, 30.0, settings)["invalid_reasons"]
-    batched = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2, token_chunks=2) for i in range(10)]
-    assert "token counts disagree" in summarize_step(batched, [], 0.0, 30.0, settings)["invalid_reasons"]
+    short = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=6) for i in range(10)]     # the server's count is short
+    assert "token counts disagree in 10 of 10" in summarize_step(short, [], 0.0, 30.0, settings)["invalid_reasons"]
     # vLLM: 4 tokens in 4 chunks, 2 of them empty (bytes not yet decoded); an OpenAI-style closing chunk: 5 chunks
     textless = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2, token_chunks=4 + i % 2) for i in range(10)]
     assert summarize_step(textless, [], 0.0, 30.0, settings)["valid"]
+
+
+def test_tokens_batched_in_chunks_leave_the_step_valid_and_drop_only_its_itl():
+    """vLLM streams two tokens in one chunk in a few requests of a block: a step was invalid for it, leaving G3 with
+    one or two of its blocks; TTFT, TPOT and throughput count the server's tokens and stand."""
+    settings = SweepSettings(warmup_s=0, min_duration_s=5, min_requests=5)
+    whole = [_record(1 + i, 0.1, 0.5) for i in range(20)]
+    batched = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2, token_chunks=2) for i in range(2)] + whole[2:]
+    plain, merged = summarize_step(whole, [], 0.0, 30.0, settings), summarize_step(batched, [], 0.0, 30.0, settings)
+    assert merged["valid"], merged["invalid_reasons"]
+    assert merged["itl_p50_s"] is None and "2 of 20 requests" in merged["itl_note"]
+    assert plain["itl_p50_s"] is not None and plain["itl_note"] == ""
+    for figure in ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s"):
+        assert merged[figure] == plain[figure]
+    one = [_record(1, 0.1, 0.5, tokens=4, chunks=2, token_chunks=2)] + whole[1:]      # 1 of 20: within 5%, ITL stands
+    assert summarize_step(one, [], 0.0, 30.0, settings)["itl_p50_s"] is not None
 
 
 def _failed(sent_at, error_type, message):
