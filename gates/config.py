@@ -29,7 +29,7 @@ from engines.settings import TargetSettings
 from kvcore.checks import CHECKS, check_of, configurable_metrics
 from kvcore.claims import DEFAULT_CLAIMS, Claim
 from kvcore.rules import Rule, parse_rule
-from kvcore.sampling import PairsConfig
+from kvcore.sampling import PairsConfig, RoundsConfig
 from kvcore.settings import (
     ConfigError,
     ContextTokens,
@@ -177,7 +177,9 @@ class G2Config(StrictModel):
     contexts: list[Annotated[ContextTokens, Field(ge=2)]] = Field(min_length=1, description="context lengths in tokens")
 
     _contexts_once = field_validator("contexts")(lambda cls, v: each_once(v, "context"))
-    rounds: Count = Field(default=2, ge=1, description="rounds of every context and tier, one request at a time")
+    rounds: RoundsConfig = Field(default_factory=RoundsConfig, description=(
+        "rounds of every context and tier, one request at a time, each figure their median: a number, or {min, max, "
+        "budget_s} (after min, more rounds of a context while they fit budget_s: short contexts repeat more)"))
     cold_read_pairs: PairsConfig = Field(default_factory=PairsConfig, description=(
         "alternating rounds of the tier's cold load and the storage's best read job (G1's sweep) on the same "
         "storage, taken until the interval decides; the cold-read ratio is judged on them"))

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from typing import Optional
 
+from kvcore.sampling import RoundsConfig
 from workloads.probes.faults import AdminClient, AdminError, per_tier
 from workloads.traffic.client import StreamingClient
 from workloads.traffic.datasets import CHAT_FRAMING_TOKENS, context_request
@@ -32,8 +33,10 @@ BLOCK_TOKENS = 256            # the embedded engine's cache block (and prefill c
 # 3/16, 9/16 and 15/16 of the longest context the run asks for (off G2's usual lengths, across its range)
 PREFILL_SHORT = (CHAT_FRAMING_TOKENS + 8, BLOCK_TOKENS)
 PREFILL_FRACTIONS = (3 / 16, 9 / 16, 15 / 16)
-PREFILL_ROUNDS = 3            # each length's figure is the median of its rounds (a round: ~5 s of recompute;
-                              # a fourth left the main job at 10m09s on a slow minute, its G2 MAPE 8.1%)
+# each length's (and hit's) figure is the median of its rounds: 3 of the long ones (a round of every length: ~5 s of
+# recompute on the small preset; a fourth left the main job at 10m09s on a slow minute), more of the short ones
+# within half a second each (the tiny preset's hits and short prompts take 3-10 ms, and one in three stalls 2-3x)
+PREFILL_ROUNDS = RoundsConfig(min=3, max=15, budget_s=0.5)
 PREFILL_TIMEOUT_S = 120.0     # per request
 # The hit probe: the tiered server's hits at the prefill probe's lengths longer than a block, each placed by the
 # admin routes (the tiers evicted above it) before it is asked for again. Per length, the disk hit first: it
@@ -99,7 +102,13 @@ def prefill_lengths(longest_context: int, block_tokens: int = BLOCK_TOKENS) -> l
     return sorted({n for n in (*PREFILL_SHORT, *spread) if n <= longest_context})
 
 
-def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int = PREFILL_ROUNDS) -> dict:
+def _due(rounds: RoundsConfig, done: dict, spent: dict) -> list:
+    """The keys whose measurement takes another round (`rounds.more` on its rounds done and seconds spent)."""
+    return [key for key in done if rounds.more(len(done[key]), spent[key])]
+
+
+def prefill_probe(endpoint, longest_context: int, run_id: str = "run",
+                  rounds: RoundsConfig = PREFILL_ROUNDS) -> dict:
     """The server's first-token time at each of `prefill_lengths`, sent one at a time, round after round (each
     prompt new: nothing is cached), {"role", "points": [{"context_tokens", "prompt_tokens", "seconds" (the
     median), "rounds"}], "seconds"}; {"error": why} when a request failed."""
@@ -107,12 +116,15 @@ def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: i
     client = probe_client(endpoint)
     lengths = prefill_lengths(longest_context)
     times: dict[int, list[float]] = {n: [] for n in lengths}
+    spent = dict.fromkeys(lengths, 0.0)
     prompts: dict[int, int] = {}
     try:
-        for round_ in range(rounds):
-            for n in lengths:
-                record = client.send(context_request(n, f"{run_id}/{n}/{round_}", endpoint.tokenizer, 1,
+        while due := _due(rounds, times, spent):
+            for n in due:
+                sent = time.monotonic()
+                record = client.send(context_request(n, f"{run_id}/{n}/{len(times[n])}", endpoint.tokenizer, 1,
                                                      "preflight-prefill"))
+                spent[n] += time.monotonic() - sent
                 if not record.ok or record.ttft_s is None:
                     return {"role": endpoint.role, "error": f"the prefill probe's {n}-token request failed: "
                                                             f"{no_first_token(record)}"}
@@ -125,7 +137,7 @@ def prefill_probe(endpoint, longest_context: int, run_id: str = "run", rounds: i
     return {"role": endpoint.role, "points": points, "seconds": time.monotonic() - started}
 
 
-def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int = PREFILL_ROUNDS,
+def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: RoundsConfig = PREFILL_ROUNDS,
               admin_token: Optional[str] = None) -> dict:
     """The tiered server's first-token time for a prefix cached in its host tier and on its disk alone (pages
     dropped), at the prefill probe's lengths of a block or more: each prompt sent once (a miss: computed, stored,
@@ -149,9 +161,11 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
                 return {"role": endpoint.role, "error": f"the hit probe's {n}-token miss failed: "
                                                         f"{no_first_token(record)}"}
         admin.flush()          # every prefix written behind to disk
-        for _ in range(rounds):
-            for n in lengths:
+        spent = dict.fromkeys(lengths, 0.0)      # a length's rounds: both its hits, in the module's order
+        while due := _due(rounds, {n: seen[("disk-cold", n)] for n in lengths}, spent):
+            for n in due:
                 for mode, tiers in HIT_PLACEMENTS.items():
+                    placed = time.monotonic()
                     admin.evict(tiers)
                     if mode == "disk-cold":
                         admin.drop_page_cache()
@@ -161,6 +175,7 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: int =
                         return {"role": endpoint.role, "error": f"the hit probe's {mode} at {n} tokens failed: "
                                                                 f"{no_first_token(record)}"}
                     after = per_tier(admin.metrics(), HITS_METRIC)
+                    spent[n] += time.monotonic() - placed
                     seen[(mode, n)].append(record)
                     served[(mode, n)].update({tier: blocks - before.get(tier, 0.0) for tier, blocks in after.items()
                                               if blocks > before.get(tier, 0.0)})

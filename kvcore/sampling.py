@@ -1,7 +1,9 @@
-"""How many side-by-side pairs a measurement takes: G2's rounds and cold-read pairs, G3's block pairs per level.
+"""How many side-by-side pairs a measurement takes: G2's rounds and cold-read pairs, G3's block pairs per level; and
+how many rounds a short measurement repeats (G2's TTFT rounds, the sizing model's probes).
 
 One settings model for every sequential measurement (gates.yaml's `g2.cold_read_pairs`, `g2.model_load.rounds`,
-`g2.checkpoint.rounds`, `g3.blocks`); the method: docs/methods/side-by-side.md.
+`g2.checkpoint.rounds`, `g3.blocks`), one for repeated rounds (`g2.rounds`); the method:
+docs/methods/side-by-side.md.
 """
 
 from __future__ import annotations
@@ -13,7 +15,30 @@ from pydantic import Field, model_validator
 from .settings import Count, Float, StrictModel
 
 
-class PairsConfig(StrictModel):
+class _Bounded(StrictModel):
+    """A count between `min` and `max`; a plain number n means exactly n (min = max = n)."""
+
+    min: int
+    max: int
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_count(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"min": value, "max": value}
+        if not isinstance(value, dict):
+            fields = ", ".join(cls.model_fields)
+            raise ValueError(f"expected a whole number or a mapping of {fields}, found {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _max_at_least_min(self) -> "_Bounded":
+        if self.max < self.min:
+            raise ValueError(f"max: expected at least min ({self.min}), found {self.max}")
+        return self
+
+
+class PairsConfig(_Bounded):
     """Sequential side-by-side pairs: at least `min`, then more until the anytime-valid interval decides every
     rule, at most `max`, none started once `budget_s` has passed. A plain number n means exactly n pairs
     (min = max = n)."""
@@ -23,15 +48,29 @@ class PairsConfig(StrictModel):
     budget_s: Optional[Float] = Field(default=300.0, gt=0, description="seconds after which no further pair is "
                                       "started (null: no limit)")
 
+
+class RoundsConfig(_Bounded):
+    """Rounds of a short measurement, its figure their median: at least `min`, then another while the rounds so far
+    and one more of their mean fit `budget_s`, at most `max`. A measurement of milliseconds repeats many times
+    (its median steadies where one round in three may stall 2-3x on a busy machine); one of seconds, `min`. A
+    plain number n means exactly n rounds (min = max = n)."""
+
+    min: Count = Field(default=2, ge=1, description="rounds always taken")
+    max: Count = Field(default=2, ge=1, description="the most rounds taken")
+    budget_s: Optional[Float] = Field(default=None, gt=0, description="seconds a figure's rounds may take, the "
+                                      "first `min` whatever they take (null: `min` rounds)")
+
     @model_validator(mode="before")
     @classmethod
-    def _a_count(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return {"min": value, "max": value}
+    def _max_of_min(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "min" in value and "max" not in value:
+            return {**value, "max": value["min"]}
         return value
 
-    @model_validator(mode="after")
-    def _max_at_least_min(self) -> "PairsConfig":
-        if self.max < self.min:
-            raise ValueError(f"max: expected at least min ({self.min}), found {self.max}")
-        return self
+    def more(self, done: int, spent_s: float) -> bool:
+        """Whether to take another round after `done` of them took `spent_s` seconds."""
+        if done < self.min:
+            return True
+        if done >= self.max or self.budget_s is None:
+            return False
+        return spent_s * (done + 1) / done <= self.budget_s

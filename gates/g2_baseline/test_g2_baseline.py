@@ -1,21 +1,21 @@
 """G2 single-node baseline: one request at a time, recompute vs a warm host hit vs a cold disk hit.
 
-For each context length, `g2.rounds` rounds: TTFT of the recompute endpoint (a new prompt each round, else the
-candidate's own miss), and of the candidate with the prefix placed in the host tier or only on disk with its pages
-dropped, through the candidate's engine adapter: by route where the engine has one, else by pressure
-(gates/g2_baseline/placed_hits.py). The candidate computes and stores the prefix once, at the first round (each
-round after it places the same prefix again: a round then costs the recompute and the hits, not another miss);
-without a recompute endpoint its miss is the recompute figure, a new one each round. Each hit is checked against
-the engine's tier accounting; a hit
-that cannot be checked, or a tier that cannot be placed in, makes its checks INCONCLUSIVE naming what
-was missing. The disk tier's cold-read bandwidth is judged against the storage's best read job (G1's
-sweep) in sequential pairs (gates/g2_baseline/cold_read.py); fio in the tier's own pattern and G1's
-fio figure are shown beside it, never divide it.
+For each context length, `g2.rounds` rounds (more where they are short, within its budget): TTFT of the recompute
+endpoint (a new prompt each round, else the candidate's own miss), and of the candidate with the prefix placed in
+the host tier or only on disk with its pages dropped, through the candidate's engine adapter: by route where the
+engine has one, else by pressure (gates/g2_baseline/placed_hits.py). The candidate computes and stores the prefix
+once, at the first round (each round after it places the same prefix again: a round then costs the recompute and
+the hits, not another miss); without a recompute endpoint its miss is the recompute figure, a new one each round.
+Each hit is checked against the engine's tier accounting; a hit that cannot be checked, or a tier that cannot be
+placed in, makes its checks INCONCLUSIVE naming what was missing. The disk tier's cold-read bandwidth is judged
+against the storage's best read job (G1's sweep) in sequential pairs (gates/g2_baseline/cold_read.py); fio in the
+tier's own pattern and G1's fio figure are shown beside it, never divide it.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Optional
@@ -84,8 +84,9 @@ def baseline_runs(gate_context, endpoints, adapters):
     try:
         for tokens in sorted(config.contexts):
             stored: Optional[WorkloadRequest] = None      # the prefix the candidate computed, placed every round
-            for round_ in range(config.rounds):
-                say("g2", f"TTFT by context: {tokens} tokens, round {round_ + 1} / {config.rounds}")
+            round_, started = 0, time.monotonic()
+            while config.rounds.more(round_, time.monotonic() - started):
+                say("g2", f"TTFT by context: {tokens} tokens, round {round_ + 1} (at most {config.rounds.max})")
                 request = _request(tokens, f"{run_id}/{tokens}/{round_}", candidate)
                 if recompute is not None:
                     record = clients["recompute"].send(request)
@@ -106,6 +107,7 @@ def baseline_runs(gate_context, endpoints, adapters):
                     hit = placed.hit(mode, stored, tokens, round_)
                     results["ttft"].setdefault((mode, tokens), []).append(hit.ttft_s)
                     results["hits"].append(hit)
+                round_ += 1
     except HitError as error:
         pytest.fail(f"G2: {error}", pytrace=False)
     finally:

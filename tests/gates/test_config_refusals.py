@@ -7,6 +7,7 @@ checks, several of them ran for minutes with memory growing).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -298,3 +299,16 @@ def test_resume_of_a_run_whose_config_no_longer_loads_names_the_runs_file(tmp_pa
     (tmp_path / "config.yaml").write_text("g3:\n  levels: [0]\n")
     assert main(["run", "--resume", str(tmp_path)]) == 2
     assert f"--resume: the run's {tmp_path / 'config.yaml'} does not load: g3.levels" in capsys.readouterr().err
+
+
+# -- G2's rounds: a number, or at least min then more within a budget ---------------------------------------
+
+def test_g2_rounds_are_a_number_or_min_max_and_budget_and_a_bad_one_names_its_field(tmp_path):
+    exact = load_config(_file(tmp_path, {"g2": {"rounds": 4}})).g2.rounds
+    assert (exact.min, exact.max, exact.budget_s) == (4, 4, None)
+    quick = load_config(_file(tmp_path, {})).g2.rounds          # the quick profile: short contexts repeat more
+    assert quick.min == 3 and quick.max > quick.min and quick.budget_s > 0
+    for data, message in (({"min": 3, "max": 2}, "max: expected at least min (3), found 2"),
+                          ({"min": 0}, "g2.rounds.min"), ({"min": 3, "budget_s": -1}, "g2.rounds.budget_s")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(_file(tmp_path, {"g2": {"rounds": data}}))
