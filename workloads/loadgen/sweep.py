@@ -143,7 +143,7 @@ def _error_share_reasons(measured: list[dict], settings: SweepSettings) -> list[
 def request_figures(ok: list[dict]) -> dict:
     """Percentiles of TTFT, TPOT, E2E and ITL, and the hit ratio, from completed requests' raw records; ITL's are
     None when more than a few requests came in batched chunks (`itl_note` says so, else "")."""
-    figures = {}
+    figures: dict[str, Any] = {}
     for metric in ("ttft_s", "tpot_s", "e2e_s"):
         for p, value in percentiles([r[metric] for r in ok if r[metric] is not None]).items():
             figures[f"{metric[:-2]}_p{p}_s"] = value
