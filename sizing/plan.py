@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import numpy as np
+
 from kvcore.capacity import USERS, load_kind
 from kvcore.checks import CHECKS
 from kvcore.judged import measurement_not_judged
@@ -18,6 +20,7 @@ from kvcore.predictions import IN_MAPE, format_figure, same_place
 from kvcore.predictions import error as prediction_error
 from kvcore.rundata import RunStore, finite_number, left_out_note
 from kvcore.settings import ConfigError, parse_size
+from kvcore.stats import bootstrap_ci
 from kvcore.verdict import judge
 from workloads.loadgen.capacity_probe import slo_of
 from workloads.loadgen.sweep import RATE_USERS
@@ -587,11 +590,12 @@ def compare(plan: Plan, store: RunStore, tolerances=None) -> None:
             continue
         measured = float(found["value"])
         error, text = prediction_error(prediction.metric, prediction.value, measured)
+        own = samples(measurements[prediction.gate], prediction.to_dict())
         rows.append({"gate": prediction.gate, "metric": prediction.metric, "label": prediction.label,
                      "context": dict(prediction.context), "unit": prediction.unit, "predicted": prediction.value,
-                     "measured": measured, "error": error, "error_text": text,
-                     "spread": spread(samples(measurements[prediction.gate], prediction.to_dict()), measured),
-                     "interval": _interval((found.get("context") or {}).get("interval"))})
+                     "measured": measured, "error": error, "error_text": text, "spread": spread(own, measured),
+                     "interval": _interval((found.get("context") or {}).get("interval"))
+                     or _median_interval(prediction, own)})
     plan.comparison = rows
     if not_compared:
         plan.notes.append(f"{not_compared} predicted figures not compared: measured in invalid steps or judged "
@@ -618,7 +622,8 @@ def accuracy(rows: list[dict], tolerances=None) -> list[dict]:
                           "text": f"{format_percent(mape)} over {len(errors)} figures "
                                   f"({'within' if mape <= limit else 'beyond'} {format_percent(limit, 0)})"
                                   + ("" if noise is None else f"; the gate's own {NOISE_SAMPLES[gate]} lie "
-                                     f"{format_percent(noise)} from their figures")})
+                                     f"{format_percent(noise)} from their figures")
+                                  + (_inside_intervals(rows, "ttft_ms") if gate == "g2" else "")})
     points = [r for r in rows if r["metric"] in IN_POINTS_JUDGED and math.isfinite(r["error"])]
     if points:
         limit = getattr(tolerances, "hit_ratio_points", HIT_RATIO_POINTS)
@@ -637,14 +642,31 @@ def _interval(value) -> Optional[tuple[float, float]]:
     return None
 
 
-def _inside_intervals(rows: list[dict]) -> str:
-    """How many of the figures the gate judged with an interval (its TTFT reductions) have their prediction inside
-    the gate's own 95% interval, and the widest: what the gate itself could tell apart (said, never judged)."""
-    judged = [r for r in rows if r["metric"] == "ttft_p50_reduction" and r.get("interval") is not None]
+def _median_interval(prediction: Prediction, own: list[float]) -> Optional[tuple[float, float]]:
+    """A G2 TTFT's 95% interval: its median's, bootstrapped from its rounds (None for other figures, or under three
+    rounds)."""
+    if (prediction.gate, prediction.metric) != ("g2", "ttft_ms") or len(own) < MEDIAN_INTERVAL_ROUNDS:
+        return None
+    return bootstrap_ci(own, np.median)
+
+
+# the figures whose predictions are set beside the gate's own 95% intervals: metric -> (what they are, the unit the
+# widest interval is said in: a percent of a share, or the figure's own unit)
+INTERVAL_FIGURES = {"ttft_p50_reduction": ("predicted reductions", "%"), "ttft_ms": ("predicted TTFTs", "ms")}
+MEDIAN_INTERVAL_ROUNDS = 3
+
+
+def _inside_intervals(rows: list[dict], metric: str = "ttft_p50_reduction") -> str:
+    """How many of the figures of `metric` with an interval (G3's judged TTFT reductions, G2's TTFT medians over
+    their rounds) have their prediction inside the gate's own 95% interval, and the widest: what the gate itself
+    could tell apart (said, never judged)."""
+    judged = [r for r in rows if r["metric"] == metric and r.get("interval") is not None]
     if not judged:
         return ""
+    what, unit = INTERVAL_FIGURES[metric]
     inside = sum(r["interval"][0] <= r["predicted"] <= r["interval"][1] for r in judged)
-    widest = max(judged, key=lambda r: r["interval"][1] - r["interval"][0])
+    widest = max(judged, key=lambda r: (r["interval"][1] - r["interval"][0]) / (abs(r["measured"]) or 1.0))
     low, high = widest["interval"]
-    return (f"; {inside} of {len(judged)} predicted reductions inside the gate's own 95% intervals (the widest, "
-            f"{widest['label']}: {100 * low:.0f} to {100 * high:.0f}%)")
+    span = f"{100 * low:.0f} to {100 * high:.0f}%" if unit == "%" else f"{low:.1f} to {high:.1f} {unit}"
+    return (f"; {inside} of {len(judged)} {what} inside the gate's own 95% intervals (the widest, "
+            f"{widest['label']}: {span})")

@@ -489,3 +489,29 @@ def test_the_reduction_error_says_whether_each_prediction_lies_inside_the_gates_
                                  "G3 ttft_p50_reduction at c=2: 49 to 97%)"), line["text"]
     without = next(a for a in accuracy([row("hit_ratio", 0.17, 0.19)]) if a["gate"] == "g3")
     assert "intervals" not in without["text"]
+
+
+def test_g2s_accuracy_line_says_how_many_predicted_ttfts_lie_inside_their_medians_own_interval(tmp_path):
+    """A G2 TTFT is the median of its rounds; on the tiny preset they lay 25-42% from it (hits of 6-12 ms, one round
+    in three stalled 2-3x), so the line says which predictions the gate itself could not tell from its figure."""
+    from kvcore.rundata import RunStore
+    from sizing.plan import Plan, Prediction, compare
+
+    store = RunStore(tmp_path)
+    rounds = {("host-hit", 1024): [5.8, 6.1, 6.2, 7.1, 27.9, 15.2, 5.2], ("recompute", 1024): [12.1, 12.3, 14.4]}
+    for (mode, tokens), values in rounds.items():
+        for i, value in enumerate(values):
+            store.record("g2", "test_ttft", "ttft_round_ms", value, "ms", mode=mode, context_tokens=tokens, round=i)
+        store.record("g2", "test_ttft", "ttft_ms", sorted(values)[len(values) // 2], "ms", mode=mode,
+                     context_tokens=tokens)
+    plan = Plan(predictions=[Prediction("g2", "ttft_ms", 6.5, "ms", "G2 TTFT host-hit at 1024 tokens", "",
+                                        context={"mode": "host-hit", "context_tokens": 1024}),
+                             Prediction("g2", "ttft_ms", 9.7, "ms", "G2 TTFT recompute at 1024 tokens", "",
+                                        context={"mode": "recompute", "context_tokens": 1024})])
+    compare(plan, store)
+    host, recompute = plan.comparison
+    assert host["interval"][0] <= 6.2 <= host["interval"][1] and host["interval"][1] > 7.0
+    assert recompute["interval"][0] > 9.7          # below every round: outside
+    line = next(a for a in plan.accuracy if a["gate"] == "g2")
+    assert "; 1 of 2 predicted TTFTs inside the gate's own 95% intervals (the widest, G2 TTFT host-hit at 1024 " \
+           "tokens: " in line["text"], line["text"]
