@@ -34,6 +34,9 @@ from .timing import (
 
 FORMAT = 1
 DECODE_ROUNDS = 4
+# the share of the load probe's first tokens left out at each end before their mean gives a request's fixed cost: a
+# server's stalls (vLLM's: 200-500 ms for two requests at once, 4 of 50 in vB6) move the mean 80% above the median
+TRIMMED_SHARE = 0.1
 FIXED_ROUNDS = 16       # bisection steps of a fixed overhead: 2^-16 of its range, well under a microsecond
 # the tier a G3 target's cached tokens came from, for the decode fit (the records give the total only)
 _TARGET_TIER = {"candidate": "host", "baseline": "device"}
@@ -379,26 +382,39 @@ def fit_decode(levels: Mapping[int, list[list[dict]]], timing: TimingModel, max_
     return decode
 
 
-def fit_fixed_overhead(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decode: DecodeCost,
-                       max_running: int, tier: Optional[str], prefill_budget: Optional[int] = None) -> Optional[float]:
-    """The fixed seconds of a request (its overhead beyond its loads and prefill chunks) that put the simulated mean
-    first token of the lowest level's load runs where the measured one is (bisection: the simulated mean rises with
-    it); None when those records hold no first-token times, 0 when even no overhead leaves the simulation slower.
-    The lowest level: the least queueing, which the simulation models apart. The mean, not the median: a closed
-    loop's simulated steps fall in step with each other, and its median first token moves in jumps of a step (at 8
-    users, 17 -> 46 -> 72 ms over 2 ms of overhead on m11), where its mean moves smoothly."""
-    if not levels:
-        return None
-    level = min(levels)
-    first = [r.get("ttft_s") for records in levels[level] for r in records]
+def trimmed_mean(values: list[float], share: float = TRIMMED_SHARE) -> float:
+    """The mean of `values` without the lowest and highest `share` of them."""
+    ordered = np.sort(np.asarray(values, dtype=float))
+    cut = int(len(ordered) * share)
+    return float(np.mean(ordered[cut:len(ordered) - cut]))
+
+
+def _lowest_first_tokens(levels: Mapping[int, list[list[dict]]]) -> Optional[list[float]]:
+    """The first-token seconds of the lowest level's load runs (the least queueing, which the simulation models
+    apart), None when there are none or one is missing."""
+    first = [r.get("ttft_s") for records in levels[min(levels)] for r in records] if levels else []
     if not first or any(t is None for t in first):
         return None
-    measured = float(np.mean([float(t) for t in first if t is not None]))
+    return [float(t) for t in first if t is not None]
+
+
+def fit_fixed_overhead(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decode: DecodeCost,
+                       max_running: int, tier: Optional[str], prefill_budget: Optional[int] = None) -> Optional[float]:
+    """The fixed seconds of a request (its overhead beyond its loads and prefill chunks) that put the simulated
+    trimmed mean first token of the lowest level's load runs where the measured one is (bisection: it rises with
+    the overhead); None when those records hold no first-token times, 0 when even no overhead leaves the simulation
+    slower. The trimmed mean, not the median: a closed loop's simulated steps fall in step with each other, and its
+    median first token moves in jumps of a step (at 8 users, 17 -> 46 -> 72 ms over 2 ms of overhead on m11); not
+    the mean: a server's stalls move it far from the typical request (`fit_stall` gives them)."""
+    first = _lowest_first_tokens(levels)
+    if first is None:
+        return None
+    level, measured = min(levels), trimmed_mean(first)
 
     def excess(overhead: float) -> float:
         engine = EngineModel(replace(timing, fixed_overhead_s=overhead), decode, max_running,
                              prefill_budget=prefill_budget)
-        return float(np.mean([r.ttft_s for r in _simulated(levels[level], level, engine, tier)])) - measured
+        return trimmed_mean([r.ttft_s for r in _simulated(levels[level], level, engine, tier)]) - measured
 
     low, high = 0.0, 2.0 * measured
     if excess(low) >= 0:
@@ -407,6 +423,20 @@ def fit_fixed_overhead(levels: Mapping[int, list[list[dict]]], timing: TimingMod
         middle = (low + high) / 2
         low, high = (middle, high) if excess(middle) < 0 else (low, middle)
     return (low + high) / 2
+
+
+def fit_stall(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decode: DecodeCost, max_running: int,
+              tier: Optional[str], prefill_budget: Optional[int] = None) -> Optional[float]:
+    """What the server's stalls cost a request on average (EngineModel.stall_s): how far the lowest level's measured
+    mean first token lies above the simulated one, with `timing`'s fixed cost fitted to their trimmed means (0 when
+    it does not); None without first-token times."""
+    first = _lowest_first_tokens(levels)
+    if first is None:
+        return None
+    level = min(levels)
+    engine = EngineModel(timing, decode, max_running, prefill_budget=prefill_budget)
+    simulated = float(np.mean([r.ttft_s for r in _simulated(levels[level], level, engine, tier)]))
+    return max(0.0, float(np.mean(first)) - simulated)
 
 
 def _batched(record: dict) -> bool:

@@ -12,7 +12,7 @@ from typing import Optional
 
 from kvcore.rundata import RunStore
 
-from .calibration import Calibration, fit_decode, fit_fixed_overhead, fit_g2_ttfts, prefill_points
+from .calibration import Calibration, fit_decode, fit_fixed_overhead, fit_g2_ttfts, fit_stall, prefill_points
 from .queueing import DecodeCost
 from .timing import RecomputeCurve, TierBandwidths, TimingModel
 
@@ -162,6 +162,7 @@ class UnderLoad:
 
     decode: DecodeCost
     fixed_overhead_s: Optional[float] = None
+    stall_s: float = 0.0        # what the server's stalls cost a request on average (EngineModel.stall_s)
 
     def timing(self, timing: TimingModel) -> TimingModel:
         """`timing` with these fixed seconds, where fitted."""
@@ -201,9 +202,13 @@ def load_costs(probe: dict, timing: TimingModel, max_running: int, returns_from:
         if fixed is not None and given is None:
             decode = fit_decode(levels, replace(timing, fixed_overhead_s=fixed), max_running, tier,
                                 prefill_budget) or decode
-        found[role] = UnderLoad(decode, fixed)
+        stall = (fit_stall(levels, replace(timing, fixed_overhead_s=fixed), decode, max_running, tier,
+                           prefill_budget) or 0.0) if fixed is not None else 0.0
+        found[role] = UnderLoad(decode, fixed, stall)
         under = "" if fixed is None else (f"a request's fixed cost {fixed * 1e3:.2f} ms under load (the TTFT model's "
-                                          f"{timing.overhead * 1e3:.2f} ms, from idle requests)")
+                                          f"{timing.overhead * 1e3:.2f} ms, from idle requests; its first tokens' "
+                                          f"trimmed mean), the server's stalls {stall * 1e3:.2f} ms a request (their "
+                                          "mean beyond it)")
         if given is not None:
             if fixed is not None:
                 words.append(f"the {role}'s G3 steps from {LOAD_SOURCE}: {under}")

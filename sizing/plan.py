@@ -193,6 +193,7 @@ def _g3_engines(plan: Plan, calibration: Calibration, timing: TimingModel, probe
     and its prefill budget; the notes say where each came from."""
     decodes = {role: calibration.target_decode(role) for role in ROLES}
     timings = {role: timing for role in ROLES}
+    stalls = dict.fromkeys(ROLES, 0.0)
     probed = calibration.source_of("decode") in PROBE_SOURCES
     if probe is not None and "server_load" in probe and (probed or calibration.decode is not None):
         # the probes' decode costs are refitted under load; a G3's (a calibration's) are kept, the fixed cost fitted
@@ -206,7 +207,7 @@ def _g3_engines(plan: Plan, calibration: Calibration, timing: TimingModel, probe
             if fitted is not None and probed:
                 decodes[role] = fitted.decode
             if role in under_load:
-                timings[role] = under_load[role].timing(timing)
+                timings[role], stalls[role] = under_load[role].timing(timing), under_load[role].stall_s
         plan.notes.extend(words)
     fallback = decodes["candidate"]        # what a target with no decode cost of its own steps at
     if fallback is None:
@@ -224,7 +225,7 @@ def _g3_engines(plan: Plan, calibration: Calibration, timing: TimingModel, probe
                           f"on its own thread, {copy_s * 1e3:.2f} ms a block: the block's bytes at "
                           f"{sources['load host']}")
     return {role: EngineModel(timings[role], decodes[role] or fallback, inputs.max_running,
-                              calibration.target_jitter(role) or 0.0, copy_s, inputs.prefill_budget)
+                              calibration.target_jitter(role) or 0.0, copy_s, inputs.prefill_budget, stalls[role])
             for role in ROLES}
 
 

@@ -56,7 +56,9 @@ class EngineModel:
     machine's step-to-step noise (`jitter`: each step's seconds × a lognormal factor of mean 1 whose log has
     this standard deviation; 0: none), and what the engine's thread spends copying one block into a tier of
     its cache (`block_copy_s`: stored after a prefill, promoted after a hit, demoted; 0: an engine whose cache
-    copies nothing, as vLLM's prefix cache keeps its blocks where they were computed)."""
+    copies nothing, as vLLM's prefix cache keeps its blocks where they were computed). `stall_s`: what the
+    server's stalls (a pause of it all now and then) cost a request on average, held by its user after the answer:
+    the closed loop loses that time, and the median first token stays where it is."""
 
     timing: TimingModel
     decode: DecodeCost
@@ -64,11 +66,13 @@ class EngineModel:
     jitter: float = 0.0
     block_copy_s: float = 0.0
     prefill_budget: Optional[int] = None    # tokens of a prompt a step prefills (None: one cache block, kvgate's)
+    stall_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_tokens("max_running", self.max_running, 1)
         check_number("jitter", self.jitter, allow_zero=True)
         check_number("block_copy_s", self.block_copy_s, allow_zero=True)
+        check_number("stall_s", self.stall_s, allow_zero=True)
         if self.prefill_budget is not None:
             check_tokens("prefill_budget", self.prefill_budget, 1)
 
@@ -343,7 +347,7 @@ def simulate_source(source: LoadSource, users: int, engines: Sequence[EngineMode
             done.append(SimulatedRequest(a.index, a.sent, a.first_token, at, a.generated, tuple(a.itl),
                                          tuple(a.batch), a.node, a.client_wait))
             node.t += sharing * node.engine.block_copy_s * source.answered(a.index)   # its output's blocks
-            send(at)
+            send(at + node.engine.stall_s)
             waiting, idle[:] = list(idle), []
             for _ in waiting:       # a user that found nothing ready tries again now
                 send(at)

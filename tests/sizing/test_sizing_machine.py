@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import statistics
 from dataclasses import replace
 from typing import Optional
 
@@ -27,6 +28,7 @@ from gates.machine_probe import (
 from gates.targets import Endpoint
 from kvcore.rundata import RunStore
 from kvcore.sampling import RoundsConfig
+from kvcore.settings import ConfigError
 from sizing.calibration import Calibration
 from sizing.in_run import stage_plan
 from sizing.machine import (
@@ -330,11 +332,42 @@ def test_the_candidates_returns_give_a_requests_fixed_cost_under_load():
     assert kept["candidate"].decode == cost and kept["candidate"].fixed_overhead_s == pytest.approx(0.001, abs=3e-4)
     assert words == [f"the candidate's G3 steps from the load probe before G3: a request's fixed cost "
                      f"{kept['candidate'].fixed_overhead_s * 1e3:.2f} ms under load (the TTFT model's 6.00 ms, from "
-                     "idle requests)"]
+                     "idle requests; its first tokens' trimmed mean), the server's stalls "
+                     f"{kept['candidate'].stall_s * 1e3:.2f} ms a request (their mean beyond it)"]
+    assert kept["candidate"].stall_s < 3e-4            # a server that never stalls
     for records in probe["server_load"]["candidate"]["levels"].values():
         for record in records:
             del record["ttft_s"]
     assert load_costs(probe, idle, 8)[0]["candidate"].fixed_overhead_s is None
+
+
+def test_a_servers_stalls_cost_the_closed_loop_their_time_and_leave_the_fixed_cost_and_median_first_token():
+    """vLLM stalled two requests at once for 200-500 ms, 4 of 50 at the load probe's 2 users (vB6): fitted to the
+    mean first token, the fixed cost took 49 ms where G3's candidate answered its median in 24. The fixed cost comes
+    from the trimmed mean, the stalls from the mean beyond it, held by the user after each answer: throughput loses
+    their time, the median first token stays."""
+    from sizing.machine import load_costs
+    from sizing.queueing import EngineModel, ServedRequest, simulate_closed_loop
+
+    idle = TimingModel(SERVER, TierBandwidths(), 1024, 256, fixed_overhead_s=0.006)
+    under_load, cost = replace(idle, fixed_overhead_s=0.001), DecodeCost(0.0010, 0.0013)
+    probe = {"server_load": {"candidate": _load_probe(under_load, cost)}}
+    lowest = probe["server_load"]["candidate"]["levels"]["2"]
+    for record in lowest[5:7] + lowest[40:42]:          # two requests at once, twice: +0.3 s
+        record["ttft_s"] += 0.3
+    found = load_costs(probe, idle, 8, decodes={"candidate": cost})[0]["candidate"]
+    stalls = 4 * 0.3 / len(lowest)                      # 18.75 ms a request: a fit to the mean puts 19.75 ms fixed
+    assert 0.001 <= found.fixed_overhead_s < 0.005      # the stalled requests' own times trimmed with them
+    assert found.fixed_overhead_s + found.stall_s == pytest.approx(0.001 + stalls, rel=0.1)
+    cycle = [ServedRequest(1920 + 4 * i, 16, {"device": 1792}) for i in range(16)] * 4
+    steady, stalled = (simulate_closed_loop(cycle, 2, EngineModel(under_load, cost, 8, stall_s=stall))
+                       for stall in (0.0, found.stall_s))
+    assert statistics.median(r.ttft_s for r in stalled) == pytest.approx(statistics.median(r.ttft_s for r in steady),
+                                                                       abs=0.0015)   # within a step
+    span = {name: max(r.done_s for r in rows) for name, rows in (("steady", steady), ("stalled", stalled))}
+    assert span["stalled"] == pytest.approx(span["steady"] + len(cycle) / 2 * found.stall_s, rel=0.05)
+    with pytest.raises(ConfigError, match="stall_s"):
+        EngineModel(under_load, cost, stall_s=-1.0)
 
 
 def test_g3_is_predicted_with_each_targets_load_probe_decode_cost_until_a_g3_of_the_run_gives_its_own(
