@@ -102,9 +102,9 @@ def prefill_lengths(longest_context: int, block_tokens: int = BLOCK_TOKENS) -> l
     return sorted({n for n in (*PREFILL_SHORT, *spread) if n <= longest_context})
 
 
-def _due(rounds: RoundsConfig, done: dict, spent: dict) -> list:
-    """The keys whose measurement takes another round (`rounds.more` on its rounds done and seconds spent)."""
-    return [key for key in done if rounds.more(len(done[key]), spent[key])]
+def _due(rounds: RoundsConfig, spent: dict[int, list[float]]) -> list[int]:
+    """The lengths whose measurement takes another round (`rounds.more` on the seconds each of its rounds took)."""
+    return [n for n, seconds in spent.items() if rounds.more(seconds)]
 
 
 def prefill_probe(endpoint, longest_context: int, run_id: str = "run",
@@ -116,15 +116,15 @@ def prefill_probe(endpoint, longest_context: int, run_id: str = "run",
     client = probe_client(endpoint)
     lengths = prefill_lengths(longest_context)
     times: dict[int, list[float]] = {n: [] for n in lengths}
-    spent = dict.fromkeys(lengths, 0.0)
+    spent: dict[int, list[float]] = {n: [] for n in lengths}
     prompts: dict[int, int] = {}
     try:
-        while due := _due(rounds, times, spent):
+        while due := _due(rounds, spent):
             for n in due:
                 sent = time.monotonic()
                 record = client.send(context_request(n, f"{run_id}/{n}/{len(times[n])}", endpoint.tokenizer, 1,
                                                      "preflight-prefill"))
-                spent[n] += time.monotonic() - sent
+                spent[n].append(time.monotonic() - sent)
                 if not record.ok or record.ttft_s is None:
                     return {"role": endpoint.role, "error": f"the prefill probe's {n}-token request failed: "
                                                             f"{no_first_token(record)}"}
@@ -161,11 +161,11 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: Round
                 return {"role": endpoint.role, "error": f"the hit probe's {n}-token miss failed: "
                                                         f"{no_first_token(record)}"}
         admin.flush()          # every prefix written behind to disk
-        spent = dict.fromkeys(lengths, 0.0)      # a length's rounds: both its hits, in the module's order
-        while due := _due(rounds, {n: seen[("disk-cold", n)] for n in lengths}, spent):
+        spent: dict[int, list[float]] = {n: [] for n in lengths}     # a length's round: both its hits, in order
+        while due := _due(rounds, spent):
             for n in due:
+                placed = time.monotonic()
                 for mode, tiers in HIT_PLACEMENTS.items():
-                    placed = time.monotonic()
                     admin.evict(tiers)
                     if mode == "disk-cold":
                         admin.drop_page_cache()
@@ -175,10 +175,10 @@ def hit_probe(endpoint, longest_context: int, run_id: str = "run", rounds: Round
                         return {"role": endpoint.role, "error": f"the hit probe's {mode} at {n} tokens failed: "
                                                                 f"{no_first_token(record)}"}
                     after = per_tier(admin.metrics(), HITS_METRIC)
-                    spent[n] += time.monotonic() - placed
                     seen[(mode, n)].append(record)
                     served[(mode, n)].update({tier: blocks - before.get(tier, 0.0) for tier, blocks in after.items()
                                               if blocks > before.get(tier, 0.0)})
+                spent[n].append(time.monotonic() - placed)
     except AdminError as error:
         return {"role": endpoint.role, "error": f"the hit probe could not place a prefix: {error}"}
     finally:

@@ -8,7 +8,8 @@ docs/methods/side-by-side.md.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import statistics
+from typing import Any, Optional, Sequence
 
 from pydantic import Field, model_validator
 
@@ -50,15 +51,16 @@ class PairsConfig(_Bounded):
 
 
 class RoundsConfig(_Bounded):
-    """Rounds of a short measurement, its figure their median: at least `min`, then another while the rounds so far
-    and one more of their mean fit `budget_s`, at most `max`. A measurement of milliseconds repeats many times
-    (its median steadies where one round in three may stall 2-3x on a busy machine); one of seconds, `min`. A
-    plain number n means exactly n rounds (min = max = n)."""
+    """Rounds of a short measurement, its figure their median: at least `min`, then another while as many rounds as
+    that of their median length fit `budget_s`, at most `max`. A measurement of milliseconds repeats many times
+    (its median steadies where one round in three may stall 2-3x on a busy machine); one of seconds, `min`. The
+    median, not their sum: a stalled round (vLLM on 2 CPU cores: 400-550 ms beside 15-30 ms) would spend the budget
+    that more rounds are for. A plain number n means exactly n rounds (min = max = n)."""
 
     min: Count = Field(default=2, ge=1, description="rounds always taken")
     max: Count = Field(default=2, ge=1, description="the most rounds taken")
-    budget_s: Optional[Float] = Field(default=None, gt=0, description="seconds a figure's rounds may take, the "
-                                      "first `min` whatever they take (null: `min` rounds)")
+    budget_s: Optional[Float] = Field(default=None, gt=0, description="seconds a figure's rounds may take at their "
+                                      "median length, the first `min` whatever they take (null: `min` rounds)")
 
     @model_validator(mode="before")
     @classmethod
@@ -67,10 +69,11 @@ class RoundsConfig(_Bounded):
             return {**value, "max": value["min"]}
         return value
 
-    def more(self, done: int, spent_s: float) -> bool:
-        """Whether to take another round after `done` of them took `spent_s` seconds."""
+    def more(self, seconds: Sequence[float]) -> bool:
+        """Whether to take another round after rounds that took `seconds` each."""
+        done = len(seconds)
         if done < self.min:
             return True
         if done >= self.max or self.budget_s is None:
             return False
-        return spent_s * (done + 1) / done <= self.budget_s
+        return (done + 1) * statistics.median(seconds) <= self.budget_s

@@ -18,6 +18,7 @@ from kvcore.files import read_jsonl, write_json
 from kvcore.percent import format_percent
 from kvcore.rundata import RunStore, finite_number, left_out_note
 from kvcore.settings import ConfigError, load_yaml_file
+from workloads.loadgen.sweep import text_per_token
 
 from .queueing import DecodeCost, EngineModel, ServedRequest, simulate_closed_loop
 from .targets import prefill_budget
@@ -439,18 +440,11 @@ def fit_stall(levels: Mapping[int, list[list[dict]]], timing: TimingModel, decod
     return max(0.0, float(np.mean(first)) - simulated)
 
 
-def _batched(record: dict) -> bool:
-    """Fewer gaps than the request's tokens less one: the server put several tokens in one chunk (a gap spans
-    several steps)."""
-    return len(record.get("itl_s") or ()) < (record.get("completion_tokens") or 0) - 1
-
-
 def _mean_token_gap(records: list[dict]) -> Optional[float]:
-    """The mean seconds between tokens: the gaps' seconds over the tokens they span (a chunk of several tokens
-    spans several steps), None without a gap."""
-    spans = [(sum(r["itl_s"]), max(len(r["itl_s"]), (r.get("completion_tokens") or 0) - 1))
-             for r in records if r.get("itl_s")]
-    return sum(s for s, _ in spans) / sum(n for _, n in spans) if spans else None
+    """The mean gap between tokens of the records whose every token came in a text chunk of its own (their gaps
+    between text chunks are gaps between tokens: `text_per_token`), None without one."""
+    gaps = [g for r in records if text_per_token(r) for g in r.get("itl_s") or ()]
+    return float(np.mean(gaps)) if gaps else None
 
 
 def _gap_spread(gap_lists) -> Optional[float]:
@@ -470,7 +464,7 @@ def fit_jitter(levels: Mapping[int, list[list[dict]]], timing: TimingModel, deco
 
     (independent noise adds in variance; a lognormal factor's CV is about its log's σ when small)."""
     measured = _gap_spread([r.get("itl_s") or () for runs in levels.values() for records in runs for r in records
-                            if not _batched(r)])
+                            if text_per_token(r)])
     engine = EngineModel(timing, decode, max_running, prefill_budget=prefill_budget)
     simulated = _gap_spread([r.itl_s for level, runs in levels.items() for r in _simulated(runs, level, engine, tier)])
     if measured is None or simulated is None:

@@ -298,6 +298,10 @@ def test_tokens_batched_in_chunks_leave_the_step_valid_and_drop_only_its_itl():
         assert merged[figure] == plain[figure]
     one = [_record(1, 0.1, 0.5, tokens=4, chunks=2, token_chunks=2)] + whole[1:]      # 1 of 20: within 5%, ITL stands
     assert summarize_step(one, [], 0.0, 30.0, settings)["itl_p50_s"] is not None
+    # vLLM with a byte-level model: every token a chunk, most of them without text (bytes not yet decoded)
+    textless = [_record(1 + i, 0.1, 0.5, tokens=4, chunks=2, token_chunks=4) for i in range(20)]
+    step = summarize_step(textless, [], 0.0, 30.0, settings)
+    assert step["valid"] and step["itl_p50_s"] is None and "fewer text chunks than tokens" in step["itl_note"]
 
 
 def _failed(sent_at, error_type, message):
