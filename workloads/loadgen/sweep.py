@@ -25,7 +25,7 @@ from workloads.traffic.target import Target
 PERCENTILES = (50, 90, 99)
 # the share of a step's requests that may come in fewer text chunks than tokens (ITL stands) or whose counts of
 # tokens disagree, client's and server's (the step stands): a server may do either now and then
-BATCHED_SHARE = 0.05
+TOLERATED_SHARE = 0.05
 
 
 RATE_USERS = 32     # users an open-loop step has to send its arrivals (each waits for its due time)
@@ -148,7 +148,7 @@ def request_figures(ok: list[dict]) -> dict:
         for p, value in percentiles([r[metric] for r in ok if r[metric] is not None]).items():
             figures[f"{metric[:-2]}_p{p}_s"] = value
     fewer = sum(not text_per_token(r) for r in ok)
-    figures["itl_note"] = "" if fewer <= BATCHED_SHARE * len(ok) else (
+    figures["itl_note"] = "" if fewer <= TOLERATED_SHARE * len(ok) else (
         f"ITL not measured: {fewer} of {len(ok)} requests came in fewer text chunks than tokens (several tokens in "
         "a chunk, or tokens streamed without text; TTFT, TPOT and throughput count the server's tokens and stand)")
     for p, value in percentiles([gap for r in ok for gap in r["itl_s"]]).items():
@@ -206,7 +206,7 @@ def _invalid_reasons(ok: list[dict], samples: list[dict], start: float, end: flo
     # The client's count of token chunks and the server's count of tokens: tolerate a few requests that disagree
     # (tokens streamed without text only leave ITL unmeasured: request_figures)
     disagree = sum(_counts_disagree(r) for r in ok)
-    if ok and disagree > BATCHED_SHARE * len(ok):
+    if ok and disagree > TOLERATED_SHARE * len(ok):
         reasons.append(f"client and server token counts disagree in {disagree} of {len(ok)} requests")
     unflagged = [r for r in ok if not r["tokens_from_usage"]]
     if unflagged:
